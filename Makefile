@@ -1,0 +1,24 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch is pinned and installed first so that the project's `torch>=2.6` is already met by the local CPU wheel.
+setup: $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo_gpt2.py
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
