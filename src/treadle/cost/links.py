@@ -1,0 +1,79 @@
+"""Interconnect links as alpha-beta data (latency seconds, bandwidth bytes/s per direction), with presets.
+
+A link is what one mesh axis communicates over. Presets give the unidirectional bandwidth one device can
+drive on that link and a small-message latency, as vendors publish them and NCCL-tests show them (numbers
+and sources beside each preset); `efficiency` scales the peak to what collectives reach in practice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from ..errors import LayoutError
+
+GB = 10**9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One interconnect: `latency_s` per message step, `bandwidth_bytes_per_s` per direction per device.
+
+    `efficiency` (0, 1] is the fraction of peak bandwidth collectives reach (NCCL bus bandwidth / peak).
+    Raises LayoutError on a negative latency, a non-positive bandwidth or an efficiency outside (0, 1].
+    """
+
+    name: str = "custom"
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0 or not 0 < self.efficiency <= 1:
+            raise LayoutError(f"LinkSpec needs latency_s >= 0, bandwidth_bytes_per_s > 0 and 0 < efficiency <= 1; "
+                              f"got {self!r}")
+
+    def __str__(self) -> str:
+        return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.bandwidth_bytes_per_s / GB:.0f} GB/s)"
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        """Bandwidth collectives actually reach: peak times efficiency."""
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinkSpec":
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+# Per-direction, per-GPU peak bandwidths. Efficiencies are typical NCCL bus-bandwidth fractions.
+LINK_PRESETS: dict[str, LinkSpec] = {
+    # V100 SXM2: 6 NVLink2 links x 25 GB/s per direction = 150 GB/s (NVIDIA V100 datasheet, 300 GB/s bidirectional)
+    "nvlink2": LinkSpec(name="nvlink2", latency_s=3e-6, bandwidth_bytes_per_s=150 * GB, efficiency=0.8),
+    # A100 SXM: 12 NVLink3 links, 600 GB/s bidirectional -> 300 GB/s per direction (A100 datasheet)
+    "nvlink3": LinkSpec(name="nvlink3", latency_s=3e-6, bandwidth_bytes_per_s=300 * GB, efficiency=0.8),
+    # H100 SXM: 18 NVLink4 links, 900 GB/s bidirectional -> 450 GB/s per direction (H100 datasheet)
+    "nvlink4": LinkSpec(name="nvlink4", latency_s=2.5e-6, bandwidth_bytes_per_s=450 * GB, efficiency=0.8),
+    # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b -> 31.5 GB/s per direction (PCI-SIG)
+    "pcie4": LinkSpec(name="pcie4", latency_s=8e-6, bandwidth_bytes_per_s=31.5 * GB, efficiency=0.75),
+    # PCIe 5.0 x16: 63 GB/s per direction (PCI-SIG)
+    "pcie5": LinkSpec(name="pcie5", latency_s=8e-6, bandwidth_bytes_per_s=63 * GB, efficiency=0.75),
+    # InfiniBand HDR: 200 Gb/s per NIC = 25 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-6)
+    "ib-hdr": LinkSpec(name="ib-hdr", latency_s=10e-6, bandwidth_bytes_per_s=25 * GB, efficiency=0.85),
+    # InfiniBand NDR: 400 Gb/s per NIC = 50 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-7)
+    "ib-ndr": LinkSpec(name="ib-ndr", latency_s=10e-6, bandwidth_bytes_per_s=50 * GB, efficiency=0.85),
+}
+
+
+def link_preset(name: str) -> LinkSpec:
+    """A preset by name. Raises LayoutError listing the known presets."""
+    key = name.lower()
+    if key not in LINK_PRESETS:
+        raise LayoutError(f"unknown link preset {name!r}; known: {sorted(LINK_PRESETS)}")
+    return LINK_PRESETS[key]
