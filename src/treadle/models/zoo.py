@@ -1,0 +1,183 @@
+"""Named model configs (Hugging Face architectures, random weights, no downloads) and their example inputs.
+
+`named_model("llama-2-70b", batch=1, seq=4096, fake=True)` builds the model under `FakeTensorMode`, so a 70B
+model costs no memory and no initialisation time; tiny configs (`tiny-gpt2`, `tiny-bert`, `tiny-llama`,
+`tiny-opt`, `tiny-t5`) are small enough to run for real in tests. `load_model("pkg.mod:function", ...)` calls
+a user function returning ``(model, example_inputs)``. Example inputs are a dict of keyword arguments that
+includes ``labels``, so the model returns its own training loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import ProfileError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """One named configuration: the transformers config and model class names, and config keyword arguments."""
+
+    family: str  # "gpt2" | "bert" | "llama" | "opt" | "t5"
+    config: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+
+_FAMILIES = {
+    # family: (config class, model class with an LM loss)
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "opt": ("OPTConfig", "OPTForCausalLM"),
+    "t5": ("T5Config", "T5ForConditionalGeneration"),
+}
+
+
+def _llama(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int, **kw: Any) -> dict[str, Any]:
+    return dict(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=vocab, **kw)
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    # GPT-2 sizes (Radford et al. 2019, Table 2; HF model cards)
+    "gpt2": ModelConfig(family="gpt2", config=dict(n_layer=12, n_embd=768, n_head=12), source="openai-community/gpt2"),
+    "gpt2-medium": ModelConfig(family="gpt2", config=dict(n_layer=24, n_embd=1024, n_head=16), source="gpt2-medium"),
+    "gpt2-large": ModelConfig(family="gpt2", config=dict(n_layer=36, n_embd=1280, n_head=20), source="gpt2-large"),
+    "gpt2-xl": ModelConfig(family="gpt2", config=dict(n_layer=48, n_embd=1600, n_head=25), source="gpt2-xl"),
+    # BERT (Devlin et al. 2019)
+    "bert-base": ModelConfig(family="bert", config=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                                        intermediate_size=3072), source="bert-base-uncased"),
+    "bert-large": ModelConfig(family="bert", config=dict(hidden_size=1024, num_hidden_layers=24,
+                                                         num_attention_heads=16, intermediate_size=4096),
+                              source="bert-large-uncased"),
+    # LLaMA 2 (Touvron et al. 2023, Table 1; HF config.json of meta-llama/Llama-2-*-hf)
+    "llama-2-7b": ModelConfig(family="llama", config=_llama(4096, 11008, 32, 32, 32, 32000, max_position_embeddings=4096,
+                                                            rms_norm_eps=1e-5), source="meta-llama/Llama-2-7b-hf"),
+    "llama-2-13b": ModelConfig(family="llama", config=_llama(5120, 13824, 40, 40, 40, 32000,
+                                                             max_position_embeddings=4096, rms_norm_eps=1e-5),
+                               source="meta-llama/Llama-2-13b-hf"),
+    "llama-2-70b": ModelConfig(family="llama", config=_llama(8192, 28672, 80, 64, 8, 32000,
+                                                             max_position_embeddings=4096, rms_norm_eps=1e-5),
+                               source="meta-llama/Llama-2-70b-hf"),
+    "llama-3-8b": ModelConfig(family="llama", config=_llama(4096, 14336, 32, 32, 8, 128256,
+                                                            max_position_embeddings=8192, rms_norm_eps=1e-5,
+                                                            rope_theta=500000.0),
+                              source="meta-llama/Meta-Llama-3-8B"),
+    # OPT (Zhang et al. 2022, Table 1)
+    "opt-1.3b": ModelConfig(family="opt", config=dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
+                                                      num_attention_heads=32, word_embed_proj_dim=2048,
+                                                      max_position_embeddings=2048), source="facebook/opt-1.3b"),
+    "opt-6.7b": ModelConfig(family="opt", config=dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                                                      num_attention_heads=32, word_embed_proj_dim=4096,
+                                                      max_position_embeddings=2048), source="facebook/opt-6.7b"),
+    # T5 v1.0 base (Raffel et al. 2020)
+    "t5-base": ModelConfig(family="t5", config=dict(d_model=768, d_ff=3072, num_layers=12, num_decoder_layers=12,
+                                                    num_heads=12, d_kv=64, vocab_size=32128), source="t5-base"),
+    # Tiny configs for tests: same architectures, a few layers, small widths.
+    "tiny-gpt2": ModelConfig(family="gpt2", config=dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256,
+                                                        n_positions=128)),
+    "tiny-bert": ModelConfig(family="bert", config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                                        intermediate_size=128, vocab_size=256,
+                                                        max_position_embeddings=128)),
+    "tiny-llama": ModelConfig(family="llama", config=_llama(64, 176, 4, 4, 2, 256, max_position_embeddings=128)),
+    "tiny-opt": ModelConfig(family="opt", config=dict(hidden_size=64, ffn_dim=256, num_hidden_layers=4,
+                                                      num_attention_heads=4, word_embed_proj_dim=64, vocab_size=256,
+                                                      max_position_embeddings=128)),
+    "tiny-t5": ModelConfig(family="t5", config=dict(d_model=64, d_ff=128, num_layers=4, num_decoder_layers=4,
+                                                    num_heads=4, d_kv=16, vocab_size=256)),
+}
+
+
+def model_names() -> list[str]:
+    return sorted(MODEL_CONFIGS)
+
+
+def _example_inputs(family: str, vocab: int, *, batch: int, seq: int, fake_mode: Any) -> dict[str, torch.Tensor]:
+    def ids() -> torch.Tensor:
+        if fake_mode is not None:  # random ids are not needed on fake tensors; shape and dtype are
+            with fake_mode:
+                return torch.zeros(batch, seq, dtype=torch.long)
+        return torch.randint(0, vocab, (batch, seq), generator=gen)
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": ids(), "labels": ids()}
+    if family == "t5":
+        inputs["decoder_input_ids"] = ids()
+    return inputs
+
+
+def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: torch.dtype = torch.float32,
+                attn: str = "sdpa", dropout: bool = True) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Build the named configuration with random weights, in training mode, and example inputs of shape
+    (batch, seq) (token ids and labels; T5 also gets decoder ids of the same shape).
+
+    `fake=True` builds parameters and inputs under one `FakeTensorMode` (no memory, no init); the mode is reachable
+    from any parameter (`torch._guards.detect_fake_mode`). `attn` is the transformers attention implementation
+    ("sdpa" or "eager"). `dropout=False` zeroes every dropout probability (deterministic real runs).
+    Raises ProfileError for an unknown name (listing the known ones) or a `seq` beyond the model's positions.
+    """
+    if name not in MODEL_CONFIGS:
+        raise ProfileError(f"unknown model {name!r}; known: {model_names()}, or 'package.module:function'")
+    import transformers
+
+    spec = MODEL_CONFIGS[name]
+    cfg_cls, model_cls = (getattr(transformers, n) for n in _FAMILIES[spec.family])
+    kwargs = dict(spec.config)
+    if not dropout:
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                    "dropout", "attention_dropout", "activation_dropout", "dropout_rate"):
+            kwargs[key] = 0.0
+    kwargs["use_cache"] = False  # training: no KV cache
+    config = cfg_cls(**kwargs)
+    config._attn_implementation = attn
+    max_pos = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq > max_pos and spec.family != "t5":
+        raise ProfileError(f"model {name!r}: seq={seq} exceeds its {max_pos} positions; use seq <= {max_pos}")
+    fake_mode = None
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from transformers.initialization import no_init_weights
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(fake_mode)
+        ctx.enter_context(no_init_weights())
+    with ctx:
+        model = model_cls(config)
+        if dtype != torch.float32:
+            model = model.to(dtype)
+    model.train()
+    inputs = _example_inputs(spec.family, config.vocab_size, batch=batch, seq=seq, fake_mode=fake_mode)
+    logger.info("built %s (%s) batch=%d seq=%d fake=%s", name, model_cls.__name__, batch, seq, fake)
+    return model, inputs
+
+
+def load_model(spec: str, *, batch: int, seq: int, fake: bool = False, **kwargs: Any) -> tuple[nn.Module, Any]:
+    """A named config, or ``package.module:function`` returning ``(model, example_inputs)``. The function is called
+    with whichever of `batch`, `seq`, `fake` (and `kwargs`) it accepts. Raises ProfileError if the module or
+    function cannot be found or does not return a (module, inputs) pair."""
+    if ":" not in spec:
+        return named_model(spec, batch=batch, seq=seq, fake=fake, **kwargs)
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn: Callable[..., Any] = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ProfileError(f"cannot load {spec!r}: {exc}; expected 'package.module:function'") from exc
+    params = inspect.signature(fn).parameters
+    offered = dict(batch=batch, seq=seq, fake=fake, **kwargs)
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    result = fn(**{k: v for k, v in offered.items() if accepts_any or k in params})
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise ProfileError(f"{spec!r} must return (nn.Module, example_inputs); got {type(result).__name__}")
+    return result

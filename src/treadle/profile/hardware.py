@@ -1,0 +1,242 @@
+"""Accelerator specs as data (peak FLOP/s per dtype, memory bandwidth and size), presets, and CPU calibration.
+
+A `HardwareSpec` is what the roofline (`treadle.profile.roofline`) prices an op against. Presets carry the
+vendors' published dense peaks (no structured sparsity), each with its source beside it; `compute_efficiency`
+and `memory_efficiency` scale the peaks to what well-tuned kernels reach. The `cpu` spec is not a preset: it is
+measured on this machine by `calibrate_cpu` (a matmul and a large copy, well under 3 s) and cached as JSON under
+``$XDG_CACHE_HOME/treadle`` (default ``~/.cache/treadle``), keyed by CPU model, thread count and torch version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ProfileError
+
+logger = logging.getLogger(__name__)
+
+TFLOPS = 10**12
+GB = 10**9
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareSpec:
+    """One device: peak dense FLOP/s per dtype name, memory bandwidth (bytes/s) and capacity (bytes).
+
+    `peak_flops_per_s` is keyed by torch dtype name without the ``torch.`` prefix ("float32", "bfloat16",
+    "float16", optionally "tfloat32", "float8_e4m3fn"). `compute_efficiency` and `memory_efficiency` in (0, 1] are
+    the fractions of the peaks that kernels reach in practice. Raises ProfileError on an empty or non-positive
+    peak table, non-positive bandwidth or memory, or an efficiency outside (0, 1].
+    """
+
+    name: str
+    peak_flops_per_s: dict[str, float]
+    hbm_bytes_per_s: float
+    memory_bytes: int
+    compute_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    source: str = field(default="user-defined", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops_per_s or any(v <= 0 for v in self.peak_flops_per_s.values()):
+            raise ProfileError(f"HardwareSpec {self.name!r} needs a non-empty peak_flops_per_s with positive values; "
+                               f"got {self.peak_flops_per_s!r}")
+        if self.hbm_bytes_per_s <= 0 or self.memory_bytes <= 0:
+            raise ProfileError(f"HardwareSpec {self.name!r} needs hbm_bytes_per_s > 0 and memory_bytes > 0; "
+                               f"got {self.hbm_bytes_per_s!r}, {self.memory_bytes!r}")
+        for attr in ("compute_efficiency", "memory_efficiency"):
+            v = getattr(self, attr)
+            if not 0 < v <= 1:
+                raise ProfileError(f"HardwareSpec {self.name!r}: {attr} must be in (0, 1]; got {v!r}")
+
+    def __str__(self) -> str:
+        top = max(self.peak_flops_per_s.values())
+        return (f"{self.name}({top / TFLOPS:.1f} TFLOP/s peak, {self.hbm_bytes_per_s / GB:.0f} GB/s, "
+                f"{self.memory_bytes / GIB:.0f} GiB)")
+
+    def peak_for(self, dtype: torch.dtype | str) -> float:
+        """Peak dense FLOP/s for `dtype` (a torch dtype or its name). Raises ProfileError listing known dtypes."""
+        key = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        if key not in self.peak_flops_per_s:
+            raise ProfileError(f"hardware {self.name!r} has no peak FLOP/s for dtype {key!r}; "
+                               f"known: {sorted(self.peak_flops_per_s)}")
+        return self.peak_flops_per_s[key]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareSpec":
+        known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
+                 "memory_efficiency", "source"}
+        unknown = set(d) - known
+        if unknown:
+            raise ProfileError(f"HardwareSpec JSON has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        d["peak_flops_per_s"] = {str(k): float(v) for k, v in d["peak_flops_per_s"].items()}
+        d["memory_bytes"] = int(d["memory_bytes"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareSpec":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareSpec":
+        """Read a spec written by `save`/`to_json`. Raises ProfileError if the file is missing or malformed."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ProfileError(f"cannot load HardwareSpec from {str(path)!r}: {exc}") from exc
+
+
+def _gpu(name: str, *, fp32: float, tf32: float | None, half: float, bf16: float | None, fp8: float | None,
+         hbm: float, mem: int, source: str) -> HardwareSpec:
+    peaks = {"float32": fp32, "float16": half}
+    if tf32 is not None:
+        peaks["tfloat32"] = tf32
+    if bf16 is not None:
+        peaks["bfloat16"] = bf16
+    if fp8 is not None:
+        peaks["float8_e4m3fn"] = fp8
+    return HardwareSpec(name=name, peak_flops_per_s=peaks, hbm_bytes_per_s=hbm, memory_bytes=mem, source=source)
+
+
+# Dense peaks (no 2:4 sparsity). "float32" is the non-tensor-core FP32 rate PyTorch gets with TF32 off (its default
+# for matmul); "tfloat32" is listed apart.
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    # Tesla V100 SXM2 32GB datasheet: 15.7 TF FP32, 125 TF FP16 tensor; no BF16; HBM2 900 GB/s
+    "v100-32gb": _gpu("v100-32gb", fp32=15.7 * TFLOPS, tf32=None, half=125 * TFLOPS, bf16=None, fp8=None,
+                      hbm=900 * GB, mem=32 * GIB, source="NVIDIA V100 datasheet (SXM2)"),
+    # A100 SXM4 40GB datasheet: 19.5 TF FP32, 156 TF TF32, 312 TF FP16/BF16; HBM2 1555 GB/s
+    "a100-40gb": _gpu("a100-40gb", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, half=312 * TFLOPS, bf16=312 * TFLOPS,
+                      fp8=None, hbm=1555 * GB, mem=40 * GIB, source="NVIDIA A100 datasheet (SXM4 40GB)"),
+    # A100 SXM4 80GB datasheet: same compute; HBM2e 2039 GB/s
+    "a100-80gb": _gpu("a100-80gb", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, half=312 * TFLOPS, bf16=312 * TFLOPS,
+                      fp8=None, hbm=2039 * GB, mem=80 * GIB, source="NVIDIA A100 datasheet (SXM4 80GB)"),
+    # H100 SXM5 datasheet: 67 TF FP32, 494.7 TF TF32, 989.4 TF FP16/BF16, 1978.9 TF FP8 (dense); HBM3 3.35 TB/s
+    "h100-sxm": _gpu("h100-sxm", fp32=67 * TFLOPS, tf32=494.7 * TFLOPS, half=989.4 * TFLOPS,
+                     bf16=989.4 * TFLOPS, fp8=1978.9 * TFLOPS, hbm=3350 * GB, mem=80 * GIB,
+                     source="NVIDIA H100 datasheet (SXM5), dense"),
+    # H200 SXM datasheet: H100 compute; HBM3e 141 GB at 4.8 TB/s
+    "h200": _gpu("h200", fp32=67 * TFLOPS, tf32=494.7 * TFLOPS, half=989.4 * TFLOPS, bf16=989.4 * TFLOPS,
+                 fp8=1978.9 * TFLOPS, hbm=4800 * GB, mem=141 * GB, source="NVIDIA H200 datasheet (SXM), dense"),
+}
+
+_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "v100": "v100-32gb", "h200-sxm": "h200"}
+
+
+def hardware_preset(name: str) -> HardwareSpec:
+    """A preset by name ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200"), or "cpu" (measured on this
+    machine, cached), or a path to a spec saved as JSON. Raises ProfileError listing the known names."""
+    key = name.lower()
+    key = _ALIASES.get(key, key)
+    if key == "cpu":
+        return cpu_spec()
+    if key in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[key]
+    if name.endswith(".json") or os.path.sep in name:
+        return HardwareSpec.load(name)
+    raise ProfileError(f"unknown hardware {name!r}; known: {sorted(HARDWARE_PRESETS) + ['cpu']} "
+                       f"(aliases {sorted(_ALIASES)}), or a path to a HardwareSpec JSON file")
+
+
+# ------------------------------------------------------------------------------------------------ CPU calibration
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: ``$XDG_CACHE_HOME/treadle`` or ``~/.cache/treadle``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "treadle"
+
+
+def _machine_key() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    raw = f"{cpu}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr-torch{torch.__version__}"
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
+
+
+def _best_time_s(fn, *, reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _best_time_s(lambda: torch.mm(a, b), reps=reps)
+
+
+def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 3) -> HardwareSpec:
+    """Measure this machine: fp32 and bf16 `torch.mm` of (`matmul_n`, `matmul_n`) matrices (FLOP/s = 2 n^3 / best
+    time), and memory bandwidth as bytes read + written by a `copy_` of `copy_bytes` (best of `reps`).
+
+    The measured rates are what good kernels reach here, so both efficiencies are 1.0. `memory_bytes` is the
+    machine's physical memory. Takes about 1 s; no caching here (see `cpu_spec`).
+    """
+    t0 = time.perf_counter()
+    peaks = {"float32": _matmul_flops_per_s(torch.float32, matmul_n, reps)}
+    bf16 = _matmul_flops_per_s(torch.bfloat16, matmul_n // 2, reps)
+    peaks["bfloat16"] = bf16
+    peaks["float16"] = _matmul_flops_per_s(torch.float16, matmul_n // 4, 1)
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 16 * GIB
+    spec = HardwareSpec(name="cpu", peak_flops_per_s=peaks, hbm_bytes_per_s=bw, memory_bytes=int(mem),
+                        compute_efficiency=1.0, memory_efficiency=1.0,
+                        source=f"calibrated on {_machine_key()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+    logger.info("calibrated cpu in %.2f s: %.1f GFLOP/s fp32, %.1f GB/s", time.perf_counter() - t0,
+                peaks["float32"] / 1e9, bw / GB)
+    return spec
+
+
+def cpu_spec(*, recalibrate: bool = False) -> HardwareSpec:
+    """The calibrated `cpu` spec of this machine: read from the cache, or measured by `calibrate_cpu` and cached.
+
+    The cache file is ``cache_dir()/cpu-<machine key>.json``; a key change (CPU, threads, torch version) or
+    `recalibrate=True` measures again. An unreadable cache is measured again (and logged), never trusted.
+    """
+    path = cache_dir() / f"cpu-{_machine_key()}.json"
+    if path.exists() and not recalibrate:
+        try:
+            return HardwareSpec.load(path)
+        except ProfileError as exc:
+            logger.warning("ignoring bad cpu calibration cache: %s", exc)
+    spec = calibrate_cpu()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        spec.save(path)
+    except OSError as exc:
+        logger.warning("cannot cache cpu calibration at %s: %s", path, exc)
+    return spec
