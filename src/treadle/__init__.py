@@ -1,0 +1,18 @@
+"""treadle: optimise the training of a stock PyTorch model with a separate, progressive schedule, or let
+the planner write that schedule; build it on torch.distributed and verify it against the original."""
+
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from .errors import (BuildError, LayoutError, MeshError, PlanError, ProfileError, ScheduleError, SpawnError,
+                     TreadleError, VerifyError)
+from .mesh import Mesh
+from .runtime.build import annotations, build
+from .schedule.core import Schedule, create_schedule, load_schedule
+from .schedule.log import Ref
+
+__all__ = [
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref",
+    "Shard", "Replicate", "Partial",
+    "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
+    "PlanError", "SpawnError",
+]

@@ -1,0 +1,429 @@
+"""`build(sch)`: turn a recorded schedule into a trainable model on the mesh, once, at the end.
+
+Order (NOTE [record, then build] in treadle.schedule.core): bind the mesh; set attributes; materialise
+meta parameters deterministically; plan sharded leaves from global shapes; slice every sharded parameter
+to its local shard (tied parameters stay one object); install local forwards, sync hooks, derived
+gradient reductions, forked RNG streams and checkpoint wrappers; wrap for data parallel (DDP or FSDP2).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..errors import BuildError, ScheduleError
+from ..schedule.core import ParamShard, Schedule, SyncSpec
+from ..schedule.log import Ref
+from . import collectives as C
+from .convert import apply_op, convert, convert_multi, on_grad
+from .leaf_rules import LeafPlan, embedding_forward, leaf_plan
+from .params import local_slice
+
+logger = logging.getLogger(__name__)
+
+ANNOTATIONS_ATTR = "_treadle_annotations"
+
+
+def annotations(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Tags set by `annotate`, by parameter name, read from a built (or unbuilt) model."""
+    inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {n: dict(getattr(p, ANNOTATIONS_ATTR)) for n, p in inner.named_parameters(remove_duplicate=False)
+            if hasattr(p, ANNOTATIONS_ATTR)}
+
+
+def stable_seed(text: str) -> int:
+    """A seed from a string that is the same in every process (unlike `hash`)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def _input_slot(mod: nn.Module, args: tuple, kwargs: dict, arg: int | str, where: str) -> tuple[str, int | str]:
+    names = [p.name for p in inspect.signature(mod.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if isinstance(arg, int):
+        if arg < len(args):
+            return "pos", arg
+        if arg < len(names) and names[arg] in kwargs:
+            return "kw", names[arg]
+    else:
+        if arg in kwargs:
+            return "kw", arg
+        if arg in names and names.index(arg) < len(args):
+            return "pos", names.index(arg)
+    raise BuildError(f"{where}: input {arg!r} was not passed to the module (got {len(args)} positional "
+                     f"and keywords {sorted(kwargs)})")
+
+
+def _map_input(mod, args, kwargs, arg, fn, where):
+    kind, key = _input_slot(mod, args, kwargs, arg, where)
+    x = args[key] if kind == "pos" else kwargs[key]
+    if not torch.is_tensor(x):
+        raise BuildError(f"{where}: input {arg!r} is a {type(x).__name__}, not a tensor")
+    y = fn(x)
+    if kind == "pos":
+        args = args[:key] + (y,) + args[key + 1 :]
+    else:
+        kwargs = {**kwargs, key: y}
+    return args, kwargs
+
+
+def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor], where: str) -> Any:
+    if torch.is_tensor(output):
+        if out != 0:
+            raise BuildError(f"{where}: the module returns one tensor; out={out} does not exist")
+        return fn(output)
+    if isinstance(output, (tuple, list)):
+        items = list(output)
+        items[out] = fn(items[out])
+        return type(output)(items) if isinstance(output, list) else tuple(items)
+    if isinstance(output, dict):  # HF ModelOutput
+        key = list(output.keys())[out]
+        output[key] = fn(output[key])
+        return output
+    raise BuildError(f"{where}: cannot find output {out} in a {type(output).__name__}")
+
+
+def _wrap_forward(mod: nn.Module, make: Callable[[Callable], Callable]) -> None:
+    orig = mod.forward
+    new = make(orig)
+    functools.update_wrapper(new, orig)
+    mod.forward = new
+
+
+# ------------------------------------------------------------------------------------------- build
+class _Builder:
+    def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None):
+        self.sch = sch
+        self.st = sch._state
+        self.mesh = sch.mesh.bind()
+        self.model = self.st.model
+        self.init_fn = init_fn
+        self.coords = {ax: self.mesh.local_rank(ax) for ax in self.mesh.names}
+        self.sizes = dict(zip(self.mesh.names, self.mesh.shape))
+        self.leaf: dict[str, LeafPlan] = {}
+
+    def group(self, axis: str):
+        return self.mesh.group(axis)
+
+    def module(self, path: str) -> nn.Module:
+        try:
+            return self.model.get_submodule(path) if path else self.model
+        except AttributeError:
+            raise BuildError(f"build: module path {path!r} no longer exists (was a parent replaced after "
+                             f"primitives were applied to it?)") from None
+
+    # ---------------------------------------------------------------- parameters
+    def owners(self) -> dict[int, list[tuple[nn.Module, str, str]]]:
+        """id(param) -> every (module, attribute name, module path) that holds it (tied params: several)."""
+        out: dict[int, list[tuple[nn.Module, str, str]]] = {}
+        for path, m in self.model.named_modules(remove_duplicate=False):
+            for name, p in m._parameters.items():
+                if p is not None:
+                    out.setdefault(id(p), []).append((m, name, path))
+        return out
+
+    def check_params_present(self, owners) -> None:
+        for pid in list(self.st.param_shards) + list(self.st.annotations):
+            if pid not in owners:
+                raise BuildError("build: a sharded or annotated parameter is no longer in the model "
+                                 "(its module was replaced after the primitive); apply shard/annotate after replace")
+
+    def materialize(self, owners) -> None:
+        """Give meta parameters real values: per module, full-size and seeded by path, then sliced.
+        The same global tensors come out for every mesh shape."""
+        init = self.init_fn
+        if init is None:
+            hf = getattr(self.model, "_init_weights", None)
+            init = hf if callable(hf) else None
+        done: set[int] = set()
+        for path, m in self.model.named_modules():
+            metas = {n: p for n, p in m._parameters.items() if p is not None and p.is_meta and id(p) not in done}
+            meta_bufs = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+            if meta_bufs:
+                raise BuildError(f"build: buffers {meta_bufs} of {path!r} are on the meta device; treadle can only "
+                                 f"materialise parameters (create buffers on a real device)")
+            if not metas:
+                continue
+            for n, p in metas.items():
+                m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.mesh.device),
+                                                requires_grad=p.requires_grad)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(stable_seed(path))
+                if init is not None:
+                    init(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                else:
+                    raise BuildError(f"build: {path!r} ({type(m).__name__}) has meta parameters but no "
+                                     f"reset_parameters(); pass build(sch, init_fn=...)")
+            for n, p in metas.items():
+                new = m._parameters[n]
+                # re-point every alias (tied parameters) and the schedule's records to the new object
+                for mm, nn_, _ in owners.get(id(p), []):
+                    mm._parameters[nn_] = new
+                for table in (self.st.param_shards, self.st.annotations):
+                    if id(p) in table:
+                        table[id(new)] = table.pop(id(p))
+                done.add(id(new))
+            owners = self.owners()
+
+    def slice_params(self, owners) -> None:
+        for pid, shards in list(self.st.param_shards.items()):
+            holders = owners[pid]
+            p = holders[0][0]._parameters[holders[0][1]]
+            local = local_slice(p.detach(), shards, self.coords, self.sizes).clone().contiguous()
+            new = nn.Parameter(local, requires_grad=p.requires_grad)
+            for m, name, _ in holders:
+                m._parameters[name] = new
+            if pid in self.st.annotations:
+                self.st.annotations[id(new)] = self.st.annotations.pop(pid)
+            logger.debug("shard %s: %s -> %s", holders[0][2] + "." + holders[0][1], tuple(p.shape), tuple(local.shape))
+        owners2 = self.owners()
+        for pid, tags in self.st.annotations.items():
+            if pid in owners2:
+                m, name, _ = owners2[pid][0]
+                setattr(m._parameters[name], ANNOTATIONS_ATTR, dict(tags))
+
+    def plan_leaves(self, owners) -> None:
+        by_module: dict[str, dict[str, list[ParamShard]]] = {}
+        for pid, shards in self.st.param_shards.items():
+            for m, name, path in owners[pid]:
+                by_module.setdefault(path, {})[name] = shards
+        for path, shards in by_module.items():
+            if any("." in n for n in shards):
+                raise BuildError(f"build: {path!r}: internal error, nested parameter names {sorted(shards)}")
+            m = self.module(path)
+            plan = leaf_plan(path, m, shards)
+            if plan.vocab_axis is not None:
+                v_local = m.weight.shape[0] // self.sizes[plan.vocab_axis]
+                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local)
+            self.leaf[path] = plan
+
+    # ---------------------------------------------------------------- hooks
+    def syncs_of(self, path: str, mode: str) -> list[SyncSpec]:
+        return [s for s in self.st.syncs if s.path == path and s.mode == mode]
+
+    def source_layout(self, spec: SyncSpec, where: str) -> dict[str, Placement]:
+        if spec.from_ is not None:
+            return dict(spec.from_)
+        if spec.mode == "fwd_post":
+            if spec.path in self.leaf:
+                return dict(self.leaf[spec.path].out)
+            raise BuildError(f"{where}: cannot derive the layout {type(self.module(spec.path)).__name__} "
+                             f"produces (only sharded Linear/Conv1D/Embedding leaves have rules); give from_=")
+        return {}
+
+    def transform(self, spec: SyncSpec, where: str, *, fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+        if spec.op is not None:
+            kw = spec.kw()
+            if spec.op == "all_gather" and spec.axis in fused_gather:
+                kw["grad"] = "reduce_scatter"
+            group = self.group(spec.axis)
+            if spec.mode == "bwd_post":
+                return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group))
+            return lambda x: apply_op(x, spec.op, kw, group)
+        src = self.source_layout(spec, where)
+        dst = dict(spec.to)
+        if spec.mode == "bwd_post":
+            return lambda x: on_grad(x, lambda g: convert_multi(g, src, dst, self.group, where=where))
+
+        def typed(x: torch.Tensor) -> torch.Tensor:
+            for ax, d in dst.items():
+                s = src.get(ax, Replicate())
+                gg = "reduce_scatter" if ax in fused_gather else "split"
+                x = convert(x, s, d, self.group(ax), where=f"{where} axis {ax!r}", gather_grad=gg)
+            return x
+
+        return typed
+
+    def install_syncs(self) -> None:
+        paths = list(dict.fromkeys([s.path for s in self.st.syncs] + list(self.leaf)))
+        for path in paths:
+            m = self.module(path)
+            plan = self.leaf.get(path)
+            where = f"sync at sch[{path!r}]"
+            # a gather on an axis where this leaf's input gradient is partial: gather forward, reduce-scatter
+            # backward, instead of a split plus a full all-reduce (NOTE [grad layouts] in collectives)
+            fused: set[str] = set()
+            if plan is not None:
+                for s in self.syncs_of(path, "fwd_pre"):
+                    gathers = ({s.axis} if s.op == "all_gather" else
+                               {ax for ax, d in (s.to or ()) if isinstance(d, Replicate)
+                                and isinstance(dict(s.from_ or ()).get(ax), Shard)})
+                    fused |= gathers & set(plan.grad_partial_axes)
+            for s in self.syncs_of(path, "fwd_pre") + self.syncs_of(path, "bwd_post"):
+                fn = self.transform(s, where, fused_gather=fused)
+                m.register_forward_pre_hook(
+                    lambda mod, a, k, fn=fn, s=s: _map_input(mod, a, k, s.arg, fn, where), with_kwargs=True)
+            if plan is not None:
+                for ax in plan.grad_partial_axes:
+                    if ax in fused:
+                        continue
+                    g = self.group(ax)
+                    m.register_forward_pre_hook(
+                        lambda mod, a, k, g=g: _map_input(mod, a, k, 0, lambda x: C.grad_all_reduce(x, g),
+                                                          f"build at {path!r}"), with_kwargs=True)
+            final = dict(plan.out) if plan is not None else {}
+            for s in self.syncs_of(path, "fwd_post"):
+                fn = self.transform(s, where, fused_gather=set())
+                m.register_forward_hook(lambda mod, a, out, fn=fn, s=s: _map_output(out, s.out, fn, where))
+                final.update(_after(s))
+            if plan is not None and plan.pending_bias:
+                self.install_pending_bias(path, m, plan, final)
+            if plan is not None and plan.forward is not None:
+                fwd = plan.forward
+                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda x, *a, **k: fwd(m, x)))
+
+    def install_pending_bias(self, path: str, m: nn.Module, plan: LeafPlan, final: dict[str, Placement]) -> None:
+        """Add a row-parallel bias once: after the reduction when the leaf reduces its own output,
+        else as bias/n on each rank's partial sum; its gradient is summed where ranks see different data."""
+        (ax,) = plan.row_axes
+        g = self.group(ax)
+        n = self.sizes[ax]
+        lay = final.get(ax, Partial())
+
+        def add(out: torch.Tensor) -> torch.Tensor:
+            b = m._parameters[plan.pending_bias]
+            if isinstance(lay, Replicate):
+                return out + b
+            if isinstance(lay, Shard):
+                bb = C.grad_all_reduce(b, g)
+                if lay.dim % out.dim() == out.dim() - 1:
+                    bb = bb.chunk(n)[self.coords[ax]]
+                return out + bb
+            return out + C.grad_all_reduce(b, g) / n
+
+        m.register_forward_hook(lambda mod, a, out: add(out))
+
+    def install_attrs(self) -> None:
+        for path, name, value in self.st.attrs:
+            m = self.module(path)
+            if isinstance(value, Ref):
+                value = value.resolve()
+            if hasattr(value, "bind"):
+                value = value.bind(self.mesh)
+            setattr(m, name, value)
+        for path, name, axis in self.st.shard_attrs:
+            m = self.module(path)
+            setattr(m, name, getattr(m, name) // self.sizes[axis])
+
+    def install_reduce_grads(self) -> None:
+        for path, axis, names in self.st.reduce_grads:
+            m = self.module(path)
+            g = self.group(axis)
+
+            def make(orig, m=m, g=g, names=names):
+                def forward(*a, **k):
+                    saved = {n: m._parameters[n] for n in names}
+                    try:
+                        for n, p in saved.items():
+                            m._parameters[n] = C.grad_all_reduce(p, g)
+                        return orig(*a, **k)
+                    finally:
+                        m._parameters.update(saved)
+
+                return forward
+
+            _wrap_forward(m, make)
+
+    def install_fork_rng(self) -> None:
+        devices = [torch.cuda.current_device()] if self.mesh.device.type == "cuda" else []
+        for path, axis in self.st.fork_rngs:
+            m = self.module(path)
+            coord = self.coords[axis]
+
+            def make(orig, coord=coord):
+                def forward(*a, **k):
+                    # drawn from the shared stream, so every rank (and a checkpoint recompute) agrees on it
+                    base = int(torch.randint(0, 2**62, (1,)).item())
+                    with torch.random.fork_rng(devices=devices):
+                        torch.manual_seed((base + 1_000_003 * (coord + 1)) % 2**63)
+                        return orig(*a, **k)
+
+                return forward
+
+            _wrap_forward(m, make)
+
+    def install_checkpoints(self) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        for path in self.st.checkpoints:
+            m = self.module(path)
+            _wrap_forward(m, lambda orig: (lambda *a, **k: checkpoint(orig, *a, use_reentrant=False, **k)))
+
+    def data_parallel(self) -> nn.Module:
+        if self.st.data_parallel is None:
+            return self.model
+        axis, shard = self.st.data_parallel
+        if not shard:
+            if self.sizes[axis] == 1:
+                return self.model
+            return nn.parallel.DistributedDataParallel(self.model, process_group=self.group(axis))
+        from torch.distributed.fsdp import fully_shard
+
+        sub = self.mesh.device_mesh[axis]
+        for path, m in list(self.model.named_modules()):
+            if isinstance(m, nn.ModuleList):
+                for child in m:
+                    fully_shard(child, mesh=sub)
+        fully_shard(self.model, mesh=sub)
+        return self.model
+
+    def run(self) -> nn.Module:
+        if self.st.built:
+            raise BuildError("build: this schedule was already built")
+        owners = self.owners()
+        self.check_params_present(owners)
+        self.install_attrs()
+        if any(p.is_meta for p in self.model.parameters()):
+            self.materialize(owners)
+            owners = self.owners()
+        self.plan_leaves(owners)
+        self.slice_params(owners)
+        self.install_syncs()
+        self.install_reduce_grads()
+        self.install_fork_rng()
+        self.install_checkpoints()
+        self.st.built = True
+        out = self.data_parallel()
+        logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",
+                    len(self.st.param_shards), len(self.st.syncs), len(self.st.checkpoints), self.mesh)
+        return out
+
+
+def _after(spec: SyncSpec) -> dict[str, Placement]:
+    """The layout a fwd_post sync leaves on its axes."""
+    if spec.to is not None:
+        return dict(spec.to)
+    kw = spec.kw()
+    if spec.op in ("all_reduce", "all_gather"):
+        return {spec.axis: Replicate()}
+    if spec.op in ("reduce_scatter", "split"):
+        return {spec.axis: Shard(kw["dim"])}
+    return {spec.axis: Shard(kw["split_dim"])}
+
+
+def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
+
+    Pretrained weights are sliced to the local shard, never re-initialised; meta parameters are
+    materialised with a per-module seeded init (`init_fn`, else the model's ``_init_weights``, else
+    ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its
+    DDP wrapper under ``data_parallel(shard=False)``. The schedule's model is changed in place.
+    Raises BuildError / MeshError naming the path, parameter and axis at fault.
+    """
+    if not isinstance(sch, Schedule):
+        raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
+    return _Builder(_root(sch), init_fn).run()
+
+
+def _root(sch: Schedule) -> Schedule:
+    return Schedule(sch._state, "", sch._state.model)

@@ -1,0 +1,518 @@
+"""The schedule tree and its module-level primitives.
+
+A `Schedule` wraps one module of a model (``sch["transformer.h.0.attn"]``). Primitives are verbs that
+*record* what the distributed model should look like — a parameter's layout, a layout change at a module
+boundary, a checkpointed region — and return the sub-schedule so calls chain::
+
+    sch["h.0.mlp.c_fc"].shard(["weight", "bias"], dim=1, axis="tp")
+    sch["h.0.mlp.c_proj"].shard("weight", dim=0, axis="tp").sync("fwd_post", to=Replicate(), axis="tp")
+
+Only `replace`/`replace_all` change the module tree at once (so later paths see the new modules); every
+other primitive is data that `treadle.build` turns into sharded weights, hooks and wrappers once, at the
+end, so the meaning of a schedule never depends on the order of its primitives (NOTE [record, then build]).
+Shapes in primitives are global. Every primitive is appended to the log (`to_json`, `to_python`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..errors import MeshError, ScheduleError
+from ..mesh import Mesh
+from .log import Record, Ref, records_from_json, records_to_json
+
+logger = logging.getLogger(__name__)
+
+SyncMode = Literal["fwd_pre", "fwd_post", "bwd_post"]
+SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+# op -> keyword arguments it requires
+SYNC_OPS: dict[str, tuple[str, ...]] = {
+    "all_reduce": (),
+    "all_gather": ("dim",),
+    "reduce_scatter": ("dim",),
+    "split": ("dim",),
+    "all_to_all": ("split_dim", "concat_dim"),
+}
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One mesh axis's split of one parameter: tensor dim `dim` over `axis`, in `blocks` interleaved parts.
+
+    ``blocks=3`` says the dim is a concatenation of three equal parts (a fused q|k|v projection): each
+    part is split over the axis, so rank r keeps (q_r, k_r, v_r).
+    """
+
+    dim: int
+    axis: str
+    blocks: int = 1
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """A layout change at a module boundary, recorded by `sync`."""
+
+    path: str
+    mode: str
+    axis: str | None
+    op: str | None = None
+    kwargs: tuple = ()  # sorted (key, value) pairs for the op: dim, split_dim, concat_dim, grad
+    to: tuple | None = None  # typed form: target placement per named axis ((axis, Placement), ...)
+    from_: tuple | None = None  # typed form: source placement per named axis, when it cannot be derived
+    arg: int | str = 0  # fwd_pre / bwd_post: which input (position or name)
+    out: int = 0  # fwd_post: which output of a tuple / ModelOutput
+
+    def kw(self) -> dict:
+        return dict(self.kwargs)
+
+
+@dataclass
+class _State:
+    """Everything the primitives of one schedule have recorded (shared by all its sub-schedules)."""
+
+    model: nn.Module
+    mesh: Mesh
+    records: list[Record] = field(default_factory=list)
+    param_shards: dict[int, list[ParamShard]] = field(default_factory=dict)  # id(param) -> splits, in order
+    param_objs: dict[int, nn.Parameter] = field(default_factory=dict)
+    syncs: list[SyncSpec] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    fork_rngs: list[tuple[str, str]] = field(default_factory=list)  # (path, axis)
+    reduce_grads: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)  # (path, axis, names)
+    annotations: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(param) -> tags
+    attrs: list[tuple[str, str, Any]] = field(default_factory=list)  # (path, name, value)
+    shard_attrs: list[tuple[str, str, str]] = field(default_factory=list)  # (path, name, axis)
+    data_parallel: tuple[str, bool] | None = None  # (axis, shard)
+    built: bool = False
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else (prefix or path)
+
+
+class Schedule:
+    """A schedule of one module of the model; the root schedule covers the whole model.
+
+    Create with `treadle.create_schedule(model, mesh=...)`; index sub-modules by dotted path
+    (``sch["encoder.layer.0.attention"]``, ModuleList/Sequential children by index).
+    """
+
+    def __init__(self, state: _State, path: str, mod: nn.Module):
+        self._state = state
+        self.path = path
+        self.mod = mod
+
+    # ------------------------------------------------------------------ tree
+    @property
+    def mesh(self) -> Mesh:
+        return self._state.mesh
+
+    @property
+    def model(self) -> nn.Module:
+        return self._state.model
+
+    @property
+    def records(self) -> list[Record]:
+        """The log: every primitive applied so far, in order."""
+        return list(self._state.records)
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.path or '<root>'!r}, {type(self.mod).__name__}, {self.mesh})"
+
+    def __getitem__(self, path: str) -> "Schedule":
+        if not isinstance(path, str):
+            raise ScheduleError(f"index a schedule with a dotted module path string, got {path!r}")
+        full = _join(self.path, path)
+        mod = self.mod
+        for i, part in enumerate(path.split(".") if path else []):
+            child = mod._modules.get(part)
+            if child is None:
+                raise ScheduleError(self._unknown_path_message(full, ".".join(path.split(".")[: i + 1])))
+            mod = child
+        return Schedule(self._state, full, mod)
+
+    def __contains__(self, path: str) -> bool:
+        try:
+            self[path]
+        except ScheduleError:
+            return False
+        return True
+
+    def _unknown_path_message(self, full: str, bad_prefix: str) -> str:
+        paths = [p for p, _ in self._state.model.named_modules() if p]
+        near = difflib.get_close_matches(full, paths, n=3, cutoff=0.5)
+        bad = _join(self.path, bad_prefix) if self.path else bad_prefix
+        hint = f"; nearest existing paths: {near}" if near else ""
+        return f"unknown module path {full!r} ({bad!r} does not exist){hint}"
+
+    def named_schedules(self, *, prefix_relative: bool = False) -> Iterator[tuple[str, "Schedule"]]:
+        """(path, sub-schedule) for this module and every descendant, in `named_modules` order."""
+        for name, mod in self.mod.named_modules():
+            full = _join(self.path, name)
+            yield (name if prefix_relative else full), Schedule(self._state, full, mod)
+
+    def find(self, pattern: str) -> list["Schedule"]:
+        """Sub-schedules whose path (relative to this one) fully matches the regular expression."""
+        import re
+
+        rx = re.compile(pattern)
+        return [s for name, s in self.named_schedules(prefix_relative=True) if name and rx.fullmatch(name)]
+
+    # ------------------------------------------------------------------ helpers
+    def _record(self, op: str, **args: Any) -> None:
+        self._state.records.append(Record(op, self.path, args))
+        logger.info("%s", self._state.records[-1].to_python())
+
+    def _where(self) -> str:
+        return f"sch[{self.path!r}]" if self.path else "sch"
+
+    def _check_axis(self, axis: str, what: str) -> None:
+        try:
+            self.mesh.axis_index(axis)
+        except MeshError as exc:
+            raise ScheduleError(f"{what} at {self._where()}: {exc}") from None
+
+    def _param(self, name: str) -> nn.Parameter:
+        try:
+            p = self.mod.get_parameter(name)
+        except AttributeError:
+            own = [n for n, _ in self.mod.named_parameters()]
+            raise ScheduleError(f"{self._where()} ({type(self.mod).__name__}) has no parameter {name!r}; "
+                                f"its parameters: {own}") from None
+        return p
+
+    def _check_not_built(self, op: str) -> None:
+        if self._state.built:
+            raise ScheduleError(f"{op} at {self._where()}: this schedule was already built; "
+                                f"create a new schedule on a fresh model to change it")
+
+    # ================================================================== primitives: module tree
+    def replace(self, new: nn.Module | Callable[[nn.Module], nn.Module]) -> "Schedule":
+        """Put `new` (a module, or a factory called with the old module) in place of this module.
+
+        Forward hooks, forward pre-hooks and backward hooks of the old module carry over, as do
+        primitives recorded for this path. Returns the schedule of the new module.
+        Raises ScheduleError on the root, or when the factory does not return a module.
+        """
+        self._check_not_built("replace")
+        if not self.path:
+            raise ScheduleError("replace: cannot replace the root module; replace one of its children")
+        built = new(self.mod) if not isinstance(new, nn.Module) and callable(new) else new
+        if not isinstance(built, nn.Module):
+            raise ScheduleError(f"replace at {self._where()}: expected an nn.Module or a factory returning one, "
+                                f"got {type(built).__name__}")
+        arg = new if isinstance(new, nn.Module) else Ref.of(new)
+        _swap_module(self._state.model, self.path, self.mod, built)
+        self._record("replace", new=arg)
+        self.mod = built
+        return self
+
+    def replace_all(self, module_type: type, factory: Callable[[nn.Module], nn.Module]) -> list[str]:
+        """Replace every module of exactly `module_type` under this one with ``factory(old)``.
+
+        Returns the replaced paths. Raises ScheduleError when nothing matches (a pattern that matches
+        nothing is a mistake, not a no-op).
+        """
+        self._check_not_built("replace_all")
+        ref = Ref.of(factory)
+        paths = [p for p, m in self.named_schedules() if type(m.mod) is module_type and p != self.path]
+        if not paths:
+            raise ScheduleError(f"replace_all at {self._where()}: no module of type {module_type.__qualname__} here")
+        for p in paths:
+            sub = Schedule(self._state, p, self._state.model.get_submodule(p))
+            new = factory(sub.mod)
+            if not isinstance(new, nn.Module):
+                raise ScheduleError(f"replace_all: factory {ref.target} returned {type(new).__name__} for {p!r}")
+            _swap_module(self._state.model, p, sub.mod, new)
+        self._record("replace_all", module_type=module_type, factory=ref)
+        return paths
+
+    # ================================================================== primitives: layouts
+    def shard(self, names: str | list[str], *, dim: int, axis: str, blocks: int = 1) -> "Schedule":
+        """Split parameter(s) `names` along tensor dim `dim` over mesh axis `axis`. Shapes are global:
+        a (3072, 768) weight with dim=0 on tp=4 keeps (768, 768) per rank.
+
+        `blocks=k` treats the dim as k equal concatenated parts (fused q|k|v) and splits each part.
+        Tied parameters are one object, so they stay tied (sharding one shards all its aliases).
+        Requires: each name is a parameter of this module; its size on `dim` divides by blocks x axis size
+        (after earlier splits of the same dim); the parameter is not yet split on `axis`.
+        Raises: ScheduleError naming path, parameter, dim, size and axis.
+        """
+        self._check_not_built("shard")
+        name_list = [names] if isinstance(names, str) else list(names)
+        if not name_list:
+            raise ScheduleError(f"shard at {self._where()}: no parameter names given")
+        self._check_axis(axis, "shard")
+        if blocks < 1:
+            raise ScheduleError(f"shard at {self._where()}: blocks must be >= 1, got {blocks}")
+        n = self.mesh.size(axis)
+        for name in name_list:
+            p = self._param(name)
+            if not -p.dim() <= dim < p.dim():
+                raise ScheduleError(f"shard at {self._where()}: parameter {name!r} has {p.dim()} dims "
+                                    f"(shape {tuple(p.shape)}); dim={dim} is out of range")
+            d = dim % p.dim()
+            prior = self._state.param_shards.get(id(p), [])
+            for s in prior:
+                if s.axis == axis:
+                    raise ScheduleError(f"shard at {self._where()}: parameter {name!r} is already split on mesh axis "
+                                        f"{axis!r} (dim {s.dim}); a parameter takes each mesh axis at most once")
+            size = p.shape[d]
+            for s in prior:
+                if s.dim == d:
+                    size //= self.mesh.size(s.axis)
+            if size % (n * blocks):
+                what = f"{blocks} blocks x " if blocks > 1 else ""
+                raise ScheduleError(f"shard at {self._where()}: parameter {name!r} dim {d} has size {size}, "
+                                    f"not divisible by {what}mesh axis {axis!r} of size {n}; "
+                                    f"use an axis size that divides {size}")
+        for name in name_list:
+            p = self._param(name)
+            self._state.param_shards.setdefault(id(p), []).append(ParamShard(dim % p.dim(), axis, blocks))
+            self._state.param_objs[id(p)] = p
+        args: dict[str, Any] = {"*": name_list[0] if len(name_list) == 1 else name_list, "dim": dim, "axis": axis}
+        if blocks != 1:
+            args["blocks"] = blocks
+        self._record("shard", **args)
+        return self
+
+    def sync(self, mode: SyncMode, *, op: str | None = None, axis: str | None = None,
+             to: Placement | list[Placement] | None = None, from_: Placement | list[Placement] | None = None,
+             arg: int | str = 0, out: int = 0, **kwargs: Any) -> "Schedule":
+        """Change the layout of a tensor at this module's boundary.
+
+        Modes: ``fwd_pre`` (an input, before forward), ``fwd_post`` (the output, after forward), ``bwd_post``
+        (the gradient of an input, after backward). Explicit ops: ``all_reduce``, ``all_gather(dim)``,
+        ``reduce_scatter(dim)``, ``split(dim)``, ``all_to_all(split_dim, concat_dim)``, each over `axis`,
+        each with its adjoint in backward (see `treadle.runtime.collectives`). Typed form:
+        ``to=Replicate()`` (with `axis`) or ``to=[...]`` (one placement per mesh axis) derives the
+        collective(s) from the layout this module produces (sharded Linear/Conv1D/Embedding leaves) or
+        from ``from_``; a fwd_pre input is Replicate unless ``from_`` says otherwise.
+        `arg` picks the input (position or parameter name; default the first), `out` the output of a tuple.
+        Raises ScheduleError on an unknown mode, op, axis, or a missing dim.
+        """
+        self._check_not_built("sync")
+        if mode not in SYNC_MODES:
+            raise ScheduleError(f"sync at {self._where()}: unknown mode {mode!r}; use one of {list(SYNC_MODES)}")
+        if (op is None) == (to is None):
+            raise ScheduleError(f"sync at {self._where()}: give exactly one of op= (explicit collective) "
+                                f"or to= (target layout)")
+        args: dict[str, Any] = {"*": mode}
+        to_t = from_t = None
+        if op is not None:
+            if op not in SYNC_OPS:
+                raise ScheduleError(f"sync at {self._where()}: unknown op {op!r}; use one of {list(SYNC_OPS)}")
+            if axis is None:
+                raise ScheduleError(f"sync at {self._where()}: op={op!r} needs axis= (a mesh axis: {list(self.mesh.names)})")
+            self._check_axis(axis, "sync")
+            missing = [k for k in SYNC_OPS[op] if k not in kwargs]
+            if missing:
+                raise ScheduleError(f"sync at {self._where()}: op={op!r} needs {missing}")
+            allowed = set(SYNC_OPS[op]) | ({"grad"} if op == "all_gather" else set())
+            extra = sorted(set(kwargs) - allowed)
+            if extra:
+                raise ScheduleError(f"sync at {self._where()}: op={op!r} takes {sorted(allowed)}, not {extra}")
+            if op == "all_gather" and kwargs.get("grad", "split") not in ("split", "reduce_scatter"):
+                raise ScheduleError(f"sync at {self._where()}: all_gather grad must be 'split' or 'reduce_scatter'")
+            args.update(op=op, axis=axis, **kwargs)
+        else:
+            if kwargs:
+                raise ScheduleError(f"sync at {self._where()}: typed form takes to=/from_=/axis=, not {sorted(kwargs)}")
+            to_t = self._placements(to, axis, "to")
+            from_t = self._placements(from_, axis, "from_") if from_ is not None else None
+            args.update(to=to)
+            if axis is not None:
+                args["axis"] = axis
+            if from_ is not None:
+                args["from_"] = from_
+        if arg != 0:
+            args["arg"] = arg
+        if out != 0:
+            args["out"] = out
+        spec = SyncSpec(self.path, mode, axis, op, tuple(sorted(kwargs.items())), to_t, from_t, arg, out)
+        self._state.syncs.append(spec)
+        self._record("sync", **args)
+        return self
+
+    def _placements(self, p: Placement | list[Placement], axis: str | None, what: str) -> tuple:
+        if isinstance(p, (list, tuple)):
+            if axis is not None:
+                raise ScheduleError(f"sync at {self._where()}: {what}= is a list (one placement per mesh axis), "
+                                    f"so leave axis= out")
+            if len(p) != self.mesh.ndim:
+                raise ScheduleError(f"sync at {self._where()}: {what}= has {len(p)} placements but {self.mesh} "
+                                    f"has {self.mesh.ndim} axes")
+            pairs = tuple(zip(self.mesh.names, p))
+        else:
+            if axis is None:
+                if self.mesh.ndim != 1:
+                    raise ScheduleError(f"sync at {self._where()}: give axis= with a single placement on {self.mesh}")
+                axis = self.mesh.names[0]
+            self._check_axis(axis, "sync")
+            pairs = ((axis, p),)
+        for ax, pl in pairs:
+            if not isinstance(pl, (Shard, Replicate, Partial)):
+                raise ScheduleError(f"sync at {self._where()}: {what}= for axis {ax!r} must be Shard(dim), "
+                                    f"Replicate() or Partial(), got {pl!r}")
+        return pairs
+
+    # ================================================================== primitives: regions
+    def checkpoint(self) -> "Schedule":
+        """Recompute this module's forward in backward instead of saving its activations
+        (non-reentrant `torch.utils.checkpoint`; dropout recomputes the same mask)."""
+        self._check_not_built("checkpoint")
+        if self.path in self._state.checkpoints:
+            raise ScheduleError(f"checkpoint at {self._where()}: already checkpointed")
+        self._state.checkpoints.append(self.path)
+        self._record("checkpoint")
+        return self
+
+    def fork_rng(self, *, axis: str = "tp") -> "Schedule":
+        """Give each rank along `axis` its own random stream inside this module (dropout on sharded data).
+        Checkpoint recomputation replays the same streams."""
+        self._check_not_built("fork_rng")
+        self._check_axis(axis, "fork_rng")
+        self._state.fork_rngs.append((self.path, axis))
+        self._record("fork_rng", axis=axis)
+        return self
+
+    def reduce_grads(self, *, axis: str, names: list[str] | None = None) -> "Schedule":
+        """Sum the gradients of this module's replicated parameters over `axis`: for modules that see a
+        shard of the data along `axis` (sequence-parallel norms). Default: all its direct parameters."""
+        self._check_not_built("reduce_grads")
+        self._check_axis(axis, "reduce_grads")
+        names_t = tuple(names) if names is not None else tuple(n for n, _ in self.mod.named_parameters(recurse=False))
+        for n in names_t:
+            self._param(n)
+        if not names_t:
+            raise ScheduleError(f"reduce_grads at {self._where()}: module has no direct parameters")
+        self._state.reduce_grads.append((self.path, axis, names_t))
+        args: dict[str, Any] = {"axis": axis}
+        if names is not None:
+            args["names"] = list(names)
+        self._record("reduce_grads", **args)
+        return self
+
+    # ================================================================== primitives: metadata
+    def annotate(self, param: str, key: str, value: Any) -> "Schedule":
+        """Tag parameter `param` with ``key=value``; `treadle.annotations(built_model)` returns the tags."""
+        p = self._param(param)
+        self._state.annotations.setdefault(id(p), {})[key] = value
+        self._state.param_objs[id(p)] = p
+        self._record("annotate", **{"*": param, "key": key, "value": value})
+        return self
+
+    def set_attr(self, name: str, value: Any) -> "Schedule":
+        """Set attribute `name` of this module at build (a `Ref` is resolved and, if it has ``bind(mesh)``,
+        bound to the mesh) — e.g. a model's loss function."""
+        self._check_not_built("set_attr")
+        self._state.attrs.append((self.path, name, value))
+        self._record("set_attr", **{"*": name, "value": value})
+        return self
+
+    def shard_attr(self, name: str, *, axis: str) -> "Schedule":
+        """Declare that integer attribute `name` counts a dim split over `axis` (e.g. a fused-qkv split
+        size); build divides it by the axis size. Raises ScheduleError if it is not a divisible int."""
+        self._check_not_built("shard_attr")
+        self._check_axis(axis, "shard_attr")
+        v = getattr(self.mod, name, None)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ScheduleError(f"shard_attr at {self._where()}: attribute {name!r} is {v!r}, not an int")
+        if v % self.mesh.size(axis):
+            raise ScheduleError(f"shard_attr at {self._where()}: attribute {name!r} = {v} is not divisible by "
+                                f"mesh axis {axis!r} of size {self.mesh.size(axis)}")
+        self._state.shard_attrs.append((self.path, name, axis))
+        self._record("shard_attr", **{"*": name, "axis": axis})
+        return self
+
+    def data_parallel(self, *, axis: str = "dp", shard: bool = False) -> "Schedule":
+        """Replicate the model over `axis` and average gradients (DDP), or with ``shard=True`` shard
+        parameters, gradients and optimizer state over it (ZeRO-3 via FSDP2 `fully_shard`).
+        Composes with tensor parallelism on the other axes. Root only."""
+        self._check_not_built("data_parallel")
+        if self.path:
+            raise ScheduleError(f"data_parallel applies to the whole model: call it on the root schedule, "
+                                f"not {self._where()}")
+        self._check_axis(axis, "data_parallel")
+        if self._state.data_parallel is not None:
+            raise ScheduleError(f"data_parallel: already set to axis {self._state.data_parallel[0]!r}")
+        self._state.data_parallel = (axis, bool(shard))
+        self._record("data_parallel", axis=axis, shard=bool(shard))
+        return self
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> str:
+        """The log as JSON (`treadle.load_schedule` replays it)."""
+        return records_to_json(self._state.records, mesh_shape=self.mesh.shape, mesh_names=self.mesh.names)
+
+    def to_python(self) -> str:
+        """The log as Python calls one can paste back (``sch[...]`` is the root schedule)."""
+        return "\n".join(r.to_python() for r in self._state.records)
+
+
+def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
+    """Install `new` at `path`, carrying over the hooks registered on `old`."""
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                 "_backward_pre_hooks"):
+        src = getattr(old, attr, None)
+        dst = getattr(new, attr, None)
+        if src and dst is not None:
+            for k, v in src.items():
+                dst[k] = v
+    new.train(old.training)
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
+    """The root schedule of `model` on `mesh`. The model keeps its definition; nothing changes until
+    primitives are applied and `treadle.build` runs."""
+    if not isinstance(model, nn.Module):
+        raise ScheduleError(f"create_schedule needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise ScheduleError(f"create_schedule needs mesh=treadle.Mesh(shape, names), got {mesh!r}")
+    return Schedule(_State(model=model, mesh=mesh), "", model)
+
+
+def replay(sch: Schedule, records: list[Record]) -> Schedule:
+    """Apply logged records to a schedule, in order."""
+    for r in records:
+        sub = sch[r.path] if r.path else sch
+        args = dict(r.args)
+        pos = args.pop("*", None)
+        fn = getattr(sub, r.op, None)
+        if fn is None or r.op.startswith("_"):
+            raise ScheduleError(f"schedule log names unknown primitive {r.op!r} at {r.path!r}")
+        if r.op == "replace":
+            new = args["new"]
+            fn(new.load() if isinstance(new, Ref) else new)
+        elif r.op == "replace_all":
+            fn(args["module_type"], args["factory"].load())
+        elif pos is not None:
+            fn(pos, **args)
+        else:
+            fn(**args)
+    return sch
+
+
+def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None) -> Schedule:
+    """Replay a schedule saved with `Schedule.to_json` on a fresh `model`. `mesh` defaults to the saved one;
+    a different mesh must have the same axis names."""
+    saved, records = records_from_json(json_text)
+    saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
+    if mesh is None:
+        mesh = saved_mesh
+    elif set(mesh.names) != set(saved_mesh.names):
+        raise ScheduleError(f"load_schedule: the schedule was written for {saved_mesh}; {mesh} lacks axes "
+                            f"{sorted(set(saved_mesh.names) - set(mesh.names))}")
+    return replay(create_schedule(model, mesh=mesh), records)
