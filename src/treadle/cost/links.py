@@ -20,18 +20,24 @@ class LinkSpec:
     """One interconnect: `latency_s` per message step, `bandwidth_bytes_per_s` per direction per device.
 
     `efficiency` (0, 1] is the fraction of peak bandwidth collectives reach (NCCL bus bandwidth / peak).
-    Raises LayoutError on a negative latency, a non-positive bandwidth or an efficiency outside (0, 1].
+    `launch_s` is the fixed software cost of one collective call on this link, paid once per call whatever
+    its number of steps (kernel launch and proxy setup for NCCL, op dispatch for gloo); it is what makes one
+    collective over a flattened group cheaper than two over its axes. Default 0 (pure alpha-beta).
+    Raises LayoutError on a negative latency or launch cost, a non-positive bandwidth or an efficiency
+    outside (0, 1].
     """
 
     name: str = "custom"
     latency_s: float
     bandwidth_bytes_per_s: float
     efficiency: float = 1.0
+    launch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0 or not 0 < self.efficiency <= 1:
-            raise LayoutError(f"LinkSpec needs latency_s >= 0, bandwidth_bytes_per_s > 0 and 0 < efficiency <= 1; "
-                              f"got {self!r}")
+        if (self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0 or not 0 < self.efficiency <= 1
+                or self.launch_s < 0):
+            raise LayoutError(f"LinkSpec needs latency_s >= 0, launch_s >= 0, bandwidth_bytes_per_s > 0 and "
+                              f"0 < efficiency <= 1; got {self!r}")
 
     def __str__(self) -> str:
         return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.bandwidth_bytes_per_s / GB:.0f} GB/s)"
@@ -53,21 +59,35 @@ class LinkSpec:
 
 
 # Per-direction, per-GPU peak bandwidths. Efficiencies are typical NCCL bus-bandwidth fractions.
+# launch_s: one NCCL collective call costs a kernel launch (~3-5 us, CUDA launch overhead) plus proxy setup
+# before its first step; 5 us is the round figure used for every GPU link.
+_NCCL_LAUNCH_S = 5e-6
 LINK_PRESETS: dict[str, LinkSpec] = {
     # V100 SXM2: 6 NVLink2 links x 25 GB/s per direction = 150 GB/s (NVIDIA V100 datasheet, 300 GB/s bidirectional)
-    "nvlink2": LinkSpec(name="nvlink2", latency_s=3e-6, bandwidth_bytes_per_s=150 * GB, efficiency=0.8),
+    "nvlink2": LinkSpec(name="nvlink2", latency_s=3e-6, bandwidth_bytes_per_s=150 * GB, efficiency=0.8,
+                        launch_s=_NCCL_LAUNCH_S),
     # A100 SXM: 12 NVLink3 links, 600 GB/s bidirectional -> 300 GB/s per direction (A100 datasheet)
-    "nvlink3": LinkSpec(name="nvlink3", latency_s=3e-6, bandwidth_bytes_per_s=300 * GB, efficiency=0.8),
+    "nvlink3": LinkSpec(name="nvlink3", latency_s=3e-6, bandwidth_bytes_per_s=300 * GB, efficiency=0.8,
+                        launch_s=_NCCL_LAUNCH_S),
     # H100 SXM: 18 NVLink4 links, 900 GB/s bidirectional -> 450 GB/s per direction (H100 datasheet)
-    "nvlink4": LinkSpec(name="nvlink4", latency_s=2.5e-6, bandwidth_bytes_per_s=450 * GB, efficiency=0.8),
+    "nvlink4": LinkSpec(name="nvlink4", latency_s=2.5e-6, bandwidth_bytes_per_s=450 * GB, efficiency=0.8,
+                        launch_s=_NCCL_LAUNCH_S),
     # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b -> 31.5 GB/s per direction (PCI-SIG)
-    "pcie4": LinkSpec(name="pcie4", latency_s=8e-6, bandwidth_bytes_per_s=31.5 * GB, efficiency=0.75),
+    "pcie4": LinkSpec(name="pcie4", latency_s=8e-6, bandwidth_bytes_per_s=31.5 * GB, efficiency=0.75,
+                        launch_s=_NCCL_LAUNCH_S),
     # PCIe 5.0 x16: 63 GB/s per direction (PCI-SIG)
-    "pcie5": LinkSpec(name="pcie5", latency_s=8e-6, bandwidth_bytes_per_s=63 * GB, efficiency=0.75),
+    "pcie5": LinkSpec(name="pcie5", latency_s=8e-6, bandwidth_bytes_per_s=63 * GB, efficiency=0.75,
+                        launch_s=_NCCL_LAUNCH_S),
     # InfiniBand HDR: 200 Gb/s per NIC = 25 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-6)
-    "ib-hdr": LinkSpec(name="ib-hdr", latency_s=10e-6, bandwidth_bytes_per_s=25 * GB, efficiency=0.85),
+    "ib-hdr": LinkSpec(name="ib-hdr", latency_s=10e-6, bandwidth_bytes_per_s=25 * GB, efficiency=0.85,
+                        launch_s=_NCCL_LAUNCH_S),
     # InfiniBand NDR: 400 Gb/s per NIC = 50 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-7)
-    "ib-ndr": LinkSpec(name="ib-ndr", latency_s=10e-6, bandwidth_bytes_per_s=50 * GB, efficiency=0.85),
+    "ib-ndr": LinkSpec(name="ib-ndr", latency_s=10e-6, bandwidth_bytes_per_s=50 * GB, efficiency=0.85,
+                        launch_s=_NCCL_LAUNCH_S),
+    # gloo over the loopback interface of one host (CPU ranks, this project's test machine): fitted with
+    # treadle.cost.calibrate on 2 ranks of a 2-core VM; a rough default, calibrate for real figures
+    "loopback": LinkSpec(name="loopback", latency_s=30e-6, bandwidth_bytes_per_s=2 * GB, efficiency=1.0,
+                         launch_s=40e-6),
 }
 
 

@@ -1,0 +1,225 @@
+"""A cluster as the planner sees it: a logical N-d mesh, the link of each mesh axis, and the device kind.
+
+Built from a physical description (nodes x devices per node, an intra-node and an inter-node link): ranks are
+laid out row-major with the devices of one node consecutive, so a mesh axis whose groups stay inside one node
+communicates over the intra-node link and any other axis over the inter-node link. 8 nodes x 8 H100 gives the
+(8, 8) mesh ("dp" over InfiniBand NDR, "tp" over NVLink 4). `enumerate_meshes` lists every logical mesh shape
+a physical cluster admits, each with its links.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ..errors import LayoutError
+from ..mesh import Mesh
+from .links import LinkSpec, link_preset
+
+logger = logging.getLogger(__name__)
+
+# Short device names of `parse_cluster` -> (hardware preset, intra-node link, inter-node link), after each
+# vendor's reference system (DGX-1 V100, DGX A100, DGX H100/H200: NVLink inside, one IB NIC per GPU).
+DEVICE_ALIASES: dict[str, tuple[str, str, str]] = {
+    "v100": ("v100-32gb", "nvlink2", "ib-hdr"),
+    "a100": ("a100-80gb", "nvlink3", "ib-hdr"),
+    "a100-40gb": ("a100-40gb", "nvlink3", "ib-hdr"),
+    "a100-80gb": ("a100-80gb", "nvlink3", "ib-hdr"),
+    "h100": ("h100-sxm", "nvlink4", "ib-ndr"),
+    "h100-sxm": ("h100-sxm", "nvlink4", "ib-ndr"),
+    "h200": ("h200", "nvlink4", "ib-ndr"),
+    "cpu": ("cpu", "loopback", "loopback"),
+}
+
+_DEFAULT_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
+
+
+def default_axis_names(ndim: int) -> tuple[str, ...]:
+    """("dp",), ("dp", "tp"), ("dp", "fsdp", "tp"), then ("a0", "a1", ...)."""
+    return _DEFAULT_NAMES.get(ndim, tuple(f"a{i}" for i in range(ndim)))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """A logical mesh with one `LinkSpec` per axis and the device kind.
+
+    `device` is a hardware preset name (see `treadle.profile.hardware.hardware_preset`) or a HardwareSpec.
+    Raises LayoutError when the number of links differs from the number of mesh axes.
+    """
+
+    mesh: Mesh
+    links: tuple[LinkSpec, ...]
+    device: Any = "cpu"  # str preset name or treadle.profile.hardware.HardwareSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+        if len(self.links) != self.mesh.ndim:
+            raise LayoutError(f"ClusterSpec: {len(self.links)} links for {self.mesh} with {self.mesh.ndim} axes; "
+                              f"give one link per mesh axis")
+        if not all(isinstance(link, LinkSpec) for link in self.links):
+            raise LayoutError(f"ClusterSpec: links must be LinkSpec; got {[type(x).__name__ for x in self.links]}")
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{n}={s} over {link}" for n, s, link in zip(self.mesh.names, self.mesh.shape, self.links))
+        return f"Cluster({axes}; {self.device_name})"
+
+    @property
+    def device_name(self) -> str:
+        return self.device if isinstance(self.device, str) else getattr(self.device, "name", str(self.device))
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def link(self, axis: str | int) -> LinkSpec:
+        """The link of a mesh axis, by name or index. Raises MeshError/LayoutError naming the valid axes."""
+        if isinstance(axis, int):
+            if not 0 <= axis < self.mesh.ndim:
+                raise LayoutError(f"mesh axis index {axis} out of range for {self.mesh}")
+            return self.links[axis]
+        return self.links[self.mesh.axis_index(axis)]
+
+    def hardware(self):  # -> treadle.profile.hardware.HardwareSpec
+        """The device's HardwareSpec (resolves a preset name through treadle.profile.hardware)."""
+        if not isinstance(self.device, str):
+            return self.device
+        from ..profile.hardware import hardware_preset
+
+        return hardware_preset(self.device)
+
+    def with_links(self, links: Sequence[LinkSpec]) -> "ClusterSpec":
+        """The same cluster with other links (e.g. calibrated ones)."""
+        return ClusterSpec(self.mesh, tuple(links), self.device)
+
+    # ------------------------------------------------------------------------------------ constructors
+    @classmethod
+    def uniform(cls, mesh: Mesh, link: LinkSpec | str, *, device: Any = "cpu") -> "ClusterSpec":
+        """Every axis of `mesh` on the same link (e.g. gloo ranks on one host: ``"loopback"``)."""
+        link = link_preset(link) if isinstance(link, str) else link
+        return cls(mesh, (link,) * mesh.ndim, device)
+
+    @classmethod
+    def from_physical(cls, nodes: int = 8, devices_per_node: int = 8, *, intra: LinkSpec | str = "nvlink4",
+                      inter: LinkSpec | str = "ib-ndr", device: Any = "h100-sxm",
+                      names: Sequence[str] = ("dp", "tp")) -> "ClusterSpec":
+        """The (nodes, devices_per_node) mesh: axis 0 across nodes on `inter`, axis 1 inside a node on `intra`.
+
+        A one-node cluster keeps the outer axis with size 1 (it costs nothing), so axis names stay stable.
+        Raises LayoutError on non-positive counts or a `names` that is not two names."""
+        if nodes < 1 or devices_per_node < 1:
+            raise LayoutError(f"from_physical: nodes and devices_per_node must be >= 1; got {nodes} x {devices_per_node}")
+        if len(names) != 2:
+            raise LayoutError(f"from_physical: names must name the two axes (across nodes, inside a node); got {names}")
+        intra_l = link_preset(intra) if isinstance(intra, str) else intra
+        inter_l = link_preset(inter) if isinstance(inter, str) else inter
+        return cls(Mesh((nodes, devices_per_node), tuple(names)), (inter_l, intra_l), device)
+
+    # ------------------------------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        dev = self.device if isinstance(self.device, str) else {"hardware": json.loads(self.device.to_json())}
+        return {"mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
+                "links": [link.to_dict() for link in self.links], "device": dev}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        dev = d.get("device", "cpu")
+        if isinstance(dev, dict):
+            from ..profile.hardware import HardwareSpec
+
+            dev = HardwareSpec.from_json(json.dumps(dev["hardware"]))
+        return cls(Mesh(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])),
+                   tuple(LinkSpec.from_dict(x) for x in d["links"]), dev)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterSpec":
+        return cls.from_dict(json.loads(text))
+
+
+def parse_cluster(text: str, *, names: Sequence[str] = ("dp", "tp")) -> ClusterSpec:
+    """A cluster from a short spec: ``"NODESxDEVICES:device[:intra[:inter]]"`` or ``"DEVICES:device"`` (one node).
+
+    Examples: ``"8x8:h100"`` (8 nodes of 8 H100, NVLink 4 inside, IB NDR across), ``"2x8:a100:pcie4"``,
+    ``"2x2:cpu"`` (4 gloo ranks on one host). Known devices: the keys of DEVICE_ALIASES or any hardware preset
+    name (then give the links). Raises LayoutError naming the part that did not parse and the valid forms."""
+    parts = text.strip().lower().split(":")
+    if len(parts) < 2 or len(parts) > 4:
+        raise LayoutError(f"parse_cluster: cannot read {text!r}; write NODESxDEVICES:device[:intra[:inter]], "
+                          f"e.g. '8x8:h100' or '2x8:a100:pcie4'")
+    counts = parts[0].split("x")
+    try:
+        sizes = [int(c) for c in counts]
+    except ValueError:
+        raise LayoutError(f"parse_cluster: {parts[0]!r} in {text!r} is not NODESxDEVICES (e.g. '8x8') "
+                          f"or DEVICES (e.g. '8')") from None
+    if len(sizes) == 1:
+        sizes = [1, sizes[0]]
+    if len(sizes) != 2:
+        raise LayoutError(f"parse_cluster: {parts[0]!r} in {text!r} must be NODESxDEVICES (two numbers)")
+    dev = parts[1]
+    if dev in DEVICE_ALIASES:
+        hw, intra, inter = DEVICE_ALIASES[dev]
+    elif len(parts) == 4:
+        hw, intra, inter = dev, parts[2], parts[3]
+    else:
+        raise LayoutError(f"parse_cluster: unknown device {dev!r} in {text!r}; known: {sorted(DEVICE_ALIASES)} "
+                          f"(or give intra and inter links: 'NxM:device:intra:inter')")
+    intra = parts[2] if len(parts) >= 3 else intra
+    inter = parts[3] if len(parts) == 4 else inter
+    return ClusterSpec.from_physical(sizes[0], sizes[1], intra=intra, inter=inter, device=hw, names=names)
+
+
+def axis_crosses_nodes(mesh_shape: Sequence[int], axis: int, devices_per_node: int) -> bool:
+    """Whether the groups of mesh axis `axis` span more than one node (row-major ranks, nodes consecutive).
+
+    A group is ranks base + k * stride for k < n, stride the product of the inner axes; it stays inside a
+    node exactly when stride * n divides devices_per_node."""
+    stride = math.prod(mesh_shape[axis + 1:])
+    span = stride * mesh_shape[axis]
+    return mesh_shape[axis] > 1 and devices_per_node % span != 0
+
+
+def _ordered_factorizations(n: int, parts: int, min_factor: int) -> Iterator[tuple[int, ...]]:
+    if parts == 1:
+        if n >= min_factor:
+            yield (n,)
+        return
+    for f in range(min_factor, n + 1):
+        if n % f == 0:
+            for rest in _ordered_factorizations(n // f, parts - 1, min_factor):
+                yield (f, *rest)
+
+
+def enumerate_meshes(nodes: int, devices_per_node: int, *, intra: LinkSpec | str = "nvlink4",
+                     inter: LinkSpec | str = "ib-ndr", device: Any = "h100-sxm", max_ndim: int = 3,
+                     min_axis_size: int = 2) -> list[ClusterSpec]:
+    """Every logical mesh the physical cluster admits: each ordered factorisation of nodes * devices_per_node
+    into 1..`max_ndim` axes of size >= `min_axis_size`, each axis on the intra-node link when its groups stay
+    inside a node and on the inter-node link otherwise (see `axis_crosses_nodes`). Axis names follow
+    `default_axis_names`. 2 x 4 gives (8,), (2, 4), (4, 2), (2, 2, 2), ...; on (4, 2) axis "dp" crosses nodes.
+    Raises LayoutError on non-positive counts."""
+    if nodes < 1 or devices_per_node < 1 or max_ndim < 1:
+        raise LayoutError(f"enumerate_meshes: counts must be >= 1; got nodes={nodes}, "
+                          f"devices_per_node={devices_per_node}, max_ndim={max_ndim}")
+    intra_l = link_preset(intra) if isinstance(intra, str) else intra
+    inter_l = link_preset(inter) if isinstance(inter, str) else inter
+    world = nodes * devices_per_node
+    out: list[ClusterSpec] = []
+    for ndim in range(1, max_ndim + 1):
+        for shape in _ordered_factorizations(world, ndim, min(min_axis_size, world)):
+            links = tuple(inter_l if axis_crosses_nodes(shape, i, devices_per_node) else intra_l
+                          for i in range(ndim))
+            out.append(ClusterSpec(Mesh(shape, default_axis_names(ndim)), links, device))
+    logger.debug("enumerate_meshes: %d x %d -> %d meshes", nodes, devices_per_node, len(out))
+    return out
+
+
+def mesh_shapes(specs: Sequence[ClusterSpec]) -> list[tuple[int, ...]]:
+    """The mesh shapes of a list of cluster specs (handy for display)."""
+    return [s.mesh.shape for s in specs]
+
