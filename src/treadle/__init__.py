@@ -9,9 +9,10 @@ from .mesh import Mesh
 from .runtime.build import annotations, build
 from .schedule.core import Schedule, create_schedule, load_schedule
 from .schedule.log import Ref
+from .verify import VerifyReport, verify
 
 __all__ = [
-    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref",
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport",
     "Shard", "Replicate", "Partial",
     "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
     "PlanError", "SpawnError",

@@ -185,6 +185,8 @@ class _Builder:
                 m._parameters[name] = new
             if pid in self.st.annotations:
                 self.st.annotations[id(new)] = self.st.annotations.pop(pid)
+            self.st.param_shards[id(new)] = self.st.param_shards.pop(pid)  # records follow the live object
+            self.st.param_objs[id(new)] = new
             logger.debug("shard %s: %s -> %s", holders[0][2] + "." + holders[0][1], tuple(p.shape), tuple(local.shape))
         owners2 = self.owners()
         for pid, tags in self.st.annotations.items():

@@ -15,6 +15,7 @@ Shapes in primitives are global. Every primitive is appended to the log (`to_jso
 
 from __future__ import annotations
 
+import copy
 import difflib
 import logging
 from collections.abc import Callable, Iterator
@@ -92,6 +93,11 @@ class _State:
     shard_attrs: list[tuple[str, str, str]] = field(default_factory=list)  # (path, name, axis)
     data_parallel: tuple[str, bool] | None = None  # (axis, shard)
     built: bool = False
+    original: nn.Module | None = None  # a copy of the model taken before its first `replace` (verify's reference)
+
+    def snapshot(self) -> None:
+        if self.original is None and not any(p.is_meta for p in self.model.parameters()):
+            self.original = copy.deepcopy(self.model)
 
 
 def _join(prefix: str, path: str) -> str:
@@ -210,6 +216,7 @@ class Schedule:
             raise ScheduleError(f"replace at {self._where()}: expected an nn.Module or a factory returning one, "
                                 f"got {type(built).__name__}")
         arg = new if isinstance(new, nn.Module) else Ref.of(new)
+        self._state.snapshot()
         _swap_module(self._state.model, self.path, self.mod, built)
         self._record("replace", new=arg)
         self.mod = built
@@ -226,6 +233,7 @@ class Schedule:
         paths = [p for p, m in self.named_schedules() if type(m.mod) is module_type and p != self.path]
         if not paths:
             raise ScheduleError(f"replace_all at {self._where()}: no module of type {module_type.__qualname__} here")
+        self._state.snapshot()
         for p in paths:
             sub = Schedule(self._state, p, self._state.model.get_submodule(p))
             new = factory(sub.mod)

@@ -1,0 +1,6 @@
+"""Numerical verification of a schedule against the original model (forward, backward, optimizer step)."""
+
+from .compare import Tolerance, tolerance
+from .verify import Check, VerifyReport, verify
+
+__all__ = ["verify", "VerifyReport", "Check", "Tolerance", "tolerance"]

@@ -1,0 +1,400 @@
+"""`verify(sch, example_inputs)`: does the scheduled model compute what the original computes?
+
+It spawns the mesh's world of gloo ranks; each rank replays the schedule on a fresh copy of the original
+model, builds it, and runs forward, backward and optimizer steps on its share of the batch (split over the
+data-parallel axis). The parent runs the original single-process on the same slices (the data-parallel
+reference is the mean of the per-slice losses) and compares: the loss of every step, every module's
+output in execution order and its gradient in backward order, the input gradients, every parameter
+gradient and every parameter after the first optimizer step, each assembled to global shape. A mismatch
+names the first module (by path, in execution order) whose output or gradient diverges.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TreadleError, VerifyError
+from ..mesh import Mesh
+from ..schedule.core import Schedule, load_schedule
+from ..testing import spawn
+from ..runtime.params import assemble
+from .compare import Diff, Tolerance, assemble_best, diff, tolerance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison: `kind` is loss / output / output_grad / input_grad / param_grad / param_step."""
+
+    kind: str
+    name: str
+    diff: Diff
+
+    def __str__(self) -> str:
+        status = "ok " if self.diff.ok else "BAD"
+        extra = f" [{self.diff.layout}]" if self.diff.layout else ""
+        note = f" ({self.diff.note})" if self.diff.note else ""
+        return (f"{status} {self.kind:<12} {self.name:<48} max_abs={self.diff.max_abs:.3e} "
+                f"max_rel={self.diff.max_rel:.3e}{extra}{note}")
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of `verify`. `ok` is True when every check passed; `first_divergence` names the first
+    module whose output (forward order) or gradient (backward order) diverges; `error` holds a build or
+    runtime failure on a rank (with the module path where it happened when known)."""
+
+    checks: list[Check] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    ref_losses: list[float] = field(default_factory=list)
+    first_divergence: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(c.diff.ok for c in self.checks)
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.diff.ok]
+
+    def summary(self) -> str:
+        if self.error is not None:
+            return f"verify FAILED: {self.error}"
+        n_bad = len(self.failures())
+        head = "verify ok" if self.ok else f"verify FAILED: {n_bad} of {len(self.checks)} checks"
+        lines = [f"{head}; losses {['%.6f' % x for x in self.losses]} vs reference "
+                 f"{['%.6f' % x for x in self.ref_losses]}"]
+        if self.first_divergence:
+            lines.append(f"first divergence: {self.first_divergence}")
+        lines += [str(c) for c in self.failures()[:10]]
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> "VerifyReport":
+        if not self.ok:
+            raise VerifyError(self.summary())
+        return self
+
+
+# ------------------------------------------------------------------------------------------ recording
+class _Recorder:
+    """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient.
+    Only the first call of each module per step is kept, so checkpoint recomputation is ignored."""
+
+    def __init__(self, model: nn.Module):
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.order: list[str] = []
+        self.grad_order: list[str] = []
+        self.active = True
+        self.handles = []
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
+        for path, m in model.named_modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre(path)))
+            self.handles.append(m.register_forward_hook(self._post(path), always_call=True))
+
+    def _pre(self, path):
+        def hook(mod, args):
+            self.stack.append(path)
+
+        return hook
+
+    def _post(self, path):
+        def hook(mod, args, out):
+            if self.stack and self.stack[-1] == path:
+                self.stack.pop()
+            if not self.active:
+                return
+            t = _first_tensor(out)
+            if t is None or not t.is_floating_point():
+                return
+            if path not in self.outputs:
+                self.order.append(path)
+            self.outputs.setdefault(path, []).append(t.detach().clone())
+            if t.requires_grad:
+                def grad_hook(g, path=path):
+                    if path not in self.grads:
+                        self.grad_order.append(path)
+                    self.grads.setdefault(path, []).append(g.detach().clone())
+
+                t.register_hook(grad_hook)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if torch.is_tensor(out):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if torch.is_tensor(o):
+                return o
+    return None
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is not None:
+        return loss
+    t = _first_tensor(out)
+    if t is None:
+        raise VerifyError("verify: the model output has no tensor; pass loss_fn=")
+    return t.float().pow(2).mean()
+
+
+def _split_inputs(inputs: dict[str, Any], n: int, index: int, batch: int) -> dict[str, Any]:
+    out = {}
+    for k, v in inputs.items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch:
+            out[k] = v.chunk(n, dim=0)[index]
+        else:
+            out[k] = v
+    return out
+
+
+def _batch_size(inputs: dict[str, Any]) -> int:
+    sizes = [v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0]
+    if not sizes:
+        raise VerifyError("verify: example inputs hold no batched tensor")
+    return sizes[0]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: int, lr: float,
+               float_inputs: list[str], dp_scale: float) -> dict[str, Any]:
+    """Forward, backward and `steps` AdamW steps of `model` over `slices` (mean of the slice losses).
+    Returns losses, recorded outputs/grads, input grads, parameter grads and parameters after step 1."""
+    inner = _unwrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    rec = _Recorder(inner)
+    result: dict[str, Any] = {"losses": []}
+    for step in range(steps):
+        rec.active = step == 0
+        total = None
+        input_grads: dict[str, list[torch.Tensor]] = {}
+        leaves = []
+        for sl in slices:
+            sl = dict(sl)
+            for k in float_inputs:
+                sl[k] = sl[k].detach().clone().requires_grad_(True)
+                leaves.append((k, sl[k]))
+            try:
+                out = model(**sl)
+            except Exception as exc:
+                where = rec.stack[-1] if rec.stack else "<model>"
+                raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
+            loss = loss_fn(out) * dp_scale
+            total = loss if total is None else total + loss
+        total.backward()
+        result["losses"].append(float(total.detach()))
+        if step == 0:
+            rec.active = False
+            result["outputs"] = {k: v for k, v in rec.outputs.items()}
+            result["order"] = list(rec.order)
+            result["grads"] = {k: v for k, v in rec.grads.items()}
+            result["grad_order"] = list(rec.grad_order)
+            for k, t in leaves:
+                input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)
+            result["input_grads"] = input_grads
+            result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
+                                     for n, p in inner.named_parameters()}
+        opt.step()
+        if step == 0:
+            result["params"] = {n: _full(p).detach().clone() for n, p in inner.named_parameters()}
+        opt.zero_grad(set_to_none=True)
+    rec.remove()
+    return result
+
+
+# ------------------------------------------------------------------------------------------ ranks
+def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
+    from ..runtime.build import build
+
+    p = torch.load(io.BytesIO(payload), weights_only=False)
+    torch.manual_seed(p["seed"])
+    model: nn.Module = p["model"]
+    mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
+    try:
+        sch = load_schedule(model, p["schedule"], mesh)
+        built = build(sch)
+    except TreadleError as exc:
+        return {"error": f"build failed: {type(exc).__name__}: {exc}"}
+    st = sch._state
+    inputs = p["inputs"]
+    dp_axis, dp_n, dp_i = None, 1, 0
+    if st.data_parallel is not None:
+        dp_axis = st.data_parallel[0]
+        dp_n, dp_i = mesh.size(dp_axis), mesh.local_rank(dp_axis)
+    local = _split_inputs(inputs, dp_n, dp_i, _batch_size(inputs))
+    torch.manual_seed(p["seed"])
+    try:
+        res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
+    except VerifyError as exc:
+        return {"error": str(exc)}
+    res["dp"] = (dp_axis, dp_n, dp_i)
+    # leaves whose output is a shard interleaved in blocks (fused q|k|v), to assemble their outputs
+    res["out_blocks"] = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
+                         if max(s.blocks for s in shards) > 1}
+    res["fsdp"] = bool(st.data_parallel and st.data_parallel[1])
+    return res
+
+
+def _leaf_shards(sch: Schedule) -> dict[str, list]:
+    st = sch._state
+    out: dict[str, list] = {}
+    for path, m in sch.model.named_modules():
+        for prm in m._parameters.values():
+            if prm is not None and id(prm) in st.param_shards:
+                out.setdefault(path, []).extend(st.param_shards[id(prm)])
+    return out
+
+
+def _param_layouts(sch: Schedule) -> dict[str, list]:
+    st = sch._state
+    out: dict[str, list] = {}
+    for n, prm in sch.model.named_parameters(remove_duplicate=False):
+        if id(prm) in st.param_shards:
+            out[n] = list(st.param_shards[id(prm)])
+    return out
+
+
+def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+           steps: int = 2, lr: float = 1e-3, seed: int = 0, timeout_s: float = 300.0,
+           tol: Tolerance | None = None, raise_on_mismatch: bool = True) -> VerifyReport:
+    """Run the original model and `sch` built on a gloo process group of the mesh's world size; compare.
+
+    `example_inputs` are keyword arguments of the model's forward (global batch; the data-parallel axis
+    splits dim 0). `loss_fn(output)` defaults to ``output.loss`` or the mean square of the first output.
+    Tolerances come from the dtype of the parameters (`tolerance`). With ``raise_on_mismatch`` a failed
+    check raises VerifyError carrying the report's summary; else the report says ``.ok``.
+    The schedule must not have been built; its model (before any `replace`) is the reference.
+    """
+    if sch._state.built:
+        raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
+    loss_fn = loss_fn or _default_loss
+    original = sch._state.original if sch._state.original is not None else sch._state.model
+    if any(p.is_meta for p in original.parameters()):
+        raise VerifyError("verify: the model is on the meta device; verify needs real weights to compare")
+    if not isinstance(example_inputs, dict):
+        raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
+    float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
+    mesh = sch.mesh
+    payload_d = dict(model=original, schedule=sch.to_json(), mesh_shape=mesh.shape, mesh_names=mesh.names,
+                     inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
+                     float_inputs=float_inputs)
+    buf = io.BytesIO()
+    try:
+        torch.save(payload_d, buf)
+    except Exception as exc:
+        raise VerifyError(f"verify: the model, inputs or loss_fn cannot be sent to the ranks ({exc}); "
+                          f"use module-level functions and picklable modules") from exc
+    results = spawn(_verify_rank, mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
+    report = VerifyReport()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        report.error = errors[0]
+        if raise_on_mismatch:
+            raise VerifyError(report.summary())
+        return report
+
+    # reference: the original, single process, on the same data-parallel slices
+    dp_axis, dp_n, _ = results[0]["dp"]
+    dtype = next(original.parameters()).dtype
+    tol = tol or tolerance(dtype)
+    ref_model = copy.deepcopy(original)
+    slices = [_split_inputs(example_inputs, dp_n, i, _batch_size(example_inputs)) for i in range(dp_n)]
+    torch.manual_seed(seed)
+    ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
+    _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
+    if raise_on_mismatch:
+        report.raise_if_failed()
+    return report
+
+
+def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, tol: Tolerance, dp_n: int,
+             layouts: dict[str, list]) -> None:
+    # losses: the data-parallel mean of the rank losses (identical over the other axes)
+    report.ref_losses = ref["losses"]
+    by_coord = [mesh.coordinate(r) for r in range(mesh.world_size)]
+    dp_axis = results[0]["dp"][0]
+    report.losses = []
+    for step in range(len(ref["losses"])):
+        vals = [results[r]["losses"][step] for r in range(mesh.world_size)
+                if all(c == 0 for ax, c in by_coord[r].items() if ax != dp_axis)]
+        report.losses.append(sum(vals) / len(vals))
+    loss_tol = Tolerance(max(tol.rtol * 0.1, 1e-5), tol.atol * 0.1)
+    for step, (a, b) in enumerate(zip(report.losses, report.ref_losses)):
+        report.checks.append(Check("loss", f"step {step}", diff(torch.tensor(a), torch.tensor(b), loss_tol)))
+
+    def gathered(ref_list: list[torch.Tensor], key: str, path: str, scale: float = 1.0) -> Diff:
+        ref_t = torch.cat(ref_list, dim=0) if len(ref_list) > 1 and ref_list[0].dim() > 0 else ref_list[0]
+        locals_ = []
+        for r in results:
+            lst = r[key].get(path)
+            if not lst:
+                return Diff(math.nan, math.nan, True, note="not recorded on the ranks (recomputed or unused)")
+            locals_.append(lst[0] * scale)
+        return assemble_best(locals_, ref_t, mesh, tol, blocks=results[0]["out_blocks"].get(path, 1))
+
+    first = None
+    for path in ref["order"]:
+        if path not in ref["outputs"]:
+            continue
+        d = gathered(ref["outputs"][path], "outputs", path)
+        report.checks.append(Check("output", path or "<model>", d))
+        if not d.ok and first is None:
+            first = f"output of {path or '<model>'!r} (max abs err {d.max_abs:.3e}, max rel err {d.max_rel:.3e})"
+    first_bwd = None
+    for path in ref["grad_order"]:
+        d = gathered(ref["grads"][path], "grads", path, scale=1.0 / dp_n)
+        report.checks.append(Check("output_grad", path or "<model>", d))
+        if not d.ok and first_bwd is None:
+            first_bwd = (f"gradient of the output of {path or '<model>'!r} (max abs err {d.max_abs:.3e}, "
+                         f"max rel err {d.max_rel:.3e})")
+    for k, ref_list in ref["input_grads"].items():
+        locals_ = [r["input_grads"][k][0] * (1.0 / dp_n) for r in results]
+        report.checks.append(Check("input_grad", k, assemble_best(locals_, torch.cat(ref_list, 0), mesh, tol)))
+    for kind, key in (("param_grad", "param_grads"), ("param_step", "params")):
+        for name, ref_t in ref[key].items():
+            if ref_t is None:
+                continue
+            locals_ = [r[key].get(name) for r in results]
+            if any(t is None for t in locals_):
+                report.checks.append(Check(kind, name, Diff(math.inf, math.inf, False, note="missing on a rank")))
+                continue
+            shards = layouts.get(name)
+            if shards:  # the recorded layout, exactly (interleaved blocks included)
+                got = assemble({tuple(c.values()): t for c, t in zip(by_coord, locals_)}, shards, mesh.names,
+                               dict(zip(mesh.names, mesh.shape)))
+                d = diff(got, ref_t, tol)
+            else:
+                d = assemble_best(locals_, ref_t, mesh, tol, allow_partial=False)
+            report.checks.append(Check(kind, name, d))
+            if kind == "param_grad" and not d.ok and first is None and first_bwd is None:
+                first_bwd = f"gradient of parameter {name!r} (max abs err {d.max_abs:.3e})"
+    report.first_divergence = first or first_bwd
