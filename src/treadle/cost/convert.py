@@ -1,0 +1,285 @@
+"""Cheapest sequence of collectives that turns one layout of a tensor into another: shortest path, memoised.
+
+The graph's nodes are layouts (placements plus shard order) of one global shape on one mesh; its edges are
+the moves the runtime can execute, priced in seconds by `collective_cost` on the local bytes at that node:
+
+===================  ==============================  ==============================  ========================
+edge                 placement change on axes        forward cost                    backward (adjoint) cost
+===================  ==============================  ==============================  ========================
+all_reduce           P -> R (one axis or several)    all-reduce of the local bytes   0 (identity)
+reduce_scatter(d)    P -> S(d) (one or several)      reduce-scatter of local bytes   all-gather
+all_gather           S(d) -> R, innermost axes of d  all-gather, n x local out       0 (split)
+all_to_all(c -> d)   S(c) -> S(d), innermost of c    all-to-all of local bytes       all-to-all
+split(d)             R -> S(d)                       0 (local chunk)                 all-gather
+to_partial           R -> P                          0 (rank 0 of the axis keeps)    0 (identity)
+===================  ==============================  ==============================  ========================
+
+A new shard becomes the innermost of its dim (NOTE [shard order] in layout.py). Over several axes at once
+(a flattened process group) the planner considers all-reduce of any set of Partial axes, reduce-scatter of
+such a set into one dim (ascending axis order), and all-gather of the innermost k >= 2 axes of one dim: on
+a link with a per-call launch cost one collective over the flattened group beats one per axis, and the
+shortest path takes whichever is cheaper. Backward costs follow NOTE [grad layouts] in
+`treadle.runtime.collectives` (gradients arrive complete). `objective="total"` minimises forward plus
+backward; the default minimises forward time and reports the backward of that path.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, Sequence
+
+from ..errors import LayoutError
+from ..mesh import Mesh
+from . import collective_cost as cc
+from .cluster import ClusterSpec
+from .layout import PART, REPL, Layout
+from .links import LinkSpec
+
+logger = logging.getLogger(__name__)
+
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "split", "to_partial"]
+COMM_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionStep:
+    """One move of a conversion. `axes` are mesh axis names (several: one flattened group, outer to inner);
+    `dim` is the tensor dim gathered, scattered or split (for all_to_all the new shard dim, `src_dim` the old);
+    `nbytes` is the per-rank buffer in `collective_cost`'s convention (all_gather: gathered output; others:
+    local input); `group_size` the ranks in one group; `time_s` forward, `backward_time_s` its adjoint."""
+
+    op: Op
+    axes: tuple[str, ...]
+    axis_indices: tuple[int, ...]
+    dim: int | None
+    src_dim: int | None
+    nbytes: int
+    group_size: int
+    time_s: float
+    backward_time_s: float
+    before: Layout
+    after: Layout
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op in COMM_OPS and self.group_size > 1
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one rank puts on the wire (ring / pairwise volumes; all-reduce counted as ring)."""
+        n = self.group_size
+        if not self.is_comm:
+            return 0.0
+        factor = 2 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
+        return factor * self.nbytes
+
+    def __str__(self) -> str:
+        axes = "+".join(self.axes)
+        dims = (f"dim {self.src_dim}->{self.dim}" if self.op == "all_to_all"
+                else f"dim {self.dim}" if self.dim is not None else "")
+        return (f"{self.op}({axes}{', ' + dims if dims else ''}) {self.before} -> {self.after}: "
+                f"{self.nbytes} B, {self.time_s * 1e6:.1f} us fwd, {self.backward_time_s * 1e6:.1f} us bwd")
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionPlan:
+    """The cheapest path from `src` to `dst`: its steps, forward `time_s` and `backward_time_s` in seconds."""
+
+    src: Layout
+    dst: Layout
+    global_shape: tuple[int, ...]
+    itemsize: int
+    steps: tuple[ConversionStep, ...]
+    time_s: float
+    backward_time_s: float
+
+    @property
+    def total_time_s(self) -> float:
+        return self.time_s + self.backward_time_s
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(s.is_comm for s in self.steps)
+
+    @property
+    def sent_bytes(self) -> float:
+        return sum(s.sent_bytes for s in self.steps)
+
+    def __str__(self) -> str:
+        head = (f"{self.src} -> {self.dst} of {self.global_shape} x {self.itemsize} B: "
+                f"{self.time_s * 1e6:.1f} us fwd, {self.backward_time_s * 1e6:.1f} us bwd")
+        return "\n  ".join([head, *(str(s) for s in self.steps)]) if self.steps else head + " (no-op)"
+
+
+def plan_conversion(src: Layout | Sequence | str, dst: Layout | Sequence | str, *, global_shape: Sequence[int], itemsize: int,
+                    cluster: ClusterSpec, objective: Literal["forward", "total"] = "forward") -> ConversionPlan:
+    """Cheapest sequence of collectives from layout `src` to `dst` of a tensor of `global_shape` with
+    elements of `itemsize` bytes on `cluster` (Dijkstra over the layout graph; memoised, so repeated
+    queries cost a dict lookup).
+
+    Raises LayoutError when either layout does not fit the mesh or does not divide the shape (naming the
+    dim, size and axes), or `objective` is unknown."""
+    if objective not in ("forward", "total"):
+        raise LayoutError(f"plan_conversion: objective must be 'forward' or 'total'; got {objective!r}")
+    if itemsize <= 0:
+        raise LayoutError(f"plan_conversion: itemsize must be a positive byte count; got {itemsize}")
+    src, dst = _as_layout(src), _as_layout(dst)
+    return _plan(src, dst, tuple(int(s) for s in global_shape), int(itemsize), cluster.mesh.shape,
+                 cluster.mesh.names, cluster.links, objective)
+
+
+def _as_layout(x) -> Layout:
+    if isinstance(x, Layout):
+        return x
+    if isinstance(x, str):
+        return Layout.parse(x)
+    return Layout(list(x))
+
+
+def conversion_time_s(src: Layout, dst: Layout, *, global_shape: Sequence[int], itemsize: int,
+                      cluster: ClusterSpec) -> float:
+    """Forward seconds of the cheapest conversion (see `plan_conversion`)."""
+    return plan_conversion(src, dst, global_shape=global_shape, itemsize=itemsize, cluster=cluster).time_s
+
+
+def clear_cache() -> None:
+    """Forget memoised plans (they never change for equal arguments; this only frees memory)."""
+    _plan.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------ search
+_State = tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]
+
+
+@lru_cache(maxsize=65536)
+def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...],
+          names: tuple[str, ...], links: tuple[LinkSpec, ...], objective: str) -> ConversionPlan:
+    mesh = Mesh(mesh_shape, names)
+    for what, lay in (("source layout", src), ("target layout", dst)):
+        lay.check(mesh, shape, what=f"plan_conversion: {what}")
+    start: _State = (src.codes, src.order)
+    goal: _State = (dst.codes, dst.order)
+    if start == goal:
+        return ConversionPlan(src, dst, shape, itemsize, (), 0.0, 0.0)
+    best: dict[_State, float] = {start: 0.0}
+    prev: dict[_State, tuple[_State, tuple]] = {}
+    tie = itertools.count()
+    heap = [(0.0, next(tie), start)]
+    weight_bwd = objective == "total"
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if state == goal:
+            break
+        if cost > best.get(state, math.inf):
+            continue
+        for nxt, edge in _edges(state, shape, itemsize, mesh_shape, links):
+            c = cost + edge[5] + (edge[6] if weight_bwd else 0.0)
+            if c < best.get(nxt, math.inf) - 1e-18:
+                best[nxt] = c
+                prev[nxt] = (state, edge)
+                heapq.heappush(heap, (c, next(tie), nxt))
+    if goal not in best:  # unreachable only through a bug: every layout goes via all-replicated
+        raise LayoutError(f"plan_conversion: no path from {src} to {dst} for shape {shape} on mesh {mesh_shape}")
+    edges = []
+    state = goal
+    while state != start:
+        before, edge = prev[state]
+        edges.append((before, state, edge))
+        state = before
+    steps = []
+    for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s) in reversed(edges):
+        steps.append(ConversionStep(op=op, axes=tuple(names[a] for a in axes), axis_indices=axes, dim=dim,
+                                    src_dim=src_dim, nbytes=int(nbytes), group_size=math.prod(mesh_shape[a] for a in axes),
+                                    time_s=fwd_s, backward_time_s=bwd_s,
+                                    before=Layout._from_codes(*before), after=Layout._from_codes(*after)))
+    plan = ConversionPlan(src, dst, shape, itemsize, tuple(steps), sum(s.time_s for s in steps),
+                          sum(s.backward_time_s for s in steps))
+    logger.debug("plan_conversion: %s", plan)
+    return plan
+
+
+def _local(shape: tuple[int, ...], order, mesh_shape: tuple[int, ...]) -> list[int]:
+    local = list(shape)
+    for d, axes in order:
+        for a in axes:
+            local[d] //= mesh_shape[a]
+    return local
+
+
+def _set_order(order, dim: int, axes: tuple[int, ...] | None) -> tuple:
+    """Order with `dim`'s axes replaced by `axes` (None or empty removes the dim), kept sorted by dim."""
+    out = [(d, a) for d, a in order if d != dim]
+    if axes:
+        out.append((dim, axes))
+    return tuple(sorted(out))
+
+
+def _edges(state: _State, shape, itemsize: int, mesh_shape, links):
+    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s)) for every move out of `state`."""
+    codes, order = state
+    local = _local(shape, order, mesh_shape)
+    lb = math.prod(local) * itemsize
+    axes_of = dict(order)
+    ndim = len(shape)
+    partial = [i for i, c in enumerate(codes) if c == PART]
+    for i, c in enumerate(codes):
+        n, link = mesh_shape[i], links[i]
+        if c == PART:
+            nc = codes[:i] + (REPL,) + codes[i + 1:]
+            yield (nc, order), ("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link), 0.0)
+            for d in range(ndim):
+                if local[d] % n == 0:
+                    nc = codes[:i] + (d,) + codes[i + 1:]
+                    t = cc.reduce_scatter_time_s(lb, n, link)
+                    yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
+                           ("reduce_scatter", (i,), d, None, lb, t, cc.all_gather_time_s(lb, n, link)))
+        elif c == REPL:
+            for d in range(ndim):
+                if local[d] % n == 0:
+                    nc = codes[:i] + (d,) + codes[i + 1:]
+                    yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
+                           ("split", (i,), d, None, lb, 0.0, cc.all_gather_time_s(lb, n, link)))
+            nc = codes[:i] + (PART,) + codes[i + 1:]
+            yield (nc, order), ("to_partial", (i,), None, None, lb, 0.0, 0.0)
+        else:
+            d_axes = axes_of[c]
+            if d_axes[-1] != i:
+                continue  # only the innermost axis of a dim moves on its own (NOTE [shard order])
+            rest = d_axes[:-1]
+            nc = codes[:i] + (REPL,) + codes[i + 1:]
+            yield ((nc, _set_order(order, c, rest)),
+                   ("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0))
+            t = cc.all_to_all_time_s(lb, n, link)
+            for d in range(ndim):
+                if d != c and local[d] % n == 0:
+                    nc = codes[:i] + (d,) + codes[i + 1:]
+                    new_order = _set_order(_set_order(order, c, rest), d, axes_of.get(d, ()) + (i,))
+                    yield (nc, new_order), ("all_to_all", (i,), d, c, lb, t, t)
+    # ---- flattened groups over several axes
+    if len(partial) >= 2:
+        for k in range(2, len(partial) + 1):
+            for group in itertools.combinations(partial, k):
+                n = math.prod(mesh_shape[a] for a in group)
+                link = cc.flat_link([links[a] for a in group])
+                nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
+                yield (nc, order), ("all_reduce", group, None, None, lb, cc.all_reduce_time_s(lb, n, link), 0.0)
+                t = cc.reduce_scatter_time_s(lb, n, link)
+                bwd = cc.all_gather_time_s(lb, n, link)
+                for d in range(ndim):
+                    if local[d] % n == 0:
+                        nc = tuple(d if a in group else x for a, x in enumerate(codes))
+                        yield ((nc, _set_order(order, d, axes_of.get(d, ()) + group)),
+                               ("reduce_scatter", group, d, None, lb, t, bwd))
+    for d, d_axes in order:
+        for k in range(2, len(d_axes) + 1):
+            group = d_axes[-k:]
+            n = math.prod(mesh_shape[a] for a in group)
+            link = cc.flat_link([links[a] for a in group])
+            nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
+            yield ((nc, _set_order(order, d, d_axes[:-k])),
+                   ("all_gather", group, d, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0))
