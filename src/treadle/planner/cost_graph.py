@@ -1,0 +1,618 @@
+"""The cost graph: decision units (merged ops), their strategies with costs, and layout-equality edges.
+
+Built for one *axis role assignment*: each mesh axis is either the data-parallel axis (at most one; the
+batch is split over it for the whole model, weights replicated or ZeRO-3-sharded over it) or a tensor
+axis (every op picks an option from the dimension algebra, `dims.py`). The ILP is solved per role
+assignment and the best is kept (`plan.py`), so the optimum over assignments is exact.
+
+NOTE [expressible plans]: the output is a module-level schedule, so a layout may change only where a
+module hands its output to code outside it (``sync("fwd_post", to=...)``). A node's *published* layout
+is its raw output layout, or — when the node is the single exit of its innermost module — Replicate,
+priced by `treadle.cost.convert.plan_conversion` (forward and adjoint). Every consumer must read exactly
+the published layout, which the ILP states as equalities of placement indicators, with no edge variables.
+Parameters may be sharded only where the runtime has a sharded-compute rule for the owning leaf module
+(`treadle.runtime.leaf_rules`); other parameters stay replicated on tensor axes, and when their gradient
+is a pending sum there, `reduce_grads` is emitted and priced.
+
+NOTE [instance weights]: a captured block instance stands for `Block.weight` real blocks; instances with
+equal hashes share one unit per node. A unit's costs are per execution and multiplied by `Unit.count`,
+the number of real executions; an equality edge is stated once per distinct (unit, unit, placement) pair.
+
+NOTE [followers]: a node whose only variable input is one unit, and that has exactly one strategy per
+strategy of that unit, is merged into it (its costs add to the leader's strategy). This is exact: the
+follower's choice is forced by the equality edge anyway.
+
+Costs per strategy, per execution, per device (seconds / bytes): roofline compute of the local shard
+(FLOPs from `treadle.profile.flops`, bytes moved by the local tensors; backward moves twice the forward
+bytes, an approximation), conversion at publish, Megatron's backward all-reduce for replicated inputs of
+sharded ops, data-parallel gradient reduction (or ZeRO-3's gathers and reduce-scatter) of the parameters
+the unit owns, saved activations (by the autograd rule of each consumer, deduplicated per storage) and
+static memory (parameter + gradient + optimizer state, divided by the shards). Communication is not
+assumed to overlap with compute (a conservative, stated choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cost.cluster import ClusterSpec
+from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from ..cost.convert import plan_conversion
+from ..cost.layout import Layout
+from ..errors import PlanError, ProfileError
+from ..mesh import Mesh
+from ..profile import flops as flops_mod
+from ..profile.roofline import op_time_s
+from .capture import CapturedGraph, Node, TensorMeta
+from .dims import P, R, AxisOption, dim_spec, strategies
+
+logger = logging.getLogger(__name__)
+
+# Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
+_SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "rsqrt", "tanh", "sigmoid", "exp",
+                 "scaled_dot_product_attention", "relu", "sqrt"}
+_SAVES_NOTHING = {"add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "detach", "view",
+                  "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+                  "slice", "select", "cat", "split", "split_with_sizes", "getitem", "sum", "mean", "flatten",
+                  "unflatten", "expand_as", "view_as", "add_", "copy_", "lift_fresh_copy", "chunk", "narrow",
+                  "type_as", "pad", "constant_pad_nd", "fill_", "zeros_like", "ones_like", "full_like"}
+_VIEW_OPS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+             "alias", "slice", "select", "getitem", "split", "split_with_sizes", "flatten", "unflatten",
+             "expand_as", "view_as", "contiguous", "chunk", "narrow", "detach", "numpy_T"}
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """What each mesh axis does: `dp` (the data-parallel axis or None), `zero` (ZeRO-3 over it), and the
+    tensor axes in mesh order. Axes in `off` are forbidden: every op is replicated on them."""
+
+    dp: str | None
+    zero: bool
+    tp: tuple[str, ...]
+    off: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        parts = []
+        if self.dp:
+            parts.append(f"data-parallel {self.dp}{' (ZeRO-3)' if self.zero else ''}")
+        if self.tp:
+            parts.append(f"tensor {','.join(self.tp)}")
+        if self.off:
+            parts.append(f"off {','.join(self.off)}")
+        return "; ".join(parts) or "replicated"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """Training setup priced by the planner: optimizer state bytes per parameter element (AdamW: two fp32
+    moments = 8) and whether a fp32 master copy is kept for lower-precision parameters."""
+
+    optimizer_bytes_per_elem: int = 8
+    master_copy: bool = True
+
+
+@dataclass(slots=True)
+class StrategyCost:
+    """Per execution, per device: seconds and bytes of one unit strategy (leader plus followers)."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    fwd_s: float = 0.0  # forward compute + forward comm (what recomputation repeats)
+    act_bytes: float = 0.0  # saved for backward
+    static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
+
+
+@dataclass(slots=True)
+class Unit:
+    """One decision: a leader node (and its followers), `count` real executions, `template` block id or None."""
+
+    leader: int
+    nodes: list[int]
+    count: int
+    template: int | None
+    strategies: list[dict[int, tuple[tuple[AxisOption, ...], tuple[int, ...]]]]  # node -> (combo, published)
+    costs: list[StrategyCost]
+    allowed: list[bool]
+    module: str
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Equality of a placement between unit `u` (value per strategy) and unit `v` (value per strategy)."""
+
+    u: int
+    v: int
+    u_vals: tuple
+    v_vals: tuple
+    what: str
+
+
+@dataclass(slots=True)
+class CostGraph:
+    graph: CapturedGraph
+    cluster: ClusterSpec
+    roles: Roles
+    units: list[Unit]
+    edges: list[Edge]
+    unit_of: dict[int, tuple[int, dict[int, int] | None]]  # node -> (unit, leader k -> own strategy) or identity
+    templates: dict[int, "TemplateInfo"]
+    unknown_flops: dict[str, int] = field(default_factory=dict)
+    fixed_static_bytes: float = 0.0  # memory that no decision changes (buffers, user inputs)
+    model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
+
+
+@dataclass(slots=True)
+class TemplateInfo:
+    """A repeated block template: `count` real blocks, its units, and the unit/bytes of its input."""
+
+    template: int
+    path: str
+    members: list[str]
+    count: int
+    units: list[int]
+    input_unit: int | None
+    input_bytes: list[float]  # per strategy of input_unit: bytes kept by a checkpointed block
+
+
+def _tensor_axes_divisor(pl: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    d = 1
+    for p, n in zip(pl, sizes):
+        if p >= 0:
+            d *= n
+    return d
+
+
+def exit_module(graph: CapturedGraph, node: Node) -> str | None:
+    """The innermost module that `node` is the single exit of (all users outside it), or None."""
+    q = node.module
+    if not q or not isinstance(node.out, TensorMeta) or not node.users:
+        return None
+    for u in node.users:
+        m = graph.nodes[u].module
+        if m == q or m.startswith(q + "."):
+            return None
+    exits = [n for n in graph.nodes if n.kind == "op" and (n.module == q or n.module.startswith(q + "."))
+             and any(not (graph.nodes[u].module == q or graph.nodes[u].module.startswith(q + "."))
+                     for u in n.users)]
+    return q if len(exits) == 1 else None
+
+
+def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *,
+                     train: TrainSpec = TrainSpec(), pins: dict[str, tuple[int, ...]] | None = None,
+                     shardable: "callable[[str, str], set[tuple[int, ...]]] | None" = None,
+                     dtype_compute: torch.dtype | None = None) -> CostGraph:
+    """Units, strategies and costs of `graph` on `cluster` under `roles`.
+
+    `pins` maps a parameter name to its required placement on the tensor axes (codes per axis);
+    `shardable(param, module)` returns the parameter placements (codes per tensor axis, besides all-R) the
+    runtime can build for that parameter (default: none, i.e. everything replicated).
+    Raises PlanError if a pin names an unknown parameter or can never be met.
+    """
+    return _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute).build()
+
+
+class _Builder:
+    def __init__(self, graph, cluster, roles, train, pins, shardable, dtype_compute):
+        self.g = graph
+        self.nodes = graph.nodes
+        self.cluster = cluster
+        self.roles = roles
+        self.train = train
+        self.pins = pins
+        self.shardable = shardable or (lambda p, m: set())
+        self.hw = cluster.hardware()
+        mesh = cluster.mesh
+        self.tp_axes = roles.tp
+        self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
+        self.dp_size = mesh.size(roles.dp) if roles.dp else 1
+        self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
+                                        cluster.device) if self.tp_axes else None)
+        for p in pins:
+            if p not in graph.params:
+                raise PlanError(f"pin on parameter {p!r}: no such parameter in {graph.model_class}; "
+                                f"parameters look like {sorted(graph.params)[:3]}")
+        self.unknown_flops: dict[str, int] = {}
+        self.dtype_compute = dtype_compute
+
+    # ------------------------------------------------------------------ per-node facts
+    def canonical(self, i: int) -> int:
+        """The node of the template instance standing for node i (itself outside repeated blocks)."""
+        n = self.nodes[i]
+        if n.block is None:
+            return i
+        b = self.g.blocks[n.block]
+        if b.template == n.block:
+            return i
+        t = self.g.blocks[b.template]
+        return t.nodes[b.nodes.index(i)]
+
+    def count(self, i: int) -> int:
+        """Real executions of the canonical node i: the sum of the weights of all instances it stands for."""
+        n = self.nodes[i]
+        if n.block is None:
+            return 1
+        t = self.g.blocks[n.block].template
+        return sum(b.weight for b in self.g.blocks if b.template == t)
+
+    def _batch(self) -> None:
+        """Which values carry the batch (split over the dp axis) and which need gradients."""
+        self.carry = [False] * len(self.nodes)
+        self.rg = [False] * len(self.nodes)
+        for n in self.nodes:
+            if n.kind == "input":
+                self.carry[n.index] = True
+            elif n.kind == "param":
+                self.rg[n.index] = True
+            elif n.kind == "op":
+                self.carry[n.index] = any(self.carry[i] for i in n.inputs)
+                out = n.out[0] if isinstance(n.out, tuple) and n.out else n.out
+                self.rg[n.index] = (any(self.rg[i] for i in n.inputs) and isinstance(out, TensorMeta)
+                                    and out.dtype.is_floating_point)
+
+    def local_dp_shape(self, i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dp_size > 1 and self.carry[i] and shape and shape[0] % self.dp_size == 0:
+            return (shape[0] // self.dp_size,) + tuple(shape[1:])
+        return tuple(shape)
+
+    def dp_div(self, i: int) -> int:
+        return self.dp_size if self.carry[i] else 1
+
+    # ------------------------------------------------------------------ strategies
+    def node_strategies(self, n: Node) -> list[tuple[tuple[AxisOption, ...], tuple[int, ...]]]:
+        spec = dim_spec(n, self.nodes)
+        combos = strategies(n, self.nodes, spec, self.tp_sizes)
+        out: list = []
+        exitable = self.exit_of.get(n.index) is not None
+        is_output = n.index in self.g.outputs
+        for combo in combos:
+            if not self._inputs_ok(n, combo):
+                continue
+            raw = tuple(o.outs[0] for o in combo) if combo else ()
+            if not is_output or all(p == R for p in raw):  # the model's outputs are whole on every rank
+                out.append((combo, raw))
+            if exitable and any(p != R for p in raw):
+                out.append((combo, tuple(R for _ in raw)))
+        return out
+
+    def _inputs_ok(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
+        for pos, i in enumerate(n.inputs):
+            src = self.nodes[i]
+            pl = tuple(o.ins[pos] for o in combo)
+            if src.kind in ("input", "buffer", "const"):
+                if any(p != R for p in pl):
+                    return False
+            elif src.kind == "param":
+                if any(p == P for p in pl):
+                    return False
+                pin = self.pins.get(src.param)
+                if pin is not None and pl != pin:
+                    return False
+                if any(p != R for p in pl) and pl not in self.shardable(src.param, n.module):
+                    return False
+                # a replicated parameter with a pending-sum gradient on a tensor axis: allowed only where
+                # the runtime can reduce it (reduce_grads on a module that is not a sharded leaf)
+                if any(o.grad_partial[pos] for o in combo) and self.shardable(src.param, n.module):
+                    return False
+        return True
+
+    # ------------------------------------------------------------------ costs
+    def _flops(self, n: Node) -> tuple[int, int]:
+        try:
+            f = flops_mod.forward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out)
+            b = flops_mod.backward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out) if self.rg[n.index] else 0
+            return f, b
+        except ProfileError:
+            self.unknown_flops[n.op_name] = self.unknown_flops.get(n.op_name, 0) + 1
+            return 0, 0
+
+    def _is_view(self, n: Node) -> bool:
+        if n.op_name in _VIEW_OPS:
+            return True
+        try:
+            return flops_mod.op_kind(n.target) == "view"
+        except ProfileError:
+            return False
+
+    def _conversion(self, i: int, raw: tuple[int, ...], pub: tuple[int, ...]) -> tuple[float, float]:
+        if raw == pub or self.sub_cluster is None:
+            return 0.0, 0.0
+        meta = self.nodes[i].out
+        shape = self.local_dp_shape(i, meta.shape)
+        plan = plan_conversion(Layout([_code_str(p) for p in raw]), Layout([_code_str(p) for p in pub]),
+                               global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
+        return plan.time_s, plan.backward_time_s
+
+    def strategy_cost(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> StrategyCost:
+        c = StrategyCost()
+        i = n.index
+        f_flops, b_flops = self.flop_cache[i]
+        work = self.dp_div(i)
+        for o, size in zip(combo, self.tp_sizes):
+            if o.work_split:
+                work *= size
+        moved = 0.0
+        if not self._is_view(n):
+            for pos, j in enumerate(n.inputs):
+                m = self.nodes[j].out
+                if isinstance(m, TensorMeta):
+                    pl = tuple(o.ins[pos] for o in combo)
+                    moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
+            outs = n.out if isinstance(n.out, tuple) else (n.out,)
+            for k, m in enumerate(outs):
+                if isinstance(m, TensorMeta):
+                    pl = tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
+                    moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+        dtype = self.dtype_compute or _dtype_of(n)
+        fwd = op_time_s(int(f_flops / work), int(moved), self.hw, dtype)
+        bwd = op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype) if self.rg[i] else 0.0
+        c.compute_s = fwd + bwd
+        c.fwd_s = fwd
+        # conversion at publish
+        cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
+        c.comm_s += cf + cb
+        c.fwd_s += cf
+        # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient
+        for pos, j in enumerate(n.inputs):
+            src = self.nodes[j]
+            m = src.out
+            if not isinstance(m, TensorMeta) or not self.rg[j]:
+                continue
+            pl = tuple(o.ins[pos] for o in combo)
+            nbytes = m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
+            for k, o in enumerate(combo):
+                if o.grad_partial[pos]:
+                    c.comm_s += all_reduce_time_s(nbytes, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
+        # parameters owned by this node (first consumer): static memory and gradient reduction
+        for pos, j in enumerate(n.inputs):
+            src = self.nodes[j]
+            if src.kind != "param" or self.param_owner.get(src.param) != i:
+                continue
+            pl = tuple(o.ins[pos] for o in combo)
+            c.static_bytes += self.param_static_bytes(src.out, pl)
+            c.comm_s += self.param_sync_s(src.out, pl)
+        # saved activations: outputs of this node that some consumer saves (views count on their base)
+        c.act_bytes += self.saved_bytes(n, combo, pub)
+        return c
+
+    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
+        if self.roles.zero:
+            local /= self.dp_size
+        per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
+        if self.train.master_copy and meta.dtype != torch.float32:
+            per += 4
+        return local * per
+
+    def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """Data-parallel gradient reduction (all-reduce), or ZeRO-3's two gathers and one reduce-scatter,
+        plus `reduce_grads` over tensor axes where the gradient is a pending sum (not handled here)."""
+        if not self.roles.dp or self.dp_size == 1:
+            return 0.0
+        nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
+        link = self.cluster.link(self.roles.dp)
+        if self.roles.zero:
+            return 2 * all_gather_time_s(nbytes, self.dp_size, link) + reduce_scatter_time_s(nbytes, self.dp_size, link)
+        return all_reduce_time_s(nbytes, self.dp_size, link)
+
+    def saved_bytes(self, n: Node, combo, pub) -> float:
+        i = n.index
+        if not self.saved[i]:
+            return 0.0
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        total = 0.0
+        for k, m in enumerate(outs):
+            if isinstance(m, TensorMeta) and self.saved[i]:
+                pl = pub if k == 0 else tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
+                total += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+        return total
+
+    def _mark_saved(self) -> None:
+        """saved[i]: node i's output storage is kept for backward by some consumer (views -> their base)."""
+        self.saved = [False] * len(self.nodes)
+
+        def base(j: int) -> int:
+            while self.nodes[j].kind == "op" and self.nodes[j].op_name in _VIEW_OPS and self.nodes[j].inputs:
+                j = self.nodes[j].inputs[0]
+            return j
+
+        for n in self.nodes:
+            if n.kind != "op" or not self.rg[n.index]:
+                continue
+            name = n.op_name
+            if name in _SAVES_OUTPUT:
+                b = base(n.index)
+                if self.nodes[b].kind == "op":
+                    self.saved[b] = True
+            if name in _SAVES_NOTHING or name in _SAVES_OUTPUT and name != "scaled_dot_product_attention":
+                continue
+            for j in n.inputs:
+                b = base(j)
+                src = self.nodes[b]
+                if src.kind == "op" and isinstance(src.out, (TensorMeta, tuple)):
+                    self.saved[b] = True
+
+    # ------------------------------------------------------------------ assembly
+    def build(self) -> CostGraph:
+        self._batch()
+        self._mark_saved()
+        # canonical op nodes in order
+        canon_ops = [n for n in self.nodes if n.kind == "op" and self.canonical(n.index) == n.index]
+        self.exit_of = {n.index: exit_module(self.g, n) for n in canon_ops}
+        self.param_owner: dict[str, int] = {}
+        for n in canon_ops:
+            for j in n.inputs:
+                if self.nodes[j].kind == "param":
+                    self.param_owner.setdefault(self.nodes[j].param, n.index)
+        self.flop_cache = {n.index: self._flops(n) for n in canon_ops}
+        node_strats: dict[int, list] = {}
+        for n in canon_ops:
+            s = self.node_strategies(n)
+            if not s:
+                raise PlanError(f"op {n.name} ({n.op_name}) at {n.module or '<root>'} has no strategy that meets "
+                                f"the pins and the runtime's sharding rules on {self.roles}")
+            node_strats[n.index] = s
+        # followers
+        unit_of: dict[int, tuple[int, dict[int, int] | None]] = {}
+        units: list[Unit] = []
+        leader_unit: dict[int, int] = {}
+        for n in canon_ops:
+            i = n.index
+            var_inputs = {self.canonical(j) for j in n.inputs if self.nodes[j].kind == "op"}
+            mapping = None
+            if len(var_inputs) == 1:
+                u = next(iter(var_inputs))
+                mapping = self._follow(n, u, node_strats, unit_of, units)
+            if mapping is not None:
+                uidx, _ = unit_of[next(iter(var_inputs))]
+                unit_of[i] = (uidx, mapping)
+                units[uidx].nodes.append(i)
+                for k, l in mapping.items():
+                    units[uidx].strategies[k][i] = node_strats[i][l]
+                continue
+            strat = node_strats[i]
+            unit = Unit(i, [i], self.count(i), self._template(i),
+                        [{i: s} for s in strat], [StrategyCost() for _ in strat], [True] * len(strat), n.module)
+            unit_of[i] = (len(units), None)
+            leader_unit[i] = len(units)
+            units.append(unit)
+        # costs
+        for unit in units:
+            for k, members in enumerate(unit.strategies):
+                total = unit.costs[k]
+                for i, (combo, pub) in members.items():
+                    c = self.strategy_cost(self.nodes[i], combo, pub)
+                    total.compute_s += c.compute_s
+                    total.comm_s += c.comm_s
+                    total.fwd_s += c.fwd_s
+                    total.act_bytes += c.act_bytes
+                    total.static_bytes += c.static_bytes
+        edges = self._edges(units, unit_of, node_strats)
+        templates = self._templates(units, unit_of, node_strats)
+        fixed = sum(n.out.nbytes / self.dp_div(n.index) for n in self.nodes
+                    if n.kind in ("buffer", "const", "input") and isinstance(n.out, TensorMeta))
+        model_flops = 0.0
+        for n in canon_ops:
+            f, b = self.flop_cache[n.index]
+            model_flops += (f + b) * self.count(n.index)
+        cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
+                       dict(self.unknown_flops), fixed, model_flops)
+        logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
+                     sum(len(u.strategies) for u in units), len(edges), len(templates))
+        return cg
+
+    def _template(self, i: int) -> int | None:
+        b = self.nodes[i].block
+        return None if b is None else self.g.blocks[b].template
+
+    def _strategy_of(self, i: int, unit_of, node_strats) -> tuple[int, list]:
+        """(unit index, per unit strategy k: (combo, pub) of node i)."""
+        uidx, mapping = unit_of[i]
+        strat = node_strats[i]
+        if mapping is None:
+            return uidx, list(strat)
+        return uidx, [strat[mapping[k]] for k in sorted(mapping)]
+
+    def _follow(self, n: Node, u: int, node_strats, unit_of, units) -> dict[int, int] | None:
+        if u not in unit_of:
+            return None
+        if self._template(n.index) != self._template(u):
+            return None
+        uidx, u_strats = self._strategy_of(u, unit_of, node_strats)
+        positions = [pos for pos, j in enumerate(n.inputs) if self.canonical(j) == u]
+        mine = node_strats[n.index]
+        mapping: dict[int, int] = {}
+        for k, (combo_u, pub_u) in enumerate(u_strats):
+            match = [l for l, (combo, pub) in enumerate(mine)
+                     if all(tuple(o.ins[pos] for o in combo) == pub_u for pos in positions)]
+            if len(match) != 1:
+                return None
+            mapping[k] = match[0]
+        return mapping
+
+    def _edges(self, units, unit_of, node_strats) -> list[Edge]:
+        seen = set()
+        edges: list[Edge] = []
+        for n in self.nodes:
+            if n.kind != "op":
+                continue
+            v = self.canonical(n.index)
+            vu, v_strats = self._strategy_of(v, unit_of, node_strats)
+            for pos, j in enumerate(self.nodes[v].inputs):
+                pass
+            for pos, j0 in enumerate(n.inputs):
+                src = self.nodes[j0]
+                if src.kind != "op":
+                    continue
+                u = self.canonical(j0)
+                uu, u_strats = self._strategy_of(u, unit_of, node_strats)
+                if uu == vu:
+                    continue
+                key = (uu, u, vu, v, pos)
+                if key in seen:
+                    continue
+                seen.add(key)
+                u_vals = tuple(pub for _, pub in u_strats)
+                v_vals = tuple(tuple(o.ins[pos] for o in combo) for combo, _ in v_strats)
+                if len(set(u_vals)) == 1 and set(v_vals) == set(u_vals):
+                    continue
+                edges.append(Edge(uu, vu, u_vals, v_vals, f"{src.name}->{n.name}"))
+        # tied parameters: every consumer reads one layout
+        consumers: dict[str, list[tuple[int, int]]] = {}
+        for n in self.nodes:
+            if n.kind == "op" and self.canonical(n.index) == n.index:
+                for pos, j in enumerate(n.inputs):
+                    if self.nodes[j].kind == "param":
+                        consumers.setdefault(self.nodes[j].param, []).append((n.index, pos))
+        for p, cons in consumers.items():
+            for (a, pa), (b, pb) in zip(cons, cons[1:]):
+                ua, sa = self._strategy_of(a, unit_of, node_strats)
+                ub, sb = self._strategy_of(b, unit_of, node_strats)
+                va = tuple(tuple(o.ins[pa] for o in combo) for combo, _ in sa)
+                vb = tuple(tuple(o.ins[pb] for o in combo) for combo, _ in sb)
+                if ua == ub and va == vb:
+                    continue
+                edges.append(Edge(ua, ub, va, vb, f"tied parameter {p}"))
+        return edges
+
+    def _templates(self, units, unit_of, node_strats) -> dict[int, TemplateInfo]:
+        out: dict[int, TemplateInfo] = {}
+        for t in sorted({b.template for b in self.g.blocks}):
+            blk = self.g.blocks[t]
+            members = [m for b in self.g.blocks if b.template == t for m in b.members]
+            tunits = sorted({unit_of[i][0] for i in blk.nodes if i in unit_of})
+            # the block's input: the largest activation entering from outside the block
+            best, best_bytes = None, -1
+            inside = set(blk.nodes)
+            for i in blk.nodes:
+                for j in self.nodes[i].inputs:
+                    if j not in inside and self.nodes[j].kind == "op" and isinstance(self.nodes[j].out, TensorMeta):
+                        if self.nodes[j].out.nbytes > best_bytes:
+                            best, best_bytes = j, self.nodes[j].out.nbytes
+            input_unit, input_bytes = None, []
+            if best is not None:
+                cj = self.canonical(best)
+                input_unit, s = self._strategy_of(cj, unit_of, node_strats)
+                meta = self.nodes[best].out
+                input_bytes = [meta.nbytes / _tensor_axes_divisor(pub, self.tp_sizes) / self.dp_div(best)
+                               for _, pub in s]
+            out[t] = TemplateInfo(t, blk.path, members, len(members), tunits, input_unit, input_bytes)
+        return out
+
+
+def _dtype_of(n: Node) -> torch.dtype:
+    m = n.out[0] if isinstance(n.out, tuple) and n.out else n.out
+    dt = m.dtype if isinstance(m, TensorMeta) else torch.float32
+    return dt if dt.is_floating_point else torch.float32
+
+
+def _code_str(p: int) -> str:
+    return "R" if p == R else "P" if p == P else f"S{p}"
+
+
+__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "build_cost_graph",
+           "exit_module", "math", "Any"]

@@ -1,0 +1,584 @@
+"""Sharding strategies of an op by the algebra of its dimensions (einsum style), one mesh axis at a time.
+
+Each op is described by a `DimSpec`: one *letter* per dim of every tensor input and output (``mm`` is
+``mk,kn->mn``; element-wise ops share letters, a broadcast dim of size 1 gets a letter of its own; a view
+maps letters through the reshape). One general rule turns a DimSpec into the options on a mesh axis of
+size n (NOTE [one-axis options]):
+
+- *replicate*: every tensor whole, every rank does all the work;
+- *shard letter L* (L divisible by n, not blocked): tensors holding L are ``Shard(position of L)``, the
+  others ``Replicate``; if L is not in the output it is contracted and the output is ``Partial`` (sum),
+  allowed only for letters the op sums over (matmul's k, ``sum``'s reduced dims); the work divides by n.
+  An input without L whose output has L gets a *pending-sum gradient* (Megatron's "f": all-reduced in
+  backward) — for a parameter that is the data-parallel gradient reduction.
+- *Partial through*: ops linear in some inputs (add, views, casts, mul by a replicated tensor, matmul in
+  one operand) take those inputs ``Partial`` and give a ``Partial`` output.
+
+Placements are encoded as ints: ``R`` (-1) Replicate, ``P`` (-2) Partial (sum), ``d >= 0`` Shard(d).
+Rules are registered per op name with `register_dims` (duplicates rejected). An op with no rule gets
+replicate-only options and is listed by `unknown_ops`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import PlanError
+from .capture import Node, TensorMeta
+
+logger = logging.getLogger(__name__)
+
+R = -1  # Replicate()
+P = -2  # Partial() (sum)
+
+
+def placement_str(p: int) -> str:
+    return "R" if p == R else "P" if p == P else f"S({p})"
+
+
+@dataclass(slots=True)
+class DimSpec:
+    """Letters per tensor input (aligned with `Node.inputs`) and per output; sizes of letters.
+
+    `blocked`: letters never sharded (normalised, sliced, concatenated, gathered dims). `sum_letters`:
+    contracted letters whose sharding yields a Partial output. `partial_in`: groups of input positions
+    that may be Partial together (the op is linear in them), giving a Partial output.
+    """
+
+    ins: list[tuple[int, ...] | None]
+    outs: list[tuple[int, ...] | None]
+    sizes: dict[int, int]
+    blocked: set[int] = field(default_factory=set)
+    sum_letters: set[int] = field(default_factory=set)
+    partial_in: list[tuple[int, ...]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class AxisOption:
+    """One way an op runs on one mesh axis: placement of each input and output, and its consequences.
+
+    `letter`: the sharded letter (None for replicate / Partial-through). `work_split`: the op's work
+    divides by the axis size. `grad_partial[i]`: input i's gradient is a pending sum on this axis.
+    """
+
+    letter: int | None
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    work_split: bool
+    grad_partial: tuple[bool, ...]
+
+
+DimRule = Callable[[Node, list[Node]], "DimSpec | None"]
+_RULES: dict[str, DimRule] = {}
+
+
+def register_dims(*op_names: str) -> Callable[[DimRule], DimRule]:
+    """Register one dimension rule for ATen op names (overload packets, e.g. ``"linear"``).
+    Raises PlanError when a name already has a rule."""
+
+    def deco(fn: DimRule) -> DimRule:
+        for name in op_names:
+            if name in _RULES:
+                raise PlanError(f"dimension rule for op {name!r} is already registered ({_RULES[name].__name__})")
+            _RULES[name] = fn
+        return fn
+
+    return deco
+
+
+def has_rule(op_name: str) -> bool:
+    return op_name in _RULES
+
+
+# ----------------------------------------------------------------------------- helpers for rules
+class _Letters:
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+
+    def new(self, size: int) -> int:
+        k = len(self.sizes)
+        self.sizes[k] = size
+        return k
+
+    def many(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.new(s) for s in shape)
+
+
+def _meta(n: Node) -> TensorMeta | None:
+    return n.out if isinstance(n.out, TensorMeta) else None
+
+
+def _arg(node: Node, pos: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def _is_ref(a: Any) -> bool:
+    return isinstance(a, tuple) and len(a) == 2 and a[0] == "node"
+
+
+def _dim(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _inputs_meta(node: Node, nodes: list[Node]) -> list[TensorMeta | None]:
+    return [_meta(nodes[i]) for i in node.inputs]
+
+
+def _broadcast(node: Node, nodes: list[Node], out_shape: tuple[int, ...], L: _Letters,
+               out_letters: tuple[int, ...] | None = None) -> tuple[list, tuple[int, ...]]:
+    """Letters of inputs aligned to the output from the right; size-1 broadcast dims get own letters."""
+    ol = out_letters if out_letters is not None else L.many(out_shape)
+    ins = []
+    for m in _inputs_meta(node, nodes):
+        if m is None:
+            ins.append(None)
+            continue
+        r, q = len(out_shape), len(m.shape)
+        if q > r:
+            return [], ()
+        letters = []
+        for j, s in enumerate(m.shape):
+            o = r - q + j
+            letters.append(ol[o] if s == out_shape[o] else L.new(s))
+        ins.append(tuple(letters))
+    return ins, ol
+
+
+# ----------------------------------------------------------------------------- rules
+_UNARY = ("neg", "silu", "gelu", "relu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "cos", "sin",
+          "erf", "reciprocal", "square", "softplus", "to", "_to_copy", "clone", "contiguous", "alias", "detach",
+          "lift_fresh_copy", "full_like", "zeros_like", "ones_like", "empty_like", "dropout", "gelu_", "relu_",
+          "silu_", "tanh_", "log1p", "expm1", "sign", "floor", "ceil", "round", "logical_not", "bitwise_not",
+          "isnan", "isinf", "hardtanh", "leaky_relu", "elu", "mish", "_log_softmax_backward_data", "fill_",
+          "fill", "triu", "tril", "pow", "clamp", "clamp_min", "clamp_max", "nan_to_num", "bernoulli",
+          "type_as", "mul", "div", "add", "sub", "rsub", "where", "masked_fill", "masked_fill_", "maximum",
+          "minimum", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "bitwise_and", "bitwise_or",
+          "logical_and", "logical_or", "add_", "mul_", "div_", "sub_", "copy_", "lerp", "addcmul", "addcdiv",
+          "fmod", "remainder", "floor_divide", "atan2", "xlogy", "native_dropout")
+_LINEAR_UNARY = {"neg", "to", "_to_copy", "clone", "contiguous", "alias", "detach", "type_as"}
+
+
+@register_dims(*_UNARY)
+def _elementwise(node: Node, nodes: list[Node]) -> DimSpec | None:
+    out = node.out[0] if isinstance(node.out, tuple) else node.out
+    if not isinstance(out, TensorMeta):
+        return None
+    L = _Letters()
+    ins, ol = _broadcast(node, nodes, out.shape, L)
+    if not ins and node.inputs:
+        return None
+    n_out = len(node.out) if isinstance(node.out, tuple) else 1
+    outs = [ol if isinstance(o, TensorMeta) and o.shape == out.shape else None
+            for o in (node.out if isinstance(node.out, tuple) else (node.out,))]
+    outs = outs if n_out > 1 else [ol]
+    name = node.op_name
+    partial_in: list[tuple[int, ...]] = []
+    tensor_pos = [i for i, x in enumerate(ins) if x is not None]
+    if name in ("add", "sub", "add_", "sub_") and tensor_pos and _no_scalar_addend(node):
+        partial_in.append(tuple(tensor_pos))
+    elif name in ("mul", "mul_") and tensor_pos:
+        partial_in.extend((i,) for i in tensor_pos)
+    elif name in ("div", "div_") and tensor_pos:
+        partial_in.append((tensor_pos[0],))
+    elif name in _LINEAR_UNARY and len(tensor_pos) == 1:
+        partial_in.append((tensor_pos[0],))
+    return DimSpec(ins, outs, L.sizes, partial_in=partial_in)
+
+
+def _no_scalar_addend(node: Node) -> bool:
+    """add(P, scalar) would add the scalar on every rank: only tensor + tensor stays linear."""
+    return sum(1 for a in node.args[:2] if _is_ref(a)) == 2
+
+
+@register_dims("linear")
+def _linear(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x, w = _meta(nodes[node.inputs[0]]), _meta(nodes[node.inputs[1]])
+    if x is None or w is None or len(w.shape) != 2:
+        return None
+    L = _Letters()
+    batch = L.many(x.shape[:-1])
+    k, n = L.new(x.shape[-1]), L.new(w.shape[0])
+    ins: list = [batch + (k,), (n, k)]
+    if len(node.inputs) > 2:
+        ins.append((n,))
+    # a bias makes the op affine, so x cannot be Partial through it
+    partial_in = [] if len(node.inputs) > 2 else [(0,)]
+    return DimSpec(ins, [batch + (n,)], L.sizes, sum_letters={k}, partial_in=partial_in)
+
+
+@register_dims("mm", "addmm", "bmm", "matmul", "baddbmm")
+def _matmul(node: Node, nodes: list[Node]) -> DimSpec | None:
+    metas = _inputs_meta(node, nodes)
+    if node.op_name in ("addmm", "baddbmm"):
+        bias, a, b = metas[0], metas[1], metas[2]
+    else:
+        bias, (a, b) = None, metas[:2]
+    if a is None or b is None or len(a.shape) < 2 or len(b.shape) < 2 or len(a.shape) != len(b.shape):
+        return None
+    L = _Letters()
+    batch = L.many(a.shape[:-2])
+    m, k, n = L.new(a.shape[-2]), L.new(a.shape[-1]), L.new(b.shape[-1])
+    out = batch + (m, n)
+    ins: list = [batch + (m, k), batch + (k, n)]
+    partial_in = [(0,), (1,)]
+    if bias is not None:
+        bl = []
+        for j, s in enumerate(bias.shape):
+            o = len(out) - len(bias.shape) + j
+            bl.append(out[o] if s == (a.shape[:-2] + (a.shape[-2], b.shape[-1]))[o] else L.new(s))
+        ins = [tuple(bl)] + ins
+        partial_in = []
+    return DimSpec(ins, [out], L.sizes, sum_letters={k}, partial_in=partial_in)
+
+
+@register_dims("embedding")
+def _embedding(node: Node, nodes: list[Node]) -> DimSpec | None:
+    w, ids = _meta(nodes[node.inputs[0]]), _meta(nodes[node.inputs[1]]) if len(node.inputs) > 1 else None
+    if w is None or ids is None:
+        return None
+    L = _Letters()
+    idl = L.many(ids.shape)
+    v, e = L.new(w.shape[0]), L.new(w.shape[1])
+    # the vocab letter is "contracted" by the one-hot lookup: a vocab-sharded table gives a Partial output
+    return DimSpec([(v, e), idl], [idl + (e,)], L.sizes, sum_letters={v})
+
+
+@register_dims("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention")
+def _sdpa(node: Node, nodes: list[Node]) -> DimSpec | None:
+    metas = _inputs_meta(node, nodes)
+    q, k, v = metas[:3]
+    if q is None or k is None or v is None or len(q.shape) != 4:
+        return None
+    L = _Letters()
+    b, h, s, d = L.many(q.shape)
+    t, e = L.new(k.shape[2]), L.new(v.shape[3])
+    kh = h if k.shape[1] == q.shape[1] else L.new(k.shape[1])
+    kb = b if k.shape[0] == q.shape[0] else L.new(k.shape[0])
+    ins: list = [(b, h, s, d), (kb, kh, t, d), (kb, kh, t, e)]
+    for m in metas[3:]:  # attention mask / bias, broadcast against (b, h, s, t)
+        if m is None:
+            ins.append(None)
+            continue
+        full = (b, h, s, t)
+        sizes = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        ins.append(tuple(full[4 - len(m.shape) + j] if sz == sizes[4 - len(m.shape) + j] else L.new(sz)
+                         for j, sz in enumerate(m.shape)))
+    outs: list = [(b, h, s, e)]
+    if isinstance(node.out, tuple):
+        outs = [(b, h, s, e)] + [None] * (len(node.out) - 1)
+    return DimSpec(ins, outs, L.sizes, blocked={s, d, t, e})
+
+
+@register_dims("_softmax", "softmax", "_log_softmax", "log_softmax", "cumsum", "logsumexp")
+def _softmax_like(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x = _meta(nodes[node.inputs[0]])
+    if x is None:
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    dims = _arg(node, 1, "dim", -1)
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    blocked = {xl[_dim(d, len(x.shape))] for d in dims}
+    if node.op_name == "logsumexp":
+        keep = bool(_arg(node, 2, "keepdim", False))
+        out = tuple(l if l not in blocked else L.new(1) for l in xl) if keep else \
+            tuple(l for l in xl if l not in blocked)
+        return DimSpec([xl], [out], L.sizes, blocked=blocked)
+    return DimSpec([xl], [xl], L.sizes, blocked=blocked)
+
+
+@register_dims("sum", "mean", "amax", "amin", "max", "min", "var", "std", "prod", "any", "all", "argmax",
+               "argmin", "norm")
+def _reduction(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x = _meta(nodes[node.inputs[0]])
+    out = node.out[0] if isinstance(node.out, tuple) else node.out
+    if x is None or not isinstance(out, TensorMeta):
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    dims = _arg(node, 1, "dim", None)
+    if dims is None or _is_ref(dims):
+        dims = list(range(len(x.shape)))
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    if not dims:
+        dims = list(range(len(x.shape)))
+    red = {_dim(d, len(x.shape)) for d in dims}
+    keep = len(out.shape) == len(x.shape)
+    ol = tuple((L.new(1) if j in red else l) for j, l in enumerate(xl)) if keep else \
+        tuple(l for j, l in enumerate(xl) if j not in red)
+    reduced = {xl[j] for j in red}
+    n_out = len(node.out) if isinstance(node.out, tuple) else 1
+    outs = [ol] * n_out if n_out > 1 and node.op_name in ("max", "min") else [ol] + [None] * (n_out - 1)
+    if node.op_name == "sum":
+        return DimSpec([xl], outs, L.sizes, sum_letters=reduced, partial_in=[(0,)])
+    return DimSpec([xl], outs, L.sizes, blocked=reduced)
+
+
+@register_dims("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm")
+def _norm(node: Node, nodes: list[Node]) -> DimSpec | None:
+    metas = _inputs_meta(node, nodes)
+    x = metas[0]
+    if x is None:
+        return None
+    shape_arg = _arg(node, 1, "normalized_shape", [x.shape[-1]])
+    nd = len(shape_arg) if isinstance(shape_arg, (list, tuple)) else 1
+    L = _Letters()
+    xl = L.many(x.shape)
+    normed = xl[len(xl) - nd:]
+    ins = [xl] + [normed if m is not None else None for m in metas[1:]]
+    outs: list = [xl]
+    if isinstance(node.out, tuple):
+        outs = [xl] + [None] * (len(node.out) - 1)
+    return DimSpec(ins, outs, L.sizes, blocked=set(normed))
+
+
+@register_dims("cross_entropy_loss", "nll_loss", "nll_loss_nd")
+def _cross_entropy(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x, tgt = _inputs_meta(node, nodes)[:2]
+    if x is None or tgt is None or len(x.shape) != 2:
+        return None
+    L = _Letters()
+    nl, c = L.new(x.shape[0]), L.new(x.shape[1])
+    reduction = _arg(node, 3, "reduction", 1)
+    ins: list = [(nl, c), (nl,)] + [None] * (len(node.inputs) - 2)
+    if reduction == 0:  # 'none': per-row losses keep the row dim
+        return DimSpec(ins, [(nl,)], L.sizes, blocked={c})
+    # a mean over rows is a sum of row shards divided by the (global) count: row shards give Partial
+    return DimSpec(ins, [()], L.sizes, blocked={c}, sum_letters={nl})
+
+
+@register_dims("transpose", "t", "permute", "numpy_T", "swapaxes")
+def _permute(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x = _meta(nodes[node.inputs[0]])
+    if x is None:
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    r = len(x.shape)
+    if node.op_name == "permute":
+        order = [_dim(d, r) for d in _arg(node, 1, "dims")]
+    elif node.op_name in ("t", "numpy_T"):
+        order = list(reversed(range(r)))
+    else:
+        a, b = _dim(_arg(node, 1, "dim0"), r), _dim(_arg(node, 2, "dim1"), r)
+        order = list(range(r))
+        order[a], order[b] = order[b], order[a]
+    return DimSpec([xl], [tuple(xl[o] for o in order)], L.sizes, partial_in=[(0,)])
+
+
+@register_dims("unsqueeze", "squeeze", "expand", "view", "reshape", "_unsafe_view", "flatten", "unflatten",
+               "expand_as", "view_as", "reshape_as")
+def _view(node: Node, nodes: list[Node]) -> DimSpec | None:
+    """Map letters through a reshape: dims group where running products meet; the leading non-1 dim of an
+    input group maps to the leading non-1 dim of its output group (the only dim that can stay sharded)."""
+    x = _meta(nodes[node.inputs[0]])
+    out = node.out if isinstance(node.out, TensorMeta) else None
+    if x is None or out is None:
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    if node.op_name in ("expand", "expand_as"):
+        r, q = len(out.shape), len(x.shape)
+        ol = tuple(L.new(s) for s in out.shape[: r - q]) + tuple(
+            xl[j] if x.shape[j] == out.shape[r - q + j] else L.new(out.shape[r - q + j]) for j in range(q))
+        blocked = {l for l in ol if l not in xl}
+        return DimSpec([xl] + [None] * (len(node.inputs) - 1), [ol], L.sizes, blocked=blocked, partial_in=[(0,)])
+    ol_list: list[int | None] = [None] * len(out.shape)
+    blocked: set[int] = set()
+    i = j = 0
+    xs, os_ = x.shape, out.shape
+    while i < len(xs) or j < len(os_):
+        gi, gj = [i], [j]
+        pi = xs[i] if i < len(xs) else 1
+        pj = os_[j] if j < len(os_) else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(xs):
+                pi *= xs[i]; gi.append(i); i += 1
+            elif j < len(os_):
+                pj *= os_[j]; gj.append(j); j += 1
+            else:
+                return None
+        gi = [a for a in gi if a < len(xs)]
+        gj = [b for b in gj if b < len(os_)]
+        lead_i = next((a for a in gi if xs[a] != 1), None)
+        lead_j = next((b for b in gj if os_[b] != 1), None)
+        for b in gj:
+            if b == lead_j and lead_i is not None:
+                ol_list[b] = xl[lead_i]
+            else:
+                ol_list[b] = L.new(os_[b])
+        for a in gi:
+            if a != lead_i:
+                blocked.add(xl[a])
+        if lead_i is not None and lead_j is not None and xs[lead_i] != os_[lead_j]:
+            # the sharded leading dim splits or merges: it survives only if its shard is a whole
+            # multiple of the following dims; checked per axis size by `_view_ok`
+            L.sizes[xl[lead_i]] = min(xs[lead_i], os_[lead_j])
+    return DimSpec([xl] + [None] * (len(node.inputs) - 1), [tuple(ol_list)], L.sizes, blocked=blocked,
+                   partial_in=[(0,)])
+
+
+@register_dims("slice", "narrow", "select", "index_select", "gather", "index", "split", "split_with_sizes",
+               "chunk", "unbind", "cat", "stack", "pad", "constant_pad_nd", "roll", "flip", "diff", "repeat",
+               "repeat_interleave", "masked_select", "index_put", "scatter", "scatter_add")
+def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
+    """Ops that work along one dim (slice, cat, split, gather...): that dim cannot be sharded."""
+    metas = _inputs_meta(node, nodes)
+    x = metas[0]
+    outs_meta = node.out if isinstance(node.out, tuple) else (node.out,)
+    if x is None:
+        return None
+    name = node.op_name
+    rank = len(x.shape)
+    if name in ("cat", "stack"):
+        dim = _arg(node, 1, "dim", 0)
+        if name == "stack" or any(m is None or len(m.shape) != rank for m in metas):
+            return None
+        L = _Letters()
+        xl = L.many(x.shape)
+        d = _dim(dim, rank)
+        ins = [tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(m.shape)) for m in metas]
+        out = outs_meta[0]
+        ol = tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(out.shape))
+        return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins for l in t if l not in xl} | {ol[d], xl[d]},
+                       partial_in=[tuple(range(len(metas)))])
+    if name in ("index", "index_put", "masked_select", "index_select", "gather", "scatter", "scatter_add",
+                "repeat", "repeat_interleave", "pad", "constant_pad_nd", "diff", "unbind"):
+        return None  # shape changes that need more than one dim: replicate only
+    if name == "select":
+        d = _dim(_arg(node, 1, "dim"), rank)
+    else:
+        d = _dim(_arg(node, 1, "dim", 0), rank) if name not in ("split", "split_with_sizes", "chunk") \
+            else _dim(_arg(node, 2, "dim", 0), rank)
+    if name in ("roll", "flip"):
+        dims = _arg(node, 2 if name == "roll" else 1, "dims", [0])
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        L = _Letters()
+        xl = L.many(x.shape)
+        return DimSpec([xl], [xl], L.sizes, blocked={xl[_dim(a, rank)] for a in dims})
+    L = _Letters()
+    xl = L.many(x.shape)
+    outs = []
+    for o in outs_meta:
+        if not isinstance(o, TensorMeta):
+            outs.append(None)
+            continue
+        if name == "select":
+            outs.append(tuple(l for j, l in enumerate(xl) if j != d))
+        else:
+            outs.append(tuple(L.new(o.shape[j]) if j == d else xl[j] for j in range(rank)))
+    ins: list = [xl] + [None] * (len(node.inputs) - 1)
+    return DimSpec(ins, outs, L.sizes, blocked={xl[d]}, partial_in=[(0,)])
+
+
+@register_dims("getitem")
+def _getitem(node: Node, nodes: list[Node]) -> DimSpec | None:
+    return None  # handled as a follower of its tuple producer (cost_graph)
+
+
+# ----------------------------------------------------------------------------- options
+def dim_spec(node: Node, nodes: list[Node]) -> DimSpec | None:
+    """The node's DimSpec, or None when no rule applies (replicate only)."""
+    rule = _RULES.get(node.op_name)
+    if rule is None:
+        return None
+    try:
+        return rule(node, nodes)
+    except (IndexError, TypeError, KeyError, ValueError, AttributeError) as exc:  # malformed args: replicate only
+        logger.debug("dims: rule for %s failed on node %s: %s", node.op_name, node.name, exc)
+        return None
+
+
+def unknown_ops(nodes: list[Node]) -> dict[str, int]:
+    """Op names without a dimension rule (they run replicated), with counts."""
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.kind == "op" and n.op_name not in _RULES and n.op_name not in ("arange", "full", "zeros", "ones",
+                                                                             "empty", "scalar_tensor",
+                                                                             "new_ones", "new_zeros", "new_empty",
+                                                                             "new_full", "randn", "rand"):
+            out[n.op_name] = out.get(n.op_name, 0) + 1
+    return out
+
+
+def _n_outs(node: Node) -> int:
+    return len(node.out) if isinstance(node.out, tuple) else 1
+
+
+def replicate_option(node: Node) -> AxisOption:
+    return AxisOption(None, tuple(R for _ in node.inputs), tuple(R for _ in range(_n_outs(node))), False,
+                      tuple(False for _ in node.inputs))
+
+
+def axis_options(node: Node, nodes: list[Node], spec: DimSpec | None, size: int,
+                 *, used: dict[int, int] | None = None) -> list[AxisOption]:
+    """Options of `node` on one mesh axis of `size` ranks (NOTE [one-axis options] in the module doc).
+
+    `used` maps letters already sharded on earlier axes to their divisor, so divisibility is checked on
+    the local size. The replicate option is always first.
+    """
+    opts = [replicate_option(node)]
+    if spec is None or size == 1:
+        return opts
+    used = used or {}
+    letters_out = {l for o in spec.outs if o is not None for l in o}
+    letters_in = {l for t in spec.ins if t is not None for l in t}
+    for letter in sorted(letters_in):  # a letter no input holds cannot be sharded (it would be a split)
+        if letter in spec.blocked:
+            continue
+        local = spec.sizes[letter] // used.get(letter, 1)
+        if local < size or local % size:
+            continue
+        contracted = letter not in letters_out
+        if contracted and letter not in spec.sum_letters:
+            continue
+        ins = tuple(R if t is None or letter not in t else t.index(letter) for t in spec.ins)
+        outs = tuple(R if o is None else (o.index(letter) if letter in o else (P if contracted else R))
+                     for o in spec.outs)
+        if not contracted and any(o is not None and letter not in o for o in spec.outs[:1]):
+            continue
+        grad_partial = tuple(t is not None and letter not in t and letter in letters_out for t in spec.ins)
+        opts.append(AxisOption(letter, ins, outs, True, grad_partial))
+    for group in spec.partial_in:
+        ins = tuple(P if i in group else R for i in range(len(spec.ins)))
+        outs = tuple(P if o is not None else R for o in spec.outs)
+        opts.append(AxisOption(None, ins, outs, False, tuple(False for _ in spec.ins)))
+    return opts
+
+
+def strategies(node: Node, nodes: list[Node], spec: DimSpec | None,
+               axis_sizes: tuple[int, ...]) -> list[tuple[AxisOption, ...]]:
+    """All combinations of one option per axis (N-d mesh). A letter may be sharded on several axes
+    (divisibility on the local size). Partial on one axis and Shard on another compose."""
+    if not axis_sizes:
+        return [()]
+    result: list[tuple[AxisOption, ...]] = []
+
+    def rec(k: int, chosen: tuple[AxisOption, ...], used: dict[int, int]) -> None:
+        if k == len(axis_sizes):
+            result.append(chosen)
+            return
+        for opt in axis_options(node, nodes, spec, axis_sizes[k], used=used):
+            nxt = dict(used)
+            if opt.letter is not None:
+                nxt[opt.letter] = nxt.get(opt.letter, 1) * axis_sizes[k]
+            rec(k + 1, chosen + (opt,), nxt)
+
+    rec(0, (), {})
+    return result
+
+
+def product_placements(combo: tuple[AxisOption, ...], which: str, pos: int) -> tuple[int, ...]:
+    """Placement tuple (one per axis) of input/output `pos` under a combination of axis options."""
+    return tuple(getattr(o, which)[pos] for o in combo)
+
+
+__all__ = ["R", "P", "DimSpec", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
+           "unknown_ops", "placement_str", "replicate_option", "product_placements", "itertools"]

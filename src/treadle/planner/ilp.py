@@ -1,0 +1,356 @@
+"""One MILP (HiGHS via `scipy.optimize.milp`) choosing every unit's strategy and each block template's
+checkpoint count, minimising the training-step time under a per-device memory budget.
+
+Formulation (per role assignment; all times in seconds, memory in bytes per device):
+
+    variables  s[u,k] in {0,1}        strategy k of unit u                     (one_strategy)
+               y[t,b] in {0,1}        bit b of c_t, the number of checkpointed blocks of template t
+               q[t]   in {0,1}        c_t > 0
+               zA, zF, zI, zT >= 0    products y·A_t, y·F_t, y·In_t, q·A_t     (ckpt_linearise, McCormick;
+                                      exact because one factor is binary and the other bounded)
+               T >= 0                 the largest recomputed block             (transient)
+
+    A_t  = sum_{u in t,k} act[u,k] s[u,k]      saved bytes of one block of t
+    F_t  = sum_{u in t,k} fwd[u,k] s[u,k]      forward seconds of one block (what recomputation repeats)
+    In_t = sum_k in_bytes[k] s[input unit,k]   bytes a checkpointed block keeps (its input)
+    c_t  = sum_b 2^b y[t,b] <= L_t                                              (ckpt_count)
+
+    min  sum_u count_u sum_k (compute+comm)[u,k] s[u,k]  +  sum_t sum_b 2^b zF[t,b]
+    s.t. sum_k s[u,k] = 1                                                      (one_strategy)
+         for each edge and placement value v: sum_{k: pub_u(k)=v} s[u,k] = sum_{l: in_v(l)=v} s[v,l]
+                                                                                (layout_match)
+         static(s) + fixed + act_outside(s) + sum_t (L_t A_t - sum_b 2^b zA + sum_b 2^b zI) + T <= budget
+                                                                                (memory)
+         q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
+
+`add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
+choices of a tiny cost graph with the same cost formulas and is the test oracle. The memory at the peak
+is the start of backward: every saved activation is alive, plus one recomputed block (see NOTE in
+cost_graph.py for what each term counts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from ..errors import PlanError
+from .cost_graph import CostGraph
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Solution:
+    """The solver's choice and what it predicts. `status`: "optimal", "time_limit" (incumbent returned) or
+    "infeasible". `gap` is HiGHS's relative MIP gap (0 when proven optimal)."""
+
+    choice: list[int]
+    ckpt: dict[int, int]
+    step_s: float
+    peak_bytes: float
+    status: str
+    gap: float
+    solve_s: float
+    n_vars: int = 0
+    n_cons: int = 0
+    terms: dict[str, float] = field(default_factory=dict)
+
+
+class _Model:
+    """Sparse MILP under construction: named variables and named constraint families."""
+
+    def __init__(self) -> None:
+        self.c: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integ: list[int] = []
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.clb: list[float] = []
+        self.cub: list[float] = []
+        self.family: list[str] = []
+
+    def var(self, *, lb: float = 0.0, ub: float = 1.0, integer: bool = False, cost: float = 0.0) -> int:
+        self.c.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integ.append(1 if integer else 0)
+        return len(self.c) - 1
+
+    def row(self, terms: dict[int, float] | list[tuple[int, float]], lb: float, ub: float, family: str) -> None:
+        r = len(self.clb)
+        items = terms.items() if isinstance(terms, dict) else terms
+        for j, v in items:
+            if v != 0.0:
+                self.rows.append(r)
+                self.cols.append(j)
+                self.vals.append(v)
+        self.clb.append(lb)
+        self.cub.append(ub)
+        self.family.append(family)
+
+    def solve(self, time_limit_s: float, rel_gap: float):
+        n = len(self.c)
+        A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.clb), n)).tocsr()
+        cons = [LinearConstraint(A, np.array(self.clb), np.array(self.cub))] if self.clb else []
+        return milp(np.array(self.c), integrality=np.array(self.integ), bounds=Bounds(self.lb, self.ub),
+                    constraints=cons, options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap,
+                                               "disp": False})
+
+
+@dataclass(slots=True)
+class _Vars:
+    s: dict[tuple[int, int], int]
+    bits: dict[int, list[int]]
+    q: dict[int, int]
+    zA: dict[int, list[int]]
+    zF: dict[int, list[int]]
+    zI: dict[int, list[int]]
+    zT: dict[int, int]
+    T: int | None
+    mem_terms: dict[int, float]  # variable -> bytes (the memory expression without constants)
+    mem_const: float
+
+
+def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
+    """s[u,k] with the per-execution cost times the unit's count; disallowed strategies fixed to 0."""
+    s = {}
+    for u, unit in enumerate(cg.units):
+        for k, c in enumerate(unit.costs):
+            s[u, k] = m.var(ub=1.0 if unit.allowed[k] else 0.0, integer=True,
+                            cost=unit.count * (c.compute_s + c.comm_s))
+    return s
+
+
+def add_one_strategy(m: _Model, cg: CostGraph, s) -> None:
+    for u, unit in enumerate(cg.units):
+        m.row({s[u, k]: 1.0 for k in range(len(unit.costs))}, 1.0, 1.0, "one_strategy")
+
+
+def add_layout_match(m: _Model, cg: CostGraph, s) -> None:
+    for e in cg.edges:
+        for val in set(e.u_vals) | set(e.v_vals):
+            terms: dict[int, float] = {}
+            for k, x in enumerate(e.u_vals):
+                if x == val:
+                    terms[s[e.u, k]] = terms.get(s[e.u, k], 0.0) + 1.0
+            for l, x in enumerate(e.v_vals):
+                if x == val:
+                    terms[s[e.v, l]] = terms.get(s[e.v, l], 0.0) - 1.0
+            m.row(terms, 0.0, 0.0, "layout_match")
+
+
+def _block_exprs(cg: CostGraph, s, t: int):
+    info = cg.templates[t]
+    A: dict[int, float] = {}
+    F: dict[int, float] = {}
+    for u in info.units:
+        unit = cg.units[u]
+        for k, c in enumerate(unit.costs):
+            if c.act_bytes:
+                A[s[u, k]] = A.get(s[u, k], 0.0) + c.act_bytes
+            if c.fwd_s:
+                F[s[u, k]] = F.get(s[u, k], 0.0) + c.fwd_s
+    In: dict[int, float] = {}
+    if info.input_unit is not None:
+        for k, b in enumerate(info.input_bytes):
+            In[s[info.input_unit, k]] = In.get(s[info.input_unit, k], 0.0) + b
+    return A, F, In
+
+
+def _upper(cg: CostGraph, units: list[int], attr: str) -> float:
+    return sum(max(getattr(c, attr) for c in cg.units[u].costs) for u in units)
+
+
+def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dict[int, int]) -> _Vars:
+    """Checkpoint counts per template (binary expansion) and the McCormick products (ckpt_linearise)."""
+    bits, q, zA, zF, zI, zT = {}, {}, {}, {}, {}, {}
+    for t, info in cg.templates.items():
+        L = info.count
+        A, F, In = _block_exprs(cg, s, t)
+        Amax = max(_upper(cg, info.units, "act_bytes"), 1.0)
+        Fmax = max(_upper(cg, info.units, "fwd_s"), 1e-12)
+        Imax = max(info.input_bytes, default=0.0) or 1.0
+        nb = max(1, math.ceil(math.log2(L + 1)))
+        ys = [m.var(ub=1.0 if enabled else 0.0, integer=True) for _ in range(nb)]
+        bits[t] = ys
+        count_terms = {y: float(2 ** b) for b, y in enumerate(ys)}
+        m.row(count_terms, float(min_ckpt.get(t, 0)), float(L), "ckpt_count")
+        zA[t], zF[t], zI[t] = [], [], []
+        for b, y in enumerate(ys):
+            w = float(2 ** b)
+            for expr, ub, store, cost in ((A, Amax, zA[t], 0.0), (F, Fmax, zF[t], w), (In, Imax, zI[t], 0.0)):
+                z = m.var(ub=ub, cost=cost)
+                store.append(z)
+                _mccormick(m, z, y, expr, ub)
+        qt = m.var(integer=True)
+        q[t] = qt
+        for y in ys:
+            m.row({qt: 1.0, y: -1.0}, 0.0, math.inf, "ckpt_any")
+        zt = m.var(ub=Amax)
+        zT[t] = zt
+        _mccormick(m, zt, qt, A, Amax)
+    return _Vars(s, bits, q, zA, zF, zI, zT, None, {}, 0.0)
+
+
+def _mccormick(m: _Model, z: int, y: int, expr: dict[int, float], ub: float) -> None:
+    """z = y * expr for binary y and 0 <= expr <= ub (exact)."""
+    m.row({z: 1.0, y: -ub}, -math.inf, 0.0, "ckpt_linearise")
+    row = {z: 1.0}
+    for j, v in expr.items():
+        row[j] = row.get(j, 0.0) - v
+    m.row(row, -math.inf, 0.0, "ckpt_linearise")
+    row = {z: 1.0, y: -ub}
+    for j, v in expr.items():
+        row[j] = row.get(j, 0.0) - v
+    m.row(row, -ub, math.inf, "ckpt_linearise")
+
+
+def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
+                      static_only: bool = False) -> tuple[dict[int, float], float]:
+    """Peak bytes per device as (terms, constant), adding the transient variable T (transient)."""
+    terms: dict[int, float] = {}
+
+    def add(j: int, x: float) -> None:
+        if x:
+            terms[j] = terms.get(j, 0.0) + x
+
+    if static_only:
+        for u, unit in enumerate(cg.units):
+            for k, c in enumerate(unit.costs):
+                add(v.s[u, k], unit.count * c.static_bytes)
+        return terms, cg.fixed_static_bytes
+    for u, unit in enumerate(cg.units):
+        for k, c in enumerate(unit.costs):
+            add(v.s[u, k], unit.count * c.static_bytes + unit.count * c.act_bytes)
+    for t in cg.templates:
+        for b, (za, zi) in enumerate(zip(v.zA[t], v.zI[t])):
+            add(za, -float(2 ** b))
+            add(zi, float(2 ** b))
+    if cg.templates:
+        T = m.var(ub=math.inf)
+        v.T = T
+        for t, zt in v.zT.items():
+            m.row({T: 1.0, zt: -1.0}, 0.0, math.inf, "transient")
+        add(T, 1.0)
+    return terms, cg.fixed_static_bytes
+
+
+def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
+    m.row(terms, -math.inf, budget_bytes - const, "memory")
+
+
+def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True, time_limit_s: float = 20.0,
+          rel_gap: float = 1e-4, min_ckpt: dict[int, int] | None = None,
+          minimise: str = "time", memory: str = "all") -> Solution:
+    """Solve the MILP. `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
+    the peak instead of the step time (used to report the smallest feasible budget); ``memory="static"``
+    constrains only parameters, gradients and optimizer state (stage one of the two-stage mode).
+    Returns a Solution with status "infeasible" (and empty choice) when no plan fits."""
+    t0 = time.perf_counter()
+    m = _Model()
+    s = add_strategy_vars(m, cg)
+    add_one_strategy(m, cg, s)
+    add_layout_match(m, cg, s)
+    v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
+    terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
+    if minimise == "memory":
+        m.c = [0.0] * len(m.c)
+        for j, x in terms.items():
+            m.c[j] += x
+    if budget_bytes is not None:
+        add_memory(m, terms, const, budget_bytes)
+    res = m.solve(time_limit_s, rel_gap)
+    solve_s = time.perf_counter() - t0
+    n_vars, n_cons = len(m.c), len(m.clb)
+    logger.debug("ILP %s: %d vars, %d constraints, status %s, %.2f s", cg.roles, n_vars, n_cons, res.status, solve_s)
+    if res.x is None:
+        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, solve_s, n_vars, n_cons)
+    x = res.x
+    choice = []
+    for u, unit in enumerate(cg.units):
+        ks = [k for k in range(len(unit.costs)) if x[s[u, k]] > 0.5]
+        if len(ks) != 1:
+            raise PlanError(f"ILP returned a non-integral choice for unit {u} ({cg.units[u].module}); "
+                            f"this is a solver bug, please report it")
+        choice.append(ks[0])
+    ckpt = {t: int(round(sum(2 ** b * x[y] for b, y in enumerate(ys)))) for t, ys in v.bits.items()}
+    status = "optimal" if res.status == 0 else "time_limit"
+    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    step_s, peak, terms_out = evaluate(cg, choice, ckpt)
+    return Solution(choice, ckpt, step_s, peak, status, gap, solve_s, n_vars, n_cons, terms_out)
+
+
+def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[float, float, dict[str, float]]:
+    """Step time and peak memory of a choice, computed directly (no linearisation): the ILP's objective
+    and memory constraint, in the same units. Also the split of the step time and memory by term."""
+    compute = comm = 0.0
+    static = act_out = 0.0
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[choice[u]]
+        compute += unit.count * c.compute_s
+        comm += unit.count * c.comm_s
+        static += unit.count * c.static_bytes
+        if unit.template is None:
+            act_out += c.act_bytes
+    recompute = 0.0
+    act_blocks = 0.0
+    transient = 0.0
+    for t, info in cg.templates.items():
+        A = sum(cg.units[u].costs[choice[u]].act_bytes for u in info.units)
+        F = sum(cg.units[u].costs[choice[u]].fwd_s for u in info.units)
+        In = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
+        c = ckpt.get(t, 0)
+        recompute += c * F
+        act_blocks += (info.count - c) * A + c * In
+        if c > 0:
+            transient = max(transient, A)
+    step = compute + comm + recompute
+    peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
+    return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,
+                        "static_bytes": static, "activation_bytes": act_out + act_blocks,
+                        "transient_bytes": transient, "fixed_bytes": cg.fixed_static_bytes}
+
+
+def feasible_choice(cg: CostGraph, choice: list[int]) -> bool:
+    """Whether a choice meets every layout_match edge."""
+    return all(e.u_vals[choice[e.u]] == e.v_vals[choice[e.v]] for e in cg.edges)
+
+
+def solve_exhaustive(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True,
+                     limit: int = 2_000_000) -> Solution:
+    """Enumerate every strategy choice and checkpoint count (test oracle for tiny graphs).
+    Raises PlanError when the space exceeds `limit` combinations."""
+    t0 = time.perf_counter()
+    sizes = [len(u.costs) for u in cg.units]
+    ck_ranges = [range(info.count + 1) if checkpoint else range(1) for info in cg.templates.values()]
+    space = math.prod(sizes) * math.prod(len(r) for r in ck_ranges)
+    if space > limit:
+        raise PlanError(f"solve_exhaustive: {space} combinations exceed the limit {limit}")
+    best: Solution | None = None
+    tids = list(cg.templates)
+    for choice in itertools.product(*[range(n) for n in sizes]):
+        if not all(cg.units[u].allowed[k] for u, k in enumerate(choice)):
+            continue
+        if not feasible_choice(cg, list(choice)):
+            continue
+        for cks in itertools.product(*ck_ranges):
+            ckpt = dict(zip(tids, cks))
+            step, peak, terms = evaluate(cg, list(choice), ckpt)
+            if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
+                continue
+            if best is None or step < best.step_s - 1e-15:
+                best = Solution(list(choice), ckpt, step, peak, "optimal", 0.0, 0.0, terms=terms)
+    if best is None:
+        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, time.perf_counter() - t0)
+    best.solve_s = time.perf_counter() - t0
+    return best

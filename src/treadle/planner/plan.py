@@ -1,0 +1,489 @@
+"""`plan_model`: capture, price, solve and emit — and the `Plan` it returns (data, JSON, diff, schedule).
+
+The search is exact over *axis role assignments* (which mesh axis is data parallel, with or without
+ZeRO-3; the others are tensor axes; axes can be forbidden) and, inside each, over every op's strategy and
+each block template's checkpoint count (one MILP, `ilp.py`). ``mode="two_stage"`` instead fixes the
+sharding ignoring activations and then picks checkpoints with the exact chain DP (`checkpoint_dp.py`).
+
+A `Plan` is plain data: decisions (schedule primitives with the node that justifies each), the predicted
+step time split by term, the peak memory, per-module rows, the binding constraint and solver statistics.
+`Plan.schedule` applies the decisions to the model given to `plan_model` (or `schedule_for(model)` after
+`Plan.load`). An infeasible budget raises PlanError stating the smallest budget any plan meets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from ..cost.cluster import ClusterSpec
+from ..errors import PlanError
+from ..mesh import Mesh
+from ..profile.roofline import mfu as mfu_of
+from .capture import CapturedGraph, capture
+from .checkpoint_dp import ChainBlock, solve_chain
+from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
+from .dims import R, placement_str, unknown_ops
+from .ilp import Solution, evaluate, solve
+from .to_schedule import Decision, apply_decisions, decisions_from_solution
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["joint", "two_stage"]
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- runtime capabilities
+def _leaf_rule_types() -> tuple[type, ...]:
+    """Module types the runtime can compute on sharded weights (adapter over treadle.runtime.leaf_rules)."""
+    from ..runtime import leaf_rules
+
+    return tuple(getattr(leaf_rules, "_RULES", {}).keys())
+
+
+def runtime_capabilities(model: nn.Module) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+    """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime can shard."""
+    types = _leaf_rule_types()
+    leaf_paths = {name for name, m in model.named_modules() if types and isinstance(m, types)}
+    owners = {}
+    for mname, m in model.named_modules():
+        for pname, _ in m.named_parameters(recurse=False):
+            owners[f"{mname}.{pname}" if mname else pname] = mname
+    return (lambda p: owners.get(p) in leaf_paths), (lambda path: path in leaf_paths)
+
+
+def _shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_tp: int):
+    """Per parameter: every placement over the tensor axes with each tensor dim on at most one axis
+    (the runtime's leaf rules reject a dim split over several axes), for leaf parameters only."""
+    cache: dict[str, set] = {}
+
+    def fn(param: str, module: str) -> set:
+        if param in cache:
+            return cache[param]
+        out: set = set()
+        if is_leaf_param(param) and graph.param_modules.get(param) == module:
+            nd = len(graph.params[param].shape)
+            for combo in itertools.product([R] + list(range(nd)), repeat=n_tp):
+                dims = [d for d in combo if d >= 0]
+                if dims and len(dims) == len(set(dims)):
+                    out.add(tuple(combo))
+        cache[param] = out
+        return out
+
+    return fn
+
+
+# ----------------------------------------------------------------------------- plan data
+@dataclass(slots=True)
+class Estimate:
+    """Predicted per-device figures: seconds, bytes, and model FLOPs utilisation (0..1)."""
+
+    step_s: float
+    peak_bytes: float
+    mfu: float
+    compute_s: float
+    comm_s: float
+    recompute_s: float
+    static_bytes: float
+    activation_bytes: float
+    transient_bytes: float
+
+    def __str__(self) -> str:
+        return (f"step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f}, comm {self.comm_s * 1e3:.2f}, "
+                f"recompute {self.recompute_s * 1e3:.2f}), peak {self.peak_bytes / GiB:.2f} GiB, "
+                f"MFU {self.mfu * 100:.1f}%")
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """One module of the explanation (costs over all real blocks it stands for)."""
+
+    path: str
+    count: int
+    layout: str
+    compute_s: float
+    comm_s: float
+    recompute_s: float
+    memory_bytes: float
+
+
+@dataclass(slots=True)
+class Plan:
+    """The planner's answer. See the module doc; `schedule` needs the model (`schedule_for`)."""
+
+    model: dict | None
+    cluster: ClusterSpec
+    roles: str
+    mode: str
+    budget_bytes: float | None
+    decisions: list[Decision]
+    estimated: Estimate
+    rows: list[PlanRow]
+    binding: str
+    solver: dict
+    unknown_ops: dict[str, int] = field(default_factory=dict)
+    _model: Any = None  # nn.Module given to plan_model (not serialised)
+    _schedule: Any = None
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def schedule(self):
+        """The Schedule of the planned model (built once). Raises PlanError after `load` (no model)."""
+        if self._schedule is None:
+            if self._model is None:
+                raise PlanError("Plan.schedule: this plan was loaded from JSON and holds no model; "
+                                "use plan.schedule_for(model)")
+            self._schedule = self.schedule_for(self._model)
+        return self._schedule
+
+    def schedule_for(self, model: nn.Module):
+        """A fresh Schedule of `model` with this plan's decisions applied."""
+        from ..schedule.core import create_schedule
+
+        sch = create_schedule(model, mesh=self.cluster.mesh)
+        _, is_leaf_module = runtime_capabilities(model)
+        return apply_decisions(sch, self.decisions, leaf_module=is_leaf_module)
+
+    def estimate(self) -> Estimate:
+        """Predicted step time, peak memory and MFU per device."""
+        return self.estimated
+
+    def explain(self) -> str:
+        """A text table per module (layouts, compute / communication / recompute time, memory) and the
+        binding constraint. `treadle.planner.explain.plan_table` gives the same as a rich Table."""
+        from .explain import explain_text
+
+        return explain_text(self)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        sch_json = None
+        if self._model is not None or self._schedule is not None:
+            sch_json = json.loads(self.schedule.to_json())
+        return {
+            "format": "treadle.plan/1",
+            "model": self.model,
+            "cluster": self.cluster.to_dict(),
+            "roles": self.roles,
+            "mode": self.mode,
+            "budget_bytes": self.budget_bytes,
+            "decisions": [d.to_dict() for d in self.decisions],
+            "estimate": asdict(self.estimated),
+            "rows": [asdict(r) for r in self.rows],
+            "binding": self.binding,
+            "solver": self.solver,
+            "unknown_ops": self.unknown_ops,
+            "schedule": sch_json,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if d.get("format") != "treadle.plan/1":
+            raise PlanError(f"not a treadle plan (format {d.get('format')!r}, expected 'treadle.plan/1')")
+        return cls(d["model"], ClusterSpec.from_dict(d["cluster"]), d["roles"], d["mode"], d["budget_bytes"],
+                   [Decision.from_dict(x) for x in d["decisions"]], Estimate(**d["estimate"]),
+                   [PlanRow(**r) for r in d["rows"]], d["binding"], d["solver"], d.get("unknown_ops", {}))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    # ------------------------------------------------------------------ diff
+    def diff(self, other: "Plan") -> list[str]:
+        """Human-readable differences: roles, decisions only in one plan, estimate changes."""
+        out = []
+        if self.roles != other.roles:
+            out.append(f"roles: {self.roles} -> {other.roles}")
+        mine = {str(d) for d in self.decisions}
+        theirs = {str(d) for d in other.decisions}
+        out += [f"- {d}" for d in sorted(mine - theirs)]
+        out += [f"+ {d}" for d in sorted(theirs - mine)]
+        a, b = self.estimated, other.estimated
+        if abs(a.step_s - b.step_s) > 1e-12 or abs(a.peak_bytes - b.peak_bytes) > 0.5:
+            out.append(f"step {a.step_s * 1e3:.3f} ms -> {b.step_s * 1e3:.3f} ms "
+                       f"({(b.step_s / a.step_s if a.step_s else math.inf):.3f}x); "
+                       f"peak {a.peak_bytes / GiB:.3f} GiB -> {b.peak_bytes / GiB:.3f} GiB")
+        return out
+
+
+# ----------------------------------------------------------------------------- roles and pins
+def enumerate_roles(mesh: Mesh, *, batch: int | None, dp_axis: str | None | Literal["auto"] = "auto",
+                    zero: bool | None = None, forbid_axes: tuple[str, ...] = ()) -> list[Roles]:
+    """Every role assignment: at most one data-parallel axis (whose size divides the batch), with and
+    without ZeRO-3, the other axes tensor-parallel; forbidden and size-1 axes are off."""
+    for a in forbid_axes:
+        mesh.axis_index(a)
+    live = [a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes]
+    off = tuple(a for a in mesh.names if a not in live)
+    if dp_axis not in ("auto", None) and dp_axis not in live:
+        raise PlanError(f"data-parallel axis {dp_axis!r} is not a live mesh axis of {mesh}; live axes: {live}")
+    dps: list[str | None] = [None] + live if dp_axis == "auto" else [dp_axis]
+    out = []
+    for dp in dps:
+        if dp is not None and batch is not None and batch % mesh.size(dp):
+            continue
+        tp = tuple(a for a in live if a != dp)
+        zeros = [False] if dp is None else ([False, True] if zero is None else [bool(zero)])
+        for z in zeros:
+            out.append(Roles(dp, z, tp, off))
+    return out
+
+
+def _pins_for(graph: CapturedGraph, pins: dict[str, dict[str, int | str]], roles: Roles) -> dict | None:
+    """Pins as {captured param: placement per tensor axis}; None when a pin cannot hold under `roles`."""
+    out: dict[str, tuple[int, ...]] = {}
+    for pattern, per_axis in pins.items():
+        matched = [p for p in graph.params if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise PlanError(f"pin {pattern!r} matches no parameter; parameters look like {sorted(graph.params)[:4]}")
+        for axis, val in per_axis.items():
+            code = R if val in ("R", "replicate", None) else int(str(val).lstrip("S"))
+            if axis not in roles.tp and code != R:
+                return None
+        pl = tuple((R if per_axis.get(a, "R") in ("R", "replicate", None) else int(str(per_axis[a]).lstrip("S")))
+                   for a in roles.tp)
+        for p in matched:
+            out[p] = pl
+    return out
+
+
+def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], list[str]]:
+    """A partial schedule's records as constraints: shard -> pins, data_parallel -> role, checkpoint -> paths."""
+    pins: dict[str, dict[str, int]] = {}
+    role: dict[str, Any] = {}
+    ckpts: list[str] = []
+    for r in sch.records:
+        op, path, args = r.op, r.path, dict(r.args)
+        if op == "shard":
+            names = args.get("*")
+            for nm in ([names] if isinstance(names, str) else names):
+                full = f"{path}.{nm}" if path else nm
+                pins.setdefault(full, {})[args["axis"]] = int(args["dim"])
+        elif op == "data_parallel":
+            role = {"dp": args.get("axis", "dp"), "zero": bool(args.get("shard", False))}
+        elif op == "checkpoint":
+            ckpts.append(path)
+        else:
+            raise PlanError(f"partial schedule: primitive {op!r} at {path!r} cannot be a planner constraint; "
+                            f"use shard, data_parallel and checkpoint in a partial schedule")
+    return pins, role, ckpts
+
+
+# ----------------------------------------------------------------------------- planning
+def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solution:
+    sol = solve(cg, budget_bytes=budget, checkpoint=False, time_limit_s=time_limit_s, memory="static")
+    if sol.status == "infeasible":
+        return sol
+    step, peak, terms = evaluate(cg, sol.choice, {})
+    if budget is None or peak <= budget:
+        return sol
+    tids = list(cg.templates)
+    blocks = []
+    for t in tids:
+        info = cg.templates[t]
+        A = sum(cg.units[u].costs[sol.choice[u]].act_bytes for u in info.units)
+        F = sum(cg.units[u].costs[sol.choice[u]].fwd_s for u in info.units)
+        In = info.input_bytes[sol.choice[info.input_unit]] if info.input_unit is not None else 0.0
+        blocks.append(ChainBlock(info.count, A, In, F))
+    base = peak - sum(b.count * b.act_bytes for b in blocks)  # everything but the blocks' activations
+    res = solve_chain(blocks, base_bytes=base, budget_bytes=budget)
+    ckpt = dict(zip(tids, res.counts))
+    step, peak, terms = evaluate(cg, sol.choice, ckpt)
+    status = sol.status if res.feasible else "infeasible"
+    return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms)
+
+
+def _min_ckpt(cg: CostGraph, paths: list[str]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for p in paths:
+        for t, info in cg.templates.items():
+            if p in info.members:
+                out[t] = out.get(t, 0) + 1
+                break
+        else:
+            raise PlanError(f"partial schedule checkpoints {p!r}, which is not a repeated block the planner "
+                            f"decides; blocks look like {[i.path for i in cg.templates.values()][:3]}")
+    return out
+
+
+def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec,
+               memory_budget_bytes: float | None = None, mode: Mode = "joint",
+               pins: dict[str, dict[str, int | str]] | None = None, dp_axis: str | None | Literal["auto"] = "auto",
+               zero: bool | None = None, forbid_axes: tuple[str, ...] = (), partial_schedule: Any = None,
+               train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0, model_spec: dict | None = None,
+               graph: CapturedGraph | None = None,
+               progress: Callable[[str], None] | None = None) -> Plan:
+    """Plan `model` on `cluster` under `memory_budget_bytes` per device (None: unlimited).
+
+    `example_inputs`: keyword arguments (a dict, e.g. from `treadle.models.zoo.named_model`) or positional
+    args; global batch, real or fake tensors. `pins`: {parameter glob: {axis: dim or "R"}}.
+    `dp_axis`: "auto" (search), None (no data parallelism) or an axis name; `zero`: force ZeRO-3 on/off.
+    `forbid_axes`: axes every op stays replicated on. `partial_schedule`: a Schedule whose shard /
+    data_parallel / checkpoint records become constraints. `model_spec` is stored in the plan (e.g.
+    {"name": "tiny-gpt2", "batch": 4, "seq": 16}) so `treadle verify plan.json` can rebuild the model.
+    Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
+    when a pin matches nothing, or when the mesh's axes cannot take the batch.
+    """
+    say = progress or (lambda s: None)
+    t0 = time.perf_counter()
+    pins = dict(pins or {})
+    ckpt_paths: list[str] = []
+    if partial_schedule is not None:
+        p2, role, ckpt_paths = pins_from_schedule(partial_schedule)
+        for k, v in p2.items():
+            pins.setdefault(k, {}).update(v)
+        if role:
+            dp_axis, zero = role["dp"], role["zero"]
+    args, kwargs = (tuple(example_inputs), {}) if isinstance(example_inputs, (tuple, list)) else ((), dict(example_inputs))
+    if graph is None:
+        say("capture")
+        graph = capture(model, args, kwargs)
+    t_capture = time.perf_counter() - t0
+    batch = _batch_size(args, kwargs)
+    mesh = cluster.mesh
+    is_leaf_param, _ = runtime_capabilities(model)
+    candidates = enumerate_roles(mesh, batch=batch, dp_axis=dp_axis, zero=zero, forbid_axes=forbid_axes)
+    if not candidates:
+        raise PlanError(f"no axis role assignment of {mesh} fits batch {batch}: a data-parallel axis must divide "
+                        f"the batch; use a batch divisible by {[mesh.size(a) for a in mesh.names]} or dp_axis=None")
+    results: list[tuple[Solution, CostGraph]] = []
+    t_build = t_solve = 0.0
+    for roles in candidates:
+        rpins = _pins_for(graph, pins, roles)
+        if rpins is None:
+            continue
+        say(f"roles {roles}: cost graph")
+        tb = time.perf_counter()
+        try:
+            cg = build_cost_graph(graph, cluster, roles, train=train, pins=rpins,
+                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)))
+        except PlanError as exc:
+            logger.info("roles %s skipped: %s", roles, exc)
+            continue
+        t_build += time.perf_counter() - tb
+        say(f"roles {roles}: solve ({len(cg.units)} units)")
+        ts = time.perf_counter()
+        min_ck = _min_ckpt(cg, ckpt_paths) if ckpt_paths else {}
+        if mode == "joint":
+            sol = solve(cg, budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, min_ckpt=min_ck)
+        elif mode == "two_stage":
+            sol = _two_stage(cg, memory_budget_bytes, time_limit_s)
+        else:
+            raise PlanError(f"unknown planning mode {mode!r}; use 'joint' or 'two_stage'")
+        t_solve += time.perf_counter() - ts
+        logger.info("roles %s: %s step %.4g s peak %.4g GiB", roles, sol.status, sol.step_s, sol.peak_bytes / GiB)
+        results.append((sol, cg))
+    feasible = [(s, c) for s, c in results if s.status != "infeasible"]
+    if not feasible:
+        smallest = _smallest_budget(results, time_limit_s)
+        raise PlanError(f"no plan of {graph.model_class} on {cluster} fits {_fmt_bytes(memory_budget_bytes)} per "
+                        f"device (constraint 'memory' binds for every role assignment tried: "
+                        f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
+                        f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
+    sol, cg = min(feasible, key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
+    hw = cluster.hardware()
+    dtype = next((m.dtype for m in graph.params.values()), torch.float32)
+    est = Estimate(sol.step_s, sol.peak_bytes,
+                   mfu_of(int(cg.model_flops / cluster.world_size), sol.step_s, hw, dtype) if sol.step_s else 0.0,
+                   sol.terms["compute_s"], sol.terms["comm_s"], sol.terms["recompute_s"], sol.terms["static_bytes"],
+                   sol.terms["activation_bytes"], sol.terms["transient_bytes"])
+    if memory_budget_bytes is None:
+        binding = "none (no memory budget)"
+    else:
+        slack = memory_budget_bytes - sol.peak_bytes
+        binding = (f"memory binds: peak {_fmt_bytes(sol.peak_bytes)} of {_fmt_bytes(memory_budget_bytes)} "
+                   f"(slack {_fmt_bytes(slack)})" if slack < 0.02 * memory_budget_bytes else
+                   f"none: memory slack {_fmt_bytes(slack)} ({slack / memory_budget_bytes:.0%} of the budget); "
+                   f"the plan is the fastest without a memory limit")
+    alternatives = sorted(({"roles": str(c.roles), "status": s.status, "step_s": s.step_s, "peak_bytes": s.peak_bytes}
+                           for s, c in results), key=lambda a: a["step_s"])
+    solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
+              "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
+              "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
+              "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
+              "unknown_flops": cg.unknown_flops}
+    plan = Plan(model_spec, cluster, str(cg.roles), mode, memory_budget_bytes, decisions, est,
+                _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model)
+    logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
+    return plan
+
+
+def _smallest_budget(results: list[tuple[Solution, CostGraph]], time_limit_s: float) -> float:
+    best = math.inf
+    for _, cg in results:
+        s = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, minimise="memory")
+        best = min(best, s.peak_bytes)
+    return best
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int | None:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+    return None
+
+
+def _fmt_bytes(x: float | None) -> str:
+    if x is None:
+        return "unlimited"
+    if x == math.inf:
+        return "inf"
+    return f"{x / GiB:.3f} GiB ({int(x)} B)"
+
+
+def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
+    g = cg.graph
+    rows: dict[str, PlanRow] = {}
+    ck = {t: c for t, c in sol.ckpt.items()}
+    for u, unit in enumerate(cg.units):
+        k = sol.choice[u]
+        c = unit.costs[k]
+        path = unit.module or "<root>"
+        members = unit.strategies[k]
+        lead_combo, lead_pub = members[unit.leader]
+        layouts = []
+        for i, (combo, pub) in members.items():
+            n = g.nodes[i]
+            for pos, j in enumerate(n.inputs):
+                if g.nodes[j].kind == "param":
+                    pl = tuple(o.ins[pos] for o in combo)
+                    if any(p != R for p in pl):
+                        layouts.append(f"{g.nodes[j].param.rsplit('.', 1)[-1]}:" +
+                                       ",".join(placement_str(p) for p in pl))
+        out_l = ",".join(placement_str(p) for p in lead_pub) if lead_pub else "-"
+        rec = 0.0
+        if unit.template is not None and ck.get(unit.template):
+            rec = ck[unit.template] * c.fwd_s
+        row = rows.get(path)
+        if row is None:
+            row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
+        row.compute_s += unit.count * c.compute_s
+        row.comm_s += unit.count * c.comm_s
+        row.recompute_s += rec
+        row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
+        desc = " ".join(layouts + [f"out:{out_l}"])
+        if desc not in row.layout:
+            row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
+    return list(rows.values())

@@ -1,0 +1,161 @@
+"""Turn a solved cost graph into plan *decisions* (plain data) and decisions into a treadle Schedule.
+
+Decisions are module-level: parameter shards (``shard``), layout changes at a module's exit
+(``sync("fwd_post", to=...)``), gradient reductions of replicated parameters that see sharded data
+(``reduce_grads``), per-rank random streams for sharded dropout (``fork_rng``), checkpointed blocks
+(``checkpoint``, spread evenly over a template's blocks) and the data-parallel axis (``data_parallel``).
+Each decision carries the graph nodes that justify it (`why`), so `Plan.explain` can answer "why".
+Decisions in a repeated block are expanded to every real block the template stands for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ..mesh import Mesh
+from .cost_graph import CostGraph, _Builder  # noqa: F401  (type reference only)
+from .dims import R, P
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One schedule primitive as data: `op` in {"shard", "sync", "reduce_grads", "fork_rng", "checkpoint",
+    "data_parallel"}, the module `path`, and its arguments; `why` names the graph node(s) behind it."""
+
+    op: str
+    path: str
+    args: dict = field(default_factory=dict)
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Decision":
+        return cls(d["op"], d["path"], dict(d.get("args", {})), d.get("why", ""))
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
+        return f'sch["{self.path}"].{self.op}({args})'
+
+
+def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
+    """Real module paths that one canonical module path stands for (every block of its template)."""
+    n = cg.graph.nodes[node_index]
+    if n.block is None:
+        return [module]
+    blk = cg.graph.blocks[n.block]
+    rel = module[len(blk.path):]
+    return [m + rel for b in cg.graph.blocks if b.template == blk.template for m in b.members]
+
+
+def _spread(members: list[str], count: int) -> list[str]:
+    """`count` of `members`, evenly spaced (the first and last included when count >= 2)."""
+    if count <= 0:
+        return []
+    if count >= len(members):
+        return list(members)
+    step = len(members) / count
+    return [members[int(i * step)] for i in range(count)]
+
+
+def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, int], *,
+                            leaf_param: "callable[[str], bool]") -> list[Decision]:
+    """The module-level decisions of a solution, in a stable order (shards, syncs, grads, rng, ckpt, dp)."""
+    g = cg.graph
+    axes = cg.roles.tp
+    shards: dict[tuple[str, str, int, str], str] = {}
+    syncs: dict[tuple[str, str], dict] = {}
+    grads: dict[tuple[str, str], set[str]] = {}
+    rngs: dict[tuple[str, str], str] = {}
+    for u, unit in enumerate(cg.units):
+        members = unit.strategies[choice[u]]
+        for i, (combo, pub) in members.items():
+            n = g.nodes[i]
+            raw = tuple(o.outs[0] for o in combo)
+            for pos, j in enumerate(n.inputs):
+                src = g.nodes[j]
+                if src.kind != "param":
+                    continue
+                owner = g.param_modules[src.param]
+                pname = src.param[len(owner) + 1:] if owner else src.param
+                for a, o in zip(axes, combo):
+                    pl = o.ins[pos]
+                    if pl >= 0:
+                        for m in _members(cg, owner, i):
+                            shards[(m, pname, pl, a)] = n.name
+                    elif o.grad_partial[pos] and not leaf_param(src.param):
+                        for m in _members(cg, owner, i):
+                            grads.setdefault((m, a), set()).add(pname)
+            if raw != pub:
+                from .cost_graph import exit_module
+                q = exit_module(g, n)
+                for a, r, p in zip(axes, raw, pub):
+                    if r != p:
+                        for m in _members(cg, q, i):
+                            syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name}
+            if n.op_name in ("dropout", "native_dropout") and n.module:
+                for a, o in zip(axes, combo):
+                    if o.work_split:
+                        for m in _members(cg, n.module, i):
+                            rngs[(m, a)] = n.name
+    out: list[Decision] = []
+    for (m, pname, dim, a), why in sorted(shards.items()):
+        out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
+    for (m, a), d in sorted(syncs.items()):
+        out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
+    for (m, a), names in sorted(grads.items()):
+        out.append(Decision("reduce_grads", m, {"axis": a, "names": sorted(names)}, "replicated parameter, sharded data"))
+    for (m, a), why in sorted(rngs.items()):
+        out.append(Decision("fork_rng", m, {"axis": a}, why))
+    for t, c in sorted(ckpt.items()):
+        info = cg.templates[t]
+        for m in _spread(info.members, c):
+            out.append(Decision("checkpoint", m, {}, f"{c} of {info.count} blocks like {info.path}"))
+    if cg.roles.dp:
+        out.append(Decision("data_parallel", "", {"axis": cg.roles.dp, "shard": cg.roles.zero}, str(cg.roles)))
+    return out
+
+
+def _pl_str(p: int) -> str:
+    return "R" if p == R else "P" if p == P else f"S{p}"
+
+
+def _placement(s: str):
+    return Replicate() if s == "R" else Partial() if s == "P" else Shard(int(s[1:]))
+
+
+def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[str], bool]"):
+    """Apply decisions to a Schedule (``treadle.create_schedule(model, mesh=...)``) and return it.
+
+    A sync at a leaf the runtime shards (Linear, Conv1D, Embedding) derives its collective from the
+    leaf's layout; elsewhere the source layout is given (``from_``)."""
+    shard_groups: dict[tuple[str, int, str], list[str]] = {}
+    for d in decisions:
+        if d.op == "shard":
+            shard_groups.setdefault((d.path, d.args["dim"], d.args["axis"]), []).append(d.args["names"])
+    for (path, dim, axis), names in shard_groups.items():
+        sch[path].shard(names if len(names) > 1 else names[0], dim=dim, axis=axis)
+    for d in decisions:
+        if d.op == "sync":
+            kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
+            if not leaf_module(d.path):
+                kw["from_"] = _placement(d.args["from_"])
+            sch[d.path].sync(d.args["mode"], **kw)
+        elif d.op == "reduce_grads":
+            sch[d.path].reduce_grads(axis=d.args["axis"], names=list(d.args["names"]))
+        elif d.op == "fork_rng":
+            sch[d.path].fork_rng(axis=d.args["axis"])
+        elif d.op == "checkpoint":
+            sch[d.path].checkpoint()
+        elif d.op == "data_parallel":
+            sch.data_parallel(axis=d.args["axis"], shard=d.args["shard"])
+    return sch
+
+
+__all__ = ["Decision", "decisions_from_solution", "apply_decisions", "Mesh"]
