@@ -24,7 +24,7 @@ from ..schedule.core import ParamShard, Schedule, SyncSpec
 from ..schedule.log import Ref
 from . import collectives as C
 from .convert import apply_op, convert, convert_multi, on_grad
-from .leaf_rules import LeafPlan, embedding_forward, leaf_plan
+from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
 
 logger = logging.getLogger(__name__)
@@ -199,10 +199,15 @@ class _Builder:
         for pid, shards in self.st.param_shards.items():
             for m, name, path in owners[pid]:
                 by_module.setdefault(path, {})[name] = shards
+        ruled = {path for path in by_module if has_leaf_rule(self.module(path))}
+        covered = {id(p) for path in ruled for p in self.module(path)._parameters.values() if p is not None}
         for path, shards in by_module.items():
-            if any("." in n for n in shards):
-                raise BuildError(f"build: {path!r}: internal error, nested parameter names {sorted(shards)}")
             m = self.module(path)
+            if path not in ruled and all(id(m._parameters[n]) in covered for n in shards):
+                # an alias of a parameter that a ruled leaf computes with (e.g. a head's tied bias)
+                logger.debug("build: %r holds aliases of sharded parameters %s; computed by their leaf", path,
+                             sorted(shards))
+                continue
             plan = leaf_plan(path, m, shards)
             if plan.vocab_axis is not None:
                 v_local = m.weight.shape[0] // self.sizes[plan.vocab_axis]

@@ -57,6 +57,10 @@ def register_leaf_rule(*types: type) -> Callable[[LeafRule], LeafRule]:
     return deco
 
 
+def has_leaf_rule(mod: nn.Module) -> bool:
+    return any(t in _RULES for t in type(mod).__mro__)
+
+
 def leaf_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]]) -> LeafPlan:
     """The plan for leaf `mod` whose direct parameters have `shards`. Raises BuildError for a module
     type without a rule or a layout the rule does not support, naming path, parameter and axis."""

@@ -92,7 +92,7 @@ class _Recorder:
 
     def __init__(self, model: nn.Module):
         self.outputs: dict[str, list[torch.Tensor]] = {}
-        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.grads: dict[str, dict[int, torch.Tensor]] = {}
         self.order: list[str] = []
         self.grad_order: list[str] = []
         self.active = True
@@ -101,7 +101,7 @@ class _Recorder:
         self.failed_in: str | None = None
         for path, m in model.named_modules():
             self.handles.append(m.register_forward_pre_hook(self._pre(path)))
-            self.handles.append(m.register_forward_hook(self._post(path), always_call=True))
+            self.handles.append(m.register_forward_hook(self._post(path)))  # not on failure: the stack then names where
 
     def _pre(self, path):
         def hook(mod, args):
@@ -121,11 +121,12 @@ class _Recorder:
             if path not in self.outputs:
                 self.order.append(path)
             self.outputs.setdefault(path, []).append(t.detach().clone())
+            call = len(self.outputs[path]) - 1  # backward may visit calls in any order: keep them by call
             if t.requires_grad:
-                def grad_hook(g, path=path):
+                def grad_hook(g, path=path, call=call):
                     if path not in self.grads:
                         self.grad_order.append(path)
-                    self.grads.setdefault(path, []).append(g.detach().clone())
+                    self.grads.setdefault(path, {})[call] = g.detach().clone()
 
                 t.register_hook(grad_hook)
 
@@ -200,6 +201,7 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
         leaves = []
         for sl in slices:
             sl = dict(sl)
+            rec.stack.clear()
             for k in float_inputs:
                 sl[k] = sl[k].detach().clone().requires_grad_(True)
                 leaves.append((k, sl[k]))
@@ -216,7 +218,7 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             rec.active = False
             result["outputs"] = {k: v for k, v in rec.outputs.items()}
             result["order"] = list(rec.order)
-            result["grads"] = {k: v for k, v in rec.grads.items()}
+            result["grads"] = {k: [v[i] for i in sorted(v)] for k, v in rec.grads.items()}
             result["grad_order"] = list(rec.grad_order)
             for k, t in leaves:
                 input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)

@@ -1,0 +1,152 @@
+"""Ready-made Megatron-LM schedules for Hugging Face GPT-2, BERT and LLaMA, found by module structure.
+
+Each is a short recipe of primitives over the stock model: column-parallel then row-parallel linears
+(one all-reduce forward and one backward per attention and per MLP), head-sharded attention,
+vocab-parallel embedding and LM head with vocab-parallel cross-entropy, optional sequence parallelism in
+the norm/dropout regions (reduce-scatter / all-gather instead of all-reduce), a fraction of the layers
+checkpointed, and data parallelism (DDP or ZeRO-3) on a second mesh axis.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from ..errors import ScheduleError
+from ..schedule.core import Schedule
+from .common import blocks_path, check_heads, finish, has_children, vocab_parallel
+
+SP_IN = dict(to=Replicate(), from_=Shard(1))  # gather the sequence before a column-parallel linear
+
+
+def _row_out(sch: Schedule, tp: str, sp: bool) -> None:
+    sch.sync("fwd_post", to=Shard(1) if sp else Replicate(), axis=tp)
+
+
+def schedule_gpt2(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
+                  sequence_parallel: bool = False, checkpoint_fraction: float = 0.0,
+                  vocab_parallel_head: bool = True) -> Schedule:
+    """GPT-2 (fused q|k|v in Conv1D `c_attn`). Needs heads, vocab and 4*hidden divisible by the tp size."""
+    blocks = blocks_path(sch)
+    n = sch.mesh.size(tp)
+    sp = sequence_parallel
+    if vocab_parallel_head:
+        vocab_parallel(sch, tp=tp, causal=True, sequence_parallel=False)
+    if sp:
+        sch[blocks.rsplit(".", 1)[0] + ".drop"].sync("fwd_post", to=Shard(1), from_=Replicate(), axis=tp)
+    for i in range(len(sch[blocks].mod)):
+        b = sch[f"{blocks}.{i}"]
+        check_heads(b.path, b["attn"].mod.num_heads, n)
+        b["attn.c_attn"].shard("weight", dim=1, axis=tp, blocks=3).shard("bias", dim=0, axis=tp, blocks=3)
+        b["attn"].shard_attr("split_size", axis=tp)
+        b["attn.c_proj"].shard("weight", dim=0, axis=tp)
+        _row_out(b["attn.c_proj"], tp, sp)
+        b["mlp.c_fc"].shard("weight", dim=1, axis=tp).shard("bias", dim=0, axis=tp)
+        b["mlp.c_proj"].shard("weight", dim=0, axis=tp)
+        _row_out(b["mlp.c_proj"], tp, sp)
+        if sp:
+            for ln in ("ln_1", "ln_2"):
+                b[ln].reduce_grads(axis=tp)
+            b["attn.c_attn"].sync("fwd_pre", **SP_IN, axis=tp)
+            b["mlp.c_fc"].sync("fwd_pre", **SP_IN, axis=tp)
+            b["attn"].fork_rng(axis=tp)  # attention and residual dropout both see sharded data
+            b["mlp"].fork_rng(axis=tp)
+    if sp:
+        top = blocks.rsplit(".", 1)[0]
+        sch[f"{top}.ln_f"].reduce_grads(axis=tp)
+        sch[f"{top}.ln_f"].sync("fwd_post", **SP_IN, axis=tp)
+    return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
+
+
+def schedule_bert(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
+                  sequence_parallel: bool = False, checkpoint_fraction: float = 0.0,
+                  vocab_parallel_head: bool = True) -> Schedule:
+    """BERT (post-norm encoder). Sequence parallelism is not offered for post-norm layers: the residual
+    enters the norm inside the output module, so it raises ScheduleError."""
+    if sequence_parallel:
+        raise ScheduleError("schedule_bert: sequence parallelism is not supported for post-norm BERT layers")
+    blocks = blocks_path(sch)
+    n = sch.mesh.size(tp)
+    if vocab_parallel_head:
+        # BertForMaskedLM computes its loss inline with CrossEntropyLoss, so the logits are gathered
+        vocab_parallel(sch, tp=tp, causal=False, sequence_parallel=False, parallel_loss=False)
+    for i in range(len(sch[blocks].mod)):
+        b = sch[f"{blocks}.{i}"]
+        check_heads(b.path, b["attention.self"].mod.num_attention_heads, n)
+        for proj in ("query", "key", "value"):
+            b[f"attention.self.{proj}"].shard(["weight", "bias"], dim=0, axis=tp)
+        b["attention.self"].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
+        b["attention.output.dense"].shard("weight", dim=1, axis=tp).sync("fwd_post", to=Replicate(), axis=tp)
+        b["intermediate.dense"].shard(["weight", "bias"], dim=0, axis=tp)
+        b["output.dense"].shard("weight", dim=1, axis=tp).sync("fwd_post", to=Replicate(), axis=tp)
+    return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
+
+
+def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
+                   sequence_parallel: bool = False, checkpoint_fraction: float = 0.0,
+                   vocab_parallel_head: bool = True) -> Schedule:
+    """LLaMA (GQA, RMSNorm, rotary): q/k/v/gate/up column-parallel, o/down row-parallel; needs query and
+    key/value heads divisible by the tp size."""
+    blocks = blocks_path(sch)
+    n = sch.mesh.size(tp)
+    sp = sequence_parallel
+    if vocab_parallel_head:
+        # positions and masks are computed from the embedding's output shape, so the sequence is split
+        # at the first block's input, not at the embedding
+        vocab_parallel(sch, tp=tp, causal=True, sequence_parallel=sp, split_embedding=False)
+        if sp:
+            sch[f"{blocks}.0"].sync("fwd_pre", to=Shard(1), axis=tp)
+    elif sp:
+        raise ScheduleError("schedule_llama: sequence_parallel needs vocab_parallel_head=True")
+    for i in range(len(sch[blocks].mod)):
+        b = sch[f"{blocks}.{i}"]
+        cfg = b["self_attn"].mod.config
+        check_heads(b.path, cfg.num_attention_heads, n)
+        check_heads(b.path, cfg.num_key_value_heads, n, "key/value heads")
+        if sp:  # gather at the module input: attention reshapes its output with the input's sequence length
+            b["self_attn"].sync("fwd_pre", **SP_IN, axis=tp)
+            b["mlp"].sync("fwd_pre", **SP_IN, axis=tp)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            _column(b[f"self_attn.{proj}"], tp)
+        b["self_attn"].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
+        _row(b["self_attn.o_proj"], tp, sp)
+        for proj in ("gate_proj", "up_proj"):
+            _column(b[f"mlp.{proj}"], tp)
+        _row(b["mlp.down_proj"], tp, sp)
+        if sp:
+            b["input_layernorm"].reduce_grads(axis=tp)
+            b["post_attention_layernorm"].reduce_grads(axis=tp)
+    if sp:
+        sch[blocks.rsplit(".", 1)[0] + ".norm"].reduce_grads(axis=tp)
+    return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
+
+
+def _column(lin: Schedule, tp: str) -> None:
+    lin.shard("weight", dim=0, axis=tp)
+    if lin.mod.bias is not None:
+        lin.shard("bias", dim=0, axis=tp)
+
+
+def _row(lin: Schedule, tp: str, sp: bool) -> None:
+    lin.shard("weight", dim=1, axis=tp)
+    _row_out(lin, tp, sp)
+
+
+# structure signature of one block -> recipe
+_FAMILIES = (
+    (("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), schedule_gpt2),
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), schedule_llama),
+    (("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+      "intermediate.dense", "output.dense"), schedule_bert),
+)
+
+
+def megatron(sch: Schedule, **kwargs) -> Schedule:
+    """Apply the Megatron recipe matching the model's block structure (GPT-2, LLaMA or BERT style).
+    Keyword arguments go to the recipe. Raises ScheduleError listing the known structures otherwise."""
+    first = sch[blocks_path(sch)].mod[0]
+    for sig, recipe in _FAMILIES:
+        if has_children(first, *sig):
+            return recipe(sch, **kwargs)
+    raise ScheduleError(f"megatron: no ready-made schedule matches blocks of type {type(first).__name__}; "
+                        f"known block structures: {[sig for sig, _ in _FAMILIES]}")
