@@ -270,7 +270,7 @@ class _Builder:
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
         for combo in combos:
-            if not self._inputs_ok(n, combo):
+            if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
                 continue
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             if not is_output or all(p == R for p in raw):  # the model's outputs are whole on every rank
@@ -278,6 +278,24 @@ class _Builder:
             if exitable and any(p != R for p in raw):
                 out.append((combo, tuple(R for _ in raw)))
         return out
+
+    def _divisible(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
+        """Every sharded dim divides on the data-parallel-local shape (the dims rules checked global sizes)."""
+        if not combo:
+            return True
+        checks = [(self.nodes[j].out, j, tuple(o.ins[pos] for o in combo)) for pos, j in enumerate(n.inputs)]
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        checks += [(m, n.index, tuple(o.outs[k] if k < len(o.outs) else R for o in combo)) for k, m in enumerate(outs)]
+        for meta, j, pl in checks:
+            if not isinstance(meta, TensorMeta):
+                continue
+            shape = list(self.local_dp_shape(j, meta.shape))
+            for p, size in zip(pl, self.tp_sizes):
+                if p >= 0:
+                    if p >= len(shape) or shape[p] % size:
+                        return False
+                    shape[p] //= size
+        return True
 
     def _inputs_ok(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
         for pos, i in enumerate(n.inputs):

@@ -1,0 +1,163 @@
+"""`treadle plan` and `treadle explain`: plan a named (or user) model on a cluster, explain a saved plan.
+
+    treadle plan llama-3-8b --cluster 8x8:h100 --memory 80GiB --batch 32 --seq 4096 -o plan.json
+    treadle explain plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import torch
+
+from ..errors import PlanError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1e9' -> 1e9. Raises PlanError on anything else."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlanError(f"cannot read memory size {text!r}; write e.g. 80GiB, 80GB or 8.5e10 (bytes)")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _parse_pin(text: str) -> tuple[str, str, str]:
+    """'model.layers.*.mlp.down_proj.weight=tp:1' -> (glob, axis, dim or R)."""
+    m = re.fullmatch(r"([^=]+)=([A-Za-z0-9_]+):(R|S?\d+)", text)
+    if not m:
+        raise PlanError(f"cannot read pin {text!r}; write PARAM_GLOB=AXIS:DIM (e.g. '*.down_proj.weight=tp:1') "
+                        f"or PARAM_GLOB=AXIS:R")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="plan sharding and checkpointing of a model on a cluster")
+    p.add_argument("model", help="a zoo name (treadle.models.zoo) or 'package.module:function'")
+    p.add_argument("--cluster", required=True, help="e.g. 8x8:h100, 2x4:a100, 2x2:cpu")
+    p.add_argument("--memory", default=None, help="memory budget per device (e.g. 80GiB); default: the device's")
+    p.add_argument("--batch", type=int, required=True, help="global batch size")
+    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="parameter dtype (default fp32)")
+    p.add_argument("--mode", default="joint", choices=["joint", "two_stage"])
+    p.add_argument("--pin", action="append", default=[], metavar="GLOB=AXIS:DIM",
+                   help="pin a parameter layout on a mesh axis (repeatable)")
+    p.add_argument("--dp-axis", default="auto", help="data-parallel axis: auto (search), none, or an axis name")
+    p.add_argument("--zero", choices=["auto", "on", "off"], default="auto", help="ZeRO-3 over the dp axis")
+    p.add_argument("--forbid-axis", action="append", default=[], help="keep every op replicated on this axis")
+    p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
+    p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
+    p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    p.set_defaults(func=_plan_cmd)
+
+    e = subparsers.add_parser("explain", help="explain a saved plan (per-module table, estimate, binding constraint)")
+    e.add_argument("plan", help="plan.json written by `treadle plan`")
+    e.add_argument("--top", type=int, default=None, help="only the N most expensive modules")
+    e.add_argument("--json", action="store_true", help="print the rows as JSON")
+    e.add_argument("--python", action="store_true", help="also print the schedule as Python calls")
+    e.set_defaults(func=_explain_cmd)
+
+
+def _plan_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..cost.cluster import parse_cluster
+    from ..models.zoo import load_model, named_model
+    from .explain import plan_table, summary_lines
+    from .plan import plan_model
+
+    console = Console(stderr=True)
+    cluster = parse_cluster(args.cluster)
+    dtype = _DTYPES[args.dtype]
+    budget = parse_bytes(args.memory) if args.memory else float(cluster.hardware().memory_bytes)
+    pins: dict[str, dict[str, int | str]] = {}
+    for text in args.pin:
+        glob, axis, dim = _parse_pin(text)
+        pins.setdefault(glob, {})[axis] = dim if dim == "R" else int(dim.lstrip("S"))
+    dp_axis = None if args.dp_axis == "none" else args.dp_axis
+    zero = None if args.zero == "auto" else args.zero == "on"
+    with console.status(f"building {args.model} (fake tensors)") as status:
+        if ":" in args.model:
+            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True)
+        else:
+            model, inputs = named_model(args.model, batch=args.batch, seq=args.seq, fake=True, dtype=dtype)
+        try:
+            plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget, mode=args.mode, pins=pins,
+                              dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
+                              time_limit_s=args.time_limit,
+                              model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
+                                          "dtype": args.dtype},
+                              progress=lambda msg: status.update(f"planning {args.model}: {msg}"))
+        except PlanError as exc:
+            console.print(f"[red]treadle plan: {exc}[/red]")
+            return 2
+    if args.output:
+        # the schedule in the plan is replayed on a freshly built model; fake parameters serialise as records only
+        with open(args.output, "w") as f:
+            f.write(plan.to_json())
+    if args.json:
+        print(plan.to_json())
+    else:
+        out = Console()
+        out.print(plan_table(plan))
+        for line in summary_lines(plan):
+            out.print(line)
+        if args.output:
+            out.print(f"plan written to {args.output}")
+    return 0
+
+
+def _explain_cmd(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from .explain import plan_table, summary_lines
+    from .plan import Plan
+
+    try:
+        plan = Plan.load(args.plan)
+    except (OSError, json.JSONDecodeError, KeyError, PlanError) as exc:
+        print(f"treadle explain: cannot read plan {args.plan!r}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in plan.rows], indent=1))
+        return 0
+    out = Console()
+    out.print(plan_table(plan, top=args.top))
+    for line in summary_lines(plan):
+        out.print(line)
+    if args.python:
+        print("\n".join(plan_python(plan)))
+    return 0
+
+
+def plan_python(plan) -> list[str]:
+    """The plan's decisions as schedule calls (what `plan.schedule.to_python()` prints for the real model)."""
+    lines = []
+    for d in plan.decisions:
+        a = dict(d.args)
+        if d.op == "shard":
+            lines.append(f"sch[{d.path!r}].shard({a['names']!r}, dim={a['dim']}, axis={a['axis']!r})")
+        elif d.op == "sync":
+            lines.append(f"sch[{d.path!r}].sync('fwd_post', to={_pl(a['to'])}, axis={a['axis']!r})  # from {a['from_']}")
+        elif d.op == "reduce_grads":
+            lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
+        elif d.op == "fork_rng":
+            lines.append(f"sch[{d.path!r}].fork_rng(axis={a['axis']!r})")
+        elif d.op == "checkpoint":
+            lines.append(f"sch[{d.path!r}].checkpoint()")
+        elif d.op == "data_parallel":
+            lines.append(f"sch.data_parallel(axis={a['axis']!r}, shard={a['shard']})")
+    return lines
+
+
+def _pl(s: str) -> str:
+    return "Replicate()" if s == "R" else "Partial()" if s == "P" else f"Shard({s[1:]})"
