@@ -31,6 +31,20 @@ logger = logging.getLogger(__name__)
 
 ANNOTATIONS_ATTR = "_treadle_annotations"
 
+# Build steps contributed by other layers (graph rewrites, pipelines). Each is called with the builder at its
+# phase: "pre_shard" (before parameters are sliced: graph rewrites), "post_hooks" (after syncs, checkpoints and
+# RNG wrappers are installed), "wrap" (instead of data-parallel wrapping: may return the model to hand back,
+# e.g. a pipeline stage runner, or None to fall through).
+_EXTENSIONS: dict[str, list[Callable[["_Builder"], Any]]] = {"pre_shard": [], "post_hooks": [], "wrap": []}
+
+
+def register_build_extension(phase: str, fn: Callable[["_Builder"], Any]) -> None:
+    """Add a build step for `phase` ("pre_shard", "post_hooks" or "wrap")."""
+    if phase not in _EXTENSIONS:
+        raise BuildError(f"unknown build phase {phase!r}; phases: {list(_EXTENSIONS)}")
+    if fn not in _EXTENSIONS[phase]:
+        _EXTENSIONS[phase].append(fn)
+
 
 def annotations(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Tags set by `annotate`, by parameter name, read from a built (or unbuilt) model."""
@@ -393,14 +407,25 @@ class _Builder:
         if any(p.is_meta for p in self.model.parameters()):
             self.materialize(owners)
             owners = self.owners()
+        for ext in _EXTENSIONS["pre_shard"]:
+            ext(self)
+        owners = self.owners()
         self.plan_leaves(owners)
         self.slice_params(owners)
         self.install_syncs()
         self.install_reduce_grads()
         self.install_fork_rng()
         self.install_checkpoints()
+        for ext in _EXTENSIONS["post_hooks"]:
+            ext(self)
         self.st.built = True
-        out = self.data_parallel()
+        out = None
+        for ext in _EXTENSIONS["wrap"]:
+            out = ext(self)
+            if out is not None:
+                break
+        if out is None:
+            out = self.data_parallel()
         logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",
                     len(self.st.param_shards), len(self.st.syncs), len(self.st.checkpoints), self.mesh)
         return out

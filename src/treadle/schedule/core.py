@@ -94,6 +94,7 @@ class _State:
     data_parallel: tuple[str, bool] | None = None  # (axis, shard)
     built: bool = False
     original: nn.Module | None = None  # a copy of the model taken before its first `replace` (verify's reference)
+    extras: dict[str, Any] = field(default_factory=dict)  # state of graph-level primitives and pipelines
 
     def snapshot(self) -> None:
         if self.original is None and not any(p.is_meta for p in self.model.parameters()):
@@ -104,7 +105,14 @@ def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else (prefix or path)
 
 
-class Schedule:
+try:  # graph-level primitives (trace, find, fuse, cut_pipeline_stage, ...) live in their own module
+    from .graph_primitives import GraphPrimitives as _GraphPrimitives
+except ImportError:  # pragma: no cover - only while that layer is absent
+    class _GraphPrimitives:  # type: ignore[no-redef]
+        pass
+
+
+class Schedule(_GraphPrimitives):
     """A schedule of one module of the model; the root schedule covers the whole model.
 
     Create with `treadle.create_schedule(model, mesh=...)`; index sub-modules by dotted path
