@@ -4,8 +4,10 @@ Everything here is pure data and pure functions in seconds and bytes; nothing bu
 (except `calibrate`, which measures a live one)."""
 
 from .cluster import ClusterSpec, enumerate_meshes, parse_cluster
+from .convert import ConversionPlan, ConversionStep, conversion_time_s, plan_conversion
 from .layout import Layout, local_shape
 from .links import LINK_PRESETS, LinkSpec, link_preset
 
-__all__ = ["ClusterSpec", "enumerate_meshes", "parse_cluster", "Layout", "local_shape", "LINK_PRESETS",
+__all__ = ["ClusterSpec", "enumerate_meshes", "parse_cluster", "ConversionPlan", "ConversionStep",
+           "conversion_time_s", "plan_conversion", "Layout", "local_shape", "LINK_PRESETS",
            "LinkSpec", "link_preset"]

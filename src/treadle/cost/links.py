@@ -84,10 +84,11 @@ LINK_PRESETS: dict[str, LinkSpec] = {
     # InfiniBand NDR: 400 Gb/s per NIC = 50 GB/s per direction, one NIC per GPU (NVIDIA ConnectX-7)
     "ib-ndr": LinkSpec(name="ib-ndr", latency_s=10e-6, bandwidth_bytes_per_s=50 * GB, efficiency=0.85,
                         launch_s=_NCCL_LAUNCH_S),
-    # gloo over the loopback interface of one host (CPU ranks, this project's test machine): fitted with
-    # treadle.cost.calibrate on 2 ranks of a 2-core VM; a rough default, calibrate for real figures
-    "loopback": LinkSpec(name="loopback", latency_s=30e-6, bandwidth_bytes_per_s=2 * GB, efficiency=1.0,
-                         launch_s=40e-6),
+    # gloo over the loopback interface of one host (CPU ranks, this project's 2-core test VM): calibrated
+    # all-gather on 2 ranks gives an intercept of ~0.3 ms and ~1 GB/s (treadle.cost.calibrate, 4 KiB..8 MiB);
+    # the intercept is split evenly between launch and latency. A rough default: calibrate for real figures
+    "loopback": LinkSpec(name="loopback", latency_s=150e-6, bandwidth_bytes_per_s=1 * GB, efficiency=1.0,
+                         launch_s=150e-6),
 }
 
 
