@@ -116,6 +116,38 @@ def _example_inputs(family: str, vocab: int, *, batch: int, seq: int, fake_mode:
     return inputs
 
 
+def _eager_masks_on_fake_inputs(model: nn.Module) -> None:
+    """Make a run on fake tensors build the attention masks an eager run builds.
+
+    transformers treats fake tensors as tracing and then assumes the worst about position ids (packed
+    sequences), so it builds an explicit mask where an eager run on our inputs (one unpacked sequence per row)
+    uses `is_causal` attention. While this model runs, a fake `position_ids` is reported unpacked; real runs are
+    untouched. Installed as forward hooks on the root module, so it applies only inside this model's forward.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # an older transformers without the packed-sequence check
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def unpacked_when_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    def install(module: nn.Module, args: Any) -> None:
+        masking_utils.find_packed_sequence_indices = unpacked_when_fake
+
+    def restore(module: nn.Module, args: Any, output: Any) -> None:
+        masking_utils.find_packed_sequence_indices = original
+
+    model.register_forward_pre_hook(install)
+    model.register_forward_hook(restore, always_call=True)
+
+
 def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: torch.dtype = torch.float32,
                 attn: str = "sdpa", dropout: bool = True) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Build the named configuration with random weights, in training mode, and example inputs of shape
@@ -153,11 +185,15 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
         ctx = contextlib.ExitStack()
         ctx.enter_context(fake_mode)
         ctx.enter_context(no_init_weights())
-    with ctx:
-        model = model_cls(config)
-        if dtype != torch.float32:
-            model = model.to(dtype)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in `dtype` (a cast after would copy them)
+    try:
+        with ctx:
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
     model.train()
+    _eager_masks_on_fake_inputs(model)
     inputs = _example_inputs(spec.family, config.vocab_size, batch=batch, seq=seq, fake_mode=fake_mode)
     logger.info("built %s (%s) batch=%d seq=%d fake=%s", name, model_cls.__name__, batch, seq, fake)
     return model, inputs

@@ -310,7 +310,7 @@ register_zero(
     aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.narrow, aten.as_strided, aten.diagonal,
     aten.flatten, aten.unflatten, aten.view_as, aten.lift_fresh, aten.contiguous, aten.lift_fresh_copy,
     aten._assert_tensor_metadata, aten._local_scalar_dense, aten.sym_size, aten.sym_numel, aten.sym_stride,
-    aten.item, aten.is_same_size, operator.getitem, kind="view")
+    aten.item, aten.is_same_size, operator.getitem, torch.ops.prim.device, torch.ops.prim.layout, kind="view")
 register_zero(
     aten.arange, aten.zeros, aten.ones, aten.full, aten.empty, aten.empty_strided, aten.empty_like, aten.zeros_like,
     aten.ones_like, aten.full_like, aten.new_ones, aten.new_zeros, aten.new_empty, aten.new_full,

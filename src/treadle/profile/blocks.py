@@ -1,0 +1,194 @@
+"""Repeated blocks: find runs of identical sub-modules, profile two of each run, and splice in the rest.
+
+NOTE [block reuse]: transformer layers in an `nn.ModuleList` (or `nn.Sequential`) are usually identical: same
+class, same parameter and buffer shapes, dtypes and `requires_grad`, same plain attributes (numbering
+attributes such as `layer_idx` aside) and same hooks, recursively. For a run of n >= 3 such blocks b_0..b_{n-1},
+the profiler runs the model with only b_0 and b_1 (the container is shortened in place and restored after).
+b_1 is the *template*: its predecessor is a block like itself, so its op sequence, saved tensors and memory
+deltas are the steady state every later block repeats. The full step is then rebuilt exactly:
+- forward: after b_1's ops come copies for b_2..b_{n-1}, each shifted by the template's net live-bytes change;
+- backward (reverse order): copies for b_{n-1}..b_2 come first, then b_1's own ops, shifted likewise;
+- every record after a spliced segment is shifted by the bytes the copies added.
+Totals (FLOPs, bytes, saved bytes, peak and where it is) equal those of profiling every block; the tests check
+this on five architectures. If the template's ops are not contiguous in the run (something interleaves with
+them), `expand` returns None and the profiler profiles every block instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from torch import nn
+
+from .records import OpRecord
+
+logger = logging.getLogger(__name__)
+
+_SIMPLE = (bool, int, float, str, type(None))
+_NUMBERING = ("idx", "index", "layer_id", "layer_num", "block_id")
+
+
+def _structure_key(m: nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) if p is not None else (n, None)
+                   for n, p in m._parameters.items())
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) if b is not None else (n, None) for n, b in m._buffers.items())
+    attrs = tuple(sorted((k, v) for k, v in vars(m).items()
+                         if isinstance(v, _SIMPLE) and not k.startswith("_") and not any(s in k for s in _NUMBERING)))
+    hooks = (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+             len(getattr(m, "_backward_pre_hooks", {})))
+    children = tuple((n, _structure_key(c)) for n, c in m._modules.items() if c is not None)
+    return type(m).__module__, type(m).__qualname__, params, buffers, attrs, hooks, children
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """Children `keys[start:stop]` of the container at `container_path` are identical blocks."""
+
+    container_path: str
+    keys: tuple[str, ...]
+    start: int
+    stop: int
+
+    def member(self, i: int) -> str:
+        return f"{self.container_path}.{self.keys[i]}" if self.container_path else self.keys[i]
+
+    @property
+    def template(self) -> str:
+        return self.member(self.start + 1)
+
+    @property
+    def extras(self) -> list[str]:
+        return [self.member(i) for i in range(self.start + 2, self.stop)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"container": self.container_path, "first": self.member(self.start),
+                "last": self.member(self.stop - 1), "count": self.stop - self.start, "template": self.template}
+
+
+def find_block_runs(model: nn.Module, *, min_count: int = 3) -> list[BlockRun]:
+    """Runs of >= `min_count` consecutive identical children of every ModuleList/Sequential, outermost first
+    (containers inside a run's blocks are left alone: the template is profiled in full)."""
+    runs: list[BlockRun] = []
+    covered: list[str] = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        if any(path == c or path.startswith(c + ".") for c in covered):
+            continue
+        keys = tuple(k for k, c in mod._modules.items() if c is not None)
+        sig = [_structure_key(mod._modules[k]) for k in keys]
+        i = 0
+        while i < len(keys):
+            j = i + 1
+            while j < len(keys) and sig[j] == sig[i]:
+                j += 1
+            if j - i >= min_count:
+                run = BlockRun(path, keys, i, j)
+                runs.append(run)
+                covered.extend(run.member(k) for k in range(i, j))
+            i = j
+    return runs
+
+
+@contextlib.contextmanager
+def shortened(model: nn.Module, runs: list[BlockRun]) -> Iterator[None]:
+    """Drop every run's blocks after its template from their containers; restore them on exit."""
+    saved: list[tuple[nn.Module, dict]] = []
+    try:
+        for run in runs:
+            container = model.get_submodule(run.container_path) if run.container_path else model
+            saved.append((container, dict(container._modules)))
+            for k in run.keys[run.start + 2:run.stop]:
+                del container._modules[k]
+        yield
+    finally:
+        for container, modules in saved:
+            container._modules.clear()
+            container._modules.update(modules)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _rename(path: str, old: str, new: str) -> str:
+    if path == old:
+        return new
+    if path.startswith(old + "."):
+        return new + path[len(old):]
+    return path
+
+
+def _segment(records: list[OpRecord], run: BlockRun, phases: tuple[str, ...]) -> tuple[int, int] | None:
+    idx = [r.index for r in records if r.phase in phases and _under(r.module, run.template)]
+    if not idx:
+        return None
+    lo, hi = idx[0], idx[-1]
+    others = [run.member(i) for i in range(run.start, run.stop) if i != run.start + 1]
+    for r in records[lo:hi + 1]:
+        if any(_under(r.module, o) for o in others):
+            return None
+    return lo, hi
+
+
+def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: int) -> list[OpRecord] | None:
+    """The records of the full model rebuilt from a shortened run (see NOTE [block reuse]), or None when a
+    template's ops are not contiguous. `final_live_bytes` is the live count after the last op's frees."""
+    if not runs:
+        return records
+
+    def live_at(i: int) -> int:  # live bytes when op i starts (after the frees that preceded it)
+        return records[i].live_before_bytes if i < len(records) else final_live_bytes
+
+    # (first index, last index, run, is_backward)
+    segments: list[tuple[int, int, BlockRun, bool]] = []
+    for run in runs:
+        fwd = _segment(records, run, ("forward",))
+        bwd = _segment(records, run, ("backward", "recompute"))
+        if fwd is None:
+            logger.warning("block reuse: template %s ran no ops; profiling every block", run.template)
+            return None
+        segments.append((*fwd, run, False))
+        if bwd is not None:
+            segments.append((*bwd, run, True))
+    segments.sort(key=lambda s: s[0])
+    for (a_lo, a_hi, *_), (b_lo, *_rest) in zip(segments, segments[1:]):
+        if b_lo <= a_hi:
+            logger.warning("block reuse: template segments overlap; profiling every block")
+            return None
+
+    out: list[OpRecord] = []
+    offset = 0
+    pos = 0
+
+    def emit(seg: list[OpRecord], *, old: str, new: str, shift: int) -> None:
+        names: dict[str, str] = {}
+        base = len(out)
+        for i, r in enumerate(seg):
+            m = names.get(r.module)
+            if m is None:
+                m = names[r.module] = _rename(r.module, old, new)
+            out.append(r.copy_to(index=base + i, module=m, live_offset_bytes=shift))
+
+    for lo, hi, run, backward in segments:
+        for r in records[pos:lo]:
+            out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
+        seg = records[lo:hi + 1]
+        delta = live_at(hi + 1) - live_at(lo)
+        extras = run.extras
+        if not backward:
+            emit(seg, old=run.template, new=run.template, shift=offset)
+            for c, name in enumerate(extras, start=1):
+                emit(seg, old=run.template, new=name, shift=offset + c * delta)
+        else:
+            for c, name in enumerate(reversed(extras)):
+                emit(seg, old=run.template, new=name, shift=offset + c * delta)
+            emit(seg, old=run.template, new=run.template, shift=offset + len(extras) * delta)
+        offset += len(extras) * delta
+        pos = hi + 1
+    for r in records[pos:]:
+        out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
+    return out

@@ -1,0 +1,82 @@
+"""`treadle profile`: profile a named model config or a `module:function` and print per-module and total figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import TreadleError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("profile", help="FLOPs, memory, time and MFU of one training step, on fake tensors",
+                              description="Profile one training step (forward + backward) of a model on fake "
+                                          "tensors: per-module FLOPs, saved activations, memory peak, roofline "
+                                          "step time and MFU on a hardware spec.")
+    p.add_argument("model", help="a named config (e.g. llama-2-70b, gpt2; see --list) or package.module:function "
+                                 "returning (model, example_inputs)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--hardware", default="h100-sxm",
+                   help="v100-32gb, a100-40gb, a100-80gb, h100-sxm, h200, cpu (calibrated here), or a spec .json")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype (default bfloat16)")
+    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation")
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    p.add_argument("--depth", type=int, default=2, help="module depth shown in the table (0: model only)")
+    p.add_argument("--forward-only", action="store_true", help="profile inference (no backward)")
+    p.add_argument("--expand-blocks", action="store_true", help="one table row per block, not one per run")
+    p.add_argument("--no-reuse", action="store_true", help="profile every repeated block (slower, same result)")
+    p.add_argument("--json", metavar="FILE", help="write the whole profile (totals, modules, ops) as JSON")
+    p.add_argument("--list", action="store_true", help="list the named configs and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..models.zoo import load_model, model_names
+    from .profiler import profile
+    from .table import module_table, summary_table
+
+    out = Console(width=None if sys.stdout.isatty() else 150)
+    if args.list:
+        out.print("\n".join(model_names()))
+        return 0
+    err = Console(stderr=True)
+    try:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task(f"building {args.model}", total=1.0)
+            kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
+            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
+
+            def progress(stage: str, fraction: float) -> None:
+                bar.update(task, description=f"profiling {args.model}: {stage}", completed=fraction)
+
+            prof = profile(model, inputs, hardware=args.hardware, train=not args.forward_only,
+                           optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
+                           progress=progress)
+    except TreadleError as exc:
+        err.print(f"[red]treadle profile: {exc}")
+        return 2
+    out.print(module_table(prof, depth=args.depth, collapse_blocks=not args.expand_blocks))
+    out.print(summary_table(prof))
+    if args.json:
+        doc = prof.to_dict()
+        doc["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.json).write_text(json.dumps(doc))
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    from ..cli import main
+
+    sys.exit(main(["profile", *sys.argv[1:]]))

@@ -1,0 +1,249 @@
+"""Record one training step on fake tensors: every ATen op with its module, FLOPs, bytes, saved bytes and the
+live-memory timeline.
+
+How each figure is observed (NOTE [recording]):
+- Ops: a `TorchDispatchMode` below autograd sees every ATen op, forward and backward, with the tensors it ran
+  on (fake ones: shapes, dtypes and storages, no data).
+- Module of a forward op: forward pre/post hooks keep a stack of module paths; the top owns the op.
+- Module of a backward op: the hooks also note the autograd sequence number at which each module began and
+  ended, so every autograd node created in the forward maps to the innermost module that created it; in
+  backward, `torch._C._current_autograd_node()` names the node whose backward is running. Ops of a
+  checkpointed module recomputed during backward re-enter the forward hooks and count as "recompute".
+  Gradient accumulation into a parameter (AccumulateGrad) belongs to the module owning the parameter.
+- Memory: a storage is allocated when an op returns a tensor on a storage not seen before (views and in-place
+  ops reuse theirs); it is freed when the storage object dies (a weak reference callback). Live bytes are the
+  sum of tracked storages; parameters, buffers and inputs exist before the step and are not tracked.
+- Saved for backward: a `saved_tensors_hooks` pack hook sees each tensor autograd saves; its storage is
+  charged once, to the op that produced it (inputs and buffers apart; parameters are not activations).
+  Inside `torch.utils.checkpoint` the checkpoint's own hooks take over, so what it does not save is not charged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..errors import ProfileError
+from .flops import backward_flops, forward_flops, rule_for
+from .hardware import HardwareSpec
+from .records import OpRecord
+from .roofline import op_time_s
+
+logger = logging.getLogger(__name__)
+
+_seq_nr = torch._C._autograd._get_sequence_nr  # next autograd sequence number on this thread
+_NO_SEQ = 2**63  # AccumulateGrad nodes carry UINT64_MAX
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _logical_bytes(t: torch.Tensor) -> int:
+    try:
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): logical size
+        return t.numel() * t.element_size()
+
+
+class StepRecorder:
+    """State of one recorded step; `Dispatch` and the hooks below write into it (see NOTE [recording])."""
+
+    def __init__(self, *, hardware: HardwareSpec, preexisting: dict[int, tuple[torch.UntypedStorage, str]],
+                 progress: Callable[[str, float], None] | None = None, n_modules: int = 1) -> None:
+        self.hw = hardware
+        self.records: list[OpRecord] = []
+        self.live_bytes = 0
+        self.alive: dict[int, tuple[int, int, weakref.ref]] = {}  # storage id -> (nbytes, record index, ref)
+        self.preexisting = preexisting  # storage id -> (storage, "param" | "buffer" | "input")
+        self.saved: set[int] = set()
+        self.saved_input_bytes = 0
+        self.stack: list[str] = []
+        self.seq_starts: list[int] = [0]
+        self.seq_paths: list[str] = [""]
+        self.phase = "forward"
+        self.in_backward = False
+        self.forward_end_seq = _NO_SEQ
+        self.error: ProfileError | None = None
+        self.paused = False
+        self.progress = progress
+        self.n_modules = max(n_modules, 1)
+        self.modules_done = 0
+        self.forward_ops = 0
+        self._names: dict[Any, str] = {}
+        self.leaf_owner: dict[int, str] = {}  # id of a parameter leaf -> path of the module owning it
+
+    # ------------------------------------------------------------------------------------------ module tracking
+    def _boundary(self, path: str) -> None:
+        seq = _seq_nr()
+        if self.seq_starts[-1] == seq:
+            self.seq_paths[-1] = path
+        else:
+            self.seq_starts.append(seq)
+            self.seq_paths.append(path)
+
+    def pre_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.stack.append(path)
+            self._boundary(path)
+        return hook
+
+    def post_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.stack and self.stack[-1] == path:
+                self.stack.pop()
+            self._boundary(self.stack[-1] if self.stack else "")
+            if not self.in_backward and self.progress is not None:
+                self.modules_done += 1
+                if self.modules_done % 16 == 0:
+                    self.progress("forward", min(self.modules_done / self.n_modules, 1.0))
+        return hook
+
+    def attach(self, named_modules: list[tuple[str, nn.Module]]) -> list[Any]:
+        handles = []
+        for path, mod in named_modules:
+            handles.append(mod.register_forward_pre_hook(self.pre_hook(path)))
+            handles.append(mod.register_forward_hook(self.post_hook(path), always_call=True))
+        return handles
+
+    def where(self) -> tuple[str, str]:
+        """(module path, phase) of the op about to run."""
+        if not self.in_backward:
+            return (self.stack[-1] if self.stack else ""), "forward"
+        if self.stack:
+            return self.stack[-1], "recompute"
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return "", "backward"
+        seq = node._sequence_nr()
+        if seq >= self.forward_end_seq:  # AccumulateGrad: the module that owns the parameter
+            var = getattr(node, "variable", None)
+            return (self.leaf_owner.get(id(var), "") if var is not None else ""), "backward"
+        return self.seq_paths[bisect.bisect_right(self.seq_starts, seq) - 1], "backward"
+
+    def start_backward(self) -> None:
+        self.forward_end_seq = _seq_nr()
+        self.in_backward = True
+        self.phase = "backward"
+        self.forward_ops = len(self.records)
+
+    # ------------------------------------------------------------------------------------------ memory
+    def _free(self, key: int) -> None:
+        entry = self.alive.pop(key, None)
+        if entry is None:
+            return
+        nbytes, index, _ = entry
+        self.live_bytes -= nbytes
+        self.saved.discard(key)
+        if not self.in_backward:
+            self.records[index].temp_bytes += nbytes
+
+    def _track(self, t: torch.Tensor, rec: OpRecord) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.alive or key in self.preexisting:
+            return
+        nbytes = st.nbytes()
+        self.alive[key] = (nbytes, rec.index, weakref.ref(st, lambda _r, k=key: self._free(k)))
+        self.live_bytes += nbytes
+        rec.output_bytes += nbytes
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.paused or not isinstance(t, torch.Tensor):
+            return t
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.saved:
+            return t
+        entry = self.alive.get(key)
+        if entry is not None:
+            self.saved.add(key)
+            self.records[entry[1]].saved_bytes += entry[0]
+        else:
+            pre = self.preexisting.get(key)
+            if pre is not None and pre[1] != "param":
+                self.saved.add(key)
+                self.saved_input_bytes += st.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # ------------------------------------------------------------------------------------------ ops
+    def op_name(self, func: Any) -> str:
+        name = self._names.get(func)
+        if name is None:
+            name = self._names[func] = str(func)
+        return name
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        module, phase = self.where()
+        try:
+            rule = rule_for(func)
+        except ProfileError as exc:
+            err = ProfileError(f"{exc}; met in module {module or '<model>'!r} during {phase}")
+            self.error = self.error or err
+            raise err from None
+        live_before = self.live_bytes
+        out = func(*args, **kwargs)
+        ins = _tensors((args, kwargs))
+        outs = _tensors(out)
+        floating = next((t.dtype for t in ins + outs if t.is_floating_point()), None)
+        dtype = str(floating if floating is not None else (outs or ins or [torch.empty(())])[0].dtype)
+        rec = OpRecord(len(self.records), self.op_name(func), rule.kind, module, phase, dtype.removeprefix("torch."))
+        rec.live_before_bytes = live_before
+        self.records.append(rec)
+        if rule.kind in ("matmul", "attention", "conv"):
+            try:
+                rec.flops = forward_flops(func, args, kwargs, out)
+                if phase == "forward":
+                    needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+                    if any(needs):
+                        rec.backward_flops = backward_flops(func, args, kwargs, out, needs_input_grad=needs)
+            except ProfileError as exc:
+                err = ProfileError(f"{exc}; met in module {module or '<model>'!r} during {phase}")
+                self.error = self.error or err
+                raise err from None
+        if rule.kind != "view":
+            if rule.kind != "factory":
+                rec.read_bytes = sum(_logical_bytes(t) for t in ins)
+            rec.write_bytes = sum(t.numel() * t.element_size() for t in outs)
+        for t in outs:
+            self._track(t, rec)
+        rec.live_after_bytes = self.live_bytes
+        try:
+            rec.time_s = op_time_s(rec.flops, rec.read_bytes + rec.write_bytes, self.hw, rec.dtype)
+        except ProfileError as exc:
+            err = ProfileError(f"{exc}; met at op {rec.op} in module {module or '<model>'!r}")
+            self.error = self.error or err
+            raise err from None
+        if self.in_backward and self.progress is not None and len(self.records) % 256 == 0:
+            done = (len(self.records) - self.forward_ops) / max(2 * self.forward_ops, 1)
+            self.progress("backward", min(done, 0.99))
+        return out
+
+
+# Fake tensors answer `.device`/`.layout` through the dispatcher; real tensors do not. Not ops of the model.
+_METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
+
+class Dispatch(TorchDispatchMode):
+    """Hands every ATen op to a StepRecorder (unless it is paused)."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.recorder.paused or func in _METADATA_QUERIES:
+            return func(*args, **kwargs)
+        return self.recorder.record(func, args, kwargs)
