@@ -56,7 +56,8 @@ def test_multi_axis_gather_hierarchical_beats_flat_on_mixed_links():
     flat = 5e-6 + 7 * (10e-6 + 1e6 / 1e9)  # 8 ranks, slowest latency and bandwidth
     hier = (5e-6 + 3 * (1e-6 + 1e6 / 1e10)) + (5e-6 + (10e-6 + 4e6 / 1e9))  # tp first (4 MB out), then dp
     assert cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("dp", "tp"), algorithm="flat") == pytest.approx(flat)
-    assert cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("dp", "tp"), algorithm="hierarchical") == pytest.approx(hier)
+    assert cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("dp", "tp"),
+                                     algorithm="hierarchical") == pytest.approx(hier)
     assert cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("dp", "tp")) == pytest.approx(hier)
     # reduce-scatter is the adjoint: dp first on the whole buffer, then tp
     assert cc.reduce_scatter_axes_time_s(MB8, cluster=cl, axes=("dp", "tp")) == pytest.approx(hier)

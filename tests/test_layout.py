@@ -75,4 +75,5 @@ def test_enumerate_layouts_counts():
     assert len(list(enumerate_layouts(2, 3, partial=False))) == 16
     with_orders = list(enumerate_layouts(2, 3, shard_orders=True))
     assert len(with_orders) == 28 and len(set(with_orders)) == 28
-    assert len(list(enumerate_layouts(3, 2, shard_orders=True))) == 4 ** 3 + 2 * (9 * 1 + 1 * 5)  # per dim: 9 two-axis layouts (1 more order), 1 three-axis (5 more)
+    # per dim: 9 layouts shard it on two axes (1 more order each), 1 on three axes (5 more orders)
+    assert len(list(enumerate_layouts(3, 2, shard_orders=True))) == 4 ** 3 + 2 * (9 * 1 + 1 * 5)

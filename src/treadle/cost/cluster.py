@@ -110,7 +110,8 @@ class ClusterSpec:
         A one-node cluster keeps the outer axis with size 1 (it costs nothing), so axis names stay stable.
         Raises LayoutError on non-positive counts or a `names` that is not two names."""
         if nodes < 1 or devices_per_node < 1:
-            raise LayoutError(f"from_physical: nodes and devices_per_node must be >= 1; got {nodes} x {devices_per_node}")
+            raise LayoutError(f"from_physical: nodes and devices_per_node must be >= 1; "
+                              f"got {nodes} x {devices_per_node}")
         if len(names) != 2:
             raise LayoutError(f"from_physical: names must name the two axes (across nodes, inside a node); got {names}")
         intra_l = link_preset(intra) if isinstance(intra, str) else intra

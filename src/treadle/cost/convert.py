@@ -116,8 +116,8 @@ class ConversionPlan:
         return "\n  ".join([head, *(str(s) for s in self.steps)]) if self.steps else head + " (no-op)"
 
 
-def plan_conversion(src: Layout | Sequence | str, dst: Layout | Sequence | str, *, global_shape: Sequence[int], itemsize: int,
-                    cluster: ClusterSpec, objective: Literal["forward", "total"] = "forward") -> ConversionPlan:
+def plan_conversion(src: Layout | Sequence | str, dst: Layout | Sequence | str, *, global_shape: Sequence[int],
+                    itemsize: int, cluster: ClusterSpec, objective: Literal["forward", "total"] = "forward") -> ConversionPlan:
     """Cheapest sequence of collectives from layout `src` to `dst` of a tensor of `global_shape` with
     elements of `itemsize` bytes on `cluster` (Dijkstra over the layout graph; memoised, so repeated
     queries cost a dict lookup).
@@ -194,7 +194,8 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_
     steps = []
     for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s) in reversed(edges):
         steps.append(ConversionStep(op=op, axes=tuple(names[a] for a in axes), axis_indices=axes, dim=dim,
-                                    src_dim=src_dim, nbytes=int(nbytes), group_size=math.prod(mesh_shape[a] for a in axes),
+                                    src_dim=src_dim, nbytes=int(nbytes),
+                                    group_size=math.prod(mesh_shape[a] for a in axes),
                                     time_s=fwd_s, backward_time_s=bwd_s,
                                     before=Layout._from_codes(*before), after=Layout._from_codes(*after)))
     plan = ConversionPlan(src, dst, shape, itemsize, tuple(steps), sum(s.time_s for s in steps),
