@@ -181,8 +181,8 @@ class Schedule(_GraphPrimitives):
         return [s for name, s in self.named_schedules(prefix_relative=True) if name and rx.fullmatch(name)]
 
     # ------------------------------------------------------------------ helpers
-    def _record(self, op: str, **args: Any) -> None:
-        self._state.records.append(Record(op, self.path, args))
+    def _record(self, name: str, args: dict[str, Any] | None = None, /, **kw: Any) -> None:
+        self._state.records.append(Record(name, self.path, {**(args or {}), **kw}))
         logger.info("%s", self._state.records[-1].to_python())
 
     def _where(self) -> str:
@@ -297,7 +297,7 @@ class Schedule(_GraphPrimitives):
         args: dict[str, Any] = {"*": name_list[0] if len(name_list) == 1 else name_list, "dim": dim, "axis": axis}
         if blocks != 1:
             args["blocks"] = blocks
-        self._record("shard", **args)
+        self._record("shard", args)
         return self
 
     def sync(self, mode: SyncMode, *, op: str | None = None, axis: str | None = None,
@@ -355,7 +355,7 @@ class Schedule(_GraphPrimitives):
             args["out"] = out
         spec = SyncSpec(self.path, mode, axis, op, tuple(sorted(kwargs.items())), to_t, from_t, arg, out)
         self._state.syncs.append(spec)
-        self._record("sync", **args)
+        self._record("sync", args)
         return self
 
     def _placements(self, p: Placement | list[Placement], axis: str | None, what: str) -> tuple:
@@ -484,6 +484,8 @@ def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) ->
         if src and dst is not None:
             for k, v in src.items():
                 dst[k] = v
+    if getattr(old, "_is_full_backward_hook", None) is not None:  # full vs legacy backward hooks
+        new._is_full_backward_hook = old._is_full_backward_hook
     new.train(old.training)
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
