@@ -150,6 +150,8 @@ def plan_python(plan) -> list[str]:
             lines.append(f"sch[{d.path!r}].sync('fwd_post', to={_pl(a['to'])}, axis={a['axis']!r})  # from {a['from_']}")
         elif d.op == "reduce_grads":
             lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
+        elif d.op == "shard_attr":
+            lines.append(f"sch[{d.path!r}].shard_attr({a['name']!r}, axis={a['axis']!r})")
         elif d.op == "fork_rng":
             lines.append(f"sch[{d.path!r}].fork_rng(axis={a['axis']!r})")
         elif d.op == "checkpoint":

@@ -143,6 +143,7 @@ class CostGraph:
     templates: dict[int, "TemplateInfo"]
     unknown_flops: dict[str, int] = field(default_factory=dict)
     fixed_static_bytes: float = 0.0  # memory that no decision changes (buffers, user inputs)
+    attr_resolver: Any = None
     model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
 
 
@@ -167,6 +168,40 @@ def _tensor_axes_divisor(pl: tuple[int, ...], sizes: tuple[int, ...]) -> int:
     return d
 
 
+_SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
+
+# NOTE [fixed view sizes]: a reshape in the graph shows concrete sizes, but eager code may compute a size from
+# the local tensor (``x.shape[0]``, ``-1``: right on shards) or read it from a module attribute
+# (``self.num_heads``: wrong on shards, silently). `AttrResolver(module_path, value)` says which: "ok" (no int
+# attribute of the module holds that value), ("attr", name) (exactly one does: `shard_attr` divides it at
+# build), or "forbid" (several do, or the model's config does: the shard cannot be expressed).
+AttrResolver = "Callable[[str, int], str | tuple[str, str]]"
+
+
+def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, ...],
+                    resolver) -> list[tuple[str, str]] | None:
+    """(attribute, axis) pairs a sharded reshape needs (NOTE [fixed view sizes]); None if not expressible."""
+    if node.op_name not in _SHAPE_ARG_OPS or resolver is None or not combo or not isinstance(node.out, TensorMeta):
+        return []
+    sizes = node.args[1] if len(node.args) > 1 else None
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != len(node.out.shape):
+        return []
+    needs = []
+    for axis, o in zip(axes, combo):
+        d = o.outs[0]
+        if d < 0 or o.letter is None:
+            continue
+        v = sizes[d]
+        if not isinstance(v, int) or v < 0:
+            continue  # -1 or a symbolic size: computed from the local tensor
+        r = resolver(node.module, v)
+        if r == "forbid":
+            return None
+        if isinstance(r, tuple):
+            needs.append((r[1], axis))
+    return needs
+
+
 def exit_module(graph: CapturedGraph, node: Node) -> str | None:
     """The innermost module that `node` is the single exit of (all users outside it), or None."""
     q = node.module
@@ -185,7 +220,7 @@ def exit_module(graph: CapturedGraph, node: Node) -> str | None:
 def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *,
                      train: TrainSpec = TrainSpec(), pins: dict[str, tuple[int, ...]] | None = None,
                      shardable: "callable[[str, str], set[tuple[int, ...]]] | None" = None,
-                     dtype_compute: torch.dtype | None = None) -> CostGraph:
+                     dtype_compute: torch.dtype | None = None, attr_resolver=None) -> CostGraph:
     """Units, strategies and costs of `graph` on `cluster` under `roles`.
 
     `pins` maps a parameter name to its required placement on the tensor axes (codes per axis);
@@ -193,7 +228,11 @@ def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *
     runtime can build for that parameter (default: none, i.e. everything replicated).
     Raises PlanError if a pin names an unknown parameter or can never be met.
     """
-    return _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute).build()
+    b = _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute)
+    b.attr_resolver = attr_resolver
+    cg = b.build()
+    cg.attr_resolver = attr_resolver
+    return cg
 
 
 class _Builder:
@@ -218,6 +257,7 @@ class _Builder:
                                 f"parameters look like {sorted(graph.params)[:3]}")
         self.unknown_flops: dict[str, int] = {}
         self.dtype_compute = dtype_compute
+        self.attr_resolver = None
 
     # ------------------------------------------------------------------ per-node facts
     def canonical(self, i: int) -> int:
@@ -271,6 +311,8 @@ class _Builder:
         is_output = n.index in self.g.outputs
         for combo in combos:
             if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
+                continue
+            if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
                 continue
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             if not is_output or all(p == R for p in raw):  # the model's outputs are whole on every rank

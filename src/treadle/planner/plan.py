@@ -61,6 +61,31 @@ def runtime_capabilities(model: nn.Module) -> tuple[Callable[[str], bool], Calla
     return (lambda p: owners.get(p) in leaf_paths), (lambda path: path in leaf_paths)
 
 
+def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
+    """NOTE [fixed view sizes] in cost_graph.py: which int attribute of a module holds a reshape size."""
+    cache: dict[tuple[str, int], Any] = {}
+
+    def resolve(path: str, value: int):
+        key = (path, value)
+        if key in cache:
+            return cache[key]
+        try:
+            mod = model.get_submodule(path) if path else model
+        except AttributeError:
+            cache[key] = "ok"
+            return "ok"
+        names = [k for k, v in vars(mod).items()
+                 if isinstance(v, int) and not isinstance(v, bool) and v == value and not k.startswith("_")]
+        cfg = getattr(mod, "config", None)
+        in_cfg = cfg is not None and any(isinstance(v, int) and not isinstance(v, bool) and v == value
+                                         for v in vars(cfg).values())
+        r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names or in_cfg else "ok")
+        cache[key] = r
+        return r
+
+    return resolve
+
+
 def _shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_tp: int):
     """Per parameter: every placement over the tensor axes with each tensor dim on at most one axis
     (the runtime's leaf rules reject a dim split over several axes), for leaf parameters only."""
@@ -363,6 +388,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     batch = _batch_size(args, kwargs)
     mesh = cluster.mesh
     is_leaf_param, _ = runtime_capabilities(model)
+    resolver = attr_resolver(model)
     candidates = enumerate_roles(mesh, batch=batch, dp_axis=dp_axis, zero=zero, forbid_axes=forbid_axes)
     if not candidates:
         raise PlanError(f"no axis role assignment of {mesh} fits batch {batch}: a data-parallel axis must divide "
@@ -377,7 +403,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         tb = time.perf_counter()
         try:
             cg = build_cost_graph(graph, cluster, roles, train=train, pins=rpins,
-                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)))
+                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)),
+                                  attr_resolver=resolver)
         except PlanError as exc:
             logger.info("roles %s skipped: %s", roles, exc)
             continue

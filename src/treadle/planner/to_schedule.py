@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """One schedule primitive as data: `op` in {"shard", "sync", "reduce_grads", "fork_rng", "checkpoint",
-    "data_parallel"}, the module `path`, and its arguments; `why` names the graph node(s) behind it."""
+    """One schedule primitive as data: `op` in {"shard", "sync", "shard_attr", "reduce_grads", "fork_rng",
+    "checkpoint", "data_parallel"}, the module `path`, and its arguments; `why` names the graph node(s) behind it."""
 
     op: str
     path: str
@@ -73,6 +73,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     syncs: dict[tuple[str, str], dict] = {}
     grads: dict[tuple[str, str], set[str]] = {}
     rngs: dict[tuple[str, str], str] = {}
+    attrs: dict[tuple[str, str, str], str] = {}
+    from .cost_graph import view_attr_needs
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
         for i, (combo, pub) in members.items():
@@ -99,6 +101,9 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     if r != p:
                         for m in _members(cg, q, i):
                             syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name}
+            for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
+                for m in _members(cg, n.module, i):
+                    attrs[(m, name, a)] = n.name
             if n.op_name in ("dropout", "native_dropout") and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
@@ -109,6 +114,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
     for (m, a), d in sorted(syncs.items()):
         out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
+    for (m, name, a), why in sorted(attrs.items()):
+        out.append(Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}"))
     for (m, a), names in sorted(grads.items()):
         out.append(Decision("reduce_grads", m, {"axis": a, "names": sorted(names)}, "replicated parameter, sharded data"))
     for (m, a), why in sorted(rngs.items()):
@@ -151,6 +158,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].reduce_grads(axis=d.args["axis"], names=list(d.args["names"]))
         elif d.op == "fork_rng":
             sch[d.path].fork_rng(axis=d.args["axis"])
+        elif d.op == "shard_attr":
+            sch[d.path].shard_attr(d.args["name"], axis=d.args["axis"])
         elif d.op == "checkpoint":
             sch[d.path].checkpoint()
         elif d.op == "data_parallel":
