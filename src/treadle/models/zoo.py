@@ -93,7 +93,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "tiny-opt": ModelConfig(family="opt", config=dict(hidden_size=64, ffn_dim=256, num_hidden_layers=4,
                                                       num_attention_heads=4, word_embed_proj_dim=64, vocab_size=256,
                                                       max_position_embeddings=128)),
-    "tiny-t5": ModelConfig(family="t5", config=dict(d_model=64, d_ff=128, num_layers=4, num_decoder_layers=4,
+    "tiny-t5": ModelConfig(family="t5", config=dict(d_model=64, d_ff=128, num_layers=5, num_decoder_layers=5,
                                                     num_heads=4, d_kv=16, vocab_size=256)),
 }
 

@@ -2,16 +2,19 @@
 
 NOTE [block reuse]: transformer layers in an `nn.ModuleList` (or `nn.Sequential`) are usually identical: same
 class, same parameter and buffer shapes, dtypes and `requires_grad`, same plain attributes (numbering
-attributes such as `layer_idx` aside) and same hooks, recursively. For a run of n >= 3 such blocks b_0..b_{n-1},
-the profiler runs the model with only b_0 and b_1 (the container is shortened in place and restored after).
-b_1 is the *template*: its predecessor is a block like itself, so its op sequence, saved tensors and memory
-deltas are the steady state every later block repeats. The full step is then rebuilt exactly:
-- forward: after b_1's ops come copies for b_2..b_{n-1}, each shifted by the template's net live-bytes change;
-- backward (reverse order): copies for b_{n-1}..b_2 come first, then b_1's own ops, shifted likewise;
+attributes such as `layer_idx` aside) and same hooks, recursively. For a run of n >= 4 such blocks b_0..b_{n-1},
+the profiler runs the model with only b_0, b_1, b_2 (the container is shortened in place and restored after).
+b_1 is the *template*: it has an identical block before it (what it receives and leaves saved in forward) and
+after it (what flows back into it in backward, e.g. gradients summed over blocks that share an input), so its
+ops, saved tensors and memory deltas are those of every middle block. b_2 plays the last block b_{n-1}.
+The full step is then rebuilt exactly:
+- forward: after b_1's ops come copies for b_2..b_{n-2}, each shifted by the template's net live-bytes change;
+  then b_2's ops, renamed b_{n-1};
+- backward (reverse order): b_2's ops as b_{n-1}, copies for b_{n-2}..b_2, then b_1's own ops;
 - every record after a spliced segment is shifted by the bytes the copies added.
-Totals (FLOPs, bytes, saved bytes, peak and where it is) equal those of profiling every block; the tests check
-this on five architectures. If the template's ops are not contiguous in the run (something interleaves with
-them), `expand` returns None and the profiler profiles every block instead.
+Totals (FLOPs, bytes, saved bytes, peak and where it is) equal those of profiling every block, op for op; the
+tests check this on five architectures. If the template's ops are not contiguous in the run (something
+interleaves with them), `expand` returns None and the profiler profiles every block instead.
 """
 
 from __future__ import annotations
@@ -60,15 +63,25 @@ class BlockRun:
         return self.member(self.start + 1)
 
     @property
+    def last_kept(self) -> str:
+        """The third block kept in the shortened run; it stands for the last block."""
+        return self.member(self.start + 2)
+
+    @property
+    def last(self) -> str:
+        return self.member(self.stop - 1)
+
+    @property
     def extras(self) -> list[str]:
-        return [self.member(i) for i in range(self.start + 2, self.stop)]
+        """Blocks rebuilt as copies of the template: b_2..b_{n-2}."""
+        return [self.member(i) for i in range(self.start + 2, self.stop - 1)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"container": self.container_path, "first": self.member(self.start),
                 "last": self.member(self.stop - 1), "count": self.stop - self.start, "template": self.template}
 
 
-def find_block_runs(model: nn.Module, *, min_count: int = 3) -> list[BlockRun]:
+def find_block_runs(model: nn.Module, *, min_count: int = 4) -> list[BlockRun]:
     """Runs of >= `min_count` consecutive identical children of every ModuleList/Sequential, outermost first
     (containers inside a run's blocks are left alone: the template is profiled in full)."""
     runs: list[BlockRun] = []
@@ -95,13 +108,13 @@ def find_block_runs(model: nn.Module, *, min_count: int = 3) -> list[BlockRun]:
 
 @contextlib.contextmanager
 def shortened(model: nn.Module, runs: list[BlockRun]) -> Iterator[None]:
-    """Drop every run's blocks after its template from their containers; restore them on exit."""
+    """Keep the first three blocks of every run in their containers; restore the others on exit."""
     saved: list[tuple[nn.Module, dict]] = []
     try:
         for run in runs:
             container = model.get_submodule(run.container_path) if run.container_path else model
             saved.append((container, dict(container._modules)))
-            for k in run.keys[run.start + 2:run.stop]:
+            for k in run.keys[run.start + 3:run.stop]:
                 del container._modules[k]
         yield
     finally:
@@ -163,6 +176,18 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
     out: list[OpRecord] = []
     offset = 0
     pos = 0
+    renames: dict[str, str] = {}
+
+    def passed(path: str) -> str:  # the last kept block of each run is the model's last block
+        got = renames.get(path)
+        if got is None:
+            got = path
+            for run in runs:
+                if _under(path, run.last_kept):
+                    got = _rename(path, run.last_kept, run.last)
+                    break
+            renames[path] = got
+        return got
 
     def emit(seg: list[OpRecord], *, old: str, new: str, shift: int) -> None:
         names: dict[str, str] = {}
@@ -170,12 +195,12 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         for i, r in enumerate(seg):
             m = names.get(r.module)
             if m is None:
-                m = names[r.module] = _rename(r.module, old, new)
+                m = names[r.module] = _rename(passed(r.module), old, new)
             out.append(r.copy_to(index=base + i, module=m, live_offset_bytes=shift))
 
     for lo, hi, run, backward in segments:
         for r in records[pos:lo]:
-            out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
+            out.append(r.copy_to(index=len(out), module=passed(r.module), live_offset_bytes=offset))
         seg = records[lo:hi + 1]
         delta = live_at(hi + 1) - live_at(lo)
         extras = run.extras
@@ -190,5 +215,5 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         offset += len(extras) * delta
         pos = hi + 1
     for r in records[pos:]:
-        out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
+        out.append(r.copy_to(index=len(out), module=passed(r.module), live_offset_bytes=offset))
     return out

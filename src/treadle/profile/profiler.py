@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
 from ..errors import ProfileError
 from .blocks import expand, find_block_runs, shortened
@@ -105,8 +105,10 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
     handles = rec.attach(named)
     hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if train else contextlib.nullcontext()
     try:
-        with fake_mode, Dispatch(rec), hooks, torch.set_grad_enabled(train):
-            out = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
+        # the fake leaves stay in place through backward: a checkpointed module recomputes with them there
+        with _reparametrize_module(model, state, tie_weights=True), fake_mode, Dispatch(rec), hooks, \
+                torch.set_grad_enabled(train):
+            out = model(*args, **kwargs)
             if train:
                 loss = (loss_fn or default_loss)(out)
                 del out  # a training loop keeps the loss, not the outputs (logits), through backward
