@@ -4,8 +4,8 @@ For each pair (per axis R, S0, S1, S2, P; on 2x2 also both shard orders of a dim
 result equals the expected slice of the global tensor (summed over the Partial axes), and the gradient
 through the conversion equals the slice of the output gradient. The reference slicing is written here,
 independently of treadle.cost.layout. In the same ranks DTensor.redistribute runs every pair it supports,
-its collectives recorded (op, group, bytes), so the planner's price can be compared with DTensor's sequence.
-(On gloo DTensor replaces all-to-all by all-gather + chunk; the comparison prices what it actually issues.)
+its collectives recorded (op, group, bytes), and its planners' intended steps (greedy and graph-based), so the
+planner's price can be compared with both (on gloo DTensor swaps all-to-all for all-gather + chunk).
 """
 
 from __future__ import annotations
@@ -103,6 +103,19 @@ class _CollectiveLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _dtensor_transforms(dt, mesh: Mesh, dst: Layout) -> dict[str, list[tuple[int, str, str]]]:
+    """DTensor's own plans for the pair, as (mesh dim, src, dst placement) steps: its default (greedy)
+    planner and its graph-based min-cost planner. Their collectives are what it runs on NCCL; on gloo it
+    swaps all-to-all for all-gather + chunk, so these are priced too."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    dst_spec = DTensorSpec(mesh.device_mesh, tuple(dst.placements), tensor_meta=dt._spec.tensor_meta)
+    return {mode: [(i.mesh_dim, str(i.src_dst_placements[0]), str(i.src_dst_placements[1]))
+                   for i in _gen_transform_infos_non_cached(dt._spec, dst_spec, use_graph_based_transform=graph)]
+            for mode, graph in (("greedy", False), ("graph", True))}
+
+
 def _run_dtensor(mesh: Mesh, x_local, src: Layout, dst: Layout):
     from torch.distributed.tensor import DTensor
 
@@ -113,8 +126,8 @@ def _run_dtensor(mesh: Mesh, x_local, src: Layout, dst: Layout):
         with log:
             out = dt.redistribute(mesh.device_mesh, list(dst.placements)).to_local()
     except Exception as exc:  # DTensor does not support every pair (e.g. Shard -> Partial): recorded as such
-        return None, f"{type(exc).__name__}: {exc}"
-    return out, log.calls
+        return None, f"{type(exc).__name__}: {exc}", None
+    return out, log.calls, _dtensor_transforms(dt, mesh, dst)
 
 
 # ----------------------------------------------------------------------------------- rank function
@@ -198,6 +211,32 @@ def _dtensor_time_s(calls, cluster: ClusterSpec, mesh: Mesh, itemsize: int = 8) 
     return total
 
 
+def _transforms_time_s(steps, src: Layout, cluster: ClusterSpec, mesh: Mesh, itemsize: int = 8) -> float:
+    """Price DTensor's placement steps with treadle's collective costs; local bytes before each step follow
+    from which axes shard (the shard order does not change a rank's byte count)."""
+    placements = [str(p) for p in src.placements]
+    total = 0.0
+    for mesh_dim, before, after in steps:
+        assert placements[mesh_dim] == before, f"DTensor step {before} -> {after} on {placements}"
+        n = mesh.shape[mesh_dim]
+        link = cluster.link(mesh_dim)
+        factor = math.prod(mesh.shape[a] for a, p in enumerate(placements) if p.startswith("S"))
+        local_bytes = math.prod(SHAPE) * itemsize // factor
+        kind = (before[0], after[0])
+        if kind == ("S", "R"):
+            total += cc.all_gather_time_s(local_bytes * n, n, link)
+        elif kind == ("P", "R"):
+            total += cc.all_reduce_time_s(local_bytes, n, link)
+        elif kind == ("P", "S"):
+            total += cc.reduce_scatter_time_s(local_bytes, n, link)
+        elif kind == ("S", "S"):
+            total += cc.all_to_all_time_s(local_bytes, n, link)
+        elif kind not in (("R", "S"), ("R", "P")):  # local moves cost nothing
+            raise AssertionError(f"unpriced DTensor step {before} -> {after}")
+        placements[mesh_dim] = after
+    return total
+
+
 HETERO = (LinkSpec(name="slow", latency_s=10e-6, bandwidth_bytes_per_s=1e9, launch_s=5e-6),
           LinkSpec(name="fast", latency_s=1e-6, bandwidth_bytes_per_s=2e10, launch_s=5e-6))
 
@@ -214,7 +253,7 @@ def test_planner_never_costlier_than_dtensor(conversions):
         dtensor = per_rank[0][k][2]
         if dtensor is None or dtensor[0] is None:
             continue
-        out, calls = dtensor
+        out, calls, transforms = dtensor
         if not _partial_axes(dst):  # DTensor's own result is one more independent check
             torch.testing.assert_close(out, per_rank[0][k][0], msg=lambda m: f"DTensor {src} -> {dst}: {m}")
         compared += 1
@@ -223,6 +262,11 @@ def test_planner_never_costlier_than_dtensor(conversions):
             theirs = _dtensor_time_s(calls, cluster, mesh)
             assert plan.time_s <= theirs * (1 + 1e-9) + 1e-15, (
                 f"{src} -> {dst} on {cluster}: planner {plan.time_s:.3e} s > DTensor {theirs:.3e} s\n{plan}\n{calls}")
+            for mode, steps in transforms.items():
+                intended = _transforms_time_s(steps, src, cluster, mesh)
+                assert plan.time_s <= intended * (1 + 1e-9) + 1e-15, (
+                    f"{src} -> {dst} on {cluster}: planner {plan.time_s:.3e} s > DTensor {mode} plan "
+                    f"{intended:.3e} s\n{plan}\n{steps}")
     # DTensor supports all but the pairs it rejects (Shard/Partial -> Partial need a Replicate first)
     assert compared >= (400 if world == 4 else 20)
 
@@ -232,7 +276,7 @@ def test_s0s0_to_rr_strictly_cheaper_than_dtensor():
     world, mesh_shape, names, pairs, per_rank = _conversions(4)
     mesh = Mesh(mesh_shape, names)
     src, dst = Layout.parse("S0 S0"), Layout.parse("R R")
-    out, calls = per_rank[0][pairs.index((src, dst))][2]
+    out, calls, _ = per_rank[0][pairs.index((src, dst))][2]
     assert [c[0] for c in calls] == ["all_gather_into_tensor"] * 2  # DTensor: one gather per axis
     for cluster in (ClusterSpec.uniform(mesh, "loopback"), ClusterSpec.uniform(mesh, "nvlink4")):
         plan = plan_conversion(src, dst, global_shape=SHAPE, itemsize=8, cluster=cluster)
