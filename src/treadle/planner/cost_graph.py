@@ -315,7 +315,10 @@ class _Builder:
             if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
                 continue
             raw = tuple(o.outs[0] for o in combo) if combo else ()
-            if not is_output or all(p == R for p in raw):  # the model's outputs are whole on every rank
+            # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
+            # module's exit, so its Partial output must be reduced there (never passed on as Partial)
+            affine_partial = P in raw and _has_bias(n)
+            if (not is_output or all(p == R for p in raw)) and not affine_partial:
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw):
                 out.append((combo, tuple(R for _ in raw)))
@@ -662,6 +665,10 @@ class _Builder:
                                for _, pub in s]
             out[t] = TemplateInfo(t, blk.path, members, len(members), tunits, input_unit, input_bytes)
         return out
+
+
+def _has_bias(n: Node) -> bool:
+    return (n.op_name == "linear" and len(n.inputs) > 2) or n.op_name in ("addmm", "baddbmm")
 
 
 def _dtype_of(n: Node) -> torch.dtype:
