@@ -190,6 +190,8 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
     try:
         with ctx:
             model = model_cls(config)
+            if fake:
+                model.tie_weights()  # skipped with initialisation; tied heads must stay one parameter
     finally:
         torch.set_default_dtype(previous_dtype)
     model.train()

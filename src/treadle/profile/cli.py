@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     p.add_argument("--hardware", default="h100-sxm",
                    help="v100-32gb, a100-40gb, a100-80gb, h100-sxm, h200, cpu (calibrated here), or a spec .json")
+    p.add_argument("--recalibrate", action="store_true", help="measure the cpu spec again (else cached)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
@@ -51,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     err = Console(stderr=True)
     try:
+        hardware = args.hardware
+        if args.recalibrate or hardware == "cpu":
+            from .hardware import cpu_spec
+
+            hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task(f"building {args.model}", total=1.0)
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             def progress(stage: str, fraction: float) -> None:
                 bar.update(task, description=f"profiling {args.model}: {stage}", completed=fraction)
 
-            prof = profile(model, inputs, hardware=args.hardware, train=not args.forward_only,
+            prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
                            optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
                            progress=progress)
     except TreadleError as exc:

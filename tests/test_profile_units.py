@@ -1,0 +1,198 @@
+"""Profiler details on hand-built modules: attribution to modules in forward and backward, memory accounting,
+errors, the model zoo and the CLI."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from treadle.cli import main as cli_main
+from treadle.errors import ProfileError
+from treadle.models.zoo import load_model, named_model
+from treadle.profile import HardwareSpec, profile
+from treadle.profile.memory import optimizer_state_bytes
+
+B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.up = nn.Linear(D_IN, D_HID, dtype=dtype)
+        self.act = nn.GELU()
+        self.down = nn.Linear(D_HID, D_OUT, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, n_blocks=5, dtype=torch.float32):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D_IN, D_IN, dtype=dtype), nn.ReLU())
+                                    for _ in range(n_blocks))
+        self.head = MLP(dtype)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def test_flops_and_saved_bytes_are_attributed_to_modules():
+    net = Net()
+    x = torch.randn(B, D_IN)
+    prof = profile(net, (x,))
+    up, down = prof.modules["head.up"], prof.modules["head.down"]
+    assert up.forward_flops == 2 * B * D_IN * D_HID and down.forward_flops == 2 * B * D_HID * D_OUT
+    # backward: grad of input and of weight for each linear
+    assert up.backward_flops == 2 * up.forward_flops and down.backward_flops == 2 * down.forward_flops
+    # the first block's input needs no gradient: only its weight gradient is computed
+    first = prof.modules["blocks.0.0"]
+    assert first.forward_flops == 2 * B * D_IN * D_IN and first.backward_flops == first.forward_flops
+    assert prof.modules[""].forward_flops == prof.forward_flops == 5 * 2 * B * D_IN * D_IN + up.forward_flops + \
+        down.forward_flops
+    # GELU saves its input (the output of up, fp32), down saves its input (GELU's output)
+    assert up.saved_bytes == B * D_HID * 4 and prof.modules["head.act"].saved_bytes == B * D_HID * 4
+    # parameters per module, inclusive
+    assert prof.modules["head"].n_params == D_IN * D_HID + D_HID + D_HID * D_OUT
+    assert prof.modules[""].param_bytes == prof.param_bytes == 4 * sum(p.numel() for p in net.parameters())
+    # the profiled model is untouched: no gradients, real parameters
+    assert all(p.grad is None and not isinstance(p, torch._subclasses.FakeTensor) for p in net.parameters())
+
+
+def test_block_reuse_on_a_user_model_and_forward_only():
+    net, x = Net(n_blocks=6), torch.randn(B, D_IN)
+    fast, full = profile(net, (x,)), profile(net, (x,), reuse_blocks=False)
+    assert fast.reused_blocks == [{"container": "blocks", "first": "blocks.0", "last": "blocks.5", "count": 6,
+                                   "template": "blocks.1"}]
+    assert [(r.op, r.module, r.live_after_bytes) for r in fast.ops] == \
+        [(r.op, r.module, r.live_after_bytes) for r in full.ops]
+    fwd = profile(net, (x,), train=False)
+    assert fwd.backward_flops == 0 and fwd.saved_bytes == 0 and fwd.grad_bytes == 0
+    assert fwd.forward_flops == full.forward_flops and all(r.phase == "forward" for r in fwd.ops)
+
+
+def test_optimizer_state_bytes_fp32_and_mixed_precision():
+    p32 = nn.Parameter(torch.zeros(10))
+    p16 = nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    assert optimizer_state_bytes(p32) == 2 * 4 * 10  # two fp32 moments
+    assert optimizer_state_bytes(p16) == 3 * 4 * 10  # fp32 master + two fp32 moments
+    assert optimizer_state_bytes(p16, master_weights=False) == 2 * 4 * 10
+    assert optimizer_state_bytes(p32, optimizer="sgd") == 4 * 10
+    assert optimizer_state_bytes(p32, optimizer="none") == 0
+    frozen = nn.Parameter(torch.zeros(10), requires_grad=False)
+    assert optimizer_state_bytes(frozen) == 0
+    with pytest.raises(ProfileError, match="unknown optimizer 'lamb'; known"):
+        optimizer_state_bytes(p32, optimizer="lamb")
+    net = Net(dtype=torch.bfloat16)
+    prof = profile(net, (torch.randn(B, D_IN, dtype=torch.bfloat16),), hardware="h100-sxm")
+    n = sum(p.numel() for p in net.parameters())
+    # ZeRO's 16 bytes per parameter for mixed-precision AdamW: 2 param + 2 grad + 12 optimizer
+    assert (prof.param_bytes, prof.grad_bytes, prof.optimizer_state_bytes) == (2 * n, 2 * n, 12 * n)
+    assert prof.dtype == "bfloat16" and prof.mfu > 0
+
+
+def test_timeline_peak_and_roofline_time():
+    net, x = Net(), torch.randn(B, D_IN)
+    hw = HardwareSpec(name="toy", peak_flops_per_s={"float32": 1e9}, hbm_bytes_per_s=1e9, memory_bytes=2**30,
+                      compute_efficiency=1.0, memory_efficiency=1.0)
+    prof = profile(net, (x,), hardware=hw)
+    peak_op = prof.ops[prof.peak_op_index]
+    assert prof.activation_peak_bytes == max(r.live_after_bytes for r in prof.ops) == peak_op.live_after_bytes
+    assert prof.peak_module == peak_op.module and prof.peak_phase == peak_op.phase
+    assert prof.peak_bytes == prof.resident_bytes + prof.activation_peak_bytes
+    mm = next(r for r in prof.ops if r.op == "aten.addmm.default" and r.module == "head.up")
+    assert mm.time_s == pytest.approx(max(mm.flops, mm.read_bytes + mm.write_bytes) / 1e9)
+    assert prof.step_time_s == pytest.approx(sum(r.time_s for r in prof.ops))
+    assert prof.mfu == pytest.approx(prof.model_flops / prof.step_time_s / 1e9)
+    # grads of every parameter are alive at the end of the step
+    assert prof.ops[-1].live_after_bytes >= prof.grad_bytes
+
+
+class SVDUser(nn.Module):
+    def forward(self, x):
+        return torch.linalg.svdvals(x).sum()
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.spectral = SVDUser()
+
+    def forward(self, x):
+        return self.spectral(self.proj(x))
+
+
+def test_errors_name_the_op_and_module():
+    with pytest.raises(ProfileError, match=r"no FLOP rule for op aten\._linalg_svd.*module 'spectral' during forward"):
+        profile(Wrapper(), (torch.randn(4, 4),))
+    with pytest.raises(ProfileError, match="cannot find a loss in the model output"):
+        profile(_TupleOut(), (torch.randn(2, 4),))
+    with pytest.raises(ProfileError, match="unknown optimizer 'adam8bit'"):
+        profile(Net(), (torch.randn(B, D_IN),), optimizer="adam8bit")
+    with pytest.raises(ProfileError, match="unknown hardware 'b200'"):
+        profile(Net(), (torch.randn(B, D_IN),), hardware="b200")
+    with pytest.raises(ProfileError, match="the loss does not require grad"):
+        profile(Net().requires_grad_(False), (torch.randn(B, D_IN),))
+
+
+class _TupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.lin(x), self.lin(x))
+
+
+def test_zoo_configs_and_loader():
+    model, inputs = named_model("llama-2-7b", batch=1, seq=16, fake=True)
+    assert sum(p.numel() for p in model.parameters()) == 6_738_415_616  # Llama-2-7b-hf
+    assert isinstance(inputs["input_ids"], torch._subclasses.FakeTensor)
+    model, _ = named_model("gpt2", batch=1, seq=16, fake=True)
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808  # GPT-2 small, tied head
+    with pytest.raises(ProfileError, match="unknown model 'gpt5'; known: .*llama-2-70b"):
+        named_model("gpt5", batch=1, seq=8)
+    with pytest.raises(ProfileError, match="seq=2048 exceeds its 128 positions"):
+        named_model("tiny-gpt2", batch=1, seq=2048)
+    m, inp = load_model("test_profile_units:user_model", batch=3, seq=5)
+    assert isinstance(m, Net) and inp[0].shape == (3, D_IN)
+    with pytest.raises(ProfileError, match="cannot load 'nosuchpkg.mod:fn'"):
+        load_model("nosuchpkg.mod:fn", batch=1, seq=1)
+    with pytest.raises(ProfileError, match="must return \\(nn.Module, example_inputs\\)"):
+        load_model("test_profile_units:not_a_model", batch=1, seq=1)
+
+
+def user_model(batch, seq):
+    return Net(), (torch.randn(batch, D_IN),)
+
+
+def not_a_model(batch):
+    return 3
+
+
+@pytest.mark.slow
+def test_zoo_llama_2_70b_parameter_count():
+    model, _ = named_model("llama-2-70b", batch=1, seq=16, fake=True, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 68_976_648_192  # Llama-2-70b-hf
+
+
+def test_cli_profile_writes_json(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = cli_main(["profile", "tiny-llama", "--batch", "2", "--seq", "16", "--hardware", "a100-80gb",
+                   "--dtype", "float32", "--depth", "3", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "LlamaDecoderLayer" in printed and "0..3" in printed and "peak memory" in printed and "MFU" in printed
+    doc = json.loads(out.read_text())
+    model, inputs = named_model("tiny-llama", batch=2, seq=16)
+    ref = profile(model, inputs, hardware="a100-80gb")
+    assert doc["totals"]["total_flops"] == ref.total_flops
+    assert doc["totals"]["peak_bytes"] == ref.peak_bytes
+    assert doc["hardware"]["name"] == "a100-80gb" and len(doc["ops"]) == len(ref.ops)
+    assert {m["path"] for m in doc["modules"]} >= {"", "model.layers.3.mlp"}
+    rc = cli_main(["profile", "no-such-model"])
+    assert rc == 2 and "unknown model 'no-such-model'" in capsys.readouterr().err
