@@ -97,7 +97,7 @@ def test_search_is_optimal_against_brute_force():
         for _ in range(4):
             nxt = {}
             for state, cost in layer.items():
-                for to, edge in _edges(state, shape, 4, (2, 2), links):
+                for to, edge in _edges(state, shape, math.prod(shape) * 4, (2, 2), links):
                     c = cost + edge[5]
                     if c < min(reach.get(to, math.inf), nxt.get(to, math.inf)):
                         nxt[to] = c

@@ -150,6 +150,7 @@ def conversion_time_s(src: Layout, dst: Layout, *, global_shape: Sequence[int], 
 def clear_cache() -> None:
     """Forget memoised plans (they never change for equal arguments; this only frees memory)."""
     _plan.cache_clear()
+    _tree.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------ search
@@ -159,30 +160,17 @@ _State = tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]
 @lru_cache(maxsize=65536)
 def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...],
           names: tuple[str, ...], links: tuple[LinkSpec, ...], objective: str) -> ConversionPlan:
-    mesh = Mesh(mesh_shape, names)
+    mesh = _mesh(mesh_shape, names)
     for what, lay in (("source layout", src), ("target layout", dst)):
         lay.check(mesh, shape, what=f"plan_conversion: {what}")
     start: _State = (src.codes, src.order)
     goal: _State = (dst.codes, dst.order)
     if start == goal:
         return ConversionPlan(src, dst, shape, itemsize, (), 0.0, 0.0)
-    best: dict[_State, float] = {start: 0.0}
-    prev: dict[_State, tuple[_State, tuple]] = {}
-    tie = itertools.count()
-    heap = [(0.0, next(tie), start)]
-    weight_bwd = objective == "total"
-    while heap:
-        cost, _, state = heapq.heappop(heap)
-        if state == goal:
-            break
-        if cost > best.get(state, math.inf):
-            continue
-        for nxt, edge in _edges(state, shape, itemsize, mesh_shape, links):
-            c = cost + edge[5] + (edge[6] if weight_bwd else 0.0)
-            if c < best.get(nxt, math.inf) - 1e-18:
-                best[nxt] = c
-                prev[nxt] = (state, edge)
-                heapq.heappush(heap, (c, next(tie), nxt))
+    # Divisibility only needs each dim modulo the world size; bytes only need the total (see _edges).
+    world = math.prod(mesh_shape)
+    best, prev = _tree(start, tuple(math.gcd(s, world) for s in shape), math.prod(shape) * itemsize,
+                       mesh_shape, links, objective)
     if goal not in best:  # unreachable only through a bug: every layout goes via all-replicated
         raise LayoutError(f"plan_conversion: no path from {src} to {dst} for shape {shape} on mesh {mesh_shape}")
     edges = []
@@ -204,6 +192,35 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_
     return plan
 
 
+@lru_cache(maxsize=256)
+def _mesh(mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    return Mesh(mesh_shape, names)  # building a Mesh costs ~0.4 ms; layouts only need it for checks
+
+
+@lru_cache(maxsize=8192)
+def _tree(start: _State, div_shape: tuple[int, ...], total_bytes: int, mesh_shape: tuple[int, ...],
+          links: tuple[LinkSpec, ...], objective: str) -> tuple[dict, dict]:
+    """Single-source Dijkstra from `start` over every reachable layout: (cost, predecessor) maps. One tree
+    answers the queries from `start` to every target; it depends on the shape only through `div_shape`
+    (each dim's gcd with the world size, which decides every divisibility) and `total_bytes`."""
+    best: dict[_State, float] = {start: 0.0}
+    prev: dict[_State, tuple[_State, tuple]] = {}
+    tie = itertools.count()
+    heap = [(0.0, next(tie), start)]
+    weight_bwd = objective == "total"
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if cost > best.get(state, math.inf):
+            continue
+        for nxt, edge in _edges(state, div_shape, total_bytes, mesh_shape, links):
+            c = cost + edge[5] + (edge[6] if weight_bwd else 0.0)
+            if c < best.get(nxt, math.inf) - 1e-18:
+                best[nxt] = c
+                prev[nxt] = (state, edge)
+                heapq.heappush(heap, (c, next(tie), nxt))
+    return best, prev
+
+
 def _local(shape: tuple[int, ...], order, mesh_shape: tuple[int, ...]) -> list[int]:
     local = list(shape)
     for d, axes in order:
@@ -220,11 +237,12 @@ def _set_order(order, dim: int, axes: tuple[int, ...] | None) -> tuple:
     return tuple(sorted(out))
 
 
-def _edges(state: _State, shape, itemsize: int, mesh_shape, links):
-    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s)) for every move out of `state`."""
+def _edges(state: _State, shape, total_bytes: int, mesh_shape, links):
+    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s)) for every move out of `state`.
+    `shape` decides divisibility only (a global shape, or its gcd with the world size)."""
     codes, order = state
     local = _local(shape, order, mesh_shape)
-    lb = math.prod(local) * itemsize
+    lb = total_bytes // math.prod(mesh_shape[a] for _, axes in order for a in axes)
     axes_of = dict(order)
     ndim = len(shape)
     partial = [i for i, c in enumerate(codes) if c == PART]
