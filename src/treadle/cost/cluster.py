@@ -13,6 +13,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import LayoutError
@@ -143,11 +144,18 @@ class ClusterSpec:
 
 
 def parse_cluster(text: str, *, names: Sequence[str] = ("dp", "tp")) -> ClusterSpec:
-    """A cluster from a short spec: ``"NODESxDEVICES:device[:intra[:inter]]"`` or ``"DEVICES:device"`` (one node).
+    """A cluster from a short spec: ``"NODESxDEVICES:device[:intra[:inter]]"`` or ``"DEVICES:device"`` (one node),
+    or the path of a ClusterSpec JSON file (e.g. written by ``treadle calibrate``).
 
     Examples: ``"8x8:h100"`` (8 nodes of 8 H100, NVLink 4 inside, IB NDR across), ``"2x8:a100:pcie4"``,
     ``"2x2:cpu"`` (4 gloo ranks on one host). Known devices: the keys of DEVICE_ALIASES or any hardware preset
     name (then give the links). Raises LayoutError naming the part that did not parse and the valid forms."""
+    if text.strip().endswith(".json"):
+        path = Path(text.strip())
+        if not path.is_file():
+            raise LayoutError(f"parse_cluster: cluster file {text!r} does not exist; give a JSON file written by "
+                              f"ClusterSpec.to_json (e.g. by 'treadle calibrate') or a spec like '8x8:h100'")
+        return ClusterSpec.from_json(path.read_text())
     parts = text.strip().lower().split(":")
     if len(parts) < 2 or len(parts) > 4:
         raise LayoutError(f"parse_cluster: cannot read {text!r}; write NODESxDEVICES:device[:intra[:inter]], "

@@ -29,7 +29,7 @@ from . import collectives as C
 
 logger = logging.getLogger(__name__)
 
-# (mesh shape, mesh names, axis indices) -> (process group of this rank, group ranks in group-rank order)
+# (world group id, mesh shape, mesh names, axis indices) -> (process group of this rank, group ranks in group-rank order)
 _FLAT_GROUPS: dict[tuple, tuple[dist.ProcessGroup, list[int]]] = {}
 
 
@@ -46,7 +46,7 @@ def flat_group(mesh: Mesh, axis_indices: Sequence[int]) -> tuple[dist.ProcessGro
     group-rank order (torch orders a new group by global rank). Created on first use for all groups of
     that axis set at once, on every rank (new_group is collective over the world), then cached per mesh."""
     axes = tuple(axis_indices)
-    key = (mesh.shape, mesh.names, axes)
+    key = (id(dist.group.WORLD), mesh.shape, mesh.names, axes)  # a re-initialised world gets new groups
     if key in _FLAT_GROUPS:
         return _FLAT_GROUPS[key]
     me = dist.get_rank()

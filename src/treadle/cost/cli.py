@@ -1,0 +1,131 @@
+"""`treadle cluster` (show a cluster and the logical meshes it admits) and `treadle calibrate` (fit links on gloo).
+
+    treadle cluster 8x8:h100 --meshes          # links per axis, then every logical mesh shape
+    treadle calibrate --mesh 2x2 -o cluster.json  # spawn 4 gloo ranks, fit alpha/beta/launch, save the spec
+
+A saved spec is accepted wherever a cluster string is (`parse_cluster("cluster.json")`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TreadleError
+from ..mesh import Mesh
+from .calibrate import Calibration, calibrate_cluster
+from .cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
+
+logger = logging.getLogger(__name__)
+
+
+def cluster_table(cluster: ClusterSpec) -> Table:
+    """One row per mesh axis: size, link, latency, launch cost, effective bandwidth."""
+    t = Table("axis", "size", "link", "latency us", "launch us", "GB/s", title=f"{cluster.device_name} cluster")
+    for name, size, link in zip(cluster.mesh.names, cluster.mesh.shape, cluster.links):
+        t.add_row(name, str(size), link.name, f"{link.latency_s * 1e6:.1f}", f"{link.launch_s * 1e6:.1f}",
+                  f"{link.effective_bytes_per_s / 1e9:.1f}")
+    return t
+
+
+def meshes_table(specs: list[ClusterSpec]) -> Table:
+    """One row per logical mesh: shape, axis names, link of each axis."""
+    t = Table("mesh shape", "axes", "links")
+    for s in specs:
+        t.add_row(" x ".join(map(str, s.mesh.shape)), ", ".join(s.mesh.names), ", ".join(x.name for x in s.links))
+    return t
+
+
+def calibration_table(cal: Calibration) -> Table:
+    """Fitted links and the held-out check (predicted vs measured all-gather)."""
+    t = Table("axis", "latency us", "launch us", "GB/s", "held-out KiB", "measured us", "predicted us", "error")
+    held = {}
+    for h in cal.held_out:
+        held.setdefault(h.axis, []).append(h)
+    for name, link in zip(cal.cluster.mesh.names, cal.cluster.links):
+        rows = held.get(name) or [None]
+        for k, h in enumerate(rows):
+            head = ([name, f"{link.latency_s * 1e6:.0f}", f"{link.launch_s * 1e6:.0f}",
+                     f"{link.bandwidth_bytes_per_s / 1e9:.2f}"] if k == 0 else ["", "", "", ""])
+            tail = ([f"{h.nbytes >> 10}", f"{h.measured_s * 1e6:.0f}", f"{h.predicted_s * 1e6:.0f}",
+                     f"{h.rel_error:+.0%}"] if h else ["-", "-", "-", "-"])
+            t.add_row(*head, *tail)
+    return t
+
+
+def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise TreadleError(f"calibrate: --mesh {text!r} is not a shape like '2x2' or '4'") from None
+    return Mesh(shape, tuple(names) if names else default_axis_names(len(shape)))
+
+
+def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int) -> str:
+    return calibrate_cluster(Mesh(shape, names), rounds=rounds).to_json()
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    cluster = parse_cluster(args.spec)
+    specs = []
+    if args.meshes:
+        nodes, per_node = cluster.mesh.shape if cluster.mesh.ndim == 2 else (1, cluster.mesh.world_size)
+        specs = enumerate_meshes(nodes, per_node, intra=cluster.links[-1], inter=cluster.links[0],
+                                 device=cluster.device, max_ndim=args.max_ndim)
+    if args.json:
+        print(json.dumps({"cluster": cluster.to_dict(), "meshes": [s.to_dict() for s in specs]}, indent=2))
+        return 0
+    console = Console()
+    console.print(cluster_table(cluster))
+    if specs:
+        console.print(meshes_table(specs))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from ..testing import spawn
+
+    mesh = _parse_mesh(args.mesh, args.names)
+    text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, timeout_s=args.timeout)[0]
+    data = json.loads(text)
+    cluster = ClusterSpec.from_dict(data["cluster"])
+    if args.output:
+        Path(args.output).write_text(cluster.to_json())
+    if args.json:
+        print(text)
+        return 0
+    from .calibrate import HeldOut
+
+    cal = Calibration(cluster, (), None, data["launch_s"], tuple(HeldOut(**h) for h in data["held_out"]),
+                      tuple(data["notes"]))
+    console = Console()
+    console.print(calibration_table(cal))
+    for note in cal.notes:
+        console.print(f"note: {note}")
+    if args.output:
+        console.print(f"wrote {args.output}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `cluster` and `calibrate` to the treadle command line."""
+    p = subparsers.add_parser("cluster", help="show a cluster spec and the logical meshes it admits")
+    p.add_argument("spec", help="e.g. 8x8:h100, 2x8:a100:pcie4, 2x2:cpu, or a cluster JSON file")
+    p.add_argument("--meshes", action="store_true", help="list every logical mesh shape with its links")
+    p.add_argument("--max-ndim", type=int, default=3, help="most mesh axes to enumerate (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=_cmd_cluster)
+
+    c = subparsers.add_parser("calibrate", help="measure alpha/beta per mesh axis on gloo ranks of this host")
+    c.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 (4 ranks) or 2 (default 2x2)")
+    c.add_argument("--names", nargs="+", help="axis names (default dp tp for two axes)")
+    c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (median; default 15)")
+    c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+    c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
+    c.add_argument("--json", action="store_true", help="print the full calibration as JSON")
+    c.set_defaults(func=_cmd_calibrate)
