@@ -243,6 +243,10 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
     try:
         sch = load_schedule(model, p["schedule"], mesh)
+        # leaves whose output is a shard interleaved in blocks (fused q|k|v), to assemble their outputs;
+        # read before build, which gives parameters new identities
+        out_blocks = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
+                      if max(s.blocks for s in shards) > 1}
         built = build(sch)
     except TreadleError as exc:
         return {"error": f"build failed: {type(exc).__name__}: {exc}"}
@@ -259,9 +263,7 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     except VerifyError as exc:
         return {"error": str(exc)}
     res["dp"] = (dp_axis, dp_n, dp_i)
-    # leaves whose output is a shard interleaved in blocks (fused q|k|v), to assemble their outputs
-    res["out_blocks"] = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
-                         if max(s.blocks for s in shards) > 1}
+    res["out_blocks"] = out_blocks
     res["fsdp"] = bool(st.data_parallel and st.data_parallel[1])
     return res
 
@@ -332,14 +334,14 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     slices = [_split_inputs(example_inputs, dp_n, i, _batch_size(example_inputs)) for i in range(dp_n)]
     torch.manual_seed(seed)
     ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
-    _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
+    _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch), lr)
     if raise_on_mismatch:
         report.raise_if_failed()
     return report
 
 
 def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, tol: Tolerance, dp_n: int,
-             layouts: dict[str, list]) -> None:
+             layouts: dict[str, list], lr: float) -> None:
     # losses: the data-parallel mean of the rank losses (identical over the other axes)
     report.ref_losses = ref["losses"]
     by_coord = [mesh.coordinate(r) for r in range(mesh.world_size)]
@@ -389,14 +391,34 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
             if any(t is None for t in locals_):
                 report.checks.append(Check(kind, name, Diff(math.inf, math.inf, False, note="missing on a rank")))
                 continue
+            # Adam's first update is lr * g / (|g| + eps): for gradients near eps, rounding-level differences
+            # in g move it by a visible fraction of lr. Gradients are compared tightly above; the step is
+            # checked to within 10% of one maximal Adam update (lr per element).
+            ktol = Tolerance(tol.rtol, tol.atol + 0.1 * lr) if kind == "param_step" else tol
             shards = layouts.get(name)
             if shards:  # the recorded layout, exactly (interleaved blocks included)
                 got = assemble({tuple(c.values()): t for c, t in zip(by_coord, locals_)}, shards, mesh.names,
                                dict(zip(mesh.names, mesh.shape)))
-                d = diff(got, ref_t, tol)
+                d = diff(got, ref_t, ktol)
             else:
-                d = assemble_best(locals_, ref_t, mesh, tol, allow_partial=False)
+                d = assemble_best(locals_, ref_t, mesh, ktol, allow_partial=False)
             report.checks.append(Check(kind, name, d))
             if kind == "param_grad" and not d.ok and first is None and first_bwd is None:
                 first_bwd = f"gradient of parameter {name!r} (max abs err {d.max_abs:.3e})"
+    if first is not None:
+        first += _pending_sum_hint(report, first)
     report.first_divergence = first or first_bwd
+
+
+def _pending_sum_hint(report: VerifyReport, first: str) -> str:
+    """A module whose output matched only as a pending sum (Partial), inside the first diverging module,
+    is the usual cause: a reduction the schedule never made."""
+    path = first.split("'")[1]
+    inner = [c for c in report.checks if c.kind == "output" and c.diff.ok and "=P" in c.diff.layout
+             and c.name.startswith(path + ".")]
+    if not inner:
+        return ""
+    c = inner[-1]
+    axes = [part.split("=")[0] for part in c.diff.layout.split() if part.endswith("=P")]
+    return (f"; inside it, {c.name!r} leaves a pending sum (Partial over {', '.join(axes)}) that is never "
+            f"reduced")
