@@ -109,11 +109,10 @@ def op_kind(func: Any) -> str:
 
 
 def _default_needs(args: Sequence[Any]) -> Callable[[int], bool]:
-    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    if any(a.requires_grad for _, a in tensors):
-        flags = {i: a.requires_grad for i, a in tensors}
-    else:  # no autograd information (e.g. an exported graph's metadata): every floating input needs a gradient
-        flags = {i: a.is_floating_point() for i, a in tensors}
+    """Without explicit flags every floating-point tensor argument needs a gradient. In a training step that is
+    true of activations and trainable weights alike, and `requires_grad` on graph metadata is not reliable (an
+    exported graph's activation values do not carry it)."""
+    flags = {i: a.is_floating_point() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     return lambda i: flags.get(i, False)
 
 
@@ -132,10 +131,10 @@ def forward_flops(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any)
 def backward_flops(func: Any, args: Sequence[Any], kwargs: dict | None, out: Any, *,
                    needs_input_grad: Sequence[bool] | None = None) -> int:
     """FLOPs of the backward of `func` for the inputs that need gradients: `needs_input_grad[i]` for positional
-    argument i, or by default the tensors' `requires_grad` (when no argument requires grad, e.g. on an exported
-    graph's metadata, every floating tensor argument is assumed to need one). Matrix products cost one product of
-    forward size per input gradient (so 2x forward when both operands need it). Raises ProfileError naming the op
-    if it has no rule or is itself a backward op."""
+    argument i, or by default every floating-point tensor argument (see `_default_needs`; the profiler passes
+    the flags autograd actually had). Matrix products cost one product of forward size per input gradient (so
+    2x forward when both operands need it). Raises ProfileError naming the op if it has no rule or is itself a
+    backward op."""
     rule = rule_for(func)
     if needs_input_grad is not None:
         flags = list(needs_input_grad)
