@@ -43,17 +43,12 @@ GiB = 2**30
 
 
 # ----------------------------------------------------------------------------- runtime capabilities
-def _leaf_rule_types() -> tuple[type, ...]:
-    """Module types the runtime can compute on sharded weights (adapter over treadle.runtime.leaf_rules)."""
-    from ..runtime import leaf_rules
-
-    return tuple(getattr(leaf_rules, "_RULES", {}).keys())
-
-
 def runtime_capabilities(model: nn.Module) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
-    """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime can shard."""
-    types = _leaf_rule_types()
-    leaf_paths = {name for name, m in model.named_modules() if types and isinstance(m, types)}
+    """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime can shard
+    (`treadle.runtime.leaf_rules.has_leaf_rule`)."""
+    from ..runtime.leaf_rules import has_leaf_rule
+
+    leaf_paths = {name for name, m in model.named_modules() if has_leaf_rule(m)}
     owners = {}
     for mname, m in model.named_modules():
         for pname, _ in m.named_parameters(recurse=False):

@@ -1,0 +1,94 @@
+"""Plans for the zoo's small GPT-2, BERT, LLaMA, OPT and T5 build and verify on gloo (world 2 and 2x2),
+and the bytes the built model saves for backward stay within the plan's prediction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.cost.cluster import ClusterSpec
+from treadle.mesh import Mesh
+from treadle.models.zoo import named_model
+from treadle.planner.plan import Plan, plan_model
+from treadle.testing import spawn
+from treadle.verify.verify import verify
+
+MODELS = ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-opt", "tiny-t5"]
+BATCH, SEQ = 4, 16
+
+
+def _model(name: str):
+    model, inputs = named_model(name, batch=BATCH, seq=SEQ, dropout=False)
+    # the zoo installs closure hooks on the root for fake-tensor runs; they cannot be pickled to the ranks
+    model._forward_hooks.clear()
+    model._forward_pre_hooks.clear()
+    return model, inputs
+
+
+def _plan(name: str, shape: tuple[int, ...]) -> tuple[Plan, dict]:
+    """A plan under half the unconstrained peak, so it must shard and/or checkpoint."""
+    names = ("tp",) if len(shape) == 1 else ("dp", "tp")
+    dp_axis = None if len(shape) == 1 else "auto"  # world 2: a tensor-parallel plan
+    cl = ClusterSpec.uniform(Mesh(shape, names), "nvlink4", device="h100-sxm")
+    model, inputs = _model(name)
+    free = plan_model(model, inputs, cluster=cl, dp_axis=dp_axis)
+    plan = plan_model(model, inputs, cluster=cl, dp_axis=dp_axis, memory_budget_bytes=free.estimated.peak_bytes / 2,
+                      model_spec={"name": name, "batch": BATCH, "seq": SEQ})
+    assert plan.estimated.peak_bytes <= free.estimated.peak_bytes / 2
+    return plan, inputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["world2", "2x2"])
+@pytest.mark.parametrize("name", MODELS)
+def test_plan_builds_and_verifies(name, shape):
+    plan, inputs = _plan(name, shape)
+    ops = {d.op for d in plan.decisions}
+    assert ops & {"shard", "checkpoint"}, plan.decisions
+    model, _ = _model(name)
+    report = verify(plan.schedule_for(model), inputs, timeout_s=240, raise_on_mismatch=False)
+    assert report.error is None
+    assert report.losses == pytest.approx(report.ref_losses, rel=1e-5)
+    bad = [c for c in report.checks if not c.diff.ok]
+    if name == "tiny-t5":
+        # T5Stack calls its one `dropout` module twice (on the embeddings and on the final states); verify's
+        # per-module output comparison pairs the two calls wrongly there. Losses, gradients and optimizer
+        # steps of every parameter are still compared.
+        bad = [c for c in bad if not (c.kind in ("output", "output_grad") and c.name.endswith(".dropout"))]
+    assert not bad, bad
+
+
+def _saved_bytes_rank(rank: int, world: int, name: str, plan_json: str) -> float:
+    from treadle.runtime.build import build
+
+    plan = Plan.from_json(plan_json)
+    model, inputs = _model(name)
+    sch = plan.schedule_for(model)
+    built = build(sch)
+    mesh = plan.cluster.mesh
+    dp = next((d.args["axis"] for d in plan.decisions if d.op == "data_parallel"), None)
+    if dp is not None:
+        n, i = mesh.size(dp), mesh.coordinate(rank)[dp]
+        inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
+    params = {p.untyped_storage().data_ptr() for p in built.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = built(**inputs)
+    out.loss.backward()
+    return float(sum(seen.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_saved_bytes_within_prediction(name):
+    plan, _ = _plan(name, (2,))
+    measured = spawn(_saved_bytes_rank, 2, name, plan.to_json(), timeout_s=180)
+    predicted = plan.estimated.activation_bytes
+    assert all(0 < m <= predicted for m in measured), (measured, predicted)
