@@ -347,12 +347,12 @@ def _min_ckpt(cg: CostGraph, paths: list[str]) -> dict[int, int]:
     return out
 
 
-def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec,
+def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec | list[ClusterSpec],
                memory_budget_bytes: float | None = None, mode: Mode = "joint",
                pins: dict[str, dict[str, int | str]] | None = None, dp_axis: str | None | Literal["auto"] = "auto",
                zero: bool | None = None, forbid_axes: tuple[str, ...] = (), partial_schedule: Any = None,
                train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0, model_spec: dict | None = None,
-               graph: CapturedGraph | None = None,
+               graph: CapturedGraph | None = None, checkpoint: Literal["auto", "all", "none"] = "auto",
                progress: Callable[[str], None] | None = None) -> Plan:
     """Plan `model` on `cluster` under `memory_budget_bytes` per device (None: unlimited).
 
@@ -362,6 +362,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     `forbid_axes`: axes every op stays replicated on. `partial_schedule`: a Schedule whose shard /
     data_parallel / checkpoint records become constraints. `model_spec` is stored in the plan (e.g.
     {"name": "tiny-gpt2", "batch": 4, "seq": 16}) so `treadle verify plan.json` can rebuild the model.
+    `cluster` may be a list (e.g. `treadle.cost.cluster.enumerate_meshes`): every mesh is searched and the
+    best plan wins. `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none".
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
@@ -381,49 +383,64 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         graph = capture(model, args, kwargs)
     t_capture = time.perf_counter() - t0
     batch = _batch_size(args, kwargs)
-    mesh = cluster.mesh
+    clusters = list(cluster) if isinstance(cluster, (list, tuple)) else [cluster]
+    if not clusters:
+        raise PlanError("plan_model: no cluster given")
     is_leaf_param, _ = runtime_capabilities(model)
     resolver = attr_resolver(model)
-    candidates = enumerate_roles(mesh, batch=batch, dp_axis=dp_axis, zero=zero, forbid_axes=forbid_axes)
-    if not candidates:
-        raise PlanError(f"no axis role assignment of {mesh} fits batch {batch}: a data-parallel axis must divide "
-                        f"the batch; use a batch divisible by {[mesh.size(a) for a in mesh.names]} or dp_axis=None")
     results: list[tuple[Solution, CostGraph]] = []
     t_build = t_solve = 0.0
-    for roles in candidates:
-        rpins = _pins_for(graph, pins, roles)
-        if rpins is None:
+    tried_roles = 0
+    for cl in clusters:
+        mesh = cl.mesh
+        if len(clusters) > 1 and dp_axis not in ("auto", None) and dp_axis not in mesh.names:
             continue
-        say(f"roles {roles}: cost graph")
-        tb = time.perf_counter()
-        try:
-            cg = build_cost_graph(graph, cluster, roles, train=train, pins=rpins,
-                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)),
-                                  attr_resolver=resolver)
-        except PlanError as exc:
-            logger.info("roles %s skipped: %s", roles, exc)
-            continue
-        t_build += time.perf_counter() - tb
-        say(f"roles {roles}: solve ({len(cg.units)} units)")
-        ts = time.perf_counter()
-        min_ck = _min_ckpt(cg, ckpt_paths) if ckpt_paths else {}
-        if mode == "joint":
-            sol = solve(cg, budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, min_ckpt=min_ck)
-        elif mode == "two_stage":
-            sol = _two_stage(cg, memory_budget_bytes, time_limit_s)
-        else:
-            raise PlanError(f"unknown planning mode {mode!r}; use 'joint' or 'two_stage'")
-        t_solve += time.perf_counter() - ts
-        logger.info("roles %s: %s step %.4g s peak %.4g GiB", roles, sol.status, sol.step_s, sol.peak_bytes / GiB)
-        results.append((sol, cg))
+        candidates = enumerate_roles(mesh, batch=batch, dp_axis=dp_axis, zero=zero,
+                                     forbid_axes=tuple(a for a in forbid_axes if a in mesh.names))
+        tried_roles += len(candidates)
+        for roles in candidates:
+            rpins = _pins_for(graph, pins, roles)
+            if rpins is None:
+                continue
+            where = f"{mesh} {roles}" if len(clusters) > 1 else str(roles)
+            say(f"{where}: cost graph")
+            tb = time.perf_counter()
+            try:
+                cg = build_cost_graph(graph, cl, roles, train=train, pins=rpins,
+                                      shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)),
+                                      attr_resolver=resolver)
+            except PlanError as exc:
+                logger.info("%s skipped: %s", where, exc)
+                continue
+            t_build += time.perf_counter() - tb
+            say(f"{where}: solve ({len(cg.units)} units)")
+            ts = time.perf_counter()
+            min_ck = _min_ckpt(cg, ckpt_paths) if ckpt_paths else {}
+            if checkpoint == "all":
+                min_ck = {t: info.count for t, info in cg.templates.items()}
+            if mode == "joint":
+                sol = solve(cg, budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, min_ckpt=min_ck,
+                            checkpoint=checkpoint != "none")
+            elif mode == "two_stage":
+                sol = _two_stage(cg, memory_budget_bytes, time_limit_s)
+            else:
+                raise PlanError(f"unknown planning mode {mode!r}; use 'joint' or 'two_stage'")
+            t_solve += time.perf_counter() - ts
+            logger.info("%s: %s step %.4g s peak %.4g GiB", where, sol.status, sol.step_s, sol.peak_bytes / GiB)
+            results.append((sol, cg))
+    if not tried_roles:
+        raise PlanError(f"no axis role assignment of {[str(c.mesh) for c in clusters]} fits batch {batch}: a "
+                        f"data-parallel axis must divide the batch; use a divisible batch or dp_axis=None")
     feasible = [(s, c) for s, c in results if s.status != "infeasible"]
     if not feasible:
         smallest = _smallest_budget(results, time_limit_s)
-        raise PlanError(f"no plan of {graph.model_class} on {cluster} fits {_fmt_bytes(memory_budget_bytes)} per "
+        where = clusters[0] if len(clusters) == 1 else f"{len(clusters)} meshes"
+        raise PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(memory_budget_bytes)} per "
                         f"device (constraint 'memory' binds for every role assignment tried: "
                         f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
                         f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
     sol, cg = min(feasible, key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    cluster = cg.cluster
     decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
     hw = cluster.hardware()
     dtype = next((m.dtype for m in graph.params.values()), torch.float32)
@@ -439,7 +456,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                    f"(slack {_fmt_bytes(slack)})" if slack < 0.02 * memory_budget_bytes else
                    f"none: memory slack {_fmt_bytes(slack)} ({slack / memory_budget_bytes:.0%} of the budget); "
                    f"the plan is the fastest without a memory limit")
-    alternatives = sorted(({"roles": str(c.roles), "status": s.status, "step_s": s.step_s, "peak_bytes": s.peak_bytes}
+    alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status, "step_s": s.step_s, "peak_bytes": s.peak_bytes}
                            for s, c in results), key=lambda a: a["step_s"])
     solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
