@@ -7,12 +7,13 @@ from .errors import (BuildError, LayoutError, MeshError, PlanError, ProfileError
                      TreadleError, VerifyError)
 from .mesh import Mesh
 from .runtime.build import annotations, build
+from .runtime.train import TrainResult, train
 from .schedule.core import Schedule, create_schedule, load_schedule
 from .schedule.log import Ref
 from .verify import VerifyReport, verify
 
 __all__ = [
-    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport",
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport", "train", "TrainResult",
     "Shard", "Replicate", "Partial",
     "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
     "PlanError", "SpawnError",

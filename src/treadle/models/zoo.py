@@ -195,7 +195,8 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
     finally:
         torch.set_default_dtype(previous_dtype)
     model.train()
-    _eager_masks_on_fake_inputs(model)
+    if fake:  # only fake runs need it; real models stay picklable (verify and train send them to ranks)
+        _eager_masks_on_fake_inputs(model)
     inputs = _example_inputs(spec.family, config.vocab_size, batch=batch, seq=seq, fake_mode=fake_mode)
     logger.info("built %s (%s) batch=%d seq=%d fake=%s", name, model_cls.__name__, batch, seq, fake)
     return model, inputs

@@ -1,0 +1,78 @@
+"""A few training steps of a schedule on a spawned gloo process group (the demo's and CLI's `train`).
+
+Inside a job you launched yourself (torchrun), call `treadle.build` and write your own loop; this helper
+is for trying a schedule from one process: it spawns the mesh's world, replays the schedule on a copy of
+the model in each rank, builds it, and runs AdamW steps on the same batch, split over the data-parallel axis.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..mesh import Mesh
+from ..schedule.core import Schedule, load_schedule
+from ..testing import spawn
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Losses per step (mean over data-parallel ranks) and the measured wall time of each step (seconds,
+    slowest rank)."""
+
+    losses: list[float]
+    step_s: list[float]
+
+
+def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], list[float]]:
+    from .build import build
+
+    p = torch.load(io.BytesIO(payload), weights_only=False)
+    torch.manual_seed(p["seed"])
+    mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
+    sch = load_schedule(p["model"], p["schedule"], mesh)
+    model = build(sch)
+    dp = sch._state.data_parallel
+    inputs = p["inputs"]
+    if dp is not None:
+        n, i = mesh.size(dp[0]), mesh.local_rank(dp[0])
+        batch = next(v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0)
+        inputs = {k: (v.chunk(n)[i] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch else v)
+                  for k, v in inputs.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
+    losses, times = [], []
+    for _ in range(p["steps"]):
+        t0 = time.perf_counter()
+        loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return losses, times
+
+
+def train(sch: Schedule, example_inputs: dict[str, Any], *, steps: int = 5, lr: float = 1e-3, seed: int = 0,
+          timeout_s: float = 600.0) -> TrainResult:
+    """Train `sch` for `steps` AdamW steps on `example_inputs` (keyword arguments of forward, including
+    ``labels`` so the model returns ``.loss``) on the mesh's world of gloo ranks. Returns a TrainResult.
+    The schedule must not have been built; it is sent to the ranks as JSON with its original model."""
+    st = sch._state
+    model: nn.Module = st.original if st.original is not None else st.model
+    buf = io.BytesIO()
+    torch.save(dict(model=model, schedule=sch.to_json(), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
+                    inputs=example_inputs, steps=steps, lr=lr, seed=seed), buf)
+    results = spawn(_train_rank, sch.mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
+    dp = st.data_parallel
+    ranks = range(sch.mesh.world_size)
+    if dp is not None:  # one representative per data-parallel replica, averaged
+        ranks = [r for r in ranks if all(c == 0 for ax, c in sch.mesh.coordinate(r).items() if ax != dp[0])]
+    ranks = list(ranks)
+    losses = [sum(results[r][0][s] for r in ranks) / len(ranks) for s in range(steps)]
+    step_s = [max(res[1][s] for res in results) for s in range(steps)]
+    return TrainResult(losses, step_s)

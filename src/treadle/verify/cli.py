@@ -1,0 +1,114 @@
+"""`treadle verify` and `treadle train`: check or try a saved schedule (or plan) on CPU gloo processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TreadleError
+from ..mesh import Mesh
+from .verify import VerifyReport
+
+
+def _load(args: argparse.Namespace):
+    """(schedule, example inputs) from a schedule JSON or a plan JSON (whose "schedule" and "model" keys
+    say what to rebuild). --model/--batch/--seq override the plan's model."""
+    from ..models.zoo import named_model
+    from ..schedule.core import load_schedule
+
+    doc = json.loads(Path(args.file).read_text())
+    model_info = doc.get("model", {}) if "schedule" in doc else {}
+    schedule_text = json.dumps(doc["schedule"]) if "schedule" in doc else Path(args.file).read_text()
+    if isinstance(doc.get("schedule"), str):
+        schedule_text = doc["schedule"]
+    name = args.model or model_info.get("name")
+    if not name:
+        raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
+    batch = args.batch or model_info.get("batch", 4)
+    seq = args.seq or model_info.get("seq", 16)
+    model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)
+    mesh = None
+    if args.world:
+        saved = json.loads(schedule_text)["mesh"]
+        shape = tuple(saved["shape"])
+        if args.world != Mesh(shape, tuple(saved["names"])).world_size:
+            raise TreadleError(f"{args.file}: the schedule's mesh {dict(zip(saved['names'], shape))} needs world "
+                               f"size {Mesh(shape, tuple(saved['names'])).world_size}, not --world {args.world}")
+    return load_schedule(model, schedule_text, mesh), inputs
+
+
+def report_table(report: VerifyReport, *, limit: int = 25) -> Table:
+    """Failed checks one per row; when all passed, one row per kind of check with its worst error."""
+    title = report.summary().splitlines()[0]
+    if report.failures():
+        t = Table("check", "name", "max abs", "max rel", "layout", title=title)
+        for c in report.failures()[:limit]:
+            t.add_row(c.kind, c.name, f"{c.diff.max_abs:.2e}", f"{c.diff.max_rel:.2e}", c.diff.layout)
+        return t
+    t = Table("check", "count", "worst max abs", "worst max rel", title=title)
+    kinds: dict[str, list] = {}
+    for c in report.checks:
+        kinds.setdefault(c.kind, []).append(c)
+    for kind, cs in kinds.items():
+        finite = [c for c in cs if c.diff.max_abs == c.diff.max_abs]
+        t.add_row(kind, str(len(cs)), f"{max((c.diff.max_abs for c in finite), default=0):.2e}",
+                  f"{max((c.diff.max_rel for c in finite), default=0):.2e}")
+    return t
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    console = Console()
+    sch, inputs = _load(args)
+    with console.status(f"verifying on {sch.mesh.world_size} gloo processes ({sch.mesh})"):
+        report = verify(sch, inputs, steps=args.steps, raise_on_mismatch=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ok": report.ok, "losses": report.losses,
+                                               "ref_losses": report.ref_losses,
+                                               "first_divergence": report.first_divergence, "error": report.error,
+                                               "checks": [{"kind": c.kind, "name": c.name, "ok": c.diff.ok,
+                                                           "max_abs": c.diff.max_abs, "max_rel": c.diff.max_rel}
+                                                          for c in report.checks]}, indent=1))
+    console.print(report_table(report))
+    if report.first_divergence:
+        console.print(f"first divergence: {report.first_divergence}")
+    if report.error:
+        console.print(f"error: {report.error}")
+    return 0 if report.ok else 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ..runtime.train import train
+
+    console = Console()
+    sch, inputs = _load(args)
+    with console.status(f"training {args.steps} steps on {sch.mesh.world_size} gloo processes ({sch.mesh})"):
+        res = train(sch, inputs, steps=args.steps, lr=args.lr)
+    t = Table("step", "loss", "step s")
+    for i, (loss, s) in enumerate(zip(res.losses, res.step_s)):
+        t.add_row(str(i), f"{loss:.4f}", f"{s:.3f}")
+    console.print(t)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for name, func, help_ in (("verify", _verify, "compare a schedule or plan with the original model on CPU gloo"),
+                              ("train", _train, "train a schedule or plan a few steps on CPU gloo")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("file", help="schedule JSON (Schedule.to_json) or plan JSON (treadle plan -o)")
+        p.add_argument("--model", help="named model (treadle.models.zoo), e.g. tiny-gpt2; default: the plan's")
+        p.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 4)")
+        p.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 16)")
+        p.add_argument("--world", type=int, help="number of processes; must equal the schedule's mesh size")
+        p.add_argument("--steps", type=int, default=2 if name == "verify" else 5)
+        if name == "train":
+            p.add_argument("--lr", type=float, default=1e-3)
+        else:
+            p.add_argument("--json", help="write the report's rows to this file")
+        p.set_defaults(func=func)
+
