@@ -93,3 +93,16 @@ def test_multi_axis_errors_name_the_axes():
         cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("pp",))
     with pytest.raises(LayoutError, match=r"algorithm must be 'best', 'flat' or 'hierarchical'; got 'ring'"):
         cc.all_gather_axes_time_s(MB8, cluster=cl, axes=("dp", "tp"), algorithm="ring")
+
+
+def test_op_scale_multiplies_the_named_collective_only():
+    scaled = LinkSpec(name="g", latency_s=1e-6, bandwidth_bytes_per_s=1e9, efficiency=0.5, launch_s=2e-6,
+                      op_scale=(("reduce_scatter", 1.5), ("all_reduce", 0.5)))
+    assert cc.reduce_scatter_time_s(MB8, 4, scaled) == pytest.approx(1.5 * cc.reduce_scatter_time_s(MB8, 4, LINK))
+    assert cc.all_reduce_time_s(MB8, 4, scaled) == pytest.approx(0.5 * cc.all_reduce_time_s(MB8, 4, LINK))
+    assert cc.all_gather_time_s(MB8, 4, scaled) == cc.all_gather_time_s(MB8, 4, LINK)
+    assert LinkSpec.from_dict(scaled.to_dict()) == scaled
+    # a flattened group takes the worst factor of its axes
+    assert cc.flat_link([scaled, LINK]).scale("reduce_scatter") == 1.5
+    with pytest.raises(LayoutError, match=r"op_scale factors must be > 0; got \(\('all_to_all', 0.0\),\)"):
+        LinkSpec(latency_s=0, bandwidth_bytes_per_s=1, op_scale=(("all_to_all", 0),))

@@ -7,9 +7,10 @@ point weighted by 1/t, so small and large sizes count alike). The intercept is `
 latency_s``; on a mesh of two or more axes the flattened group of all axes is timed too, and its intercept
 ``launch_s + (N-1) * max(latency_s)`` separates the per-call launch cost (shared by all groups: it is the
 software stack) from the per-step latency. On a 1-D mesh the launch cost is 0 and the whole intercept is
-latency. Timing (`measure_all_gather_s`): a warm-up sweep, then interleaved sweeps over all sizes, medians
-of the slowest rank's time (robust to a busy host). Held-out sizes are measured in the same sweeps and
-reported next to the model's prediction.
+latency. Reduce-scatter, all-reduce and all-to-all are timed in the same sweeps and get a time factor each
+against their model on the fitted link (`LinkSpec.op_scale`). Timing (`measure_collectives_s`): a warm-up
+sweep, then interleaved sweeps over all sizes, medians of the slowest rank's time (robust to a busy host).
+Held-out sizes are measured in the same sweeps and reported next to the model's prediction.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from ..errors import LayoutError, MeshError
 from ..mesh import Mesh
 from .cluster import ClusterSpec
-from .collective_cost import all_gather_time_s
+from .collective_cost import (all_gather_time_s, all_reduce_time_s, all_to_all_time_s,
+                              reduce_scatter_time_s)
 from .links import LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class HeldOut:
     nbytes: int
     measured_s: float
     predicted_s: float
+    op: str = "all_gather"
 
     @property
     def rel_error(self) -> float:
@@ -87,43 +90,61 @@ class Calibration:
 
 
 # ------------------------------------------------------------------------------------------- timing
-def measure_all_gather_s(sizes_bytes: Sequence[int], group: dist.ProcessGroup, *, rounds: int = 15,
-                         min_sample_s: float = 0.0) -> list[float]:
-    """Median seconds of one all-gather producing each of `sizes_bytes` (float32) on every rank of `group`.
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def _collective_call(op: str, nbytes: int, n: int, group):
+    """A zero-argument call running `op` on float32 buffers of `nbytes` in collective_cost's convention."""
+    numel = nbytes // 4
+    if op == "all_gather":
+        out, inp = torch.empty(numel), torch.zeros(numel // n)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "reduce_scatter":
+        out, inp = torch.empty(numel // n), torch.zeros(numel)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: fn(out, inp, group=group)
+    if op == "all_reduce":
+        buf = torch.zeros(numel)  # zeros stay finite however often they are summed
+        return lambda: dist.all_reduce(buf, group=group)
+    if op == "all_to_all":
+        out, inp = torch.empty(numel), torch.zeros(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    raise LayoutError(f"calibrate: unknown collective {op!r}; known: {list(COLLECTIVES)}")
+
+
+def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
+                          rounds: int = 15) -> dict[str, list[float]]:
+    """Median seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
+    convention) on every rank of `group`.
 
     Collective: every rank of the world calls it, each with its own group of one partition (an axis' groups
-    run at once). Protocol: one warm-up sweep, then `rounds` sweeps over all sizes (interleaved, so drift of a
-    busy host hits every size alike); a sample is `inner` back-to-back calls after a barrier, `inner` chosen
-    from the warm-up so a sample lasts about `min_sample_s` (default: single calls, whose median shrugs off the
-    spikes of a busy host best); its time is the slowest rank's (all-reduce MAX).
-    Raises LayoutError when a size does not split into float32 chunks over the group."""
+    run at once). Protocol: one warm-up sweep, then `rounds` sweeps over every (op, size), interleaved so
+    drift of a busy host hits all alike; a sample is one call after a barrier, timed as the slowest rank's
+    (all-reduce MAX); the median over rounds shrugs off the spikes of a busy host. Raises LayoutError when
+    a size does not split into float32 chunks over the group."""
     n = dist.get_world_size(group)
     for nbytes in sizes_bytes:
         if nbytes <= 0 or nbytes % (4 * n):
-            raise LayoutError(f"measure_all_gather_s: {nbytes} bytes do not split into float32 chunks over {n} "
+            raise LayoutError(f"measure_collectives_s: {nbytes} bytes do not split into float32 chunks over {n} "
                               f"ranks; use a positive multiple of {4 * n}")
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    bufs = [(torch.empty(s // 4), torch.ones(s // 4 // n)) for s in sizes_bytes]
+    calls = [(op, k, _collective_call(op, s, n, group)) for op in ops for k, s in enumerate(sizes_bytes)]
 
-    def sample(k: int, inner: int) -> float:
-        out, inp = bufs[k]
+    def sample(fn) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(inner):
-            gather(out, inp, group=group)
-        dt = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64)
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
         return dt.item()
 
-    inners = []
-    for k in range(len(sizes_bytes)):  # warm-up, and the calls per sample
-        sample(k, 2)
-        inners.append(max(1, min(64, math.ceil(min_sample_s / max(sample(k, 2), 1e-6)))))
-    samples: list[list[float]] = [[] for _ in sizes_bytes]
+    for _, _, fn in calls:
+        sample(fn)
+    samples: dict[tuple[str, int], list[float]] = {(op, k): [] for op, k, _ in calls}
     for _ in range(rounds):
-        for k in range(len(sizes_bytes)):
-            samples[k].append(sample(k, inners[k]))
-    return [statistics.median(x) for x in samples]
+        for op, k, fn in calls:
+            samples[(op, k)].append(sample(fn))
+    return {op: [statistics.median(samples[(op, k)]) for k in range(len(sizes_bytes))] for op in ops}
 
 
 def fit_axis(axes: tuple[str, ...], n_ranks: int, sizes_bytes: Sequence[int], times_s: Sequence[float]) -> AxisFit:
@@ -165,11 +186,14 @@ def _solve_launch(fits: Sequence[AxisFit], flat: AxisFit) -> float:
 
 def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
-                      base: ClusterSpec | None = None, name: str = "gloo") -> Calibration:
+                      ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
+                      name: str = "gloo") -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
-    Calibration reports the model's error on them. Axes of size 1 keep `base`'s link. Returns a Calibration
+    Calibration reports the model's error on them. The all-gather fits the link (alpha, beta, launch); each
+    other collective of `ops` gets a time factor against its model on that link (`LinkSpec.op_scale`: gloo's
+    reduce-scatter, for one, is far slower than a ring). Axes of size 1 keep `base`'s link. Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
     or when no axis has more than one rank."""
@@ -182,35 +206,52 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     all_sizes = list(sizes_bytes) + list(held_out_bytes)
     fitted = len(sizes_bytes)
     groups = [((axis,), n, mesh.group(axis)) for axis, n in zip(mesh.names, mesh.shape) if n > 1]
-    if len(groups) >= 2:
-        groups.append((tuple(mesh.names), mesh.world_size, dist.group.WORLD))
     fits, measured = [], []
     for axes, n, group in groups:
-        times = measure_all_gather_s(all_sizes, group, rounds=rounds)
+        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds)
         measured.append(times)
-        fits.append(fit_axis(axes, n, all_sizes[:fitted], times[:fitted]))
+        fits.append(fit_axis(axes, n, all_sizes[:fitted], times["all_gather"][:fitted]))
         logger.info("calibrate %s: n=%d, intercept %.1f us, %.2f GB/s", "+".join(axes), n,
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
     notes: list[str] = []
     flat_fit, launch = None, 0.0
-    if len(groups) > 2:
-        flat_fit = fits.pop()
-        measured.pop()
+    if len(groups) >= 2:
+        flat_times = measure_collectives_s(["all_gather"], all_sizes, dist.group.WORLD, rounds=rounds)["all_gather"]
+        flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)
     else:
         notes.append("one axis of size > 1: launch cost not separable from latency; launch_s = 0")
     links = {}
-    for f in fits:
+    for f, times in zip(fits, measured):
         latency = max(f.intercept_s - launch, 0.0) / (f.n_ranks - 1)
-        links[f.axes[0]] = LinkSpec(name=f"{name}-{f.axes[0]}", latency_s=latency,
-                                    bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0, launch_s=launch)
+        plain = LinkSpec(name=f"{name}-{f.axes[0]}", latency_s=latency,
+                         bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0, launch_s=launch)
+        scales = tuple((op, _scale(op, f.n_ranks, plain, all_sizes[:fitted], times[op][:fitted]))
+                       for op in ops if op != "all_gather")
+        links[f.axes[0]] = LinkSpec(name=plain.name, latency_s=latency,
+                                    bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0,
+                                    launch_s=launch, op_scale=scales)
     base = base or ClusterSpec.uniform(mesh, next(iter(links.values())), device="cpu")
     if base.mesh.shape != mesh.shape:
         raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names])
-    held_out = tuple(HeldOut(f.axes[0], size, t, predicted_all_gather_s(cluster, f.axes[0], size))
-                     for f, times in zip(fits, measured) for size, t in zip(all_sizes[fitted:], times[fitted:]))
+    held_out = tuple(HeldOut(f.axes[0], size, t, _model_s(op, size, f.n_ranks, cluster.link(f.axes[0])), op)
+                     for f, times in zip(fits, measured) for op in ops
+                     for size, t in zip(all_sizes[fitted:], times[op][fitted:]))
     return Calibration(cluster, tuple(fits), flat_fit, launch, held_out, tuple(notes))
+
+
+_MODELS = {"all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s,
+           "all_reduce": all_reduce_time_s, "all_to_all": all_to_all_time_s}
+
+
+def _model_s(op: str, nbytes: float, n: int, link: LinkSpec) -> float:
+    return _MODELS[op](nbytes, n, link)
+
+
+def _scale(op: str, n: int, link: LinkSpec, sizes: Sequence[int], times: Sequence[float]) -> float:
+    """Time factor of `op` against its model on `link`: the median ratio measured / modelled over the sizes."""
+    return statistics.median(t / _model_s(op, s, n, link) for s, t in zip(sizes, times))
 
 
 def predicted_all_gather_s(cluster: ClusterSpec, axis: str, nbytes: float) -> float:

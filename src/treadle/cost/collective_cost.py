@@ -18,7 +18,8 @@ send_recv          the message                                     one step
 =================  ==============================================  =========================================
 
 Reduction arithmetic and local copies are not counted (they are memory-bound and small next to the link).
-A group of one rank costs nothing. Over several mesh axes (`*_axes_time_s`) the flattened group of prod(n)
+A link's `op_scale` (measured by calibration) multiplies the time of the collective it names. A group of one
+rank costs nothing. Over several mesh axes (`*_axes_time_s`) the flattened group of prod(n)
 ranks runs the same algorithm with the slowest of its links (a ring crossing both fabrics waits for the slower
 hop at every step), and the hierarchical alternative runs one collective per axis; the cheaper is returned
 (`algorithm="flat"` or `"hierarchical"` forces one).
@@ -67,7 +68,8 @@ def tree_all_reduce_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float
 
 def all_reduce_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
     """Sum a buffer of `nbytes` over `n_ranks` ranks: the cheaper of ring (large buffers) and tree (small)."""
-    return min(ring_all_reduce_time_s(nbytes, n_ranks, link), tree_all_reduce_time_s(nbytes, n_ranks, link))
+    return link.scale("all_reduce") * min(ring_all_reduce_time_s(nbytes, n_ranks, link),
+                                          tree_all_reduce_time_s(nbytes, n_ranks, link))
 
 
 def all_gather_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
@@ -75,7 +77,7 @@ def all_gather_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
     _check(nbytes, n_ranks, "all_gather_time_s")
     if n_ranks == 1:
         return 0.0
-    return link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link)
+    return link.scale("all_gather") * (link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link))
 
 
 def reduce_scatter_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
@@ -83,7 +85,7 @@ def reduce_scatter_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
     _check(nbytes, n_ranks, "reduce_scatter_time_s")
     if n_ranks == 1:
         return 0.0
-    return link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link)
+    return link.scale("reduce_scatter") * (link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link))
 
 
 def all_to_all_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
@@ -91,7 +93,7 @@ def all_to_all_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
     _check(nbytes, n_ranks, "all_to_all_time_s")
     if n_ranks == 1:
         return 0.0
-    return link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link)
+    return link.scale("all_to_all") * (link.launch_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link))
 
 
 def broadcast_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
@@ -125,10 +127,12 @@ def flat_link(links: Sequence[LinkSpec]) -> LinkSpec:
 
 @lru_cache(maxsize=1024)
 def _flat_link(links: tuple[LinkSpec, ...]) -> LinkSpec:
+    ops = sorted({k for link in links for k, _ in link.op_scale})
     return LinkSpec(name="+".join(link.name for link in links),
                     latency_s=max(link.latency_s for link in links),
                     bandwidth_bytes_per_s=min(link.effective_bytes_per_s for link in links),
-                    efficiency=1.0, launch_s=max(link.launch_s for link in links))
+                    efficiency=1.0, launch_s=max(link.launch_s for link in links),
+                    op_scale=tuple((k, max(link.scale(k) for link in links)) for k in ops))
 
 
 def _axes(cluster: "ClusterSpec", axes: Sequence[str] | str) -> tuple[tuple[int, ...], tuple[LinkSpec, ...]]:

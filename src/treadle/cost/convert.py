@@ -117,7 +117,8 @@ class ConversionPlan:
 
 
 def plan_conversion(src: Layout | Sequence | str, dst: Layout | Sequence | str, *, global_shape: Sequence[int],
-                    itemsize: int, cluster: ClusterSpec, objective: Literal["forward", "total"] = "forward") -> ConversionPlan:
+                    itemsize: int, cluster: ClusterSpec,
+                    objective: Literal["forward", "total"] = "forward") -> ConversionPlan:
     """Cheapest sequence of collectives from layout `src` to `dst` of a tensor of `global_shape` with
     elements of `itemsize` bytes on `cluster` (Dijkstra over the layout graph; memoised, so repeated
     queries cost a dict lookup).

@@ -23,8 +23,11 @@ class LinkSpec:
     `launch_s` is the fixed software cost of one collective call on this link, paid once per call whatever
     its number of steps (kernel launch and proxy setup for NCCL, op dispatch for gloo); it is what makes one
     collective over a flattened group cheaper than two over its axes. Default 0 (pure alpha-beta).
-    Raises LayoutError on a negative latency or launch cost, a non-positive bandwidth or an efficiency
-    outside (0, 1].
+    `op_scale` holds measured deviations of single collectives from their textbook algorithm, as pairs
+    (collective name, time factor), e.g. ``(("reduce_scatter", 1.7),)`` where a backend implements
+    reduce-scatter worse than a ring (gloo); calibration fills it, presets leave it empty (factor 1).
+    Raises LayoutError on a negative latency or launch cost, a non-positive bandwidth, an efficiency
+    outside (0, 1], or a non-positive scale.
     """
 
     name: str = "custom"
@@ -32,12 +35,23 @@ class LinkSpec:
     bandwidth_bytes_per_s: float
     efficiency: float = 1.0
     launch_s: float = 0.0
+    op_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0 or not 0 < self.efficiency <= 1
                 or self.launch_s < 0):
             raise LayoutError(f"LinkSpec needs latency_s >= 0, launch_s >= 0, bandwidth_bytes_per_s > 0 and "
                               f"0 < efficiency <= 1; got {self!r}")
+        object.__setattr__(self, "op_scale", tuple(sorted((str(k), float(v)) for k, v in self.op_scale)))
+        if any(v <= 0 for _, v in self.op_scale):
+            raise LayoutError(f"LinkSpec op_scale factors must be > 0; got {self.op_scale}")
+
+    def scale(self, op: str) -> float:
+        """Measured time factor of collective `op` on this link (1.0 when not calibrated)."""
+        for k, v in self.op_scale:
+            if k == op:
+                return v
+        return 1.0
 
     def __str__(self) -> str:
         return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.bandwidth_bytes_per_s / GB:.0f} GB/s)"
@@ -48,10 +62,14 @@ class LinkSpec:
         return self.bandwidth_bytes_per_s * self.efficiency
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["op_scale"] = dict(self.op_scale)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinkSpec":
+        d = dict(d)
+        d["op_scale"] = tuple(sorted(dict(d.get("op_scale", {})).items()))
         return cls(**d)
 
     def to_json(self) -> str:
