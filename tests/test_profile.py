@@ -131,6 +131,13 @@ def test_saved_bytes_with_checkpointed_layers(name):
     assert prof.recompute_flops > 0
     assert prof.model_flops == full.model_flops
     assert prof.peak_bytes < full.peak_bytes
+    # backward work stays with the module that owns it; recomputation is the checkpointed layers' forward, up to
+    # the last tensor backward needs (torch.utils.checkpoint stops early: e.g. LLaMA's down_proj is not rerun)
+    for path, stats in full.modules.items():
+        assert prof.modules[path].backward_flops == stats.backward_flops, path
+    layers = [p for p, m in prof.modules.items() if m.recompute_flops and m.type_name.endswith(("Block", "Layer"))]
+    assert layers and sum(prof.modules[p].recompute_flops for p in layers) == prof.recompute_flops
+    assert all(0 < prof.modules[p].recompute_flops <= full.modules[p].forward_flops for p in layers)
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])

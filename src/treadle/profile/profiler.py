@@ -93,9 +93,9 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
     state = _fake_state(model, fake_mode)
     args, kwargs = _fake_inputs(args, kwargs, fake_mode)
     pre: dict[int, tuple[torch.UntypedStorage, str]] = {}
+    param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for name, t in state.items():
-        pre[id(t.untyped_storage())] = (t.untyped_storage(), "param" if t.requires_grad or
-                                        name in dict(model.named_parameters()) else "buffer")
+        pre[id(t.untyped_storage())] = (t.untyped_storage(), "param" if name in param_names else "buffer")
     for t in _tensors((args, kwargs)):
         pre.setdefault(id(t.untyped_storage()), (t.untyped_storage(), "input"))
     named = list(model.named_modules())

@@ -39,7 +39,7 @@ from .roofline import op_time_s
 logger = logging.getLogger(__name__)
 
 _seq_nr = torch._C._autograd._get_sequence_nr  # next autograd sequence number on this thread
-_NO_SEQ = 2**63  # AccumulateGrad nodes carry UINT64_MAX
+_NO_SEQ = 2**63  # "no forward end yet"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -122,11 +122,11 @@ class StepRecorder:
         node = torch._C._current_autograd_node()
         if node is None:
             return "", "backward"
-        seq = node._sequence_nr()
-        if seq >= self.forward_end_seq:  # AccumulateGrad: the module that owns the parameter
-            var = getattr(node, "variable", None)
-            return (self.leaf_owner.get(id(var), "") if var is not None else ""), "backward"
-        return self.seq_paths[bisect.bisect_right(self.seq_starts, seq) - 1], "backward"
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: the module that owns the parameter
+            return self.leaf_owner.get(id(var), ""), "backward"
+        # nodes made during a recompute (seq past the forward's end) are in the same seq-ordered table
+        return self.seq_paths[bisect.bisect_right(self.seq_starts, node._sequence_nr()) - 1], "backward"
 
     def start_backward(self) -> None:
         self.forward_end_seq = _seq_nr()
@@ -196,9 +196,11 @@ class StepRecorder:
         out = func(*args, **kwargs)
         ins = _tensors((args, kwargs))
         outs = _tensors(out)
-        floating = next((t.dtype for t in ins + outs if t.is_floating_point()), None)
-        dtype = str(floating if floating is not None else (outs or ins or [torch.empty(())])[0].dtype)
-        rec = OpRecord(len(self.records), self.op_name(func), rule.kind, module, phase, dtype.removeprefix("torch."))
+        first = next((t for t in ins + outs if t.is_floating_point()), None)
+        if first is None:
+            first = next(iter(outs or ins), None)
+        dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
+        rec = OpRecord(len(self.records), self.op_name(func), rule.kind, module, phase, dtype)
         rec.live_before_bytes = live_before
         self.records.append(rec)
         if rule.kind in ("matmul", "attention", "conv"):
