@@ -125,11 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2x2 gloo mesh, tensor {shape} float32 ({math.prod(shape) * 4 / 2**20:.1f} MiB), {args.reps} reps, "
           f"{len(rows)} pairs, wall {wall_s:.0f} s (calibration {out['calibrate_s']:.1f} s)")
     for link in cal["cluster"]["links"]:
+        scales = ", ".join(f"{k} x{v:.2f}" for k, v in link["op_scale"].items())
         print(f"  calibrated {link['name']}: latency {link['latency_s'] * 1e6:.0f} us, launch "
-              f"{link['launch_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
-    for h in cal["held_out"]:
-        print(f"  held-out all-gather {h['axis']} {h['nbytes'] >> 10} KiB: measured {h['measured_s'] * 1e6:.0f} us, "
-              f"predicted {h['predicted_s'] * 1e6:.0f} us")
+              f"{link['launch_s'] * 1e6:.0f} us, {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; {scales}")
+    held = [abs(h["predicted_s"] - h["measured_s"]) / h["measured_s"] for h in cal["held_out"]]
+    held_ag = [abs(h["predicted_s"] - h["measured_s"]) / h["measured_s"] for h in cal["held_out"]
+               if h["op"] == "all_gather"]
+    print(f"  held-out sizes: all-gather max error {max(held_ag):.0%}, all collectives median error "
+          f"{statistics.median(held):.0%} ({len(held)} points)")
     print()
     print(f"{'metric':58s} {'value':>10s}")
     print(f"{'pairs with communication':58s} {len(comm):>10d}")
