@@ -68,3 +68,13 @@ def test_json_round_trip_and_errors():
         ClusterSpec.from_physical(0, 8)
     u = ClusterSpec.uniform(Mesh((2, 2), ("a", "b")), "loopback")
     assert u.links == (LINK_PRESETS["loopback"],) * 2 and "a=2 over loopback" in str(u)
+
+
+def test_device_may_be_a_hardware_spec():
+    from treadle.profile.hardware import hardware_preset
+
+    hw = hardware_preset("h100-sxm")
+    c = parse_cluster("2x8:h100")
+    assert c.hardware() == hw
+    with_spec = ClusterSpec(c.mesh, c.links, hw)
+    assert ClusterSpec.from_json(with_spec.to_json()) == with_spec and with_spec.hardware() is hw

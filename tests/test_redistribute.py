@@ -29,6 +29,9 @@ from treadle.mesh import Mesh
 from treadle.runtime.redistribute import redistribute
 
 SHAPE = (8, 4, 12)
+# pure bandwidth, a slow and a fast axis: the planner reorders shards with all-to-alls to spare the slow axis
+BANDWIDTH_ONLY = (LinkSpec(name="slow", latency_s=0.0, bandwidth_bytes_per_s=1e3),
+                  LinkSpec(name="fast", latency_s=0.0, bandwidth_bytes_per_s=1e5))
 MESHES = {4: ((2, 2), ("a", "b")), 2: ((2,), ("x",))}
 
 
@@ -135,14 +138,20 @@ def _rank_all_pairs(rank: int, world: int, mesh_shape, names, pairs):
     mesh = Mesh(mesh_shape, names).bind()
     coord = _coord(rank, mesh_shape)
     x_glob, w_glob = _globals()
+    # the default (loopback) prices pick flattened collectives; bandwidth-only prices pick all-to-all detours
+    clusters = {"default": None, "bandwidth": ClusterSpec(mesh, BANDWIDTH_ONLY[:len(mesh_shape)])}
     results = []
     for src, dst in pairs:
-        x = _summand(x_glob, src, mesh_shape, coord)[_ref_slices(src, mesh_shape, coord)].clone().requires_grad_()
-        y = redistribute(x, src, dst, mesh=mesh, global_shape=SHAPE)
-        # NOTE [grad layouts]: the gradient arriving at the output is complete for its layout
-        y.backward(w_glob[_ref_slices(dst, mesh_shape, coord)].clone())
+        runs = {}
+        for label, cluster in clusters.items():
+            x = _summand(x_glob, src, mesh_shape, coord)[_ref_slices(src, mesh_shape, coord)].clone()
+            x.requires_grad_()
+            y = redistribute(x, src, dst, mesh=mesh, global_shape=SHAPE, cluster=cluster)
+            # NOTE [grad layouts]: the gradient arriving at the output is complete for its layout
+            y.backward(w_glob[_ref_slices(dst, mesh_shape, coord)].clone())
+            runs[label] = (y.detach(), x.grad.detach())
         dtensor = _run_dtensor(mesh, x, src, dst) if src.has_default_order and dst.has_default_order else None
-        results.append((y.detach(), x.grad.detach(), dtensor))
+        results.append((runs, dtensor))
     return results
 
 
@@ -176,19 +185,20 @@ def test_every_pair_gives_expected_slices_and_gradients(conversions):
     x_glob, w_glob = _globals()
     for k, (src, dst) in enumerate(pairs):
         p_axes = _partial_axes(dst)
-        sums: dict[tuple, torch.Tensor] = {}
-        for rank in range(world):
-            y, x_grad, _ = per_rank[rank][k]
-            coord = _coord(rank, mesh_shape)
-            key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
-            sums[key] = sums[key] + y if key in sums else y.clone()
-            torch.testing.assert_close(x_grad, w_glob[_ref_slices(src, mesh_shape, coord)],
-                                       msg=lambda m: f"grad {src} -> {dst} rank {rank}: {m}")
-        for rank in range(world):
-            coord = _coord(rank, mesh_shape)
-            key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
-            torch.testing.assert_close(sums[key], x_glob[_ref_slices(dst, mesh_shape, coord)],
-                                       msg=lambda m: f"value {src} -> {dst} rank {rank}: {m}")
+        for label in ("default", "bandwidth"):
+            sums: dict[tuple, torch.Tensor] = {}
+            for rank in range(world):
+                y, x_grad = per_rank[rank][k][0][label]
+                coord = _coord(rank, mesh_shape)
+                key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
+                sums[key] = sums[key] + y if key in sums else y.clone()
+                torch.testing.assert_close(x_grad, w_glob[_ref_slices(src, mesh_shape, coord)],
+                                           msg=lambda m: f"grad {src} -> {dst} ({label}) rank {rank}: {m}")
+            for rank in range(world):
+                coord = _coord(rank, mesh_shape)
+                key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
+                torch.testing.assert_close(sums[key], x_glob[_ref_slices(dst, mesh_shape, coord)],
+                                           msg=lambda m: f"value {src} -> {dst} ({label}) rank {rank}: {m}")
 
 
 def _dtensor_time_s(calls, cluster: ClusterSpec, mesh: Mesh, itemsize: int = 8) -> float:
@@ -250,12 +260,13 @@ def test_planner_never_costlier_than_dtensor(conversions):
         clusters.append(ClusterSpec(mesh, HETERO))
     compared = 0
     for k, (src, dst) in enumerate(pairs):
-        dtensor = per_rank[0][k][2]
+        dtensor = per_rank[0][k][1]
         if dtensor is None or dtensor[0] is None:
             continue
         out, calls, transforms = dtensor
         if not _partial_axes(dst):  # DTensor's own result is one more independent check
-            torch.testing.assert_close(out, per_rank[0][k][0], msg=lambda m: f"DTensor {src} -> {dst}: {m}")
+            torch.testing.assert_close(out, per_rank[0][k][0]["default"][0],
+                                       msg=lambda m: f"DTensor {src} -> {dst}: {m}")
         compared += 1
         for cluster in clusters:
             plan = plan_conversion(src, dst, global_shape=SHAPE, itemsize=8, cluster=cluster)
@@ -276,7 +287,7 @@ def test_s0s0_to_rr_strictly_cheaper_than_dtensor():
     world, mesh_shape, names, pairs, per_rank = _conversions(4)
     mesh = Mesh(mesh_shape, names)
     src, dst = Layout.parse("S0 S0"), Layout.parse("R R")
-    out, calls, _ = per_rank[0][pairs.index((src, dst))][2]
+    out, calls, _ = per_rank[0][pairs.index((src, dst))][1]
     assert [c[0] for c in calls] == ["all_gather_into_tensor"] * 2  # DTensor: one gather per axis
     for cluster in (ClusterSpec.uniform(mesh, "loopback"), ClusterSpec.uniform(mesh, "nvlink4")):
         plan = plan_conversion(src, dst, global_shape=SHAPE, itemsize=8, cluster=cluster)
