@@ -327,3 +327,30 @@ def test_build_errors_name_path_and_fix():
     msg = testing.spawn(_build_error, 2, "bias", timeout_s=60)[0]
     assert ("'transformer.h.0.mlp.c_fc' weight is split on output dim 1 over axis 'tp' (column parallel) but its "
             "bias is not split the same way; add sch['transformer.h.0.mlp.c_fc'].shard('bias', dim=0, axis='tp')") in msg
+
+
+class Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def _bwd_post(rank, world, typed: bool):
+    from treadle import Partial
+
+    sch = treadle.create_schedule(Double(), mesh=TP2)
+    if typed:
+        sch.sync("bwd_post", to=Replicate(), from_=Partial(), axis="tp")
+    else:
+        sch.sync("bwd_post", op="all_reduce", axis="tp")
+    built = treadle.build(sch)
+    x = torch.ones(3, requires_grad=True)
+    y = built(x)
+    (y * (rank + 1)).sum().backward()  # each rank's gradient is its own share of a pending sum
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["op", "typed"])
+def test_bwd_post_sync_reduces_the_input_gradient(typed):
+    for y, g in testing.spawn(_bwd_post, 2, typed, timeout_s=60):
+        assert torch.equal(y, torch.full((3,), 2.0))  # forward untouched
+        assert torch.equal(g, torch.full((3,), 2.0 * (1 + 2)))  # 2 * rank weight, summed over both ranks
