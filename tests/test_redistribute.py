@@ -44,10 +44,10 @@ def _coord(rank: int, mesh_shape) -> list[int]:
     return out[::-1]
 
 
-def _ref_slices(layout: Layout, mesh_shape, coord) -> tuple[slice, ...]:
+def _ref_slices(layout: Layout, mesh_shape, coord, shape=SHAPE) -> tuple[slice, ...]:
     """Rows of the global tensor a rank holds: dim d is cut by its axes in shard order, outer first."""
     out = []
-    for d, size in enumerate(SHAPE):
+    for d, size in enumerate(shape):
         axes = [a for a, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == d]
         axes = list(layout.shard_order.get(d, axes))
         block, parts = 0, 1
@@ -313,3 +313,57 @@ def test_wrong_local_shape_and_uneven_layout_raise_before_any_collective():
         redistribute(torch.zeros(SHAPE), Layout.parse("R R"), Layout.parse("R R"), mesh=mesh, global_shape=SHAPE,
                      cluster=ClusterSpec.uniform(Mesh((4,), ("x",)), "loopback"))
 
+
+
+# ------------------------------------------------------------------------------ a 2x2x2 mesh (world 8)
+SHAPE_3D = (8, 16)
+LAUNCH_BOUND = LinkSpec(name="launch-bound", latency_s=10e-6, bandwidth_bytes_per_s=1e9, launch_s=1e-3)
+PAIRS_3D = [("S0 S0 S0", "R R R"), ("S0 S0 S0 @0:2>0>1", "R R R"), ("P P P", "S0 S0 S0"), ("P R P", "R R R"),
+            ("S1 R S1", "R R R"), ("S1 R S1 @1:2>0", "R S1 R"), ("P S0 P", "S1 S0 S1"), ("S0 S1 S0", "S1 S0 P"),
+            ("R R R", "S1 S1 S0"), ("P P R", "S0 R S0")]
+
+
+def _rank_3d(rank: int, world: int, pairs):
+    mesh_shape = (2, 2, 2)
+    mesh = Mesh(mesh_shape, ("x", "y", "z")).bind()
+    cluster = ClusterSpec.uniform(mesh, LAUNCH_BOUND)
+    coord = _coord(rank, mesh_shape)
+    g = torch.Generator().manual_seed(1)
+    x_glob, w_glob = torch.randn(SHAPE_3D, generator=g), torch.randn(SHAPE_3D, generator=g)
+    out = []
+    for src, dst in pairs:
+        part = _summand(x_glob, src, mesh_shape, coord)
+        x = part[_ref_slices(src, mesh_shape, coord, SHAPE_3D)].clone().requires_grad_()
+        y = redistribute(x, src, dst, mesh=mesh, global_shape=SHAPE_3D, cluster=cluster)
+        y.backward(w_glob[_ref_slices(dst, mesh_shape, coord, SHAPE_3D)].clone())
+        out.append((y.detach(), x.grad.detach()))
+    return out
+
+
+@pytest.mark.slow
+def test_three_axis_mesh_flattened_groups_on_world_8():
+    pairs = [(Layout.parse(a), Layout.parse(b)) for a, b in PAIRS_3D]
+    mesh_shape = (2, 2, 2)
+    cluster = ClusterSpec.uniform(Mesh(mesh_shape, ("x", "y", "z")), LAUNCH_BOUND)
+    flat_axes = {s.axes for src, dst in pairs for s in plan_conversion(
+        src, dst, global_shape=SHAPE_3D, itemsize=4, cluster=cluster).steps if len(s.axes) > 1}
+    # one collective over all three axes, over two non-adjacent axes, and in a non-ascending shard order
+    assert {("x", "y", "z"), ("x", "z"), ("z", "x")} <= flat_axes
+    per_rank = testing.spawn(_rank_3d, 8, pairs, timeout_s=180)
+    g = torch.Generator().manual_seed(1)
+    x_glob, w_glob = torch.randn(SHAPE_3D, generator=g), torch.randn(SHAPE_3D, generator=g)
+    for k, (src, dst) in enumerate(pairs):
+        p_axes = _partial_axes(dst)
+        sums: dict[tuple, torch.Tensor] = {}
+        for rank in range(8):
+            y, x_grad = per_rank[rank][k]
+            coord = _coord(rank, mesh_shape)
+            key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
+            sums[key] = sums[key] + y if key in sums else y.clone()
+            torch.testing.assert_close(x_grad, w_glob[_ref_slices(src, mesh_shape, coord, SHAPE_3D)],
+                                       msg=lambda m: f"grad {src} -> {dst} rank {rank}: {m}")
+        for rank in range(8):
+            coord = _coord(rank, mesh_shape)
+            key = tuple(c for a, c in enumerate(coord) if a not in p_axes)
+            torch.testing.assert_close(sums[key], x_glob[_ref_slices(dst, mesh_shape, coord, SHAPE_3D)],
+                                       msg=lambda m: f"value {src} -> {dst} rank {rank}: {m}")
