@@ -2,6 +2,7 @@
 errors, the model zoo and the CLI."""
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -158,6 +159,8 @@ def test_zoo_configs_and_loader():
         named_model("gpt5", batch=1, seq=8)
     with pytest.raises(ProfileError, match="seq=2048 exceeds its 128 positions"):
         named_model("tiny-gpt2", batch=1, seq=2048)
+    real, _ = named_model("tiny-llama", batch=1, seq=8)
+    assert len(pickle.loads(pickle.dumps(real))._forward_pre_hooks) == 1  # ranks receive zoo models by pickle
     m, inp = load_model("test_profile_units:user_model", batch=3, seq=5)
     assert isinstance(m, Net) and inp[0].shape == (3, D_IN)
     with pytest.raises(ProfileError, match="cannot load 'nosuchpkg.mod:fn'"):
