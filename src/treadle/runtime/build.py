@@ -23,6 +23,7 @@ from ..errors import BuildError, ScheduleError
 from ..schedule.core import ParamShard, Schedule, SyncSpec
 from ..schedule.log import Ref
 from . import collectives as C
+from .convert import _same as _same_placement
 from .convert import apply_op, convert, convert_multi, on_grad
 from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
@@ -256,7 +257,11 @@ class _Builder:
         if spec.mode == "bwd_post":
             return lambda x: on_grad(x, lambda g: convert_multi(g, src, dst, self.group, where=where))
 
+        changed = [ax for ax, d in dst.items() if not _same_placement(src.get(ax, Replicate()), d, None)]
+
         def typed(x: torch.Tensor) -> torch.Tensor:
+            if len(changed) > 1:  # several axes at once: the cost model's cheapest path (may use flat groups)
+                return self.redistribute(x, src, dst, where)
             for ax, d in dst.items():
                 s = src.get(ax, Replicate())
                 gg = "reduce_scatter" if ax in fused_gather else "split"
@@ -264,6 +269,22 @@ class _Builder:
             return x
 
         return typed
+
+    def redistribute(self, x: torch.Tensor, src: dict[str, Placement], dst: dict[str, Placement],
+                     where: str) -> torch.Tensor:
+        from ..cost.layout import Layout
+        from .redistribute import redistribute
+
+        def norm(p: Placement) -> Placement:
+            return Shard(p.dim % x.dim()) if isinstance(p, Shard) else p
+
+        src_full = [norm(src.get(ax, Replicate())) for ax in self.mesh.names]
+        dst_full = [norm(dst.get(ax, src.get(ax, Replicate()))) for ax in self.mesh.names]
+        global_shape = list(x.shape)
+        for ax, p in zip(self.mesh.names, src_full):
+            if isinstance(p, Shard):
+                global_shape[p.dim] *= self.sizes[ax]
+        return redistribute(x, Layout(src_full), Layout(dst_full), mesh=self.mesh, global_shape=global_shape)
 
     def install_syncs(self) -> None:
         paths = list(dict.fromkeys([s.path for s in self.st.syncs] + list(self.leaf)))
