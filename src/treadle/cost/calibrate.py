@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import statistics
 import time
 from dataclasses import dataclass, field

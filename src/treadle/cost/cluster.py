@@ -227,8 +227,3 @@ def enumerate_meshes(nodes: int, devices_per_node: int, *, intra: LinkSpec | str
     logger.debug("enumerate_meshes: %d x %d -> %d meshes", nodes, devices_per_node, len(out))
     return out
 
-
-def mesh_shapes(specs: Sequence[ClusterSpec]) -> list[tuple[int, ...]]:
-    """The mesh shapes of a list of cluster specs (handy for display)."""
-    return [s.mesh.shape for s in specs]
-

@@ -18,7 +18,8 @@ A new shard becomes the innermost of its dim (NOTE [shard order] in layout.py). 
 (a flattened process group) the planner considers all-reduce of any set of Partial axes, reduce-scatter of
 such a set into one dim (ascending axis order), and all-gather of the innermost k >= 2 axes of one dim: on
 a link with a per-call launch cost one collective over the flattened group beats one per axis, and the
-shortest path takes whichever is cheaper. Backward costs follow NOTE [grad layouts] in
+shortest path takes whichever is cheaper. Prices come from the cluster's links, so a calibrated cluster
+steers the path (on gloo, whose reduce-scatter is slow, all-reduce + split can win). Backward costs follow NOTE [grad layouts] in
 `treadle.runtime.collectives` (gradients arrive complete). `objective="total"` minimises forward plus
 backward; the default minimises forward time and reports the backward of that path.
 """

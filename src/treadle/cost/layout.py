@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -258,7 +258,3 @@ def enumerate_layouts(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
                 if any(order[d] != axes for d, axes in base.order):
                     yield Layout._from_codes(codes, tuple(sorted(order.items())))
 
-
-def layouts_of(items: Iterable[Layout | str]) -> list[Layout]:
-    """Layouts from Layout objects or short strings (see `Layout.parse`)."""
-    return [i if isinstance(i, Layout) else Layout.parse(i) for i in items]
