@@ -68,11 +68,42 @@ def test_block_reuse_on_a_user_model_and_forward_only():
     fast, full = profile(net, (x,)), profile(net, (x,), reuse_blocks=False)
     assert fast.reused_blocks == [{"container": "blocks", "first": "blocks.0", "last": "blocks.5", "count": 6,
                                    "template": "blocks.1"}]
+    assert {r.module.split(".")[1] for r in fast.ops if r.module.startswith("blocks.")} == set("012345")
     assert [(r.op, r.module, r.live_after_bytes) for r in fast.ops] == \
         [(r.op, r.module, r.live_after_bytes) for r in full.ops]
     fwd = profile(net, (x,), train=False)
     assert fwd.backward_flops == 0 and fwd.saved_bytes == 0 and fwd.grad_bytes == 0
     assert fwd.forward_flops == full.forward_flops and all(r.phase == "forward" for r in fwd.ops)
+
+
+class IndexedBlock(nn.Module):
+    def __init__(self, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx  # numbering attributes do not split a run of identical blocks
+        self.lin = nn.Linear(D_IN, D_IN)
+
+    def forward(self, x):
+        x = self.lin(x)
+        return x @ x.T @ x if self.layer_idx == 5 else x  # ... but this block behaves differently
+
+
+class IndexedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(IndexedBlock(i) for i in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_position_dependent_blocks_fall_back_to_the_full_profile(caplog):
+    net, x = IndexedNet(), torch.randn(B, D_IN)
+    fast, full = profile(net, (x,)), profile(net, (x,), reuse_blocks=False)
+    assert fast.reused_blocks == [] and "does not run the ops" in caplog.text
+    assert fast.total_flops == full.total_flops == 3 * (6 * 2 * B * D_IN * D_IN + 2 * 2 * B * B * D_IN) - \
+        2 * B * D_IN * D_IN  # fwd + 2x bwd, less the first block's input gradient
 
 
 def test_optimizer_state_bytes_fp32_and_mixed_precision():

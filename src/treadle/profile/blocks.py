@@ -3,18 +3,18 @@
 NOTE [block reuse]: transformer layers in an `nn.ModuleList` (or `nn.Sequential`) are usually identical: same
 class, same parameter and buffer shapes, dtypes and `requires_grad`, same plain attributes (numbering
 attributes such as `layer_idx` aside) and same hooks, recursively. For a run of n >= 4 such blocks b_0..b_{n-1},
-the profiler runs the model with only b_0, b_1, b_2 (the container is shortened in place and restored after).
-b_1 is the *template*: it has an identical block before it (what it receives and leaves saved in forward) and
-after it (what flows back into it in backward, e.g. gradients summed over blocks that share an input), so its
-ops, saved tensors and memory deltas are those of every middle block. b_2 plays the last block b_{n-1}.
-The full step is then rebuilt exactly:
+the profiler runs the model with only b_0, b_1 and b_{n-1} (the container is shortened in place and restored
+after). b_1 is the *template*: it has an identical block before it (what it receives and leaves saved in
+forward) and after it (what flows back into it in backward, e.g. gradients summed over blocks that share an
+input), so its ops, saved tensors and memory deltas are those of every middle block b_2..b_{n-2}. The full step
+is then rebuilt exactly:
 - forward: after b_1's ops come copies for b_2..b_{n-2}, each shifted by the template's net live-bytes change;
-  then b_2's ops, renamed b_{n-1};
-- backward (reverse order): b_2's ops as b_{n-1}, copies for b_{n-2}..b_2, then b_1's own ops;
+- backward (reverse order): b_{n-1}'s own ops, copies for b_{n-2}..b_2, then b_1's own ops;
 - every record after a spliced segment is shifted by the bytes the copies added.
 Totals (FLOPs, bytes, saved bytes, peak and where it is) equal those of profiling every block, op for op; the
-tests check this on five architectures. If the template's ops are not contiguous in the run (something
-interleaves with them), `expand` returns None and the profiler profiles every block instead.
+tests check this on five architectures. Safety checks, each falling back to profiling every block (`expand`
+returns None): b_{n-1}'s forward ops must match the template's op for op (a block whose behaviour depends on
+its position, e.g. through `layer_idx`, shows up here), and the template's ops must be contiguous in the run.
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ class BlockRun:
         return self.member(self.start + 1)
 
     @property
-    def last_kept(self) -> str:
-        """The third block kept in the shortened run; it stands for the last block."""
-        return self.member(self.start + 2)
-
-    @property
     def last(self) -> str:
         return self.member(self.stop - 1)
 
@@ -108,13 +103,13 @@ def find_block_runs(model: nn.Module, *, min_count: int = 4) -> list[BlockRun]:
 
 @contextlib.contextmanager
 def shortened(model: nn.Module, runs: list[BlockRun]) -> Iterator[None]:
-    """Keep the first three blocks of every run in their containers; restore the others on exit."""
+    """Keep the first two and the last block of every run in their containers; restore the others on exit."""
     saved: list[tuple[nn.Module, dict]] = []
     try:
         for run in runs:
             container = model.get_submodule(run.container_path) if run.container_path else model
             saved.append((container, dict(container._modules)))
-            for k in run.keys[run.start + 3:run.stop]:
+            for k in run.keys[run.start + 2:run.stop - 1]:
                 del container._modules[k]
         yield
     finally:
@@ -164,6 +159,11 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         if fwd is None:
             logger.warning("block reuse: template %s ran no ops; profiling every block", run.template)
             return None
+        last = [(r.op, r.flops, r.output_bytes) for r in records if r.phase == "forward" and _under(r.module, run.last)]
+        if last != [(r.op, r.flops, r.output_bytes) for r in records[fwd[0]:fwd[1] + 1]]:
+            logger.warning("block reuse: %s does not run the ops %s runs (position-dependent blocks?); "
+                           "profiling every block", run.last, run.template)
+            return None
         segments.append((*fwd, run, False))
         if bwd is not None:
             segments.append((*bwd, run, True))
@@ -176,18 +176,6 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
     out: list[OpRecord] = []
     offset = 0
     pos = 0
-    renames: dict[str, str] = {}
-
-    def passed(path: str) -> str:  # the last kept block of each run is the model's last block
-        got = renames.get(path)
-        if got is None:
-            got = path
-            for run in runs:
-                if _under(path, run.last_kept):
-                    got = _rename(path, run.last_kept, run.last)
-                    break
-            renames[path] = got
-        return got
 
     def emit(seg: list[OpRecord], *, old: str, new: str, shift: int) -> None:
         names: dict[str, str] = {}
@@ -195,12 +183,12 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         for i, r in enumerate(seg):
             m = names.get(r.module)
             if m is None:
-                m = names[r.module] = _rename(passed(r.module), old, new)
+                m = names[r.module] = _rename(r.module, old, new)
             out.append(r.copy_to(index=base + i, module=m, live_offset_bytes=shift))
 
     for lo, hi, run, backward in segments:
         for r in records[pos:lo]:
-            out.append(r.copy_to(index=len(out), module=passed(r.module), live_offset_bytes=offset))
+            out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
         seg = records[lo:hi + 1]
         delta = live_at(hi + 1) - live_at(lo)
         extras = run.extras
@@ -215,5 +203,5 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         offset += len(extras) * delta
         pos = hi + 1
     for r in records[pos:]:
-        out.append(r.copy_to(index=len(out), module=passed(r.module), live_offset_bytes=offset))
+        out.append(r.copy_to(index=len(out), module=r.module, live_offset_bytes=offset))
     return out
