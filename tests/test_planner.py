@@ -203,6 +203,13 @@ def test_megatron_plan_on_a_1d_mesh():
     row = {r.path: r for r in plan.rows}
     ar = all_reduce_time_s(b * s * h * 4, 8, link_preset("nvlink4"))
     assert math.isclose(row["blocks.0.fc"].comm_s / 3 + row["blocks.0.proj"].comm_s / 3, 2 * ar, rel_tol=1e-9)
+    # MFU from first principles: matmul FLOPs 2*T*in*out forward, twice that backward, except the input
+    # gradient of the first linear (the user input needs none)
+    T = b * s
+    fwd = 2 * T * (h * h + 3 * (h * 4 * h * 2) + h * h)
+    model_flops = 3 * fwd - 2 * T * h * h
+    peak = cl.hardware().peak_for(torch.float32)
+    assert math.isclose(plan.estimated.mfu, model_flops / 8 / plan.estimated.step_s / peak, rel_tol=1e-6)
 
 
 def test_ample_memory_and_fast_axis_gives_data_parallel():
@@ -236,9 +243,9 @@ def test_infeasible_budget_states_the_smallest_budget():
     model = Stack(256, 3)
     x = fake_inputs(8, 256, 256)
     cl = cluster((2,), ("tp",))
-    with pytest.raises(PlanError, match=r"smallest budget any plan meets is [0-9.]+ GiB \((\d+) B\)") as info:
+    with pytest.raises(PlanError, match=r"smallest budget any plan meets is [0-9.]+ [MG]iB \((\d+) B\)") as info:
         plan_model(model, (x,), cluster=cl, memory_budget_bytes=1e5)
-    smallest = float(info.value.args[0].split("GiB (")[-1].split(" B)")[0])
+    smallest = float(info.value.args[0].split("iB (")[-1].split(" B)")[0])
     ok = plan_model(model, (x,), cluster=cl, memory_budget_bytes=smallest * 1.001)
     assert ok.estimated.peak_bytes <= smallest * 1.001
 

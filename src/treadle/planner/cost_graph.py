@@ -367,7 +367,10 @@ class _Builder:
     def _flops(self, n: Node) -> tuple[int, int]:
         try:
             f = flops_mod.forward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out)
-            b = flops_mod.backward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out) if self.rg[n.index] else 0
+            # only inputs that need a gradient cost backward FLOPs (a user input or a mask needs none)
+            needs = [isinstance(a, tuple) and len(a) == 2 and a[0] == "node" and self.rg[a[1]] for a in n.args]
+            b = (flops_mod.backward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out, needs_input_grad=needs)
+                 if self.rg[n.index] else 0)
             return f, b
         except ProfileError:
             self.unknown_flops[n.op_name] = self.unknown_flops.get(n.op_name, 0) + 1
@@ -563,7 +566,7 @@ class _Builder:
             f, b = self.flop_cache[n.index]
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
-                       dict(self.unknown_flops), fixed, model_flops)
+                       unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg

@@ -11,25 +11,37 @@ from rich.table import Table
 GiB = 2**30
 
 
+def _mem_unit(values) -> tuple[str, float]:
+    """GiB when any value reaches 0.1 GiB, else MiB."""
+    return ("GiB", GiB) if max(values, default=0.0) >= GiB / 10 else ("MiB", 2**20)
+
+
+def _fmt(x: float, unit: tuple[str, float]) -> str:
+    return f"{x / unit[1]:.3f} {unit[0]}"
+
+
 def plan_table(plan, *, top: int | None = None) -> Table:
     """Rows of `plan` (most expensive first when `top` is given) as a rich Table."""
-    t = Table("module", "x", "layout", "compute ms", "comm ms", "recompute ms", "memory GiB",
+    unit = _mem_unit([r.memory_bytes for r in plan.rows])
+    t = Table("module", "x", "layout", "compute ms", "comm ms", "recompute ms", f"memory {unit[0]}",
               title=f"plan on {plan.cluster} ({plan.roles}, {plan.mode})")
     rows = list(plan.rows)
     if top is not None:
         rows = sorted(rows, key=lambda r: -(r.compute_s + r.comm_s + r.recompute_s))[:top]
     for r in rows:
         t.add_row(r.path, str(r.count), r.layout, f"{r.compute_s * 1e3:.3f}", f"{r.comm_s * 1e3:.3f}",
-                  f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / GiB:.3f}")
+                  f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / unit[1]:.3f}")
     return t
 
 
 def summary_lines(plan) -> list[str]:
     e = plan.estimated
     s = plan.solver
-    lines = [f"estimate: {e}",
-             f"memory: static {e.static_bytes / GiB:.3f} GiB + activations {e.activation_bytes / GiB:.3f} GiB "
-             f"+ recomputed block {e.transient_bytes / GiB:.3f} GiB",
+    unit = _mem_unit([e.peak_bytes])
+    lines = [f"estimate: step {e.step_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f}, comm {e.comm_s * 1e3:.3f}, "
+             f"recompute {e.recompute_s * 1e3:.3f}), peak {_fmt(e.peak_bytes, unit)}, MFU {e.mfu * 100:.1f}%",
+             f"memory: static {_fmt(e.static_bytes, unit)} + activations {_fmt(e.activation_bytes, unit)} "
+             f"+ recomputed block {_fmt(e.transient_bytes, unit)}",
              f"binding constraint: {plan.binding}",
              f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "
              f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s"]
@@ -38,8 +50,10 @@ def summary_lines(plan) -> list[str]:
         lines.append("checkpointed blocks: " + ", ".join(f"{c} like {p}" for p, c in ck.items()))
     alts = s.get("alternatives") or []
     if len(alts) > 1:
-        lines.append("role assignments: " + "; ".join(
-            f"{a['roles']}: {a['status']} {a['step_s'] * 1e3:.2f} ms {a['peak_bytes'] / GiB:.2f} GiB" for a in alts))
+        lines.append("alternatives: " + "; ".join(
+            f"{a.get('mesh', '')} {a['roles']}: {a['status']}" +
+            (f" {a['step_s'] * 1e3:.2f} ms {_fmt(a['peak_bytes'], unit)}" if a["status"] != "infeasible" else "")
+            for a in alts[:8]) + (f"; ... {len(alts) - 8} more" if len(alts) > 8 else ""))
     if plan.unknown_ops:
         lines.append("ops without a sharding rule (run replicated): " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(plan.unknown_ops.items())))
@@ -51,12 +65,13 @@ def summary_lines(plan) -> list[str]:
 
 def explain_text(plan, *, top: int | None = None) -> str:
     """The table and summary as plain text (fixed-width columns)."""
-    head = ("module", "x", "layout", "compute ms", "comm ms", "recompute ms", "memory GiB")
+    unit = _mem_unit([r.memory_bytes for r in plan.rows])
+    head = ("module", "x", "layout", "compute ms", "comm ms", "recompute ms", f"memory {unit[0]}")
     rows = list(plan.rows)
     if top is not None:
         rows = sorted(rows, key=lambda r: -(r.compute_s + r.comm_s + r.recompute_s))[:top]
     body = [(r.path, str(r.count), r.layout, f"{r.compute_s * 1e3:.3f}", f"{r.comm_s * 1e3:.3f}",
-             f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / GiB:.3f}") for r in rows]
+             f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / unit[1]:.3f}") for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*head)] + [fmt.format(*b) for b in body]

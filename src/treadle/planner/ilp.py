@@ -46,6 +46,12 @@ from .cost_graph import CostGraph
 
 logger = logging.getLogger(__name__)
 
+# NOTE [row scaling]: byte quantities enter the MILP in GiB. With raw bytes (1e9..1e11) next to 0/1
+# variables, HiGHS's absolute tolerances let McCormick rows go slack and it reported "optimal" for a
+# solution 2% worse than a feasible one (llama-2-7b, 16x4 H100, 40 GiB); in GiB the rows are well scaled.
+_BYTES = 2.0**-30
+_SECONDS = 1e3  # and seconds in ms: HiGHS drops matrix entries below 1e-9
+
 
 @dataclass(slots=True)
 class Solution:
@@ -127,7 +133,7 @@ def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
     for u, unit in enumerate(cg.units):
         for k, c in enumerate(unit.costs):
             s[u, k] = m.var(ub=1.0 if unit.allowed[k] else 0.0, integer=True,
-                            cost=unit.count * (c.compute_s + c.comm_s))
+                            cost=unit.count * (c.compute_s + c.comm_s) * _SECONDS)
     return s
 
 
@@ -157,13 +163,13 @@ def _block_exprs(cg: CostGraph, s, t: int):
         unit = cg.units[u]
         for k, c in enumerate(unit.costs):
             if c.act_bytes:
-                A[s[u, k]] = A.get(s[u, k], 0.0) + c.act_bytes
+                A[s[u, k]] = A.get(s[u, k], 0.0) + c.act_bytes * _BYTES
             if c.fwd_s:
-                F[s[u, k]] = F.get(s[u, k], 0.0) + c.fwd_s
+                F[s[u, k]] = F.get(s[u, k], 0.0) + c.fwd_s * _SECONDS
     In: dict[int, float] = {}
     if info.input_unit is not None:
         for k, b in enumerate(info.input_bytes):
-            In[s[info.input_unit, k]] = In.get(s[info.input_unit, k], 0.0) + b
+            In[s[info.input_unit, k]] = In.get(s[info.input_unit, k], 0.0) + b * _BYTES
     return A, F, In
 
 
@@ -177,9 +183,9 @@ def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dic
     for t, info in cg.templates.items():
         L = info.count
         A, F, In = _block_exprs(cg, s, t)
-        Amax = max(_upper(cg, info.units, "act_bytes"), 1.0)
-        Fmax = max(_upper(cg, info.units, "fwd_s"), 1e-12)
-        Imax = max(info.input_bytes, default=0.0) or 1.0
+        Amax = max(_upper(cg, info.units, "act_bytes") * _BYTES, 1e-9)
+        Fmax = max(_upper(cg, info.units, "fwd_s") * _SECONDS, 1e-9)
+        Imax = max(info.input_bytes, default=0.0) * _BYTES or 1e-9
         nb = max(1, math.ceil(math.log2(L + 1)))
         ys = [m.var(ub=1.0 if enabled else 0.0, integer=True) for _ in range(nb)]
         bits[t] = ys
@@ -217,7 +223,8 @@ def _mccormick(m: _Model, z: int, y: int, expr: dict[int, float], ub: float) -> 
 
 def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
                       static_only: bool = False) -> tuple[dict[int, float], float]:
-    """Peak bytes per device as (terms, constant), adding the transient variable T (transient)."""
+    """Peak memory per device as (terms, constant) in GiB (NOTE [row scaling]), adding the transient
+    variable T (transient)."""
     terms: dict[int, float] = {}
 
     def add(j: int, x: float) -> None:
@@ -227,11 +234,11 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
     if static_only:
         for u, unit in enumerate(cg.units):
             for k, c in enumerate(unit.costs):
-                add(v.s[u, k], unit.count * c.static_bytes)
-        return terms, cg.fixed_static_bytes
+                add(v.s[u, k], unit.count * c.static_bytes * _BYTES)
+        return terms, cg.fixed_static_bytes * _BYTES
     for u, unit in enumerate(cg.units):
         for k, c in enumerate(unit.costs):
-            add(v.s[u, k], unit.count * c.static_bytes + unit.count * c.act_bytes)
+            add(v.s[u, k], (unit.count * c.static_bytes + unit.count * c.act_bytes) * _BYTES)
     for t in cg.templates:
         for b, (za, zi) in enumerate(zip(v.zA[t], v.zI[t])):
             add(za, -float(2 ** b))
@@ -242,11 +249,12 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
         for t, zt in v.zT.items():
             m.row({T: 1.0, zt: -1.0}, 0.0, math.inf, "transient")
         add(T, 1.0)
-    return terms, cg.fixed_static_bytes
+    return terms, cg.fixed_static_bytes * _BYTES
 
 
 def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
-    m.row(terms, -math.inf, budget_bytes - const, "memory")
+    """Peak <= budget; `terms` and `const` are in the ILP's scaled unit (NOTE [row scaling])."""
+    m.row(terms, -math.inf, budget_bytes * _BYTES - const, "memory")
 
 
 def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True, time_limit_s: float = 20.0,
