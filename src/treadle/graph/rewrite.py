@@ -1,0 +1,316 @@
+"""Rewrites of a captured graph: replace a match, decompose a leaf, fuse or checkpoint a region.
+
+Every rewrite validates first and mutates after, so a rejected rewrite leaves the graph unchanged. Matched
+ops are erased only after their results have been re-pointed to the replacement; the graph is then put back
+in topological order and recompiled. Replacements must be module-level (classes or functions) so that a
+schedule that uses them can be saved and replayed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ScheduleError
+from .pattern import Match, ParamRef
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _toposort(graph: fx.Graph) -> None:
+    """Reorder nodes so every node follows its inputs, keeping the existing order where it is valid."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> None:
+        stack = [(n, False)]
+        while stack:
+            node, done = stack.pop()
+            if node in seen:
+                continue
+            if done:
+                seen.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for inp in reversed(node.all_input_nodes):
+                if inp not in seen:
+                    stack.append((inp, False))
+
+    for n in list(graph.nodes):
+        visit(n)
+    prev = order[0]
+    for n in order[1:]:
+        if prev.next is not n:
+            prev.append(n)
+        prev = n
+
+
+def _unique_name(gm: nn.Module, base: str) -> str:
+    i = 0
+    while hasattr(gm, f"{base}_{i}"):
+        i += 1
+    return f"{base}_{i}"
+
+
+def _value(gm: fx.GraphModule, v: Any, before: fx.Node) -> Any:
+    if isinstance(v, ParamRef):
+        with gm.graph.inserting_before(before):
+            return gm.graph.get_attr(v.path)
+    return v
+
+
+def _check_region(match: Match) -> None:
+    nodes = set(match.nodes)
+    outs = set(match.outputs)
+    for n in match.nodes:
+        if n not in outs and any(u not in nodes for u in n.users):
+            raise ScheduleError(f"match at {match.path!r}: node {n.name!r} is used outside the match; only the "
+                                f"match's outputs may be")
+        if n.graph is not match.outputs[0].graph:
+            raise ScheduleError(f"match at {match.path!r} belongs to a graph that was since rewritten; find again")
+
+
+def _install(gm: fx.GraphModule, match: Match, make_node: Callable[[fx.Node], fx.Node]) -> fx.Node:
+    """Insert the node `make_node` builds after the match's last op, re-point the outputs, erase the match."""
+    last = match.nodes[-1]
+    with gm.graph.inserting_after(last):
+        new = make_node(last)
+    outs = match.outputs
+    if len(outs) == 1:
+        outs[0].replace_all_uses_with(new)
+    else:
+        for i, o in enumerate(outs):
+            with gm.graph.inserting_after(new):
+                gi = gm.graph.call_function(operator.getitem, (new, i))
+            o.replace_all_uses_with(gi)
+            new = gi if i == len(outs) - 1 else new
+    for n in reversed(match.nodes):
+        if not n.users:
+            gm.graph.erase_node(n)
+    _toposort(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return new
+
+
+# ------------------------------------------------------------------------------------------ replace
+def check_binding(new: Callable, match: Match) -> inspect.Signature:
+    """Bind the replacement's parameters to the match's inputs by name. Raises ScheduleError (and changes
+    nothing) when a required parameter has no input of that name or an input would be dropped."""
+    fn = new.forward if isinstance(new, nn.Module) else new
+    what = type(new).__qualname__ if isinstance(new, nn.Module) else getattr(new, "__qualname__", repr(new))
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ScheduleError(f"replace at {match.path!r}: cannot read the signature of {what}: {exc}") from None
+    params = sig.parameters
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    required = {n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    missing = sorted(required - set(match.inputs))
+    unused = sorted(set(match.inputs) - named) if not var_kw else []
+    if missing or unused:
+        parts = []
+        if missing:
+            parts.append(f"parameters {missing} have no match input of that name")
+        if unused:
+            parts.append(f"match inputs {unused} would be dropped")
+        raise ScheduleError(f"replace at {match.path!r}: {what}{sig} cannot bind the match inputs "
+                            f"{list(match.inputs)}: {'; '.join(parts)}; rename the parameters to the pattern's "
+                            f"argument names")
+    return sig
+
+
+def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable) -> str | None:
+    """Put `new` (module or function) in place of `match`, calling it with the match inputs by name.
+    A module becomes a child of `gm`; returns its attribute name (None for a function)."""
+    _check_region(match)
+    check_binding(new, match)
+    name = None
+    if isinstance(new, nn.Module):
+        name = _unique_name(gm, "replaced")
+        gm.add_submodule(name, new)
+
+    def make(last: fx.Node) -> fx.Node:
+        kwargs = {k: _value(gm, v, last.next) for k, v in match.inputs.items()}
+        if name is not None:
+            return gm.graph.call_module(name, (), kwargs)
+        return gm.graph.call_function(new, (), kwargs)
+
+    _install(gm, match, make)
+    return name
+
+
+# ------------------------------------------------------------------------------------------ regions
+def extract_region(gm: fx.GraphModule, match: Match) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The matched ops as a GraphModule of their own over the external values they read (in first-use
+    order); parameters read through get_attr and leaf modules come along by reference."""
+    _check_region(match)
+    nodes = set(match.nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    ext: list[fx.Node] = []
+    for n in match.nodes:
+        for inp in n.all_input_nodes:
+            if inp in nodes or inp in env:
+                continue
+            if inp.op == "get_attr":
+                env[inp] = g.get_attr(inp.target)
+            else:
+                ext.append(inp)
+                env[inp] = g.placeholder(f"in_{len(ext) - 1}_{inp.name}")
+    for n in match.nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    outs = [env[o] for o in match.outputs]
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    region = fx.GraphModule(gm, g, "Region")
+    return region, ext
+
+
+class FusedRegion(nn.Module):
+    """A matched region compiled with `torch.compile(backend=compiler)` on first call (fullgraph)."""
+
+    def __init__(self, region: fx.GraphModule, compiler: str):
+        super().__init__()
+        self.region = region
+        self.compiler = compiler
+        self._compiled: Any = None
+
+    def forward(self, *args):
+        if self._compiled is None:
+            object.__setattr__(self, "_compiled", torch.compile(self.region, backend=self.compiler, fullgraph=True))
+        return self._compiled(*args)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_compiled"] = None
+        return state
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        out = FusedRegion(copy.deepcopy(self.region, memo), self.compiler)
+        out.train(self.training)
+        return out
+
+
+class CheckpointRegion(nn.Module):
+    """A matched region recomputed in backward (non-reentrant `torch.utils.checkpoint`)."""
+
+    def __init__(self, region: fx.GraphModule):
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.region, *args, use_reentrant=False)
+
+
+def available_compilers() -> list[str]:
+    import torch._dynamo
+
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
+
+
+def check_compiler(compiler: str, where: str) -> None:
+    """Raise ScheduleError when `compiler` is not a usable torch.compile backend here."""
+    names = available_compilers()
+    if compiler not in names:
+        raise ScheduleError(f"fuse at {where}: compiler {compiler!r} is not a torch.compile backend here; "
+                            f"available: {names}")
+    if compiler == "inductor" and not torch.cuda.is_available() and not (shutil.which("g++") or shutil.which("c++")
+                                                                          or shutil.which("clang++")):
+        raise ScheduleError(f"fuse at {where}: compiler 'inductor' needs a C++ compiler on CPU and none was found "
+                            f"(g++, c++, clang++); install one or use compiler='aot_eager'")
+
+
+def wrap_region(gm: fx.GraphModule, match: Match, make_module: Callable[[fx.GraphModule], nn.Module], base: str
+                ) -> str:
+    """Replace `match` by a module built from its extracted region; returns the module's attribute name."""
+    region, ext = extract_region(gm, match)
+    mod = make_module(region)
+    name = _unique_name(gm, base)
+    gm.add_submodule(name, mod)
+    _install(gm, match, lambda last: gm.graph.call_module(name, tuple(ext)))
+    return name
+
+
+# ------------------------------------------------------------------------------------------ decompose
+# module type -> (fn(graph, x_node, path) -> output node, weight dim that indexes outputs, input dim)
+_DECOMPOSITIONS: dict[type, tuple[Callable[[fx.Graph, fx.Node, str], fx.Node], int, int]] = {}
+
+
+def register_decomposition(module_type: type, *, out_dim: int, in_dim: int):
+    """Register how a leaf of `module_type` decomposes into matmul + bias add. `out_dim`/`in_dim` name the
+    weight dims that index its output / input features (for sharded weights at build)."""
+
+    def deco(fn):
+        if module_type in _DECOMPOSITIONS:
+            raise ScheduleError(f"a decomposition for {module_type.__qualname__} is already registered")
+        _DECOMPOSITIONS[module_type] = (fn, out_dim, in_dim)
+        return fn
+
+    return deco
+
+
+def leaf_input(x: torch.Tensor, path: str) -> torch.Tensor:
+    """Marks the input of a decomposed leaf `path` (identity; build inserts the input-gradient reduction a
+    column-sharded weight needs here)."""
+    return x
+
+
+@register_decomposition(nn.Linear, out_dim=0, in_dim=1)
+def _linear(graph: fx.Graph, x: fx.Node, path: str) -> fx.Node:
+    w = graph.get_attr(f"{path}.weight")
+    y = graph.call_function(F.linear, (x, w))
+    return y
+
+
+def decomposable(mod: nn.Module) -> bool:
+    return type(mod) in _DECOMPOSITIONS
+
+
+def decomposition_dims(mod: nn.Module) -> tuple[int, int]:
+    _, out_dim, in_dim = _DECOMPOSITIONS[type(mod)]
+    return out_dim, in_dim
+
+
+def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None:
+    """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op."""
+    mod = gm.get_submodule(node.target)
+    fn, _, _ = _DECOMPOSITIONS[type(mod)]
+    if len(node.args) != 1 or node.kwargs:
+        raise ScheduleError(f"decompose at {full_path!r}: the leaf is called with {len(node.args)} positional and "
+                            f"{sorted(node.kwargs)} keyword arguments; only single-input calls decompose")
+    g = gm.graph
+    with g.inserting_before(node):
+        x = g.call_function(leaf_input, (node.args[0],), {"path": full_path})
+        y = fn(g, x, node.target)
+        if getattr(mod, "bias", None) is not None:
+            b = g.get_attr(f"{node.target}.bias")
+            y = g.call_function(operator.add, (y, b))
+    # the leaf's output pytree was read through _tensor_leaves (export) or used directly (fx)
+    from .capture import _tensor_leaves
+
+    for u in list(node.users):
+        if u.op == "call_function" and u.target is _tensor_leaves:
+            for uu in list(u.users):
+                uu.replace_all_uses_with(y)
+                g.erase_node(uu)
+            g.erase_node(u)
+    node.replace_all_uses_with(y)
+    g.erase_node(node)
+    g.lint()
+    gm.recompile()

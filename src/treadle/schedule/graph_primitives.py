@@ -1,0 +1,357 @@
+"""Graph-level primitives of `Schedule`: trace, find by pattern, replace a match, decompose, fuse, checkpoint a
+match or by op policy, and pipeline cuts.
+
+They work on a sub-module captured with `trace` ("trace only what you need"): the rest of the model stays
+eager. Each records itself in the schedule's log with JSON arguments (a match by its graph node names, a
+replacement by import path or pickled module), so `replay` re-captures and re-applies it identically.
+
+Names: core's ``find(regex)``, ``replace(new)`` and ``checkpoint()`` are defined on `Schedule` itself, so the
+graph forms have their own names here — ``find_pattern(fn)``, ``replace_match(new, match)``,
+``checkpoint_match(match)``, ``checkpoint_selective(save=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..errors import ScheduleError
+from .log import Ref
+
+if TYPE_CHECKING:
+    from ..graph.pattern import Match
+    from .core import Schedule
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+# ------------------------------------------------------------------------------------------ example inputs
+def spec_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """JSON form of example inputs: tensors as {"shape", "dtype"}, JSON values as they are."""
+    out = {}
+    for k, v in inputs.items():
+        if torch.is_tensor(v):
+            out[k] = {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        else:
+            raise ScheduleError(f"example input {k!r} is a {type(v).__name__}; use tensors and JSON values")
+    return out
+
+
+def make_inputs(spec: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:
+    """Example tensors from `spec_inputs`: integer tensors zeros (valid ids), bool ones, floats seeded normal."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in spec.items():
+        if isinstance(v, dict) and "shape" in v:
+            dtype = getattr(torch, v["dtype"])
+            shape = tuple(v["shape"])
+            if dtype.is_floating_point:
+                out[k] = torch.randn(shape, generator=g, dtype=dtype)
+            elif dtype == torch.bool:
+                out[k] = torch.ones(shape, dtype=dtype)
+            else:
+                out[k] = torch.zeros(shape, dtype=dtype)
+        else:
+            out[k] = v
+    return out
+
+
+class GraphPrimitives:
+    """Mixin of `Schedule` with the graph-level primitives (see the module docstring)."""
+
+    # ------------------------------------------------------------------ capture
+    def trace(self: "Schedule", *, flatten: bool = False, leaves: Sequence[type | str] = (),
+              example_inputs: dict[str, Any] | None = None,
+              method: Literal["auto", "fx", "export"] = "auto") -> "Schedule":
+        """Capture this module as a graph. Its direct children stay leaf calls (and sub-schedules) unless
+        ``flatten=True``, which inlines everything except `leaves` (module types or relative paths).
+
+        `method`: ``"fx"`` (torch.fx symbolic trace, for simple modules), ``"export"`` (torch.export
+        non-strict, for model code such as transformers; needs `example_inputs`: keyword inputs of the
+        *whole model*, used to record the arguments this module really receives), ``"auto"`` (export when
+        example inputs are given, else fx). Batch and sequence dims stay symbolic.
+        Raises ScheduleError naming the module and the capture error; nothing falls back silently.
+        """
+        from ..graph.capture import capture_export, capture_fx, record_call, resolve_leaves
+        from .core import _swap_module
+
+        self._check_not_built("trace")
+        if not self.path:
+            raise ScheduleError("trace: the root module cannot be replaced by its graph; trace a sub-module "
+                                "(pipelines capture the root themselves at build)")
+        if isinstance(self.mod, fx.GraphModule):
+            raise ScheduleError(f"trace at {self._where()}: already traced")
+        if method not in ("auto", "fx", "export"):
+            raise ScheduleError(f"trace at {self._where()}: unknown method {method!r}; use 'auto', 'fx' or 'export'")
+        leaf_paths = resolve_leaves(self.mod, flatten=flatten, leaves=leaves)
+        spec = spec_inputs(example_inputs) if example_inputs is not None else None
+        if method == "auto":
+            method = "export" if spec is not None else "fx"
+        if method == "fx":
+            gm = capture_fx(self.mod, leaf_paths, where=self._where())
+        else:
+            if spec is None:
+                raise ScheduleError(f"trace at {self._where()}: method='export' needs example_inputs= (keyword "
+                                    f"inputs of the whole model)")
+            args, kwargs = record_call(self.model, self.path, make_inputs(spec))
+            gm = capture_export(self.mod, leaf_paths, args, kwargs, where=self._where())
+        self._state.snapshot()
+        _swap_module(self._state.model, self.path, self.mod, gm)
+        self.mod = gm
+        rec: dict[str, Any] = {"flatten": flatten, "method": method}
+        if leaves:
+            rec["leaves"] = list(leaves)
+        if spec is not None:
+            rec["example_inputs"] = spec
+        self._record("trace", **rec)
+        logger.info("trace %s: %d graph nodes, leaves %s", self._where(), len(gm.graph.nodes), leaf_paths)
+        return self
+
+    @property
+    def graph(self: "Schedule") -> fx.Graph:
+        """The captured graph of this module (after `trace`)."""
+        return self._traced("graph").graph
+
+    def _traced(self: "Schedule", op: str) -> fx.GraphModule:
+        if not isinstance(self.mod, fx.GraphModule):
+            raise ScheduleError(f"{op} at {self._where()}: {type(self.mod).__name__} is not traced; call "
+                                f"{self._where()}.trace(...) first")
+        return self.mod
+
+    # ------------------------------------------------------------------ patterns
+    def find_pattern(self: "Schedule", pattern: Callable) -> list["Match"]:
+        """Matches of a subgraph pattern (a function such as ``lambda x, bias: F.gelu(x + bias)``) in this
+        module's graph, non-overlapping, in graph order; empty if there is none. Needs `trace` first.
+        Raises ScheduleError when the pattern cannot be captured."""
+        from ..graph.pattern import find_matches
+
+        gm = self._traced("find")
+        return find_matches(pattern, gm, path=self.path)
+
+    def _match(self: "Schedule", match: "Match | dict", op: str) -> tuple[fx.GraphModule, "Match", str]:
+        from ..graph.pattern import Match, match_from_spec
+
+        if match is None or (isinstance(match, list) and not match):
+            raise ScheduleError(f"{op} at {self._where()}: no match given (the pattern matched nothing)")
+        if isinstance(match, list):
+            raise ScheduleError(f"{op} at {self._where()}: give one match, not a list of {len(match)}")
+        path = match.path if isinstance(match, Match) else self.path
+        try:
+            gm = self._state.model.get_submodule(path) if path else self._state.model
+        except AttributeError:
+            raise ScheduleError(f"{op}: the match's module {path!r} no longer exists") from None
+        if not isinstance(gm, fx.GraphModule):
+            raise ScheduleError(f"{op} at {path!r}: the module is not traced")
+        if isinstance(match, dict):
+            match = match_from_spec(path, gm, match)
+        return gm, match, path
+
+    def replace_match(self: "Schedule", new: nn.Module | Callable | Ref, match: "Match | dict") -> "Schedule":
+        """Put `new` (a module or a module-level function) in place of the matched subgraph, called with the
+        match's inputs *by name*. Hooks of the surrounding modules are kept. A replacement whose signature
+        cannot bind (a parameter without a match input of its name, or an input it would drop) is rejected
+        with ScheduleError and the schedule is unchanged; so is an empty match."""
+        from ..graph.rewrite import replace_match
+
+        self._check_not_built("replace_match")
+        new = new.load() if isinstance(new, Ref) else new
+        gm, m, path = self._match(match, "replace_match")
+        arg = new if isinstance(new, nn.Module) else Ref.of(new)
+        spec = m.spec()
+        self._state.snapshot()
+        replace_match(gm, m, new)
+        self._state.records.append(_record("replace_match", path, new=arg, match=spec))
+        logger.info("replace_match at %r: %s -> %s", path, spec["pattern"], getattr(arg, "target", type(new).__name__))
+        return self
+
+    # ------------------------------------------------------------------ decompose / fuse / checkpoint
+    def decompose(self: "Schedule") -> "Schedule":
+        """Split Linear-like leaves into ``matmul`` and a separate ``+ bias`` so the bias can fuse with what
+        follows. On a traced module: every decomposable leaf call in its graph; on a leaf: its calls in the
+        nearest traced ancestor. A column-sharded weight keeps working (build inserts the input-gradient
+        reduction); a row-sharded one is a BuildError. Raises ScheduleError if nothing can decompose."""
+        from ..graph.rewrite import decomposable, decompose_node
+
+        self._check_not_built("decompose")
+        _ensure_build_steps()
+        if isinstance(self.mod, fx.GraphModule):
+            gm, prefix = self.mod, self.path
+            nodes = [n for n in gm.graph.nodes if n.op == "call_module" and decomposable(gm.get_submodule(n.target))]
+        else:
+            if not decomposable(self.mod):
+                raise ScheduleError(f"decompose at {self._where()}: {type(self.mod).__name__} has no decomposition "
+                                    f"(registered: Linear, and model-specific ones in treadle.models)")
+            gm, prefix = _traced_ancestor(self)
+            rel = self.path[len(prefix) + 1:] if prefix else self.path
+            nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
+        if not nodes:
+            raise ScheduleError(f"decompose at {self._where()}: no call of a decomposable leaf in the traced graph")
+        self._state.snapshot()
+        done = []
+        for n in nodes:
+            full = f"{prefix}.{n.target}" if prefix else n.target
+            decompose_node(gm, n, full_path=full)
+            done.append(full)
+        self._state.extras.setdefault("decomposed", []).extend(done)
+        self._record("decompose")
+        return self
+
+    def fuse(self: "Schedule", match: "Match | dict", *, compiler: str = "inductor") -> "Schedule":
+        """Compile the matched region with ``torch.compile(backend=compiler, fullgraph=True)`` (on first call);
+        numerics are unchanged up to the backend's rounding. Raises ScheduleError for an unavailable compiler
+        (listing the available ones) or an empty match."""
+        from ..graph.rewrite import FusedRegion, check_compiler, wrap_region
+
+        self._check_not_built("fuse")
+        check_compiler(compiler, self._where())
+        gm, m, path = self._match(match, "fuse")
+        spec = m.spec()
+        self._state.snapshot()
+        name = wrap_region(gm, m, lambda region: FusedRegion(region, compiler), "fused")
+        self._state.records.append(_record("fuse", path, match=spec, compiler=compiler))
+        logger.info("fuse at %r: %d ops -> %s (%s)", path, len(spec["nodes"]), name, compiler)
+        return self
+
+    def checkpoint_match(self: "Schedule", match: "Match | dict") -> "Schedule":
+        """Recompute the matched part of the graph in backward instead of saving its activations."""
+        from ..graph.rewrite import CheckpointRegion, wrap_region
+
+        self._check_not_built("checkpoint_match")
+        gm, m, path = self._match(match, "checkpoint_match")
+        spec = m.spec()
+        self._state.snapshot()
+        wrap_region(gm, m, CheckpointRegion, "checkpointed")
+        self._state.records.append(_record("checkpoint_match", path, match=spec))
+        return self
+
+    def checkpoint_selective(self: "Schedule", *, save: Sequence[str]) -> "Schedule":
+        """Checkpoint this module selectively: outputs of the ops named in `save` (aten op names such as
+        ``"aten.mm"``, ``"aten.addmm"``, ``"aten._scaled_dot_product_flash_attention"``) are saved, every
+        other op is recomputed in backward (`torch.utils.checkpoint.create_selective_checkpoint_contexts`).
+        Raises ScheduleError for an unknown op or a module already checkpointed."""
+        self._check_not_built("checkpoint_selective")
+        _ensure_build_steps()
+        resolve_ops(save, self._where())
+        if self.path in self._state.checkpoints or any(p == self.path for p, _ in self._state.extras.get("selective", [])):
+            raise ScheduleError(f"checkpoint_selective at {self._where()}: already checkpointed")
+        self._state.extras.setdefault("selective", []).append((self.path, list(save)))
+        self._record("checkpoint_selective", save=list(save))
+        return self
+
+    # ------------------------------------------------------------------ pipeline
+    def cut_pipeline_stage(self: "Schedule") -> "Schedule":
+        """End a pipeline stage after this module. It must be an element of a sequential container
+        (nn.ModuleList / nn.Sequential) such as the model's stack of blocks, and not its last element.
+        Raises ScheduleError otherwise, naming the containers where a cut would work."""
+        self._check_not_built("cut_pipeline_stage")
+        _ensure_build_steps()
+        parent_path, _, name = self.path.rpartition(".")
+        parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        if not self.path or not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            seqs = [p for p, m in self.model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+            raise ScheduleError(f"cut_pipeline_stage at {self._where()}: {type(self.mod).__name__} is not an element "
+                                f"of a sequential container, so the model does not run in stages there; cut after "
+                                f"an element of one of {seqs} (e.g. sch[{(seqs[0] + '.0') if seqs else '...'!r}])")
+        cuts = self._state.extras.setdefault("pipeline_cuts", [])
+        if self.path in cuts:
+            raise ScheduleError(f"cut_pipeline_stage at {self._where()}: already cut here")
+        if cuts and cuts[0].rpartition(".")[0] != parent_path:
+            raise ScheduleError(f"cut_pipeline_stage at {self._where()}: earlier cuts are in {cuts[0].rpartition('.')[0]!r}; "
+                                f"cut one sequential container")
+        cuts.append(self.path)
+        self._record("cut_pipeline_stage")
+        return self
+
+    def pipeline(self: "Schedule", *, axis: str = "pp", schedule: str = "1f1b", n_microbatches: int,
+                 example_inputs: dict[str, Any], target: str | None = "labels", scale_grads: bool = True
+                 ) -> "Schedule":
+        """Run the model as a pipeline over mesh axis `axis`, cut where `cut_pipeline_stage` was applied.
+        `build` then returns a `treadle.runtime.pipeline.PipelineModel` (``.step(**inputs)`` trains one batch).
+
+        `schedule`: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (when each rank holds several stages,
+        i.e. stages = k x axis size; chosen automatically for k > 1). `example_inputs`: keyword inputs of
+        the model for one *whole batch* (their shapes fix the micro-batch shape, batch / `n_microbatches`).
+        `target`: the input that only the loss reads (sent to the last stage, not through the pipe).
+        `scale_grads`: divide gradients by `n_microbatches` (torch.distributed.pipelining's default), so
+        they equal the gradient of the mean of the micro-batch losses.
+        Raises ScheduleError for a missing axis, no cuts, an unknown schedule or a batch that does not split."""
+        self._check_not_built("pipeline")
+        _ensure_build_steps()
+        if self.path:
+            raise ScheduleError(f"pipeline applies to the whole model: call it on the root schedule, not {self._where()}")
+        self._check_axis(axis, "pipeline")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ScheduleError(f"pipeline: unknown schedule {schedule!r}; use one of {list(PIPELINE_SCHEDULES)}")
+        cuts = self._state.extras.get("pipeline_cuts", [])
+        if not cuts:
+            raise ScheduleError("pipeline: no stage boundaries; mark them with sch[path].cut_pipeline_stage()")
+        n_stages = len(cuts) + 1
+        pp = self.mesh.size(axis)
+        if n_stages % pp:
+            raise ScheduleError(f"pipeline: {n_stages} stages do not spread evenly over mesh axis {axis!r} of size "
+                                f"{pp}; use a multiple of {pp} stages")
+        spec = spec_inputs(example_inputs)
+        batches = {k: v.shape[0] for k, v in example_inputs.items() if torch.is_tensor(v)}
+        for k, b in batches.items():
+            if b % n_microbatches:
+                raise ScheduleError(f"pipeline: input {k!r} has batch {b}, not divisible by n_microbatches="
+                                    f"{n_microbatches}")
+        if target is not None and target not in example_inputs:
+            raise ScheduleError(f"pipeline: target {target!r} is not among the example inputs {sorted(example_inputs)}")
+        if n_stages // pp > 1 and schedule != "interleaved_1f1b":
+            logger.info("pipeline: %d stages on %d ranks: using interleaved_1f1b", n_stages, pp)
+            schedule = "interleaved_1f1b"
+        self._state.extras["pipeline"] = dict(axis=axis, schedule=schedule, n_microbatches=n_microbatches,
+                                              example_inputs=spec, target=target, scale_grads=scale_grads)
+        self._record("pipeline", axis=axis, schedule=schedule, n_microbatches=n_microbatches, example_inputs=spec,
+                     target=target, scale_grads=scale_grads)
+        return self
+
+
+def _record(op: str, path: str, **args: Any):
+    from .log import Record
+
+    rec = Record(op, path, args)
+    logger.info("%s", rec.to_python())
+    return rec
+
+
+def _traced_ancestor(sch: "Schedule") -> tuple[fx.GraphModule, str]:
+    parts = sch.path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        prefix = ".".join(parts[:i])
+        mod = sch.model.get_submodule(prefix) if prefix else sch.model
+        if isinstance(mod, fx.GraphModule):
+            return mod, prefix
+    raise ScheduleError(f"{sch._where()}: no traced ancestor; trace its parent first "
+                        f"(e.g. sch[{sch.path.rpartition('.')[0]!r}].trace(...))")
+
+
+def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
+    """aten op packets from names like ``"aten.mm"``. Raises ScheduleError naming unknown ones."""
+    out, bad = [], []
+    for name in names:
+        ns, _, op = name.partition(".")
+        packet = getattr(getattr(torch.ops, ns, None), op, None) if op else None
+        if packet is None:
+            bad.append(name)
+        else:
+            out.append(packet)
+    if bad:
+        raise ScheduleError(f"checkpoint_selective at {where}: unknown ops {bad}; name aten ops as 'aten.<op>', "
+                            f"e.g. 'aten.mm', 'aten.addmm'")
+    return out
+
+
+def _ensure_build_steps() -> None:
+    """Register the graph layer's build steps (imported lazily: the runtime imports this module's class)."""
+    from ..graph import build_steps  # noqa: F401

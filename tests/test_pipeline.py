@@ -1,0 +1,154 @@
+"""Pipeline parallelism on gloo: GPT-2 (4 layers) in 2 and 4 stages, GPipe / 1F1B / interleaved, and pp x tp.
+
+Reference semantics (NOTE [pipeline loss] in treadle.runtime.pipeline): the single-process model's loss on the
+whole batch is the mean over its tokens; every micro-batch holds the same number of tokens, so it equals the
+mean of the micro-batch losses. torch.distributed.pipelining sums the micro-batch gradients and, with
+``scale_grads=True`` (its default), divides them by the micro-batch count: those are the gradients of the
+mean loss, compared with the reference as they are. With ``scale_grads=False`` they are ``n_microbatches``
+times the reference, which one case checks explicitly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treadle
+from treadle import Mesh, ScheduleError, create_schedule
+from treadle.models import megatron
+from treadle.runtime.params import local_slice
+from treadle.testing import spawn
+from tiny_models import lm_inputs, tiny_gpt2
+
+BATCH, SEQ, STEPS, LR = 8, 16, 3, 0.1  # SGD: steps do not amplify rounding like Adam
+
+
+def _inputs():
+    inp = lm_inputs(BATCH, SEQ, seed=3)
+    return {**inp, "use_cache": False}
+
+
+def _reference() -> dict:
+    model = tiny_gpt2(4)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {"losses": [], "grads": []}
+    for _ in range(STEPS):
+        loss = model(**_inputs()).loss
+        loss.backward()
+        out["losses"].append(float(loss.detach()))
+        # every name of a parameter (lm_head.weight is transformer.wte.weight)
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        out["names"] = [n for n, _ in model.named_parameters()]
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _pp_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    results = []
+    for case in cases:
+        model = tiny_gpt2(4)
+        mesh = Mesh(tuple(case["mesh"]), tuple(case["names"]))
+        sch = create_schedule(model, mesh=mesh)
+        if "tp" in case["names"]:
+            megatron(sch, tp="tp", vocab_parallel_head=False)
+        for c in case["cuts"]:
+            sch[f"transformer.h.{c}"].cut_pipeline_stage()
+        sch.pipeline(axis="pp", schedule=case["schedule"], n_microbatches=case["mb"], example_inputs=_inputs(),
+                     scale_grads=case.get("scale_grads", True))
+        pipe = treadle.build(sch)
+        # unscaled gradients are n_microbatches x the reference: a learning rate divided by that count takes the
+        # same SGD steps, so every later step stays comparable
+        unscaled = not case.get("scale_grads", True)
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR / case["mb"] if unscaled else LR)
+        res = {"losses": [], "grads": [], "coords": mesh.coordinate(rank), "stages": pipe.local_stage_indices,
+               "shards": {}}
+        params = pipe.param_dict()
+        for name, p in params.items():
+            if id(p) in sch._state.param_shards:
+                res["shards"][name] = sch._state.param_shards[id(p)]
+        for _ in range(STEPS):
+            res["losses"].append(pipe.step(**_inputs()))
+            res["grads"].append({n: p.grad.clone() for n, p in params.items() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        res["tied"] = list(pipe.tied)
+        results.append(res)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Max error relative to the tensor's scale (micro-batches sum in a different order than the full batch)."""
+    assert got.shape == want.shape, what
+    err = float((got - want).abs().max())
+    scale = float(want.abs().max())
+    assert err <= 1e-6 + 2e-4 * scale, f"{what}: max abs err {err:.3e} vs scale {scale:.3e}"
+
+
+def _check(case: dict, per_rank: list[dict], ref: dict, mesh: Mesh) -> None:
+    factor = 1.0 if case.get("scale_grads", True) else float(case["mb"])
+    sizes = dict(zip(mesh.names, mesh.shape))
+    seen: set[str] = set()
+    for r, res in enumerate(per_rank):
+        for step in range(STEPS):
+            assert res["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-5, abs=1e-6), (case, r, step)
+            for name, g in res["grads"][step].items():
+                want = ref["grads"][step][name] * factor
+                if name in res["shards"]:
+                    want = local_slice(want, res["shards"][name], res["coords"], sizes)
+                _close(g, want, f"{case['schedule']} {name} step {step} rank {r}")
+                seen.add(name)
+    assert set(ref["names"]) <= seen, f"parameters without a gradient: {set(ref['names']) - seen}"
+
+
+@pytest.mark.slow
+def test_pipeline_world2_gpipe_1f1b_interleaved(reference):
+    cases = [dict(mesh=[2], names=["pp"], cuts=[1], schedule="gpipe", mb=4),
+             dict(mesh=[2], names=["pp"], cuts=[1], schedule="1f1b", mb=4),
+             dict(mesh=[2], names=["pp"], cuts=[0, 1, 2], schedule="interleaved_1f1b", mb=4),
+             dict(mesh=[2], names=["pp"], cuts=[1], schedule="1f1b", mb=2, scale_grads=False)]
+    out = spawn(_pp_rank, 2, cases, timeout_s=240)
+    for i, case in enumerate(cases):
+        per_rank = [out[r][i] for r in range(2)]
+        _check(case, per_rank, reference, Mesh((2,), ("pp",)))
+        assert per_rank[0]["tied"] == ["transformer.wte.weight"]  # wte (stage 0) is lm_head (last stage)
+    assert out[0][2]["stages"] == [0, 2] and out[1][2]["stages"] == [1, 3]
+
+
+@pytest.mark.slow
+def test_pipeline_world4_stages_and_pp_x_tp(reference):
+    cases = [dict(mesh=[4], names=["pp"], cuts=[0, 1, 2], schedule="gpipe", mb=4),
+             dict(mesh=[4], names=["pp"], cuts=[0, 1, 2], schedule="1f1b", mb=4),
+             dict(mesh=[2, 2], names=["pp", "tp"], cuts=[1], schedule="1f1b", mb=4)]
+    out = spawn(_pp_rank, 4, cases, timeout_s=300)
+    for i, case in enumerate(cases):
+        mesh = Mesh(tuple(case["mesh"]), tuple(case["names"]))
+        _check(case, [out[r][i] for r in range(4)], reference, mesh)
+    assert any(out[r][2]["shards"] for r in range(4))  # tensor-parallel shards inside the stages
+
+
+def test_cut_outside_a_sequential_container_is_rejected():
+    sch = create_schedule(tiny_gpt2(2), mesh=Mesh((2,), ("pp",)))
+    with pytest.raises(ScheduleError, match=r"cut_pipeline_stage at sch\['transformer.h.0.attn'\].*not an element "
+                                            r"of a sequential container.*transformer.h"):
+        sch["transformer.h.0.attn"].cut_pipeline_stage()
+
+
+def test_pipeline_config_errors():
+    sch = create_schedule(tiny_gpt2(4), mesh=Mesh((2,), ("pp",)))
+    with pytest.raises(ScheduleError, match="no stage boundaries"):
+        sch.pipeline(n_microbatches=2, example_inputs=_inputs())
+    sch["transformer.h.0"].cut_pipeline_stage()
+    sch["transformer.h.1"].cut_pipeline_stage()
+    with pytest.raises(ScheduleError, match="3 stages do not spread evenly over mesh axis 'pp' of size 2"):
+        sch.pipeline(n_microbatches=2, example_inputs=_inputs())
+    sch["transformer.h.2"].cut_pipeline_stage()
+    with pytest.raises(ScheduleError, match="batch 8, not divisible by n_microbatches=3"):
+        sch.pipeline(n_microbatches=3, example_inputs=_inputs())
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+        sch.pipeline(n_microbatches=2, schedule="zb", example_inputs=_inputs())
