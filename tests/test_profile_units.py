@@ -214,7 +214,8 @@ def test_zoo_llama_2_70b_parameter_count():
     assert sum(p.numel() for p in model.parameters()) == 68_976_648_192  # Llama-2-70b-hf
 
 
-def test_cli_profile_writes_json(tmp_path, capsys):
+def test_cli_profile_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the cpu calibration below caches here
     out = tmp_path / "p.json"
     rc = cli_main(["profile", "tiny-llama", "--batch", "2", "--seq", "16", "--hardware", "a100-80gb",
                    "--dtype", "float32", "--depth", "3", "--json", str(out)])
@@ -230,3 +231,6 @@ def test_cli_profile_writes_json(tmp_path, capsys):
     assert {m["path"] for m in doc["modules"]} >= {"", "model.layers.3.mlp"}
     rc = cli_main(["profile", "no-such-model"])
     assert rc == 2 and "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert cli_main(["profile", "--list"]) == 0 and "llama-2-70b" in capsys.readouterr().out.split()
+    assert cli_main(["profile", "test_profile_units:user_model", "--hardware", "cpu", "--batch", "3"]) == 0
+    assert "head" in capsys.readouterr().out

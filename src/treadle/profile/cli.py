@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Profile one training step (forward + backward) of a model on fake "
                                           "tensors: per-module FLOPs, saved activations, memory peak, roofline "
                                           "step time and MFU on a hardware spec.")
-    p.add_argument("model", help="a named config (e.g. llama-2-70b, gpt2; see --list) or package.module:function "
+    p.add_argument("model", nargs="?", help="a named config (e.g. llama-2-70b, gpt2; see --list) or package.module:function "
                                  "returning (model, example_inputs)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         out.print("\n".join(model_names()))
         return 0
     err = Console(stderr=True)
+    if not args.model:
+        err.print("[red]treadle profile: give a model name (see --list) or package.module:function")
+        return 2
     try:
         hardware = args.hardware
         if args.recalibrate or hardware == "cpu":
