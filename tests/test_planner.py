@@ -287,6 +287,11 @@ def test_plan_json_round_trip_diff_and_schedule():
     assert a.schedule.to_python().count(".shard(") == len(groups) > 0
     with pytest.raises(PlanError, match="schedule_for"):
         back.schedule
+    with pytest.raises(PlanError, match="loaded from JSON"):
+        back.what_if(pins={})
+    # "why not keep the MLP's first weight whole?": the same question answered by re-planning
+    other, why = a.what_if(pins={"blocks.*.fc.weight": {"tp": "R"}})
+    assert why == changes and other.estimated == b.estimated
     assert "binding constraint" in a.explain()
 
 

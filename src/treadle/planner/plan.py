@@ -153,6 +153,7 @@ class Plan:
     unknown_ops: dict[str, int] = field(default_factory=dict)
     _model: Any = None  # nn.Module given to plan_model (not serialised)
     _schedule: Any = None
+    _context: Any = None  # plan_model's inputs and arguments, for what_if (not serialised)
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -172,6 +173,17 @@ class Plan:
         sch = create_schedule(model, mesh=self.cluster.mesh)
         _, is_leaf_module = runtime_capabilities(model)
         return apply_decisions(sch, self.decisions, leaf_module=is_leaf_module)
+
+    def what_if(self, **changes: Any) -> tuple["Plan", list[str]]:
+        """Re-plan with some `plan_model` arguments changed — e.g. ``pins={"*.mlp.fc.weight": {"tp": 0}}``
+        ("why not tensor parallelism on the MLP?") — and return the new plan and its `diff` from this one.
+        Raises PlanError after `load` (no model) or when the changed problem has no plan."""
+        if self._context is None:
+            raise PlanError("Plan.what_if: this plan was loaded from JSON; re-plan with plan_model")
+        kwargs = dict(self._context["kwargs"])
+        kwargs.update(changes)
+        other = plan_model(self._model, self._context["inputs"], **kwargs)
+        return other, self.diff(other)
 
     def estimate(self) -> Estimate:
         """Predicted step time, peak memory and MFU per device."""
@@ -449,15 +461,22 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                    sol.terms["compute_s"], sol.terms["comm_s"], sol.terms["recompute_s"], sol.terms["static_bytes"],
                    sol.terms["activation_bytes"], sol.terms["transient_bytes"])
     binding = _binding(cg, sol, memory_budget_bytes, time_limit_s, checkpoint)
-    alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status, "step_s": s.step_s, "peak_bytes": s.peak_bytes}
-                           for s, c in results), key=lambda a: a["step_s"])
+    alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status,
+                            "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
+                          key=lambda a: a["step_s"])
     solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
               "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
               "unknown_flops": cg.unknown_flops}
+    context = {"inputs": example_inputs,
+               "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
+                              memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
+                              zero=zero, forbid_axes=forbid_axes, train=train, time_limit_s=time_limit_s,
+                              model_spec=model_spec, graph=graph, checkpoint=checkpoint,
+                              partial_schedule=partial_schedule)}
     plan = Plan(model_spec, cluster, str(cg.roles), mode, memory_budget_bytes, decisions, est,
-                _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model)
+                _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model, _context=context)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
     return plan
 
