@@ -17,6 +17,14 @@ FAMILIES = ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-opt", "tiny-t5"]
 BATCH, SEQ = 2, 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _private_cpu_calibration_cache(tmp_path_factory):
+    """profile() defaults to the calibrated cpu spec; keep its cache out of the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 def _build(name, **kw):
     torch.manual_seed(0)
     return named_model(name, batch=BATCH, seq=SEQ, **kw)

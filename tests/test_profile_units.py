@@ -17,6 +17,14 @@ from treadle.profile.memory import optimizer_state_bytes
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _private_cpu_calibration_cache(tmp_path_factory):
+    """profile() defaults to the calibrated cpu spec; keep its cache out of the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 class MLP(nn.Module):
     def __init__(self, dtype=torch.float32):
         super().__init__()
