@@ -66,10 +66,11 @@ class _LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                if id(st) not in self.refs and st.data_ptr() not in self.pre:
+                key = id(st)
+                if key not in self.refs and st.data_ptr() not in self.pre:
                     n = st.nbytes()
                     self.live += n
-                    self.refs[id(st)] = weakref.ref(st, lambda _, k=id(st), n=n: self._free(k, n))
+                    self.refs[key] = weakref.ref(st, lambda _, k=key, n=n: self._free(k, n))
         self.peak = max(self.peak, self.live)
         return out
 

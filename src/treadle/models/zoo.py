@@ -61,8 +61,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                                                          num_attention_heads=16, intermediate_size=4096),
                               source="bert-large-uncased"),
     # LLaMA 2 (Touvron et al. 2023, Table 1; HF config.json of meta-llama/Llama-2-*-hf)
-    "llama-2-7b": ModelConfig(family="llama", config=_llama(4096, 11008, 32, 32, 32, 32000, max_position_embeddings=4096,
-                                                            rms_norm_eps=1e-5), source="meta-llama/Llama-2-7b-hf"),
+    "llama-2-7b": ModelConfig(family="llama", config=_llama(4096, 11008, 32, 32, 32, 32000,
+                                                            max_position_embeddings=4096, rms_norm_eps=1e-5),
+                              source="meta-llama/Llama-2-7b-hf"),
     "llama-2-13b": ModelConfig(family="llama", config=_llama(5120, 13824, 40, 40, 40, 32000,
                                                              max_position_embeddings=4096, rms_norm_eps=1e-5),
                                source="meta-llama/Llama-2-13b-hf"),

@@ -168,7 +168,7 @@ def expand(records: list[OpRecord], runs: list[BlockRun], *, final_live_bytes: i
         if bwd is not None:
             segments.append((*bwd, run, True))
     segments.sort(key=lambda s: s[0])
-    for (a_lo, a_hi, *_), (b_lo, *_rest) in zip(segments, segments[1:]):
+    for (_, a_hi, *_), (b_lo, *_) in zip(segments[:-1], segments[1:], strict=True):
         if b_lo <= a_hi:
             logger.warning("block reuse: template segments overlap; profiling every block")
             return None

@@ -15,12 +15,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("profile", help="FLOPs, memory, time and MFU of one training step, on fake tensors",
+    p = subparsers.add_parser("profile", help="FLOPs, memory, time and MFU of one training step (fake tensors)",
                               description="Profile one training step (forward + backward) of a model on fake "
                                           "tensors: per-module FLOPs, saved activations, memory peak, roofline "
                                           "step time and MFU on a hardware spec.")
-    p.add_argument("model", nargs="?", help="a named config (e.g. llama-2-70b, gpt2; see --list) or package.module:function "
-                                 "returning (model, example_inputs)")
+    p.add_argument("model", nargs="?", help="a named config (e.g. llama-2-70b, gpt2; see --list) or "
+                                            "package.module:function returning (model, example_inputs)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     p.add_argument("--hardware", default="h100-sxm",

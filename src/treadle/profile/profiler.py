@@ -163,7 +163,7 @@ def _aggregate(prof: ModelProfile, model: nn.Module, *, optimizer: str, master_w
         mods[path] = ModuleStats(path=path, type_name=type(m).__name__, depth=path.count(".") + 1 if path else 0)
     cache: dict[str, tuple[str, ...]] = {}
     owner = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}  # deduplicated: first owner
-    for name, p in model.named_parameters():
+    for _, p in model.named_parameters():
         pb, gb = parameter_bytes(p), gradient_bytes(p)
         ob = optimizer_state_bytes(p, optimizer=optimizer, master_weights=master_weights) if prof.train else 0
         gb = gb if prof.train else 0
