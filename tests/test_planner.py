@@ -18,7 +18,7 @@ from treadle.planner.capture import capture
 from treadle.planner.checkpoint_dp import ChainBlock, solve_chain
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.dims import P, R, axis_options, dim_spec, register_dims, unknown_ops
-from treadle.planner.ilp import evaluate, solve, solve_exhaustive
+from treadle.planner.ilp import solve, solve_exhaustive
 from treadle.planner.plan import Plan, _shardable_fn, plan_model, runtime_capabilities
 
 

@@ -21,7 +21,6 @@ replicate-only options and is listed by `unknown_ops`.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -581,4 +580,4 @@ def product_placements(combo: tuple[AxisOption, ...], which: str, pos: int) -> t
 
 
 __all__ = ["R", "P", "DimSpec", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
-           "unknown_ops", "placement_str", "replicate_option", "product_placements", "itertools"]
+           "unknown_ops", "placement_str", "replicate_option", "product_placements"]

@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ..mesh import Mesh
-from .cost_graph import CostGraph, _Builder  # noqa: F401  (type reference only)
+from .cost_graph import CostGraph
 from .dims import R, P
 
 logger = logging.getLogger(__name__)
@@ -167,4 +166,4 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     return sch
 
 
-__all__ = ["Decision", "decisions_from_solution", "apply_decisions", "Mesh"]
+__all__ = ["Decision", "decisions_from_solution", "apply_decisions"]

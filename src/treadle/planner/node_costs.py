@@ -1,0 +1,213 @@
+"""Per-strategy costs of one node (a mixin of the cost-graph builder): seconds and bytes per execution.
+
+Compute: roofline time (`treadle.profile.roofline.op_time_s`) of the local shard, FLOPs from
+`treadle.profile.flops` (backward FLOPs only for inputs that need a gradient), bytes moved by the local
+tensors (views move none; backward moves twice the forward bytes, an approximation). Communication: the
+conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward and adjoint), Megatron's
+backward all-reduce for a replicated input of an op sharded on a tensor axis, and the data-parallel
+reduction of the gradients of the parameters the node owns (all-reduce; ZeRO-3: two all-gathers and one
+reduce-scatter). Memory: parameter + gradient + optimizer state of owned parameters divided by their
+shards (and by the dp axis under ZeRO-3), and saved activations: a node's output counts when a consumer's
+autograd formula keeps it (views count on their base storage, once). Communication is not assumed to
+overlap with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from ..cost.convert import plan_conversion
+from ..cost.layout import Layout
+from ..errors import ProfileError
+from ..profile import flops as flops_mod
+from ..profile.roofline import op_time_s
+from .capture import Node, TensorMeta
+from .dims import P, R, AxisOption
+
+# Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
+_SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "rsqrt", "tanh", "sigmoid", "exp",
+                 "scaled_dot_product_attention", "relu", "sqrt"}
+_SAVES_NOTHING = {"add", "sub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "detach", "view",
+                  "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+                  "slice", "select", "cat", "split", "split_with_sizes", "getitem", "sum", "mean", "flatten",
+                  "unflatten", "expand_as", "view_as", "add_", "copy_", "lift_fresh_copy", "chunk", "narrow",
+                  "type_as", "pad", "constant_pad_nd", "fill_", "zeros_like", "ones_like", "full_like"}
+_VIEW_OPS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+             "alias", "slice", "select", "getitem", "split", "split_with_sizes", "flatten", "unflatten",
+             "expand_as", "view_as", "contiguous", "chunk", "narrow", "detach", "numpy_T"}
+
+
+@dataclass(slots=True)
+class StrategyCost:
+    """Per execution, per device: seconds and bytes of one unit strategy (leader plus followers)."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    fwd_s: float = 0.0  # forward compute + forward comm (what recomputation repeats)
+    act_bytes: float = 0.0  # saved for backward
+    static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
+
+
+def _tensor_axes_divisor(pl: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    d = 1
+    for p, n in zip(pl, sizes):
+        if p >= 0:
+            d *= n
+    return d
+
+
+class NodeCosts:
+    """Cost methods of `cost_graph._Builder` (which provides the attributes they read)."""
+
+    def _flops(self, n: Node) -> tuple[int, int]:
+        try:
+            f = flops_mod.forward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out)
+            # only inputs that need a gradient cost backward FLOPs (a user input or a mask needs none)
+            needs = [isinstance(a, tuple) and len(a) == 2 and a[0] == "node" and self.rg[a[1]] for a in n.args]
+            b = (flops_mod.backward_flops(n.target, n.fake_args, n.fake_kwargs, n.fake_out, needs_input_grad=needs)
+                 if self.rg[n.index] else 0)
+            return f, b
+        except ProfileError:
+            self.unknown_flops[n.op_name] = self.unknown_flops.get(n.op_name, 0) + 1
+            return 0, 0
+
+    def _is_view(self, n: Node) -> bool:
+        if n.op_name in _VIEW_OPS:
+            return True
+        try:
+            return flops_mod.op_kind(n.target) == "view"
+        except ProfileError:
+            return False
+
+    def _conversion(self, i: int, raw: tuple[int, ...], pub: tuple[int, ...]) -> tuple[float, float]:
+        if raw == pub or self.sub_cluster is None:
+            return 0.0, 0.0
+        meta = self.nodes[i].out
+        shape = self.local_dp_shape(i, meta.shape)
+        plan = plan_conversion(Layout([_code_str(p) for p in raw]), Layout([_code_str(p) for p in pub]),
+                               global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
+        return plan.time_s, plan.backward_time_s
+
+    def strategy_cost(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> StrategyCost:
+        c = StrategyCost()
+        i = n.index
+        f_flops, b_flops = self.flop_cache[i]
+        work = self.dp_div(i)
+        for o, size in zip(combo, self.tp_sizes):
+            if o.work_split:
+                work *= size
+        moved = 0.0
+        if not self._is_view(n):
+            for pos, j in enumerate(n.inputs):
+                m = self.nodes[j].out
+                if isinstance(m, TensorMeta):
+                    pl = tuple(o.ins[pos] for o in combo)
+                    moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
+            outs = n.out if isinstance(n.out, tuple) else (n.out,)
+            for k, m in enumerate(outs):
+                if isinstance(m, TensorMeta):
+                    pl = tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
+                    moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+        dtype = self.dtype_compute or _dtype_of(n)
+        fwd = op_time_s(int(f_flops / work), int(moved), self.hw, dtype)
+        bwd = op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype) if self.rg[i] else 0.0
+        c.compute_s = fwd + bwd
+        c.fwd_s = fwd
+        # conversion at publish
+        cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
+        c.comm_s += cf + cb
+        c.fwd_s += cf
+        # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient
+        for pos, j in enumerate(n.inputs):
+            src = self.nodes[j]
+            m = src.out
+            if not isinstance(m, TensorMeta) or not self.rg[j]:
+                continue
+            pl = tuple(o.ins[pos] for o in combo)
+            nbytes = m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
+            for k, o in enumerate(combo):
+                if o.grad_partial[pos]:
+                    c.comm_s += all_reduce_time_s(nbytes, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
+        # parameters owned by this node (first consumer): static memory and gradient reduction
+        for pos, j in enumerate(n.inputs):
+            src = self.nodes[j]
+            if src.kind != "param" or self.param_owner.get(src.param) != i:
+                continue
+            pl = tuple(o.ins[pos] for o in combo)
+            c.static_bytes += self.param_static_bytes(src.out, pl)
+            c.comm_s += self.param_sync_s(src.out, pl)
+        # saved activations: outputs of this node that some consumer saves (views count on their base)
+        c.act_bytes += self.saved_bytes(n, combo, pub)
+        return c
+
+    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
+        if self.roles.zero:
+            local /= self.dp_size
+        per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
+        if self.train.master_copy and meta.dtype != torch.float32:
+            per += 4
+        return local * per
+
+    def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """Data-parallel gradient reduction (all-reduce), or ZeRO-3's two gathers and one reduce-scatter,
+        plus `reduce_grads` over tensor axes where the gradient is a pending sum (not handled here)."""
+        if not self.roles.dp or self.dp_size == 1:
+            return 0.0
+        nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
+        link = self.cluster.link(self.roles.dp)
+        if self.roles.zero:
+            return 2 * all_gather_time_s(nbytes, self.dp_size, link) + reduce_scatter_time_s(nbytes, self.dp_size, link)
+        return all_reduce_time_s(nbytes, self.dp_size, link)
+
+    def saved_bytes(self, n: Node, combo, pub) -> float:
+        i = n.index
+        if not self.saved[i]:
+            return 0.0
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        total = 0.0
+        for k, m in enumerate(outs):
+            if isinstance(m, TensorMeta) and self.saved[i]:
+                pl = pub if k == 0 else tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
+                total += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+        return total
+
+    def _mark_saved(self) -> None:
+        """saved[i]: node i's output storage is kept for backward by some consumer (views -> their base)."""
+        self.saved = [False] * len(self.nodes)
+
+        def base(j: int) -> int:
+            while self.nodes[j].kind == "op" and self.nodes[j].op_name in _VIEW_OPS and self.nodes[j].inputs:
+                j = self.nodes[j].inputs[0]
+            return j
+
+        for n in self.nodes:
+            if n.kind != "op" or not self.rg[n.index]:
+                continue
+            name = n.op_name
+            if name in _SAVES_OUTPUT:
+                b = base(n.index)
+                if self.nodes[b].kind == "op":
+                    self.saved[b] = True
+            if name in _SAVES_NOTHING or name in _SAVES_OUTPUT and name != "scaled_dot_product_attention":
+                continue
+            for j in n.inputs:
+                b = base(j)
+                src = self.nodes[b]
+                if src.kind == "op" and isinstance(src.out, (TensorMeta, tuple)):
+                    self.saved[b] = True
+
+    # ------------------------------------------------------------------ assembly
+
+
+def _dtype_of(n: Node) -> torch.dtype:
+    m = n.out[0] if isinstance(n.out, tuple) and n.out else n.out
+    dt = m.dtype if isinstance(m, TensorMeta) else torch.float32
+    return dt if dt.is_floating_point else torch.float32
+
+
+def _code_str(p: int) -> str:
+    return "R" if p == R else "P" if p == P else f"S{p}"
