@@ -171,12 +171,34 @@ def test_errors_name_the_op_and_module():
         profile(Wrapper(), (torch.randn(4, 4),))
     with pytest.raises(ProfileError, match="cannot find a loss in the model output"):
         profile(_TupleOut(), (torch.randn(2, 4),))
+    with pytest.raises(ProfileError, match=r"profiling failed at op aten\._local_scalar_dense\.default in module 'inner' "
+                       r"during forward: DataDependent"):
+        profile(_Holder(), (torch.randn(2, 4),))
     with pytest.raises(ProfileError, match="unknown optimizer 'adam8bit'"):
         profile(Net(), (torch.randn(B, D_IN),), optimizer="adam8bit")
     with pytest.raises(ProfileError, match="unknown hardware 'b200'"):
         profile(Net(), (torch.randn(B, D_IN),), hardware="b200")
     with pytest.raises(ProfileError, match="the loss does not require grad"):
         profile(Net().requires_grad_(False), (torch.randn(B, D_IN),))
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.sum() if bool(y.sum() > 0) else -y.sum()  # needs a value fake tensors do not have
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = DataDependent()
+
+    def forward(self, x):
+        return self.inner(x)
 
 
 class _TupleOut(nn.Module):

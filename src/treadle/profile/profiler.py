@@ -125,9 +125,14 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
     except Exception as exc:  # an op error inside autograd comes back wrapped; report the recorder's own
         if rec.error is not None:
             raise rec.error from exc
-        where = rec.where()
-        raise ProfileError(f"profiling failed in module {where[0] or '<model>'!r} during {where[1]}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+        if rec.failed_at is not None:
+            op, module, phase = rec.failed_at
+            where = f"at op {op} in module {module or '<model>'!r} during {phase}"
+        else:
+            last = rec.records[-1] if rec.records else None
+            where = (f"after op {last.op} in module {last.module or '<model>'!r} during {last.phase}" if last
+                     else "before the first op")
+        raise ProfileError(f"profiling failed {where}: {type(exc).__name__}: {exc}") from exc
     finally:
         for h in handles:
             h.remove()

@@ -79,6 +79,7 @@ class StepRecorder:
         self.forward_ops = 0
         self._names: dict[Any, str] = {}
         self.leaf_owner: dict[int, str] = {}  # id of a parameter leaf -> path of the module owning it
+        self.failed_at: tuple[str, str, str] | None = None  # (op, module, phase) of an op that raised
 
     # ------------------------------------------------------------------------------------------ module tracking
     def _boundary(self, path: str) -> None:
@@ -193,7 +194,11 @@ class StepRecorder:
             self.error = self.error or err
             raise err from None
         live_before = self.live_bytes
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            self.failed_at = (self.op_name(func), module, phase)
+            raise
         ins = _tensors((args, kwargs))
         outs = _tensors(out)
         first = next((t for t in ins + outs if t.is_floating_point()), None)
