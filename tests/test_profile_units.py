@@ -171,8 +171,8 @@ def test_errors_name_the_op_and_module():
         profile(Wrapper(), (torch.randn(4, 4),))
     with pytest.raises(ProfileError, match="cannot find a loss in the model output"):
         profile(_TupleOut(), (torch.randn(2, 4),))
-    with pytest.raises(ProfileError, match=r"profiling failed at op aten\._local_scalar_dense\.default in module 'inner' "
-                       r"during forward: DataDependent"):
+    with pytest.raises(ProfileError, match=r"profiling failed at op aten\._local_scalar_dense\.default in "
+                       r"module 'inner' during forward: DataDependent"):
         profile(_Holder(), (torch.randn(2, 4),))
     with pytest.raises(ProfileError, match="unknown optimizer 'adam8bit'"):
         profile(Net(), (torch.randn(B, D_IN),), optimizer="adam8bit")
