@@ -128,7 +128,13 @@ def bench_accuracy(console: Console, *, seq: int, reps: int) -> dict:
         runs.append(_keyed(timer.times))
     measured = {k: statistics.median(r[k] for r in runs[1:] if k in r) for k in runs[1]}
     predicted = _keyed((r.op, r.time_s) for r in prof.ops)
-    keys = [k for k in predicted if k in measured]
+    # pair the k-th run of an op with its k-th prediction, for ops that ran equally often in both runs
+    n_meas, n_pred = defaultdict(int), defaultdict(int)
+    for op, _ in measured:
+        n_meas[op] += 1
+    for op, _ in predicted:
+        n_pred[op] += 1
+    keys = [k for k in predicted if k in measured and n_meas[k[0]] == n_pred[k[0]]]
     pred = [predicted[k] for k in keys]
     meas = [measured[k] for k in keys]
     rho_all = spearmanr(pred, meas).statistic

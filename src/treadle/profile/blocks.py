@@ -135,7 +135,7 @@ def _segment(records: list[OpRecord], run: BlockRun, phases: tuple[str, ...]) ->
     if not idx:
         return None
     lo, hi = idx[0], idx[-1]
-    others = [run.member(i) for i in range(run.start, run.stop) if i != run.start + 1]
+    others = (run.member(run.start), run.last)  # the other blocks kept in the shortened run
     for r in records[lo:hi + 1]:
         if any(_under(r.module, o) for o in others):
             return None
