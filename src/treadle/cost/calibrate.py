@@ -146,6 +146,22 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
     return {op: [statistics.median(samples[(op, k)]) for k in range(len(sizes_bytes))] for op in ops}
 
 
+def measure_copy_bytes_per_s(nbytes: int, *, rounds: int = 15) -> float:
+    """Bytes per second one rank copies locally (`Tensor.copy_` of `nbytes`), while every rank copies at once
+    as they do around collectives; the slowest rank's median. Collective over the world."""
+    src, dst = torch.zeros(max(nbytes // 4, 1)), torch.empty(max(nbytes // 4, 1))
+    dst.copy_(src)
+    samples = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        samples.append(dt.item())
+    return src.numel() * 4 / max(statistics.median(samples), 1e-9)
+
+
 def fit_axis(axes: tuple[str, ...], n_ranks: int, sizes_bytes: Sequence[int], times_s: Sequence[float]) -> AxisFit:
     """Least squares on relative error of t = c + (n-1)/n * s / bw over the sizes. Raises LayoutError with
     fewer than two sizes; a negative intercept is clipped to 0 and the slope refitted through the origin."""
@@ -192,7 +208,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
     Calibration reports the model's error on them. The all-gather fits the link (alpha, beta, launch); each
     other collective of `ops` gets a time factor against its model on that link (`LinkSpec.op_scale`: gloo's
-    reduce-scatter, for one, is far slower than a ring). Axes of size 1 keep `base`'s link. Returns a Calibration
+    reduce-scatter, for one, is far slower than a ring). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
+    is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
     or when no axis has more than one rank."""
@@ -230,10 +247,11 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
         links[f.axes[0]] = LinkSpec(name=plain.name, latency_s=latency,
                                     bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0,
                                     launch_s=launch, op_scale=scales)
+    copy_rate = measure_copy_bytes_per_s(max(all_sizes), rounds=rounds)
     base = base or ClusterSpec.uniform(mesh, next(iter(links.values())), device="cpu")
     if base.mesh.shape != mesh.shape:
         raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
-    cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names])
+    cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names], copy_bytes_per_s=copy_rate)
     held_out = tuple(HeldOut(f.axes[0], size, t, _model_s(op, size, f.n_ranks, cluster.link(f.axes[0])), op)
                      for f, times in zip(fits, measured) for op in ops
                      for size, t in zip(all_sizes[fitted:], times[op][fitted:]))

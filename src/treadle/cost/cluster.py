@@ -48,15 +48,22 @@ class ClusterSpec:
     """A logical mesh with one `LinkSpec` per axis and the device kind.
 
     `device` is a hardware preset name (see `treadle.profile.hardware.hardware_preset`) or a HardwareSpec.
-    Raises LayoutError when the number of links differs from the number of mesh axes.
+    `copy_bytes_per_s` is how fast a device copies a buffer locally (bytes copied per second), which prices
+    the packing copies around collectives in layout conversion; None leaves them unpriced. The constructors
+    derive it from a GPU preset's memory bandwidth; `calibrate_cluster` measures it.
+    Raises LayoutError when the number of links differs from the number of mesh axes, or a non-positive
+    copy rate.
     """
 
     mesh: Mesh
     links: tuple[LinkSpec, ...]
     device: Any = "cpu"  # str preset name or treadle.profile.hardware.HardwareSpec
+    copy_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
+        if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
+            raise LayoutError(f"ClusterSpec: copy_bytes_per_s must be > 0 or None; got {self.copy_bytes_per_s}")
         if len(self.links) != self.mesh.ndim:
             raise LayoutError(f"ClusterSpec: {len(self.links)} links for {self.mesh} with {self.mesh.ndim} axes; "
                               f"give one link per mesh axis")
@@ -91,16 +98,17 @@ class ClusterSpec:
 
         return hardware_preset(self.device)
 
-    def with_links(self, links: Sequence[LinkSpec]) -> "ClusterSpec":
-        """The same cluster with other links (e.g. calibrated ones)."""
-        return ClusterSpec(self.mesh, tuple(links), self.device)
+    def with_links(self, links: Sequence[LinkSpec], *, copy_bytes_per_s: float | None = None) -> "ClusterSpec":
+        """The same cluster with other links (e.g. calibrated ones) and, when given, another copy rate."""
+        return ClusterSpec(self.mesh, tuple(links), self.device,
+                           self.copy_bytes_per_s if copy_bytes_per_s is None else copy_bytes_per_s)
 
     # ------------------------------------------------------------------------------------ constructors
     @classmethod
     def uniform(cls, mesh: Mesh, link: LinkSpec | str, *, device: Any = "cpu") -> "ClusterSpec":
         """Every axis of `mesh` on the same link (e.g. gloo ranks on one host: ``"loopback"``)."""
         link = link_preset(link) if isinstance(link, str) else link
-        return cls(mesh, (link,) * mesh.ndim, device)
+        return cls(mesh, (link,) * mesh.ndim, device, device_copy_bytes_per_s(device))
 
     @classmethod
     def from_physical(cls, nodes: int = 8, devices_per_node: int = 8, *, intra: LinkSpec | str = "nvlink4",
@@ -117,13 +125,15 @@ class ClusterSpec:
             raise LayoutError(f"from_physical: names must name the two axes (across nodes, inside a node); got {names}")
         intra_l = link_preset(intra) if isinstance(intra, str) else intra
         inter_l = link_preset(inter) if isinstance(inter, str) else inter
-        return cls(Mesh((nodes, devices_per_node), tuple(names)), (inter_l, intra_l), device)
+        return cls(Mesh((nodes, devices_per_node), tuple(names)), (inter_l, intra_l), device,
+                   device_copy_bytes_per_s(device))
 
     # ------------------------------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         dev = self.device if isinstance(self.device, str) else {"hardware": json.loads(self.device.to_json())}
         return {"mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
-                "links": [link.to_dict() for link in self.links], "device": dev}
+                "links": [link.to_dict() for link in self.links], "device": dev,
+                "copy_bytes_per_s": self.copy_bytes_per_s}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -136,11 +146,31 @@ class ClusterSpec:
 
             dev = HardwareSpec.from_json(json.dumps(dev["hardware"]))
         return cls(Mesh(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])),
-                   tuple(LinkSpec.from_dict(x) for x in d["links"]), dev)
+                   tuple(LinkSpec.from_dict(x) for x in d["links"]), dev, d.get("copy_bytes_per_s"))
 
     @classmethod
     def from_json(cls, text: str) -> "ClusterSpec":
         return cls.from_dict(json.loads(text))
+
+
+def device_copy_bytes_per_s(device: Any) -> float | None:
+    """Local copy rate of a device: half its effective memory bandwidth (a copy reads and writes each byte).
+
+    From a HardwareSpec or a GPU preset name; None for "cpu" (measure it with `calibrate_cluster`: this
+    function never measures) and for names the hardware presets do not know."""
+    if device == "cpu":
+        return None
+    if isinstance(device, str):
+        from ..errors import ProfileError
+        from ..profile.hardware import hardware_preset
+
+        try:
+            device = hardware_preset(device)
+        except ProfileError:
+            logger.info("no memory bandwidth known for device %r: local copies in conversions are not priced",
+                        device)
+            return None
+    return device.hbm_bytes_per_s * device.memory_efficiency / 2
 
 
 def parse_cluster(text: str, *, names: Sequence[str] = ("dp", "tp")) -> ClusterSpec:
@@ -218,12 +248,13 @@ def enumerate_meshes(nodes: int, devices_per_node: int, *, intra: LinkSpec | str
     intra_l = link_preset(intra) if isinstance(intra, str) else intra
     inter_l = link_preset(inter) if isinstance(inter, str) else inter
     world = nodes * devices_per_node
+    copy_s = device_copy_bytes_per_s(device)
     out: list[ClusterSpec] = []
     for ndim in range(1, max_ndim + 1):
         for shape in _ordered_factorizations(world, ndim, min(min_axis_size, world)):
             links = tuple(inter_l if axis_crosses_nodes(shape, i, devices_per_node) else intra_l
                           for i in range(ndim))
-            out.append(ClusterSpec(Mesh(shape, default_axis_names(ndim)), links, device))
+            out.append(ClusterSpec(Mesh(shape, default_axis_names(ndim)), links, device, copy_s))
     logger.debug("enumerate_meshes: %d x %d -> %d meshes", nodes, devices_per_node, len(out))
     return out
 

@@ -18,8 +18,18 @@ A new shard becomes the innermost of its dim (NOTE [shard order] in layout.py). 
 (a flattened process group) the planner considers all-reduce of any set of Partial axes, reduce-scatter of
 such a set into one dim (ascending axis order), and all-gather of the innermost k >= 2 axes of one dim: on
 a link with a per-call launch cost one collective over the flattened group beats one per axis, and the
-shortest path takes whichever is cheaper. Prices come from the cluster's links, so a calibrated cluster
-steers the path (on gloo, whose reduce-scatter is slow, all-reduce + split can win). Backward costs follow NOTE [grad layouts] in
+shortest path takes whichever is cheaper.
+
+NOTE [copies]: the runtime packs buffers around collectives (`treadle.runtime.collectives` moves a non-leading
+dim to the front and back; all-to-all stacks and concatenates its chunks; all-reduce clones; split keeps a
+contiguous chunk). With `ClusterSpec.copy_bytes_per_s` set, each move also pays its copied bytes at that rate:
+all_gather / reduce_scatter on dim 0 copy nothing, on another dim their input and output; all_to_all twice
+its buffer; all_reduce and to_partial their buffer; split on a dim other than 0 its chunk; a flattened
+gather whose axes are not in ascending order one more output to permute blocks. Without it (None) copies
+are free.
+
+Prices come from the cluster's links, so a calibrated cluster steers the path (on gloo, whose reduce-scatter
+is slow, all-reduce + split can win). Backward costs follow NOTE [grad layouts] in
 `treadle.runtime.collectives` (gradients arrive complete). `objective="total"` minimises forward plus
 backward; the default minimises forward time and reports the backward of that path.
 """
@@ -52,7 +62,8 @@ class ConversionStep:
     """One move of a conversion. `axes` are mesh axis names (several: one flattened group, outer to inner);
     `dim` is the tensor dim gathered, scattered or split (for all_to_all the new shard dim, `src_dim` the old);
     `nbytes` is the per-rank buffer in `collective_cost`'s convention (all_gather: gathered output; others:
-    local input); `group_size` the ranks in one group; `time_s` forward, `backward_time_s` its adjoint."""
+    local input); `copy_bytes` the local packing copies of the forward (NOTE [copies]); `group_size` the
+    ranks in one group; `time_s` forward, `backward_time_s` its adjoint, both with their copies."""
 
     op: Op
     axes: tuple[str, ...]
@@ -60,6 +71,7 @@ class ConversionStep:
     dim: int | None
     src_dim: int | None
     nbytes: int
+    copy_bytes: int
     group_size: int
     time_s: float
     backward_time_s: float
@@ -132,7 +144,7 @@ def plan_conversion(src: Layout | Sequence | str, dst: Layout | Sequence | str, 
         raise LayoutError(f"plan_conversion: itemsize must be a positive byte count; got {itemsize}")
     src, dst = _as_layout(src), _as_layout(dst)
     return _plan(src, dst, tuple(int(s) for s in global_shape), int(itemsize), cluster.mesh.shape,
-                 cluster.mesh.names, cluster.links, objective)
+                 cluster.mesh.names, cluster.links, objective, cluster.copy_bytes_per_s)
 
 
 def _as_layout(x) -> Layout:
@@ -161,7 +173,8 @@ _State = tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]
 
 @lru_cache(maxsize=65536)
 def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...],
-          names: tuple[str, ...], links: tuple[LinkSpec, ...], objective: str) -> ConversionPlan:
+          names: tuple[str, ...], links: tuple[LinkSpec, ...], objective: str,
+          copy_bytes_per_s: float | None) -> ConversionPlan:
     mesh = _mesh(mesh_shape, names)
     for what, lay in (("source layout", src), ("target layout", dst)):
         lay.check(mesh, shape, what=f"plan_conversion: {what}")
@@ -172,7 +185,7 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_
     # Divisibility only needs each dim modulo the world size; bytes only need the total (see _edges).
     world = math.prod(mesh_shape)
     best, prev = _tree(start, tuple(math.gcd(s, world) for s in shape), math.prod(shape) * itemsize,
-                       mesh_shape, links, objective)
+                       mesh_shape, links, objective, 1.0 / copy_bytes_per_s if copy_bytes_per_s else 0.0)
     if goal not in best:  # unreachable only through a bug: every layout goes via all-replicated
         raise LayoutError(f"plan_conversion: no path from {src} to {dst} for shape {shape} on mesh {mesh_shape}")
     edges = []
@@ -182,9 +195,9 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_
         edges.append((before, state, edge))
         state = before
     steps = []
-    for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s) in reversed(edges):
+    for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, copy_bytes) in reversed(edges):
         steps.append(ConversionStep(op=op, axes=tuple(names[a] for a in axes), axis_indices=axes, dim=dim,
-                                    src_dim=src_dim, nbytes=int(nbytes),
+                                    src_dim=src_dim, nbytes=int(nbytes), copy_bytes=int(copy_bytes),
                                     group_size=math.prod(mesh_shape[a] for a in axes),
                                     time_s=fwd_s, backward_time_s=bwd_s,
                                     before=Layout._from_codes(*before), after=Layout._from_codes(*after)))
@@ -201,7 +214,7 @@ def _mesh(mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
 
 @lru_cache(maxsize=8192)
 def _tree(start: _State, div_shape: tuple[int, ...], total_bytes: int, mesh_shape: tuple[int, ...],
-          links: tuple[LinkSpec, ...], objective: str) -> tuple[dict, dict]:
+          links: tuple[LinkSpec, ...], objective: str, copy_s_per_byte: float) -> tuple[dict, dict]:
     """Single-source Dijkstra from `start` over every reachable layout: (cost, predecessor) maps. One tree
     answers the queries from `start` to every target; it depends on the shape only through `div_shape`
     (each dim's gcd with the world size, which decides every divisibility) and `total_bytes`."""
@@ -214,7 +227,7 @@ def _tree(start: _State, div_shape: tuple[int, ...], total_bytes: int, mesh_shap
         cost, _, state = heapq.heappop(heap)
         if cost > best.get(state, math.inf):
             continue
-        for nxt, edge in _edges(state, div_shape, total_bytes, mesh_shape, links):
+        for nxt, edge in _edges(state, div_shape, total_bytes, mesh_shape, links, copy_s_per_byte):
             c = cost + edge[5] + (edge[6] if weight_bwd else 0.0)
             if c < best.get(nxt, math.inf) - 1e-18:
                 best[nxt] = c
@@ -239,48 +252,60 @@ def _set_order(order, dim: int, axes: tuple[int, ...] | None) -> tuple:
     return tuple(sorted(out))
 
 
-def _edges(state: _State, shape, total_bytes: int, mesh_shape, links):
-    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s)) for every move out of `state`.
-    `shape` decides divisibility only (a global shape, or its gcd with the world size)."""
+def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per_byte: float = 0.0):
+    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, copy_bytes)) for every move out of
+    `state`. `shape` decides divisibility only (a global shape, or its gcd with the world size). Times
+    include the local packing copies (NOTE [copies]) at `copy_s_per_byte`."""
     codes, order = state
     local = _local(shape, order, mesh_shape)
     lb = total_bytes // math.prod(mesh_shape[a] for _, axes in order for a in axes)
     axes_of = dict(order)
     ndim = len(shape)
     partial = [i for i, c in enumerate(codes) if c == PART]
+    cps = copy_s_per_byte
+
+    def gather_copy(dim: int, in_bytes: float, out_bytes: float) -> float:
+        return 0.0 if dim == 0 else in_bytes + out_bytes
+
     for i, c in enumerate(codes):
         n, link = mesh_shape[i], links[i]
         if c == PART:
             nc = codes[:i] + (REPL,) + codes[i + 1:]
-            yield (nc, order), ("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link), 0.0)
+            yield (nc, order), ("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link) + lb * cps,
+                                0.0, lb)
             for d in range(ndim):
                 if local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
-                    t = cc.reduce_scatter_time_s(lb, n, link)
+                    cb = gather_copy(d, lb, lb / n)
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
-                           ("reduce_scatter", (i,), d, None, lb, t, cc.all_gather_time_s(lb, n, link)))
+                           ("reduce_scatter", (i,), d, None, lb, cc.reduce_scatter_time_s(lb, n, link) + cb * cps,
+                            cc.all_gather_time_s(lb, n, link) + cb * cps, cb))
         elif c == REPL:
             for d in range(ndim):
                 if local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
+                    cb = 0.0 if d == 0 else lb / n
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
-                           ("split", (i,), d, None, lb, 0.0, cc.all_gather_time_s(lb, n, link)))
+                           ("split", (i,), d, None, lb, cb * cps,
+                            cc.all_gather_time_s(lb, n, link) + gather_copy(d, lb / n, lb) * cps, cb))
             nc = codes[:i] + (PART,) + codes[i + 1:]
-            yield (nc, order), ("to_partial", (i,), None, None, lb, 0.0, 0.0)
+            yield (nc, order), ("to_partial", (i,), None, None, lb, lb * cps, 0.0, lb)
         else:
             d_axes = axes_of[c]
             if d_axes[-1] != i:
                 continue  # only the innermost axis of a dim moves on its own (NOTE [shard order])
             rest = d_axes[:-1]
             nc = codes[:i] + (REPL,) + codes[i + 1:]
+            cb = gather_copy(c, lb, lb * n)
             yield ((nc, _set_order(order, c, rest)),
-                   ("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0))
-            t = cc.all_to_all_time_s(lb, n, link)
+                   ("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link) + cb * cps,
+                    (0.0 if c == 0 else lb) * cps, cb))
+            t = cc.all_to_all_time_s(lb, n, link) + 2 * lb * cps
             for d in range(ndim):
                 if d != c and local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
                     new_order = _set_order(_set_order(order, c, rest), d, axes_of.get(d, ()) + (i,))
-                    yield (nc, new_order), ("all_to_all", (i,), d, c, lb, t, t)
+                    yield (nc, new_order), ("all_to_all", (i,), d, c, lb, t, t, 2 * lb)
     # ---- flattened groups over several axes
     if len(partial) >= 2:
         for k in range(2, len(partial) + 1):
@@ -288,19 +313,23 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links):
                 n = math.prod(mesh_shape[a] for a in group)
                 link = cc.flat_link([links[a] for a in group])
                 nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
-                yield (nc, order), ("all_reduce", group, None, None, lb, cc.all_reduce_time_s(lb, n, link), 0.0)
-                t = cc.reduce_scatter_time_s(lb, n, link)
-                bwd = cc.all_gather_time_s(lb, n, link)
+                yield (nc, order), ("all_reduce", group, None, None, lb,
+                                    cc.all_reduce_time_s(lb, n, link) + lb * cps, 0.0, lb)
                 for d in range(ndim):
                     if local[d] % n == 0:
+                        cb = gather_copy(d, lb, lb / n)
                         nc = tuple(d if a in group else x for a, x in enumerate(codes))
                         yield ((nc, _set_order(order, d, axes_of.get(d, ()) + group)),
-                               ("reduce_scatter", group, d, None, lb, t, bwd))
+                               ("reduce_scatter", group, d, None, lb, cc.reduce_scatter_time_s(lb, n, link) + cb * cps,
+                                cc.all_gather_time_s(lb, n, link) + cb * cps, cb))
     for d, d_axes in order:
         for k in range(2, len(d_axes) + 1):
             group = d_axes[-k:]
             n = math.prod(mesh_shape[a] for a in group)
             link = cc.flat_link([links[a] for a in group])
             nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
+            # a group not in ascending axis order gathers in rank order, then permutes its blocks (one copy)
+            cb = gather_copy(d, lb, lb * n) + (0.0 if list(group) == sorted(group) else lb * n)
             yield ((nc, _set_order(order, d, d_axes[:-k])),
-                   ("all_gather", group, d, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0))
+                   ("all_gather", group, d, None, lb * n, cc.all_gather_time_s(lb * n, n, link) + cb * cps,
+                    (0.0 if d == 0 else lb) * cps, cb))
