@@ -13,6 +13,7 @@ Every rank must call `redistribute` with the same layouts and shape (SPMD), as w
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Sequence
 
@@ -29,7 +30,7 @@ from . import collectives as C
 
 logger = logging.getLogger(__name__)
 
-# (world group id, mesh shape, mesh names, axis indices) -> (process group of this rank, group ranks in group-rank order)
+# (world group id, mesh shape, mesh names, axis indices) -> (this rank's group, its ranks in group-rank order)
 _FLAT_GROUPS: dict[tuple, tuple[dist.ProcessGroup, list[int]]] = {}
 
 
@@ -52,9 +53,9 @@ def flat_group(mesh: Mesh, axis_indices: Sequence[int]) -> tuple[dist.ProcessGro
     me = dist.get_rank()
     mine = None
     others = [i for i in range(mesh.ndim) if i not in axes]
-    for rest in _product([range(mesh.shape[i]) for i in others]):
+    for rest in itertools.product(*[range(mesh.shape[i]) for i in others]):
         ranks = []
-        for sub in _product([range(mesh.shape[a]) for a in axes]):
+        for sub in itertools.product(*[range(mesh.shape[a]) for a in axes]):
             coord = [0] * mesh.ndim
             for i, c in zip(others, rest):
                 coord[i] = c
@@ -69,16 +70,6 @@ def flat_group(mesh: Mesh, axis_indices: Sequence[int]) -> tuple[dist.ProcessGro
     _FLAT_GROUPS[key] = mine
     logger.debug("flat group over axes %s of %s: ranks %s", [mesh.names[a] for a in axes], mesh, mine[1])
     return mine
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    first, *rest = ranges
-    for x in first:
-        for tail in _product(rest):
-            yield (x, *tail)
 
 
 def _rank_of(coord: Sequence[int], shape: Sequence[int]) -> int:
