@@ -78,3 +78,16 @@ def test_device_may_be_a_hardware_spec():
     assert c.hardware() == hw
     with_spec = ClusterSpec(c.mesh, c.links, hw)
     assert ClusterSpec.from_json(with_spec.to_json()) == with_spec and with_spec.hardware() is hw
+
+
+def test_restrict_keeps_links_device_and_copy_rate():
+    c = parse_cluster("8x8:h100")
+    tp = c.restrict(["tp"])
+    assert tp.mesh.shape == (8,) and tp.mesh.names == ("tp",) and tp.links == (LINK_PRESETS["nvlink4"],)
+    assert tp.device == c.device and tp.copy_bytes_per_s == c.copy_bytes_per_s > 0
+    swapped = c.restrict(("tp", "dp"))
+    assert swapped.link(0).name == "nvlink4" and swapped.link(1).name == "ib-ndr"
+    with pytest.raises(MeshError, match=r"mesh axis 'pp' does not exist"):
+        c.restrict(["pp"])
+    with pytest.raises(LayoutError, match=r"ClusterSpec.restrict: axes \('tp', 'tp'\) repeat an axis"):
+        c.restrict(["tp", "tp"])

@@ -103,6 +103,16 @@ class ClusterSpec:
         return ClusterSpec(self.mesh, tuple(links), self.device,
                            self.copy_bytes_per_s if copy_bytes_per_s is None else copy_bytes_per_s)
 
+    def restrict(self, axes: Sequence[str]) -> "ClusterSpec":
+        """The cluster over a subset of mesh axes (in the given order), keeping their links, the device and
+        the copy rate: e.g. the tensor-parallel axes a planner prices conversions on. Raises MeshError
+        naming an unknown axis, LayoutError on a repeated one."""
+        axes = tuple(axes)
+        if len(set(axes)) != len(axes):
+            raise LayoutError(f"ClusterSpec.restrict: axes {axes} repeat an axis of {self.mesh}")
+        return ClusterSpec(Mesh(tuple(self.mesh.size(a) for a in axes), axes), tuple(self.link(a) for a in axes),
+                           self.device, self.copy_bytes_per_s)
+
     # ------------------------------------------------------------------------------------ constructors
     @classmethod
     def uniform(cls, mesh: Mesh, link: LinkSpec | str, *, device: Any = "cpu") -> "ClusterSpec":
