@@ -32,6 +32,10 @@ Prices come from the cluster's links, so a calibrated cluster steers the path (o
 is slow, all-reduce + split can win). Backward costs follow NOTE [grad layouts] in
 `treadle.runtime.collectives` (gradients arrive complete). `objective="total"` minimises forward plus
 backward; the default minimises forward time and reports the backward of that path.
+
+Memoised twice: one single-source Dijkstra tree per (source layout, shape signature, cluster) answers every
+target (the shape enters only through each dim's gcd with the world size and the total bytes), and every
+finished plan is cached. About 50 us for a new pair on a 2-D mesh, 2 us for a repeated one.
 """
 
 from __future__ import annotations
