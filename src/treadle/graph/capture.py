@@ -191,11 +191,23 @@ def resolve_leaves(mod: nn.Module, *, flatten: bool, leaves: Sequence[type | str
     if missing:
         raise ScheduleError(f"trace: leaves {missing} are not sub-modules of {type(mod).__name__}; "
                             f"its children: {[n for n, _ in mod.named_children()]}")
+    # direct children, looking through containers that are never called (ModuleList / ModuleDict)
+    direct: set[str] = set()
+    if not flatten:
+        todo = [("", mod)]
+        while todo:
+            prefix, m = todo.pop()
+            for n, c in m.named_children():
+                full = f"{prefix}.{n}" if prefix else n
+                if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+                    todo.append((full, c))
+                else:
+                    direct.add(full)
     out: list[str] = []
     for name, sub in mod.named_modules():
         if not name or any(name.startswith(p + ".") for p in out):
             continue
-        if (not flatten and "." not in name) or name in paths or (types and isinstance(sub, types)):
+        if name in direct or name in paths or (types and isinstance(sub, types)):
             out.append(name)
     return out
 
@@ -360,6 +372,13 @@ def capture_export(mod: nn.Module, leaf_paths: list[str], args: tuple, kwargs: d
                 child.forward = saved[p]
         for cid in records:
             _ACTIVE_LEAF_CALLS.pop(cid, None)
+    handed = {k.index for rec in records.values() for k in rec.in_flat if isinstance(k, _Opaque)}
+    kept_out = [j for j, o in enumerate(opaques) if j not in handed]
+    if kept_out:
+        raise ScheduleError(f"trace at {where}: its own code uses a {type(real_opaques[kept_out[0]]).__name__} input "
+                            f"(not only its leaves), which a graph cannot hold: the graph would silently skip what "
+                            f"it does with it; run the model with use_cache=False (or without that input), or keep "
+                            f"the sub-module that uses it as a leaf")
     out_spec, out_kinds = holder["out"]
     return _graph_from_export(ep, mod, records, in_spec, in_kinds, len(tensors), len(opaques), out_spec, out_kinds,
                               where=where)

@@ -178,6 +178,43 @@ def extract_region(gm: fx.GraphModule, match: Match) -> tuple[fx.GraphModule, li
     return region, ext
 
 
+_FUNCTIONS: dict[str, Callable] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
+                                    "sigmoid": torch.sigmoid, "softmax": F.softmax, "dropout": F.dropout,
+                                    "linear": F.linear, "layer_norm": F.layer_norm}
+
+
+def inline_leaf_forms(region: fx.GraphModule) -> int:
+    """Replace leaf calls whose module has a functional form (activations, dropout, Linear, LayerNorm and the
+    forms registered by treadle.models) by that function, so a compiled region holds plain ops and no module
+    hooks. A dropout's training flag is taken as it is now. Returns how many leaves were inlined."""
+    from .pattern import _MODULE_FORMS
+
+    n_done = 0
+    for node in list(region.graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        mod = region.get_submodule(node.target)
+        maker = _MODULE_FORMS.get(type(mod))
+        if maker is None:
+            continue
+        op, consts, pnames = maker(mod)
+        fn = _FUNCTIONS.get(op)
+        if fn is None:
+            continue
+        kwargs = dict(consts)
+        with region.graph.inserting_before(node):
+            for p in pnames:
+                kwargs[p] = region.graph.get_attr(f"{node.target}.{p}") if getattr(mod, p, None) is not None else None
+            new = region.graph.call_function(fn, (node.args[0],), kwargs)
+        node.replace_all_uses_with(new)
+        region.graph.erase_node(node)
+        n_done += 1
+    if n_done:
+        region.graph.lint()
+        region.recompile()
+    return n_done
+
+
 class FusedRegion(nn.Module):
     """A matched region compiled with `torch.compile(backend=compiler)` on first call (fullgraph)."""
 
@@ -189,7 +226,9 @@ class FusedRegion(nn.Module):
 
     def forward(self, *args):
         if self._compiled is None:
-            object.__setattr__(self, "_compiled", torch.compile(self.region, backend=self.compiler, fullgraph=True))
+            # compile the forward, not the module: module hooks (the region's own) stay outside the graph
+            object.__setattr__(self, "_compiled", torch.compile(self.region.forward, backend=self.compiler,
+                                                                fullgraph=True))
         return self._compiled(*args)
 
     def __getstate__(self):

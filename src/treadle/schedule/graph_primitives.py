@@ -39,6 +39,8 @@ def spec_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     for k, v in inputs.items():
         if torch.is_tensor(v):
             out[k] = {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        elif isinstance(v, dict) and set(v) == {"shape", "dtype"}:  # already a spec (replay)
+            out[k] = {"shape": list(v["shape"]), "dtype": str(v["dtype"])}
         elif v is None or isinstance(v, (bool, int, float, str)):
             out[k] = v
         else:
@@ -209,14 +211,18 @@ class GraphPrimitives:
         """Compile the matched region with ``torch.compile(backend=compiler, fullgraph=True)`` (on first call);
         numerics are unchanged up to the backend's rounding. Raises ScheduleError for an unavailable compiler
         (listing the available ones) or an empty match."""
-        from ..graph.rewrite import FusedRegion, check_compiler, wrap_region
+        from ..graph.rewrite import FusedRegion, check_compiler, inline_leaf_forms, wrap_region
 
         self._check_not_built("fuse")
         check_compiler(compiler, self._where())
         gm, m, path = self._match(match, "fuse")
         spec = m.spec()
         self._state.snapshot()
-        name = wrap_region(gm, m, lambda region: FusedRegion(region, compiler), "fused")
+        def make(region):
+            inline_leaf_forms(region)
+            return FusedRegion(region, compiler)
+
+        name = wrap_region(gm, m, make, "fused")
         self._state.records.append(_record("fuse", path, match=spec, compiler=compiler))
         logger.info("fuse at %r: %d ops -> %s (%s)", path, len(spec["nodes"]), name, compiler)
         return self
