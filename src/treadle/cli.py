@@ -11,10 +11,11 @@ import importlib
 import logging
 import sys
 
-# (module, attribute) of each sub-command's register function
+# modules whose register(subparsers) adds sub-commands
 _SUBCOMMANDS = (
     "treadle.profile.cli",
     "treadle.planner.cli",
+    "treadle.cost.cli",
     "treadle.verify.cli",
 )
 
