@@ -3,11 +3,11 @@
 1. ``time``: capture + cost graph + solve on this machine, models built on fake tensors:
    Llama-3-8B on 8x8 H100 (batch 32, seq 4096, bf16, 80 GiB) and GPT-2-XL on 2x4 A100-80GB (batch 32,
    seq 1024, bf16, 80 GiB). Target <= 10 s each. The mesh is the physical (nodes, devices) one.
-2. ``quality``: {GPT-2-XL, LLaMA-2-7B, LLaMA-2-70B} x {1x8 A100-80GB, 8x8 H100} x {80 GiB, 40 GiB}:
+2. ``quality``: {GPT-2-XL, LLaMA-2-7B, LLaMA-2-70B} x {1x8 A100-80GB, 8x8 H100} x {80, 40, 24 GiB}:
    predicted step time of the automatic plan (searching every 1-D and 2-D mesh of the cluster) next to the
    best hand plan — data parallel, ZeRO-3, Megatron TP=8 (x DP), TP=4 x DP — each with no and with full
-   checkpointing, all priced by the same cost model. Ratio = auto / best feasible hand plan (target <= 1.00;
-   "auto only" where every hand plan exceeds memory).
+   checkpointing, all priced by the same cost model; budgets 80, 40 and 24 GiB. Ratio = auto / best feasible
+   hand plan (target <= 1.00; "auto only" where every hand plan exceeds memory).
 3. ``joint``: the same grid, joint ILP vs two-stage (sharding first, then the exact checkpoint DP): ratio of
    predicted step times (two-stage / joint; >= 1 means the joint plan is faster), on the mesh the joint plan
    picked.
@@ -126,7 +126,7 @@ def bench_quality(do_joint: bool) -> tuple[list[dict], list[dict]]:
             batch = micro * world
             model, inputs = _build(mname, batch, seq)
             graph = capture(model, (), inputs)
-            for budget_gib in (80, 40):
+            for budget_gib in (80, 40, 24):
                 budget = budget_gib * GiB
                 hand = []
                 for label, shape, names, kw in _hand_plans(mname, world, dpn):

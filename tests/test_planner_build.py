@@ -58,6 +58,20 @@ def test_plan_builds_and_verifies(name, shape):
     assert not bad, bad
 
 
+@pytest.mark.slow
+def test_megatron_mlp_pins_on_gpt2_conv1d_verify():
+    """Row-parallel Conv1D with a bias: the Partial sum leaves its module reduced, the bias added once."""
+    model, inputs = _model("tiny-gpt2")
+    cl = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="h100-sxm")
+    pins = {"*": {"tp": "R"}, "*.mlp.c_fc.weight": {"tp": 1}, "*.mlp.c_fc.bias": {"tp": 0},
+            "*.mlp.c_proj.weight": {"tp": 0}}
+    plan = plan_model(model, inputs, cluster=cl, dp_axis=None, pins=pins)
+    syncs = {(d.path, d.args["from_"], d.args["to"]) for d in plan.decisions if d.op == "sync"}
+    assert syncs == {(f"transformer.h.{i}.mlp.c_proj", "P", "R") for i in range(4)}
+    assert not any(d.op == "shard_attr" for d in plan.decisions)
+    verify(plan.schedule_for(_model("tiny-gpt2")[0]), inputs, timeout_s=240)
+
+
 def _saved_bytes_rank(rank: int, world: int, name: str, plan_json: str) -> float:
     from treadle.runtime.build import build
 

@@ -273,13 +273,18 @@ class _Builder(NodeCosts):
                 continue
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
-            # module's exit, so its Partial output must be reduced there (never passed on as Partial)
-            affine_partial = P in raw and _has_bias(n)
+            # module's exit, so a Partial value leaving a module that holds such an op must be reduced there
+            affine_partial = P in raw and self._leaves(n) and n.module in self.biased_modules
             if (not is_output or all(p == R for p in raw)) and not affine_partial:
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw):
                 out.append((combo, tuple(R for _ in raw)))
         return out
+
+    def _leaves(self, n: Node) -> bool:
+        """Whether some user of `n` runs outside n's innermost module."""
+        q = n.module
+        return any(not (self.nodes[u].module == q or self.nodes[u].module.startswith(q + ".")) for u in n.users)
 
     def _divisible(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
         """Every sharded dim divides on the data-parallel-local shape (the dims rules checked global sizes)."""
@@ -327,6 +332,7 @@ class _Builder(NodeCosts):
         # canonical op nodes in order
         canon_ops = [n for n in self.nodes if n.kind == "op" and self.canonical(n.index) == n.index]
         self.exit_of = {n.index: exit_module(self.g, n) for n in canon_ops}
+        self.biased_modules = {n.module for n in canon_ops if _has_bias(n)}
         self.param_owner: dict[str, int] = {}
         for n in canon_ops:
             for j in n.inputs:
