@@ -400,6 +400,7 @@ def _graph_from_export(ep, mod: nn.Module, records: dict[int, _LeafCallRecord], 
     g = fx.Graph()
     env: dict[fx.Node, Any] = {}
     attrs: dict[str, Any] = {}
+    direct: dict[fx.Node, fx.Node] = {}
     t_nodes = [g.placeholder(f"in_{i}") for i in range(n_tensors)]
     o_nodes = [g.placeholder(f"opaque_{j}") for j in range(n_opaques)]
     ui = iter(range(n_tensors))
@@ -431,8 +432,12 @@ def _graph_from_export(ep, mod: nn.Module, records: dict[int, _LeafCallRecord], 
             attrs[rec.path] = mod.get_submodule(rec.path)
             cm = g.call_module(rec.path, tuple(a), dict(k))
             cm.meta["treadle_leaf"] = rec.path
-            flat_t = g.call_function(_tensor_leaves, (cm,))
-            env[node] = flat_t
+            if rec.out_spec is not None and rec.out_spec.is_leaf() and len(rec.out_flat) == 1:
+                direct[node] = cm  # a single-tensor leaf: its call is the value (no unpacking nodes)
+            else:
+                env[node] = g.call_function(_tensor_leaves, (cm,))
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in direct:
+            env[node] = direct[node.args[0]]
         elif node.op == "get_attr":
             attrs[node.target] = getattr(ep.graph_module, node.target)
             env[node] = g.get_attr(node.target)

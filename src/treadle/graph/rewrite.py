@@ -180,7 +180,7 @@ def extract_region(gm: fx.GraphModule, match: Match) -> tuple[fx.GraphModule, li
 
 _FUNCTIONS: dict[str, Callable] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
                                     "sigmoid": torch.sigmoid, "softmax": F.softmax, "dropout": F.dropout,
-                                    "linear": F.linear, "layer_norm": F.layer_norm}
+                                    "linear": F.linear, "layer_norm": F.layer_norm, "rms_norm": F.rms_norm}
 
 
 def inline_leaf_forms(region: fx.GraphModule) -> int:

@@ -136,6 +136,8 @@ class GraphPrimitives:
         Raises ScheduleError when the pattern cannot be captured."""
         from ..graph.pattern import find_matches
 
+        _ensure_model_forms()
+
         gm = self._traced("find")
         return find_matches(pattern, gm, path=self.path)
 
@@ -183,6 +185,8 @@ class GraphPrimitives:
         reduction); a row-sharded one is a BuildError. Raises ScheduleError if nothing can decompose."""
         from ..graph.rewrite import decomposable, decompose_node
 
+        _ensure_model_forms()
+
         self._check_not_built("decompose")
         _ensure_build_steps()
         if isinstance(self.mod, fx.GraphModule):
@@ -212,6 +216,8 @@ class GraphPrimitives:
         numerics are unchanged up to the backend's rounding. Raises ScheduleError for an unavailable compiler
         (listing the available ones) or an empty match."""
         from ..graph.rewrite import FusedRegion, check_compiler, inline_leaf_forms, wrap_region
+
+        _ensure_model_forms()
 
         self._check_not_built("fuse")
         check_compiler(compiler, self._where())
@@ -356,6 +362,14 @@ def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
         raise ScheduleError(f"checkpoint_selective at {where}: unknown ops {bad}; name aten ops as 'aten.<op>', "
                             f"e.g. 'aten.mm', 'aten.addmm'")
     return out
+
+
+def _ensure_model_forms() -> None:
+    """Load the model-specific op forms and decompositions (they live in treadle.models.kernels)."""
+    try:
+        from ..models import kernels  # noqa: F401
+    except ImportError:  # pragma: no cover - transformers missing: only the built-in forms exist
+        pass
 
 
 def _ensure_build_steps() -> None:

@@ -1,0 +1,233 @@
+"""Kernel schedules for Hugging Face GPT-2 and LLaMA blocks: SDPA attention, fused bias+GeLU / SwiGLU, and fused
+residual(+dropout)+norm — each a graph-level primitive over the stock model, composable with `megatron`.
+
+Per block, in this order (NOTE [kernel order]): replace the attention module by one built on
+`F.scaled_dot_product_attention` (same children, so tensor-parallel shards of its projections still apply);
+trace the block (children stay leaves) and fuse ``h = x + residual; norm(h)`` (with the dropout before the add
+when the graph has one) with `torch.compile`; trace the MLP, decompose its first projection (GPT-2) and fuse
+``gelu(x + bias)`` (GPT-2) or ``silu(gate) * up`` (LLaMA). The block is traced before its MLP so that the
+block's capture never runs a compiled region.
+
+This module also registers the functional forms of HF activation/norm modules and the decomposition of
+GPT-2's Conv1D, which the pattern matcher and `decompose` use (the one place model classes are named).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ScheduleError
+from ..graph.pattern import _MODULE_FORMS, register_module_form
+from ..graph.rewrite import _DECOMPOSITIONS, register_decomposition
+from ..schedule.core import Schedule
+from .common import blocks_path, has_children
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ registrations
+def _register() -> None:
+    from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.pytorch_utils import Conv1D
+
+    forms = {
+        NewGELUActivation: lambda m: ("gelu", {"approximate": "tanh"}, ()),
+        GELUActivation: lambda m: ("gelu", {"approximate": "none"}, ()),
+        SiLUActivation: lambda m: ("silu", {}, ()),
+        LlamaRMSNorm: lambda m: ("rms_norm", {"normalized_shape": [m.weight.shape[0]], "eps": m.variance_epsilon},
+                                 ("weight",)),
+    }
+    for t, f in forms.items():
+        if t not in _MODULE_FORMS:
+            register_module_form(t, f)
+    if Conv1D not in _DECOMPOSITIONS:
+        @register_decomposition(Conv1D, out_dim=1, in_dim=0)
+        def _conv1d(graph, x, path):  # Conv1D: y = x @ W + b with W (in, out)
+            return graph.call_function(torch.matmul, (x, graph.get_attr(f"{path}.weight")))
+
+
+_register()
+
+
+# ------------------------------------------------------------------------------------------ SDPA attention
+class GPT2SdpaAttention(nn.Module):
+    """GPT-2 self-attention on `F.scaled_dot_product_attention`, sharing the original's projections.
+    Input/output as GPT2Attention: (B, T, E) -> ((B, T, E), None). Under tensor parallelism the fused q|k|v
+    projection yields this rank's heads; the head count follows from `split_size` / `head_dim`."""
+
+    def __init__(self, old: nn.Module):
+        super().__init__()
+        if getattr(old, "is_cross_attention", False):
+            raise ScheduleError("GPT2SdpaAttention: cross-attention is not supported")
+        self.c_attn = old.c_attn
+        self.c_proj = old.c_proj
+        self.attn_dropout = old.attn_dropout
+        self.resid_dropout = old.resid_dropout
+        self.split_size = old.split_size
+        self.head_dim = old.head_dim
+        self.num_heads = old.num_heads
+        self.scaling = old.scaling
+        self.layer_idx = old.layer_idx
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, output_attentions=False, **kwargs):
+        if encoder_hidden_states is not None:
+            raise ScheduleError("GPT2SdpaAttention: cross-attention inputs are not supported")
+        q, k, v = self.c_attn(hidden_states).split(self.split_size, dim=2)  # (B, T, E_local) each
+        shape = (*q.shape[:-1], -1, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        return _sdpa_out(self, q, k, v, attention_mask, self.attn_dropout.p), None
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _sdpa_out(mod, q, k, v, mask, dropout_p: float) -> torch.Tensor:
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, : k.shape[-2]]
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if mod.training else 0.0,
+                                       is_causal=mask is None and q.shape[2] > 1, scale=mod.scaling,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    y = y.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)  # (B, T, nh * hd)
+    return mod._out(y)
+
+
+class LlamaSdpaAttention(nn.Module):
+    """LLaMA attention (rotary, grouped-query) on `F.scaled_dot_product_attention` (``enable_gqa``), sharing
+    the original's projections. Input/output as LlamaAttention."""
+
+    def __init__(self, old: nn.Module):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = old.q_proj, old.k_proj, old.v_proj, old.o_proj
+        self.head_dim = old.head_dim
+        self.scaling = old.scaling
+        self.layer_idx = old.layer_idx
+        self.attention_dropout = old.attention_dropout
+        self.config = old.config
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        return _sdpa_out(self, q, k, v, attention_mask, self.attention_dropout), None
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(y)
+
+
+def sdpa_gpt2_attention(old: nn.Module) -> nn.Module:
+    """Factory for `replace`: a GPT2SdpaAttention sharing `old`'s projections."""
+    return GPT2SdpaAttention(old)
+
+
+def sdpa_llama_attention(old: nn.Module) -> nn.Module:
+    """Factory for `replace`: a LlamaSdpaAttention sharing `old`'s projections."""
+    return LlamaSdpaAttention(old)
+
+
+# ------------------------------------------------------------------------------------------ patterns
+def bias_gelu_tanh(x, bias):
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def bias_gelu(x, bias):
+    return F.gelu(x + bias)
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def residual_norm_pattern(kind: str, shape: list[int], eps: float, dropout_p: float | None):
+    """Pattern ``h = [dropout(x)] + residual; return h, norm(h)`` for a LayerNorm (``kind="layer_norm"``,
+    inputs x, residual, weight, bias) or an RMSNorm (``"rms_norm"``, inputs x, residual, weight)."""
+    if kind == "layer_norm":
+        def residual_layer_norm(x, residual, weight, bias):
+            if dropout_p is not None:
+                x = F.dropout(x, dropout_p, True)
+            h = x + residual
+            return h, F.layer_norm(h, shape, weight, bias, eps)
+
+        return residual_layer_norm
+
+    def residual_rms_norm(x, residual, weight):
+        if dropout_p is not None:
+            x = F.dropout(x, dropout_p, True)
+        h = x + residual
+        return h, F.rms_norm(h, shape, weight, eps)
+
+    return residual_rms_norm
+
+
+def fuse_residual_norm(sch: Schedule, norm_path: str, *, compiler: str, dropout_p: float | None = None) -> int:
+    """Fuse ``[dropout +] residual add -> norm`` feeding the norm leaf `norm_path` (relative to traced `sch`).
+    Tries the form with dropout first when `dropout_p` is given. Returns the number of fused regions."""
+    norm = sch[norm_path].mod
+    if isinstance(norm, nn.LayerNorm):
+        mk = lambda p: residual_norm_pattern("layer_norm", list(norm.normalized_shape), norm.eps, p)  # noqa: E731
+    else:
+        mk = lambda p: residual_norm_pattern("rms_norm", [norm.weight.shape[0]], norm.variance_epsilon, p)  # noqa: E731
+    for p in ([dropout_p] if dropout_p is not None else []) + [None]:
+        ms = [m for m in sch.find_pattern(mk(p)) if m.outputs[1].target == norm_path]
+        if ms:
+            sch.fuse(ms[0], compiler=compiler)
+            return 1
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ recipes
+def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: str = "inductor",
+                    attention: bool = True, fuse_mlp: bool = True, fuse_norm: bool = True) -> Schedule:
+    """Apply the kernel schedule to every block of a GPT-2 or LLaMA model (found by structure).
+    `example_inputs`: keyword inputs of the whole model (for capture; use_cache=False avoids KV caches).
+    Composes with `megatron` applied before it (tensor-parallel shards of the projections carry over; the
+    decomposed GPT-2 ``c_fc`` gets its input-gradient reduction at build). Raises ScheduleError for other
+    block structures or when a pattern is missing from a block."""
+    blocks = blocks_path(sch)
+    first = sch[blocks].mod[0]
+    if has_children(first, "attn.c_attn", "mlp.c_fc", "ln_2"):
+        family = "gpt2"
+    elif has_children(first, "self_attn.q_proj", "mlp.gate_proj", "post_attention_layernorm"):
+        family = "llama"
+    else:
+        raise ScheduleError(f"kernel_schedule: no kernel schedule for blocks of type {type(first).__name__}; "
+                            f"known: GPT-2 (attn.c_attn, mlp.c_fc) and LLaMA (self_attn.q_proj, mlp.gate_proj)")
+    for i in range(len(sch[blocks].mod)):
+        b = f"{blocks}.{i}"
+        attn = f"{b}.attn" if family == "gpt2" else f"{b}.self_attn"
+        if attention:
+            sch[attn].replace(sdpa_gpt2_attention if family == "gpt2" else sdpa_llama_attention)
+        if fuse_norm:
+            sch[b].trace(example_inputs=example_inputs)
+            norm = "ln_2" if family == "gpt2" else "post_attention_layernorm"
+            if not fuse_residual_norm(sch[b], norm, compiler=compiler):
+                raise ScheduleError(f"kernel_schedule at {b!r}: no residual add feeding {norm!r}")
+        if fuse_mlp:
+            mlp = sch[f"{b}.mlp"]
+            mlp.trace(example_inputs=example_inputs)
+            if family == "gpt2":
+                sch[f"{b}.mlp.c_fc"].decompose()
+                ms = mlp.find_pattern(bias_gelu_tanh) or mlp.find_pattern(bias_gelu)
+            else:
+                ms = mlp.find_pattern(swiglu)
+            if not ms:
+                raise ScheduleError(f"kernel_schedule at {b!r}: the MLP has no {'bias+GeLU' if family == 'gpt2' else 'SwiGLU'}")
+            mlp.fuse(ms[0], compiler=compiler)
+    logger.info("kernel_schedule: %s, %d blocks (attention=%s, mlp=%s, norm=%s, %s)", family,
+                len(sch[blocks].mod), attention, fuse_mlp, fuse_norm, compiler)
+    return sch
