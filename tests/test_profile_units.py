@@ -106,6 +106,16 @@ class IndexedNet(nn.Module):
         return x.sum()
 
 
+def test_progress_reports_stages_in_order():
+    seen = []
+    model, inputs = named_model("tiny-gpt2", batch=2, seq=16)
+    profile(model, inputs, progress=lambda stage, frac: seen.append((stage, frac)))
+    stages = [s for s, _ in seen]
+    assert stages[0] == "blocks" and stages[-1] == "done" and "forward" in stages and "aggregate" in stages
+    assert all(0.0 <= f <= 1.0 for _, f in seen)
+    assert stages.index("forward") < stages.index("aggregate")
+
+
 def test_position_dependent_blocks_fall_back_to_the_full_profile(caplog):
     net, x = IndexedNet(), torch.randn(B, D_IN)
     fast, full = profile(net, (x,)), profile(net, (x,), reuse_blocks=False)
