@@ -11,7 +11,7 @@ from torch import nn
 from treadle.cli import main as cli_main
 from treadle.errors import ProfileError
 from treadle.models.zoo import load_model, named_model
-from treadle.profile import HardwareSpec, profile
+from treadle.profile import HardwareSpec, ModelProfile, profile
 from treadle.profile.memory import optimizer_state_bytes
 
 B, D_IN, D_HID, D_OUT = 8, 16, 32, 4
@@ -272,6 +272,9 @@ def test_cli_profile_writes_json(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "LlamaDecoderLayer" in printed and "0..3" in printed and "peak memory" in printed and "MFU" in printed
     doc = json.loads(out.read_text())
+    back = ModelProfile.from_json(out.read_text())
+    assert back.totals() == ModelProfile.from_dict(back.to_dict()).totals() == doc["totals"]
+    assert [r.to_dict() for r in back.ops] == doc["ops"] and back.hardware.name == "a100-80gb"
     model, inputs = named_model("tiny-llama", batch=2, seq=16)
     ref = profile(model, inputs, hardware="a100-80gb")
     assert doc["totals"]["total_flops"] == ref.total_flops

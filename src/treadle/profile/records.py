@@ -78,6 +78,13 @@ class OpRecord:
     def to_dict(self) -> dict[str, Any]:
         return {s: getattr(self, s) for s in OpRecord.__slots__}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpRecord":
+        r = cls(d["index"], d["op"], d["kind"], d["module"], d["phase"], d["dtype"])
+        for s in OpRecord.__slots__:
+            setattr(r, s, d[s])
+        return r
+
     def __repr__(self) -> str:
         return (f"OpRecord(index={self.index}, op={self.op!r}, module={self.module!r}, phase={self.phase!r}, "
                 f"flops={self.flops}, saved_bytes={self.saved_bytes}, live_after_bytes={self.live_after_bytes})")
@@ -200,3 +207,21 @@ class ModelProfile:
 
     def to_json(self, *, ops: bool = True) -> str:
         return json.dumps(self.to_dict(ops=ops))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
+        """Inverse of `to_dict` (a profile written with ops=False comes back without op records)."""
+        totals = d["totals"]
+        stored = {k: totals[k] for k in ("forward_flops", "backward_flops", "recompute_flops", "param_bytes",
+                                         "buffer_bytes", "input_bytes", "grad_bytes", "optimizer_state_bytes",
+                                         "saved_bytes", "saved_input_bytes", "activation_peak_bytes", "peak_module",
+                                         "peak_op_index", "peak_phase", "step_time_s", "forward_time_s",
+                                         "backward_time_s", "mfu")}
+        return cls(model=d["model"], hardware=HardwareSpec.from_dict(d["hardware"]), dtype=d["dtype"],
+                   train=d["train"], optimizer=d["optimizer"], ops=[OpRecord.from_dict(r) for r in d["ops"]],
+                   modules={m["path"]: ModuleStats(**m) for m in d["modules"]}, reused_blocks=d["reused_blocks"],
+                   profile_time_s=d["profile_time_s"], **stored)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelProfile":
+        return cls.from_dict(json.loads(text))

@@ -98,7 +98,10 @@ def summary_table(prof: ModelProfile) -> Table:
         ("inputs + buffers", fmt_bytes(prof.input_bytes + prof.buffer_bytes)),
         ("saved for backward", fmt_bytes(prof.saved_bytes + prof.saved_input_bytes)),
         ("activation peak (above resident)", fmt_bytes(prof.activation_peak_bytes)),
-        ("peak memory", f"{fmt_bytes(prof.peak_bytes)} of {fmt_bytes(prof.hardware.memory_bytes)}"),
+        ("peak memory", f"{fmt_bytes(prof.peak_bytes)} of {fmt_bytes(prof.hardware.memory_bytes)}"
+                        + ("" if prof.peak_bytes <= prof.hardware.memory_bytes else
+                           f" (does not fit one device: {prof.peak_bytes / prof.hardware.memory_bytes:.1f}x; "
+                           f"shard or checkpoint)")),
         ("peak at", f"{prof.peak_module or '<model>'} ({prof.peak_phase}, op #{prof.peak_op_index})"),
         ("step time (roofline)", f"{fmt_time(prof.step_time_s)} (fwd {fmt_time(prof.forward_time_s)}, "
                                  f"bwd {fmt_time(prof.backward_time_s)})"),
