@@ -85,23 +85,6 @@ def on_grad(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torc
     return _GradOnly.apply(x, fn)
 
 
-def raw_op(op: str, kwargs: dict, group) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward effect of an explicit sync op as a plain function (used on gradients)."""
-    from . import collectives as C2
-
-    if op == "all_reduce":
-        return lambda t: C2._all_reduce(t, group)
-    if op == "all_gather":
-        return lambda t: C2._gather(t, kwargs["dim"], group)
-    if op == "reduce_scatter":
-        return lambda t: C2._reduce_scatter(t, kwargs["dim"], group)
-    if op == "split":
-        return lambda t: C2._split(t, kwargs["dim"], group)
-    if op == "all_to_all":
-        return lambda t: C2._all_to_all(t, kwargs["split_dim"], kwargs["concat_dim"], group)
-    raise BuildError(f"unknown sync op {op!r}")
-
-
 def apply_op(x: torch.Tensor, op: str, kwargs: dict, group) -> torch.Tensor:
     """The explicit sync op on an activation, with its adjoint in backward."""
     if op == "all_reduce":
