@@ -152,3 +152,29 @@ def test_pipeline_config_errors():
         sch.pipeline(n_microbatches=3, example_inputs=_inputs())
     with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
         sch.pipeline(n_microbatches=2, schedule="zb", example_inputs=_inputs())
+
+
+def test_stage_io_found_by_liveness_and_numerics_of_the_split():
+    """Only the hidden states cross the cut (positions and masks depend on no input: recomputed per stage);
+    the last stage hands the logits to the loss; chaining the stage graphs gives the model's loss."""
+    from treadle.graph.capture import capture_export
+    from treadle.runtime.pipeline import split_stages
+
+    model = tiny_gpt2(4)
+    inp = {**lm_inputs(2, SEQ, seed=5), "use_cache": False}
+    leaves = [f"transformer.h.{i}" for i in range(4)] + ["transformer.wte", "transformer.wpe", "transformer.ln_f",
+                                                        "lm_head"]
+    gm = capture_export(model, leaves, (), inp, where="test", dynamic=False)
+    stages, loss_gm, first = split_stages(gm, cut_paths=["transformer.h.1"], input_names=["input_ids", "labels"],
+                                          target="labels")
+    assert first == ["input_ids"]
+    assert len(stages[0].outputs) == 1 and stages[1].inputs == stages[0].outputs
+    assert len(stages[1].outputs) == 1
+    calls0 = [n.target for n in stages[0].module.graph.nodes if n.op == "call_module"]
+    assert calls0 == ["transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1"]
+    with torch.no_grad():
+        (h,) = stages[0].module(inp["input_ids"])
+        (logits,) = stages[1].module(h)
+        loss = loss_gm(logits, inp["labels"])
+        ref = model(**inp).loss
+    torch.testing.assert_close(loss, ref)

@@ -1,0 +1,10 @@
+"""Graph layer: capture a sub-module as an FX graph (torch.export / torch.fx) with its children as leaf calls,
+match subgraph patterns written as Python functions, and rewrite the graph (replace, decompose, fuse,
+checkpoint). The schedule primitives that use it live in `treadle.schedule.graph_primitives`."""
+
+from .capture import TracedModule, record_call
+from .pattern import Match, ParamRef, capture_pattern, find_matches, register_module_form
+from .rewrite import CheckpointRegion, FusedRegion, register_decomposition
+
+__all__ = ["TracedModule", "record_call", "Match", "ParamRef", "capture_pattern", "find_matches",
+           "register_module_form", "CheckpointRegion", "FusedRegion", "register_decomposition"]

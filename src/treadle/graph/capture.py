@@ -479,4 +479,4 @@ def leaf_call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module"]
 
 
-__all__ = ["TracedModule", "record_call", "resolve_leaves", "capture_fx", "capture_export", "operator"]
+__all__ = ["TracedModule", "record_call", "resolve_leaves", "capture_fx", "capture_export"]
