@@ -73,6 +73,8 @@ def _pp_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
             opt.step()
             opt.zero_grad()
         res["tied"] = list(pipe.tied)
+        res["tied_final"] = {n: p.detach().clone() for n, p in params.items()
+                             if any(p is t for t in pipe._tied_params)}
         results.append(res)
     return results
 
@@ -117,6 +119,9 @@ def test_pipeline_world2_gpipe_1f1b_interleaved(reference):
         per_rank = [out[r][i] for r in range(2)]
         _check(case, per_rank, reference, Mesh((2,), ("pp",)))
         assert per_rank[0]["tied"] == ["transformer.wte.weight"]  # wte (stage 0) is lm_head (last stage)
+        if case["cuts"] == [1]:  # after three steps the two copies are still equal
+            torch.testing.assert_close(per_rank[0]["tied_final"]["transformer.wte.weight"],
+                                       per_rank[1]["tied_final"]["lm_head.weight"], rtol=0, atol=0)
     assert out[0][2]["stages"] == [0, 2] and out[1][2]["stages"] == [1, 3]
 
 
@@ -137,6 +142,11 @@ def test_cut_outside_a_sequential_container_is_rejected():
     with pytest.raises(ScheduleError, match=r"cut_pipeline_stage at sch\['transformer.h.0.attn'\].*not an element "
                                             r"of a sequential container.*transformer.h"):
         sch["transformer.h.0.attn"].cut_pipeline_stage()
+    with pytest.raises(ScheduleError, match=r"the last element of 'transformer.h' ends no stage"):
+        sch["transformer.h.1"].cut_pipeline_stage()
+    sch["transformer.h.0"].cut_pipeline_stage()
+    with pytest.raises(ScheduleError, match="already cut here"):
+        sch["transformer.h.0"].cut_pipeline_stage()
 
 
 def test_pipeline_config_errors():

@@ -311,7 +311,8 @@ def capture_export(mod: nn.Module, leaf_paths: list[str], args: tuple, kwargs: d
                 else:
                     raise ScheduleError(f"trace at {where}: leaf {path!r} receives a {type(x).__name__} made inside "
                                         f"the module; only tensors, constants and objects passed into the module "
-                                        f"can reach a leaf")
+                                        f"can reach a leaf (a model that builds a KV cache needs use_cache=False "
+                                        f"in the example inputs)")
             cid = next(_CALL_IDS)
             rec = _LeafCallRecord(path, spec, kinds)
             records[cid] = rec

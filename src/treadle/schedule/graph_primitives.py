@@ -273,6 +273,9 @@ class GraphPrimitives:
             raise ScheduleError(f"cut_pipeline_stage at {self._where()}: {type(self.mod).__name__} is not an element "
                                 f"of a sequential container, so the model does not run in stages there; cut after "
                                 f"an element of one of {seqs} (e.g. sch[{(seqs[0] + '.0') if seqs else '...'!r}])")
+        if name == str(len(parent) - 1):
+            raise ScheduleError(f"cut_pipeline_stage at {self._where()}: the last element of {parent_path!r} ends no "
+                                f"stage of blocks; cut after an earlier element")
         cuts = self._state.extras.setdefault("pipeline_cuts", [])
         if self.path in cuts:
             raise ScheduleError(f"cut_pipeline_stage at {self._where()}: already cut here")
@@ -312,7 +315,7 @@ class GraphPrimitives:
             raise ScheduleError(f"pipeline: {n_stages} stages do not spread evenly over mesh axis {axis!r} of size "
                                 f"{pp}; use a multiple of {pp} stages")
         spec = spec_inputs(example_inputs)
-        batches = {k: v.shape[0] for k, v in example_inputs.items() if torch.is_tensor(v)}
+        batches = {k: v["shape"][0] for k, v in spec.items() if isinstance(v, dict) and v["shape"]}
         for k, b in batches.items():
             if b % n_microbatches:
                 raise ScheduleError(f"pipeline: input {k!r} has batch {b}, not divisible by n_microbatches="
