@@ -9,6 +9,7 @@ import torch.fx as fx
 
 import treadle
 from treadle import Mesh, ScheduleError, create_schedule
+from treadle.graph.pattern import node_form
 from treadle.graph.rewrite import FusedRegion
 from treadle.models import megatron
 from treadle.models.kernels import GPT2SdpaAttention, LlamaSdpaAttention, kernel_schedule
@@ -70,9 +71,39 @@ def test_llama_sdpa_composes_with_megatron_tp2():
     treadle.verify(sch, _inputs())
 
 
+def test_bert_residual_dropout_layernorm_and_bias_gelu_with_megatron_tp2_then_verify():
+    model = tiny_bert(2)
+    sch = create_schedule(model, mesh=Mesh((2,), ("tp",)))
+    megatron(sch, tp="tp")
+    kernel_schedule(sch, example_inputs=lm_inputs(2, 8), compiler="aot_eager")
+    for out in ("bert.encoder.layer.0.attention.output", "bert.encoder.layer.1.output"):
+        (fused,) = _fused(sch, out)
+        ops = {node_form(n, None).op for n in fused.region.graph.nodes if n.op == "call_function"}
+        assert {"dropout", "add", "layer_norm"} <= ops  # dropout + residual + LayerNorm in one compiled region
+    rep = treadle.verify(sch, lm_inputs(2, 8), lr=1e-5)  # small lr: see test_gpt2_kernels_compose_with_megatron_tp2
+    assert rep.ok
+
+
+def test_fuse_refuses_to_swallow_a_leaf_with_recorded_primitives():
+    from treadle.models.kernels import bias_gelu
+
+    sch = create_schedule(tiny_bert(1), mesh=Mesh((2,), ("tp",)))
+    sch["bert.encoder.layer.0.intermediate"].trace(example_inputs=lm_inputs(2, 8))
+    sch["bert.encoder.layer.0.intermediate.intermediate_act_fn"].fork_rng(axis="tp")
+    sch["bert.encoder.layer.0.intermediate.dense"].decompose()
+    m = sch["bert.encoder.layer.0.intermediate"].find_pattern(bias_gelu)[0]
+    with pytest.raises(ScheduleError, match=r"leaf 'bert.encoder.layer.0.intermediate.intermediate_act_fn' has "
+                                            r"recorded primitives \['fork_rng'\]"):
+        sch["bert.encoder.layer.0.intermediate"].fuse(m, compiler="aot_eager")
+
+
 def test_kernel_schedule_names_the_structures_it_knows():
-    sch = create_schedule(tiny_bert(1), mesh=Mesh((1,), ("tp",)))
-    with pytest.raises(ScheduleError, match=r"no kernel schedule for blocks of type BertLayer; known: GPT-2"):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, ffn_dim=128,
+                                     vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64))
+    sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
+    with pytest.raises(ScheduleError, match=r"no kernel schedule for blocks of type OPTDecoderLayer; known: GPT-2"):
         kernel_schedule(sch, example_inputs=_inputs())
 
 

@@ -153,15 +153,17 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-def residual_norm_pattern(kind: str, shape: list[int], eps: float, dropout_p: float | None):
-    """Pattern ``h = [dropout(x)] + residual; return h, norm(h)`` for a LayerNorm (``kind="layer_norm"``,
-    inputs x, residual, weight, bias) or an RMSNorm (``"rms_norm"``, inputs x, residual, weight)."""
+def residual_norm_pattern(kind: str, shape: list[int], eps: float, dropout_p: float | None, *, both: bool = True):
+    """Pattern ``h = [dropout(x)] + residual; return (h,) norm(h)`` for a LayerNorm (``kind="layer_norm"``,
+    inputs x, residual, weight, bias) or an RMSNorm (``"rms_norm"``, inputs x, residual, weight). With
+    ``both=False`` only the norm is an output (post-norm blocks, where the sum feeds nothing else)."""
     if kind == "layer_norm":
         def residual_layer_norm(x, residual, weight, bias):
             if dropout_p is not None:
                 x = F.dropout(x, dropout_p, True)
             h = x + residual
-            return h, F.layer_norm(h, shape, weight, bias, eps)
+            y = F.layer_norm(h, shape, weight, bias, eps)
+            return (h, y) if both else y
 
         return residual_layer_norm
 
@@ -169,7 +171,8 @@ def residual_norm_pattern(kind: str, shape: list[int], eps: float, dropout_p: fl
         if dropout_p is not None:
             x = F.dropout(x, dropout_p, True)
         h = x + residual
-        return h, F.rms_norm(h, shape, weight, eps)
+        y = F.rms_norm(h, shape, weight, eps)
+        return (h, y) if both else y
 
     return residual_rms_norm
 
@@ -179,14 +182,16 @@ def fuse_residual_norm(sch: Schedule, norm_path: str, *, compiler: str, dropout_
     Tries the form with dropout first when `dropout_p` is given. Returns the number of fused regions."""
     norm = sch[norm_path].mod
     if isinstance(norm, nn.LayerNorm):
-        mk = lambda p: residual_norm_pattern("layer_norm", list(norm.normalized_shape), norm.eps, p)  # noqa: E731
+        kind, shape, eps = "layer_norm", list(norm.normalized_shape), norm.eps
     else:
-        mk = lambda p: residual_norm_pattern("rms_norm", [norm.weight.shape[0]], norm.variance_epsilon, p)  # noqa: E731
+        kind, shape, eps = "rms_norm", [norm.weight.shape[0]], norm.variance_epsilon
     for p in ([dropout_p] if dropout_p is not None else []) + [None]:
-        ms = [m for m in sch.find_pattern(mk(p)) if m.outputs[1].target == norm_path]
-        if ms:
-            sch.fuse(ms[0], compiler=compiler)
-            return 1
+        for both in (False, True):  # the sum as an output only when something else reads it (pre-norm residual)
+            ms = [m for m in sch.find_pattern(residual_norm_pattern(kind, shape, eps, p, both=both))
+                  if m.outputs[-1].target == norm_path]
+            if ms:
+                sch.fuse(ms[0], compiler=compiler)
+                return 1
     return 0
 
 
@@ -204,9 +209,13 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
         family = "gpt2"
     elif has_children(first, "self_attn.q_proj", "mlp.gate_proj", "post_attention_layernorm"):
         family = "llama"
+    elif has_children(first, "attention.output.LayerNorm", "intermediate.dense", "output.LayerNorm"):
+        return _bert_kernels(sch, blocks, example_inputs=example_inputs, compiler=compiler, fuse_mlp=fuse_mlp,
+                             fuse_norm=fuse_norm)
     else:
         raise ScheduleError(f"kernel_schedule: no kernel schedule for blocks of type {type(first).__name__}; "
-                            f"known: GPT-2 (attn.c_attn, mlp.c_fc) and LLaMA (self_attn.q_proj, mlp.gate_proj)")
+                            f"known: GPT-2 (attn.c_attn, mlp.c_fc), LLaMA (self_attn.q_proj, mlp.gate_proj) and BERT "
+                            f"(attention.output.LayerNorm, intermediate.dense)")
     for i in range(len(sch[blocks].mod)):
         b = f"{blocks}.{i}"
         attn = f"{b}.attn" if family == "gpt2" else f"{b}.self_attn"
@@ -230,4 +239,29 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
             mlp.fuse(ms[0], compiler=compiler)
     logger.info("kernel_schedule: %s, %d blocks (attention=%s, mlp=%s, norm=%s, %s)", family,
                 len(sch[blocks].mod), attention, fuse_mlp, fuse_norm, compiler)
+    return sch
+
+
+def _bert_kernels(sch: Schedule, blocks: str, *, example_inputs: dict[str, Any], compiler: str, fuse_mlp: bool,
+                  fuse_norm: bool) -> Schedule:
+    """BERT (post-norm): fused dropout+residual+LayerNorm in both output modules and fused bias+GeLU in the
+    intermediate module. Attention keeps the model's own implementation (no SDPA replacement is offered)."""
+    for i in range(len(sch[blocks].mod)):
+        b = f"{blocks}.{i}"
+        if fuse_norm:
+            for out in (f"{b}.attention.output", f"{b}.output"):
+                sch[out].trace(example_inputs=example_inputs)
+                p = float(sch[f"{out}.dropout"].mod.p)
+                if not fuse_residual_norm(sch[out], "LayerNorm", compiler=compiler, dropout_p=p):
+                    raise ScheduleError(f"kernel_schedule at {out!r}: no dropout + residual add feeding its LayerNorm")
+        if fuse_mlp:
+            inter = sch[f"{b}.intermediate"]
+            inter.trace(example_inputs=example_inputs)
+            sch[f"{b}.intermediate.dense"].decompose()
+            ms = inter.find_pattern(bias_gelu) or inter.find_pattern(bias_gelu_tanh)
+            if not ms:
+                raise ScheduleError(f"kernel_schedule at {b!r}: the intermediate module has no bias+GeLU")
+            inter.fuse(ms[0], compiler=compiler)
+    logger.info("kernel_schedule: bert, %d blocks (mlp=%s, norm=%s, %s)", len(sch[blocks].mod), fuse_mlp, fuse_norm,
+                compiler)
     return sch

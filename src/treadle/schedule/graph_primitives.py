@@ -222,6 +222,7 @@ class GraphPrimitives:
         self._check_not_built("fuse")
         check_compiler(compiler, self._where())
         gm, m, path = self._match(match, "fuse")
+        _check_no_primitives_inside(self, gm, m, path)
         spec = m.spec()
         self._state.snapshot()
         def make(region):
@@ -330,6 +331,25 @@ class GraphPrimitives:
         self._record("pipeline", axis=axis, schedule=schedule, n_microbatches=n_microbatches, example_inputs=spec,
                      target=target, scale_grads=scale_grads)
         return self
+
+
+def _check_no_primitives_inside(sch: "Schedule", gm: fx.GraphModule, m: "Match", path: str) -> None:
+    """A compiled region runs its leaves as plain functions: primitives recorded on them (syncs, gradient
+    reductions, checkpoints, RNG forks, sharded parameters) would be bypassed, so refuse to fuse over them."""
+    st = sch._state
+    for n in m.nodes:
+        if n.op != "call_module":
+            continue
+        full = f"{path}.{n.target}" if path else n.target
+        what = ([f"sync {s.mode}" for s in st.syncs if s.path == full]
+                + ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
+                + ["checkpoint" for p in st.checkpoints if p == full]
+                + ["fork_rng" for p, _ in st.fork_rngs if p == full]
+                + [f"shard {name}" for name, prm in gm.get_submodule(n.target).named_parameters()
+                   if id(prm) in st.param_shards])
+        if what:
+            raise ScheduleError(f"fuse at {sch._where()}: leaf {full!r} has recorded primitives {what} that a compiled "
+                                f"region would bypass; fuse a region without that leaf")
 
 
 def _record(op: str, path: str, **args: Any):
