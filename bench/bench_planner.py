@@ -178,7 +178,8 @@ def bench_quality(do_joint: bool) -> tuple[list[dict], list[dict]]:
               f"{r['best_hand']} / {r['auto_plan']}")
     if do_joint:
         print("\n3. joint vs two-stage (same mesh): predicted step time")
-        print(f"{'model':12} {'cluster':14} {'budget':>6} {'mesh':14} {'joint ms':>9} {'2-stage ms':>10} {'2-stage/joint':>13}")
+        print(f"{'model':12} {'cluster':14} {'budget':>6} {'mesh':14} {'joint ms':>9} {'2-stage ms':>10} "
+              f"{'2-stage/joint':>13}")
         for r in jrows:
             two = f"{r['two_stage_step_s'] * 1e3:.0f}" if math.isfinite(r["two_stage_step_s"]) else "OOM"
             ratio = f"{r['ratio_two_stage_over_joint']:.3f}" if r["ratio_two_stage_over_joint"] else "infeasible"

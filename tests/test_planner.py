@@ -82,7 +82,8 @@ def test_capture_paths_and_repeated_blocks():
     assert g.blocks[0].template == g.blocks[1].template == 0
     assert g.blocks[1].members == ["blocks.1", "blocks.2", "blocks.3", "blocks.4"]
     linears = [n for n in g.ops() if n.op_name == "linear"]
-    assert [n.module for n in linears] == ["inp", "blocks.0.fc", "blocks.0.proj", "blocks.1.fc", "blocks.1.proj", "head"]
+    assert [n.module for n in linears] == ["inp", "blocks.0.fc", "blocks.0.proj", "blocks.1.fc", "blocks.1.proj",
+                                           "head"]
     assert g.params["blocks.1.fc.weight"].shape == (128, 32)
     assert g.n_real_params == sum(p.numel() for p in model.parameters())
 
@@ -158,8 +159,8 @@ def _small_graph():
     return g, is_leaf
 
 
-@pytest.mark.parametrize("roles", [Roles("dp", False, ("tp",)), Roles("dp", True, ("tp",)), Roles(None, False, ("dp", "tp"))],
-                         ids=str)
+@pytest.mark.parametrize("roles", [Roles("dp", False, ("tp",)), Roles("dp", True, ("tp",)),
+                                   Roles(None, False, ("dp", "tp"))], ids=str)
 def test_ilp_equals_exhaustive_on_2x2(roles):
     g, is_leaf = _small_graph()
     cl = cluster((2, 2), ("dp", "tp"), link="pcie4")

@@ -147,7 +147,8 @@ def plan_python(plan) -> list[str]:
         if d.op == "shard":
             lines.append(f"sch[{d.path!r}].shard({a['names']!r}, dim={a['dim']}, axis={a['axis']!r})")
         elif d.op == "sync":
-            lines.append(f"sch[{d.path!r}].sync('fwd_post', to={_pl(a['to'])}, axis={a['axis']!r})  # from {a['from_']}")
+            lines.append(f"sch[{d.path!r}].sync('fwd_post', to={_pl(a['to'])}, axis={a['axis']!r})"
+                         f"  # from {a['from_']}")
         elif d.op == "reduce_grads":
             lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
         elif d.op == "shard_attr":

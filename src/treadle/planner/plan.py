@@ -394,7 +394,10 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
             pins.setdefault(k, {}).update(v)
         if role:
             dp_axis, zero = role["dp"], role["zero"]
-    args, kwargs = (tuple(example_inputs), {}) if isinstance(example_inputs, (tuple, list)) else ((), dict(example_inputs))
+    if isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (), dict(example_inputs)
     if graph is None:
         say("capture")
         graph = capture(model, args, kwargs)

@@ -116,7 +116,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     for (m, name, a), why in sorted(attrs.items()):
         out.append(Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}"))
     for (m, a), names in sorted(grads.items()):
-        out.append(Decision("reduce_grads", m, {"axis": a, "names": sorted(names)}, "replicated parameter, sharded data"))
+        out.append(Decision("reduce_grads", m, {"axis": a, "names": sorted(names)},
+                            "replicated parameter, sharded data"))
     for (m, a), why in sorted(rngs.items()):
         out.append(Decision("fork_rng", m, {"axis": a}, why))
     for t, c in sorted(ckpt.items()):
