@@ -90,11 +90,10 @@ def _install(gm: fx.GraphModule, match: Match, make_node: Callable[[fx.Node], fx
     if len(outs) == 1:
         outs[0].replace_all_uses_with(new)
     else:
-        for i, o in enumerate(outs):
+        for i, o in reversed(list(enumerate(outs))):  # getitem 0, 1, ... right after the call
             with gm.graph.inserting_after(new):
                 gi = gm.graph.call_function(operator.getitem, (new, i))
             o.replace_all_uses_with(gi)
-            new = gi if i == len(outs) - 1 else new
     for n in reversed(match.nodes):
         if not n.users:
             gm.graph.erase_node(n)
