@@ -92,6 +92,8 @@ def test_flatten_with_leaves_by_type_and_path():
     calls = [n.target for n in sch["transformer.h.0"].graph.nodes if n.op == "call_module"]
     assert calls == ["attn", "mlp.c_fc"]
     torch.testing.assert_close(_logits(model, inp), ref, rtol=1e-6, atol=1e-6)
+    again = treadle.load_schedule(tiny_gpt2(2), sch.to_json())  # leaves (a type and a path) replay from JSON
+    assert [n.target for n in again["transformer.h.0"].graph.nodes if n.op == "call_module"] == calls
 
 
 def test_a_kv_cache_reaching_only_leaves_is_handed_through():
