@@ -286,6 +286,9 @@ def _wrap_pipeline(builder) -> PipelineModel | None:
         return None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    if builder.st.data_parallel is not None:
+        raise BuildError(f"pipeline: data_parallel on axis {builder.st.data_parallel[0]!r} together with a pipeline "
+                         f"is not supported yet; use pp with tensor parallelism only")
     gm, names, constants = builder.st.extras["_pipeline_graph"]
     cuts = builder.st.extras["pipeline_cuts"]
     stages, loss_gm, stage0_inputs = split_stages(gm, cut_paths=cuts, input_names=names, target=cfg["target"])
