@@ -173,9 +173,13 @@ class Schedule(_GraphPrimitives):
             full = _join(self.path, name)
             yield (name if prefix_relative else full), Schedule(self._state, full, mod)
 
-    def find(self, pattern: str) -> list["Schedule"]:
-        """Sub-schedules whose path (relative to this one) fully matches the regular expression."""
+    def find(self, pattern: Any) -> list[Any]:
+        """A regular expression (str): sub-schedules whose path relative to this one fully matches it.
+        A Python function: subgraph matches in this module's traced graph (`find_pattern`)."""
         import re
+
+        if not isinstance(pattern, str):
+            return self.find_pattern(pattern)
 
         rx = re.compile(pattern)
         return [s for name, s in self.named_schedules(prefix_relative=True) if name and rx.fullmatch(name)]
@@ -209,13 +213,16 @@ class Schedule(_GraphPrimitives):
                                 f"create a new schedule on a fresh model to change it")
 
     # ================================================================== primitives: module tree
-    def replace(self, new: nn.Module | Callable[[nn.Module], nn.Module]) -> "Schedule":
-        """Put `new` (a module, or a factory called with the old module) in place of this module.
+    def replace(self, new: nn.Module | Callable[[nn.Module], nn.Module], match: Any = None) -> "Schedule":
+        """Put `new` (a module, or a factory called with the old module) in place of this module; with
+        `match` (from `find`), replace that matched subgraph of the traced module instead (`replace_match`).
 
         Forward hooks, forward pre-hooks and backward hooks of the old module carry over, as do
         primitives recorded for this path. Returns the schedule of the new module.
         Raises ScheduleError on the root, or when the factory does not return a module.
         """
+        if match is not None:
+            return self.replace_match(new, match)
         self._check_not_built("replace")
         if not self.path:
             raise ScheduleError("replace: cannot replace the root module; replace one of its children")
@@ -381,9 +388,17 @@ class Schedule(_GraphPrimitives):
         return pairs
 
     # ================================================================== primitives: regions
-    def checkpoint(self) -> "Schedule":
+    def checkpoint(self, match: Any = None, *, save: list[str] | None = None) -> "Schedule":
         """Recompute this module's forward in backward instead of saving its activations
-        (non-reentrant `torch.utils.checkpoint`; dropout recomputes the same mask)."""
+        (non-reentrant `torch.utils.checkpoint`; dropout recomputes the same mask).
+        With `match` (from `find`): checkpoint only that subgraph of the traced module (`checkpoint_match`).
+        With `save=[ops]`: selective checkpointing that keeps those ops' outputs (`checkpoint_selective`)."""
+        if match is not None and save is not None:
+            raise ScheduleError(f"checkpoint at {self._where()}: give match= or save=, not both")
+        if match is not None:
+            return self.checkpoint_match(match)
+        if save is not None:
+            return self.checkpoint_selective(save=save)
         self._check_not_built("checkpoint")
         if self.path in self._state.checkpoints:
             raise ScheduleError(f"checkpoint at {self._where()}: already checkpointed")

@@ -124,6 +124,8 @@ class _Recorder:
             call = len(self.outputs[path]) - 1  # backward may visit calls in any order: keep them by call
             if t.requires_grad:
                 def grad_hook(g, path=path, call=call):
+                    if g is None:  # an output no loss depends on
+                        return
                     if path not in self.grads:
                         self.grad_order.append(path)
                     self.grads.setdefault(path, {})[call] = g.detach().clone()
