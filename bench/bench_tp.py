@@ -5,7 +5,8 @@ Both TP runs use the same model: GPT-2 with its Conv1D layers as `nn.Linear` and
 three linears (`parallelize_module`'s Colwise/RowwiseParallel take Linear and Embedding only, and a
 contiguous column split of a fused q|k|v is not attention), the same Megatron plan (q/k/v/fc column, proj
 row, one all-reduce forward and one backward per attention and MLP), embedding and LM head replicated.
-Each rank runs 1 thread (world 2 on 2 cores); the single-process baseline runs 2 threads.
+Each rank runs 1 thread (world 2 on 2 cores) and holds both TP models, stepped alternately so that
+machine noise hits both alike; the single-process baseline runs 2 threads.
 
     python bench/bench_tp.py                      # GPT-2 small: 12 layers, seq 256, batch 8
     python bench/bench_tp.py --layers 2 --steps 2 # quick
@@ -66,55 +67,74 @@ def make_model(layers: int):
     return model
 
 
-def time_steps(model, inputs, steps: int) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for i in range(steps + 1):  # one warm-up step
+class Stepper:
+    """One AdamW training step of a model on fixed inputs, timed."""
+
+    def __init__(self, model, inputs) -> None:
+        self.model, self.inputs = model, inputs
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(self) -> float:
         t0 = time.perf_counter()
-        loss = model(**inputs).loss
+        loss = self.model(**self.inputs).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return times
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, kind: str, layers: int, batch: int, seq: int, steps: int):
+def _inputs(batch: int, seq: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50257, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def treadle_tp(model, world: int):
     import treadle
     from treadle import Mesh, Replicate
 
-    torch.set_num_threads(1)
-    model = make_model(layers)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 50257, (batch, seq), generator=g)
-    inputs = {"input_ids": ids, "labels": ids}
-    if kind == "treadle":
-        sch = treadle.create_schedule(model, mesh=Mesh((world,), ("tp",)))
-        for i in range(layers):
-            b = sch[f"transformer.h.{i}"]
-            for p in ("q", "k", "v"):
-                b[f"attn.c_attn.{p}"].shard(["weight", "bias"], dim=0, axis="tp")
-            b["attn"].shard_attr("split_size", axis="tp")
-            b["attn.c_proj"].shard("weight", dim=1, axis="tp").sync("fwd_post", to=Replicate(), axis="tp")
-            b["mlp.c_fc"].shard(["weight", "bias"], dim=0, axis="tp")
-            b["mlp.c_proj"].shard("weight", dim=1, axis="tp").sync("fwd_post", to=Replicate(), axis="tp")
-        model = treadle.build(sch)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    sch = treadle.create_schedule(model, mesh=Mesh((world,), ("tp",)))
+    for i in range(len(model.transformer.h)):
+        b = sch[f"transformer.h.{i}"]
+        for p in ("q", "k", "v"):
+            b[f"attn.c_attn.{p}"].shard(["weight", "bias"], dim=0, axis="tp")
+        b["attn"].shard_attr("split_size", axis="tp")
+        b["attn.c_proj"].shard("weight", dim=1, axis="tp").sync("fwd_post", to=Replicate(), axis="tp")
+        b["mlp.c_fc"].shard(["weight", "bias"], dim=0, axis="tp")
+        b["mlp.c_proj"].shard("weight", dim=1, axis="tp").sync("fwd_post", to=Replicate(), axis="tp")
+    return treadle.build(sch)
 
-        dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        plan = {}
-        for i in range(layers):
-            for p in ("q", "k", "v"):
-                plan[f"transformer.h.{i}.attn.c_attn.{p}"] = ColwiseParallel()
-            plan[f"transformer.h.{i}.attn.c_proj"] = RowwiseParallel()
-            plan[f"transformer.h.{i}.mlp.c_fc"] = ColwiseParallel()
-            plan[f"transformer.h.{i}.mlp.c_proj"] = RowwiseParallel()
-            model.transformer.h[i].attn.split_size //= world
-        parallelize_module(model, dm, plan)
-    times = time_steps(model, inputs, steps)
+
+def dtensor_tp(model, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {}
+    for i, blk in enumerate(model.transformer.h):
+        for p in ("q", "k", "v"):
+            plan[f"transformer.h.{i}.attn.c_attn.{p}"] = ColwiseParallel()
+        plan[f"transformer.h.{i}.attn.c_proj"] = RowwiseParallel()
+        plan[f"transformer.h.{i}.mlp.c_fc"] = ColwiseParallel()
+        plan[f"transformer.h.{i}.mlp.c_proj"] = RowwiseParallel()
+        blk.attn.split_size //= world
+    return parallelize_module(model, dm, plan)
+
+
+def _rank(rank: int, world: int, layers: int, batch: int, seq: int, steps: int):
+    """Both TP models in the same ranks, stepped alternately, so machine noise hits both alike."""
+    torch.set_num_threads(1)
+    inputs = _inputs(batch, seq)
+    runs = {"dtensor": Stepper(dtensor_tp(make_model(layers), world), inputs),
+            "treadle": Stepper(treadle_tp(make_model(layers), world), inputs)}
+    times = {k: [] for k in runs}
+    losses = {k: [] for k in runs}
+    for i in range(steps + 1):  # the first round warms up
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        for k in order:
+            t = runs[k].step()
+            if i:
+                times[k].append(t)
     return times
 
 
@@ -130,14 +150,13 @@ def main() -> None:
     a = ap.parse_args()
     rows = {}
     torch.set_num_threads(2)
-    model = make_model(a.layers)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 50257, (a.batch, a.seq), generator=g)
-    rows["single process (2 threads)"] = time_steps(model, {"input_ids": ids, "labels": ids}, a.steps)
-    del model
+    single = Stepper(make_model(a.layers), _inputs(a.batch, a.seq))
+    single.step()  # warm-up
+    rows["single process (2 threads)"] = [single.step() for _ in range(a.steps)]
+    del single
+    per_rank = testing.spawn(_rank, 2, a.layers, a.batch, a.seq, a.steps, timeout_s=3600)
     for kind, label in (("dtensor", "DTensor parallelize_module TP=2"), ("treadle", "treadle TP=2")):
-        per_rank = testing.spawn(_rank, 2, kind, a.layers, a.batch, a.seq, a.steps, timeout_s=3600)
-        rows[label] = [max(ts) for ts in zip(*per_rank)]  # a step ends when the slowest rank ends
+        rows[label] = [max(ts) for ts in zip(*(r[kind] for r in per_rank))]  # a step ends with the slowest rank
     med = {k: statistics.median(v) for k, v in rows.items()}
     ref = med["DTensor parallelize_module TP=2"]
     print(f"GPT-2 {a.layers} layers, batch {a.batch}, seq {a.seq}, fp32, CPU gloo, AdamW step; median of {a.steps}")
