@@ -8,7 +8,6 @@ import logging
 from torch import nn
 
 from ..errors import ScheduleError
-from ..runtime.losses import VocabParallelLoss  # noqa: F401  (referenced by Ref below)
 from ..schedule.core import Schedule
 from ..schedule.log import Ref
 from torch.distributed.tensor.placement_types import Replicate, Shard

@@ -248,7 +248,7 @@ def _capture_root(builder) -> None:
     cfg = builder.st.extras.get("pipeline")
     if cfg is None:
         return
-    from ..graph.capture import capture_export, resolve_leaves
+    from ..graph.capture import capture_export
     from ..schedule.graph_primitives import make_inputs
 
     model = builder.model

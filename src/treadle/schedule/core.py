@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
