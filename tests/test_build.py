@@ -388,3 +388,27 @@ def test_typed_sync_over_two_axes_uses_the_conversion_planner():
     # complete gradients the adjoint path returns d/dx sum(y^2) = 32 x to every rank's replicated input
     for r, (_, _, g) in enumerate(res):
         assert torch.allclose(g, 32 * full), (r, (g - 32 * full).abs().max())
+
+
+def _count_grad_reductions(rank, world):
+    from treadle.runtime import collectives as coll
+
+    model = tiny_llama(n_layer=2)
+    sch = treadle.create_schedule(model, mesh=TP2)
+    treadle.models.megatron(sch, tp="tp")
+    built = treadle.build(sch)
+    loss = built(**lm_inputs()).loss
+    calls = []
+    original = coll._all_reduce
+    coll._all_reduce = lambda x, group: calls.append(tuple(x.shape)) or original(x, group)
+    try:
+        loss.backward()
+    finally:
+        coll._all_reduce = original
+    return calls
+
+
+def test_column_leaves_reading_one_input_reduce_its_gradient_once():
+    calls = testing.spawn(_count_grad_reductions, 2, timeout_s=120)[0]
+    # per layer one reduction for q|k|v and one for gate|up (Megatron's single "f"), plus the LM head
+    assert len(calls) == 2 * 2 + 1, calls

@@ -124,6 +124,7 @@ class _Builder:
         self.coords = {ax: self.mesh.local_rank(ax) for ax in self.mesh.names}
         self.sizes = dict(zip(self.mesh.names, self.mesh.shape))
         self.leaf: dict[str, LeafPlan] = {}
+        self._shared_f: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def group(self, axis: str):
         return self.mesh.group(axis)
@@ -309,10 +310,9 @@ class _Builder:
                 for ax in plan.grad_partial_axes:
                     if ax in fused:
                         continue
-                    g = self.group(ax)
+                    f = self.shared_grad_all_reduce(ax)
                     m.register_forward_pre_hook(
-                        lambda mod, a, k, g=g: _map_input(mod, a, k, 0, lambda x: C.grad_all_reduce(x, g),
-                                                          f"build at {path!r}"), with_kwargs=True)
+                        lambda mod, a, k, f=f: _map_input(mod, a, k, 0, f, f"build at {path!r}"), with_kwargs=True)
             final = dict(plan.out) if plan is not None else {}
             for s in self.syncs_of(path, "fwd_post"):
                 fn = self.transform(s, where, fused_gather=set())
@@ -323,6 +323,25 @@ class _Builder:
             if plan is not None and plan.forward is not None:
                 fwd = plan.forward
                 _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda x, *a, **k: fwd(m, x)))
+
+    def shared_grad_all_reduce(self, axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The input-gradient reduction of column-parallel leaves on `axis`, shared between leaves that read
+        the very same input tensor (q, k and v; gate and up): their partial gradients are summed by autograd
+        first and reduced once, as Megatron's single "f" per block does, instead of once per leaf."""
+        g = self.group(axis)
+        last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            hit = last.get("x")
+            if hit is not None and hit[0] is x:
+                return hit[1]
+            y = C.grad_all_reduce(x, g)
+            last["x"] = (x, y)
+            return y
+
+        if axis not in self._shared_f:
+            self._shared_f[axis] = f
+        return self._shared_f[axis]
 
     def install_pending_bias(self, path: str, m: nn.Module, plan: LeafPlan, final: dict[str, Placement]) -> None:
         """Add a row-parallel bias once: after the reduction when the leaf reduces its own output,
