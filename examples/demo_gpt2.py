@@ -1,5 +1,8 @@
-"""treadle's main demo: a stock Hugging Face GPT-2, scheduled with Megatron tensor parallelism + data
-parallelism on a 2 x 2 CPU mesh (4 gloo processes), verified against the original, then trained.
+"""treadle's main demo, the whole story on a stock Hugging Face GPT-2 and a 2 x 2 CPU mesh (4 gloo processes):
+
+1. a hand-written schedule: the Megatron recipe (tensor parallel on "tp") plus data parallel on "dp";
+2. the planner: given the mesh's cluster spec and a memory budget it writes a schedule itself, and explains it;
+each schedule is verified against the original model (outputs, every gradient, an optimizer step) and trained.
 
 Run: `make demo` (or `python examples/demo_gpt2.py` in the set-up venv).
 """
@@ -14,34 +17,56 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import Mesh  # noqa: E402
+from treadle.cost.cluster import parse_cluster  # noqa: E402
 from treadle.models import megatron  # noqa: E402
+from treadle.planner import plan_model  # noqa: E402
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)  # the same weights every call
+    config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)  # the model as written: nothing below edits its code
+
+
+def show(sch: treadle.Schedule, head: int = 4, tail: int = 2) -> None:
+    lines = sch.to_python().splitlines()
+    print(f"  {len(lines)} primitives, e.g.")
+    for line in lines[:head] + ["..."] + lines[-tail:]:
+        print("     ", line)
+
+
+def check_and_train(sch: treadle.Schedule, inputs: dict) -> None:
+    report = treadle.verify(sch, inputs, steps=2)  # raises VerifyError on any mismatch
+    n = {k: sum(c.kind == k for c in report.checks) for k in ("output", "output_grad", "param_grad", "param_step")}
+    print(f"  verify: ok on {sch.mesh.world_size} processes: {n['output']} module outputs, {n['output_grad']} "
+          f"output gradients, {n['param_grad']} parameter gradients, {n['param_step']} updated parameters")
+    result = treadle.train(sch, inputs, steps=4)
+    losses = "  ".join(f"{x:.4f}" for x in result.losses)
+    print(f"  train: losses {losses}  (last step {result.step_s[-1] * 1e3:.0f} ms)")
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=128,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)  # the model as written: nothing below edits its code
-    batch = torch.randint(0, config.vocab_size, (8, 64))
-    inputs = {"input_ids": batch, "labels": batch}
-
+    ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
     mesh = Mesh((2, 2), ("dp", "tp"))
-    sch = treadle.create_schedule(model, mesh=mesh)
-    megatron(sch, tp="tp", dp="dp", checkpoint_fraction=0.5)  # a recipe of ordinary primitives
-    lines = sch.to_python().splitlines()
-    print(f"schedule for {mesh}: {len(lines)} primitives, e.g.")
-    for line in lines[:4] + ["..."] + lines[-3:]:
-        print("   ", line)
 
-    report = treadle.verify(sch, inputs, steps=2)  # raises VerifyError on any mismatch
-    n = {k: sum(c.kind == k for c in report.checks) for k in ("output", "output_grad", "param_grad", "param_step")}
-    print(f"\nverify: ok on 4 processes -- {n['output']} module outputs, {n['output_grad']} output gradients, "
-          f"{n['param_grad']} parameter gradients and {n['param_step']} updated parameters match the original")
+    print(f"1. hand-written: Megatron tensor parallel on 'tp' + data parallel on 'dp', {mesh}")
+    sch = treadle.create_schedule(gpt2(), mesh=mesh)
+    megatron(sch, tp="tp", dp="dp", checkpoint_fraction=0.5)
+    show(sch)
+    check_and_train(sch, inputs)
 
-    result = treadle.train(sch, inputs, steps=5)
-    print("\ntraining on the 2 x 2 mesh (dp x tp):")
-    for step, (loss, seconds) in enumerate(zip(result.losses, result.step_s)):
-        print(f"  step {step}: loss {loss:.4f}  ({seconds * 1e3:.0f} ms)")
+    print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, under a memory budget")
+    cluster = parse_cluster("2x2:cpu")  # 4 ranks on this host; `treadle calibrate` measures real links
+    model = gpt2()
+    free = plan_model(model, inputs, cluster=cluster)
+    budget = 0.6 * free.estimated.peak_bytes
+    plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget)
+    print(f"  unconstrained peak {free.estimated.peak_bytes / 2**20:.1f} MiB/device; budget {budget / 2**20:.1f} MiB")
+    print("\n".join("  " + line for line in plan.explain().splitlines()))
+    show(plan.schedule)
+    check_and_train(plan.schedule, inputs)
 
 
 if __name__ == "__main__":
