@@ -18,11 +18,7 @@ BATCH, SEQ = 4, 16
 
 
 def _model(name: str):
-    model, inputs = named_model(name, batch=BATCH, seq=SEQ, dropout=False)
-    # the zoo installs closure hooks on the root for fake-tensor runs; they cannot be pickled to the ranks
-    model._forward_hooks.clear()
-    model._forward_pre_hooks.clear()
-    return model, inputs
+    return named_model(name, batch=BATCH, seq=SEQ, dropout=False)
 
 
 def _plan(name: str, shape: tuple[int, ...]) -> tuple[Plan, dict]:
@@ -50,12 +46,9 @@ def test_plan_builds_and_verifies(name, shape):
     assert report.error is None
     assert report.losses == pytest.approx(report.ref_losses, rel=1e-5)
     bad = [c for c in report.checks if not c.diff.ok]
-    if name == "tiny-t5":
-        # T5Stack calls its one `dropout` module twice (on the embeddings and on the final states); verify's
-        # per-module output comparison pairs the two calls wrongly there. Losses, gradients and optimizer
-        # steps of every parameter are still compared.
-        bad = [c for c in bad if not (c.kind in ("output", "output_grad") and c.name.endswith(".dropout"))]
     assert not bad, bad
+    if name == "tiny-t5":  # T5Stack calls its one `dropout` module twice: each call is compared on its own
+        assert any(c.kind == "output" and c.name.endswith(".dropout (call 2)") for c in report.checks)
 
 
 @pytest.mark.slow

@@ -87,12 +87,14 @@ class VerifyReport:
 
 # ------------------------------------------------------------------------------------------ recording
 class _Recorder:
-    """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient.
-    Only the first call of each module per step is kept, so checkpoint recomputation is ignored."""
+    """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient,
+    per (data slice, call) — a module may run several times per forward (T5 calls its dropout twice).
+    Recording stops before backward, so checkpoint recomputation is not mistaken for calls."""
 
     def __init__(self, model: nn.Module):
-        self.outputs: dict[str, list[torch.Tensor]] = {}
-        self.grads: dict[str, dict[int, torch.Tensor]] = {}
+        self.outputs: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        self.grads: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        self.slice = 0
         self.order: list[str] = []
         self.grad_order: list[str] = []
         self.active = True
@@ -120,8 +122,9 @@ class _Recorder:
                 return
             if path not in self.outputs:
                 self.order.append(path)
-            self.outputs.setdefault(path, []).append(t.detach().clone())
-            call = len(self.outputs[path]) - 1  # backward may visit calls in any order: keep them by call
+            calls = self.outputs.setdefault(path, {})
+            call = (self.slice, sum(1 for sl, _ in calls if sl == self.slice))  # backward may visit them in any order
+            calls[call] = t.detach().clone()
             if t.requires_grad:
                 def grad_hook(g, path=path, call=call):
                     if g is None:  # an output no loss depends on
@@ -137,6 +140,16 @@ class _Recorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+    @staticmethod
+    def by_call(table: dict[str, dict[tuple[int, int], torch.Tensor]]) -> dict[str, list[list[torch.Tensor]]]:
+        """path -> [call][slice] tensors (calls present in every slice only)."""
+        out = {}
+        for path, d in table.items():
+            slices = sorted({sl for sl, _ in d})
+            n_calls = min(sum(1 for sl2, _ in d if sl2 == sl) for sl in slices)
+            out[path] = [[d[(sl, c)] for sl in slices if (sl, c) in d] for c in range(n_calls)]
+        return out
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -201,9 +214,10 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
         total = None
         input_grads: dict[str, list[torch.Tensor]] = {}
         leaves = []
-        for sl in slices:
+        for i_slice, sl in enumerate(slices):
             sl = dict(sl)
             rec.stack.clear()
+            rec.slice = i_slice
             for k in float_inputs:
                 sl[k] = sl[k].detach().clone().requires_grad_(True)
                 leaves.append((k, sl[k]))
@@ -214,13 +228,13 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
             loss = loss_fn(out) * dp_scale
             total = loss if total is None else total + loss
+        rec.active = False  # checkpointed modules run again in backward: not new calls
         total.backward()
         result["losses"].append(float(total.detach()))
         if step == 0:
-            rec.active = False
-            result["outputs"] = {k: v for k, v in rec.outputs.items()}
+            result["outputs"] = _Recorder.by_call(rec.outputs)
             result["order"] = list(rec.order)
-            result["grads"] = {k: [v[i] for i in sorted(v)] for k, v in rec.grads.items()}
+            result["grads"] = _Recorder.by_call(rec.grads)
             result["grad_order"] = list(rec.grad_order)
             for k, t in leaves:
                 input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)
@@ -357,31 +371,34 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     for step, (a, b) in enumerate(zip(report.losses, report.ref_losses)):
         report.checks.append(Check("loss", f"step {step}", diff(torch.tensor(a), torch.tensor(b), loss_tol)))
 
-    def gathered(ref_list: list[torch.Tensor], key: str, path: str, scale: float = 1.0) -> Diff:
-        ref_t = torch.cat(ref_list, dim=0) if len(ref_list) > 1 and ref_list[0].dim() > 0 else ref_list[0]
+    def gathered(ref_slices: list[torch.Tensor], key: str, path: str, call: int, scale: float = 1.0) -> Diff:
+        ref_t = torch.cat(ref_slices, dim=0) if len(ref_slices) > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
         locals_ = []
         for r in results:
-            lst = r[key].get(path)
-            if not lst:
+            calls = r[key].get(path)
+            if not calls or call >= len(calls):
                 return Diff(math.nan, math.nan, True, note="not recorded on the ranks (recomputed or unused)")
-            locals_.append(lst[0] * scale)
+            locals_.append(calls[call][0] * scale)
         return assemble_best(locals_, ref_t, mesh, tol, blocks=results[0]["out_blocks"].get(path, 1))
+
+    def label(path: str, call: int) -> str:
+        return (path or "<model>") + (f" (call {call + 1})" if call else "")
 
     first = None
     for path in ref["order"]:
-        if path not in ref["outputs"]:
-            continue
-        d = gathered(ref["outputs"][path], "outputs", path)
-        report.checks.append(Check("output", path or "<model>", d))
-        if not d.ok and first is None:
-            first = f"output of {path or '<model>'!r} (max abs err {d.max_abs:.3e}, max rel err {d.max_rel:.3e})"
+        for call, ref_slices in enumerate(ref["outputs"].get(path, [])):
+            d = gathered(ref_slices, "outputs", path, call)
+            report.checks.append(Check("output", label(path, call), d))
+            if not d.ok and first is None:
+                first = f"output of {label(path, call)!r} (max abs err {d.max_abs:.3e}, max rel err {d.max_rel:.3e})"
     first_bwd = None
     for path in ref["grad_order"]:
-        d = gathered(ref["grads"][path], "grads", path, scale=1.0 / dp_n)
-        report.checks.append(Check("output_grad", path or "<model>", d))
-        if not d.ok and first_bwd is None:
-            first_bwd = (f"gradient of the output of {path or '<model>'!r} (max abs err {d.max_abs:.3e}, "
-                         f"max rel err {d.max_rel:.3e})")
+        for call, ref_slices in enumerate(ref["grads"][path]):
+            d = gathered(ref_slices, "grads", path, call, scale=1.0 / dp_n)
+            report.checks.append(Check("output_grad", label(path, call), d))
+            if not d.ok and first_bwd is None:
+                first_bwd = (f"gradient of the output of {label(path, call)!r} (max abs err {d.max_abs:.3e}, "
+                             f"max rel err {d.max_rel:.3e})")
     for k, ref_list in ref["input_grads"].items():
         locals_ = [r["input_grads"][k][0] * (1.0 / dp_n) for r in results]
         report.checks.append(Check("input_grad", k, assemble_best(locals_, torch.cat(ref_list, 0), mesh, tol)))
@@ -415,7 +432,7 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
 def _pending_sum_hint(report: VerifyReport, first: str) -> str:
     """A module whose output matched only as a pending sum (Partial), inside the first diverging module,
     is the usual cause: a reduction the schedule never made."""
-    path = first.split("'")[1]
+    path = first.split("'")[1].split(" (call ")[0]
     inner = [c for c in report.checks if c.kind == "output" and c.diff.ok and "=P" in c.diff.layout
              and c.name.startswith(path + ".")]
     if not inner:
