@@ -16,17 +16,6 @@ TP2 = Mesh((2,), ("tp",))
 DP2TP2 = Mesh((2, 2), ("dp", "tp"))
 
 
-class Twin(nn.Module):
-    """Two inputs and a keyword: for sync argument selection."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, y, *, scale=1.0):
-        return self.lin(x) * scale + y
-
-
 class Gelu2(nn.Module):
     def forward(self, x):
         return torch.nn.functional.gelu(x)
