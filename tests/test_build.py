@@ -357,8 +357,6 @@ def test_bwd_post_sync_reduces_the_input_gradient(typed):
 
 
 def _two_axis_sync(rank, world):
-    from treadle import Partial  # noqa: F401
-
     mesh = Mesh((2, 2), ("dp", "tp"))
     torch.manual_seed(0)
     full = torch.randn(4, 6, 8)
