@@ -209,3 +209,18 @@ def test_checkpoint_fraction_spreads_layers():
     sch = treadle.create_schedule(tiny_gpt2(n_layer=4), mesh=TP2)
     treadle.models.megatron(sch, tp="tp", checkpoint_fraction=0.5)
     assert sch._state.checkpoints == ["transformer.h.0", "transformer.h.2"]
+
+
+def test_adam_step_check_leaves_ill_conditioned_entries_to_the_gradient_check():
+    from treadle.verify.compare import tolerance
+    from treadle.verify.verify import _step_diff
+
+    ref = torch.ones(4)
+    grad = torch.tensor([1e-9, 1e-3, 1e-3, 1e-3])
+    near_eps = ref.clone()
+    near_eps[0] += 5e-4  # half an lr=1e-3 step, where |grad| ~ eps: rounding can do that
+    d = _step_diff(near_eps, ref, grad, tolerance(torch.float32))
+    assert d.ok and d.note == "1 entries with |grad| <= 1e-06 left to the gradient check"
+    wrong = ref.clone()
+    wrong[2] += 5e-4  # the same deviation where the update is well conditioned is a real mismatch
+    assert not _step_diff(wrong, ref, grad, tolerance(torch.float32)).ok
