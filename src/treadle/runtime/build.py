@@ -24,7 +24,8 @@ from ..schedule.core import ParamShard, Schedule, SyncSpec
 from ..schedule.log import Ref
 from . import collectives as C
 from .convert import _same as _same_placement
-from .convert import apply_op, convert, convert_multi, on_grad
+from .collectives import on_grad
+from .convert import apply_op, convert, convert_multi
 from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
 

@@ -106,15 +106,20 @@ class _AllReduce(torch.autograd.Function):
         return g, None
 
 
-class _GradAllReduce(torch.autograd.Function):
+class _GradOnly(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, fn):
+        ctx.fn = fn
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        return ctx.fn(g), None
+
+
+def on_grad(x: torch.Tensor, fn) -> torch.Tensor:
+    """Identity forward; backward applies `fn` (a collective, not differentiated again) to the gradient."""
+    return _GradOnly.apply(x, fn) if x.requires_grad else x
 
 
 class _AllGather(torch.autograd.Function):
@@ -172,7 +177,7 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; backward sums the gradient over `group` (a replicated input to sharded compute)."""
-    return _GradAllReduce.apply(x, group) if x.requires_grad else x
+    return on_grad(x, lambda g: _all_reduce(g, group))
 
 
 def all_gather(x: torch.Tensor, dim: int, group, *,

@@ -67,24 +67,6 @@ def convert_multi(x: torch.Tensor, src: dict[str, Placement], dst: dict[str, Pla
     return x
 
 
-class _GradOnly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.fn(g), None
-
-
-def on_grad(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Identity forward; backward applies `fn` (a non-differentiated collective) to the gradient."""
-    if not x.requires_grad:
-        return x
-    return _GradOnly.apply(x, fn)
-
-
 def apply_op(x: torch.Tensor, op: str, kwargs: dict, group) -> torch.Tensor:
     """The explicit sync op on an activation, with its adjoint in backward."""
     if op == "all_reduce":
