@@ -35,6 +35,7 @@ import torch
 
 from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
+from ..mesh import Mesh
 from .capture import CapturedGraph, Node, TensorMeta
 from .dims import P, R, AxisOption, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
@@ -205,8 +206,10 @@ class _Builder(NodeCosts):
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
         self.dp_size = mesh.size(roles.dp) if roles.dp else 1
-        # the tensor axes' cluster keeps their links, the device and the local copy rate
-        self.sub_cluster = cluster.restrict(self.tp_axes) if self.tp_axes else None
+        # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
+        # a layout change is its collectives), so the copy rate is left out on purpose
+        self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
+                                        cluster.device) if self.tp_axes else None)
         for p in pins:
             if p not in graph.params:
                 raise PlanError(f"pin on parameter {p!r}: no such parameter in {graph.model_class}; "
