@@ -203,7 +203,6 @@ class _Builder:
             if pid in self.st.annotations:
                 self.st.annotations[id(new)] = self.st.annotations.pop(pid)
             self.st.param_shards[id(new)] = self.st.param_shards.pop(pid)  # records follow the live object
-            self.st.param_objs[id(new)] = new
             logger.debug("shard %s: %s -> %s", holders[0][2] + "." + holders[0][1], tuple(p.shape), tuple(local.shape))
         owners2 = self.owners()
         for pid, tags in self.st.annotations.items():
@@ -495,8 +494,4 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) 
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
-    return _Builder(_root(sch), init_fn).run()
-
-
-def _root(sch: Schedule) -> Schedule:
-    return Schedule(sch._state, "", sch._state.model)
+    return _Builder(Schedule(sch._state, "", sch._state.model), init_fn).run()  # always from the root

@@ -82,7 +82,6 @@ class _State:
     mesh: Mesh
     records: list[Record] = field(default_factory=list)
     param_shards: dict[int, list[ParamShard]] = field(default_factory=dict)  # id(param) -> splits, in order
-    param_objs: dict[int, nn.Parameter] = field(default_factory=dict)
     syncs: list[SyncSpec] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     fork_rngs: list[tuple[str, str]] = field(default_factory=list)  # (path, axis)
@@ -299,7 +298,6 @@ class Schedule(_GraphPrimitives):
         for name in name_list:
             p = self._param(name)
             self._state.param_shards.setdefault(id(p), []).append(ParamShard(dim % p.dim(), axis, blocks))
-            self._state.param_objs[id(p)] = p
         args: dict[str, Any] = {"*": name_list[0] if len(name_list) == 1 else name_list, "dim": dim, "axis": axis}
         if blocks != 1:
             args["blocks"] = blocks
@@ -436,7 +434,6 @@ class Schedule(_GraphPrimitives):
         """Tag parameter `param` with ``key=value``; `treadle.annotations(built_model)` returns the tags."""
         p = self._param(param)
         self._state.annotations.setdefault(id(p), {})[key] = value
-        self._state.param_objs[id(p)] = p
         self._record("annotate", **{"*": param, "key": key, "value": value})
         return self
 

@@ -100,7 +100,6 @@ class _Recorder:
         self.active = True
         self.handles = []
         self.stack: list[str] = []
-        self.failed_in: str | None = None
         for path, m in model.named_modules():
             self.handles.append(m.register_forward_pre_hook(self._pre(path)))
             self.handles.append(m.register_forward_hook(self._post(path)))  # not on failure: the stack then names where
