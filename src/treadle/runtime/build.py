@@ -116,8 +116,9 @@ def _wrap_forward(mod: nn.Module, make: Callable[[Callable], Callable]) -> None:
 
 # ------------------------------------------------------------------------------------------- build
 class _Builder:
-    def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None):
+    def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None):
         self.sch = sch
+        self.mp_policy = mp_policy
         self.st = sch._state
         self.mesh = sch.mesh.bind()
         self.model = self.st.model
@@ -431,11 +432,12 @@ class _Builder:
         from torch.distributed.fsdp import fully_shard
 
         sub = self.mesh.device_mesh[axis]
+        kw = {} if self.mp_policy is None else {"mp_policy": self.mp_policy}
         for path, m in list(self.model.named_modules()):
             if isinstance(m, nn.ModuleList):
                 for child in m:
-                    fully_shard(child, mesh=sub)
-        fully_shard(self.model, mesh=sub)
+                    fully_shard(child, mesh=sub, **kw)
+        fully_shard(self.model, mesh=sub, **kw)
         return self.model
 
     def run(self) -> nn.Module:
@@ -483,15 +485,16 @@ def _after(spec: SyncSpec) -> dict[str, Placement]:
     return {spec.axis: Shard(kw["split_dim"])}
 
 
-def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None) -> nn.Module:
     """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
 
     Pretrained weights are sliced to the local shard, never re-initialised; meta parameters are
     materialised with a per-module seeded init (`init_fn`, else the model's ``_init_weights``, else
     ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its
     DDP wrapper under ``data_parallel(shard=False)``. The schedule's model is changed in place.
+    `mp_policy`: an FSDP2 MixedPrecisionPolicy for ``data_parallel(shard=True)`` (ignored otherwise).
     Raises BuildError / MeshError naming the path, parameter and axis at fault.
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
-    return _Builder(Schedule(sch._state, "", sch._state.model), init_fn).run()  # always from the root
+    return _Builder(Schedule(sch._state, "", sch._state.model), init_fn, mp_policy).run()  # always from the root

@@ -1,0 +1,182 @@
+"""The settings of one training run: a typed dataclass, its command-line arguments and a TOML file with the
+same keys (command line wins over the file, the file over the defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import TreadleError
+
+
+class RunError(TreadleError):
+    """`treadle.run` was given settings, data or a checkpoint it cannot use."""
+
+
+Precision = Literal["fp32", "bf16"]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Every setting of `python -m treadle.run`. Sizes are in samples (sequences of `seq` tokens).
+
+    `batch` is the global batch of one optimizer step; each data-parallel rank takes batch / dp samples in
+    `grad_accum` forward/backward passes of `micro_batch` samples (give either; the other is derived).
+    """
+
+    model: str = ""
+    """A zoo name (``tiny-llama``), a local Hugging Face config directory or ``config.json``, or
+    ``package.module:function`` returning ``(model, example_inputs)``."""
+    schedule: str | None = None
+    """A schedule JSON (Schedule.to_json) or plan JSON (treadle plan -o); else `plan` or `recipe`."""
+    plan: str | None = None
+    """``auto``: rank 0 plans on `cluster` under `memory_budget_bytes`, broadcasts, every rank builds."""
+    recipe: Literal["ddp", "fsdp", "megatron", "megatron-fsdp"] = "ddp"
+    """Used when neither `schedule` nor `plan` is given: a ready-made schedule over `mesh`."""
+    mesh: str | None = None
+    """``DPxTP`` for the recipes, e.g. ``2x2``; default: every rank data-parallel (tp=1) or tp only for
+    the megatron recipes (dp=1)."""
+    cluster: str | None = None
+    """Cluster spec for ``--plan auto`` (treadle.cost.cluster.parse_cluster); default NODESxPROCS:cpu/h100."""
+    memory_budget_bytes: float | None = None
+    data: list[str] = field(default_factory=list)
+    """Files or directories of .txt / .jsonl / .parquet."""
+    text_field: str = "text"
+    tokenizer: str | None = None
+    """A directory holding a Hugging Face ``tokenizer.json`` (or the file); default: bytes (ids 0..255)."""
+    seq: int = 128
+    batch: int = 8
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    steps: int = 100
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+    seed: int = 0
+    precision: Precision = "fp32"
+    compile: bool = False
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    """Save every K optimizer steps (0: only at the end, when `ckpt_dir` is set)."""
+    async_ckpt: bool = False
+    resume: str = "auto"
+    """``auto`` (the newest complete checkpoint in `ckpt_dir`, if any), ``none``, or a checkpoint directory."""
+    export_hf: str | None = None
+    """After the last step, write a Hugging Face ``save_pretrained`` directory (safetensors) here."""
+    metrics: str | None = None
+    """A JSONL file, one line per logged step (rank 0)."""
+    tensorboard: str | None = None
+    log_every: int = 1
+    hardware: str = "auto"
+    """Peak FLOP/s for MFU: a preset name, ``cpu`` (calibrated), ``none``; ``auto``: the CUDA preset by
+    device name, none on CPU."""
+    timeout_s: float = 300.0
+    """Collective timeout: a dead or hung rank ends the job after at most this long."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise RunError("treadle.run: give --model (a zoo name such as tiny-llama, a HF config directory, "
+                           "or package.module:function)")
+        if self.schedule and self.plan:
+            raise RunError("treadle.run: give --schedule or --plan, not both")
+        if self.plan not in (None, "auto") and not Path(self.plan).is_file():
+            raise RunError(f"treadle.run: --plan must be 'auto' or a plan JSON file; {self.plan!r} is neither")
+        for name in ("seq", "batch", "steps"):
+            if getattr(self, name) < 1:
+                raise RunError(f"treadle.run: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch", "grad_accum"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise RunError(f"treadle.run: --{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.warmup_steps < 0 or self.ckpt_every < 0 or self.log_every < 1:
+            raise RunError(f"treadle.run: need warmup_steps >= 0, ckpt_every >= 0, log_every >= 1; got "
+                           f"{self.warmup_steps}, {self.ckpt_every}, {self.log_every}")
+        if self.precision not in ("fp32", "bf16"):
+            raise RunError(f"treadle.run: --precision must be fp32 or bf16, got {self.precision!r}")
+        if self.recipe not in ("ddp", "fsdp", "megatron", "megatron-fsdp"):
+            raise RunError(f"treadle.run: unknown --recipe {self.recipe!r}; known: ddp, fsdp, megatron, megatron-fsdp")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise RunError(f"treadle.run: need 0 <= min_lr <= lr and lr > 0; got lr={self.lr}, min_lr={self.min_lr}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            self.clip_norm = None
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not self.data:
+            raise RunError("treadle.run: give --data (text, JSONL or Parquet files, or directories of them)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command-line options (every field of RunConfig) plus ``--config FILE.toml``. Defaults are None here
+    so that a TOML value is only overridden by an option actually given."""
+    p.add_argument("--config", help="TOML file with the same keys as the options (underscores or dashes)")
+    for f in dataclasses.fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"(default {f.default!r})" if f.default is not dataclasses.MISSING else None
+        if f.type in ("bool",):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif f.name == "data":
+            p.add_argument(flag, nargs="+", default=None, help="text / JSONL / Parquet files or directories")
+        elif f.name == "betas":
+            p.add_argument(flag, nargs=2, type=float, default=None, help=help_)
+        elif f.name == "memory_budget_bytes":
+            p.add_argument("--memory-budget", dest="memory_budget_bytes", type=_bytes, default=None,
+                           help="per-device memory for --plan auto, e.g. 16GiB")
+        else:
+            conv = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            p.add_argument(flag, type=conv, default=None, help=help_)
+
+
+def _bytes(text: str) -> float:
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+    t = text.strip().lower()
+    for u, scale in units.items():
+        if t.endswith(u):
+            return float(t[: -len(u)]) * scale
+    return float(t)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Keys of a TOML file (dashes or underscores). Raises RunError for a missing file or an unknown key."""
+    p = Path(path)
+    if not p.is_file():
+        raise RunError(f"treadle.run: config file {path!r} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RunError(f"treadle.run: cannot read {path}: {exc}") from exc
+    out = {}
+    for k, v in raw.items():
+        key = k.replace("-", "_")
+        if key == "memory_budget" and isinstance(v, str):
+            key, v = "memory_budget_bytes", _bytes(v)
+        if key not in _FIELDS:
+            raise RunError(f"treadle.run: {path}: unknown key {k!r}; known: {sorted(_FIELDS)}")
+        out[key] = v
+    if isinstance(out.get("data"), str):
+        out["data"] = [out["data"]]
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults < TOML file (`--config`) < options given on the command line."""
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    for name in _FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    return RunConfig(**values)

@@ -1,0 +1,150 @@
+"""Where each parameter of a built model lives: its global shape, its tensor-parallel splits (from the
+schedule) and its FSDP split (a DTensor over the data-parallel axis), and the global views built from them.
+
+A built model holds tensor-parallel shards as plain local tensors and FSDP shards as DTensors over one mesh
+axis. To save a checkpoint any other schedule can load, and to compute a gradient norm over all placements,
+each parameter is described here once by name:
+
+- `global_view(local)`: the local shard as a DTensor of the *global* shape on the full mesh, when its splits
+  are DTensor placements (at most one split per tensor dim, no interleaved ``blocks``); else None.
+- `gather_full(local)` / `local_from_full(full, like)`: all-gather to the global tensor and slice it back, the
+  fallback for the splits a DTensor cannot state (fused q|k|v ``blocks=3``, two axes on one dim).
+- `replicas`: how many ranks hold each element (world size / distinct shards), for the gradient norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from ..mesh import Mesh
+from ..runtime.params import local_slice, unchunk_dim
+from ..schedule.core import ParamShard, Schedule
+from .config import RunError
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: `name`, `global_shape`, tensor-parallel `shards` in applied order, and `fsdp_axis` /
+    `fsdp_dim` when FSDP splits the (tensor-parallel local) parameter over a data-parallel axis."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    shards: tuple[ParamShard, ...]
+    fsdp_axis: str | None = None
+    fsdp_dim: int = 0
+
+    def n_pieces(self, mesh: Mesh) -> int:
+        n = 1
+        for s in self.shards:
+            n *= mesh.size(s.axis)
+        if self.fsdp_axis is not None:
+            n *= mesh.size(self.fsdp_axis)
+        return n
+
+    def replicas(self, mesh: Mesh) -> int:
+        return mesh.world_size // self.n_pieces(mesh)
+
+    def placements(self, mesh: Mesh) -> list[Placement] | None:
+        """Placements on the full mesh, or None when the splits are not DTensor placements."""
+        out: list[Placement] = [Replicate()] * mesh.ndim
+        dims = [s.dim for s in self.shards] + ([self.fsdp_dim] if self.fsdp_axis else [])
+        if any(s.blocks != 1 for s in self.shards) or len(set(dims)) != len(dims):
+            return None
+        for s in self.shards:
+            out[mesh.axis_index(s.axis)] = Shard(s.dim)
+        if self.fsdp_axis is not None:
+            out[mesh.axis_index(self.fsdp_axis)] = Shard(self.fsdp_dim)
+        return out
+
+    # ------------------------------------------------------------------ views
+    def global_view(self, local: torch.Tensor, mesh: Mesh) -> DTensor | None:
+        """`local` (this rank's shard: a plain tensor, or the FSDP DTensor) as a DTensor of global shape."""
+        pl = self.placements(mesh)
+        if pl is None:
+            return None
+        t = local.to_local() if isinstance(local, DTensor) else local
+        return DTensor.from_local(t.detach(), mesh.device_mesh, pl, run_check=False, shape=torch.Size(self.global_shape),
+                                  stride=_contiguous_strides(self.global_shape))
+
+    def gather_full(self, local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """The global tensor on every rank (all-gathers over the FSDP axis, then over each split in reverse)."""
+        t = local.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        for s in reversed(self.shards):
+            g = mesh.group(s.axis)
+            pieces = [torch.empty_like(t) for _ in range(mesh.size(s.axis))]
+            dist.all_gather(pieces, t.contiguous(), group=g)
+            t = unchunk_dim(pieces, s.dim, s.blocks)
+        if tuple(t.shape) != self.global_shape:
+            raise RunError(f"treadle.run: gathering {self.name!r} gave shape {tuple(t.shape)}, expected "
+                           f"{self.global_shape}")
+        return t
+
+    def local_from_full(self, full: torch.Tensor, like: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """This rank's shard of the global tensor `full`, as the plain local tensor inside `like`."""
+        coords = {ax: mesh.local_rank(ax) for ax in mesh.names}
+        t = local_slice(full, list(self.shards), coords, dict(zip(mesh.names, mesh.shape)))
+        if self.fsdp_axis is not None:
+            t = t.chunk(mesh.size(self.fsdp_axis), dim=self.fsdp_dim)
+            i = coords[self.fsdp_axis]
+            t = t[i] if i < len(t) else full.new_empty(0)
+        return t
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (names without the ``module.`` prefix)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def shards_by_name(sch: Schedule) -> dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]]:
+    """Before build: name -> (global shape, tensor-parallel splits) of every parameter of the schedule's model."""
+    st = sch._state
+    return {n: (tuple(p.shape), tuple(st.param_shards.get(id(p), ())))
+            for n, p in st.model.named_parameters()}
+
+
+def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]],
+            mesh: Mesh) -> dict[str, ParamLayout]:
+    """After build: the ParamLayout of every parameter of the built `model`, by name.
+
+    Raises RunError naming a parameter whose name did not exist before build, or whose local shape does not
+    match its global shape under its splits (a layout this module cannot describe; never guessed)."""
+    out: dict[str, ParamLayout] = {}
+    sizes = dict(zip(mesh.names, mesh.shape))
+    for name, p in unwrap(model).named_parameters():
+        if name not in before:
+            raise RunError(f"treadle.run: built parameter {name!r} has no counterpart in the unbuilt model; "
+                           f"checkpointing needs stable parameter names")
+        shape, shards = before[name]
+        fsdp_axis, fsdp_dim = None, 0
+        local_shape = list(shape)
+        for s in shards:
+            local_shape[s.dim] //= sizes[s.axis]
+        if isinstance(p, DTensor):
+            (pl,) = p.placements if len(p.placements) == 1 else (None,)
+            axis = p.device_mesh.mesh_dim_names[0] if p.device_mesh.mesh_dim_names else None
+            if not isinstance(pl, Shard) or axis not in mesh.names or tuple(p.shape) != tuple(local_shape):
+                raise RunError(f"treadle.run: parameter {name!r} is a DTensor {p.placements} of shape "
+                               f"{tuple(p.shape)} over {p.device_mesh}; expected FSDP Shard over one axis of "
+                               f"{mesh} with shape {tuple(local_shape)}")
+            fsdp_axis, fsdp_dim = axis, pl.dim
+        elif tuple(p.shape) != tuple(local_shape):
+            raise RunError(f"treadle.run: parameter {name!r} has local shape {tuple(p.shape)}, but its global "
+                           f"shape {shape} split by {list(shards)} gives {tuple(local_shape)}")
+        out[name] = ParamLayout(name, shape, shards, fsdp_axis, fsdp_dim)
+    return out

@@ -1,0 +1,209 @@
+"""The training job of one rank: process group, model + schedule, build with mixed precision, data, AdamW,
+checkpoints and metrics. `main` is what ``torchrun ... -m treadle.run`` runs on every rank.
+
+NOTE [mixed precision]: ``--precision bf16`` keeps fp32 parameters, gradients and AdamW states (the master
+copy) and computes in bfloat16, the policy the cost model prices (TrainSpec.master_copy). Under FSDP the
+schedule's `fully_shard` gets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (gathers in bf16,
+gradients reduced in fp32); without FSDP (DDP, tensor parallel) the forward runs under
+``torch.autocast(bfloat16)``, which casts the fp32 weights per matmul and leaves gradients in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import TreadleError
+from . import checkpoint as ckpt
+from .config import RunConfig, RunError
+from .data import Sampler, make_tokenizer, pack
+from .layout import layouts as param_layouts, shards_by_name, unwrap
+from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
+from .optim import clip_grads, init_optimizer_state, lr_at, make_optimizer
+from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Initialise the process group from torchrun's environment (NCCL + gloo on GPU, gloo on CPU) with a
+    collective timeout of `timeout_s`. Returns this rank's device."""
+    if dist.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RunError(f"treadle.run: environment {missing} not set; launch with torchrun "
+                       f"(torchrun --nproc-per-node N -m treadle.run ...) or use 'treadle run'")
+    timeout = timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
+        return torch.device("cuda", local)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
+
+
+def _build(sch, cfg: RunConfig) -> nn.Module:
+    from ..runtime.build import build
+
+    if cfg.precision == "bf16" and sch._state.data_parallel is not None and sch._state.data_parallel[1]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return build(sch)
+
+
+def _compile_blocks(model: nn.Module, device: torch.device) -> int:
+    """torch.compile every block of every ModuleList in place (names unchanged); returns how many."""
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    n = 0
+    for m in unwrap(model).modules():
+        if isinstance(m, nn.ModuleList):
+            for block in m:
+                block.compile(backend=backend)
+                n += 1
+    return n
+
+
+def train(cfg: RunConfig) -> list[float]:
+    """Run `cfg` on this rank of the launched job. Returns the logged loss of every step this run did."""
+    device = init_distributed(cfg.timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.export_hf and not cfg.ckpt_dir:
+        raise RunError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
+    model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    samples = pack(cfg.data, seq=cfg.seq, tokenizer=make_tokenizer(cfg.tokenizer), text_field=cfg.text_field,
+                   vocab_size=vocab)
+    sch = make_schedule(model, cfg)
+    flops_per_step = None
+    peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
+    if peak is not None and rank == 0:
+        flops_per_step = model_flops_per_step(model, model_inputs(model, samples[: cfg.batch].clone()))
+    before = shards_by_name(sch)
+    built = _build(sch, cfg).to(device) if device.type == "cuda" else _build(sch, cfg)
+    mesh = sch.mesh
+    layouts = param_layouts(built, before, mesh)
+    if cfg.compile:
+        logger.info("compiled %d blocks", _compile_blocks(built, device))
+
+    dp_size, dp_rank = data_parallel_coords(sch)
+    sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
+    per_rank = cfg.batch // dp_size
+    micro = cfg.micro_batch or (per_rank // cfg.grad_accum if cfg.grad_accum else per_rank)
+    if micro < 1 or per_rank % micro or (cfg.grad_accum and per_rank != micro * cfg.grad_accum):
+        raise RunError(f"treadle.run: batch {cfg.batch} over {dp_size} data-parallel ranks is {per_rank} per rank, "
+                       f"which micro_batch={cfg.micro_batch} x grad_accum={cfg.grad_accum} does not split; "
+                       f"give a micro batch that divides {per_rank}")
+    accum = per_rank // micro
+
+    opt = make_optimizer(built, layouts, cfg)
+    init_optimizer_state(opt)
+    start = 0
+    checkpointer = ckpt.Checkpointer(cfg.ckpt_dir, async_save=cfg.async_ckpt) if cfg.ckpt_dir else None
+    source = None
+    if cfg.resume not in ("auto", "none"):
+        source = cfg.resume
+        if not ckpt.is_complete(source):
+            raise RunError(f"treadle.run: --resume {source!r} is not a complete checkpoint directory")
+    elif cfg.resume == "auto" and cfg.ckpt_dir:
+        source = ckpt.latest(cfg.ckpt_dir)
+    if source is not None:
+        start = ckpt.load(source, built, opt, layouts, mesh)
+    else:
+        torch.manual_seed(cfg.seed + 1 + rank)  # the stream dropout draws from (checkpointed from here on)
+
+    metrics = MetricsLogger(cfg, enabled=rank == 0, start_step=start)
+    metrics.message(f"treadle.run: {cfg.model} on {mesh} ({world} ranks, {device.type}); {len(samples)} samples of "
+                    f"{cfg.seq} tokens; batch {cfg.batch} = {dp_size} dp x {accum} accum x {micro}; "
+                    f"steps {start}..{cfg.steps}" + (f"; resumed from {source}" if source else ""))
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
+                and not (sch._state.data_parallel and sch._state.data_parallel[1]) else contextlib.nullcontext())
+    losses = []
+    tokens_per_step = cfg.batch * cfg.seq
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = sampler.indices(step, dp_rank)
+            loss_sum = torch.zeros((), device=device)
+            for i in range(accum):
+                ids = samples[idx[i * micro : (i + 1) * micro]].to(device)
+                sync = contextlib.nullcontext()
+                if i < accum - 1 and isinstance(built, nn.parallel.DistributedDataParallel):
+                    sync = built.no_sync()
+                with sync:
+                    with autocast:
+                        loss = built(**model_inputs(unwrap(built), ids)).loss / accum
+                    loss.backward()
+                loss_sum += loss.detach().float()
+            norm = clip_grads(built, layouts, mesh, cfg.clip_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum)
+            step_loss = float(loss_sum) / world  # tensor-parallel replicas hold the same loss
+            step_s = time.perf_counter() - t0
+            losses.append(step_loss)
+            mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
+            metrics.log(StepMetrics(step=step + 1, loss=step_loss, lr=lr, grad_norm=norm, step_s=step_s,
+                                    tokens=(step + 1) * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
+                                    mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(step + 1)))
+            done = step + 1
+            if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
+                checkpointer.save(built, opt, layouts, mesh, step=done)
+        if checkpointer:
+            checkpointer.wait()
+        if cfg.export_hf:
+            dist.barrier()
+            if rank == 0:
+                fresh = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
+                ckpt.export_hf(ckpt.step_dir(cfg.ckpt_dir, cfg.steps), fresh, cfg.export_hf)
+                metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
+            dist.barrier()
+    finally:
+        metrics.close()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m treadle.run`` on every rank. Exit status 1 with a message naming this rank
+    for an error, a dead peer or a collective timeout (torchrun then stops the other ranks)."""
+    import argparse
+
+    from .config import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser(prog="python -m treadle.run", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
+    rank = os.environ.get("RANK", "?")
+    try:
+        cfg = config_from_args(args)
+        train(cfg)
+    except TreadleError as exc:
+        print(f"treadle.run: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (RuntimeError, dist.DistBackendError) as exc:
+        print(f"treadle.run: rank {rank} failed: {type(exc).__name__}: {exc}\n(a peer rank died or hung past "
+              f"the collective timeout, or a rank hit an error: see the first failure above)", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    return 0

@@ -1,0 +1,152 @@
+"""Live metrics of a run on rank 0: a progress line (a rich bar on a terminal), a JSONL file, TensorBoard
+events when installed. Throughput in tokens/s, MFU from the profiler's FLOPs per step and the device peak,
+memory as CUDA max allocated bytes or the process RSS on CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import RunConfig, RunError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step, as logged. `loss` is the mean over data-parallel ranks; `step_s` wall seconds of
+    this rank; `mfu` None when no device peak is known."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_s: float
+    tokens: int
+    tokens_per_s: float
+    mfu: float | None
+    mem_bytes: int
+    epoch: float
+
+
+def memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated bytes on a GPU; the resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak RSS (kilobytes on Linux/BSD, bytes on macOS)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def resolve_peak_flops_per_s(hardware: str, *, precision: str, device: torch.device) -> float | None:
+    """Peak FLOP/s of one device for MFU: ``none`` -> None; ``auto`` -> the preset whose name matches the CUDA
+    device (None on CPU or an unknown GPU); else a preset name, ``cpu`` (calibrated) or a HardwareSpec JSON."""
+    from ..profile.hardware import HARDWARE_PRESETS, hardware_preset
+
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    if hardware == "none":
+        return None
+    if hardware == "auto":
+        if device.type != "cuda":
+            return None
+        name = torch.cuda.get_device_name(device).lower()
+        keys = [k for k in HARDWARE_PRESETS if k.split("-")[0] in name]
+        if not keys:
+            logger.info("no hardware preset matches %r; MFU not reported (give --hardware)", name)
+            return None
+        hw = HARDWARE_PRESETS[sorted(keys)[0]]
+    else:
+        from ..errors import TreadleError
+
+        try:
+            hw = hardware_preset(hardware)
+        except TreadleError as exc:
+            raise RunError(f"treadle.run: --hardware {hardware!r}: {exc}") from exc
+    return hw.peak_for(dtype) if dtype in hw.peak_flops_per_s else hw.peak_for("float32")
+
+
+def model_flops_per_step(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """Forward + backward FLOPs of one step of the whole (global) batch `inputs`, from the symbolic profiler
+    (fake tensors; the model is not changed)."""
+    from ..profile import profile
+
+    return int(profile(model, inputs, hardware=_any_hardware()).model_flops)
+
+
+def _any_hardware():
+    from ..profile.hardware import HARDWARE_PRESETS
+
+    return next(iter(HARDWARE_PRESETS.values()))  # FLOP counts do not depend on the hardware
+
+
+class MetricsLogger:
+    """Rank 0's sink for StepMetrics: console (rich progress bar on a terminal, a line per `log_every` steps
+    otherwise), JSONL file, TensorBoard. Other ranks get a logger that writes nothing."""
+
+    def __init__(self, cfg: RunConfig, *, enabled: bool, start_step: int):
+        self.enabled = enabled
+        self.cfg = cfg
+        self._jsonl = None
+        self._tb = None
+        self._progress = None
+        if not enabled:
+            return
+        if cfg.metrics:
+            Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(cfg.metrics, "a", buffering=1)
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RunError("treadle.run: --tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            self._tb = SummaryWriter(cfg.tensorboard)
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                      TextColumn("{task.fields[info]}"))
+            self._task = self._progress.add_task("train", total=cfg.steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        mfu = f" mfu {m.mfu * 100:.1f}%" if m.mfu is not None else ""
+        info = (f"loss {m.loss:.4f} lr {m.lr:.2e} |g| {m.grad_norm:.3f} {m.tokens_per_s:,.0f} tok/s "
+                f"{m.step_s * 1e3:.0f} ms{mfu} mem {m.mem_bytes / 2**20:.0f} MiB")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, info=info)
+        elif m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps:
+            print(f"step {m.step}/{self.cfg.steps} {info}", flush=True)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({**asdict(m), "time": time.time()}) + "\n")
+        if self._tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "mem_bytes"):
+                self._tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
+            if m.mfu is not None:
+                self._tb.add_scalar("train/mfu", m.mfu, m.step)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (self._progress.console.print if self._progress is not None else print)(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

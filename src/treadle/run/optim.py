@@ -1,0 +1,75 @@
+"""AdamW over a built model, the warmup + cosine learning rate, and gradient clipping by the global norm
+over every placement (tensor-parallel shards, FSDP shards, replicas counted once)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..mesh import Mesh
+from .config import RunConfig
+from .layout import ParamLayout, unwrap
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup from lr / warmup to `lr` over
+    `warmup_steps`, then cosine from `lr` to `min_lr` at the last step (Loshchilov & Hutter, SGDR, 2017)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps - 1, 1)
+    frac = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+def make_optimizer(model: nn.Module, layouts: dict[str, ParamLayout], cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (parameters of global rank >= 2), fp32 states. Parameters
+    whose global shape is a vector (biases, norms) get no decay. `foreach=False` when plain tensors and
+    DTensors mix (the foreach kernels take one kind)."""
+    named = list(unwrap(model).named_parameters())
+    decay = [p for n, p in named if len(layouts[n].global_shape) >= 2]
+    no_decay = [p for n, p in named if len(layouts[n].global_shape) < 2]
+    kinds = {isinstance(p, DTensor) for _, p in named}
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False if len(kinds) > 1 else None)
+
+
+def init_optimizer_state(opt: torch.optim.AdamW) -> None:
+    """Create AdamW's state (step 0, zero moments) for every parameter, as its first step would, so that a
+    checkpoint can be loaded into it."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p not in opt.state or not opt.state[p]:
+                opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def grad_norm(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> torch.Tensor:
+    """The 2-norm of the whole (global) gradient, the same float on every rank.
+
+    Each rank sums the squares of its local gradient pieces, each divided by how many ranks hold that piece
+    (`ParamLayout.replicas`); one all-reduce over the world adds the pieces. Sums in float64."""
+    total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for name, p in unwrap(model).named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        total += g.detach().double().pow(2).sum() / layouts[name].replicas(mesh)
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_grads(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh, max_norm: float | None) -> float:
+    """Scale every gradient by min(1, max_norm / norm) and return the norm before clipping."""
+    norm = float(grad_norm(model, layouts, mesh))
+    if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in unwrap(model).parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,157 @@
+"""The model and its schedule for a run: a zoo name, a Hugging Face config or ``package.module:function``;
+a schedule or plan file, ``--plan auto`` (rank 0 plans and broadcasts the schedule), or a ready recipe."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import TreadleError
+from ..mesh import Mesh
+from ..schedule.core import Schedule, create_schedule, load_schedule
+from .config import RunConfig, RunError
+
+logger = logging.getLogger(__name__)
+
+
+def load_run_model(spec: str, *, seq: int, seed: int) -> nn.Module:
+    """The model named by `spec`, with the same random weights on every rank (seeded by `seed`), training mode.
+
+    `spec`: a directory with a Hugging Face ``config.json`` (or the file): ``AutoModelForCausalLM.from_config``;
+    ``package.module:function``: its model; else a `treadle.models.zoo` name, built without dropout.
+    Raises RunError naming the spec when it is none of these."""
+    torch.manual_seed(seed)
+    p = Path(spec)
+    if p.is_dir() or p.name == "config.json":
+        cfg_path = p / "config.json" if p.is_dir() else p
+        if not cfg_path.is_file():
+            raise RunError(f"treadle.run: --model {spec!r}: no config.json there")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(cfg_path.parent))
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        from ..models.zoo import load_model
+
+        try:
+            model, _ = load_model(spec, batch=1, seq=seq, dropout=False)
+        except TreadleError as exc:
+            raise RunError(f"treadle.run: --model {spec!r}: {exc}") from exc
+    model.train()
+    return model
+
+
+def model_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Keyword arguments of one causal-LM step on token ids (B, S): ``input_ids`` and ``labels`` (the model
+    shifts them). Raises RunError for a model whose forward takes no ``labels``."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params or "labels" not in params:
+        raise RunError(f"treadle.run trains language models called as model(input_ids=, labels=) returning .loss; "
+                       f"{type(model).__name__}.forward takes {list(params)}")
+    return {"input_ids": ids, "labels": ids}
+
+
+def _read_schedule_text(path: str) -> str:
+    """The schedule JSON text of a schedule file or of a plan file (its "schedule" entry)."""
+    p = Path(path)
+    if not p.is_file():
+        raise RunError(f"treadle.run: schedule file {path!r} does not exist")
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise RunError(f"treadle.run: {path} is not JSON: {exc}") from None
+    if isinstance(doc, dict) and "schedule" in doc:
+        s = doc["schedule"]
+        return s if isinstance(s, str) else json.dumps(s)
+    return p.read_text()
+
+
+def _recipe(model: nn.Module, cfg: RunConfig, world: int) -> Schedule:
+    from ..models import megatron
+
+    megatron_recipe = cfg.recipe.startswith("megatron")
+    if cfg.mesh:
+        try:
+            dp, tp = (int(x) for x in cfg.mesh.lower().split("x"))
+        except ValueError:
+            raise RunError(f"treadle.run: --mesh {cfg.mesh!r}: write DPxTP, e.g. 2x2") from None
+    else:
+        dp, tp = (1, world) if megatron_recipe else (world, 1)
+    if dp * tp != world:
+        raise RunError(f"treadle.run: --mesh {cfg.mesh} has {dp * tp} ranks but the job has {world}")
+    sch = create_schedule(model, mesh=Mesh((dp, tp), ("dp", "tp")))
+    shard = cfg.recipe.endswith("fsdp")
+    if megatron_recipe:
+        megatron(sch, tp="tp", dp="dp" if dp > 1 else None, zero3=shard)
+    elif dp > 1 or shard:
+        sch.data_parallel(axis="dp", shard=shard)
+    return sch
+
+
+def _plan_auto(model: nn.Module, cfg: RunConfig, world: int) -> str:
+    """Rank 0: plan on the cluster and return the schedule JSON (the other ranks get it by broadcast)."""
+    from ..cost.cluster import parse_cluster
+    from ..planner import plan_model
+
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+    per_node = world // max(nodes, 1)
+    device = "h100" if torch.cuda.is_available() else "cpu"
+    cluster = parse_cluster(cfg.cluster or (f"{nodes}x{per_node}:{device}" if nodes > 1 else f"{world}:{device}"))
+    ids = torch.zeros((cfg.batch, cfg.seq), dtype=torch.int64)
+    plan = plan_model(model, model_inputs(model, ids), cluster=cluster, memory_budget_bytes=cfg.memory_budget_bytes,
+                      model_spec={"name": cfg.model, "batch": cfg.batch, "seq": cfg.seq})
+    logger.info("planned: %s", plan.estimate())
+    return plan.schedule.to_json()
+
+
+def make_schedule(model: nn.Module, cfg: RunConfig) -> Schedule:
+    """The run's schedule over the launched world (collective for ``--plan auto``). Raises RunError when the
+    schedule's mesh does not match the world size or the schedule does not fit the model."""
+    world = dist.get_world_size()
+    if cfg.plan == "auto":
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = _plan_auto(model, cfg, world)
+            except TreadleError as exc:
+                box[0] = RunError(f"treadle.run: --plan auto failed on rank 0: {exc}")
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        text = box[0]
+    elif cfg.schedule or cfg.plan:
+        text = _read_schedule_text(cfg.schedule or cfg.plan)
+    else:
+        return _recipe(model, cfg, world)
+    saved = json.loads(text).get("mesh", {})
+    shape = tuple(saved.get("shape", ()))
+    if math.prod(shape) != world:
+        raise RunError(f"treadle.run: the schedule's mesh {dict(zip(saved.get('names', ()), shape))} needs "
+                       f"{math.prod(shape)} ranks, but the job has {world}; launch with that many processes")
+    try:
+        sch = load_schedule(model, text)
+    except TreadleError as exc:
+        raise RunError(f"treadle.run: the schedule does not fit model {cfg.model!r}: {exc}") from exc
+    if sch._state.extras.get("pipeline"):
+        raise RunError("treadle.run: pipeline schedules are not supported by treadle.run yet; "
+                       "remove pipeline() / cut_pipeline_stage() from the schedule")
+    return sch
+
+
+def data_parallel_coords(sch: Schedule) -> tuple[int, int]:
+    """(dp size, this rank's dp index) over the schedule's data-parallel axis; (1, 0) without one."""
+    dp = sch._state.data_parallel
+    if dp is None:
+        return 1, 0
+    return sch.mesh.size(dp[0]), sch.mesh.local_rank(dp[0])
