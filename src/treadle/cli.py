@@ -1,4 +1,4 @@
-"""treadle command line: profile / plan / explain / verify / train.
+"""treadle command line: profile / plan / explain / verify / train / run.
 
 Each sub-command lives beside the layer it drives and exposes ``register(subparsers)``; this file only
 assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
@@ -17,6 +17,7 @@ _SUBCOMMANDS = (
     "treadle.planner.cli",
     "treadle.cost.cli",
     "treadle.verify.cli",
+    "treadle.run.cli",
 )
 
 

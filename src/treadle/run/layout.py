@@ -73,10 +73,10 @@ class ParamLayout:
                                   stride=_contiguous_strides(self.global_shape))
 
     def gather_full(self, local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        """The global tensor on every rank (all-gathers over the FSDP axis, then over each split in reverse)."""
+        """The global tensor on every rank, a new tensor (all-gathers over the FSDP axis, then over each split
+        in reverse)."""
         t = local.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
+        t = t.full_tensor() if isinstance(t, DTensor) else t.clone()
         for s in reversed(self.shards):
             g = mesh.group(s.axis)
             pieces = [torch.empty_like(t) for _ in range(mesh.size(s.axis))]

@@ -75,6 +75,31 @@ def _compile_blocks(model: nn.Module, device: torch.device) -> int:
     return n
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict, mesh, micro_batches: list[torch.Tensor], *,
+               clip_norm: float | None, autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
+    """One optimizer step of the built `model` on this rank's `micro_batches` (each (b, S) token ids; gradients
+    accumulate over them, DDP syncing on the last only). Returns (loss, gradient norm before clipping): the
+    loss averaged over micro-batches and over all ranks (tensor-parallel replicas hold the same loss)."""
+    device = mesh.device
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, ids in enumerate(micro_batches):
+        ids = ids.to(device)
+        sync = contextlib.nullcontext()
+        if i < accum - 1 and isinstance(model, nn.parallel.DistributedDataParallel):
+            sync = model.no_sync()
+        with sync:
+            with autocast or contextlib.nullcontext():
+                loss = model(**model_inputs(unwrap(model), ids)).loss / accum
+            loss.backward()
+        loss_sum += loss.detach().float()
+    norm = clip_grads(model, layouts, mesh, clip_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum)
+    return float(loss_sum) / dist.get_world_size(), norm
+
+
 def train(cfg: RunConfig) -> list[float]:
     """Run `cfg` on this rank of the launched job. Returns the logged loss of every step this run did."""
     device = init_distributed(cfg.timeout_s)
@@ -138,22 +163,9 @@ def train(cfg: RunConfig) -> list[float]:
             for g in opt.param_groups:
                 g["lr"] = lr
             idx = sampler.indices(step, dp_rank)
-            loss_sum = torch.zeros((), device=device)
-            for i in range(accum):
-                ids = samples[idx[i * micro : (i + 1) * micro]].to(device)
-                sync = contextlib.nullcontext()
-                if i < accum - 1 and isinstance(built, nn.parallel.DistributedDataParallel):
-                    sync = built.no_sync()
-                with sync:
-                    with autocast:
-                        loss = built(**model_inputs(unwrap(built), ids)).loss / accum
-                    loss.backward()
-                loss_sum += loss.detach().float()
-            norm = clip_grads(built, layouts, mesh, cfg.clip_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_sum)
-            step_loss = float(loss_sum) / world  # tensor-parallel replicas hold the same loss
+            micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
+            step_loss, norm = train_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm,
+                                         autocast=autocast)
             step_s = time.perf_counter() - t0
             losses.append(step_loss)
             mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
