@@ -110,7 +110,7 @@ def train(cfg: RunConfig) -> list[float]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     samples = pack(cfg.data, seq=cfg.seq, tokenizer=make_tokenizer(cfg.tokenizer), text_field=cfg.text_field,
                    vocab_size=vocab)
-    sch = make_schedule(model, cfg)
+    sch = make_schedule(model, cfg, world=world, rank=rank)
     flops_per_step = None
     peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
     if peak is not None and rank == 0:

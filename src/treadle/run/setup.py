@@ -115,13 +115,13 @@ def _plan_auto(model: nn.Module, cfg: RunConfig, world: int) -> str:
     return plan.schedule.to_json()
 
 
-def make_schedule(model: nn.Module, cfg: RunConfig) -> Schedule:
-    """The run's schedule over the launched world (collective for ``--plan auto``). Raises RunError when the
-    schedule's mesh does not match the world size or the schedule does not fit the model."""
-    world = dist.get_world_size()
+def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) -> Schedule:
+    """The run's schedule over a world of `world` ranks (a collective for ``--plan auto``: rank 0 plans, then
+    broadcasts). Raises RunError when the schedule's mesh does not match the world size or the schedule does
+    not fit the model."""
     if cfg.plan == "auto":
         box: list[Any] = [None]
-        if dist.get_rank() == 0:
+        if rank == 0:
             try:
                 box[0] = _plan_auto(model, cfg, world)
             except TreadleError as exc:

@@ -1,0 +1,142 @@
+"""treadle.run pieces in one process: settings and TOML, data reading / packing / sampling, the LR schedule,
+and the errors for bad data, bad settings and a schedule written for another model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from treadle.run.config import RunConfig, RunError, add_arguments, config_from_args
+from treadle.run.data import ByteTokenizer, Sampler, pack, read_documents
+from treadle.run.optim import lr_at
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------- config
+def test_toml_then_command_line(tmp_path):
+    (tmp_path / "c.toml").write_text('model = "tiny-llama"\ndata = "a.txt"\nbatch = 16\nlr = 1e-3\n'
+                                     'warmup-steps = 5\nprecision = "bf16"\nasync_ckpt = true\n')
+    cfg = config_from_args(_args(["--config", str(tmp_path / "c.toml"), "--batch", "32", "--betas", "0.8", "0.9"]))
+    assert (cfg.model, cfg.data, cfg.batch, cfg.lr, cfg.warmup_steps) == ("tiny-llama", ["a.txt"], 32, 1e-3, 5)
+    assert (cfg.precision, cfg.async_ckpt, cfg.betas) == ("bf16", True, (0.8, 0.9))
+
+
+def test_toml_unknown_key(tmp_path):
+    (tmp_path / "c.toml").write_text('model = "tiny-llama"\nlearning_rate = 1.0\n')
+    with pytest.raises(RunError, match="unknown key 'learning_rate'.*known"):
+        config_from_args(_args(["--config", str(tmp_path / "c.toml")]))
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(data=[]), "give --data"), (dict(batch=0), "--batch must be >= 1"),
+                                    (dict(precision="fp8"), "fp32 or bf16"), (dict(recipe="zero"), "unknown --recipe"),
+                                    (dict(schedule="a.json", plan="auto"), "not both"),
+                                    (dict(min_lr=1.0), "min_lr <= lr")])
+def test_config_errors(kw, msg):
+    with pytest.raises(RunError, match=msg):
+        RunConfig(**{"model": "tiny-llama", "data": ["x.txt"], **kw})
+
+
+def test_forwarded_args_round_trip():
+    from treadle.run.cli import forwarded_args
+
+    argv = ["--model", "tiny-gpt2", "--data", "a.txt", "b.jsonl", "--batch", "4", "--async-ckpt", "--memory-budget", "1GiB"]
+    again = _args(forwarded_args(_args(argv)))
+    assert config_from_args(again) == config_from_args(_args(argv))
+    assert again.memory_budget_bytes == 2**30
+
+
+# ------------------------------------------------------------------------------------------- data
+def test_pack_text_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "abc"}) + "\n\n" + json.dumps({"text": "de"}) + "\n")
+    t = pack([str(tmp_path)], seq=4, tokenizer=ByteTokenizer())
+    stream = list(b"hello world") + [0] + list(b"abc") + [0] + list(b"de") + [0]
+    assert t.shape == (len(stream) // 4, 4)
+    assert t.flatten().tolist() == stream[: t.numel()]
+
+
+def test_data_errors(tmp_path):
+    with pytest.raises(RunError, match="data path '.*nope.txt' does not exist"):
+        pack([str(tmp_path / "nope.txt")], seq=4, tokenizer=ByteTokenizer())
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(RunError, match="empty.txt' is empty"):
+        pack([str(tmp_path / "empty.txt")], seq=4, tokenizer=ByteTokenizer())
+    (tmp_path / "short.txt").write_text("ab")
+    with pytest.raises(RunError, match="fewer than one sample of seq=64"):
+        pack([str(tmp_path / "short.txt")], seq=64, tokenizer=ByteTokenizer())
+    (tmp_path / "z.txt").write_text("zz")  # 'z' is byte 122
+    with pytest.raises(RunError, match="token id 122 does not fit the model's vocabulary of 100"):
+        pack([str(tmp_path / "z.txt")], seq=2, tokenizer=ByteTokenizer(), vocab_size=100)
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(RunError, match=r"bad.jsonl:1: no string field 'text'.*\['body'\]"):
+        read_documents(tmp_path / "bad.jsonl")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(RunError, match="holds no"):
+        pack([str(tmp_path / "d")], seq=4, tokenizer=ByteTokenizer())
+
+
+def test_hf_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from treadle.run.data import make_tokenizer
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("hello world hello moon")
+    t = pack([str(tmp_path / "a.txt")], seq=5, tokenizer=make_tokenizer(str(tmp_path)))
+    assert t.tolist() == [[2, 3, 2, 1, 0]]
+
+
+def test_sampler_shards_over_dp_and_resumes():
+    s1, s4 = Sampler(10, 4, 1, seed=3), Sampler(10, 4, 4, seed=3)
+    for step in range(7):  # crosses epochs 0, 1, 2
+        whole = s1.indices(step, 0)
+        assert [i for r in range(4) for i in s4.indices(step, r)] == whole
+    seen = [i for step in range(5) for i in s1.indices(step, 0)]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))  # each epoch once
+    assert Sampler(10, 4, 1, seed=4).indices(0, 0) != s1.indices(0, 0)
+    with pytest.raises(RunError, match="global batch 6 does not divide over 4"):
+        Sampler(10, 6, 4, seed=0)
+
+
+def test_lr_warmup_then_cosine():
+    cfg = RunConfig(model="m", data=["x"], lr=1.0, min_lr=0.1, warmup_steps=4, steps=14)
+    lrs = [lr_at(s, cfg) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lrs[9] == pytest.approx(0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * 5 / 9)).item()))
+
+
+# ------------------------------------------------------------------------------------------- schedule errors
+def test_schedule_errors(tmp_path):
+    from treadle import Mesh, create_schedule
+    from treadle.models import megatron
+    from treadle.models.zoo import named_model
+    from treadle.run.setup import load_run_model, make_schedule
+
+    gpt2, _ = named_model("tiny-gpt2", batch=1, seq=8)
+    path = tmp_path / "gpt2.json"
+    path.write_text(megatron(create_schedule(gpt2, mesh=Mesh(2, "tp")), tp="tp").to_json())
+    llama = load_run_model("tiny-llama", seq=16, seed=0)
+    with pytest.raises(RunError, match="does not fit model 'tiny-llama': unknown module path 'transformer.wte'"):
+        make_schedule(llama, RunConfig(model="tiny-llama", data=["x"], schedule=str(path)), world=2, rank=0)
+    with pytest.raises(RunError, match=r"mesh \{'tp': 2\} needs 2 ranks, but the job has 4"):
+        make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], schedule=str(path)), world=4, rank=0)
+    with pytest.raises(RunError, match="schedule file '.*missing.json' does not exist"):
+        make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], schedule=str(tmp_path / "missing.json")),
+                      world=2, rank=0)
+    with pytest.raises(RunError, match="--mesh 2x3 has 6 ranks but the job has 4"):
+        make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], recipe="megatron", mesh="2x3"), world=4, rank=0)
+    with pytest.raises(RunError, match="--model 'no-such-model'.*unknown model"):
+        load_run_model("no-such-model", seq=16, seed=0)
