@@ -18,7 +18,7 @@ SCHEDULES = {
 }
 
 
-def _make(recipe: str, shape: tuple[int, int]):
+def _make(recipe: str, shape: tuple[int, int], build_fn=None):
     from treadle import Mesh, build, create_schedule
     from treadle.models import megatron
     from treadle.models.zoo import named_model
@@ -35,7 +35,7 @@ def _make(recipe: str, shape: tuple[int, int]):
     else:
         sch.data_parallel(axis="dp", shard=recipe == "fsdp")
     before = shards_by_name(sch)
-    built = build(sch)
+    built = (build_fn or build)(sch)
     lay = layouts(built, before, sch.mesh)
     cfg = RunConfig(model="tiny-gpt2", data=["unused"], lr=1e-2, warmup_steps=0, steps=10)
     opt = make_optimizer(built, lay, cfg)
@@ -43,23 +43,40 @@ def _make(recipe: str, shape: tuple[int, int]):
     return sch, built, lay, opt
 
 
-def _step(sch, built, lay, opt, batch: torch.Tensor) -> float:
+def _step(sch, built, lay, opt, batch: torch.Tensor, *, with_norm: bool = False):
     from treadle.run.loop import train_step
     from treadle.run.setup import data_parallel_coords
 
     n, i = data_parallel_coords(sch)
-    return train_step(built, opt, lay, sch.mesh, [batch.chunk(n)[i]], clip_norm=1.0)[0]
+    loss, norm = train_step(built, opt, lay, sch.mesh, [batch.chunk(n)[i]], clip_norm=1.0)
+    return (loss, norm) if with_norm else loss
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(4)]
+
+
+def _reference_first_step() -> tuple[float, float]:
+    """Loss and global gradient norm of the first batch on the unbuilt model in this process."""
+    from treadle.models.zoo import named_model
+
+    torch.manual_seed(0)
+    model, _ = named_model("tiny-gpt2", batch=1, seq=16, dropout=False)
+    ids = _batches()[0]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 
 
 def _reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
     from treadle.run import checkpoint as ckpt
     from treadle.run.layout import unwrap
 
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 256, (4, 16), generator=g) for _ in range(4)]
+    batches = _batches()
     a = _make(*SCHEDULES[src])
-    for b in batches[:2]:
-        _step(*a, b)
+    first = _step(*a, batches[0], with_norm=True)
+    _step(*a, batches[1])
     ckpt.Checkpointer(path).save(a[1], a[3], a[2], a[0].mesh, step=2)
     full_a = {n: a[2][n].gather_full(p, a[0].mesh) for n, p in unwrap(a[1]).named_parameters()}
     after_a = [_step(*a, b) for b in batches[2:]]
@@ -68,15 +85,31 @@ def _reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
     full_b = {n: b_[2][n].gather_full(p, b_[0].mesh) for n, p in unwrap(b_[1]).named_parameters()}
     after_b = [_step(*b_, b) for b in batches[2:]]
     max_diff = {n: float((full_a[n] - full_b[n]).abs().max()) for n in full_a}
-    return step, sorted(full_a) == sorted(full_b), max_diff, after_a, after_b
+    return step, sorted(full_a) == sorted(full_b), max_diff, after_a, after_b, first, full_a if rank == 0 else None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("src,dst", [("tp2xdp2", "fsdp4"), ("ddp4", "megatron-fsdp2x2"), ("fsdp4", "tp4")])
 def test_reshard_on_load(tmp_path, src, dst):
     results = spawn(_reshard_rank, 4, src, dst, str(tmp_path / "ck"), timeout_s=240)
-    for step, same_names, max_diff, after_a, after_b in results:
+    ref_loss, ref_norm = _reference_first_step()
+    for step, same_names, max_diff, after_a, after_b, (loss0, norm0), _ in results:
+        # the norm over tensor-parallel shards, FSDP shards and replicas is the single-process norm
+        assert norm0 == pytest.approx(ref_norm, rel=1e-5) and loss0 == pytest.approx(ref_loss, rel=1e-5)
         assert step == 2
         assert same_names
         assert max(max_diff.values()) == 0.0, {n: d for n, d in max_diff.items() if d}  # copied, never recomputed
         torch.testing.assert_close(torch.tensor(after_b), torch.tensor(after_a), rtol=1e-5, atol=1e-6)
+
+    if src == "tp2xdp2":  # a Hugging Face export of the sharded checkpoint holds the global weights
+        from transformers import GPT2LMHeadModel
+
+        from treadle.models.zoo import named_model
+        from treadle.run.checkpoint import export_hf, step_dir
+
+        fresh, _ = named_model("tiny-gpt2", batch=1, seq=16, dropout=False)
+        export_hf(step_dir(tmp_path / "ck", 2), fresh, tmp_path / "hf")
+        assert (tmp_path / "hf" / "model.safetensors").is_file()
+        loaded = dict(GPT2LMHeadModel.from_pretrained(tmp_path / "hf").named_parameters())
+        for name, full in results[0][6].items():
+            torch.testing.assert_close(loaded[name], full, rtol=0, atol=0, msg=name)

@@ -53,7 +53,8 @@ def init_distributed(timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
-def _build(sch, cfg: RunConfig) -> nn.Module:
+def build_for(sch, cfg: RunConfig) -> nn.Module:
+    """`build` with the FSDP2 MixedPrecisionPolicy of NOTE [mixed precision] when bf16 meets FSDP."""
     from ..runtime.build import build
 
     if cfg.precision == "bf16" and sch._state.data_parallel is not None and sch._state.data_parallel[1]:
@@ -61,6 +62,14 @@ def _build(sch, cfg: RunConfig) -> nn.Module:
 
         return build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     return build(sch)
+
+
+def autocast_for(sch, cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward's autocast under NOTE [mixed precision]: bf16 autocast unless FSDP's policy casts."""
+    fsdp = sch._state.data_parallel is not None and sch._state.data_parallel[1]
+    if cfg.precision == "bf16" and not fsdp:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _compile_blocks(model: nn.Module, device: torch.device) -> int:
@@ -107,6 +116,8 @@ def train(cfg: RunConfig) -> list[float]:
     if cfg.export_hf and not cfg.ckpt_dir:
         raise RunError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
     model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
+    if device.type == "cuda":
+        model.to(device)  # build slices on the device the weights are on
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     samples = pack(cfg.data, seq=cfg.seq, tokenizer=make_tokenizer(cfg.tokenizer), text_field=cfg.text_field,
                    vocab_size=vocab)
@@ -116,7 +127,7 @@ def train(cfg: RunConfig) -> list[float]:
     if peak is not None and rank == 0:
         flops_per_step = model_flops_per_step(model, model_inputs(model, samples[: cfg.batch].clone()))
     before = shards_by_name(sch)
-    built = _build(sch, cfg).to(device) if device.type == "cuda" else _build(sch, cfg)
+    built = build_for(sch, cfg)
     mesh = sch.mesh
     layouts = param_layouts(built, before, mesh)
     if cfg.compile:
@@ -152,8 +163,7 @@ def train(cfg: RunConfig) -> list[float]:
     metrics.message(f"treadle.run: {cfg.model} on {mesh} ({world} ranks, {device.type}); {len(samples)} samples of "
                     f"{cfg.seq} tokens; batch {cfg.batch} = {dp_size} dp x {accum} accum x {micro}; "
                     f"steps {start}..{cfg.steps}" + (f"; resumed from {source}" if source else ""))
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
-                and not (sch._state.data_parallel and sch._state.data_parallel[1]) else contextlib.nullcontext())
+    autocast = autocast_for(sch, cfg, device)
     losses = []
     tokens_per_step = cfg.batch * cfg.seq
     try:

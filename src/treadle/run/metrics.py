@@ -124,7 +124,7 @@ class MetricsLogger:
     def log(self, m: StepMetrics) -> None:
         if not self.enabled:
             return
-        mfu = f" mfu {m.mfu * 100:.1f}%" if m.mfu is not None else ""
+        mfu = f" mfu {m.mfu * 100:.3g}%" if m.mfu is not None else ""
         info = (f"loss {m.loss:.4f} lr {m.lr:.2e} |g| {m.grad_norm:.3f} {m.tokens_per_s:,.0f} tok/s "
                 f"{m.step_s * 1e3:.0f} ms{mfu} mem {m.mem_bytes / 2**20:.0f} MiB")
         if self._progress is not None:
