@@ -140,3 +140,51 @@ def test_schedule_errors(tmp_path):
         make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], recipe="megatron", mesh="2x3"), world=4, rank=0)
     with pytest.raises(RunError, match="--model 'no-such-model'.*unknown model"):
         load_run_model("no-such-model", seq=16, seed=0)
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["ab", "", "cd"], "id": [1, 2, 3]}), tmp_path / "a.parquet")
+    assert read_documents(tmp_path / "a.parquet") == ["ab", "cd"]
+    with pytest.raises(RunError, match=r"no column 'body'; columns: \['text', 'id'\]"):
+        read_documents(tmp_path / "a.parquet", text_field="body")
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from treadle.run.metrics import MetricsLogger, StepMetrics
+
+    cfg = RunConfig(model="m", data=["x"], steps=2, metrics=str(tmp_path / "m.jsonl"), tensorboard=str(tmp_path / "tb"))
+    log = MetricsLogger(cfg, enabled=True, start_step=0)
+    for step, loss in ((1, 5.0), (2, 4.0)):
+        log.log(StepMetrics(step=step, loss=loss, lr=1e-3, grad_norm=1.0, step_s=0.5, tokens=step * 64,
+                            tokens_per_s=128.0, mfu=0.25, mem_bytes=2**20, epoch=0.1))
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [5.0, 4.0] and rows[1]["mfu"] == 0.25
+    out = capsys.readouterr().out
+    assert "step 2/2 loss 4.0000" in out and "mfu 25%" in out
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/loss")] == [5.0, 4.0]
+    assert MetricsLogger(cfg, enabled=False, start_step=0)._jsonl is None  # other ranks write nothing
+
+
+def test_mfu_inputs():
+    from treadle.run.metrics import model_flops_per_step, resolve_peak_flops_per_s
+    from treadle.run.setup import load_run_model
+
+    cpu = torch.device("cpu")
+    assert resolve_peak_flops_per_s("auto", precision="bf16", device=cpu) is None
+    assert resolve_peak_flops_per_s("none", precision="bf16", device=cpu) is None
+    assert resolve_peak_flops_per_s("a100-80gb", precision="bf16", device=cpu) == pytest.approx(312e12)
+    with pytest.raises(RunError, match="--hardware 'tpu9'.*known"):
+        resolve_peak_flops_per_s("tpu9", precision="fp32", device=cpu)
+    model = load_run_model("tiny-gpt2", seq=16, seed=0)
+    ids = torch.zeros((2, 16), dtype=torch.int64)
+    flops = model_flops_per_step(model, {"input_ids": ids, "labels": ids})
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 6 * n_params * ids.numel() * 0.5 < flops < 6 * n_params * ids.numel() * 3  # ~6 N T (Kaplan et al.)
