@@ -23,8 +23,8 @@ def _precision_rank(rank: int, world: int, recipe: str, shape: tuple[int, int]):
         cfg = RunConfig(model="tiny-gpt2", data=["unused"], precision=precision)
         sch, built, lay, opt = _make(recipe, shape, build_fn=lambda s: build_for(s, cfg))
         seen = []
-        mlp = unwrap(built).transformer.h[0].mlp.c_fc
-        mlp.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+        head = unwrap(built).lm_head  # a bias-free matmul: its output dtype is the compute dtype
+        head.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
         n, i = data_parallel_coords(sch)
         losses = [train_step(built, opt, lay, sch.mesh, [b.chunk(n)[i]], clip_norm=1.0,
                              autocast=autocast_for(sch, cfg, sch.mesh.device))[0] for b in _batches()[:3]]
