@@ -188,3 +188,13 @@ def test_mfu_inputs():
     flops = model_flops_per_step(model, {"input_ids": ids, "labels": ids})
     n_params = sum(p.numel() for p in model.parameters())
     assert 6 * n_params * ids.numel() * 0.5 < flops < 6 * n_params * ids.numel() * 3  # ~6 N T (Kaplan et al.)
+
+
+def test_cli_registers_run_and_export():
+    from treadle.cli import build_parser
+    from treadle.run.cli import forwarded_args
+
+    args = build_parser().parse_args(["run", "--nproc", "2", "--model", "tiny-llama", "--data", "a.txt", "--steps", "3"])
+    assert args.nproc == 2 and forwarded_args(args) == ["--model", "tiny-llama", "--data", "a.txt", "--steps", "3"]
+    args = build_parser().parse_args(["export-hf", "ck/step_00000003", "--model", "tiny-llama", "-o", "hf"])
+    assert (args.checkpoint, args.output) == ("ck/step_00000003", "hf")

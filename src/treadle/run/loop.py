@@ -157,7 +157,9 @@ def train(cfg: RunConfig) -> list[float]:
     if source is not None:
         start = ckpt.load(source, built, opt, layouts, mesh)
     else:
-        torch.manual_seed(cfg.seed + 1 + rank)  # the stream dropout draws from (checkpointed from here on)
+        # the stream dropout draws from, the same on every rank: tensor-parallel replicas must agree on masks
+        # (build's fork_rng derives per-shard streams from it); checkpointed from here on
+        torch.manual_seed(cfg.seed + 1)
 
     metrics = MetricsLogger(cfg, enabled=rank == 0, start_step=start)
     metrics.message(f"treadle.run: {cfg.model} on {mesh} ({world} ranks, {device.type}); {len(samples)} samples of "
