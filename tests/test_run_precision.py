@@ -1,6 +1,6 @@
 """bf16 mixed precision in treadle.run: FSDP schedules compute in bf16 through FSDP2's MixedPrecisionPolicy,
 DDP / tensor-parallel schedules through autocast; parameters, gradients and AdamW states stay fp32, and the
-losses follow the fp32 run within bf16 tolerance."""
+losses follow the fp32 run within bf16 tolerance. Gradient accumulation over micro-batches matches one step."""
 
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ def _precision_rank(rank: int, world: int, recipe: str, shape: tuple[int, int]):
     from treadle.run.setup import data_parallel_coords
 
     out = {}
-    for precision in ("fp32", "bf16"):
+    for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
         cfg = RunConfig(model="tiny-gpt2", data=["unused"], precision=precision)
         sch, built, lay, opt = _make(recipe, shape, build_fn=lambda s: build_for(s, cfg))
         seen = []
         head = unwrap(built).lm_head  # a bias-free matmul: its output dtype is the compute dtype
         head.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
         n, i = data_parallel_coords(sch)
-        losses = [train_step(built, opt, lay, sch.mesh, [b.chunk(n)[i]], clip_norm=1.0,
+        losses = [train_step(built, opt, lay, sch.mesh, list(b.chunk(n)[i].chunk(accum)), clip_norm=1.0,
                              autocast=autocast_for(sch, cfg, sch.mesh.device))[0] for b in _batches()[:3]]
         dtypes = {str(p.dtype) for p in unwrap(built).parameters()}
         dtypes |= {str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"}
-        out[precision] = (losses, sorted({str(d) for d in seen}), sorted(dtypes))
+        out[precision if accum == 1 else f"{precision}-accum{accum}"] = (losses, sorted({str(d) for d in seen}), sorted(dtypes))
     return out
 
 
@@ -43,3 +43,5 @@ def test_bf16_compute_fp32_master(recipe, shape):
     assert st32 == st16 == ["torch.float32"]  # master weights and optimizer states
     torch.testing.assert_close(torch.tensor(l16), torch.tensor(l32), rtol=2e-2, atol=0)
     assert l16 != l32  # bf16 really ran
+    # two micro-batches of half the samples (DDP syncs on the last only) = one step on all of them
+    torch.testing.assert_close(torch.tensor(res["fp32-accum2"][0]), torch.tensor(l32), rtol=1e-5, atol=0)

@@ -99,13 +99,14 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict, mesh
             sync = model.no_sync()
         with sync:
             with autocast or contextlib.nullcontext():
-                loss = model(**model_inputs(unwrap(model), ids)).loss / accum
+                loss = model(input_ids=ids, labels=ids).loss / accum  # the form model_inputs checked
             loss.backward()
         loss_sum += loss.detach().float()
+    pending = dist.all_reduce(loss_sum, async_op=True)  # overlaps the clip and the optimizer step
     norm = clip_grads(model, layouts, mesh, clip_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)
+    pending.wait()
     return float(loss_sum) / dist.get_world_size(), norm
 
 
@@ -121,7 +122,17 @@ def train(cfg: RunConfig) -> list[float]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     samples = pack(cfg.data, seq=cfg.seq, tokenizer=make_tokenizer(cfg.tokenizer), text_field=cfg.text_field,
                    vocab_size=vocab)
+    model_inputs(model, samples[:1])  # the model takes input_ids= and labels= (else a RunError)
     sch = make_schedule(model, cfg, world=world, rank=rank)
+    dp_size, dp_rank = data_parallel_coords(sch)
+    sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
+    per_rank = cfg.batch // dp_size
+    micro = cfg.micro_batch or (per_rank // cfg.grad_accum if cfg.grad_accum else per_rank)
+    if micro < 1 or per_rank % micro or (cfg.grad_accum and per_rank != micro * cfg.grad_accum):
+        raise RunError(f"treadle.run: batch {cfg.batch} over {dp_size} data-parallel ranks is {per_rank} per rank, "
+                       f"which micro_batch={cfg.micro_batch} x grad_accum={cfg.grad_accum} does not split; "
+                       f"give a micro batch that divides {per_rank}")
+    accum = per_rank // micro
     flops_per_step = None
     peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
     if peak is not None and rank == 0:
@@ -133,15 +144,6 @@ def train(cfg: RunConfig) -> list[float]:
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))
 
-    dp_size, dp_rank = data_parallel_coords(sch)
-    sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
-    per_rank = cfg.batch // dp_size
-    micro = cfg.micro_batch or (per_rank // cfg.grad_accum if cfg.grad_accum else per_rank)
-    if micro < 1 or per_rank % micro or (cfg.grad_accum and per_rank != micro * cfg.grad_accum):
-        raise RunError(f"treadle.run: batch {cfg.batch} over {dp_size} data-parallel ranks is {per_rank} per rank, "
-                       f"which micro_batch={cfg.micro_batch} x grad_accum={cfg.grad_accum} does not split; "
-                       f"give a micro batch that divides {per_rank}")
-    accum = per_rank // micro
 
     opt = make_optimizer(built, layouts, cfg)
     init_optimizer_state(opt)

@@ -53,14 +53,21 @@ def grad_norm(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> 
     """The 2-norm of the whole (global) gradient, the same float on every rank.
 
     Each rank sums the squares of its local gradient pieces, each divided by how many ranks hold that piece
-    (`ParamLayout.replicas`); one all-reduce over the world adds the pieces. Sums in float64."""
+    (`ParamLayout.replicas`); one all-reduce over the world adds the pieces (none when every gradient is
+    replicated, as under DDP). Sums in float64."""
     total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    sharded = False
     for name, p in unwrap(model).named_parameters():
         if p.grad is None:
             continue
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        total += g.detach().double().pow(2).sum() / layouts[name].replicas(mesh)
-    dist.all_reduce(total)
+        replicas = layouts[name].replicas(mesh)
+        sharded |= replicas != mesh.world_size
+        total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square() / replicas
+    if sharded:  # with every gradient replicated (DDP) each rank already holds the whole sum
+        dist.all_reduce(total)
+    else:
+        total *= mesh.world_size
     return total.sqrt()
 
 
