@@ -198,3 +198,18 @@ def test_cli_registers_run_and_export():
     assert args.nproc == 2 and forwarded_args(args) == ["--model", "tiny-llama", "--data", "a.txt", "--steps", "3"]
     args = build_parser().parse_args(["export-hf", "ck/step_00000003", "--model", "tiny-llama", "-o", "hf"])
     assert (args.checkpoint, args.output) == ("ck/step_00000003", "hf")
+
+
+def test_health_names_ranks_behind():
+    import torch.distributed as dist
+
+    from treadle.run import health
+
+    store = dist.HashStore()
+    assert health.behind(4, store=store) == {0: None, 1: None, 2: None, 3: None}
+    for rank, step in ((0, 5), (1, 3), (2, 5)):
+        health.mark(step, rank=rank, store=store)
+    assert health.behind(4, store=store) == {1: 3, 3: None}
+    health.mark(3, rank=3, store=store)
+    health.mark(5, rank=1, store=store)
+    assert health.behind(4, store=store) == {3: 3}

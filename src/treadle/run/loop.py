@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import TreadleError
 from . import checkpoint as ckpt
+from . import health
 from .config import RunConfig, RunError
 from .data import Sampler, make_tokenizer, pack
 from .layout import layouts as param_layouts, shards_by_name, unwrap
@@ -187,6 +188,7 @@ def train(cfg: RunConfig) -> list[float]:
                                     tokens=(step + 1) * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
                                     mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(step + 1)))
             done = step + 1
+            health.mark(done)
             if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
                 checkpointer.save(built, opt, layouts, mesh, step=done)
         if checkpointer:
@@ -225,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"treadle.run: rank {rank}: {exc}", file=sys.stderr, flush=True)
         return 1
     except (RuntimeError, dist.DistBackendError) as exc:
-        print(f"treadle.run: rank {rank} failed: {type(exc).__name__}: {exc}\n(a peer rank died or hung past "
-              f"the collective timeout, or a rank hit an error: see the first failure above)", file=sys.stderr, flush=True)
+        lag = health.behind(dist.get_world_size()) if dist.is_initialized() else {}
+        who = ", ".join(f"rank {r} (last finished step {s})" for r, s in sorted(lag.items()))
+        print(f"treadle.run: rank {rank} failed: {type(exc).__name__}: {exc}\n"
+              + (f"treadle.run: ranks behind the others, dead or hung: {who}" if who else
+                 "(a peer rank died or hung past the collective timeout, or a rank hit an error: see the first "
+                 "failure above)"), file=sys.stderr, flush=True)
         raise
     finally:
         if dist.is_initialized():
