@@ -213,3 +213,28 @@ def test_health_names_ranks_behind():
     health.mark(3, rank=3, store=store)
     health.mark(5, rank=1, store=store)
     assert health.behind(4, store=store) == {3: 3}
+
+
+def _plan_auto_rank(rank, world):
+    from treadle.run.setup import load_run_model, make_schedule
+
+    model = load_run_model("tiny-gpt2", seq=16, seed=0)
+    sch = make_schedule(model, RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16),
+                        world=world, rank=rank)
+    try:
+        make_schedule(load_run_model("tiny-gpt2", seq=16, seed=0),
+                      RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16, memory_budget_bytes=1.0),
+                      world=world, rank=rank)
+        err = None
+    except RunError as exc:
+        err = str(exc)
+    return sch.to_json(), sch.mesh.world_size, err
+
+
+@pytest.mark.slow
+def test_plan_auto_broadcasts_one_schedule():
+    from treadle.testing import spawn
+
+    (json0, world0, err0), (json1, world1, err1) = spawn(_plan_auto_rank, 2, timeout_s=240)
+    assert json0 == json1 and world0 == world1 == 2  # rank 0 planned, rank 1 received the same schedule
+    assert err0 == err1 and "--plan auto failed on rank 0" in err0  # an impossible 1-byte budget, on every rank
