@@ -123,7 +123,7 @@ def test_schedule_errors(tmp_path):
     from treadle import Mesh, create_schedule
     from treadle.models import megatron
     from treadle.models.zoo import named_model
-    from treadle.run.setup import load_run_model, make_schedule
+    from treadle.run.setup import load_run_model, make_schedule, model_inputs
 
     gpt2, _ = named_model("tiny-gpt2", batch=1, seq=8)
     path = tmp_path / "gpt2.json"
@@ -140,6 +140,16 @@ def test_schedule_errors(tmp_path):
         make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], recipe="megatron", mesh="2x3"), world=4, rank=0)
     with pytest.raises(RunError, match="--model 'no-such-model'.*unknown model"):
         load_run_model("no-such-model", seq=16, seed=0)
+    model, inputs = named_model("tiny-gpt2", batch=4, seq=16, dropout=False)
+    pp = create_schedule(model, mesh=Mesh(2, "pp"))
+    pp["transformer.h.2"].cut_pipeline_stage()
+    pp.pipeline(axis="pp", schedule="gpipe", n_microbatches=2, example_inputs=inputs)
+    (tmp_path / "pp.json").write_text(pp.to_json())
+    with pytest.raises(RunError, match="pipeline schedules are not supported by treadle.run yet"):
+        make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], schedule=str(tmp_path / "pp.json")),
+                      world=2, rank=0)
+    with pytest.raises(RunError, match="trains language models called as model\\(input_ids=, labels=\\)"):
+        model_inputs(torch.nn.Linear(2, 2), torch.zeros(1, 2))
 
 
 def test_parquet(tmp_path):
@@ -238,3 +248,48 @@ def test_plan_auto_broadcasts_one_schedule():
     (json0, world0, err0), (json1, world1, err1) = spawn(_plan_auto_rank, 2, timeout_s=240)
     assert json0 == json1 and world0 == world1 == 2  # rank 0 planned, rank 1 received the same schedule
     assert err0 == err1 and "--plan auto failed on rank 0" in err0  # an impossible 1-byte budget, on every rank
+
+
+def test_split_batch():
+    from treadle.run.data import split_batch
+
+    assert split_batch(16, 2, micro_batch=None, grad_accum=None) == (8, 1)
+    assert split_batch(16, 2, micro_batch=2, grad_accum=None) == (2, 4)
+    assert split_batch(16, 2, micro_batch=None, grad_accum=4) == (2, 4)
+    with pytest.raises(RunError, match="8 per rank, which micro_batch=3 x grad_accum=None does not split"):
+        split_batch(16, 2, micro_batch=3, grad_accum=None)
+    with pytest.raises(RunError, match="micro_batch=2 x grad_accum=2 does not split"):
+        split_batch(16, 2, micro_batch=2, grad_accum=2)
+
+
+def test_checkpoint_errors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from treadle.run.checkpoint import _check_metadata, export_hf, latest
+    from treadle.run.setup import load_run_model
+
+    dcp.save({"model.w": torch.zeros(2, 3)}, checkpoint_id=str(tmp_path / "step_00000004"), no_dist=True)
+    (tmp_path / "step_00000009").mkdir()  # a save that never finished
+    assert latest(tmp_path) == tmp_path / "step_00000004"
+    with pytest.raises(RunError, match="step_00000009 is not a complete checkpoint"):
+        _check_metadata(tmp_path / "step_00000009", {})
+    with pytest.raises(RunError, match=r"model.w has shape \(2, 3\) there but \(3, 3\) in this model"):
+        _check_metadata(tmp_path / "step_00000004", {"model.w": (3, 3)})
+    with pytest.raises(RunError, match=r"lacks 1 entries this model needs, e.g. \['model.v'\]"):
+        _check_metadata(tmp_path / "step_00000004", {"model.v": (2, 3)})
+    with pytest.raises(RunError, match="lacks .* entries .*another model"):
+        export_hf(tmp_path / "step_00000004", load_run_model("tiny-gpt2", seq=8, seed=0), tmp_path / "hf")
+
+
+def test_launch_and_path_errors(tmp_path, monkeypatch):
+    from treadle.run.data import make_tokenizer
+    from treadle.run.loop import init_distributed
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RunError, match=r"environment \['RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\] not set"):
+        init_distributed(10.0)
+    with pytest.raises(RunError, match="tokenizer '.*nope': no tokenizer.json there"):
+        make_tokenizer(str(tmp_path / "nope"))
+    with pytest.raises(RunError, match="--plan must be 'auto' or a plan JSON file"):
+        RunConfig(model="m", data=["x"], plan=str(tmp_path / "plan.json"))

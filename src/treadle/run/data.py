@@ -142,6 +142,22 @@ def pack(paths: list[str], *, seq: int, tokenizer: ByteTokenizer | HFTokenizer, 
 
 
 # ------------------------------------------------------------------------------------------- sampling
+def split_batch(batch: int, dp_size: int, *, micro_batch: int | None, grad_accum: int | None) -> tuple[int, int]:
+    """(micro batch, accumulation steps) for `batch` samples per step over `dp_size` data-parallel ranks: each
+    rank takes batch / dp_size samples in `grad_accum` passes of `micro_batch` (give either, or neither: one
+    pass). Raises RunError when the sizes do not divide."""
+    if batch % dp_size:
+        raise RunError(f"treadle.run: global batch {batch} does not divide over {dp_size} data-parallel ranks; "
+                       f"use a multiple of {dp_size}")
+    per_rank = batch // dp_size
+    micro = micro_batch or (per_rank // grad_accum if grad_accum else per_rank)
+    if micro < 1 or per_rank % micro or (grad_accum and per_rank != micro * grad_accum):
+        raise RunError(f"treadle.run: batch {batch} over {dp_size} data-parallel ranks is {per_rank} per rank, "
+                       f"which micro_batch={micro_batch} x grad_accum={grad_accum} does not split; "
+                       f"give a micro batch that divides {per_rank}")
+    return micro, per_rank // micro
+
+
 @functools.lru_cache(maxsize=4)  # a pure function of its arguments: the cache cannot change a result
 def _epoch_order(n_samples: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)

@@ -25,7 +25,7 @@ from ..errors import TreadleError
 from . import checkpoint as ckpt
 from . import health
 from .config import RunConfig, RunError
-from .data import Sampler, make_tokenizer, pack
+from .data import Sampler, make_tokenizer, pack, split_batch
 from .layout import layouts as param_layouts, shards_by_name, unwrap
 from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
 from .optim import clip_grads, init_optimizer_state, lr_at, make_optimizer
@@ -127,13 +127,7 @@ def train(cfg: RunConfig) -> list[float]:
     sch = make_schedule(model, cfg, world=world, rank=rank)
     dp_size, dp_rank = data_parallel_coords(sch)
     sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
-    per_rank = cfg.batch // dp_size
-    micro = cfg.micro_batch or (per_rank // cfg.grad_accum if cfg.grad_accum else per_rank)
-    if micro < 1 or per_rank % micro or (cfg.grad_accum and per_rank != micro * cfg.grad_accum):
-        raise RunError(f"treadle.run: batch {cfg.batch} over {dp_size} data-parallel ranks is {per_rank} per rank, "
-                       f"which micro_batch={cfg.micro_batch} x grad_accum={cfg.grad_accum} does not split; "
-                       f"give a micro batch that divides {per_rank}")
-    accum = per_rank // micro
+    micro, accum = split_batch(cfg.batch, dp_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum)
     flops_per_step = None
     peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
     if peak is not None and rank == 0:
