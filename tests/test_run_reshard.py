@@ -113,3 +113,36 @@ def test_reshard_on_load(tmp_path, src, dst):
         loaded = dict(GPT2LMHeadModel.from_pretrained(tmp_path / "hf").named_parameters())
         for name, full in results[0][6].items():
             torch.testing.assert_close(loaded[name], full, rtol=0, atol=0, msg=name)
+
+
+def _meta_rank(rank: int, world: int):
+    from treadle import Mesh, build, create_schedule
+    from treadle.models import megatron
+    from treadle.run.layout import layouts, shards_by_name, unwrap
+    from treadle.run.setup import load_run_model
+
+    out = {}
+    for recipe in ("ddp", "megatron-fsdp"):
+        model = load_run_model("tiny-llama", seq=16, seed=0, meta=True)
+        assert all(p.is_meta for p in model.parameters())
+        sch = create_schedule(model, mesh=Mesh((2, 2), ("dp", "tp")) if recipe != "ddp" else Mesh((4, 1), ("dp", "tp")))
+        if recipe == "ddp":
+            sch.data_parallel(axis="dp")
+        else:
+            megatron(sch, tp="tp", dp="dp", zero3=True)
+        before = shards_by_name(sch)
+        built = build(sch)
+        lay = layouts(built, before, sch.mesh)
+        out[recipe] = {n: lay[n].gather_full(p, sch.mesh) for n, p in unwrap(built).named_parameters()}
+    return out
+
+
+@pytest.mark.slow
+def test_meta_init_gives_the_same_weights_under_any_schedule():
+    out = spawn(_meta_rank, 4, timeout_s=240)[0]
+    ddp, tp = out["ddp"], out["megatron-fsdp"]
+    assert sorted(ddp) == sorted(tp)
+    for name, w in ddp.items():
+        torch.testing.assert_close(tp[name], w, rtol=0, atol=0, msg=name)
+    matrices = [w for w in ddp.values() if w.dim() == 2]
+    assert all(float(w.std()) > 1e-3 for w in matrices)  # initialised, not left empty or zero

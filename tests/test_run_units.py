@@ -38,7 +38,7 @@ def test_toml_unknown_key(tmp_path):
 @pytest.mark.parametrize("kw,msg", [(dict(data=[]), "give --data"), (dict(batch=0), "--batch must be >= 1"),
                                     (dict(precision="fp8"), "fp32 or bf16"), (dict(recipe="zero"), "unknown --recipe"),
                                     (dict(schedule="a.json", plan="auto"), "not both"),
-                                    (dict(min_lr=1.0), "min_lr <= lr")])
+                                    (dict(min_lr=1.0), "min_lr <= lr"), (dict(init="lazy"), "real or meta")])
 def test_config_errors(kw, msg):
     with pytest.raises(RunError, match=msg):
         RunConfig(**{"model": "tiny-llama", "data": ["x.txt"], **kw})

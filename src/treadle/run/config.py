@@ -61,6 +61,10 @@ class RunConfig:
     eps: float = 1e-8
     clip_norm: float | None = 1.0
     seed: int = 0
+    init: Literal["real", "meta"] = "real"
+    """``meta``: create the parameters on the meta device and let `build` materialise only each rank's shards
+    (a seeded init per module, the same global weights for any schedule; not the model's own random init).
+    ``real``: every rank first creates the whole model in host memory (seeded), then `build` slices it."""
     precision: Precision = "fp32"
     compile: bool = False
     ckpt_dir: str | None = None
@@ -99,6 +103,8 @@ class RunConfig:
         if self.warmup_steps < 0 or self.ckpt_every < 0 or self.log_every < 1:
             raise RunError(f"treadle.run: need warmup_steps >= 0, ckpt_every >= 0, log_every >= 1; got "
                            f"{self.warmup_steps}, {self.ckpt_every}, {self.log_every}")
+        if self.init not in ("real", "meta"):
+            raise RunError(f"treadle.run: --init must be real or meta, got {self.init!r}")
         if self.precision not in ("fp32", "bf16"):
             raise RunError(f"treadle.run: --precision must be fp32 or bf16, got {self.precision!r}")
         if self.recipe not in ("ddp", "fsdp", "megatron", "megatron-fsdp"):

@@ -117,9 +117,13 @@ def train(cfg: RunConfig) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.export_hf and not cfg.ckpt_dir:
         raise RunError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
-    model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
-    if device.type == "cuda":
-        model.to(device)  # build slices on the device the weights are on
+    model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed, meta=cfg.init == "meta")
+    if device.type == "cuda":  # build slices on the device the weights are on (meta ones: on the mesh's)
+        if cfg.init == "meta":
+            for m in model.modules():
+                m._buffers.update({n: b.to(device) for n, b in m._buffers.items() if b is not None})
+        else:
+            model.to(device)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     samples = pack(cfg.data, seq=cfg.seq, tokenizer=make_tokenizer(cfg.tokenizer), text_field=cfg.text_field,
                    vocab_size=vocab)

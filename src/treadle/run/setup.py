@@ -3,11 +3,13 @@ a schedule or plan file, ``--plan auto`` (rank 0 plans and broadcasts the schedu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,12 +24,35 @@ from .config import RunConfig, RunError
 logger = logging.getLogger(__name__)
 
 
-def load_run_model(spec: str, *, seq: int, seed: int) -> nn.Module:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside: every parameter a module registers moves to the meta device (no memory kept, no init done on
+    it); buffers stay where they are created. `build` then materialises the parameters on the mesh's device
+    with a per-module seeded init, the same global tensors for any schedule."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def load_run_model(spec: str, *, seq: int, seed: int, meta: bool = False) -> nn.Module:
     """The model named by `spec`, with the same random weights on every rank (seeded by `seed`), training mode.
 
     `spec`: a directory with a Hugging Face ``config.json`` (or the file): ``AutoModelForCausalLM.from_config``;
     ``package.module:function``: its model; else a `treadle.models.zoo` name, built without dropout.
+    `meta=True`: parameters on the meta device (`parameters_on_meta`), for `build` to materialise.
     Raises RunError naming the spec when it is none of these."""
+    if meta:
+        with parameters_on_meta():
+            return load_run_model(spec, seq=seq, seed=seed)
     torch.manual_seed(seed)
     p = Path(spec)
     if p.is_dir() or p.name == "config.json":
