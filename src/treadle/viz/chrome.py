@@ -65,7 +65,7 @@ def write_chrome_trace(tl: Timeline, path: str) -> str:
 
 def validate_chrome_trace(doc: dict, *, tol_us: float = 1e-3) -> list[str]:
     """Problems of a Chrome trace (empty when valid): a missing "traceEvents" list, events without the keys
-    their `ph` requires, non-numeric or negative ts/dur, metadata without a name, and "X" slices of one
+    their `ph` requires, non-numeric or negative ts/dur, process/thread names that are not strings, and "X" slices of one
     (pid, tid) that overlap without nesting (each track's slices, sorted by ts, must be disjoint or nested)."""
     errs: list[str] = []
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
@@ -83,9 +83,9 @@ def validate_chrome_trace(doc: dict, *, tol_us: float = 1e-3) -> list[str]:
         for k in ("ts", "dur"):
             if k in e and (not isinstance(e[k], (int, float)) or e[k] < 0):
                 errs.append(f"event {i} ({e.get('name')!r}): {k} must be a number >= 0, got {e[k]!r}")
-        if ph == "M" and not isinstance(e.get("args", {}).get("name", e.get("args", {}).get("sort_index")),
-                                        (str, int)):
-            errs.append(f"event {i}: metadata {e.get('name')!r} without args.name / args.sort_index")
+        if ph == "M" and e.get("name") in ("process_name", "thread_name") and \
+                not isinstance(e.get("args", {}).get("name"), str):
+            errs.append(f"event {i}: metadata {e.get('name')!r} without a string args.name")
         if ph == "X" and all(k in e for k in ("ts", "dur", "pid", "tid")):
             per_track.setdefault((e["pid"], e["tid"]), []).append((float(e["ts"]), float(e["dur"]), str(e.get("name"))))
     for key, xs in per_track.items():

@@ -40,10 +40,10 @@ def _page(title: str, sections: list[tuple[str, str, str]]) -> str:
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]], *, num_from: int = 99) -> str:
     """Cells are HTML already (escape text before)."""
-    h = "".join(f"<th>{escape(c)}</th>" for c in head)
+    h = "<tr>" + "".join(f"<th>{escape(c)}</th>" for c in head) + "</tr>" if any(head) else ""
     b = "".join("<tr>" + "".join(f'<td class="num">{c}</td>' if i >= num_from else f"<td>{c}</td>"
                                  for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table><tr>{h}</tr>{b}</table>"
+    return f"<table>{h}{b}</table>"
 
 
 def _chip(text: str, placement: str) -> str:

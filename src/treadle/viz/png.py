@@ -14,11 +14,18 @@ from .svg import MEMORY_COLOURS, PHASE_COLOURS, bytes_unit, stream_colour
 from .timeline import COMPUTE, Timeline
 
 
-def _figure(w: float, h: float) -> Any:  # -> matplotlib.figure.Figure
+def require_matplotlib() -> None:
+    """Raise ImportError naming the `viz` extra when matplotlib is not installed."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("treadle.viz.png needs matplotlib: pip install 'treadle[viz]'") from exc
+        raise ImportError("treadle --png / treadle.viz.png needs matplotlib: pip install 'treadle[viz]'") from exc
+
+
+def _figure(w: float, h: float) -> Any:  # -> matplotlib.figure.Figure
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
     return Figure(figsize=(w, h), dpi=110, layout="constrained")
 
 

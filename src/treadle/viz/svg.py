@@ -81,8 +81,9 @@ def stacked_area(times_s: Sequence[float], series: Sequence[tuple[str, str, Sequ
         out.append(f'<line data-line="{escape(label)}" x1="{left}" x2="{left + w}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" '
                    f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="6,3"><title>{escape(label)}: '
                    f'{v / unit[1]:.3f} {unit[0]}</title></line>')
-    out.append(_axes(left, top, w, h, [(X(t), f"{t * 1e3:.4g}") for t in _ticks(t_max)],
-                     [(Y(b), f"{b / unit[1]:.4g}") for b in _ticks(y_max)], "time in the step (ms)", unit[0]))
+    out.append(_axes(left, top, w, h, [(X(v / 1e3), f"{v:.4g}") for v in _ticks(t_max * 1e3)],
+                     [(Y(v * unit[1]), f"{v:.4g}") for v in _ticks(y_max / unit[1])], "time in the step (ms)",
+                     f"{unit[0]} per device"))
     legend = [(lb, c, "area") for lb, c, _ in series] + [(lb, c, "line") for lb, c, _ in lines]
     out.append(_legend(legend, left + w + 12, top))
     out.append("</svg>")
@@ -153,8 +154,8 @@ def gantt(tl: Timeline, *, width: int = 780, row_h: int = 22) -> str:
     fx = X(tl.forward_end_s)
     y_end = top + row_h * len(tl.tracks)
     out.append(f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{top}" y2="{y_end}" stroke="#333" stroke-dasharray="3,3"/>'
-               f'<text x="{fx + 3:.1f}" y="{y_end + 12}">backward starts</text>')
-    out.append(_axes(left, top, w, y_end - top, [(X(t), f"{t * 1e3:.4g}") for t in _ticks(t_max)], [], "ms", ""))
+               f'<text x="{fx + 3:.1f}" y="{top + 10}" fill="#555">backward</text>')
+    out.append(_axes(left, top, w, y_end - top, [(X(v / 1e3), f"{v:.4g}") for v in _ticks(t_max * 1e3)], [], "ms", ""))
     out.append("</svg>")
     return "".join(out)
 
