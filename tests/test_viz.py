@@ -320,3 +320,39 @@ def test_progress_is_quiet_off_a_terminal_and_with_quiet() -> None:
     with progress("planning", console=Console(file=tty, force_terminal=True, width=80)) as report:
         report("solve (12 units)", 0.5)
     assert "planning: solve (12 units)" in tty.getvalue()
+
+
+# ----------------------------------------------------------------------------- the issue's acceptance plans
+def _demo_gpt2_plan() -> Plan:
+    """The plan of examples/demo_gpt2.py: its GPT-2 on a 2x2 CPU mesh at 0.6x the unconstrained peak."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("demo_gpt2", Path(__file__).parents[1] / "examples" / "demo_gpt2.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    model, cluster = demo.gpt2(), parse_cluster("2x2:cpu")
+    free = plan_model(model, inputs, cluster=cluster)
+    return plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimated.peak_bytes)
+
+
+def _readme_llama_plan() -> Plan:
+    """The README's `treadle plan llama-3-8b --cluster 8x8:h100 --memory 80GiB --batch 32 --seq 4096`."""
+    from treadle.models.zoo import named_model
+
+    model, inputs = named_model("llama-3-8b", batch=32, seq=4096, fake=True)
+    return plan_model(model, inputs, cluster=parse_cluster("8x8:h100"), memory_budget_bytes=80 * 2**30,
+                      model_spec={"name": "llama-3-8b", "batch": 32, "seq": 4096, "dtype": "fp32"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [_demo_gpt2_plan, _readme_llama_plan], ids=["demo-gpt2", "readme-llama-3-8b"])
+def test_acceptance_plans_trace_and_report(make) -> None:
+    plan = Plan.from_json(make().to_json())  # as `treadle explain plan.json` sees it
+    assert plan.estimate().recompute_s > 0
+    assert_trace_matches_estimate(chrome_trace(timeline_from_plan(plan)), plan)
+    p = _Sections()
+    p.feed(plan_html(plan))
+    assert p.sections == list(PLAN_SECTIONS) and not p.urls
