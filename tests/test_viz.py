@@ -259,12 +259,17 @@ def test_plan_report_has_every_section_and_needs_no_network(real_plan: Plan, fix
             assert f"<td>{r.path}</td>" in page or f"<td>{r.path.replace('<', '&lt;').replace('>', '&gt;')}</td>" in page
 
 
-def test_profile_report_has_every_section() -> None:
+@pytest.fixture(scope="module")
+def tiny_profile():
     from treadle.models.zoo import named_model
     from treadle.profile import profile
 
     model, inputs = named_model("tiny-gpt2", batch=2, seq=16, fake=True)
-    prof = profile(model, inputs, hardware="h100-sxm")
+    return profile(model, inputs, hardware="h100-sxm")
+
+
+def test_profile_report_has_every_section(tiny_profile) -> None:
+    prof = tiny_profile
     p = _Sections()
     p.feed(profile_html(prof))
     assert p.sections == list(PROFILE_SECTIONS)
@@ -273,6 +278,26 @@ def test_profile_report_has_every_section() -> None:
     rows = prof.rows(max_depth=2)
     assert len(rows) > 3 and all(m.path in page for m in rows)
     assert page.count("<tr>") == len(rows) + 1 + 9  # module rows + header + summary rows
+
+
+def test_profile_trace_has_one_slice_per_timed_op(tiny_profile, tmp_path) -> None:
+    from treadle.cli import main
+    from treadle.profile.records import ModelProfile
+    from treadle.viz import timeline_from_profile
+
+    prof = tiny_profile
+    doc = chrome_trace(timeline_from_profile(prof))
+    assert validate_chrome_trace(doc) == []
+    xs = x_events(doc)
+    timed = [r for r in prof.ops if r.time_s > 0]
+    assert [e["args"]["op_index"] for e in xs] == [r.index for r in timed]
+    assert sum(e["dur"] for e in xs) == pytest.approx(prof.step_time_s * 1e6, rel=0.01)
+    assert sum(e["args"]["flops"] for e in xs) == sum(r.flops for r in timed)
+    assert {e["cat"] for e in xs} <= {"forward", "backward", "recompute"}
+    mem = [e for e in doc["traceEvents"] if e["ph"] == "C"]
+    assert max(sum(e["args"].values()) for e in mem) == pytest.approx(prof.peak_bytes, abs=4)
+    with pytest.raises(ValueError, match="holds no op records"):
+        timeline_from_profile(ModelProfile.from_dict(prof.to_dict(ops=False)))
 
 
 # ----------------------------------------------------------------------------- measured, CLI, progress

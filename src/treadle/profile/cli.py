@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-reuse", action="store_true", help="profile every repeated block (slower, same result)")
     p.add_argument("--json", metavar="FILE", help="write the whole profile (totals, modules, ops) as JSON")
     p.add_argument("--list", action="store_true", help="list the named configs and exit")
+    p.add_argument("--trace", metavar="FILE", help="write the step as a Chrome trace, one slice per op (Perfetto)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (modules, memory over the step)")
     p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory.png (needs matplotlib: treadle[viz])")
     add_quiet_flag(p)
@@ -79,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         doc["args"] = {k: v for k, v in vars(args).items() if k != "func"}
         Path(args.json).write_text(json.dumps(doc))
         out.print(f"wrote {args.json}")
-    if args.html or args.png:
+    if args.trace or args.html or args.png:
         from ..viz.files import write_profile_pictures
 
-        for path in write_profile_pictures(prof, html=args.html, png=args.png, depth=args.depth):
+        for path in write_profile_pictures(prof, trace=args.trace, html=args.html, png=args.png, depth=args.depth):
             out.print(f"wrote {path}")
     return 0
 

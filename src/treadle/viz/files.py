@@ -33,13 +33,19 @@ def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = No
     return out
 
 
-def write_profile_pictures(prof, *, html: str | None = None, png: str | None = None, depth: int = 2) -> list[str]:
-    """Write a profile's HTML report (`html`) and memory figure (`png` prefix). Returns the paths written."""
+def write_profile_pictures(prof, *, trace: str | None = None, html: str | None = None, png: str | None = None,
+                           depth: int = 2) -> list[str]:
+    """Write a profile's op-level Chrome trace (`trace`), HTML report (`html`) and memory figure (`png`
+    prefix). Returns the paths written."""
     out: list[str] = []
     if png:
         from .png import require_matplotlib
 
         require_matplotlib()
+    if trace:
+        from .profile_timeline import timeline_from_profile
+
+        out.append(write_chrome_trace(timeline_from_profile(prof), trace))
     if html:
         from .html import profile_html
 
