@@ -3,6 +3,7 @@ the measured trace, the CLI flags and the progress display."""
 
 from __future__ import annotations
 
+import html
 import io
 import json
 from html.parser import HTMLParser
@@ -42,8 +43,8 @@ def fixed_plan_dict() -> dict:
     est = {"step_s": compute + comm + rec, "peak_bytes": static + act + transient + other, "mfu": 0.3,
            "compute_s": compute, "comm_s": comm, "recompute_s": rec, "static_bytes": static,
            "activation_bytes": act, "transient_bytes": transient}
-    decisions = [{"op": "shard", "path": f"h.{i}.attn", "args": {"names": "weight", "dim": 1, "axis": "tp"}, "why": "mm"}
-                 for i in range(4)]
+    decisions = [{"op": "shard", "path": f"h.{i}.attn", "args": {"names": "weight", "dim": 1, "axis": "tp"},
+                  "why": "mm"} for i in range(4)]
     decisions += [{"op": "checkpoint", "path": "h.0", "args": {}, "why": ""},
                   {"op": "checkpoint", "path": "h.2", "args": {}, "why": ""},
                   {"op": "data_parallel", "path": "", "args": {"axis": "dp", "shard": False}, "why": ""}]
@@ -105,7 +106,8 @@ def assert_trace_matches_estimate(doc: dict, plan: Plan) -> None:
     end_us = max(e["ts"] + e["dur"] for e in xs)
     assert end_us == pytest.approx(est.step_s * 1e6, rel=0.01)
     comp = by_track[COMPUTE]
-    assert sum(e["dur"] for e in comp if e["cat"] in ("forward", "backward")) == pytest.approx(est.compute_s * 1e6, rel=0.01)
+    fwd_bwd_us = sum(e["dur"] for e in comp if e["cat"] in ("forward", "backward"))
+    assert fwd_bwd_us == pytest.approx(est.compute_s * 1e6, rel=0.01)
     if est.recompute_s:
         assert sum(e["dur"] for e in comp if e["cat"] == "recompute") == pytest.approx(est.recompute_s * 1e6, rel=0.01)
     comm_us = sum(e["dur"] for t, evs in by_track.items() if t != COMPUTE for e in evs)
@@ -174,18 +176,24 @@ def test_costs_from_plan_refuses_rows_that_do_not_add_up() -> None:
 
 def test_overlapped_communication_runs_beside_compute() -> None:
     mem = MemoryTotals(1e6, 0.0, 2e6, 0.0, None)
-    mods = [ModuleCosts("a", 1, 2 * MS, 4 * MS, 0.0, [CommCost(("dp",), "backward", 3 * MS, 1 * MS)]),
+    mods = [ModuleCosts("a", 1, 2 * MS, 4 * MS, 0.0, [CommCost(("tp",), "forward", 3 * MS, 1 * MS)]),
             ModuleCosts("b", 1, 1 * MS, 2 * MS, 0.0, [CommCost(("dp",), "backward", 1 * MS, 0.0)])]
-    costs = StepCosts("overlap", mods, 10 * MS, 9 * MS, 4 * MS, 0.0, mem, 2, ["comm dp"])
+    costs = StepCosts("overlap", mods, 10 * MS, 9 * MS, 4 * MS, 0.0, mem, 2, ["comm tp", "comm dp"])
     tl = timeline_from_costs(costs)
+    assert tl.tracks == [COMPUTE, "comm tp", "comm dp"]
     assert tl.step_s == pytest.approx(10 * MS)  # compute 9 ms + 1 ms exposed
     assert tl.hidden_comm_s() == pytest.approx(3 * MS)
-    assert tl.breakdown()["comm dp"] == pytest.approx(1 * MS)
-    comm = [s for s in tl.spans if s.track == "comm dp"]
-    comp = [s for s in tl.spans if s.track == COMPUTE]
-    b_bwd = next(s for s in comp if s.name == "b" and s.phase == "backward")
-    assert comm[0].name == "b" and comm[0].end_s == pytest.approx(b_bwd.end_s)  # fully hidden behind b's backward
-    assert comm[1].start_s < comp[-1].end_s < comm[1].end_s  # 2 of 3 ms hidden behind a's backward
+    assert tl.breakdown() == pytest.approx({"forward": 3 * MS, "backward": 6 * MS, "comm tp": 1 * MS, "comm dp": 0.0})
+    comp = {(s.name, s.phase): s for s in tl.spans if s.track == COMPUTE}
+    (tp,) = [s for s in tl.spans if s.track == "comm tp"]
+    (dp,) = [s for s in tl.spans if s.track == "comm dp"]
+    # a's collective starts when a's forward ends; 1 ms of it delays b, 2 ms run beside b's compute
+    assert tp.start_s == pytest.approx(comp["a", "forward"].end_s)
+    assert comp["b", "forward"].start_s == pytest.approx(tp.start_s + 1 * MS)
+    assert comp["b", "backward"].start_s < tp.end_s < comp["b", "backward"].end_s
+    # b's gradient collective runs entirely beside a's backward
+    assert dp.start_s == pytest.approx(comp["b", "backward"].end_s)
+    assert dp.end_s < comp["a", "backward"].end_s
     assert validate_chrome_trace(chrome_trace(tl)) == []
     with pytest.raises(ValueError, match="exposed_s <= seconds"):
         CommCost(("dp",), "backward", 1.0, 2.0)
@@ -256,7 +264,7 @@ def test_plan_report_has_every_section_and_needs_no_network(real_plan: Plan, fix
         assert p.pre.strip().splitlines() == plan_python(plan)
         assert plan.binding.split(":")[0] in page
         for r in plan.rows:
-            assert f"<td>{r.path}</td>" in page or f"<td>{r.path.replace('<', '&lt;').replace('>', '&gt;')}</td>" in page
+            assert f"<td>{html.escape(r.path)}</td>" in page
 
 
 @pytest.fixture(scope="module")

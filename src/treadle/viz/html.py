@@ -178,9 +178,10 @@ def profile_memory_chart(prof) -> str:
     if not ts:
         return "<p>this profile holds no op records (written with ops=False): no memory timeline</p>"
     n = len(ts)
+    other = float(prof.buffer_bytes + prof.input_bytes)
     series = [("parameters", MEMORY_COLOURS["parameters"], [float(prof.param_bytes)] * n),
               ("optimizer states", MEMORY_COLOURS["optimizer states"], [float(prof.optimizer_state_bytes)] * n),
-              ("buffers + inputs", MEMORY_COLOURS["buffers + inputs"], [float(prof.buffer_bytes + prof.input_bytes)] * n),
+              ("buffers + inputs", MEMORY_COLOURS["buffers + inputs"], [other] * n),
               ("activations + gradients (live)", MEMORY_COLOURS["activations"], live)]
     bands, start = [], 0.0
     for i, p in enumerate(phases):

@@ -42,8 +42,8 @@ def measured_trace(step: Callable[[], Any], path: str, *, steps: int = 1, warmup
 
 def step_times_s(doc: dict) -> list[float]:
     """Durations (s) of the "treadle step <i>" ranges of a trace written by `measured_trace`, in step order."""
-    steps = [(e["name"], e["dur"]) for e in doc.get("traceEvents", [])
-             if e.get("ph") == "X" and str(e.get("name", "")).startswith(STEP_PREFIX) and e.get("cat") == "user_annotation"]
+    steps = [(e["name"], e["dur"]) for e in doc.get("traceEvents", []) if e.get("ph") == "X"
+             and str(e.get("name", "")).startswith(STEP_PREFIX) and e.get("cat") == "user_annotation"]
     steps.sort(key=lambda x: int(x[0][len(STEP_PREFIX):]))
     return [float(d) / 1e6 for _, d in steps]
 

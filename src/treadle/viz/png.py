@@ -89,7 +89,8 @@ def profile_memory_figure(prof) -> Any:
     resident = prof.param_bytes + prof.optimizer_state_bytes + prof.buffer_bytes + prof.input_bytes
     t_ms = [t * 1e3 for t in ts]
     ax.stackplot(t_ms, [[resident / unit[1]] * len(ts), [b / unit[1] for b in live]],
-                 labels=["resident (parameters,\noptimizer states,\nbuffers, inputs)", "activations +\ngradients (live)"],
+                 labels=["resident (parameters,\noptimizer states,\nbuffers, inputs)",
+                         "activations +\ngradients (live)"],
                  colors=[MEMORY_COLOURS["static"], MEMORY_COLOURS["activations"]], alpha=0.85)
     ax.axhline(prof.peak_bytes / unit[1], color="#222", ls="--", lw=1, label="peak")
     ax.set_xlabel("time in the step (ms, roofline)")

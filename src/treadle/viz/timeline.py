@@ -6,9 +6,10 @@ the per-device memory over the step. Seconds and bytes; drawn by `chrome.py`, `h
 
 Order: the forward runs the modules in order (repeated blocks expanded to their `count` instances); the
 backward runs them in reverse, and a checkpointed block instance is recomputed (its modules' forwards, on the
-compute track) right before its backward. Exposed communication follows the compute that produced its data on
-the critical path; communication the source says is hidden runs in parallel on its stream, ending where its
-exposed part ends. The critical path — the end of the last slice — is the step time.
+compute track) right before its backward. A collective starts on its stream when the compute that produced
+its data ends (or when the stream is free) and advances the critical path by its exposed part only, so the
+part the source says is hidden runs in parallel with the compute that follows. The critical path — the end
+of the last slice — is the step time.
 
 Memory (NOTE [memory over the step]): static bytes (parameters, gradients, optimizer states) and other bytes
 (buffers, inputs) are held all step; saved activations grow linearly in time over the forward to their total
@@ -136,12 +137,10 @@ class _Layout:
     def comm(self, name: str, stream: str, seconds: float, exposed_s: float, phase: str, args: dict) -> None:
         if seconds <= 0:
             return
-        start = max(self.t + exposed_s - seconds, self.track_end.get(stream, 0.0), 0.0)
-        end = start + seconds
-        exposed = max(end - self.t, 0.0)  # a busy stream can expose more than the source said
-        self.spans.append(Span(stream, name, start, seconds, phase, exposed, args))
-        self.track_end[stream] = end
-        self.t = max(self.t, end)
+        start = max(self.t, self.track_end.get(stream, 0.0))  # streams run their collectives in order
+        self.spans.append(Span(stream, name, start, seconds, phase, exposed_s, args))
+        self.track_end[stream] = start + seconds
+        self.t += exposed_s
 
 
 def _instance_name(m: ModuleCosts, k: int | None) -> str:
@@ -191,8 +190,9 @@ def _memory(costs: StepCosts, fwd_end: float, step: float, ckpt_windows: list[tu
 
 
 def timeline_from_costs(costs: StepCosts) -> Timeline:
-    """Lay out `costs` (see the module doc). The critical path ends at `costs.step_s` when the costs are
-    consistent (it is the sum of compute, recompute and exposed communication)."""
+    """Lay out `costs` (see the module doc). The step ends at `costs.step_s` when the costs are consistent:
+    compute, recompute and exposed communication add up to it, and no hidden collective outlasts the compute
+    after it."""
     lay = _Layout()
     segs = _segments(costs.modules)
     for seg in segs:
@@ -214,7 +214,7 @@ def timeline_from_costs(costs: StepCosts) -> Timeline:
                 _backward(lay, m, k if n > 1 else None, n)
             if k in again:
                 windows.append((start, lay.t))
-    step = lay.t
+    step = max([lay.t] + [s.end_s for s in lay.spans])  # a collective still running ends the step
     times = [s.end_s for s in lay.spans if s.track == COMPUTE]
     tracks = [COMPUTE] + [s for s in costs.streams if any(x.track == s for x in lay.spans)]
     tracks += sorted({s.track for s in lay.spans} - set(tracks))
