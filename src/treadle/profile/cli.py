@@ -45,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
     from ..models.zoo import load_model, model_names
     from .profiler import profile
     from .table import module_table, summary_table
