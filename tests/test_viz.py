@@ -45,7 +45,9 @@ def fixed_plan_dict() -> dict:
            "activation_bytes": act, "transient_bytes": transient}
     decisions = [{"op": "shard", "path": f"h.{i}.attn", "args": {"names": "weight", "dim": 1, "axis": "tp"},
                   "why": "mm"} for i in range(4)]
-    decisions += [{"op": "checkpoint", "path": "h.0", "args": {}, "why": ""},
+    sync = {"mode": "fwd_post", "to": "R", "from_": "P", "axis": "tp"}
+    decisions += [{"op": "sync", "path": "h.0.attn", "args": sync, "why": "mm"},
+                  {"op": "checkpoint", "path": "h.0", "args": {}, "why": ""},
                   {"op": "checkpoint", "path": "h.2", "args": {}, "why": ""},
                   {"op": "data_parallel", "path": "", "args": {"axis": "dp", "shard": False}, "why": ""}]
     alts = [{"mesh": "Mesh(dp=2, tp=2)", "roles": "data-parallel dp; tensor tp", "status": "optimal",
@@ -156,6 +158,9 @@ def test_trace_of_a_fixed_plan_has_its_structure(fixed_plan: Plan) -> None:
     dptp = [s for s in tl.spans if s.track == "comm dp+tp"]
     assert sum(s.duration_s for s in dptp if s.phase == "forward") == pytest.approx(2 * MS)
     assert sum(s.duration_s for s in dptp if s.phase == "backward") == pytest.approx(2 * MS)
+    assert dptp[0].args["collectives"] == ["all-reduce over tp (P -> R at the exit; its adjoint in backward)",
+                                           "gradient all-reduce over dp (data parallel)"]
+    assert dp[0].args["collectives"] == ["gradient all-reduce over dp (data parallel)"]
     # memory: static + other all step; the peak of the curve is below the planner's (additive) peak
     mem = tl.memory
     assert mem[0].total_bytes == pytest.approx(6.5e6)

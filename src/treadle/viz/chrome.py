@@ -66,7 +66,8 @@ def write_chrome_trace(tl: Timeline, path: str) -> str:
 def validate_chrome_trace(doc: dict, *, tol_us: float = 1e-3) -> list[str]:
     """Problems of a Chrome trace (empty when valid): a missing "traceEvents" list, events without the keys
     their `ph` requires, non-numeric or negative ts/dur, process/thread names that are not strings, and "X"
-    slices of one (pid, tid) that overlap without nesting (each track's slices, sorted by ts, must be disjoint or nested)."""
+    slices of one (pid, tid) that overlap without nesting (each track's slices, sorted by ts, must be disjoint
+    or nested)."""
     errs: list[str] = []
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):

@@ -10,9 +10,10 @@ NOTE [plan attribution]: a Plan row gives one compute, one communication and one
 module. `costs_from_plan` splits them by these documented rules, which the slices' args repeat:
   * compute: forward 1/3, backward 2/3 — the planner's own ratio for an op whose inputs need a gradient
     (backward FLOPs and bytes are twice the forward's, `treadle.planner.node_costs`);
-  * communication: a module whose layout is replicated on every tensor axis can only communicate on the
-    data-parallel axis (its gradient reduction; ZeRO-3 gathers and reduce-scatter): all of it goes to the
-    backward. A module sharded on tensor axes communicates on those axes and, under data parallelism, on the
+  * communication: a module whose layout is replicated on every tensor axis, and whose decisions change no
+    layout there, can only communicate on the data-parallel axis (its gradient reduction; ZeRO-3 gathers and
+    reduce-scatter): all of it goes to the backward. A module sharded on tensor axes (or changing a layout at
+    its exit) communicates on those axes and, under data parallelism, on the
     data-parallel axis too; the row does not split these, so the slice sits on one stream named by every
     axis involved (e.g. "dp+tp"), half in the forward and half in the backward (Megatron's f/g pair);
   * overlap: none — the planner's cost model adds communication to compute (`node_costs`), so every
@@ -37,13 +38,15 @@ PLAN_ATTRIBUTION = ("plan rows give one total per module; forward:backward compu
 @dataclass(frozen=True, slots=True)
 class CommCost:
     """One module's communication on one stream: `axes` (mesh axis names; several when the source cannot
-    split them), `phase`, `seconds` in total over the module's `count` executions, and `exposed_s` of those
-    on the critical path (the rest runs in parallel with compute)."""
+    split them), `phase`, `seconds` in total over the module's `count` executions, `exposed_s` of those
+    on the critical path (the rest runs in parallel with compute), and `collectives`: what runs, in words
+    (e.g. "all-gather over tp (S(2) -> R at the exit)")."""
 
     axes: tuple[str, ...]
     phase: Phase
     seconds: float
     exposed_s: float
+    collectives: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.seconds < 0 or not 0 <= self.exposed_s <= self.seconds * (1 + 1e-9) + 1e-15:
@@ -148,6 +151,30 @@ def _row_axes(layout: str, tp: tuple[str, ...]) -> set[str]:
     return axes
 
 
+_FROM = {"P": "all-reduce", "R": "split (no communication)"}
+
+
+def _collectives(plan, dp: str | None, zero: bool) -> dict[str, list[str]]:
+    """Per module path: the collectives its decisions imply, in words. Layout changes at a module's exit
+    (`sync`), gradient reductions of replicated parameters (`reduce_grads`); the data-parallel axis's
+    gradient reduction goes under the key "" (every module with parameters)."""
+    out: dict[str, list[str]] = {}
+    for d in plan.decisions:
+        a = d.args
+        if d.op == "sync":
+            src = str(a.get("from_", "?"))
+            kind = _FROM.get(src, "all-gather" if src.startswith("S") else "conversion")
+            pretty = f"S({src[1:]})" if src.startswith("S") else src
+            out.setdefault(d.path, []).append(f"{kind} over {a.get('axis')} ({pretty} -> {a.get('to')} at the exit; "
+                                              f"its adjoint in backward)")
+        elif d.op == "reduce_grads":
+            out.setdefault(d.path, []).append(f"gradient all-reduce over {a.get('axis')} of {a.get('names')}")
+    if dp is not None:
+        out[""] = [f"ZeRO-3 over {dp}: parameter all-gather (forward and backward) and gradient reduce-scatter"
+                   if zero else f"gradient all-reduce over {dp} (data parallel)"]
+    return out
+
+
 def _block_of(path: str, blocks: list[str]) -> str | None:
     for b in blocks:
         if path == b or path.startswith(b + "."):
@@ -165,20 +192,27 @@ def costs_from_plan(plan) -> StepCosts:
     blocks = sorted(ckpts, key=len, reverse=True)
     modules: list[ModuleCosts] = []
     streams: list[str] = []
+    colls = _collectives(plan, dp, zero)
+    sync_axes: dict[str, set[str]] = {}  # a layout change at the exit shows only its target in the row layout
+    for d in plan.decisions:
+        if d.op in ("sync", "reduce_grads") and d.args.get("axis") in tp:
+            sync_axes.setdefault(d.path, set()).add(d.args["axis"])
     for r in plan.rows:
         fwd = r.compute_s / (1 + BACKWARD_PER_FORWARD)
         bwd = r.compute_s - fwd
-        axes = _row_axes(r.layout, tp)
+        axes = _row_axes(r.layout, tp) | sync_axes.get(r.path, set())
         if dp is not None:
             axes.add(dp)
         ordered = tuple(a for a in plan.cluster.mesh.names if a in axes)
         comm: list[CommCost] = []
+        what = tuple(colls.get(r.path, [])) + (tuple(colls.get("", [])) if dp is not None else ())
         if r.comm_s > 0:
             if ordered == (dp,) or not any(a in tp for a in ordered):
-                comm.append(CommCost(ordered, "backward", r.comm_s, r.comm_s))
+                comm.append(CommCost(ordered, "backward", r.comm_s, r.comm_s, what))
             else:
                 half = r.comm_s / 2
-                comm += [CommCost(ordered, "forward", half, half), CommCost(ordered, "backward", half, half)]
+                comm += [CommCost(ordered, "forward", half, half, what),
+                         CommCost(ordered, "backward", half, half, what)]
         for c in comm:
             if c.stream not in streams:
                 streams.append(c.stream)

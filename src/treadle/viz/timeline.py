@@ -156,7 +156,14 @@ def _forward(lay: _Layout, m: ModuleCosts, k: int | None, n: int, phase: str = "
     lay.compute(name, m.forward_s / n, "forward", args)
     for c in m.comm:
         if c.phase == "forward":
-            lay.comm(name, c.stream, c.seconds / n, c.exposed_s / n, "forward", dict(args, axes=list(c.axes)))
+            lay.comm(name, c.stream, c.seconds / n, c.exposed_s / n, "forward", _comm_args(args, c))
+
+
+def _comm_args(args: dict, c) -> dict:
+    out = dict(args, axes=list(c.axes))
+    if c.collectives:
+        out["collectives"] = list(c.collectives)
+    return out
 
 
 def _backward(lay: _Layout, m: ModuleCosts, k: int | None, n: int) -> None:
@@ -165,7 +172,7 @@ def _backward(lay: _Layout, m: ModuleCosts, k: int | None, n: int) -> None:
     lay.compute(name, m.backward_s / n, "backward", args)
     for c in m.comm:
         if c.phase == "backward":
-            lay.comm(name, c.stream, c.seconds / n, c.exposed_s / n, "backward", dict(args, axes=list(c.axes)))
+            lay.comm(name, c.stream, c.seconds / n, c.exposed_s / n, "backward", _comm_args(args, c))
 
 
 def _memory(costs: StepCosts, fwd_end: float, step: float, ckpt_windows: list[tuple[float, float]],
