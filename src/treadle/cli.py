@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from .viz.progress import add_quiet_flag
+
 # modules whose register(subparsers) adds sub-commands
 _SUBCOMMANDS = (
     "treadle.profile.cli",
@@ -24,6 +26,7 @@ _SUBCOMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for INFO, -vv for DEBUG logs")
+    add_quiet_flag(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
     for mod_name in _SUBCOMMANDS:
         try:

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ..errors import TreadleError
 from ..mesh import Mesh
+from ..viz.progress import add_quiet_flag, is_quiet, progress
 from .calibrate import Calibration, calibrate_cluster
 from .cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
 
@@ -91,7 +92,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from ..testing import spawn
 
     mesh = _parse_mesh(args.mesh, args.names)
-    text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, timeout_s=args.timeout)[0]
+    with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
+        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds,
+                     timeout_s=args.timeout)[0]
     data = json.loads(text)
     cluster = ClusterSpec.from_dict(data["cluster"])
     if args.output:
@@ -128,4 +131,5 @@ def register(subparsers) -> None:
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
     c.add_argument("--json", action="store_true", help="print the full calibration as JSON")
+    add_quiet_flag(c)
     c.set_defaults(func=_cmd_calibrate)

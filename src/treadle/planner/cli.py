@@ -1,7 +1,7 @@
 """`treadle plan` and `treadle explain`: plan a named (or user) model on a cluster, explain a saved plan.
 
     treadle plan llama-3-8b --cluster 8x8:h100 --memory 80GiB --batch 32 --seq 4096 -o plan.json
-    treadle explain plan.json
+    treadle explain plan.json [--trace step.json --html report.html --png fig]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..errors import PlanError
+from ..viz.progress import add_quiet_flag, is_quiet, progress
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -55,6 +56,8 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    _picture_flags(p)
+    add_quiet_flag(p)
     p.set_defaults(func=_plan_cmd)
 
     e = subparsers.add_parser("explain", help="explain a saved plan (per-module table, estimate, binding constraint)")
@@ -62,7 +65,23 @@ def register(subparsers) -> None:
     e.add_argument("--top", type=int, default=None, help="only the N most expensive modules")
     e.add_argument("--json", action="store_true", help="print the rows as JSON")
     e.add_argument("--python", action="store_true", help="also print the schedule as Python calls")
+    _picture_flags(e)
+    e.add_argument("--measured", metavar="FILE", help="a treadle.viz.measured_trace file: compare its steps")
+    add_quiet_flag(e)
     e.set_defaults(func=_explain_cmd)
+
+
+def _picture_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", metavar="FILE", help="write the predicted step as a Chrome trace (Perfetto)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory/-breakdown/-timeline.png (needs matplotlib)")
+
+
+def _write_pictures(plan, args: argparse.Namespace, out) -> None:
+    from ..viz.files import write_plan_pictures
+
+    for path in write_plan_pictures(plan, trace=args.trace, html=args.html, png=args.png):
+        out.print(f"wrote {path}")
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
@@ -83,7 +102,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         pins.setdefault(glob, {})[axis] = dim if dim == "R" else int(dim.lstrip("S"))
     dp_axis = None if args.dp_axis == "none" else args.dp_axis
     zero = None if args.zero == "auto" else args.zero == "on"
-    with console.status(f"building {args.model} (fake tensors)") as status:
+    with progress(f"planning {args.model}", quiet=is_quiet(args), console=console) as report:
+        report("building the model (fake tensors)")
         if ":" in args.model:
             model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True)
         else:
@@ -94,7 +114,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               time_limit_s=args.time_limit,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},
-                              progress=lambda msg: status.update(f"planning {args.model}: {msg}"))
+                              progress=lambda msg: report(msg))
         except PlanError as exc:
             console.print(f"[red]treadle plan: {exc}[/red]")
             return 2
@@ -111,6 +131,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             out.print(line)
         if args.output:
             out.print(f"plan written to {args.output}")
+    _write_pictures(plan, args, Console(stderr=True) if args.json else out)
     return 0
 
 
@@ -129,6 +150,7 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps([asdict(r) for r in plan.rows], indent=1))
+        _write_pictures(plan, args, Console(stderr=True))
         return 0
     out = Console()
     out.print(plan_table(plan, top=args.top))
@@ -136,6 +158,14 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         out.print(line)
     if args.python:
         print("\n".join(plan_python(plan)))
+    _write_pictures(plan, args, out)
+    if args.measured:
+        from ..viz.files import compare_lines
+        from ..viz.measured import load_trace
+        from ..viz.timeline import timeline_from_plan
+
+        for line in compare_lines(timeline_from_plan(plan), load_trace(args.measured)):
+            out.print(line)
     return 0
 
 

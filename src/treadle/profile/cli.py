@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TreadleError
+from ..viz.progress import add_quiet_flag, is_quiet, progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,12 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-reuse", action="store_true", help="profile every repeated block (slower, same result)")
     p.add_argument("--json", metavar="FILE", help="write the whole profile (totals, modules, ops) as JSON")
     p.add_argument("--list", action="store_true", help="list the named configs and exit")
+    p.add_argument("--trace", metavar="FILE", help="write the step as a Chrome trace, one slice per op (Perfetto)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML report (modules, memory over the step)")
+    p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory.png (needs matplotlib: treadle[viz])")
+    add_quiet_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..models.zoo import load_model, model_names
     from .profiler import profile
@@ -60,18 +64,13 @@ def run(args: argparse.Namespace) -> int:
             from .hardware import cpu_spec
 
             hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                      TimeElapsedColumn(), console=err, transient=True) as bar:
-            task = bar.add_task(f"building {args.model}", total=1.0)
+        with progress(f"profiling {args.model}", quiet=is_quiet(args), console=err) as report:
+            report("building the model (fake tensors)")
             kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
             model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
-
-            def progress(stage: str, fraction: float) -> None:
-                bar.update(task, description=f"profiling {args.model}: {stage}", completed=fraction)
-
             prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
                            optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
-                           progress=progress)
+                           progress=report)
     except TreadleError as exc:
         err.print(f"[red]treadle profile: {exc}")
         return 2
@@ -82,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         doc["args"] = {k: v for k, v in vars(args).items() if k != "func"}
         Path(args.json).write_text(json.dumps(doc))
         out.print(f"wrote {args.json}")
+    if args.trace or args.html or args.png:
+        from ..viz.files import write_profile_pictures
+
+        for path in write_profile_pictures(prof, trace=args.trace, html=args.html, png=args.png, depth=args.depth):
+            out.print(f"wrote {path}")
     return 0
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import TreadleError
 from ..mesh import Mesh
+from ..viz.progress import add_quiet_flag, is_quiet, progress
 from .verify import VerifyReport
 
 
@@ -65,7 +66,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     console = Console()
     sch, inputs = _load(args)
-    with console.status(f"verifying on {sch.mesh.world_size} gloo processes ({sch.mesh})"):
+    with progress(f"verifying on {sch.mesh.world_size} gloo processes ({sch.mesh})", quiet=is_quiet(args)):
         report = verify(sch, inputs, steps=args.steps, raise_on_mismatch=False)
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": report.ok, "losses": report.losses,
@@ -87,7 +88,8 @@ def _train(args: argparse.Namespace) -> int:
 
     console = Console()
     sch, inputs = _load(args)
-    with console.status(f"training {args.steps} steps on {sch.mesh.world_size} gloo processes ({sch.mesh})"):
+    with progress(f"training {args.steps} steps on {sch.mesh.world_size} gloo processes ({sch.mesh})",
+                  quiet=is_quiet(args)):
         res = train(sch, inputs, steps=args.steps, lr=args.lr)
     t = Table("step", "loss", "step s")
     for i, (loss, s) in enumerate(zip(res.losses, res.step_s)):
@@ -110,5 +112,6 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--lr", type=float, default=1e-3)
         else:
             p.add_argument("--json", help="write the report's rows to this file")
+        add_quiet_flag(p)
         p.set_defaults(func=func)
 

@@ -1,0 +1,71 @@
+"""Write the pictures the CLI's --trace / --html / --png flags ask for (one call per command), and compare a
+measured trace with the predicted step."""
+
+from __future__ import annotations
+
+from .chrome import write_chrome_trace
+from .timeline import Timeline, timeline_from_plan
+
+
+def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = None,
+                        png: str | None = None) -> list[str]:
+    """Write the predicted step of `plan` as a Chrome trace (`trace`), an HTML report (`html`) and PNG
+    figures (`png` prefix: PREFIX-memory.png, -breakdown.png, -timeline.png). Returns the paths written.
+    Raises ImportError (naming the `viz` extra) for `png` without matplotlib, before writing anything."""
+    if png:
+        from .png import require_matplotlib
+
+        require_matplotlib()  # fail before any file is written
+    tl = timeline_from_plan(plan)
+    out: list[str] = []
+    if trace:
+        out.append(write_chrome_trace(tl, trace))
+    if html:
+        from .html import plan_html
+
+        with open(html, "w") as f:
+            f.write(plan_html(plan, timeline=tl))
+        out.append(html)
+    if png:
+        from .png import save_plan_pngs
+
+        out += save_plan_pngs(tl, png)
+    return out
+
+
+def write_profile_pictures(prof, *, trace: str | None = None, html: str | None = None, png: str | None = None,
+                           depth: int = 2) -> list[str]:
+    """Write a profile's op-level Chrome trace (`trace`), HTML report (`html`) and memory figure (`png`
+    prefix). Returns the paths written."""
+    out: list[str] = []
+    if png:
+        from .png import require_matplotlib
+
+        require_matplotlib()
+    if trace:
+        from .profile_timeline import timeline_from_profile
+
+        out.append(write_chrome_trace(timeline_from_profile(prof), trace))
+    if html:
+        from .html import profile_html
+
+        with open(html, "w") as f:
+            f.write(profile_html(prof, depth=depth))
+        out.append(html)
+    if png:
+        from .png import save_profile_png
+
+        out += save_profile_png(prof, png)
+    return out
+
+
+def compare_lines(tl: Timeline, measured_doc: dict) -> list[str]:
+    """Predicted step vs the steps of a `measured_trace` file, as text lines."""
+    from .measured import step_times_s
+
+    steps = step_times_s(measured_doc)
+    if not steps:
+        return ["measured trace: no 'treadle step <i>' ranges (write it with treadle.viz.measured_trace)"]
+    ratio = f" (fastest / predicted = {min(steps) / tl.step_s:.2f}x)" if tl.step_s > 0 else ""
+    return [f"predicted step {tl.step_s * 1e3:.3f} ms; measured {len(steps)} step(s): "
+            + ", ".join(f"{s * 1e3:.3f} ms" for s in steps) + ratio]

@@ -1,0 +1,66 @@
+"""PNG figures (matplotlib, the `viz` extra) of a fixed plan and a profile, compared by structure, not pixels."""
+
+from __future__ import annotations
+
+import pytest
+from matplotlib.collections import PolyCollection
+
+from test_viz import fixed_plan_dict
+from treadle.planner.plan import Plan
+from treadle.viz import timeline_from_plan
+from treadle.viz.png import (breakdown_figure, memory_figure, profile_memory_figure, save_plan_pngs,
+                             save_profile_png, timeline_figure)
+from treadle.viz.timeline import MEMORY_CATEGORIES
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tl():
+    return timeline_from_plan(Plan.from_dict(fixed_plan_dict()))
+
+
+def test_memory_figure_stacks_each_category_under_the_peak_and_budget(tl) -> None:
+    (ax,) = memory_figure(tl).axes
+    polys = [c for c in ax.collections if isinstance(c, PolyCollection) and c.get_label() in MEMORY_CATEGORIES]
+    assert [c.get_label() for c in polys] == list(MEMORY_CATEGORIES)
+    levels = {ln.get_label(): ln.get_ydata()[0] for ln in ax.lines}
+    assert levels["predicted peak"] == pytest.approx(tl.peak_bytes / 2**20)  # MiB for this small plan
+    assert levels["budget"] == pytest.approx(tl.budget_bytes / 2**20)
+    top = max(max(v[1] for v in c.get_paths()[0].vertices) for c in polys)
+    assert top == pytest.approx(max(p.total_bytes for p in tl.memory) / 2**20)
+    assert "MiB" in ax.get_ylabel()
+
+
+def test_breakdown_and_timeline_figures_add_up_to_the_step(tl) -> None:
+    (ax,) = breakdown_figure(tl).axes
+    widths = {c.get_label().split(":")[0]: c.patches[0].get_width() for c in ax.containers}
+    assert sum(widths.values()) == pytest.approx(tl.step_s * 1e3, rel=0.01)
+    assert set(widths) == {"forward", "backward", "recompute", "comm dp (exposed)", "comm dp+tp (exposed)"}
+    (ax,) = timeline_figure(tl).axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == tl.tracks
+    n_bars = sum(len(c.get_paths()) for c in ax.collections)
+    assert n_bars == len(tl.spans)
+
+
+def test_pngs_are_written(tl, tmp_path) -> None:
+    paths = save_plan_pngs(tl, str(tmp_path / "fig"))
+    assert [p.rsplit("-", 1)[1] for p in paths] == ["memory.png", "breakdown.png", "timeline.png"]
+    for p in paths:
+        assert open(p, "rb").read(8) == PNG_MAGIC
+
+
+def test_profile_memory_figure_reaches_the_profile_peak(tmp_path) -> None:
+    from treadle.models.zoo import named_model
+    from treadle.profile import profile
+
+    model, inputs = named_model("tiny-gpt2", batch=2, seq=16, fake=True)
+    prof = profile(model, inputs, hardware="h100-sxm")
+    (ax,) = profile_memory_figure(prof).axes
+    polys = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(polys) == 2
+    top = max(v[1] for v in polys[1].get_paths()[0].vertices)
+    peak = {ln.get_label(): ln.get_ydata()[0] for ln in ax.lines}["peak"]
+    assert top == pytest.approx(peak, rel=1e-6)
+    (path,) = save_profile_png(prof, str(tmp_path / "prof"))
+    assert open(path, "rb").read(8) == PNG_MAGIC
