@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from treadle.testing import free_port
+from treadle.viz.measured import load_trace, step_times_s
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "village.txt"
@@ -100,10 +101,15 @@ def test_kill_rank_then_resume_matches_uninterrupted(tmp_path, two_nodes):
     assert all(first[s] == two_nodes[s] for s in first), (first, two_nodes)  # 1 host x 4 == 2 nodes x 2
 
     cmd = _torchrun("--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    extra=["--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(tmp_path / "b.jsonl")])
+                    extra=["--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(tmp_path / "b.jsonl"),
+                           "--trace", str(tmp_path / "step-{rank}.json")])  # measured last step per rank
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "resumed from" in res.stdout
     resumed = _losses(tmp_path / "b.jsonl")
     assert min(resumed) > 2 and max(resumed) == STEPS  # resumed from a checkpoint after step 2
     assert resumed == {s: two_nodes[s] for s in resumed}  # bit-exact
+    for rank in range(4):  # the measured step opens beside the predicted one (treadle explain --measured)
+        doc = load_trace(str(tmp_path / f"step-{rank}.json"))
+        (t,) = step_times_s(doc)
+        assert 0 < t < 60

@@ -79,6 +79,10 @@ class RunConfig:
     """A JSONL file, one line per logged step (rank 0)."""
     tensorboard: str | None = None
     log_every: int = 1
+    trace: str | None = None
+    """Write a Chrome trace (torch.profiler) of the run's last step on every rank: ``{rank}`` in the path is
+    replaced by the rank (default: ``-rank<r>`` before the suffix). Open it beside ``treadle explain
+    plan.json --trace``; ``treadle explain plan.json --measured FILE`` compares the step times."""
     hardware: str = "auto"
     """Peak FLOP/s for MFU: a preset name, ``cpu`` (calibrated), ``none``; ``auto``: the CUDA preset by
     device name, none on CPU."""

@@ -30,6 +30,7 @@ from .layout import layouts as param_layouts, shards_by_name, unwrap
 from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
 from .optim import clip_grads, init_optimizer_state, lr_at, make_optimizer
 from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs
+from ..viz.measured import profiled_step
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,10 @@ def train(cfg: RunConfig) -> list[float]:
                 g["lr"] = lr
             idx = sampler.indices(step, dp_rank)
             micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
-            step_loss, norm = train_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm,
-                                         autocast=autocast)
+            traced = cfg.trace is not None and step == cfg.steps - 1
+            with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
+                step_loss, norm = train_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm,
+                                             autocast=autocast)
             step_s = time.perf_counter() - t0
             losses.append(step_loss)
             mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
@@ -201,6 +204,14 @@ def train(cfg: RunConfig) -> list[float]:
     finally:
         metrics.close()
     return losses
+
+
+def trace_path(template: str, rank: int) -> str:
+    """The per-rank trace file: ``{rank}`` substituted, else ``-rank<r>`` inserted before the suffix."""
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    stem, dot, suffix = template.rpartition(".")
+    return f"{stem}-rank{rank}.{suffix}" if dot and "/" not in suffix else f"{template}-rank{rank}"
 
 
 def main(argv: list[str] | None = None) -> int:

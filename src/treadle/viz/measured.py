@@ -11,8 +11,9 @@ before the profiler starts (first-call allocations and lazy initialisation stay 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,6 +39,21 @@ def measured_trace(step: Callable[[], Any], path: str, *, steps: int = 1, warmup
                 torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     return path
+
+
+@contextlib.contextmanager
+def profiled_step(path: str, index: int = 0) -> Iterator[None]:
+    """A context manager around one step already running in a loop (e.g. `treadle.run --trace`): the code
+    inside runs under torch.profiler as range ``treadle step <index>``; the Chrome trace goes to `path` on exit."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        with record_function(f"{STEP_PREFIX}{index}"):
+            yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
 
 
 def step_times_s(doc: dict) -> list[float]:
