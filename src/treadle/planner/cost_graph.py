@@ -201,7 +201,7 @@ class _Builder(NodeCosts):
         self.train = train
         self.pins = pins
         self.shardable = shardable or (lambda p, m: set())
-        self.hw = cluster.hardware()
+        self.hw = cluster.rank_hardware()  # NOTE [rank device] in treadle.cost.cluster
         mesh = cluster.mesh
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
