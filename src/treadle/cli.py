@@ -17,6 +17,7 @@ _SUBCOMMANDS = (
     "treadle.planner.cli",
     "treadle.cost.cli",
     "treadle.verify.cli",
+    "treadle.planner.price_cli",
 )
 
 

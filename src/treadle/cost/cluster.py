@@ -153,6 +153,23 @@ class ClusterSpec:
         return ClusterSpec(self.mesh, self.links, self.device, self.copy_bytes_per_s, threads_per_rank,
                            ranks_per_host, cores_per_host)
 
+    def for_mesh(self, mesh: Mesh) -> "ClusterSpec":
+        """This cluster seen through another logical `mesh` of the same world size (e.g. a schedule's): an
+        axis keeps the link of the same-named axis here, else it gets the slowest of this cluster's links
+        (it may cross every link). Raises LayoutError when the world sizes differ."""
+        if tuple(mesh.shape) == tuple(self.mesh.shape) and tuple(mesh.names) == tuple(self.mesh.names):
+            return self
+        if mesh.world_size != self.world_size:
+            raise LayoutError(f"ClusterSpec.for_mesh: {mesh} has {mesh.world_size} ranks but {self} has "
+                              f"{self.world_size}; give a cluster of the schedule's world size")
+        from .collective_cost import flat_link
+
+        slow = flat_link(self.links)
+        links = tuple(self.link(a) if a in self.mesh.names and self.mesh.size(a) == mesh.size(a) else slow
+                      for a in mesh.names)
+        return ClusterSpec(mesh, links, self.device, self.copy_bytes_per_s, self.threads_per_rank,
+                           self.ranks_per_host or (self.world_size if self.is_cpu() else None), self.cores_per_host)
+
     def with_links(self, links: Sequence[LinkSpec], *, copy_bytes_per_s: float | None = None) -> "ClusterSpec":
         """The same cluster with other links (e.g. calibrated ones) and, when given, another copy rate."""
         return ClusterSpec(self.mesh, tuple(links), self.device,

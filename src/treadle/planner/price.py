@@ -410,15 +410,16 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     `example_inputs`: keyword arguments of forward, global batch (the data-parallel axis splits dim 0).
     `optimizer_bytes_per_elem` (AdamW: 8) and `master_copy` (fp32 copy of lower-precision parameters)
     as in the planner's `TrainSpec`. `loss_fn(output)` defaults to the output's ``.loss``.
-    `cluster.mesh` must have the schedule's axis names and sizes.
+    `cluster` is seen through the schedule's mesh (`ClusterSpec.for_mesh`: same world size).
     Raises PlanError for a schedule that cannot be rehearsed (pipeline, already built, a batch the
     data-parallel axis does not divide, a mesh mismatch, inside a running process group).
     """
     if not isinstance(example_inputs, dict):
         raise PlanError("price: example_inputs must be a dict of keyword arguments of forward")
-    if tuple(cluster.mesh.shape) != tuple(sch.mesh.shape) or tuple(cluster.mesh.names) != tuple(sch.mesh.names):
-        raise PlanError(f"price: the schedule is written for {sch.mesh} but the cluster's mesh is {cluster.mesh}; "
-                        f"give a cluster with the same axes and sizes")
+    if cluster.world_size != sch.mesh.world_size:
+        raise PlanError(f"price: the schedule is written for {sch.mesh} ({sch.mesh.world_size} ranks) but the "
+                        f"cluster has {cluster.world_size} ranks ({cluster.mesh}); give a cluster of that size")
+    cluster = cluster.for_mesh(sch.mesh)
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     reh = _rehearse(sch, example_inputs, hw, loss_fn)
