@@ -112,7 +112,8 @@ def test_ddp_prices_one_bucketed_all_reduce_overlapped_with_backward():
     (ddp,) = [c for c in p.collectives if c["source"] == "ddp"]
     assert ddp["kind"] == "all_reduce" and ddp["nbytes"] == grad_bytes
     assert ddp["time_s"] == pytest.approx(cc.all_reduce_time_s(grad_bytes, 2, cl.link("dp")))
-    # the bucket is complete when the first parameter's gradient (inp) is: the end of backward
+    # the bucket is complete when the first parameter's gradient (inp) is: the end of backward; the
+    # optimizer waits for it
     assert p.exposed_comm_s == pytest.approx(ddp["time_s"]) and p.step_s == pytest.approx(p.compute_s + ddp["time_s"])
     assert p.grad_bytes == grad_bytes and p.data_parallel == "ddp over dp"
 
@@ -136,7 +137,9 @@ def test_ddp_buckets_follow_gradient_readiness_and_hide_behind_backward():
     assert ddp[1]["start_s"] == pytest.approx(max(ddp[0]["end_s"], end["inp", "bwd"]))
     for c in ddp:
         assert c["end_s"] == pytest.approx(c["start_s"] + cc.all_reduce_time_s(c["nbytes"], 2, cl.link("dp")))
-    assert p.step_s == pytest.approx(max(p.compute_s, ddp[1]["end_s"]))
+    (optim,) = [s for s in p.segments if s["phase"] == "optim"]  # waits for every bucket
+    assert optim["start_s"] == pytest.approx(max(end["inp", "bwd"], ddp[1]["end_s"]))
+    assert p.step_s == pytest.approx(optim["start_s"] + optim["compute_s"])
     assert p.exposed_comm_s == pytest.approx(p.step_s - p.compute_s)
     assert p.overlapped_comm_s == pytest.approx(p.comm_s - p.exposed_comm_s) and p.overlapped_comm_s > 0
 

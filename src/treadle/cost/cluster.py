@@ -145,7 +145,8 @@ class ClusterSpec:
 
         return HardwareSpec(name=d.name, peak_flops_per_s=d.peak_flops_per_s, hbm_bytes_per_s=d.hbm_bytes_per_s,
                             memory_bytes=hw.memory_bytes, compute_efficiency=hw.compute_efficiency,
-                            memory_efficiency=hw.memory_efficiency, source=d.source)
+                            memory_efficiency=hw.memory_efficiency,
+                            op_overhead_s=hw.op_overhead_s / (d.cores_per_rank or 1.0), source=d.source)
 
     def with_ranks(self, *, threads_per_rank: int = 1, ranks_per_host: int | None = None,
                    cores_per_host: int | None = None) -> "ClusterSpec":

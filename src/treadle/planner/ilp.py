@@ -253,17 +253,55 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
 
 
 def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
-    """Peak <= budget; `terms` and `const` are in the ILP's scaled unit (NOTE [row scaling])."""
-    m.row(terms, -math.inf, budget_bytes * _BYTES - const, "memory")
+    """Peak <= budget. `terms` and `const` come in the ILP's scaled unit (NOTE [row scaling]); this one row is
+    stated in bytes, so HiGHS's absolute feasibility tolerance (1e-7) is far below a byte (NOTE [exact
+    budget]). Only the McCormick rows need the small scale."""
+    m.row({j: v / _BYTES for j, v in terms.items()}, -math.inf, budget_bytes - const / _BYTES, "memory")
+
+
+# NOTE [exact budget]: the memory row is scaled (NOTE [row scaling]) and HiGHS accepts a row violated by up
+# to its feasibility tolerance, i.e. a plan some bytes over the budget. `solve` therefore re-checks the
+# chosen plan's peak in bytes (`evaluate`, exact sums of integers) and, when it is over, solves again with
+# the budget lowered by the excess plus a margin (1 byte, then 16x more each time), at most _BUDGET_RETRIES
+# times; a plan still over is reported infeasible, never returned. `add_memory` states the row in bytes, so
+# with the default scaling the first solution already holds.
+_BUDGET_RETRIES = 4
 
 
 def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True, time_limit_s: float = 20.0,
           rel_gap: float = 1e-4, min_ckpt: dict[int, int] | None = None,
           minimise: str = "time", memory: str = "all") -> Solution:
-    """Solve the MILP. `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
+    """Solve the MILP; with a budget, the returned plan's peak is within it to the byte (NOTE [exact
+    budget]). `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
     the peak instead of the step time (used to report the smallest feasible budget); ``memory="static"``
     constrains only parameters, gradients and optimizer state (stage one of the two-stage mode).
     Returns a Solution with status "infeasible" (and empty choice) when no plan fits."""
+    limit = budget_bytes
+    sol = _solve_once(cg, budget_bytes=limit, checkpoint=checkpoint, time_limit_s=time_limit_s, rel_gap=rel_gap,
+                      min_ckpt=min_ckpt, minimise=minimise, memory=memory)
+    step = 1.0
+    for _ in range(_BUDGET_RETRIES):
+        if budget_bytes is None or sol.status == "infeasible" or _peak_of(cg, sol, memory) <= budget_bytes:
+            return sol
+        limit = limit - (_peak_of(cg, sol, memory) - budget_bytes) - step
+        step *= 16
+        logger.debug("ILP plan over budget by %.0f B; re-solving under %.0f B", sol.peak_bytes - budget_bytes, limit)
+        sol = _solve_once(cg, budget_bytes=limit, checkpoint=checkpoint, time_limit_s=time_limit_s, rel_gap=rel_gap,
+                          min_ckpt=min_ckpt, minimise=minimise, memory=memory)
+    if budget_bytes is not None and sol.status != "infeasible" and _peak_of(cg, sol, memory) > budget_bytes:
+        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, sol.solve_s, sol.n_vars, sol.n_cons)
+    return sol
+
+
+def _peak_of(cg: CostGraph, sol: Solution, memory: str) -> float:
+    """The peak the budget constrains: all memory, or static only (stage one of two_stage)."""
+    if memory == "static":
+        return sol.terms["static_bytes"] + cg.fixed_static_bytes
+    return sol.peak_bytes
+
+
+def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, time_limit_s: float,
+                rel_gap: float, min_ckpt: dict[int, int] | None, minimise: str, memory: str) -> Solution:
     t0 = time.perf_counter()
     m = _Model()
     s = add_strategy_vars(m, cg)

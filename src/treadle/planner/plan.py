@@ -476,6 +476,10 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                         f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
                         f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
     sol, cg = min(feasible, key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    if memory_budget_bytes is not None and sol.peak_bytes > memory_budget_bytes:  # NOTE [exact budget] in ilp.py
+        raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
+                        f"budget {_fmt_bytes(memory_budget_bytes)} by {sol.peak_bytes - memory_budget_bytes:.0f} B; "
+                        f"this is a solver tolerance problem, please report it")
     cluster = cg.cluster
     decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
     hw = cluster.rank_hardware()

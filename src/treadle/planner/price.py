@@ -19,6 +19,9 @@ entry of every ``nn.ModuleList`` plus the root) all-gathers a unit's parameters 
 and in backward (prefetch) and reduce-scatters its gradients when its backward ends; the root is gathered
 once and not again in backward (FSDP2 keeps the root unsharded after forward).
 
+The step ends with the optimizer (AdamW: elementwise over the local parameters, priced by the roofline),
+after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch).
+
 Data-dependent scalars (``.item()``) read as 1 on fake tensors: pricing needs shapes, not values.
 Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a launched process group
 (it needs its own fake one): call it before ``init_process_group`` or in another process.
@@ -46,8 +49,14 @@ from ..mesh import Mesh
 from ..profile.profiler import _fake_inputs, _fake_state, default_loss
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
+from ..profile.roofline import op_time_s
 
 logger = logging.getLogger(__name__)
+
+# torch.optim.AdamW (foreach, no amsgrad) per element: ~12 FLOPs (two moment updates, bias corrections, sqrt,
+# division, decoupled weight decay) in ~12 elementwise kernels per parameter tensor
+_ADAMW_FLOPS_PER_ELEM = 12
+_ADAMW_OPS = 12
 
 _PHASE = {"forward": "fwd", "backward": "bwd", "recompute": "recompute"}
 # c10d op name -> (collective kind, how its bytes are read: "sum" of a tensor list, "out" first tensor, "in" 2nd)
@@ -276,8 +285,9 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group):
 
 
 # ----------------------------------------------------------------------------------------------- pricing
-def _segments(records) -> tuple[list[Segment], list[int]]:
-    """Consecutive records of one (module, phase) merged; returns segments and, per record, its segment."""
+def _segments(records, op_overhead_s: float = 0.0) -> tuple[list[Segment], list[int]]:
+    """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's
+    per-op overhead; returns segments and, per record, its segment."""
     segs: list[Segment] = []
     seg_of: list[int] = []
     acc = 0.0
@@ -288,7 +298,7 @@ def _segments(records) -> tuple[list[Segment], list[int]]:
             if key is not None:
                 segs.append(Segment(key[0], key[1], acc))
             key, acc = k, 0.0
-        acc += r.time_s
+        acc += r.time_s + op_overhead_s
         seg_of.append(len(segs))
     if key is not None:
         segs.append(Segment(key[0], key[1], acc))
@@ -423,7 +433,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     reh = _rehearse(sch, example_inputs, hw, loss_fn)
-    segs, seg_of = _segments(reh.records)
+    segs, seg_of = _segments(reh.records, hw.op_overhead_s)
     colls: list[Collective] = []
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
@@ -440,6 +450,18 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
             extra = _ddp(reh, segs, cluster)
             dp_kind = f"ddp over {reh.data_parallel[0]}"
         colls += extra
+    # the optimizer step: elementwise over the local parameters (AdamW: reads p, g, m, v; writes p, m, v)
+    zero_n = dp_n if reh.data_parallel is not None and reh.data_parallel[1] else 1
+    n_opt = len(segs)
+    opt_s = 0.0
+    for _, p in _local_params(reh.model):
+        elems = p.numel() / zero_n
+        moved = elems * (3 * p.element_size() + 2 * optimizer_bytes_per_elem)
+        opt_s += op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), hw, p.dtype) + _ADAMW_OPS * hw.op_overhead_s
+    segs.append(Segment("", "optim", opt_s))
+    for c in colls:
+        if not c.blocking and c.needed_before is None:
+            c.needed_before = n_opt  # gradients are reduced before the optimizer steps
     tl: Timeline = simulate(segs, colls, overlap=device.overlap)
     # ---- memory
     zero = dp_kind.startswith("fsdp")
@@ -460,7 +482,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
         peak_live -= grad_b * (dp_n - 1)  # the recorded full gradients are reduce-scattered to 1/dp
     transient = max(0.0, peak_live - saved) + gathered
     # ---- time split
-    compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")
+    compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer
     recompute = math.fsum(s.compute_s for s in segs if s.phase == "recompute")
     flops = float(sum(r.flops for r in reh.records if r.phase in ("forward", "backward")))
     dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)

@@ -49,6 +49,7 @@ class HardwareSpec:
     memory_bytes: int
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    op_overhead_s: float = 0.0  # fixed cost of dispatching one op (framework + launch); `treadle.price` adds it per op
     source: str = field(default="user-defined", compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class HardwareSpec:
         if self.hbm_bytes_per_s <= 0 or self.memory_bytes <= 0:
             raise ProfileError(f"HardwareSpec {self.name!r} needs hbm_bytes_per_s > 0 and memory_bytes > 0; "
                                f"got {self.hbm_bytes_per_s!r}, {self.memory_bytes!r}")
+        if self.op_overhead_s < 0:
+            raise ProfileError(f"HardwareSpec {self.name!r}: op_overhead_s must be >= 0; got {self.op_overhead_s!r}")
         for attr in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, attr)
             if not 0 < v <= 1:
@@ -213,6 +216,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
+        a, b = torch.ones(1), torch.ones(1)
+        overhead = _best_time_s(lambda: [torch.add(a, b) for _ in range(1000)], reps=reps) / 1000
     finally:
         torch.set_num_threads(before)
     try:
@@ -220,7 +225,7 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
     except (ValueError, OSError, AttributeError):
         mem = 16 * GIB
     spec = HardwareSpec(name="cpu", peak_flops_per_s=peaks, hbm_bytes_per_s=bw, memory_bytes=int(mem),
-                        compute_efficiency=1.0, memory_efficiency=1.0,
+                        compute_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=overhead,
                         source=f"calibrated on {threads} thread(s) of {_machine_key()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
     logger.info("calibrated cpu in %.2f s: %.1f GFLOP/s fp32, %.1f GB/s", time.perf_counter() - t0,
                 peaks["float32"] / 1e9, bw / GB)
@@ -229,9 +234,11 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 
 # NOTE [no hidden state]: one core of a nominal x86-64 server CPU: 2 FMA units x 8 fp32 lanes (AVX2) x 2 FLOP
 # x 2.5 GHz = 80 GFLOP/s fp32 (bf16/fp16 run at the fp32 rate without AMX), and ~10 GB/s of memory bandwidth
-# per core (a 16-core socket's ~160 GB/s shared). A fixed constant, so a plan never depends on where it was made.
+# per core (a 16-core socket's ~160 GB/s shared), and ~10 us to dispatch one eager op (PyTorch's CPU
+# dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). A fixed constant, so a plan never
+# depends on where it was made.
 CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
-                        hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB,
+                        hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=10e-6,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")
 
 
