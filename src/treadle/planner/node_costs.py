@@ -7,8 +7,9 @@ conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward a
 backward all-reduce for a replicated input of an op sharded on a tensor axis, and the data-parallel
 reduction of the gradients of the parameters the node owns (all-reduce; ZeRO-3: two all-gathers and one
 reduce-scatter). Memory: parameter + gradient + optimizer state of owned parameters divided by their
-shards (and by the dp axis under ZeRO-3), and saved activations: a node's output counts when a consumer's
-autograd formula keeps it (views count on their base storage, once). Communication is not assumed to
+shards (and by the dp axis under ZeRO-3), and saved activations: the bytes autograd really saves of each
+node's storages, measured at capture (NOTE [saved by autograd] in saved.py), divided like the node's output;
+only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules below decide. Communication is not assumed to
 overlap with compute.
 """
 
@@ -164,10 +165,21 @@ class NodeCosts:
         return all_reduce_time_s(nbytes, self.dp_size, link)
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
+        """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by
+        autograd] in saved.py) divided like n's first output; without a measurement, the per-op rules."""
         i = n.index
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        if self.g.saved is not None:
+            b = self.g.saved.get(i, 0)
+            if not b:
+                return 0.0
+            first = next((k for k, m in enumerate(outs) if isinstance(m, TensorMeta)), None)
+            if first is None:
+                return float(b) / self.dp_div(i)
+            pl = pub if first == 0 else tuple(o.outs[first] if first < len(o.outs) else R for o in combo)
+            return b / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
         if not self.saved[i]:
             return 0.0
-        outs = n.out if isinstance(n.out, tuple) else (n.out,)
         total = 0.0
         for k, m in enumerate(outs):
             if isinstance(m, TensorMeta) and self.saved[i]:

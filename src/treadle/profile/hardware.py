@@ -85,7 +85,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "source"}
+                 "memory_efficiency", "op_overhead_s", "source"}
         unknown = set(d) - known
         if unknown:
             raise ProfileError(f"HardwareSpec JSON has unknown fields {sorted(unknown)}; known: {sorted(known)}")
