@@ -88,7 +88,7 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
         for i in range(4):
             sch[f"{_blocks(model_name)}.{i}"].checkpoint()
 
-    meg = treadle.models.megatron
+    from treadle.models import megatron as meg
     if len(shape) == 2:
         dp, tp = names
         add("DDP (dp)", lambda s: s.data_parallel(axis=dp))

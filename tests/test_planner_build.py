@@ -1,5 +1,5 @@
 """Plans for the zoo's small GPT-2, BERT, LLaMA, OPT and T5 build and verify on gloo (world 2 and 2x2),
-and the bytes the built model saves for backward stay within the plan's prediction."""
+and the bytes the built model saves for backward match the plan's price."""
 
 from __future__ import annotations
 
@@ -97,5 +97,10 @@ def _saved_bytes_rank(rank: int, world: int, name: str, plan_json: str) -> float
 def test_saved_bytes_within_prediction(name):
     plan, _ = _plan(name, (2,))
     measured = spawn(_saved_bytes_rank, 2, name, plan.to_json(), timeout_s=180)
-    predicted = plan.estimated.activation_bytes
-    assert all(0 < m <= predicted for m in measured), (measured, predicted)
+    # the plan's estimate is the price of its schedule (rehearsed build): what autograd saves, within 3%
+    priced = plan.estimate().activation_bytes
+    assert all(abs(m - priced) <= 0.03 * m for m in measured), (measured, priced)
+    # the solver's own figure (unsharded graph measured by autograd, divided by layouts) misses what the
+    # built model's collectives add; it stays within 10%
+    solver = plan.estimated.activation_bytes
+    assert all(abs(m - solver) <= 0.10 * m for m in measured), (measured, solver)

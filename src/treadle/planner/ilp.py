@@ -22,6 +22,10 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          static(s) + fixed + act_outside(s) + sum_t (L_t A_t - sum_b 2^b zA + sum_b 2^b zI) + T <= budget
                                                                                 (memory)
          q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
+         E >= dp_latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0  (dp_exposure)
+
+    where the objective counts E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
+    cost_graph.py) besides compute and comm;
 
 `add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
 choices of a tiny cost graph with the same cost formulas and is the test oracle. The memory at the peak
@@ -135,6 +139,22 @@ def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
             s[u, k] = m.var(ub=1.0 if unit.allowed[k] else 0.0, integer=True,
                             cost=unit.count * (c.compute_s + c.comm_s) * _SECONDS)
     return s
+
+
+def add_dp_exposure(m: _Model, cg: CostGraph, s) -> None:
+    """E >= dp_latency + sum dp_comm - W, E >= 0, E in the objective (NOTE [bucketed data parallel] in
+    cost_graph.py; family dp_exposure)."""
+    if not any(c.dp_comm_s for unit in cg.units for c in unit.costs) and not cg.dp_latency_s:
+        return
+    e = m.var(ub=math.inf, cost=_SECONDS)
+    row: dict[int, float] = {e: _SECONDS}
+    for u, unit in enumerate(cg.units):
+        for k, c in enumerate(unit.costs):
+            w = (c.bwd_s if cg.dp_window == "bwd" else c.compute_s) if cg.dp_overlap else 0.0
+            x = unit.count * (c.dp_comm_s - w) * _SECONDS
+            if x:
+                row[s[u, k]] = row.get(s[u, k], 0.0) - x
+    m.row(row, cg.dp_latency_s * _SECONDS, math.inf, "dp_exposure")
 
 
 def add_one_strategy(m: _Model, cg: CostGraph, s) -> None:
@@ -306,6 +326,7 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
+    add_dp_exposure(m, cg, s)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
@@ -341,10 +362,13 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     and memory constraint, in the same units. Also the split of the step time and memory by term."""
     compute = comm = 0.0
     static = act_out = 0.0
+    dp_comm = window = 0.0
     for u, unit in enumerate(cg.units):
         c = unit.costs[choice[u]]
         compute += unit.count * c.compute_s
         comm += unit.count * c.comm_s
+        dp_comm += unit.count * c.dp_comm_s
+        window += unit.count * (c.bwd_s if cg.dp_window == "bwd" else c.compute_s)
         static += unit.count * c.static_bytes
         if unit.template is None:
             act_out += c.act_bytes
@@ -360,6 +384,8 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
+    if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
+        comm += max(0.0, cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0))
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
     return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,

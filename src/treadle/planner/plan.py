@@ -576,7 +576,7 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
         if row is None:
             row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
         row.compute_s += unit.count * c.compute_s
-        row.comm_s += unit.count * c.comm_s
+        row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
         row.recompute_s += rec
         row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
         desc = " ".join(layouts + [f"out:{out_l}"])
