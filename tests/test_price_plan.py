@@ -73,3 +73,38 @@ def test_budget_of_exactly_a_plans_peak_is_met_and_one_byte_less_is_not_met_by_i
     assert at.estimated.peak_bytes <= peak
     below = plan_model(model, inputs, cluster=cl, dp_axis=None, memory_budget_bytes=peak - 1)
     assert below.estimated.peak_bytes <= peak - 1
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).pow(2).mean()
+
+
+@pytest.mark.parametrize("device,overlap", [("h100-sxm", True), ("cpu", False)])
+def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
+    from treadle.cost.collective_cost import all_reduce_time_s
+    from treadle.planner.capture import capture
+    from treadle.planner.cost_graph import Roles, build_cost_graph
+
+    model, x = _MLP(), torch.randn(8, 64)
+    cl = ClusterSpec.uniform(Mesh((2,), ("dp",)), "nvlink4", device=device)
+    assert cl.rank_device().overlap is overlap
+    cg = build_cost_graph(capture(model, (x,)), cl, Roles("dp", False, ()))
+    choice = [0] * len(cg.units)
+    step, _, terms = ilp.evaluate(cg, choice, {})
+    link = cl.link("dp")
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # < 1 MiB: one bucket
+    assert cg.dp_latency_s == pytest.approx(all_reduce_time_s(0.0, 2, link))
+    dp = sum(u.count * u.costs[0].dp_comm_s for u in cg.units)
+    assert dp == pytest.approx(all_reduce_time_s(grad_bytes, 2, link) - all_reduce_time_s(0.0, 2, link))
+    bwd = sum(u.count * u.costs[0].bwd_s for u in cg.units)
+    other = sum(u.count * u.costs[0].comm_s for u in cg.units)
+    exposed = max(0.0, cg.dp_latency_s + dp - (bwd if overlap else 0.0))
+    assert terms["comm_s"] == pytest.approx(other + exposed)
+    sol = ilp.solve(cg, budget_bytes=None)
+    assert sol.step_s == pytest.approx(step) and sol.terms["comm_s"] == pytest.approx(terms["comm_s"])

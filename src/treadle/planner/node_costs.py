@@ -146,7 +146,7 @@ class NodeCosts:
             pl = tuple(o.ins[pos] for o in combo)
             c.static_bytes += self.param_static_bytes(src.out, pl)
             c.dp_comm_s += self.param_sync_s(src.out, pl)
-            c.compute_s += self.optimizer_s(src.out, pl)
+            c.compute_s += self.optimizer_s(src.out, pl) + self.zero_copies_s(src.out, pl)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
@@ -169,6 +169,15 @@ class NodeCosts:
         moved = elems * (3 * meta.dtype.itemsize + 2 * self.train.optimizer_bytes_per_elem)
         return (op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), self.hw, meta.dtype)
                 + _ADAMW_OPS * self.hw.op_overhead_s)
+
+    def zero_copies_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """FSDP2's local copies around its collectives (ZeRO-3 only): each all-gather copies the shard in and
+        the gathered parameter out, the reduce-scatter the gradient in and its shard out — 2 (full + shard)
+        bytes moved per collective, two gathers and one reduce-scatter (`treadle.planner.price` the same)."""
+        if not self.roles.zero or self.dp_size == 1:
+            return 0.0
+        full = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
+        return 3 * op_time_s(0, int(2 * (full + full / self.dp_size)), self.hw, meta.dtype)
 
     def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """The bandwidth part of this parameter's data-parallel sync: DDP's all-reduce, or ZeRO-3's two

@@ -17,7 +17,8 @@ Data parallelism is not run but priced the way the runtime executes it (NOTE [ov
 is ready, overlapped with the backward still to run; FSDP2 (``data_parallel(shard=True)``: one unit per
 entry of every ``nn.ModuleList`` plus the root) all-gathers a unit's parameters one unit ahead in forward
 and in backward (prefetch) and reduce-scatters its gradients when its backward ends; the root is gathered
-once and not again in backward (FSDP2 keeps the root unsharded after forward).
+once and not again in backward (FSDP2 keeps the root unsharded after forward); the local copies FSDP2
+makes around each collective (2 (full + shard) bytes) are compute where the collective is used.
 
 The step ends with the optimizer (AdamW: elementwise over the local parameters, priced by the roofline),
 after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch).
@@ -30,6 +31,7 @@ Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import asdict, dataclass, field
@@ -410,6 +412,14 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
                               _coll_time_s("reduce_scatter", unit_bytes[u], n, link), u or "", "bwd", after,
                               blocking=False, needed_before=None, source="fsdp"))
     gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+    # FSDP2's copies around each collective (copy-in of the shard / gradient, copy-out of the gathered
+    # parameter / reduced shard): 2 (full + shard) bytes moved, on the compute stream where it runs
+    hw = cluster.rank_hardware()
+    for c in out:
+        where = c.needed_before if c.kind == "all_gather" else c.issue_after
+        if where is not None and 0 <= where < len(segs):
+            cp = op_time_s(0, int(2 * (c.nbytes + c.nbytes / n)), hw, torch.float32)
+            segs[where] = dataclasses.replace(segs[where], compute_s=segs[where].compute_s + cp)
     return out, gathered
 
 
