@@ -281,3 +281,17 @@ def test_price_cli(tmp_path, capsys):
     assert d["step_s"] > 0 and d["device"]["cores_per_rank"] == 1 and d["data_parallel"] == "ddp over dp"
     assert {c["source"] for c in d["collectives"]} == {"tp", "ddp"}
     assert math.isclose(d["peak_bytes"], d["static_bytes"] + d["activation_bytes"] + d["transient_bytes"])
+
+
+def test_price_refuses_inside_a_process_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model, inputs = _tiny()
+    sch = treadle.create_schedule(model, mesh=Mesh((1,), ("dp",)))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(PlanError, match="already initialised in this process"):
+            price(sch, inputs, ClusterSpec.uniform(sch.mesh, "loopback"))
+    finally:
+        dist.destroy_process_group()
