@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from treadle.models.zoo import named_model  # noqa: E402
-from treadle.profile import cpu_spec, profile  # noqa: E402
+from treadle.profile import calibrate_cpu, profile  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -115,7 +115,8 @@ def _keyed(seq):
 
 
 def bench_accuracy(console: Console, *, seq: int, reps: int) -> dict:
-    hw = cpu_spec(recalibrate=True)  # measured now, under the same machine load as the timed run
+    # measured now, on the threads the timed run uses, under the same machine load
+    hw = calibrate_cpu(threads=torch.get_num_threads())
     torch.manual_seed(0)
     model, inputs = named_model("gpt2", batch=1, seq=seq, dropout=False)
     prof = profile(model, inputs, hardware=hw)

@@ -123,13 +123,30 @@ def test_presets_json_round_trip_and_validation(tmp_path):
         HardwareSpec.from_dict({**mine.to_dict(), "clock_hz": 1})
 
 
-def test_cpu_spec_is_measured_and_cached(tmp_path, monkeypatch):
+def test_cpu_spec_is_a_fixed_core_with_no_cache_and_no_thread_dependence(tmp_path, monkeypatch):
+    # NOTE [no hidden state]: nothing is written to disk and the caller's thread count changes nothing
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = cpu_spec()
-    assert spec.name == "cpu" and spec.peak_for("float32") > 1e9 and spec.hbm_bytes_per_s > 1e9
-    cached = list((tmp_path / "treadle").glob("cpu-*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text())["name"] == "cpu"
-    assert cpu_spec() == spec  # read back from the cache, not measured again
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_spec()
+        torch.set_num_threads(2)
+        assert cpu_spec() == one == hardware_preset("cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert one.name == "cpu" and one.peak_for("float32") == 80e9 and one.hbm_bytes_per_s == 10e9
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_cpu_is_explicit_and_per_core(tmp_path):
+    from treadle.profile.hardware import calibrate_cpu
+
+    before = torch.get_num_threads()
+    spec = calibrate_cpu(matmul_n=128, copy_bytes=2**20, reps=2)
+    assert torch.get_num_threads() == before and "1 thread(s)" in spec.source
+    assert spec.peak_for("float32") > 1e6 and spec.hbm_bytes_per_s > 1e6
+    spec.save(tmp_path / "cpu.json")
+    assert hardware_preset(str(tmp_path / "cpu.json")) == spec
 
 
 def test_roofline_is_max_of_compute_and_memory():

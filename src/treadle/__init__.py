@@ -12,8 +12,17 @@ from .schedule.core import Schedule, create_schedule, load_schedule
 from .schedule.log import Ref
 from .verify import VerifyReport, verify
 
+
+def price(sch: Schedule, example_inputs: dict, cluster, **kwargs):
+    """Predicted step time, peak memory and MFU of any schedule on a cluster (`treadle.planner.price.price`;
+    the planner is imported on first use)."""
+    from .planner.price import price as _price
+
+    return _price(sch, example_inputs, cluster, **kwargs)
+
+
 __all__ = [
-    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport", "train", "TrainResult",
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport", "train", "TrainResult", "price",
     "Shard", "Replicate", "Partial",
     "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
     "PlanError", "SpawnError",

@@ -20,6 +20,7 @@ _SUBCOMMANDS = (
     "treadle.cost.cli",
     "treadle.verify.cli",
     "treadle.run.cli",
+    "treadle.planner.price_cli",
 )
 
 

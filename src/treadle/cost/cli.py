@@ -97,6 +97,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                      timeout_s=args.timeout)[0]
     data = json.loads(text)
     cluster = ClusterSpec.from_dict(data["cluster"])
+    if args.cpu:  # one core of this machine, measured now (explicit: it lands in the file, nothing is cached)
+        import os
+
+        from ..profile.hardware import calibrate_cpu
+
+        cluster = ClusterSpec(cluster.mesh, cluster.links, calibrate_cpu(threads=1), cluster.copy_bytes_per_s,
+                              threads_per_rank=1, ranks_per_host=cluster.world_size, cores_per_host=os.cpu_count())
+        data["cluster"] = cluster.to_dict()
+        text = json.dumps(data)
     if args.output:
         Path(args.output).write_text(cluster.to_json())
     if args.json:
@@ -130,6 +139,9 @@ def register(subparsers) -> None:
     c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (median; default 15)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
+    c.add_argument("--cpu", action="store_true",
+                   help="also measure one CPU core (calibrate_cpu) and record this host's cores shared by the "
+                        "ranks (1 thread each) in the file")
     c.add_argument("--json", action="store_true", help="print the full calibration as JSON")
     add_quiet_flag(c)
     c.set_defaults(func=_cmd_calibrate)

@@ -51,19 +51,32 @@ class ClusterSpec:
     `copy_bytes_per_s` is how fast a device copies a buffer locally (bytes copied per second), which prices
     the packing copies around collectives in layout conversion; None leaves them unpriced. The constructors
     derive it from a GPU preset's memory bandwidth; `calibrate_cluster` measures it.
-    Raises LayoutError when the number of links differs from the number of mesh axes, or a non-positive
-    copy rate.
+    How fast one rank computes (NOTE [rank device]): a CPU device spec is per core; a rank gets
+    ``cores_per_rank = threads_per_rank`` cores, or ``min(threads_per_rank, cores_per_host / ranks_per_host)``
+    when `cores_per_host` is given (gloo ranks sharing a host's cores). `ranks_per_host` defaults to the
+    world size for a CPU device (every rank on one host) and to 1 otherwise. A GPU is one device per rank
+    and these fields do not change it. Nothing is read from the calling process: what is not given is
+    assumed as stated here, and `rank_device` records it in every plan and price.
+    Raises LayoutError when the number of links differs from the number of mesh axes, a non-positive
+    copy rate, thread or core count.
     """
 
     mesh: Mesh
     links: tuple[LinkSpec, ...]
     device: Any = "cpu"  # str preset name or treadle.profile.hardware.HardwareSpec
     copy_bytes_per_s: float | None = None
+    threads_per_rank: int = 1
+    ranks_per_host: int | None = None
+    cores_per_host: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
         if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
             raise LayoutError(f"ClusterSpec: copy_bytes_per_s must be > 0 or None; got {self.copy_bytes_per_s}")
+        for name in ("threads_per_rank", "ranks_per_host", "cores_per_host"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise LayoutError(f"ClusterSpec: {name} must be a positive int (or None); got {v!r}")
         if len(self.links) != self.mesh.ndim:
             raise LayoutError(f"ClusterSpec: {len(self.links)} links for {self.mesh} with {self.mesh.ndim} axes; "
                               f"give one link per mesh axis")
@@ -98,10 +111,71 @@ class ClusterSpec:
 
         return hardware_preset(self.device)
 
+    def is_cpu(self) -> bool:
+        return self.device_name.lower().startswith("cpu")
+
+    def rank_device(self) -> "RankDevice":
+        """How one rank's compute rate is derived (NOTE [rank device] in the class doc)."""
+        hw = self.hardware()
+        if not self.is_cpu():
+            return RankDevice(hw.name, dict(hw.peak_flops_per_s), hw.hbm_bytes_per_s, self.threads_per_rank,
+                              self.ranks_per_host or 1, self.cores_per_host, None, True,
+                              f"one {hw.name} per rank ({hw.source})")
+        rph = self.ranks_per_host or self.world_size
+        cores = float(self.threads_per_rank)
+        if self.cores_per_host is not None:
+            cores = min(cores, self.cores_per_host / rph)
+        # a rank overlaps communication with compute only when its host has a core to spare for the
+        # communication thread (gloo runs collectives on its own threads)
+        overlap = self.cores_per_host is not None and self.cores_per_host >= rph * (self.threads_per_rank + 1)
+        scaled = {k: v * cores for k, v in hw.peak_flops_per_s.items()}
+        return RankDevice(f"{hw.name} x{cores:.3g} core", scaled, hw.hbm_bytes_per_s * cores, self.threads_per_rank,
+                          rph, self.cores_per_host, cores, overlap,
+                          f"{cores:.3g} core(s) per rank: {self.threads_per_rank} thread(s), {rph} rank(s) on "
+                          f"{self.cores_per_host if self.cores_per_host is not None else 'unshared'} core(s); per "
+                          f"core: {hw.source}")
+
+    def rank_hardware(self):  # -> treadle.profile.hardware.HardwareSpec
+        """The HardwareSpec one rank computes at (`rank_device`'s rates, the device's efficiencies)."""
+        hw = self.hardware()
+        if not self.is_cpu():
+            return hw
+        d = self.rank_device()
+        from ..profile.hardware import HardwareSpec
+
+        return HardwareSpec(name=d.name, peak_flops_per_s=d.peak_flops_per_s, hbm_bytes_per_s=d.hbm_bytes_per_s,
+                            memory_bytes=hw.memory_bytes, compute_efficiency=hw.compute_efficiency,
+                            memory_efficiency=hw.memory_efficiency,
+                            op_overhead_s=hw.op_overhead_s / (d.cores_per_rank or 1.0), source=d.source)
+
+    def with_ranks(self, *, threads_per_rank: int = 1, ranks_per_host: int | None = None,
+                   cores_per_host: int | None = None) -> "ClusterSpec":
+        """The same cluster with the rank placement of NOTE [rank device] stated."""
+        return ClusterSpec(self.mesh, self.links, self.device, self.copy_bytes_per_s, threads_per_rank,
+                           ranks_per_host, cores_per_host)
+
+    def for_mesh(self, mesh: Mesh) -> "ClusterSpec":
+        """This cluster seen through another logical `mesh` of the same world size (e.g. a schedule's): an
+        axis keeps the link of the same-named axis here, else it gets the slowest of this cluster's links
+        (it may cross every link). Raises LayoutError when the world sizes differ."""
+        if tuple(mesh.shape) == tuple(self.mesh.shape) and tuple(mesh.names) == tuple(self.mesh.names):
+            return self
+        if mesh.world_size != self.world_size:
+            raise LayoutError(f"ClusterSpec.for_mesh: {mesh} has {mesh.world_size} ranks but {self} has "
+                              f"{self.world_size}; give a cluster of the schedule's world size")
+        from .collective_cost import flat_link
+
+        slow = flat_link(self.links)
+        links = tuple(self.link(a) if a in self.mesh.names and self.mesh.size(a) == mesh.size(a) else slow
+                      for a in mesh.names)
+        return ClusterSpec(mesh, links, self.device, self.copy_bytes_per_s, self.threads_per_rank,
+                           self.ranks_per_host or (self.world_size if self.is_cpu() else None), self.cores_per_host)
+
     def with_links(self, links: Sequence[LinkSpec], *, copy_bytes_per_s: float | None = None) -> "ClusterSpec":
         """The same cluster with other links (e.g. calibrated ones) and, when given, another copy rate."""
         return ClusterSpec(self.mesh, tuple(links), self.device,
-                           self.copy_bytes_per_s if copy_bytes_per_s is None else copy_bytes_per_s)
+                           self.copy_bytes_per_s if copy_bytes_per_s is None else copy_bytes_per_s,
+                           self.threads_per_rank, self.ranks_per_host, self.cores_per_host)
 
     def restrict(self, axes: Sequence[str]) -> "ClusterSpec":
         """The cluster over a subset of mesh axes (in the given order), keeping their links, the device and
@@ -111,7 +185,8 @@ class ClusterSpec:
         if len(set(axes)) != len(axes):
             raise LayoutError(f"ClusterSpec.restrict: axes {axes} repeat an axis of {self.mesh}")
         return ClusterSpec(Mesh(tuple(self.mesh.size(a) for a in axes), axes), tuple(self.link(a) for a in axes),
-                           self.device, self.copy_bytes_per_s)
+                           self.device, self.copy_bytes_per_s, self.threads_per_rank,
+                           self.ranks_per_host or (self.world_size if self.is_cpu() else None), self.cores_per_host)
 
     # ------------------------------------------------------------------------------------ constructors
     @classmethod
@@ -143,7 +218,8 @@ class ClusterSpec:
         dev = self.device if isinstance(self.device, str) else {"hardware": json.loads(self.device.to_json())}
         return {"mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
                 "links": [link.to_dict() for link in self.links], "device": dev,
-                "copy_bytes_per_s": self.copy_bytes_per_s}
+                "copy_bytes_per_s": self.copy_bytes_per_s, "threads_per_rank": self.threads_per_rank,
+                "ranks_per_host": self.ranks_per_host, "cores_per_host": self.cores_per_host}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -156,11 +232,28 @@ class ClusterSpec:
 
             dev = HardwareSpec.from_json(json.dumps(dev["hardware"]))
         return cls(Mesh(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])),
-                   tuple(LinkSpec.from_dict(x) for x in d["links"]), dev, d.get("copy_bytes_per_s"))
+                   tuple(LinkSpec.from_dict(x) for x in d["links"]), dev, d.get("copy_bytes_per_s"),
+                   d.get("threads_per_rank", 1), d.get("ranks_per_host"), d.get("cores_per_host"))
 
     @classmethod
     def from_json(cls, text: str) -> "ClusterSpec":
         return cls.from_dict(json.loads(text))
+
+
+@dataclass(slots=True)
+class RankDevice:
+    """The device one rank computes on, as priced (`ClusterSpec.rank_device`): its rates (FLOP/s per dtype,
+    bytes/s), the placement facts they come from, and whether it overlaps communication with compute."""
+
+    name: str
+    peak_flops_per_s: dict[str, float]
+    hbm_bytes_per_s: float
+    threads_per_rank: int
+    ranks_per_host: int
+    cores_per_host: int | None
+    cores_per_rank: float | None
+    overlap: bool
+    source: str
 
 
 def device_copy_bytes_per_s(device: Any) -> float | None:

@@ -124,6 +124,8 @@ class CapturedGraph:
     model_class: str
     n_real_params: int  # parameter elements of the full model (all blocks)
     outputs: list[int] = field(default_factory=list)  # nodes the model returns
+    saved: dict[int, int] | None = None  # node -> bytes autograd saves of its storages (NOTE [saved by autograd])
+    saved_error: str = ""  # why `saved` is None (then the cost graph falls back to per-op rules, and says so)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -241,6 +243,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             real_param_modules[f"{mname}.{pname}" if mname else pname] = mname
     with _shortened_lists(model, reduce_repeats) as block_plan:
         ep = _export(model, tuple(args), kwargs)
+    saved_by_name, saved_error = _measure_saved(ep, args, kwargs)
     graph = ep.graph_module.graph
     sig = ep.graph_signature
     param_of = {s.arg.name: s.target for s in sig.input_specs
@@ -318,7 +321,23 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     logger.info("captured %s: %d nodes, %d ops, %d block instances in %d templates", type(model).__name__,
                 len(nodes), sum(1 for n in nodes if n.kind == "op"), len(blocks),
                 len({b.template for b in blocks}))
-    return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs)
+    saved = None
+    if saved_by_name is not None:
+        saved = {index_of[k]: v for k, v in saved_by_name.items() if k in index_of}
+    return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
+                         saved, saved_error)
+
+
+def _measure_saved(ep, args: tuple, kwargs: dict) -> tuple[dict[str, int] | None, str]:
+    """NOTE [saved by autograd] in saved.py; (None, reason) when the exported module cannot run again."""
+    from .saved import saved_bytes_by_node
+
+    try:
+        return saved_bytes_by_node(ep.module(), tuple(args), kwargs), ""
+    except Exception as exc:  # any failure of the re-run: reported in the plan, per-op rules used instead
+        logger.warning("capture: measuring saved activations failed (%s: %s); using per-op rules",
+                       type(exc).__name__, exc)
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _within(path: str, prefix: str) -> bool:

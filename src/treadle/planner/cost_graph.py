@@ -22,6 +22,19 @@ NOTE [followers]: a node whose only variable input is one unit, and that has exa
 strategy of that unit, is merged into it (its costs add to the leader's strategy). This is exact: the
 follower's choice is forced by the equality edge anyway.
 
+NOTE [bucketed data parallel]: the runtime reduces data-parallel gradients in buckets (DDP: 1 MiB first,
+then 25 MiB) or per unit (FSDP2: every block and the root: a forward gather, a backward gather — none for
+the root — and a reduce-scatter), overlapped with compute (`treadle.cost.overlap`). Per parameter the
+cost graph keeps only the bandwidth part of its sync (`StrategyCost.dp_comm_s`); the latency part is one
+constant per role assignment, `CostGraph.dp_latency_s` (buckets counted from the gradient bytes with
+every parameter replicated on the tensor axes). What is exposed is
+
+    E = max(0, dp_latency_s + sum dp_comm_s - W)
+
+with W the compute the reductions can hide behind — backward compute for DDP, all compute for ZeRO-3 —
+when the rank's device overlaps communication (`ClusterSpec.rank_device().overlap`), else W = 0. The ILP
+states E with two linear rows (`ilp.add_dp_exposure`); `ilp.evaluate` computes it directly.
+
 Costs per strategy (per execution, per device, seconds and bytes) are computed in `node_costs.py`.
 """
 
@@ -110,6 +123,9 @@ class CostGraph:
     fixed_static_bytes: float = 0.0  # memory that no decision changes (buffers, user inputs)
     attr_resolver: Any = None
     model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
+    dp_latency_s: float = 0.0  # NOTE [bucketed data parallel]
+    dp_overlap: bool = False  # reductions hide behind compute
+    dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute they hide behind
 
 
 @dataclass(slots=True)
@@ -201,7 +217,7 @@ class _Builder(NodeCosts):
         self.train = train
         self.pins = pins
         self.shardable = shardable or (lambda p, m: set())
-        self.hw = cluster.hardware()
+        self.hw = cluster.rank_hardware()  # NOTE [rank device] in treadle.cost.cluster
         mesh = cluster.mesh
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
@@ -381,6 +397,8 @@ class _Builder(NodeCosts):
                     total.compute_s += c.compute_s
                     total.comm_s += c.comm_s
                     total.fwd_s += c.fwd_s
+                    total.bwd_s += c.bwd_s
+                    total.dp_comm_s += c.dp_comm_s
                     total.act_bytes += c.act_bytes
                     total.static_bytes += c.static_bytes
         edges = self._edges(units, unit_of, node_strats)
@@ -393,9 +411,33 @@ class _Builder(NodeCosts):
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops)
+        self._dp_terms(cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg
+
+    def _dp_terms(self, cg: CostGraph) -> None:
+        """NOTE [bucketed data parallel]: the latency constant, the overlap flag and window."""
+        if not self.roles.dp or self.dp_size == 1:
+            return
+        from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+        from ..cost.overlap import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+
+        link = self.cluster.link(self.roles.dp)
+        n = self.dp_size
+        cg.dp_overlap = self.cluster.rank_device().overlap
+        if self.roles.zero:
+            units = sum(info.count for info in cg.templates.values())
+            cg.dp_latency_s = (units * (2 * all_gather_time_s(0.0, n, link) + reduce_scatter_time_s(0.0, n, link))
+                               + all_gather_time_s(0.0, n, link) + reduce_scatter_time_s(0.0, n, link))
+            cg.dp_window = "all"
+        else:
+            grad_bytes = sum(m.nbytes * (self.count(j) if self.nodes[j].block is not None else 1)
+                             for j, m in ((n_.index, n_.out) for n_ in self.nodes if n_.kind == "param")
+                             if self.canonical(j) == j)
+            buckets = 1 + max(0, -(-(grad_bytes - DDP_FIRST_BUCKET_BYTES) // DDP_BUCKET_BYTES))
+            cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
+            cg.dp_window = "bwd"
 
     def _template(self, i: int) -> int | None:
         b = self.nodes[i].block

@@ -43,6 +43,7 @@ def summary_lines(plan) -> list[str]:
              f"memory: static {_fmt(e.static_bytes, unit)} + activations {_fmt(e.activation_bytes, unit)} "
              f"+ recomputed block {_fmt(e.transient_bytes, unit)}",
              f"binding constraint: {plan.binding}",
+             *_price_lines(plan),
              f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "
              f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s"]
     ck = s.get("checkpoints") or {}
@@ -61,6 +62,17 @@ def summary_lines(plan) -> list[str]:
         lines.append("ops without a FLOP formula (priced by bytes only): " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(s["unknown_flops"].items())))
     return lines
+
+
+def _price_lines(plan) -> list[str]:
+    p = getattr(plan, "price", None)
+    if not p:
+        return []
+    unit = _mem_unit([p["peak_bytes"]])
+    return [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms (compute "
+            f"{p['compute_s'] * 1e3:.3f}, recompute {p['recompute_s'] * 1e3:.3f}, comm {p['comm_s'] * 1e3:.3f} of "
+            f"which exposed {p['exposed_comm_s'] * 1e3:.3f}), peak {_fmt(p['peak_bytes'], unit)}, "
+            f"MFU {p['mfu'] * 100:.1f}% on {p['device']['name']}"]
 
 
 def explain_text(plan, *, top: int | None = None) -> str:

@@ -22,6 +22,10 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          static(s) + fixed + act_outside(s) + sum_t (L_t A_t - sum_b 2^b zA + sum_b 2^b zI) + T <= budget
                                                                                 (memory)
          q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
+         E >= dp_latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0  (dp_exposure)
+
+    where the objective counts E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
+    cost_graph.py) besides compute and comm;
 
 `add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
 choices of a tiny cost graph with the same cost formulas and is the test oracle. The memory at the peak
@@ -135,6 +139,22 @@ def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
             s[u, k] = m.var(ub=1.0 if unit.allowed[k] else 0.0, integer=True,
                             cost=unit.count * (c.compute_s + c.comm_s) * _SECONDS)
     return s
+
+
+def add_dp_exposure(m: _Model, cg: CostGraph, s) -> None:
+    """E >= dp_latency + sum dp_comm - W, E >= 0, E in the objective (NOTE [bucketed data parallel] in
+    cost_graph.py; family dp_exposure)."""
+    if not any(c.dp_comm_s for unit in cg.units for c in unit.costs) and not cg.dp_latency_s:
+        return
+    e = m.var(ub=math.inf, cost=_SECONDS)
+    row: dict[int, float] = {e: _SECONDS}
+    for u, unit in enumerate(cg.units):
+        for k, c in enumerate(unit.costs):
+            w = (c.bwd_s if cg.dp_window == "bwd" else c.compute_s) if cg.dp_overlap else 0.0
+            x = unit.count * (c.dp_comm_s - w) * _SECONDS
+            if x:
+                row[s[u, k]] = row.get(s[u, k], 0.0) - x
+    m.row(row, cg.dp_latency_s * _SECONDS, math.inf, "dp_exposure")
 
 
 def add_one_strategy(m: _Model, cg: CostGraph, s) -> None:
@@ -253,21 +273,60 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
 
 
 def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
-    """Peak <= budget; `terms` and `const` are in the ILP's scaled unit (NOTE [row scaling])."""
-    m.row(terms, -math.inf, budget_bytes * _BYTES - const, "memory")
+    """Peak <= budget. `terms` and `const` come in the ILP's scaled unit (NOTE [row scaling]); this one row is
+    stated in bytes, so HiGHS's absolute feasibility tolerance (1e-7) is far below a byte (NOTE [exact
+    budget]). Only the McCormick rows need the small scale."""
+    m.row({j: v / _BYTES for j, v in terms.items()}, -math.inf, budget_bytes - const / _BYTES, "memory")
+
+
+# NOTE [exact budget]: the memory row is scaled (NOTE [row scaling]) and HiGHS accepts a row violated by up
+# to its feasibility tolerance, i.e. a plan some bytes over the budget. `solve` therefore re-checks the
+# chosen plan's peak in bytes (`evaluate`, exact sums of integers) and, when it is over, solves again with
+# the budget lowered by the excess plus a margin (1 byte, then 16x more each time), at most _BUDGET_RETRIES
+# times; a plan still over is reported infeasible, never returned. `add_memory` states the row in bytes, so
+# with the default scaling the first solution already holds.
+_BUDGET_RETRIES = 4
 
 
 def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True, time_limit_s: float = 20.0,
           rel_gap: float = 1e-4, min_ckpt: dict[int, int] | None = None,
           minimise: str = "time", memory: str = "all") -> Solution:
-    """Solve the MILP. `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
+    """Solve the MILP; with a budget, the returned plan's peak is within it to the byte (NOTE [exact
+    budget]). `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
     the peak instead of the step time (used to report the smallest feasible budget); ``memory="static"``
     constrains only parameters, gradients and optimizer state (stage one of the two-stage mode).
     Returns a Solution with status "infeasible" (and empty choice) when no plan fits."""
+    limit = budget_bytes
+    sol = _solve_once(cg, budget_bytes=limit, checkpoint=checkpoint, time_limit_s=time_limit_s, rel_gap=rel_gap,
+                      min_ckpt=min_ckpt, minimise=minimise, memory=memory)
+    step = 1.0
+    for _ in range(_BUDGET_RETRIES):
+        if budget_bytes is None or sol.status == "infeasible" or _peak_of(cg, sol, memory) <= budget_bytes:
+            return sol
+        limit = limit - (_peak_of(cg, sol, memory) - budget_bytes) - step
+        step *= 16
+        logger.debug("ILP plan over budget by %.0f B; re-solving under %.0f B", sol.peak_bytes - budget_bytes, limit)
+        sol = _solve_once(cg, budget_bytes=limit, checkpoint=checkpoint, time_limit_s=time_limit_s, rel_gap=rel_gap,
+                          min_ckpt=min_ckpt, minimise=minimise, memory=memory)
+    if budget_bytes is not None and sol.status != "infeasible" and _peak_of(cg, sol, memory) > budget_bytes:
+        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, sol.solve_s, sol.n_vars, sol.n_cons)
+    return sol
+
+
+def _peak_of(cg: CostGraph, sol: Solution, memory: str) -> float:
+    """The peak the budget constrains: all memory, or static only (stage one of two_stage)."""
+    if memory == "static":
+        return sol.terms["static_bytes"] + cg.fixed_static_bytes
+    return sol.peak_bytes
+
+
+def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, time_limit_s: float,
+                rel_gap: float, min_ckpt: dict[int, int] | None, minimise: str, memory: str) -> Solution:
     t0 = time.perf_counter()
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
+    add_dp_exposure(m, cg, s)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
@@ -303,10 +362,13 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     and memory constraint, in the same units. Also the split of the step time and memory by term."""
     compute = comm = 0.0
     static = act_out = 0.0
+    dp_comm = window = 0.0
     for u, unit in enumerate(cg.units):
         c = unit.costs[choice[u]]
         compute += unit.count * c.compute_s
         comm += unit.count * c.comm_s
+        dp_comm += unit.count * c.dp_comm_s
+        window += unit.count * (c.bwd_s if cg.dp_window == "bwd" else c.compute_s)
         static += unit.count * c.static_bytes
         if unit.template is None:
             act_out += c.act_bytes
@@ -322,6 +384,8 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
+    if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
+        comm += max(0.0, cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0))
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
     return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,

@@ -2,14 +2,16 @@
 
 Compute: roofline time (`treadle.profile.roofline.op_time_s`) of the local shard, FLOPs from
 `treadle.profile.flops` (backward FLOPs only for inputs that need a gradient), bytes moved by the local
-tensors (views move none; backward moves twice the forward bytes, an approximation). Communication: the
+tensors (views move none; backward moves twice the forward bytes, an approximation), plus the device's
+per-op dispatch overhead and the optimizer step on the parameters a node owns. Communication: the
 conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward and adjoint), Megatron's
 backward all-reduce for a replicated input of an op sharded on a tensor axis, and the data-parallel
 reduction of the gradients of the parameters the node owns (all-reduce; ZeRO-3: two all-gathers and one
-reduce-scatter). Memory: parameter + gradient + optimizer state of owned parameters divided by their
-shards (and by the dp axis under ZeRO-3), and saved activations: a node's output counts when a consumer's
-autograd formula keeps it (views count on their base storage, once). Communication is not assumed to
-overlap with compute.
+reduce-scatter), bandwidth part only, kept apart (`dp_comm_s`) for the overlap of NOTE [bucketed data
+parallel] in cost_graph.py. Memory: parameter + gradient + optimizer state of owned parameters divided by their
+shards (and by the dp axis under ZeRO-3), and saved activations: the bytes autograd really saves of each
+node's storages, measured at capture (NOTE [saved by autograd] in saved.py), divided like the node's output;
+only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules below decide.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class StrategyCost:
     compute_s: float = 0.0
     comm_s: float = 0.0
     fwd_s: float = 0.0  # forward compute + forward comm (what recomputation repeats)
+    bwd_s: float = 0.0  # backward compute (the window data-parallel reductions overlap with)
+    dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
 
@@ -112,10 +116,13 @@ class NodeCosts:
                     pl = tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
                     moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
         dtype = self.dtype_compute or _dtype_of(n)
-        fwd = op_time_s(int(f_flops / work), int(moved), self.hw, dtype)
-        bwd = op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype) if self.rg[i] else 0.0
+        # each op also costs the device's dispatch overhead, once forward and once in backward (as `price`)
+        fwd = op_time_s(int(f_flops / work), int(moved), self.hw, dtype) + self.hw.op_overhead_s
+        bwd = (op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype) + self.hw.op_overhead_s
+               if self.rg[i] else 0.0)
         c.compute_s = fwd + bwd
         c.fwd_s = fwd
+        c.bwd_s = bwd
         # conversion at publish
         cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
         c.comm_s += cf + cb
@@ -138,7 +145,8 @@ class NodeCosts:
                 continue
             pl = tuple(o.ins[pos] for o in combo)
             c.static_bytes += self.param_static_bytes(src.out, pl)
-            c.comm_s += self.param_sync_s(src.out, pl)
+            c.dp_comm_s += self.param_sync_s(src.out, pl)
+            c.compute_s += self.optimizer_s(src.out, pl) + self.zero_copies_s(src.out, pl)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
@@ -152,22 +160,57 @@ class NodeCosts:
             per += 4
         return local * per
 
+    def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """AdamW's step on this parameter's local shard, as `treadle.planner.price` prices it (elementwise,
+        roofline, one dispatch overhead per kernel)."""
+        from .price import _ADAMW_FLOPS_PER_ELEM, _ADAMW_OPS
+
+        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.dp_size if self.roles.zero else 1)
+        moved = elems * (3 * meta.dtype.itemsize + 2 * self.train.optimizer_bytes_per_elem)
+        return (op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), self.hw, meta.dtype)
+                + _ADAMW_OPS * self.hw.op_overhead_s)
+
+    def zero_copies_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """FSDP2's local copies around its collectives (ZeRO-3 only): each all-gather copies the shard in and
+        the gathered parameter out, the reduce-scatter the gradient in and its shard out — 2 (full + shard)
+        bytes moved per collective, two gathers and one reduce-scatter (`treadle.planner.price` the same)."""
+        if not self.roles.zero or self.dp_size == 1:
+            return 0.0
+        full = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
+        return 3 * op_time_s(0, int(2 * (full + full / self.dp_size)), self.hw, meta.dtype)
+
     def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """Data-parallel gradient reduction (all-reduce), or ZeRO-3's two gathers and one reduce-scatter,
-        plus `reduce_grads` over tensor axes where the gradient is a pending sum (not handled here)."""
+        """The bandwidth part of this parameter's data-parallel sync: DDP's all-reduce, or ZeRO-3's two
+        all-gathers and one reduce-scatter (NOTE [bucketed data parallel] in cost_graph.py: the runtime
+        moves gradients in buckets / units, so the per-message latency is priced once per bucket there)."""
         if not self.roles.dp or self.dp_size == 1:
             return 0.0
         nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
         link = self.cluster.link(self.roles.dp)
+
+        def bw(fn) -> float:
+            return fn(nbytes, self.dp_size, link) - fn(0.0, self.dp_size, link)
+
         if self.roles.zero:
-            return 2 * all_gather_time_s(nbytes, self.dp_size, link) + reduce_scatter_time_s(nbytes, self.dp_size, link)
-        return all_reduce_time_s(nbytes, self.dp_size, link)
+            return 2 * bw(all_gather_time_s) + bw(reduce_scatter_time_s)
+        return bw(all_reduce_time_s)
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
+        """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by
+        autograd] in saved.py) divided like n's first output; without a measurement, the per-op rules."""
         i = n.index
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        if self.g.saved is not None:
+            b = self.g.saved.get(i, 0)
+            if not b:
+                return 0.0
+            first = next((k for k, m in enumerate(outs) if isinstance(m, TensorMeta)), None)
+            if first is None:
+                return float(b) / self.dp_div(i)
+            pl = pub if first == 0 else tuple(o.outs[first] if first < len(o.outs) else R for o in combo)
+            return b / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
         if not self.saved[i]:
             return 0.0
-        outs = n.out if isinstance(n.out, tuple) else (n.out,)
         total = 0.0
         for k, m in enumerate(outs):
             if isinstance(m, TensorMeta) and self.saved[i]:

@@ -156,6 +156,7 @@ class Plan:
     binding: str
     solver: dict
     unknown_ops: dict[str, int] = field(default_factory=dict)
+    price: dict | None = None  # `treadle.planner.price.Price.to_dict()` of the schedule, once `estimate()` ran
     _model: Any = None  # nn.Module given to plan_model (not serialised)
     _schedule: Any = None
     _context: Any = None  # plan_model's inputs and arguments, for what_if (not serialised)
@@ -191,8 +192,21 @@ class Plan:
         return other, self.diff(other)
 
     def estimate(self) -> Estimate:
-        """Predicted step time, peak memory and MFU per device."""
-        return self.estimated
+        """Predicted step time, peak memory and MFU per device: the price of `schedule`
+        (`treadle.planner.price.price`, one price for every schedule), computed on first call and kept in
+        `price`. `estimated` stays the solver's own figure (its memory model is what the budget binds).
+        A plan loaded from JSON without a stored price, or made from positional inputs, returns `estimated`.
+        Raises PlanError when the schedule was built already (price an unbuilt schedule)."""
+        if self.price is None and self._model is not None and self._context is not None \
+                and isinstance(self._context["inputs"], dict):
+            from .price import price
+
+            self.price = price(self.schedule, self._context["inputs"], self.cluster).to_dict()
+        if self.price is None:
+            return self.estimated
+        p = self.price
+        return Estimate(p["step_s"], p["peak_bytes"], p["mfu"], p["compute_s"], p["exposed_comm_s"],
+                        p["recompute_s"], p["static_bytes"], p["activation_bytes"], p["transient_bytes"])
 
     def explain(self) -> str:
         """A text table per module (layouts, compute / communication / recompute time, memory) and the
@@ -219,6 +233,7 @@ class Plan:
             "binding": self.binding,
             "solver": self.solver,
             "unknown_ops": self.unknown_ops,
+            "price": self.price,
             "schedule": sch_json,
         }
 
@@ -231,7 +246,8 @@ class Plan:
             raise PlanError(f"not a treadle plan (format {d.get('format')!r}, expected 'treadle.plan/1')")
         return cls(d["model"], ClusterSpec.from_dict(d["cluster"]), d["roles"], d["mode"], d["budget_bytes"],
                    [Decision.from_dict(x) for x in d["decisions"]], Estimate(**d["estimate"]),
-                   [PlanRow(**r) for r in d["rows"]], d["binding"], d["solver"], d.get("unknown_ops", {}))
+                   [PlanRow(**r) for r in d["rows"]], d["binding"], d["solver"], d.get("unknown_ops", {}),
+                   d.get("price"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -460,9 +476,13 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                         f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
                         f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
     sol, cg = min(feasible, key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    if memory_budget_bytes is not None and sol.peak_bytes > memory_budget_bytes:  # NOTE [exact budget] in ilp.py
+        raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
+                        f"budget {_fmt_bytes(memory_budget_bytes)} by {sol.peak_bytes - memory_budget_bytes:.0f} B; "
+                        f"this is a solver tolerance problem, please report it")
     cluster = cg.cluster
     decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
-    hw = cluster.hardware()
+    hw = cluster.rank_hardware()
     dtype = next((m.dtype for m in graph.params.values()), torch.float32)
     est = Estimate(sol.step_s, sol.peak_bytes,
                    mfu_of(int(cg.model_flops / cluster.world_size), sol.step_s, hw, dtype) if sol.step_s else 0.0,
@@ -476,7 +496,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
               "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
-              "unknown_flops": cg.unknown_flops}
+              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device())}
     context = {"inputs": example_inputs,
                "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
@@ -556,7 +576,7 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
         if row is None:
             row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
         row.compute_s += unit.count * c.compute_s
-        row.comm_s += unit.count * c.comm_s
+        row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
         row.recompute_s += rec
         row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
         desc = " ".join(layouts + [f"out:{out_l}"])

@@ -2,9 +2,14 @@
 
 A `HardwareSpec` is what the roofline (`treadle.profile.roofline`) prices an op against. Presets carry the
 vendors' published dense peaks (no structured sparsity), each with its source beside it; `compute_efficiency`
-and `memory_efficiency` scale the peaks to what well-tuned kernels reach. The `cpu` spec is not a preset: it is
-measured on this machine by `calibrate_cpu` (a matmul and a large copy, well under 3 s) and cached as JSON under
-``$XDG_CACHE_HOME/treadle`` (default ``~/.cache/treadle``), keyed by CPU model, thread count and torch version.
+and `memory_efficiency` scale the peaks to what well-tuned kernels reach.
+
+The `cpu` preset is ONE CORE of a nominal x86 server core (NOTE [no hidden state]): nothing is measured or
+cached behind the caller's back, and the result does not depend on the calling process's thread count. A
+rank's rate is that per-core spec times the cores the rank really gets (its threads, and the cores it shares
+with the other ranks of its host): `treadle.cost.cluster.ClusterSpec.rank_hardware`. To price this machine
+instead, measure it explicitly — `calibrate_cpu()` (one thread by default, i.e. per core) or
+``treadle calibrate`` — save the spec and pass the file (``hardware_preset("spec.json")``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class HardwareSpec:
     memory_bytes: int
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    op_overhead_s: float = 0.0  # fixed cost of dispatching one op (framework + launch); `treadle.price` adds it per op
     source: str = field(default="user-defined", compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +59,8 @@ class HardwareSpec:
         if self.hbm_bytes_per_s <= 0 or self.memory_bytes <= 0:
             raise ProfileError(f"HardwareSpec {self.name!r} needs hbm_bytes_per_s > 0 and memory_bytes > 0; "
                                f"got {self.hbm_bytes_per_s!r}, {self.memory_bytes!r}")
+        if self.op_overhead_s < 0:
+            raise ProfileError(f"HardwareSpec {self.name!r}: op_overhead_s must be >= 0; got {self.op_overhead_s!r}")
         for attr in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, attr)
             if not 0 < v <= 1:
@@ -77,7 +85,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "source"}
+                 "memory_efficiency", "op_overhead_s", "source"}
         unknown = set(d) - known
         if unknown:
             raise ProfileError(f"HardwareSpec JSON has unknown fields {sorted(unknown)}; known: {sorted(known)}")
@@ -142,8 +150,8 @@ _ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "v100": "v100-32gb", "h200-
 
 
 def hardware_preset(name: str) -> HardwareSpec:
-    """A preset by name ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200"), or "cpu" (measured on this
-    machine, cached), or a path to a spec saved as JSON. Raises ProfileError listing the known names."""
+    """A preset by name ("v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200"), or "cpu" (one nominal core,
+    `CPU_CORE`; a rank scales it), or a path to a spec saved as JSON. Raises ProfileError listing the known names."""
     key = name.lower()
     key = _ALIASES.get(key, key)
     if key == "cpu":
@@ -158,12 +166,6 @@ def hardware_preset(name: str) -> HardwareSpec:
 
 # ------------------------------------------------------------------------------------------------ CPU calibration
 
-def cache_dir() -> Path:
-    """Where calibrations are cached: ``$XDG_CACHE_HOME/treadle`` or ``~/.cache/treadle``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "treadle"
-
-
 def _machine_key() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -174,7 +176,7 @@ def _machine_key() -> str:
                     break
     except OSError:
         pass
-    raw = f"{cpu}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr-torch{torch.__version__}"
+    raw = f"{cpu}-{os.cpu_count()}cpu-torch{torch.__version__}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
 
 
@@ -194,51 +196,53 @@ def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
     return 2 * n**3 / _best_time_s(lambda: torch.mm(a, b), reps=reps)
 
 
-def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7) -> HardwareSpec:
+def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1) -> HardwareSpec:
     """Measure this machine: fp32 and bf16 `torch.mm` of (`matmul_n`, `matmul_n`) matrices (FLOP/s = 2 n^3 / best
     time), and memory bandwidth as bytes read + written by a `copy_` of `copy_bytes` (best of `reps`).
 
     The measured rates are what good kernels reach here, so both efficiencies are 1.0. `memory_bytes` is the
     machine's physical memory. Best-of-`reps` timing keeps the fastest (least disturbed) sample, but a machine
-    busy with other work still measures low: calibrate when it is quiet. Takes about 1 s; no caching here
-    (see `cpu_spec`).
+    busy with other work still measures low: calibrate when it is quiet. Takes about 1 s; nothing is cached.
+    It runs on `threads` threads (restored after): with the default 1 the spec is per core, which is what the
+    `cpu` device of a ClusterSpec means (ranks scale it by the cores they get).
     """
     t0 = time.perf_counter()
-    peaks = {"float32": _matmul_flops_per_s(torch.float32, matmul_n, reps)}
-    bf16 = _matmul_flops_per_s(torch.bfloat16, matmul_n // 2, reps)
-    peaks["bfloat16"] = bf16
-    peaks["float16"] = _matmul_flops_per_s(torch.float16, matmul_n // 4, 2)
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peaks = {"float32": _matmul_flops_per_s(torch.float32, matmul_n, reps)}
+        peaks["bfloat16"] = _matmul_flops_per_s(torch.bfloat16, matmul_n // 2, reps)
+        peaks["float16"] = _matmul_flops_per_s(torch.float16, matmul_n // 4, 2)
+        src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src)
+        bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
+        a, b = torch.ones(1), torch.ones(1)
+        overhead = _best_time_s(lambda: [torch.add(a, b) for _ in range(1000)], reps=reps) / 1000
+    finally:
+        torch.set_num_threads(before)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 16 * GIB
     spec = HardwareSpec(name="cpu", peak_flops_per_s=peaks, hbm_bytes_per_s=bw, memory_bytes=int(mem),
-                        compute_efficiency=1.0, memory_efficiency=1.0,
-                        source=f"calibrated on {_machine_key()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+                        compute_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=overhead,
+                        source=f"calibrated on {threads} thread(s) of {_machine_key()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
     logger.info("calibrated cpu in %.2f s: %.1f GFLOP/s fp32, %.1f GB/s", time.perf_counter() - t0,
                 peaks["float32"] / 1e9, bw / GB)
     return spec
 
 
-def cpu_spec(*, recalibrate: bool = False) -> HardwareSpec:
-    """The calibrated `cpu` spec of this machine: read from the cache, or measured by `calibrate_cpu` and cached.
+# NOTE [no hidden state]: one core of a nominal x86-64 server CPU: 2 FMA units x 8 fp32 lanes (AVX2) x 2 FLOP
+# x 2.5 GHz = 80 GFLOP/s fp32 (bf16/fp16 run at the fp32 rate without AMX), and ~10 GB/s of memory bandwidth
+# per core (a 16-core socket's ~160 GB/s shared), and ~10 us to dispatch one eager op (PyTorch's CPU
+# dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). A fixed constant, so a plan never
+# depends on where it was made.
+CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
+                        hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=10e-6,
+                        source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")
 
-    The cache file is ``cache_dir()/cpu-<machine key>.json``; a key change (CPU, threads, torch version) or
-    `recalibrate=True` measures again. An unreadable cache is measured again (and logged), never trusted.
-    """
-    path = cache_dir() / f"cpu-{_machine_key()}.json"
-    if path.exists() and not recalibrate:
-        try:
-            return HardwareSpec.load(path)
-        except ProfileError as exc:
-            logger.warning("ignoring bad cpu calibration cache: %s", exc)
-    spec = calibrate_cpu()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        spec.save(path)
-    except OSError as exc:
-        logger.warning("cannot cache cpu calibration at %s: %s", path, exc)
-    return spec
+
+def cpu_spec(*, recalibrate: bool = False) -> HardwareSpec:
+    """The `cpu` device: the nominal per-core `CPU_CORE` (NOTE [no hidden state]); with `recalibrate` the
+    per-core spec measured now by `calibrate_cpu` (explicit, never cached — save it and pass the file)."""
+    return calibrate_cpu() if recalibrate else CPU_CORE

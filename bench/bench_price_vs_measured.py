@@ -1,0 +1,319 @@
+"""The cost model's test: `treadle.price` of many schedules vs what they measure on gloo, in one table.
+
+Models: the README's GPT-2 demo config (4 layers, 128 wide, 4 heads, vocab 1024) and a tiny LLaMA with
+grouped-query attention (4 layers, 128 wide, 8 heads, 4 KV heads, vocab 1024); batch 8 x seq 64 (--quick:
+batch 8 x seq 32, fewer schedules and steps). Configurations: 4 ranks on a 2x2 mesh (dp, tp), 4 ranks on a
+1-D mesh, 2 ranks. Schedules per configuration (>= 10 without --quick): DDP, DDP + checkpoint, FSDP2,
+Megatron TP, TP + checkpoint, TP x DP (DDP), TP x DP + checkpoint, TP x FSDP2, TP + sequence parallel,
+the planner's plan without and with a memory budget (60% of its unconstrained peak).
+
+Method. The links of each mesh are calibrated first on the running process group
+(`treadle.cost.calibrate.calibrate_cluster`), the CPU per core by `calibrate_cpu(threads=1)` (explicit:
+``--nominal-cpu`` keeps the nominal `CPU_CORE`), and the cluster states the rank placement explicitly:
+1 thread per rank, `os.cpu_count()` cores shared by all ranks of the host (recorded in the output).
+Every schedule is priced (`treadle.price`) in this process, then all schedules of a configuration are
+measured in ONE process group: built once each (same seed), then ``--repeats`` rounds, each running every
+schedule for ``--steps`` steps (after one warm-up) in an order that alternates between rounds; a step's
+time is the slowest rank's; a schedule's time the median over all its steps. Memory measured on rank 0:
+saved-for-backward bytes (``saved_tensors_hooks``, storages once, parameters excluded) plus parameter,
+gradient and optimizer-state bytes of the rank (local shards); predicted: `Price.activation_bytes` +
+parameters + gradients + AdamW state of the price. Prints predicted vs measured time and memory, their
+ratios, and Spearman's rank correlation per configuration; writes bench/results/bench_price_vs_measured.json.
+
+Targets (issue 9): Spearman >= 0.9 per configuration, memory within 5%, time ratio stable (+-25%).
+The machine may be shared: timings are noisy; say so when reporting.
+
+    .venv/bin/python bench/bench_price_vs_measured.py [--quick] [--models gpt2 llama] [--configs 2x2 4 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ----------------------------------------------------------------------------------------------- models
+def make_model(name: str, batch: int, seq: int):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=256, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    elif name == "llama":
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise SystemExit(f"unknown model {name!r}; use gpt2 or llama")
+    model.config.use_cache = False
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (batch, seq), generator=g)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+# ----------------------------------------------------------------------------------------------- schedules
+def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int, cluster, quick: bool):
+    """[(label, schedule JSON)] for one configuration; the planner's two plans included."""
+    import treadle
+    from treadle import Mesh
+    from treadle.errors import TreadleError
+    from treadle.planner.plan import plan_model
+
+    mesh = Mesh(shape, names)
+    out = []
+
+    def add(label, fn):
+        model, _ = make_model(model_name, batch, seq)
+        sch = treadle.create_schedule(model, mesh=mesh)
+        try:
+            fn(sch)
+        except TreadleError as exc:
+            print(f"    skip {label}: {exc}")
+            return
+        out.append((label, sch.to_json()))
+
+    def ckpt_all(sch):
+        for i in range(4):
+            sch[f"{_blocks(model_name)}.{i}"].checkpoint()
+
+    from treadle.models import megatron as meg
+    if len(shape) == 2:
+        dp, tp = names
+        add("DDP (dp)", lambda s: s.data_parallel(axis=dp))
+        add("FSDP2 (dp)", lambda s: s.data_parallel(axis=dp, shard=True))
+        add("Megatron TP", lambda s: meg(s, tp=tp))
+        add("TP x DP", lambda s: meg(s, tp=tp, dp=dp))
+        add("TP x DP + ckpt", lambda s: meg(s, tp=tp, dp=dp, checkpoint_fraction=1.0))
+        if not quick:
+            add("DDP (dp) + ckpt", lambda s: (s.data_parallel(axis=dp), ckpt_all(s)))
+            add("TP + ckpt", lambda s: meg(s, tp=tp, checkpoint_fraction=1.0))
+            add("TP x FSDP2", lambda s: meg(s, tp=tp, dp=dp, zero3=True))
+            add("TP x DP + half ckpt", lambda s: meg(s, tp=tp, dp=dp, checkpoint_fraction=0.5))
+            add("TP + SP x DP", lambda s: meg(s, tp=tp, dp=dp, sequence_parallel=True))
+    else:
+        (ax,) = names
+        add("DDP", lambda s: s.data_parallel(axis=ax))
+        add("FSDP2", lambda s: s.data_parallel(axis=ax, shard=True))
+        add("Megatron TP", lambda s: meg(s, tp=ax))
+        add("TP + ckpt", lambda s: meg(s, tp=ax, checkpoint_fraction=1.0))
+        if not quick:
+            add("DDP + ckpt", lambda s: (s.data_parallel(axis=ax), ckpt_all(s)))
+            add("FSDP2 + ckpt", lambda s: (s.data_parallel(axis=ax, shard=True), ckpt_all(s)))
+            add("TP + half ckpt", lambda s: meg(s, tp=ax, checkpoint_fraction=0.5))
+            add("TP + SP", lambda s: meg(s, tp=ax, sequence_parallel=True))
+            add("TP + SP + ckpt", lambda s: meg(s, tp=ax, sequence_parallel=True, checkpoint_fraction=1.0))
+    model, inputs = make_model(model_name, batch, seq)
+    try:
+        free = plan_model(model, inputs, cluster=cluster)
+        out.append(("planner", free.schedule.to_json()))
+        if not quick:
+            model, inputs = make_model(model_name, batch, seq)
+            tight = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimated.peak_bytes)
+            out.append(("planner, 60% budget", tight.schedule.to_json()))
+    except TreadleError as exc:
+        print(f"    planner: {exc}")
+    return out
+
+
+def _blocks(model_name: str) -> str:
+    return "transformer.h" if model_name == "gpt2" else "model.layers"
+
+
+# ----------------------------------------------------------------------------------------------- ranks
+def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple):
+    from treadle.cost.calibrate import calibrate_cluster
+    from treadle.mesh import Mesh
+
+    torch.set_num_threads(1)
+    return calibrate_cluster(Mesh(shape, names), rounds=5).cluster
+
+
+def _saved_bytes(model, inputs) -> int:
+    params = {id(p.untyped_storage()) for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if isinstance(t, torch.nn.Parameter) or t._base is not None and isinstance(t._base, torch.nn.Parameter):
+            return t
+        st = t.untyped_storage()
+        if id(st) not in seen and id(st) not in params:
+            seen.add(id(st))
+            total += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**inputs).loss
+    loss.backward()
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, scheds: list, steps: int,
+                  repeats: int):
+    import torch.distributed as dist
+
+    from treadle.runtime.build import build
+    from treadle.schedule.core import load_schedule
+
+    torch.set_num_threads(1)
+    built = []
+    for label, text in scheds:
+        model, inputs = make_model(model_name, batch, seq)
+        sch = load_schedule(model, text)
+        dp = sch._state.data_parallel
+        m = build(sch)
+        if dp is not None:
+            n, i = sch.mesh.size(dp[0]), sch.mesh.local_rank(dp[0])
+            inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        built.append((label, m, inputs, opt, saved))
+    times: dict[str, list[float]] = {label: [] for label, *_ in built}
+    for rep in range(repeats):
+        order = built if rep % 2 == 0 else list(reversed(built))
+        for label, m, inputs, opt, _ in order:
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                m(**inputs).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[label].append(float(dt))
+    mem = {}
+    for label, m, inputs, opt, saved in built:
+        state = sum(_local(p).numel() * _local(p).element_size() * 2 for p in m.parameters())  # param + grad
+        for st in opt.state.values():
+            state += sum(_local(v).numel() * _local(v).element_size() for k, v in st.items()
+                         if torch.is_tensor(v) and k != "step")
+        mem[label] = {"saved_bytes": saved, "state_bytes": state}
+    return {"times": times, "mem": mem}
+
+
+# ----------------------------------------------------------------------------------------------- report
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):  # average ranks of ties
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def run_config(model_name: str, config: str, args) -> dict:
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.errors import TreadleError
+    from treadle.mesh import Mesh
+    from treadle.planner.price import price
+    from treadle.profile.hardware import CPU_CORE, calibrate_cpu
+    from treadle.schedule.core import load_schedule
+    from treadle.testing import spawn
+
+    shape = tuple(int(x) for x in config.split("x"))
+    names = ("dp", "tp") if len(shape) == 2 else ("x",)
+    world = 1
+    for s in shape:
+        world *= s
+    links = spawn(_calibrate_rank, world, shape, names, timeout_s=600)[0]
+    device = CPU_CORE if args.nominal_cpu else calibrate_cpu(threads=1)
+    cluster = ClusterSpec(Mesh(shape, names), links.links, device, links.copy_bytes_per_s, threads_per_rank=1,
+                          ranks_per_host=world, cores_per_host=os.cpu_count())
+    print(f"\n{model_name} batch {args.batch} x seq {args.seq}, gloo {config} ({world} ranks); "
+          f"{cluster.rank_device().source}", flush=True)
+    scheds = schedules(model_name, shape, names, args.batch, args.seq, cluster, args.quick)
+    rows = []
+    priced = []
+    for label, text in scheds:
+        model, inputs = make_model(model_name, args.batch, args.seq)
+        try:
+            p = price(load_schedule(model, text), inputs, cluster)
+        except TreadleError as exc:
+            print(f"    cannot price {label}: {exc}")
+            continue
+        priced.append((label, text))
+        state = p.grad_bytes * 2 + p.grad_bytes / 4 * 8  # params + grads (fp32) + AdamW moments
+        rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": p.activation_bytes + state,
+                     "predicted_saved_bytes": p.activation_bytes, "exposed_comm_s": p.exposed_comm_s})
+    res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
+                timeout_s=3000)
+    r0 = res[0]
+    for row in rows:
+        ts = r0["times"][row["schedule"]]
+        m = r0["mem"][row["schedule"]]
+        row["measured_s"] = statistics.median(ts)
+        row["measured_mem_bytes"] = m["saved_bytes"] + m["state_bytes"]
+        row["measured_saved_bytes"] = m["saved_bytes"]
+        row["time_ratio"] = row["measured_s"] / row["predicted_s"]
+        row["mem_ratio"] = row["measured_mem_bytes"] / row["predicted_mem_bytes"]
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    ratios = [r["time_ratio"] for r in rows]
+    spread = max(ratios) / min(ratios) if ratios else float("nan")
+    print(f"  {'schedule':22} {'pred ms':>9} {'meas ms':>9} {'meas/pred':>9} {'pred MiB':>9} {'meas MiB':>9} "
+          f"{'mem ratio':>9}")
+    for r in sorted(rows, key=lambda r: r["measured_s"]):
+        print(f"  {r['schedule']:22} {r['predicted_s'] * 1e3:9.2f} {r['measured_s'] * 1e3:9.2f} "
+              f"{r['time_ratio']:9.2f} {r['predicted_mem_bytes'] / 2**20:9.2f} {r['measured_mem_bytes'] / 2**20:9.2f} "
+              f"{r['mem_ratio']:9.3f}")
+    print(f"  Spearman(predicted, measured time) = {rho:.2f}; time ratio max/min = {spread:.2f}; "
+          f"memory ratio {min(r['mem_ratio'] for r in rows):.3f}..{max(r['mem_ratio'] for r in rows):.3f}",
+          flush=True)
+    return {"model": model_name, "config": config, "device": cluster.rank_device().source, "rows": rows,
+            "spearman": rho, "time_ratio_spread": spread}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer schedules, seq 32, 2 steps x 2 repeats")
+    ap.add_argument("--models", nargs="*", default=["gpt2", "llama"])
+    ap.add_argument("--configs", nargs="*", default=["2x2", "4", "2"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--nominal-cpu", action="store_true", help="use the nominal CPU_CORE instead of calibrating")
+    args = ap.parse_args()
+    args.seq = args.seq or (32 if args.quick else 64)
+    args.steps = args.steps or (2 if args.quick else 3)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    out = [run_config(m, c, args) for m in args.models for c in args.configs]
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "bench_price_vs_measured.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""When communication overlaps compute: DDP's gradient buckets and a one-step timeline. Pure functions.
+
+NOTE [overlap model]. A training step on one rank is a sequence of compute *segments* (module, phase,
+seconds) run back to back, and a set of collectives. Each collective runs on the channel of its mesh
+axis; collectives on one axis run one after another (FIFO, as a process group does), different axes
+run concurrently. A collective is either
+
+- *blocking* (``issue_after = i``, ``blocking=True``): issued after segment i and waited on at once —
+  tensor-parallel collectives inside a module's forward or backward (the runtime calls them
+  synchronously), so their whole time is on the critical path; or
+- *asynchronous* (``blocking=False``): issued at the end of segment ``issue_after`` (-1: at the start of
+  the step) and waited on before segment ``needed_before`` starts (None: at the end of the step, before
+  the optimizer) — DDP buckets, FSDP2 gathers (prefetched) and reduce-scatters.
+
+With ``t_c`` the collective's alpha-beta time and ``free[axis]`` when its channel is next idle:
+
+    start_c = max(issue time of c, free[axis_c]);   end_c = start_c + t_c;   free[axis_c] = end_c
+    a segment i starts at max(end of segment i-1, end_c for every c with needed_before = i)
+    step_s = max(end of the last segment, end_c for every c)
+    exposed_s = step_s - compute_s            (the part of communication compute waited for)
+
+Each wait is split exactly among the collectives waited on, in order of their end times, so the
+per-collective ``exposed_s`` sum to the step's exposed communication. With ``overlap=False`` (a device
+whose ranks have no core to spare for communication threads, e.g. gloo ranks sharing CPU cores) every
+collective is blocking at its issue point: ``step_s = compute_s + sum t_c``.
+
+`ddp_buckets` groups gradients as `torch.nn.parallel.DistributedDataParallel` does after its first
+iteration (the reducer's rebuild, `torch/csrc/distributed/c10d/reducer.cpp`): parameters in the order
+their gradients become ready, one dtype per bucket, a bucket closed once it holds at least its limit —
+1 MiB for the first (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB (``bucket_cap_mb``) for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Compute run back to back: `module` path, `phase` ("fwd", "bwd", "recompute", "optim"), seconds."""
+
+    module: str
+    phase: str
+    compute_s: float
+
+
+@dataclass(slots=True)
+class Collective:
+    """One collective of the step. `kind`: "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+    "broadcast"; `axis`: the mesh axis (or axes joined by ","); `nbytes` as the cost function takes it;
+    `time_s` its alpha-beta time. Timing follows NOTE [overlap model]; `start_s`, `end_s` and
+    `exposed_s` are filled in by `simulate`. `source`: "tp" (inside a module), "ddp", "fsdp"."""
+
+    kind: str
+    axis: str
+    nbytes: float
+    time_s: float
+    module: str
+    phase: str
+    issue_after: int
+    blocking: bool = True
+    needed_before: int | None = None
+    source: str = "tp"
+    start_s: float = 0.0
+    end_s: float = 0.0
+    exposed_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Timeline:
+    """The simulated step: per-segment start times, the collectives with their times, and totals (s)."""
+
+    segment_start_s: list[float]
+    collectives: list[Collective]
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    overlapped_comm_s: float = field(default=0.0)
+
+
+def simulate(segments: list[Segment], collectives: list[Collective], *, overlap: bool = True) -> Timeline:
+    """The step's timeline under NOTE [overlap model]. `collectives` are updated in place (start, end,
+    exposed) and returned in the Timeline. Raises ValueError for an `issue_after` / `needed_before` outside
+    the segments or a collective needed before it is issued."""
+    n = len(segments)
+    for c in collectives:
+        if not -1 <= c.issue_after < n:
+            raise ValueError(f"collective {c.kind} on {c.axis} at {c.module!r}: issue_after {c.issue_after} "
+                             f"outside the {n} segments")
+        if c.needed_before is not None and not c.issue_after < c.needed_before <= n:
+            raise ValueError(f"collective {c.kind} on {c.axis} at {c.module!r}: needed before segment "
+                             f"{c.needed_before}, issued after segment {c.issue_after}")
+    if not overlap:
+        for c in collectives:
+            c.blocking = True
+    issued: dict[int, list[Collective]] = {}
+    for c in collectives:
+        issued.setdefault(c.issue_after, []).append(c)
+    waits: dict[int, list[Collective]] = {}
+    for c in collectives:
+        if not c.blocking:
+            waits.setdefault(n if c.needed_before is None else c.needed_before, []).append(c)
+    free: dict[str, float] = {}
+    now = 0.0
+    starts: list[float] = []
+
+    def issue(after: int) -> None:
+        nonlocal now
+        for c in issued.get(after, []):
+            c.start_s = max(now, free.get(c.axis, 0.0))
+            c.end_s = c.start_s + c.time_s
+            free[c.axis] = c.end_s
+            if c.blocking:
+                _wait([c])
+
+    def _wait(cs: list[Collective]) -> None:
+        nonlocal now
+        for c in sorted(cs, key=lambda x: x.end_s):
+            if c.end_s > now:
+                c.exposed_s += c.end_s - now
+                now = c.end_s
+
+    issue(-1)
+    for i, seg in enumerate(segments):
+        _wait(waits.get(i, []))
+        starts.append(now)
+        now += seg.compute_s
+        issue(i)
+    _wait(waits.get(n, []))
+    compute = math.fsum(s.compute_s for s in segments)
+    comm = math.fsum(c.time_s for c in collectives)
+    exposed = max(0.0, now - compute)
+    return Timeline(starts, collectives, now, compute, comm, exposed, max(0.0, comm - exposed))
+
+
+def ddp_buckets(grads: list[tuple[str, int, str]], *, first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                bucket_bytes: int = DDP_BUCKET_BYTES) -> list[list[str]]:
+    """Bucket gradients as DDP's reducer does (module doc). `grads`: (name, bytes, dtype) in the order the
+    gradients become ready. Returns buckets in the order they are reduced; each holds one dtype."""
+    out: list[list[str]] = []
+    open_: dict[str, tuple[list[str], int]] = {}
+    limit_used: dict[str, int] = {}
+    for name, nbytes, dtype in grads:
+        names, size = open_.get(dtype, ([], 0))
+        names.append(name)
+        size += nbytes
+        limit = first_bucket_bytes if limit_used.get(dtype, 0) == 0 else bucket_bytes
+        if size >= limit:
+            out.append(names)
+            limit_used[dtype] = limit_used.get(dtype, 0) + 1
+            open_.pop(dtype, None)
+        else:
+            open_[dtype] = (names, size)
+    out.extend(names for names, _ in open_.values())
+    return out
+
+
+__all__ = ["Segment", "Collective", "Timeline", "simulate", "ddp_buckets", "DDP_FIRST_BUCKET_BYTES",
+           "DDP_BUCKET_BYTES"]

@@ -1,0 +1,75 @@
+"""`treadle price`: predicted step time, memory and MFU of a saved schedule (or plan) on a cluster.
+
+    treadle price schedule.json --model tiny-gpt2 --cluster 2x2:cpu [--batch 8 --seq 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import TreadleError
+
+
+def price_table(p, *, top: int | None = 20) -> Table:
+    """Per module and phase: compute, communication by axis and kind, exposed communication (ms)."""
+    t = Table("module", "phase", "compute ms", "comm ms (axis kind)", "exposed ms", "saved MiB",
+              title=f"price: {p.data_parallel}; {p.device.name}")
+    rows = sorted(p.rows, key=lambda r: -(r.compute_s + sum(sum(k.values()) for k in r.comm_s.values())))
+    for r in rows[:top]:
+        comm = ", ".join(f"{axis} {kind} {s * 1e3:.3f}" for axis, kinds in r.comm_s.items() for kind, s in kinds.items())
+        t.add_row(r.module or "<root>", r.phase, f"{r.compute_s * 1e3:.3f}", comm, f"{r.exposed_comm_s * 1e3:.3f}",
+                  f"{r.saved_bytes / 2**20:.3f}")
+    return t
+
+
+def _price_cmd(args: argparse.Namespace) -> int:
+    from ..cost.cluster import parse_cluster
+    from ..models.zoo import named_model
+    from ..schedule.core import load_schedule
+    from .price import price
+
+    console = Console()
+    try:
+        doc = json.loads(Path(args.file).read_text())
+        model_info = doc.get("model") or {} if "decisions" in doc else {}
+        sch_doc = doc["schedule"] if "decisions" in doc else doc
+        if sch_doc is None:
+            raise TreadleError(f"{args.file}: this plan holds no schedule")
+        text = sch_doc if isinstance(sch_doc, str) else json.dumps(sch_doc)
+        name = args.model or model_info.get("name")
+        if not name:
+            raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
+        model, inputs = named_model(name, batch=args.batch or model_info.get("batch", 8),
+                                    seq=args.seq or model_info.get("seq", 64), dropout=False)
+        sch = load_schedule(model, text)
+        cluster = parse_cluster(args.cluster).with_ranks(threads_per_rank=args.threads_per_rank,
+                                                          cores_per_host=args.cores_per_host)
+        p = price(sch, inputs, cluster)
+    except (TreadleError, OSError, ValueError, KeyError) as exc:
+        console.print(f"[red]treadle price: {exc}")
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(p.to_dict(), indent=1))
+    console.print(price_table(p))
+    console.print(str(p))
+    console.print(f"device: {p.device.source}; overlap {'on' if p.device.overlap else 'off'}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("price", help="predicted step time, memory and MFU of a saved schedule or plan")
+    p.add_argument("file", help="schedule JSON (Schedule.to_json) or plan JSON (treadle plan -o)")
+    p.add_argument("--model", help="named model (treadle.models.zoo), e.g. tiny-gpt2; default: the plan's")
+    p.add_argument("--cluster", required=True, help="e.g. 2x2:cpu, 8x8:h100, or a ClusterSpec JSON file")
+    p.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 8)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 64)")
+    p.add_argument("--threads-per-rank", type=int, default=1, help="threads each rank computes on (default 1)")
+    p.add_argument("--cores-per-host", type=int, default=None,
+                   help="cores the ranks of one host share (default: not shared)")
+    p.add_argument("--json", help="write the price (with its per-module breakdown and timeline) here")
+    p.set_defaults(func=_price_cmd)
