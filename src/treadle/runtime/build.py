@@ -26,7 +26,7 @@ from . import collectives as C
 from .convert import _same as _same_placement
 from .collectives import on_grad
 from .convert import apply_op, convert, convert_multi
-from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
+from .leaf_rules import LeafPlan, embedding_forward, gathered_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,9 @@ class _Builder:
             plan = leaf_plan(path, m, shards)
             if plan.vocab_axis is not None:
                 v_local = m.weight.shape[0] // self.sizes[plan.vocab_axis]
-                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local)
+                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local, m.weight.shape[0])
+            if plan.gathered is not None:
+                plan.forward = gathered_forward(plan.gathered, self.group)
             self.leaf[path] = plan
 
     # ---------------------------------------------------------------- hooks
@@ -324,7 +326,7 @@ class _Builder:
                 self.install_pending_bias(path, m, plan, final)
             if plan is not None and plan.forward is not None:
                 fwd = plan.forward
-                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda x, *a, **k: fwd(m, x)))
+                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda *a, **k: fwd(m, *a, **k)))
 
     def shared_grad_all_reduce(self, axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input-gradient reduction of column-parallel leaves on `axis`, shared between leaves that read

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule
+from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..testing import spawn
 
 
@@ -35,7 +35,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     p = torch.load(io.BytesIO(payload), weights_only=False)
     torch.manual_seed(p["seed"])
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
-    sch = load_schedule(p["model"], p["schedule"], mesh)
+    sch = load_schedule(p["model"], p["schedule"], mesh, **p["load_args"])
     model = build(sch)
     dp = sch._state.data_parallel
     inputs = p["inputs"]
@@ -65,7 +65,7 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, steps: int = 5, lr: 
     st = sch._state
     model: nn.Module = st.original if st.original is not None else st.model
     buf = io.BytesIO()
-    torch.save(dict(model=model, schedule=sch.to_json(), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
+    torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
                     inputs=example_inputs, steps=steps, lr=lr, seed=seed), buf)
     results = spawn(_train_rank, sch.mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     dp = st.data_parallel

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import TreadleError, VerifyError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule
+from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..testing import spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, assemble_best, diff, tolerance
@@ -257,7 +257,7 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     model: nn.Module = p["model"]
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
     try:
-        sch = load_schedule(model, p["schedule"], mesh)
+        sch = load_schedule(model, p["schedule"], mesh, **p["load_args"])
         # leaves whose output is a shard interleaved in blocks (fused q|k|v), to assemble their outputs;
         # read before build, which gives parameters new identities
         out_blocks = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
@@ -323,7 +323,8 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
     mesh = sch.mesh
-    payload_d = dict(model=original, schedule=sch.to_json(), mesh_shape=mesh.shape, mesh_names=mesh.names,
+    payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
+                     mesh_shape=mesh.shape, mesh_names=mesh.names,
                      inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
                      float_inputs=float_inputs)
     buf = io.BytesIO()
