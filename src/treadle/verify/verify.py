@@ -25,7 +25,9 @@ from torch import nn
 from ..errors import TreadleError, VerifyError
 from ..mesh import Mesh
 from ..schedule.core import Schedule, load_schedule, trusted_load_args
-from ..testing import spawn
+from ..runtime.batch import check_batch, split_batch
+from ..runtime.losses import call_loss
+from ..testing import root_cause, spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, assemble_best, diff, tolerance
 
@@ -164,32 +166,9 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if loss is not None:
-        return loss
-    t = _first_tensor(out)
-    if t is None:
-        raise VerifyError("verify: the model output has no tensor; pass loss_fn=")
-    return t.float().pow(2).mean()
+    from ..runtime.losses import default_loss
 
-
-def _split_inputs(inputs: dict[str, Any], n: int, index: int, batch: int) -> dict[str, Any]:
-    out = {}
-    for k, v in inputs.items():
-        if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch:
-            out[k] = v.chunk(n, dim=0)[index]
-        else:
-            out[k] = v
-    return out
-
-
-def _batch_size(inputs: dict[str, Any]) -> int:
-    sizes = [v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0]
-    if not sizes:
-        raise VerifyError("verify: example inputs hold no batched tensor")
-    return sizes[0]
+    return default_loss(out)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -225,7 +204,7 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             except Exception as exc:
                 where = rec.stack[-1] if rec.stack else "<model>"
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
-            loss = loss_fn(out) * dp_scale
+            loss = call_loss(loss_fn, out, "verify") * dp_scale
             total = loss if total is None else total + loss
         rec.active = False  # checkpointed modules run again in backward: not new calls
         total.backward()
@@ -271,11 +250,11 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     if st.data_parallel is not None:
         dp_axis = st.data_parallel[0]
         dp_n, dp_i = mesh.size(dp_axis), mesh.local_rank(dp_axis)
-    local = _split_inputs(inputs, dp_n, dp_i, _batch_size(inputs))
+    local = split_batch(inputs, dp_n, dp_i, axis=dp_axis, where="verify")
     torch.manual_seed(p["seed"])
     try:
         res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
-    except VerifyError as exc:
+    except TreadleError as exc:
         return {"error": str(exc)}
     res["dp"] = (dp_axis, dp_n, dp_i)
     res["out_blocks"] = out_blocks
@@ -323,6 +302,8 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
     mesh = sch.mesh
+    dp = sch._state.data_parallel
+    check_batch(example_inputs, mesh.size(dp[0]) if dp else 1, axis=dp[0] if dp else None, where="verify")
     payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
                      mesh_shape=mesh.shape, mesh_names=mesh.names,
                      inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
@@ -335,9 +316,10 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
                           f"use module-level functions and picklable modules") from exc
     results = spawn(_verify_rank, mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     report = VerifyReport()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        report.error = errors[0]
+    errors = {i: r["error"] for i, r in enumerate(results) if "error" in r}
+    if errors:  # the root cause, not another rank's echo of it (NOTE [root cause] in treadle.testing)
+        first = root_cause(errors)
+        report.error = f"rank {first}: {errors[first]}"
         if raise_on_mismatch:
             raise VerifyError(report.summary())
         return report
@@ -347,7 +329,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     dtype = next(original.parameters()).dtype
     tol = tol or tolerance(dtype)
     ref_model = copy.deepcopy(original)
-    slices = [_split_inputs(example_inputs, dp_n, i, _batch_size(example_inputs)) for i in range(dp_n)]
+    slices = [split_batch(example_inputs, dp_n, i, axis=dp_axis, where="verify") for i in range(dp_n)]
     torch.manual_seed(seed)
     ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
@@ -370,6 +352,19 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     loss_tol = Tolerance(max(tol.rtol * 0.1, 1e-5), tol.atol * 0.1)
     for step, (a, b) in enumerate(zip(report.losses, report.ref_losses)):
         report.checks.append(Check("loss", f"step {step}", diff(torch.tensor(a), torch.tensor(b), loss_tol)))
+    # every rank, every step: a rank's loss equals its data-parallel replica's representative (a NaN or a drift
+    # on a rank the mean above does not read fails here)
+    for r in range(mesh.world_size):
+        rep_r = next(q for q in range(mesh.world_size)
+                     if all(c == 0 or ax == dp_axis for ax, c in by_coord[q].items())
+                     and by_coord[q].get(dp_axis) == by_coord[r].get(dp_axis))
+        if r == rep_r:
+            continue
+        for step in range(len(ref["losses"])):
+            d = diff(torch.tensor(results[r]["losses"][step]), torch.tensor(results[rep_r]["losses"][step]), loss_tol)
+            if not d.ok or not math.isfinite(results[r]["losses"][step]):
+                report.checks.append(Check("loss", f"step {step} rank {r} vs rank {rep_r}",
+                                           Diff(d.max_abs, d.max_rel, False, note="ranks of one replica disagree")))
 
     def gathered(ref_slices: list[torch.Tensor], key: str, path: str, call: int, scale: float = 1.0) -> Diff:
         ref_t = torch.cat(ref_slices, dim=0) if len(ref_slices) > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
