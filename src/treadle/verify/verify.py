@@ -202,7 +202,7 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             try:
                 out = model(**sl)
             except Exception as exc:
-                where = rec.stack[-1] if rec.stack else "<model>"
+                where = (rec.stack[-1] or "<model>") if rec.stack else "<model>"
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
             loss = call_loss(loss_fn, out, "verify") * dp_scale
             total = loss if total is None else total + loss
