@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import TreadleError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,27 +53,23 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         err.print("[red]treadle profile: give a model name (see --list) or package.module:function")
         return 2
-    try:
-        hardware = args.hardware
-        if args.recalibrate or hardware == "cpu":
-            from .hardware import cpu_spec
+    hardware = args.hardware
+    if args.recalibrate or hardware == "cpu":
+        from .hardware import cpu_spec
 
-            hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                      TimeElapsedColumn(), console=err, transient=True) as bar:
-            task = bar.add_task(f"building {args.model}", total=1.0)
-            kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
-            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
+        hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(f"building {args.model}", total=1.0)
+        kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
+        model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
 
-            def progress(stage: str, fraction: float) -> None:
-                bar.update(task, description=f"profiling {args.model}: {stage}", completed=fraction)
+        def progress(stage: str, fraction: float) -> None:
+            bar.update(task, description=f"profiling {args.model}: {stage}", completed=fraction)
 
-            prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
-                           optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
-                           progress=progress)
-    except TreadleError as exc:
-        err.print(f"[red]treadle profile: {exc}")
-        return 2
+        prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
+                       optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
+                       progress=progress)
     out.print(module_table(prof, depth=args.depth, collapse_blocks=not args.expand_blocks))
     out.print(summary_table(prof))
     if args.json:
