@@ -9,12 +9,14 @@ from .mesh import Mesh
 from .runtime.build import annotations, build
 from .runtime.train import TrainResult, train
 from .schedule.core import Schedule, create_schedule, load_schedule
-from .schedule.log import Ref
+from .schedule.log import Ref, register_ref
 from .verify import VerifyReport, verify
 
+from . import models  # noqa: E402  (ready-made schedules: treadle.models.megatron, ...; after the core)
+
 __all__ = [
-    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport", "train", "TrainResult",
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "register_ref", "verify", "VerifyReport", "train", "TrainResult",
     "Shard", "Replicate", "Partial",
     "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
-    "PlanError", "SpawnError",
+    "PlanError", "SpawnError", "models",
 ]

@@ -98,9 +98,15 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
         return fn(output)
     if isinstance(output, (tuple, list)):
         items = list(output)
+        if out >= len(items) or not torch.is_tensor(items[out]):
+            raise BuildError(f"{where}: out={out}, but the module returns a {type(output).__name__} of "
+                             f"{len(items)} items" + ("" if out >= len(items) else f" and item {out} is a "
+                                                      f"{type(items[out]).__name__}, not a tensor"))
         items[out] = fn(items[out])
         return type(output)(items) if isinstance(output, list) else tuple(items)
     if isinstance(output, dict):  # HF ModelOutput
+        if out >= len(output):
+            raise BuildError(f"{where}: out={out}, but the module returns {len(output)} outputs {list(output)}")
         key = list(output.keys())[out]
         output[key] = fn(output[key])
         return output
@@ -253,8 +259,8 @@ class _Builder:
                 kw["grad"] = "reduce_scatter"
             group = self.group(spec.axis)
             if spec.mode == "bwd_post":
-                return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group))
-            return lambda x: apply_op(x, spec.op, kw, group)
+                return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group, where))
+            return lambda x: apply_op(x, spec.op, kw, group, where)
         src = self.source_layout(spec, where)
         dst = dict(spec.to)
         if spec.mode == "bwd_post":
