@@ -122,6 +122,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     stop = threading.Event()
+    beats.cancel_join_thread()  # heartbeats left unread must never keep this process from exiting
     threading.Thread(target=_heartbeat, args=(rank, beats, stop), daemon=True).start()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -203,6 +204,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             now = time.monotonic()
             if now >= deadline or (stop_at is not None and now >= stop_at):
                 break
+            drain_beats()
             try:
                 take(q.get(timeout=min(0.2, max(deadline - now, 0.01))))
                 continue
