@@ -112,3 +112,28 @@ def test_verify_reports_the_rank_whose_forward_raised():
     with pytest.raises(VerifyError, match=r"rank 1: forward failed in module '<model>': RuntimeError: injected "
                                           r"failure on rank 1"):
         treadle.verify(sch, {"x": torch.randn(4, 8)}, timeout_s=60)
+
+
+class _NanLaterOnRank1(nn.Module):
+    """Correct at step 0; from the second forward on, rank 1 (not the representative of its replica) turns NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.calls += 1
+        if self.calls > 1 and dist.is_initialized() and dist.get_rank() == 1:
+            y = y * float("nan")
+        return y
+
+
+def test_verify_compares_every_rank_at_every_step():
+    torch.manual_seed(0)
+    sch = treadle.create_schedule(_NanLaterOnRank1(), mesh=Mesh((2,), ("tp",)))
+    sch["fc"].shard(["weight", "bias"], dim=0, axis="tp").sync("fwd_post", to=treadle.Replicate(), axis="tp")
+    report = treadle.verify(sch, {"x": torch.randn(4, 8)}, steps=2, timeout_s=60, raise_on_mismatch=False)
+    bad = {c.name for c in report.failures()}
+    assert bad == {"step 1 rank 1 vs rank 0", "<model> after step 1"}, report.summary()

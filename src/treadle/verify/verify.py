@@ -29,7 +29,7 @@ from ..runtime.batch import check_batch, split_batch
 from ..runtime.losses import call_loss
 from ..testing import root_cause, spawn
 from ..runtime.params import assemble
-from .compare import Diff, Tolerance, assemble_best, diff, tolerance
+from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,9 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
             loss = call_loss(loss_fn, out, "verify") * dp_scale
             total = loss if total is None else total + loss
+            t_out = _first_tensor(out)
+            if step > 0 and t_out is not None and t_out.is_floating_point():  # step 0: the recorder has it
+                result.setdefault("step_outputs", {}).setdefault(step, []).append(t_out.detach().clone())
         rec.active = False  # checkpointed modules run again in backward: not new calls
         total.backward()
         result["losses"].append(float(total.detach()))
@@ -379,6 +382,15 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     def label(path: str, call: int) -> str:
         return (path or "<model>") + (f" (call {call + 1})" if call else "")
 
+    # the model's output after each optimizer step, on every rank (a rank that drifts or turns NaN later)
+    for step, ref_slices in sorted(ref.get("step_outputs", {}).items()):
+        locals_ = [r.get("step_outputs", {}).get(step) for r in results]
+        if any(not x for x in locals_) or len(ref_slices) != dp_n:
+            continue
+        ref_t = torch.cat(ref_slices, dim=0) if dp_n > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
+        step_tol = Tolerance(tol.rtol * STEP_OUTPUT_TOL_FACTOR, tol.atol * STEP_OUTPUT_TOL_FACTOR)
+        report.checks.append(Check("output", f"<model> after step {step}",
+                                   assemble_best([x[0] for x in locals_], ref_t, mesh, step_tol)))
     first = None
     for path in ref["order"]:
         for call, ref_slices in enumerate(ref["outputs"].get(path, [])):
@@ -409,8 +421,8 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
             if shards:  # the recorded layout, exactly (interleaved blocks included)
                 got = assemble({tuple(c.values()): t for c, t in zip(by_coord, locals_)}, shards, mesh.names,
                                dict(zip(mesh.names, mesh.shape)))
-            elif locals_[0].shape == ref_t.shape:  # replicated: every rank holds the whole parameter
-                got = locals_[0]
+            elif all(t.shape == ref_t.shape for t in locals_):  # replicated: every rank holds all of it
+                got = worst_copy(locals_)  # each rank's copy counts
             else:
                 report.checks.append(Check(kind, name, assemble_best(locals_, ref_t, mesh, tol, allow_partial=False)))
                 continue
@@ -431,6 +443,9 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
 # the update by a visible fraction of lr, in either direction. Those entries are checked through their
 # gradients (compared above at full tolerance); the step check covers the entries with |g| > 1e-6.
 ADAM_WELL_CONDITIONED_GRAD = 1e-6
+# The model's output after an optimizer step carries those entries' drift too: compared at 10x the tolerance
+# (enough for the drift; a NaN, a wrong rank or a wrong update is off by far more).
+STEP_OUTPUT_TOL_FACTOR = 10.0
 
 
 def _step_diff(got: torch.Tensor, ref_t: torch.Tensor, ref_grad: torch.Tensor | None, tol: Tolerance) -> Diff:
