@@ -365,7 +365,7 @@ class _Builder:
         g = self.group(ax)
         n = self.sizes[ax]
         lay = final.get(ax, Partial())
-        col = [a for a in plan.grad_partial_axes]
+        col = list(plan.grad_partial_axes)
         early = {"on": False}
 
         def last_dim_shard(p: Placement | None, ndim: int) -> bool:

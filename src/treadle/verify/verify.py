@@ -370,13 +370,13 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
                                            Diff(d.max_abs, d.max_rel, False, note="ranks of one replica disagree")))
 
     def gathered(ref_slices: list[torch.Tensor], key: str, path: str, call: int, scale: float = 1.0) -> Diff:
-        ref_t = torch.cat(ref_slices, dim=0) if len(ref_slices) > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
         locals_ = []
         for r in results:
             calls = r[key].get(path)
             if not calls or call >= len(calls):
                 return Diff(math.nan, math.nan, True, note="not recorded on the ranks (recomputed or unused)")
             locals_.append(calls[call][0] * scale)
+        ref_t, locals_ = _by_slice(ref_slices, locals_)
         return assemble_best(locals_, ref_t, mesh, tol, blocks=results[0]["out_blocks"].get(path, 1))
 
     def label(path: str, call: int) -> str:
@@ -387,10 +387,9 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
         locals_ = [r.get("step_outputs", {}).get(step) for r in results]
         if any(not x for x in locals_) or len(ref_slices) != dp_n:
             continue
-        ref_t = torch.cat(ref_slices, dim=0) if dp_n > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
+        ref_t, got = _by_slice(ref_slices, [x[0] for x in locals_])
         step_tol = Tolerance(tol.rtol * STEP_OUTPUT_TOL_FACTOR, tol.atol * STEP_OUTPUT_TOL_FACTOR)
-        report.checks.append(Check("output", f"<model> after step {step}",
-                                   assemble_best([x[0] for x in locals_], ref_t, mesh, step_tol)))
+        report.checks.append(Check("output", f"<model> after step {step}", assemble_best(got, ref_t, mesh, step_tol)))
     first = None
     for path in ref["order"]:
         for call, ref_slices in enumerate(ref["outputs"].get(path, [])):
@@ -436,6 +435,17 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     if first is not None:
         first += _pending_sum_hint(report, first)
     report.first_divergence = first or first_bwd
+
+
+def _by_slice(ref_slices: list[torch.Tensor], locals_: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The reference over all data-parallel slices (concatenated on dim 0) and the rank tensors to assemble
+    into it. A 0-dim value (a loss) of several slices is stacked, each rank's value becoming a 1-element row,
+    so every slice is compared (not only the first)."""
+    if len(ref_slices) == 1:
+        return ref_slices[0], locals_
+    if ref_slices[0].dim() == 0:
+        return torch.stack(ref_slices), [t.reshape(1) for t in locals_]
+    return torch.cat(ref_slices, dim=0), locals_
 
 
 # NOTE [Adam's ill-conditioned entries]: AdamW's first update of an entry is lr * g / (|g| + eps). Where |g| is
