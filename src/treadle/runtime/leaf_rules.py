@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from ..errors import BuildError
@@ -212,13 +213,14 @@ def embedding_forward(vocab_start: int, vocab_size: int) -> Callable[[nn.Module,
     rank holds them). An id outside [0, vocab_size) raises IndexError, as the unsharded lookup does."""
 
     def forward(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        bad = (ids < 0) | (ids >= vocab_size)
-        if ids.device.type == "cpu":
-            if bool(bad.any()):
-                raise IndexError(f"index out of range in self: ids {ids[bad].unique()[:8].tolist()} outside "
-                                 f"[0, {vocab_size}) of a vocab-sharded embedding")
-        else:  # a device-side assert, as the unsharded CUDA lookup does, without a host sync
-            torch._assert_async(~bad.any(), "index out of range in self (vocab-sharded embedding)")
+        if not is_fake(ids) and not torch.compiler.is_compiling():  # a capture (export, compile) traces no check
+            bad = (ids < 0) | (ids >= vocab_size)
+            if ids.device.type == "cpu":
+                if bool(bad.any()):
+                    raise IndexError(f"index out of range in self: ids {ids[bad].unique()[:8].tolist()} outside "
+                                     f"[0, {vocab_size}) of a vocab-sharded embedding")
+            else:  # a device-side assert, as the unsharded CUDA lookup does, without a host sync
+                torch._assert_async(~bad.any(), "index out of range in self (vocab-sharded embedding)")
         v_local = m.weight.shape[0]
         outside = (ids < vocab_start) | (ids >= vocab_start + v_local)
         local_ids = (ids - vocab_start).masked_fill(outside, 0)
