@@ -100,14 +100,16 @@ def _where(frame: Any) -> tuple[str, bool]:
     user = next((f for f in stack if os.sep + "torch" + os.sep not in f.f_code.co_filename
                  and "threading" not in f.f_code.co_filename), None)
     text = fmt(inner) + (f" called from {fmt(user)}" if user is not None and user is not inner else "")
+    del stack, inner, user
     return text, in_dist
 
 
 def _heartbeat(rank: int, beats: Any, stop: threading.Event) -> None:
     main = threading.main_thread().ident
     while not stop.wait(HEARTBEAT_S):
-        frame = sys._current_frames().get(main)
-        where, in_dist = _where(frame)
+        # only strings leave _where: holding a frame of the main thread past this line would keep its locals
+        # (tensors) alive, which torch.export notices as stray fake tensors
+        where, in_dist = _where(sys._current_frames().get(main))
         try:
             beats.put((rank, time.monotonic(), where, in_dist))
         except Exception:  # the parent has gone: nothing to tell
