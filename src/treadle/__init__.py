@@ -9,8 +9,9 @@ from .mesh import Mesh
 from .runtime.build import annotations, build
 from .runtime.train import TrainResult, train
 from .schedule.core import Schedule, create_schedule, load_schedule
-from .schedule.log import Ref
+from .schedule.log import Ref, register_ref
 from .verify import VerifyReport, verify
+
 
 
 def price(sch: Schedule, example_inputs: dict, cluster, **kwargs):
@@ -21,9 +22,12 @@ def price(sch: Schedule, example_inputs: dict, cluster, **kwargs):
     return _price(sch, example_inputs, cluster, **kwargs)
 
 
+from . import models  # noqa: E402  (ready-made schedules: treadle.models.megatron, ...; after the core)
+
 __all__ = [
-    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "verify", "VerifyReport", "train", "TrainResult", "price",
+    "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "register_ref", "verify",
+    "VerifyReport", "train", "TrainResult", "price",
     "Shard", "Replicate", "Partial",
     "TreadleError", "MeshError", "ScheduleError", "BuildError", "VerifyError", "ProfileError", "LayoutError",
-    "PlanError", "SpawnError",
+    "PlanError", "SpawnError", "models",
 ]

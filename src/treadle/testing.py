@@ -1,7 +1,8 @@
 """Spawn a CPU process group (gloo) with a timeout, run a function on every rank, return each rank's result.
 
-The harness behind `verify` and the multi-process tests: a failing rank raises `SpawnError` carrying its
-traceback, and a stuck rank is killed after `timeout_s`, so no test can hang.
+The harness behind `verify` and the multi-process tests: a failing rank raises `SpawnError` leading with the
+root cause (the rank that died, with its exit code or signal, or the one that raised, with its traceback), and
+a stuck rank is killed after `timeout_s` and named by its heartbeat, so no test can hang.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -53,12 +57,75 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple, kwargs: dict, q) -> None:
+# NOTE [root cause]: when one rank fails, the others usually fail *because* of it (a peer's socket closes:
+# "Connection reset by peer", "Connection closed by peer", a collective timeout). `spawn` therefore ranks what it
+# saw: a rank that died without reporting (exit code or signal), then a rank that raised an error that is not
+# such an echo, then the first error reported; a hang names the ranks whose heartbeat shows them outside any
+# collective (the others wait for them).
+_ECHO = ("connection reset", "connection closed", "connectfullmesh", "broken pipe", "timed out", "timeout",
+         "gloo", "socket", "ncclremoteerror", "remote worker", "peer")
+HEARTBEAT_S = 0.5
+
+
+def is_echo(message: str) -> bool:
+    """True when `message` reads like a consequence of another rank's failure (a closed peer connection or a
+    collective timeout), not a cause of its own."""
+    head = message.split("\n", 1)[0].lower()
+    return any(k in head for k in _ECHO)
+
+
+def root_cause(errors: dict[int, str]) -> int:
+    """The rank of the error to show first among `errors` (rank -> message, in arrival order): the first
+    that is not an echo of another rank's failure, else the first."""
+    for rank, msg in errors.items():
+        if not is_echo(msg):
+            return rank
+    return next(iter(errors))
+
+
+def _where(frame: Any) -> tuple[str, bool]:
+    """(innermost frame and innermost frame outside torch, whether the stack is inside torch.distributed)."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    in_dist = any(os.sep + os.path.join("torch", "distributed") in f.f_code.co_filename for f in stack)
+
+    def fmt(f: Any) -> str:
+        return f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+
+    if not stack:
+        return "?", in_dist
+    inner = stack[0]
+    user = next((f for f in stack if os.sep + "torch" + os.sep not in f.f_code.co_filename
+                 and "threading" not in f.f_code.co_filename), None)
+    text = fmt(inner) + (f" called from {fmt(user)}" if user is not None and user is not inner else "")
+    del stack, inner, user
+    return text, in_dist
+
+
+def _heartbeat(rank: int, beats: Any, stop: threading.Event) -> None:
+    main = threading.main_thread().ident
+    while not stop.wait(HEARTBEAT_S):
+        # only strings leave _where: holding a frame of the main thread past this line would keep its locals
+        # (tensors) alive, which torch.export notices as stray fake tensors
+        where, in_dist = _where(sys._current_frames().get(main))
+        try:
+            beats.put((rank, time.monotonic(), where, in_dist))
+        except Exception:  # the parent has gone: nothing to tell
+            return
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple, kwargs: dict, q,
+               beats) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    stop = threading.Event()
+    beats.cancel_join_thread()  # heartbeats left unread must never keep this process from exiting
+    threading.Thread(target=_heartbeat, args=(rank, beats, stop), daemon=True).start()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -67,6 +134,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
     except BaseException as exc:  # report every failure to the parent, whatever it is
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
+        stop.set()
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -74,64 +142,133 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
             pass
 
 
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} ({-code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+GRACE_S = 3.0  # after a first failure: time for the other ranks to report their own errors
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` gloo ranks; return results by rank.
 
     `fn` must be importable by name (module level). Results travel back through `torch.save`, so tensors
-    and plain data are fine. Raises SpawnError naming the rank and its traceback when a rank fails, or the
-    ranks still running when `timeout_s` elapses (those are killed).
+    and plain data are fine. Raises SpawnError leading with the root cause (NOTE [root cause]): the rank that
+    died first with its exit code or signal, a rank that exited without reporting, the exception and
+    traceback of a rank that raised; or, after `timeout_s` (counted from the call; the whole call ends within
+    about 10% more), the ranks still running, each with where its heartbeat last saw it, the hung ones first.
+    Every rank is killed before spawn returns or raises.
     """
     if world_size < 1:
         raise SpawnError(f"spawn: world_size must be >= 1, got {world_size}")
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     ctx = _context()
     q = ctx.Queue()
+    beats = ctx.Queue()
     port = free_port()
     procs = []
-    for rank in range(world_size):
-        p = ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, timeout_s, args, kwargs, q), daemon=True)
-        p.start()
-        procs.append(p)
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                raise SpawnError(f"spawn: ranks {missing} of {world_size} still running after {timeout_s:.0f} s; killed"
-                                 + (f"; rank {next(iter(errors))} failed first:\n{errors[next(iter(errors))]}" if errors else ""))
+    errors: dict[int, str] = {}  # arrival order
+    deaths: dict[int, str] = {}  # rank -> how it ended without reporting, in the order seen
+    last_beat: dict[int, tuple[float, str, bool]] = {}
+    stop_at: float | None = None
+
+    def drain_beats() -> None:
+        while True:
             try:
-                rank, status, payload = q.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                        and i not in results and i not in errors]
-                if dead:
-                    # a rank died without reporting (e.g. SIGABRT inside a collective): fail now, not at timeout
-                    time.sleep(0.5)
-                    while not q.empty():
-                        r, s, pl = q.get()
-                        (results if s == "ok" else errors)[r] = _loads(pl) if s == "ok" else pl
-                    dead = [i for i in dead if i not in results and i not in errors]
-                    if dead:
-                        errors.update({i: f"process exited with code {procs[i].exitcode} without reporting" for i in dead})
-                        break
+                r, t, where, in_dist = beats.get_nowait()
+            except (queue.Empty, OSError, EOFError):
+                return
+            last_beat[r] = (t, where, in_dist)
+
+    def take(item: tuple) -> None:
+        r, status, payload = item
+        if status == "ok":
+            results[r] = _loads(payload)
+        else:
+            errors[r] = payload
+
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, timeout_s, args, kwargs, q, beats),
+                            daemon=True)
+            p.start()
+            procs.append(p)
+        while len(results) + len(errors) + len(deaths) < world_size:
+            now = time.monotonic()
+            if now >= deadline or (stop_at is not None and now >= stop_at):
+                break
+            drain_beats()
+            try:
+                take(q.get(timeout=min(0.2, max(deadline - now, 0.01))))
                 continue
-            if status == "ok":
-                results[rank] = _loads(payload)
-            else:
-                errors[rank] = payload
-                # the other ranks are likely blocked in a collective with the failed one: stop waiting long
-                deadline = min(deadline, time.monotonic() + 10.0)
+            except queue.Empty:
+                pass
+            for i, p in enumerate(procs):
+                if i in results or i in errors or i in deaths or p.exitcode is None:
+                    continue
+                # it has ended: its report may still be in the pipe
+                try:
+                    while True:
+                        take(q.get(timeout=0.3))
+                except queue.Empty:
+                    pass
+                if i not in results and i not in errors:
+                    deaths[i] = _exit_text(p.exitcode) + " without reporting a result"
+            if (errors or deaths) and stop_at is None:
+                stop_at = min(deadline, time.monotonic() + GRACE_S)
+        drain_beats()
     finally:
         for p in procs:
-            p.join(timeout=0.1)
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+        for p in procs:
+            p.join(timeout=2)
+    elapsed_s = time.monotonic() - t0
+    if deaths:
+        first = next(iter(deaths))
+        others = _others(errors, {r: d for r, d in deaths.items() if r != first})
+        raise SpawnError(f"spawn: rank {first} of {world_size} {deaths[first]} (root cause){others}")
     if errors:
-        first = next(iter(errors))  # the first to report is the root cause; the others are usually its echo
+        first = root_cause(errors)
         also = sorted(set(errors) - {first})
         raise SpawnError(f"spawn: rank {first} of {world_size} failed:\n{errors[first]}"
                          + (f"\n(ranks {also} failed after it)" if also else ""))
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise SpawnError(_hang_message(missing, world_size, timeout_s, elapsed_s, last_beat, results))
     return [results[r] for r in range(world_size)]
+
+
+def _others(errors: dict[int, str], deaths: dict[int, str]) -> str:
+    parts = [f"rank {r}: {d}" for r, d in deaths.items()]
+    parts += [f"rank {r}: {m.splitlines()[0][:160]}" for r, m in errors.items()]
+    return ("; then " + "; ".join(parts)) if parts else ""
+
+
+def _hang_message(missing: list[int], world_size: int, timeout_s: float, elapsed_s: float,
+                  last_beat: dict[int, tuple[float, str, bool]], results: dict[int, Any]) -> str:
+    now = time.monotonic()
+    hung = [r for r in missing if r not in last_beat or not last_beat[r][2] or now - last_beat[r][0] > 5.0]
+    waiting = [r for r in missing if r not in hung]
+    lines = []
+    for r in hung + waiting:
+        if r not in last_beat:
+            lines.append(f"  rank {r}: no heartbeat (never started)")
+        else:
+            t, where, in_dist = last_beat[r]
+            state = "waiting in a collective" if in_dist else "busy outside any collective"
+            lines.append(f"  rank {r}: {state}, at {where} (heartbeat {now - t:.1f} s ago)")
+    head = (f"spawn: rank {hung[0]} of {world_size} hung" if hung else
+            f"spawn: ranks {missing} of {world_size} all wait in collectives")
+    done = sorted(results)
+    return (f"{head}: ranks {missing} still running after {timeout_s:.0f} s (timeout; {elapsed_s:.1f} s "
+            f"elapsed), killed" + (f"; ranks {done} had returned" if done else "") + "\n" + "\n".join(lines))

@@ -108,6 +108,29 @@ def register_module_form(module_type: type, form: Callable[[nn.Module], tuple[st
     _MODULE_FORMS[module_type] = form
 
 
+FormMaker = Callable[[nn.Module], tuple[str, dict[str, Any], tuple[str, ...]]]
+# functions module -> form maker or None, asked for a module type without a registered form (NOTE [forms by
+# behaviour] in treadle.models.kernels); registered at import, so every process has the same ones
+_FORM_PROBES: list[Callable[[nn.Module], FormMaker | None]] = []
+
+
+def register_form_probe(probe: Callable[[nn.Module], FormMaker | None]) -> None:
+    """Add a probe that recognises a leaf's functional form from what it computes (not its class name)."""
+    if probe not in _FORM_PROBES:
+        _FORM_PROBES.append(probe)
+
+
+def module_form(mod: nn.Module) -> FormMaker | None:
+    """The form maker of a leaf: registered for its exact type, else the first probe that recognises it."""
+    maker = _MODULE_FORMS.get(type(mod))
+    if maker is None:
+        for probe in _FORM_PROBES:
+            maker = probe(mod)
+            if maker is not None:
+                break
+    return maker
+
+
 @dataclass
 class _Form:
     op: str
@@ -167,7 +190,7 @@ def node_form(node: fx.Node, gm: nn.Module | None) -> _Form | None:
         if gm is None:
             return None
         mod = gm.get_submodule(node.target)
-        maker = next((f for t, f in _MODULE_FORMS.items() if type(mod) is t), None)
+        maker = module_form(mod)
         if maker is None or len(node.args) != 1 or node.kwargs:
             return _Form(f"module:{type(mod).__qualname__}", [(f"arg{i}", a) for i, a in enumerate(node.args)
                                                               if isinstance(a, fx.Node)], {})

@@ -186,14 +186,14 @@ def inline_leaf_forms(region: fx.GraphModule) -> int:
     """Replace leaf calls whose module has a functional form (activations, dropout, Linear, LayerNorm and the
     forms registered by treadle.models) by that function, so a compiled region holds plain ops and no module
     hooks. A dropout's training flag is taken as it is now. Returns how many leaves were inlined."""
-    from .pattern import _MODULE_FORMS
+    from .pattern import module_form
 
     n_done = 0
     for node in list(region.graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         mod = region.get_submodule(node.target)
-        maker = _MODULE_FORMS.get(type(mod))
+        maker = module_form(mod)
         if maker is None:
             continue
         op, consts, pnames = maker(mod)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ScheduleError
-from ..graph.pattern import _MODULE_FORMS, register_module_form
+from ..graph.pattern import _MODULE_FORMS, register_form_probe, register_module_form
 from ..graph.rewrite import _DECOMPOSITIONS, register_decomposition
 from ..schedule.core import Schedule
 from .common import blocks_path, has_children
@@ -33,15 +33,12 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------ registrations
 def _register() -> None:
     from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.pytorch_utils import Conv1D
 
     forms = {
         NewGELUActivation: lambda m: ("gelu", {"approximate": "tanh"}, ()),
         GELUActivation: lambda m: ("gelu", {"approximate": "none"}, ()),
         SiLUActivation: lambda m: ("silu", {}, ()),
-        LlamaRMSNorm: lambda m: ("rms_norm", {"normalized_shape": [m.weight.shape[0]], "eps": m.variance_epsilon},
-                                 ("weight",)),
     }
     for t, f in forms.items():
         if t not in _MODULE_FORMS:
@@ -90,11 +87,17 @@ class GPT2SdpaAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+def _more_than_one(n: Any) -> bool:
+    """`n > 1` as a Python bool; a symbolic length under export (a traced sequence) counts as more than one,
+    so `is_causal` stays a plain bool instead of a SymBool that SDPA cannot take."""
+    return n > 1 if isinstance(n, int) else True
+
+
 def _sdpa_out(mod, q, k, v, mask, dropout_p: float) -> torch.Tensor:
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : k.shape[-2]]
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if mod.training else 0.0,
-                                       is_causal=mask is None and q.shape[2] > 1, scale=mod.scaling,
+                                       is_causal=mask is None and _more_than_one(q.shape[2]), scale=mod.scaling,
                                        enable_gqa=q.shape[1] != k.shape[1])
     y = y.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)  # (B, T, nh * hd)
     return mod._out(y)
@@ -153,6 +156,94 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def geglu_tanh(gate, up):
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def geglu(gate, up):
+    return F.gelu(gate) * up
+
+
+# NOTE [forms by behaviour]: LLaMA-like models (Qwen2, Mistral, Gemma, ...) each define their own RMSNorm and
+# activation classes. A class is given a functional form only when a probe shows it computes that functional
+# (on a copy with random weights and a random input), never because of its name; Gemma's RMSNorm scales by
+# (1 + weight), so it is not an ``F.rms_norm`` and its norm fusion is refused before any tracing.
+_ACTS = {"silu": (lambda x: F.silu(x), {}), "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), {"approximate": "tanh"}),
+         "gelu": (lambda x: F.gelu(x), {"approximate": "none"})}
+_GATED = {"silu": swiglu, "gelu_tanh": geglu_tanh, "gelu": geglu}
+
+
+def _eps_of(m: nn.Module) -> float | None:
+    for a in ("variance_epsilon", "eps"):
+        v = getattr(m, a, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+_PROBED: dict[type, tuple] = {}  # type -> probe result; a class computes one function, so this changes nothing
+
+
+def probe_norm(m: nn.Module) -> tuple[str, list[int], float] | None:
+    """(kind, normalized shape, eps) when `m` computes ``F.layer_norm`` or ``F.rms_norm`` with its weight,
+    checked numerically on a copy with random weights; None otherwise (then it is not fused)."""
+    import copy
+
+    if isinstance(m, nn.LayerNorm):
+        return "layer_norm", list(m.normalized_shape), m.eps
+    w, eps = getattr(m, "weight", None), _eps_of(m)
+    if (not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or getattr(m, "bias", None) is not None
+            or len(list(m.parameters())) != 1 or len(list(m.children())) or w.is_meta):
+        return None
+    key = ("norm", type(m))
+    if key not in _PROBED:
+        g = torch.Generator().manual_seed(0)
+        probe = copy.deepcopy(m).float()
+        with torch.no_grad():
+            probe.weight.copy_(torch.rand(w.shape, generator=g) + 0.5)
+            x = torch.randn(2, 3, w.shape[0], generator=g)
+            try:
+                ok = torch.allclose(probe(x), F.rms_norm(x, [w.shape[0]], probe.weight, eps), rtol=1e-4, atol=1e-5)
+            except Exception:  # not a norm over the last dim
+                ok = False
+        _PROBED[key] = (ok,)
+    return ("rms_norm", [w.shape[0]], eps) if _PROBED[key][0] else None
+
+
+def probe_activation(m: nn.Module) -> str | None:
+    """"silu", "gelu_tanh" or "gelu" when a parameter-free leaf `m` computes that function (checked on a random
+    input); None otherwise."""
+    if len(list(m.parameters())) or len(list(m.children())) or isinstance(m, nn.Dropout):
+        return None
+    key = ("act", type(m))
+    if key not in _PROBED:
+        x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+        found = None
+        try:
+            with torch.no_grad():
+                y = m(x)
+            found = next((n for n, (fn, _) in _ACTS.items() if isinstance(y, torch.Tensor) and y.shape == x.shape
+                          and torch.allclose(y, fn(x), rtol=1e-5, atol=1e-6)), None)
+        except Exception:  # takes other inputs: not an activation
+            found = None
+        _PROBED[key] = (found,)
+    return _PROBED[key][0]
+
+
+def _form_probe(m: nn.Module):
+    """The form maker of a leaf recognised by behaviour (an RMSNorm or an activation), for the pattern matcher
+    and region inlining (treadle.graph.pattern.module_form)."""
+    if probe_norm(m) is not None and not isinstance(m, nn.LayerNorm):
+        return lambda mm: ("rms_norm", {"normalized_shape": [mm.weight.shape[0]], "eps": _eps_of(mm)}, ("weight",))
+    act = probe_activation(m)
+    if act is not None:
+        return lambda mm: ("silu", {}, ()) if act == "silu" else ("gelu", dict(_ACTS[act][1]), ())
+    return None
+
+
+register_form_probe(_form_probe)
+
+
 def residual_norm_pattern(kind: str, shape: list[int], eps: float, dropout_p: float | None, *, both: bool = True):
     """Pattern ``h = [dropout(x)] + residual; return (h,) norm(h)`` for a LayerNorm (``kind="layer_norm"``,
     inputs x, residual, weight, bias) or an RMSNorm (``"rms_norm"``, inputs x, residual, weight). With
@@ -181,10 +272,11 @@ def fuse_residual_norm(sch: Schedule, norm_path: str, *, compiler: str, dropout_
     """Fuse ``[dropout +] residual add -> norm`` feeding the norm leaf `norm_path` (relative to traced `sch`).
     Tries the form with dropout first when `dropout_p` is given. Returns the number of fused regions."""
     norm = sch[norm_path].mod
-    if isinstance(norm, nn.LayerNorm):
-        kind, shape, eps = "layer_norm", list(norm.normalized_shape), norm.eps
-    else:
-        kind, shape, eps = "rms_norm", [norm.weight.shape[0]], norm.variance_epsilon
+    form = probe_norm(norm)
+    if form is None:
+        raise ScheduleError(f"fuse_residual_norm at {sch[norm_path].path!r}: {type(norm).__name__} does not compute "
+                            f"F.layer_norm or F.rms_norm of its weight (NOTE [forms by behaviour])")
+    kind, shape, eps = form
     for p in ([dropout_p] if dropout_p is not None else []) + [None]:
         for both in (False, True):  # the sum as an output only when something else reads it (pre-norm residual)
             ms = [m for m in sch.find_pattern(residual_norm_pattern(kind, shape, eps, p, both=both))
@@ -216,6 +308,9 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
         raise ScheduleError(f"kernel_schedule: no kernel schedule for blocks of type {type(first).__name__}; "
                             f"known: GPT-2 (attn.c_attn, mlp.c_fc), LLaMA (self_attn.q_proj, mlp.gate_proj) and BERT "
                             f"(attention.output.LayerNorm, intermediate.dense)")
+    gated = None
+    if family == "llama":  # LLaMA-like: check every part before anything is replaced or traced
+        gated = _check_llama_like(sch, blocks, fuse_mlp=fuse_mlp, fuse_norm=fuse_norm)
     for i in range(len(sch[blocks].mod)):
         b = f"{blocks}.{i}"
         attn = f"{b}.attn" if family == "gpt2" else f"{b}.self_attn"
@@ -233,13 +328,35 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
                 sch[f"{b}.mlp.c_fc"].decompose()
                 ms = mlp.find_pattern(bias_gelu_tanh) or mlp.find_pattern(bias_gelu)
             else:
-                ms = mlp.find_pattern(swiglu)
+                ms = mlp.find_pattern(gated)
             if not ms:
-                raise ScheduleError(f"kernel_schedule at {b!r}: the MLP has no {'bias+GeLU' if family == 'gpt2' else 'SwiGLU'}")
+                raise ScheduleError(f"kernel_schedule at {b!r}: the MLP has no "
+                                    f"{'bias+GeLU' if family == 'gpt2' else gated.__name__}")
             mlp.fuse(ms[0], compiler=compiler)
     logger.info("kernel_schedule: %s, %d blocks (attention=%s, mlp=%s, norm=%s, %s)", family,
                 len(sch[blocks].mod), attention, fuse_mlp, fuse_norm, compiler)
     return sch
+
+
+def _check_llama_like(sch: Schedule, blocks: str, *, fuse_mlp: bool, fuse_norm: bool):
+    """The gated-MLP pattern of a LLaMA-like model after checking, before any tracing, that its norms and its
+    activation have known functional forms. Raises ScheduleError naming the module and what to turn off."""
+    gated = None
+    for i in range(len(sch[blocks].mod)):
+        b = sch[f"{blocks}.{i}"]
+        if fuse_norm and probe_norm(b["post_attention_layernorm"].mod) is None:
+            raise ScheduleError(f"kernel_schedule at {b.path!r}: {type(b['post_attention_layernorm'].mod).__name__} "
+                                f"is not an F.rms_norm of its weight (checked numerically), so the residual+norm "
+                                f"fusion does not apply; pass fuse_norm=False")
+        act = getattr(b["mlp"].mod, "act_fn", None)
+        if fuse_mlp:
+            name = probe_activation(act) if isinstance(act, nn.Module) else None
+            if name is None:
+                raise ScheduleError(f"kernel_schedule at {b.path!r}: the MLP activation "
+                                    f"{type(act).__name__} is not SiLU or GeLU (checked numerically); "
+                                    f"pass fuse_mlp=False")
+            gated = _GATED[name]
+    return gated
 
 
 def _bert_kernels(sch: Schedule, blocks: str, *, example_inputs: dict[str, Any], compiler: str, fuse_mlp: bool,

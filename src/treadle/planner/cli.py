@@ -116,7 +116,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                                           "dtype": args.dtype},
                               progress=lambda msg: report(msg))
         except PlanError as exc:
-            console.print(f"[red]treadle plan: {exc}[/red]")
+            console.print(f"[red]treadle plan: {exc}[/red]", soft_wrap=True)  # one line (treadle.cli)
             return 2
     if args.output:
         # the schedule in the plan is replayed on a freshly built model; fake parameters serialise as records only

@@ -35,6 +35,7 @@ from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
 from .dims import R, placement_str, unknown_ops
 from .ilp import Solution, evaluate, solve
 from .to_schedule import Decision, apply_decisions, decisions_from_solution
+from .validate import validate_plan_args
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +401,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
+    validate_plan_args(model, cluster=cluster, memory_budget_bytes=memory_budget_bytes, pins=pins,
+                       forbid_axes=forbid_axes, dp_axis=dp_axis)
     say = progress or (lambda s: None)
     t0 = time.perf_counter()
     pins = dict(pins or {})

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import TreadleError
 from ..viz.progress import add_quiet_flag, is_quiet, progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,22 +57,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         err.print("[red]treadle profile: give a model name (see --list) or package.module:function")
         return 2
-    try:
-        hardware = args.hardware
-        if args.recalibrate or hardware == "cpu":
-            from .hardware import cpu_spec
+    hardware = args.hardware
+    if args.recalibrate or hardware == "cpu":
+        from .hardware import cpu_spec
 
-            hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
-        with progress(f"profiling {args.model}", quiet=is_quiet(args), console=err) as report:
-            report("building the model (fake tensors)")
-            kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
-            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
-            prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
-                           optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
-                           progress=report)
-    except TreadleError as exc:
-        err.print(f"[red]treadle profile: {exc}")
-        return 2
+        hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
+    with progress(f"profiling {args.model}", quiet=is_quiet(args), console=err) as report:
+        report("building the model (fake tensors)")
+        kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
+        model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
+        prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
+                       optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,
+                       progress=report)
     out.print(module_table(prof, depth=args.depth, collapse_blocks=not args.expand_blocks))
     out.print(summary_table(prof))
     if args.json:

@@ -22,7 +22,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
-from ..errors import ProfileError
+from ..errors import ProfileError, TreadleError
+from ..runtime.losses import default_loss  # the one loss convention (re-exported)
 from .blocks import expand, find_block_runs, shortened
 from .hardware import HardwareSpec, hardware_preset
 from .memory import OPTIMIZERS, gradient_bytes, optimizer_state_bytes, parameter_bytes
@@ -40,23 +41,6 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss of a model output: `output.loss` (Hugging Face models given labels), else the output itself when
-    it is a scalar tensor, else the sum of `output.logits` or of the output tensor. Raises ProfileError if none
-    of these exists."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else output.sum()
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits.sum()
-    raise ProfileError(f"cannot find a loss in the model output ({type(output).__name__}); pass loss_fn=")
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode) -> dict[str, torch.Tensor]:
@@ -110,7 +94,12 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
                 torch.set_grad_enabled(train):
             out = model(*args, **kwargs)
             if train:
-                loss = (loss_fn or default_loss)(out)
+                try:
+                    loss = (loss_fn or default_loss)(out)
+                except TreadleError as exc:
+                    if isinstance(exc, ProfileError):
+                        raise
+                    raise ProfileError(f"cannot find a loss in the model output: {exc}") from None
                 del out  # a training loop keeps the loss, not the outputs (logits), through backward
                 if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                     raise ProfileError("the loss does not require grad: no parameter needs a gradient, or loss_fn "
@@ -227,7 +216,8 @@ def profile(model: nn.Module, example_inputs: Any, *, hardware: HardwareSpec | s
     `example_inputs` (a tuple of positional arguments, a dict of keyword arguments, or one tensor).
 
     hardware: a HardwareSpec or a preset name ("h100-sxm", "cpu", ...) used for per-op roofline times and MFU.
-    loss_fn: output -> scalar loss; default `default_loss` (the output's `.loss`, e.g. HF models given labels).
+    loss_fn: output -> scalar loss; default `treadle.runtime.losses.default_loss` (the output's `.loss`, e.g. HF
+        models given labels, else the mean square of the first floating output), as verify and train use.
     optimizer / master_weights: optimizer state counted in memory (see `treadle.profile.memory`).
     reuse_blocks: profile identical repeated blocks once (NOTE [block reuse]); totals are identical.
     progress: called as progress(stage, fraction in [0, 1]) while it works.

@@ -26,7 +26,7 @@ from . import collectives as C
 from .convert import _same as _same_placement
 from .collectives import on_grad
 from .convert import apply_op, convert, convert_multi
-from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
+from .leaf_rules import LeafPlan, embedding_forward, gathered_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,15 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
         return fn(output)
     if isinstance(output, (tuple, list)):
         items = list(output)
+        if out >= len(items) or not torch.is_tensor(items[out]):
+            raise BuildError(f"{where}: out={out}, but the module returns a {type(output).__name__} of "
+                             f"{len(items)} items" + ("" if out >= len(items) else f" and item {out} is a "
+                                                      f"{type(items[out]).__name__}, not a tensor"))
         items[out] = fn(items[out])
         return type(output)(items) if isinstance(output, list) else tuple(items)
     if isinstance(output, dict):  # HF ModelOutput
+        if out >= len(output):
+            raise BuildError(f"{where}: out={out}, but the module returns {len(output)} outputs {list(output)}")
         key = list(output.keys())[out]
         output[key] = fn(output[key])
         return output
@@ -228,7 +234,9 @@ class _Builder:
             plan = leaf_plan(path, m, shards)
             if plan.vocab_axis is not None:
                 v_local = m.weight.shape[0] // self.sizes[plan.vocab_axis]
-                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local)
+                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local, m.weight.shape[0])
+            if plan.gathered is not None:
+                plan.forward = gathered_forward(plan.gathered, self.group)
             self.leaf[path] = plan
 
     # ---------------------------------------------------------------- hooks
@@ -252,8 +260,8 @@ class _Builder:
                 kw["grad"] = "reduce_scatter"
             group = self.group(spec.axis)
             if spec.mode == "bwd_post":
-                return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group))
-            return lambda x: apply_op(x, spec.op, kw, group)
+                return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group, where))
+            return lambda x: apply_op(x, spec.op, kw, group, where)
         src = self.source_layout(spec, where)
         dst = dict(spec.to)
         if spec.mode == "bwd_post":
@@ -262,7 +270,9 @@ class _Builder:
         changed = [ax for ax, d in dst.items() if not _same_placement(src.get(ax, Replicate()), d, None)]
 
         def typed(x: torch.Tensor) -> torch.Tensor:
-            if len(changed) > 1:  # several axes at once: the cost model's cheapest path (may use flat groups)
+            # several axes at once, or an axis whose tensor dim is also split over another axis (one axis at a
+            # time would gather blocks in the wrong order): the cost model's cheapest path (may use flat groups)
+            if len(changed) > 1 or _shares_dim(changed, src, dst, x.dim()):
                 return self.redistribute(x, src, dst, where)
             for ax, d in dst.items():
                 s = src.get(ax, Replicate())
@@ -315,7 +325,7 @@ class _Builder:
                     m.register_forward_pre_hook(
                         lambda mod, a, k, f=f: _map_input(mod, a, k, 0, f, f"build at {path!r}"), with_kwargs=True)
             final = dict(plan.out) if plan is not None else {}
-            for s in self.syncs_of(path, "fwd_post"):
+            for s in _merge_typed(self.syncs_of(path, "fwd_post")):
                 fn = self.transform(s, where, fused_gather=set())
                 m.register_forward_hook(lambda mod, a, out, fn=fn, s=s: _map_output(out, s.out, fn, where))
                 final.update(_after(s))
@@ -323,7 +333,7 @@ class _Builder:
                 self.install_pending_bias(path, m, plan, final)
             if plan is not None and plan.forward is not None:
                 fwd = plan.forward
-                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda x, *a, **k: fwd(m, x)))
+                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda *a, **k: fwd(m, *a, **k)))
 
     def shared_grad_all_reduce(self, axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input-gradient reduction of column-parallel leaves on `axis`, shared between leaves that read
@@ -346,13 +356,31 @@ class _Builder:
 
     def install_pending_bias(self, path: str, m: nn.Module, plan: LeafPlan, final: dict[str, Placement]) -> None:
         """Add a row-parallel bias once: after the reduction when the leaf reduces its own output,
-        else as bias/n on each rank's partial sum; its gradient is summed where ranks see different data."""
+        else as bias/n on each rank's partial sum; its gradient is summed where ranks see different data.
+
+        NOTE [bias on a changed column layout]: the local bias is this rank's column shard, so it fits the
+        output only while every column axis keeps the leaf's Shard(-1). When a fwd_post sync changes a column
+        axis (gathers it, as planner layouts under a memory budget do), the bias is added before the syncs,
+        on the leaf's own layout (column shard, pending sum over the row axis) as bias/n."""
         (ax,) = plan.row_axes
         g = self.group(ax)
         n = self.sizes[ax]
         lay = final.get(ax, Partial())
+        col = list(plan.grad_partial_axes)
+        early = {"on": False}
+
+        def last_dim_shard(p: Placement | None, ndim: int) -> bool:
+            return isinstance(p, Shard) and p.dim % ndim == ndim - 1
+
+        def add_early(out: torch.Tensor) -> torch.Tensor:
+            early["on"] = any(not last_dim_shard(final.get(a), out.dim()) for a in col)
+            if not early["on"]:
+                return out
+            return out + C.grad_all_reduce(m._parameters[plan.pending_bias], g) / n
 
         def add(out: torch.Tensor) -> torch.Tensor:
+            if early["on"]:
+                return out
             b = m._parameters[plan.pending_bias]
             if isinstance(lay, Replicate):
                 return out + b
@@ -363,6 +391,8 @@ class _Builder:
                 return out + bb
             return out + C.grad_all_reduce(b, g) / n
 
+        if col:
+            m.register_forward_hook(lambda mod, a, out: add_early(out), prepend=True)
         m.register_forward_hook(lambda mod, a, out: add(out))
 
     def install_attrs(self) -> None:
@@ -471,6 +501,39 @@ class _Builder:
         logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",
                     len(self.st.param_shards), len(self.st.syncs), len(self.st.checkpoints), self.mesh)
         return out
+
+
+def _shares_dim(changed: list[str], src: dict[str, Placement], dst: dict[str, Placement], ndim: int) -> bool:
+    """True when a changed axis's Shard dim is also sharded on another axis, before or after."""
+    def dims(lay: dict[str, Placement], ax: str) -> set[int]:
+        return {p.dim % ndim for a, p in lay.items() if a != ax and isinstance(p, Shard)}
+
+    for ax in changed:
+        mine = {p.dim % ndim for p in (src.get(ax), dst.get(ax)) if isinstance(p, Shard)}
+        if mine & (dims(src, ax) | dims({**src, **dst}, ax)):
+            return True
+    return False
+
+
+def _merge_typed(specs: list[SyncSpec]) -> list[SyncSpec]:
+    """fwd_post typed syncs of one module on disjoint axes (one `sync` per axis, as the planner writes them)
+    are one layout change: merged into one spec, so a dim split over several axes is converted jointly."""
+    typed = [s for s in specs if s.op is None and s.to is not None]
+    if len(typed) < 2 or len({s.out for s in typed}) > 1:
+        return specs
+    axes = [ax for s in typed for ax, _ in s.to]
+    if len(axes) != len(set(axes)):
+        return specs
+    to = tuple(p for s in typed for p in s.to)
+    froms = [s.from_ for s in typed if s.from_ is not None]
+    from_ = None
+    if froms:
+        if len(froms) != len(typed):  # some axes derive their source, others give it: keep them apart
+            return specs
+        from_ = tuple(p for f in froms for p in f)
+    first = typed[0]
+    merged = SyncSpec(first.path, first.mode, None, None, (), to, from_, first.arg, first.out)
+    return [s for s in specs if s not in typed] + [merged]
 
 
 def _after(spec: SyncSpec) -> dict[str, Placement]:

@@ -67,8 +67,13 @@ def convert_multi(x: torch.Tensor, src: dict[str, Placement], dst: dict[str, Pla
     return x
 
 
-def apply_op(x: torch.Tensor, op: str, kwargs: dict, group) -> torch.Tensor:
-    """The explicit sync op on an activation, with its adjoint in backward."""
+def apply_op(x: torch.Tensor, op: str, kwargs: dict, group, where: str = "") -> torch.Tensor:
+    """The explicit sync op on an activation, with its adjoint in backward. Raises BuildError when a dim the
+    op names does not exist on `x` (before any collective runs)."""
+    for k in ("dim", "split_dim", "concat_dim"):
+        if k in kwargs and not -x.dim() <= kwargs[k] < x.dim():
+            raise BuildError(f"{where + ': ' if where else ''}sync op {op}: {k}={kwargs[k]}, but the tensor has {x.dim()} dims "
+                             f"(shape {tuple(x.shape)})")
     if op == "all_reduce":
         return C.all_reduce(x, group)
     if op == "all_gather":

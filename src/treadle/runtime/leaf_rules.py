@@ -17,16 +17,21 @@ Embedding Shard(1)             Shard(-1)       Replicate
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from ..errors import BuildError
 from ..schedule.core import ParamShard
+
+logger = logging.getLogger(__name__)
 
 LeafRule = Callable[[str, nn.Module, dict[str, list[ParamShard]]], "LeafPlan"]
 _RULES: dict[type, LeafRule] = {}
@@ -42,6 +47,7 @@ class LeafPlan:
     row_axes: tuple[str, ...] = ()
     forward: Callable[..., torch.Tensor] | None = None  # local forward(module, x) replacing the original
     vocab_axis: str | None = None
+    gathered: dict[str, list[ParamShard]] | None = None  # own forward on these parameters, gathered in forward
 
 
 def register_leaf_rule(*types: type) -> Callable[[LeafRule], LeafRule]:
@@ -58,19 +64,69 @@ def register_leaf_rule(*types: type) -> Callable[[LeafRule], LeafRule]:
 
 
 def has_leaf_rule(mod: nn.Module) -> bool:
+    """True when build can compute `mod` with sharded parameters: a rule for its class or a base class."""
     return any(t in _RULES for t in type(mod).__mro__)
 
 
 def leaf_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]]) -> LeafPlan:
     """The plan for leaf `mod` whose direct parameters have `shards`. Raises BuildError for a module
-    type without a rule or a layout the rule does not support, naming path, parameter and axis."""
+    type without a rule or a layout the rule does not support, naming path, parameter and axis.
+
+    NOTE [exact leaf rules]: a rule reproduces one class's forward. It applies to that class and to
+    subclasses that keep its forward; a subclass with its own forward (Gemma's scaled embedding multiplies
+    the lookup) runs that forward on weights gathered to full size in forward (`gathered_plan`), so its
+    output is Replicate and its own computation is kept; sharding it saves parameter memory, not compute."""
     for t in type(mod).__mro__:
         if t in _RULES:
-            return _RULES[t](path, mod, shards)
+            if t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None):
+                return _RULES[t](path, mod, shards)
+            logger.info("build: %r is a %s with its own forward; it runs on gathered weights (no %s rule for it)",
+                        path, type(mod).__qualname__, t.__qualname__)
+            return gathered_plan(path, mod, shards)
     known = sorted(t.__qualname__ for t in _RULES)
     raise BuildError(f"build: {path!r} ({type(mod).__name__}) has sharded parameters {sorted(shards)} but "
                      f"treadle has no sharded-compute rule for that module type (rules exist for {known}); "
                      f"shard its children instead, or replace it with a module of a supported type")
+
+
+def gathered_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]]) -> LeafPlan:
+    """A leaf that keeps its own forward: each sharded parameter is all-gathered to its global shape in forward
+    (gradient: this rank's slice, exact because the input and output are Replicate on the gathered axes).
+    Output: Replicate on every axis. The caller fills `forward` with `gathered_forward` (it needs groups)."""
+    for name, ss in shards.items():
+        if not isinstance(getattr(mod, name, None), torch.Tensor):
+            raise BuildError(f"build: {path!r}: sharded {name!r} is not a tensor attribute of "
+                             f"{type(mod).__qualname__}")
+    return LeafPlan(gathered=dict(shards))
+
+
+def gathered_forward(shards: dict[str, list[ParamShard]], group: Callable[[str], Any],
+                     ) -> Callable[..., torch.Tensor]:
+    """forward(module, *args, **kwargs): the class's own forward with `shards`' parameters gathered, undoing
+    the splits in reverse order (the last split is the innermost), interleaved blocks included."""
+    from . import collectives as C
+
+    def full(p: torch.Tensor, ss: list[ParamShard]) -> torch.Tensor:
+        for s in reversed(ss):
+            g = group(s.axis)
+            x = C.all_gather(p, s.dim, g)
+            if s.blocks > 1:  # rank pieces each hold (b_0, ..., b_k): regroup block by block
+                n = x.shape[s.dim] // p.shape[s.dim]
+                pieces = [q.chunk(s.blocks, dim=s.dim) for q in x.chunk(n, dim=s.dim)]
+                x = torch.cat([torch.cat([q[b] for q in pieces], dim=s.dim) for b in range(s.blocks)], dim=s.dim)
+            p = x
+        return p
+
+    def forward(m: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        saved = {n: m._parameters[n] for n in shards}
+        try:
+            for n, ss in shards.items():
+                m._parameters[n] = full(saved[n], ss)
+            return type(m).forward(m, *args, **kwargs)
+        finally:
+            m._parameters.update(saved)
+
+    return forward
 
 
 def _matmul_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]], *, out_dim: int,
@@ -152,10 +208,19 @@ def _embedding_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard
     return plan
 
 
-def embedding_forward(vocab_start: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """Masked lookup of a vocab-sharded embedding: ids outside [start, start + V/n) give zero rows."""
+def embedding_forward(vocab_start: int, vocab_size: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """Masked lookup of a vocab-sharded embedding: ids outside [start, start + V/n) give zero rows (another
+    rank holds them). An id outside [0, vocab_size) raises IndexError, as the unsharded lookup does."""
 
     def forward(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if not is_fake(ids) and not torch.compiler.is_compiling():  # a capture (export, compile) traces no check
+            bad = (ids < 0) | (ids >= vocab_size)
+            if ids.device.type == "cpu":
+                if bool(bad.any()):
+                    raise IndexError(f"index out of range in self: ids {ids[bad].unique()[:8].tolist()} outside "
+                                     f"[0, {vocab_size}) of a vocab-sharded embedding")
+            else:  # a device-side assert, as the unsharded CUDA lookup does, without a host sync
+                torch._assert_async(~bad.any(), "index out of range in self (vocab-sharded embedding)")
         v_local = m.weight.shape[0]
         outside = (ids < vocab_start) | (ids >= vocab_start + v_local)
         local_ids = (ids - vocab_start).masked_fill(outside, 0)

@@ -10,14 +10,18 @@ from __future__ import annotations
 import io
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import TreadleError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule
+from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..testing import spawn
+from .batch import check_batch, split_batch
+from .losses import call_loss, default_loss
 
 
 @dataclass(frozen=True)
@@ -35,20 +39,18 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     p = torch.load(io.BytesIO(payload), weights_only=False)
     torch.manual_seed(p["seed"])
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
-    sch = load_schedule(p["model"], p["schedule"], mesh)
+    sch = load_schedule(p["model"], p["schedule"], mesh, **p["load_args"])
     model = build(sch)
     dp = sch._state.data_parallel
     inputs = p["inputs"]
     if dp is not None:
-        n, i = mesh.size(dp[0]), mesh.local_rank(dp[0])
-        batch = next(v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0)
-        inputs = {k: (v.chunk(n)[i] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch else v)
-                  for k, v in inputs.items()}
+        inputs = split_batch(inputs, mesh.size(dp[0]), mesh.local_rank(dp[0]), axis=dp[0], where="train")
+    loss_fn = p["loss_fn"] or default_loss
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
     losses, times = [], []
     for _ in range(p["steps"]):
         t0 = time.perf_counter()
-        loss = model(**inputs).loss
+        loss = call_loss(loss_fn, model(**inputs), "train")
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -57,16 +59,26 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     return losses, times
 
 
-def train(sch: Schedule, example_inputs: dict[str, Any], *, steps: int = 5, lr: float = 1e-3, seed: int = 0,
-          timeout_s: float = 600.0) -> TrainResult:
-    """Train `sch` for `steps` AdamW steps on `example_inputs` (keyword arguments of forward, including
-    ``labels`` so the model returns ``.loss``) on the mesh's world of gloo ranks. Returns a TrainResult.
-    The schedule must not have been built; it is sent to the ranks as JSON with its original model."""
+def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+          steps: int = 5, lr: float = 1e-3, seed: int = 0, timeout_s: float = 600.0) -> TrainResult:
+    """Train `sch` for `steps` AdamW steps on `example_inputs` (keyword arguments of forward, global batch) on
+    the mesh's world of gloo ranks. Returns a TrainResult.
+
+    `loss_fn(output)` defaults to `treadle.runtime.losses.default_loss` (``output.loss``, e.g. a Hugging Face
+    model given ``labels``, else the mean square of the first floating output), as in verify and profile.
+    The schedule must not have been built; it is sent to the ranks as JSON with its original model.
+    Raises TreadleError before spawning when the batch does not split over the data-parallel axis."""
     st = sch._state
+    if st.built:
+        raise TreadleError("train: this schedule was already built; train an unbuilt schedule")
+    if not isinstance(example_inputs, dict):
+        raise TreadleError("train: example_inputs must be a dict of keyword arguments of forward")
+    if st.data_parallel is not None:
+        check_batch(example_inputs, sch.mesh.size(st.data_parallel[0]), axis=st.data_parallel[0], where="train")
     model: nn.Module = st.original if st.original is not None else st.model
     buf = io.BytesIO()
-    torch.save(dict(model=model, schedule=sch.to_json(), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
-                    inputs=example_inputs, steps=steps, lr=lr, seed=seed), buf)
+    torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
+                    inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed), buf)
     results = spawn(_train_rank, sch.mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     dp = st.data_parallel
     ranks = range(sch.mesh.world_size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
-from .log import Record, Ref, records_from_json, records_to_json
+from .log import Record, Ref, records_from_json, records_to_json, ref_targets
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,14 @@ class Schedule(_GraphPrimitives):
         Raises: ScheduleError naming path, parameter, dim, size and axis.
         """
         self._check_not_built("shard")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ScheduleError(f"shard at {self._where()}: dim must be an integer tensor dim, got {dim!r}")
+        if not isinstance(blocks, int) or isinstance(blocks, bool):
+            raise ScheduleError(f"shard at {self._where()}: blocks must be an integer, got {blocks!r}")
+        dp = self._state.data_parallel
+        if dp is not None and dp[0] == axis:
+            raise ScheduleError(f"shard at {self._where()}: mesh axis {axis!r} is the data-parallel axis "
+                                f"(data_parallel(axis={axis!r})); shard parameters over another axis")
         name_list = [names] if isinstance(names, str) else list(names)
         if not name_list:
             raise ScheduleError(f"shard at {self._where()}: no parameter names given")
@@ -325,6 +333,15 @@ class Schedule(_GraphPrimitives):
         if (op is None) == (to is None):
             raise ScheduleError(f"sync at {self._where()}: give exactly one of op= (explicit collective) "
                                 f"or to= (target layout)")
+        if not isinstance(out, int) or isinstance(out, bool) or out < 0:
+            raise ScheduleError(f"sync at {self._where()}: out= must be an output index >= 0, got {out!r}")
+        if out and mode != "fwd_post":
+            raise ScheduleError(f"sync at {self._where()}: out= picks an output, so it needs mode 'fwd_post'")
+        if not isinstance(arg, (int, str)) or isinstance(arg, bool) or (isinstance(arg, int) and arg < 0):
+            raise ScheduleError(f"sync at {self._where()}: arg= must be an input position >= 0 or a name, got {arg!r}")
+        for k in ("dim", "split_dim", "concat_dim"):
+            if k in kwargs and (not isinstance(kwargs[k], int) or isinstance(kwargs[k], bool)):
+                raise ScheduleError(f"sync at {self._where()}: {k} must be an integer tensor dim, got {kwargs[k]!r}")
         args: dict[str, Any] = {"*": mode}
         to_t = from_t = None
         if op is not None:
@@ -397,6 +414,9 @@ class Schedule(_GraphPrimitives):
         if save is not None:
             return self.checkpoint_selective(save=save)
         self._check_not_built("checkpoint")
+        if isinstance(self.mod, (nn.ModuleList, nn.ModuleDict)):
+            raise ScheduleError(f"checkpoint at {self._where()}: a {type(self.mod).__name__} has no forward to "
+                                f"recompute; checkpoint its items, e.g. sch[{(_join(self.path, '0'))!r}]")
         if self.path in self._state.checkpoints:
             raise ScheduleError(f"checkpoint at {self._where()}: already checkpointed")
         self._state.checkpoints.append(self.path)
@@ -432,6 +452,7 @@ class Schedule(_GraphPrimitives):
     # ================================================================== primitives: metadata
     def annotate(self, param: str, key: str, value: Any) -> "Schedule":
         """Tag parameter `param` with ``key=value``; `treadle.annotations(built_model)` returns the tags."""
+        self._check_not_built("annotate")
         p = self._param(param)
         self._state.annotations.setdefault(id(p), {})[key] = value
         self._record("annotate", **{"*": param, "key": key, "value": value})
@@ -471,6 +492,12 @@ class Schedule(_GraphPrimitives):
         self._check_axis(axis, "data_parallel")
         if self._state.data_parallel is not None:
             raise ScheduleError(f"data_parallel: already set to axis {self._state.data_parallel[0]!r}")
+        on_axis = sorted({n for n, p in self.mod.named_parameters(remove_duplicate=False)
+                          if any(s.axis == axis for s in self._state.param_shards.get(id(p), []))})
+        if on_axis:
+            raise ScheduleError(f"data_parallel: mesh axis {axis!r} already shards parameters {on_axis[:3]}"
+                                f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its own "
+                                f"(mesh axes: {list(self.mesh.names)})")
         self._state.data_parallel = (axis, bool(shard))
         self._record("data_parallel", axis=axis, shard=bool(shard))
         return self
@@ -534,14 +561,28 @@ def replay(sch: Schedule, records: list[Record]) -> Schedule:
     return sch
 
 
-def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None) -> Schedule:
+def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None, *, allow_refs: Iterable[str] = (),
+                  allow_pickle: bool = False, source: str = "schedule JSON") -> Schedule:
     """Replay a schedule saved with `Schedule.to_json` on a fresh `model`. `mesh` defaults to the saved one;
-    a different mesh must have the same axis names."""
-    saved, records = records_from_json(json_text)
-    saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
+    a different mesh must have the same axis names.
+
+    The text is data (NOTE [files are data] in treadle.schedule.log): a Ref it names must be under
+    ``treadle`` or registered with `treadle.register_ref` (or listed in `allow_refs`); a pickled module
+    loads only with ``allow_pickle=True``. Raises ScheduleError naming `source` and the refused target."""
+    saved, records = records_from_json(json_text, allow_refs=allow_refs, allow_pickle=allow_pickle, source=source)
+    try:
+        saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
+    except (KeyError, TypeError, MeshError) as exc:
+        raise ScheduleError(f"{source}: bad mesh {saved!r} ({exc})") from None
     if mesh is None:
         mesh = saved_mesh
     elif set(mesh.names) != set(saved_mesh.names):
         raise ScheduleError(f"load_schedule: the schedule was written for {saved_mesh}; {mesh} lacks axes "
                             f"{sorted(set(saved_mesh.names) - set(mesh.names))}")
     return replay(create_schedule(model, mesh=mesh), records)
+
+
+def trusted_load_args(sch: Schedule) -> dict[str, Any]:
+    """Keyword arguments for `load_schedule` that let a program's own schedule round-trip to its ranks
+    (its Refs and pickled modules came from its code, not from a file)."""
+    return {"allow_refs": sorted(ref_targets(sch._state.records)), "allow_pickle": True}

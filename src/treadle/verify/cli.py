@@ -21,9 +21,15 @@ def _load(args: argparse.Namespace):
     from ..models.zoo import named_model
     from ..schedule.core import load_schedule
 
-    doc = json.loads(Path(args.file).read_text())
+    text = Path(args.file).read_text()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TreadleError(f"{args.file}: not a JSON file ({exc})") from None
+    if not isinstance(doc, dict):
+        raise TreadleError(f"{args.file}: expected a JSON object (a schedule or a plan), got {type(doc).__name__}")
     model_info = doc.get("model", {}) if "schedule" in doc else {}
-    schedule_text = json.dumps(doc["schedule"]) if "schedule" in doc else Path(args.file).read_text()
+    schedule_text = json.dumps(doc["schedule"]) if "schedule" in doc else text
     if isinstance(doc.get("schedule"), str):
         schedule_text = doc["schedule"]
     name = args.model or model_info.get("name")
@@ -34,12 +40,15 @@ def _load(args: argparse.Namespace):
     model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)
     mesh = None
     if args.world:
-        saved = json.loads(schedule_text)["mesh"]
-        shape = tuple(saved["shape"])
+        try:
+            saved = json.loads(schedule_text)["mesh"]
+            shape = tuple(saved["shape"])
+        except (KeyError, TypeError, json.JSONDecodeError):
+            raise TreadleError(f"{args.file}: no mesh in the schedule; is it a treadle schedule or plan?") from None
         if args.world != Mesh(shape, tuple(saved["names"])).world_size:
             raise TreadleError(f"{args.file}: the schedule's mesh {dict(zip(saved['names'], shape))} needs world "
                                f"size {Mesh(shape, tuple(saved['names'])).world_size}, not --world {args.world}")
-    return load_schedule(model, schedule_text, mesh), inputs
+    return load_schedule(model, schedule_text, mesh, source=args.file), inputs
 
 
 def report_table(report: VerifyReport, *, limit: int = 25) -> Table:

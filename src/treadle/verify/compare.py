@@ -1,6 +1,7 @@
 """Compare rank-local tensors with a global reference: infer the layout, assemble, measure the error.
 
-`assemble_best` tries every layout per mesh axis — Replicate (take any rank), Partial (sum the ranks),
+`assemble_best` tries every layout per mesh axis — Replicate (every rank's copy; the one farthest from the
+first counts), Partial (sum the ranks),
 Shard(d) (concatenate in coordinate order) — that fits the shapes, and returns the assembly closest to
 the reference. That finds pending sums and shards without being told, so a verifier can compare any
 module's output; a wrong schedule shows as no layout fitting.
@@ -74,8 +75,8 @@ def _combine(by_coord: dict[tuple[int, ...], torch.Tensor], mesh: Mesh, choice: 
         for key, items in groups.items():
             items.sort(key=lambda x: x[0])
             ts = [t for _, t in items]
-            if kind == "R":
-                merged[key] = ts[0]
+            if kind == "R":  # every rank must hold it: per entry, the rank farthest from the first one
+                merged[key] = worst_copy(ts)
             elif kind == "P":
                 merged[key] = torch.stack([t.double() for t in ts]).sum(0).to(ts[0].dtype)
             else:
@@ -83,6 +84,16 @@ def _combine(by_coord: dict[tuple[int, ...], torch.Tensor], mesh: Mesh, choice: 
                 merged[key] = unchunk_dim(ts, kind[1], blocks if last else 1)
         current = merged
     return next(iter(current.values()))
+
+
+def worst_copy(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Entry-wise, the value among `ts` farthest from ts[0] (NaN counts as farthest), so a Replicate assembly
+    compares every rank's copy with the reference, not only the first rank's."""
+    if len(ts) == 1 or all(torch.equal(t, ts[0]) for t in ts[1:]):
+        return ts[0]
+    stack = torch.stack(ts)
+    dev = (stack.double() - ts[0].double()).abs().nan_to_num(nan=math.inf)
+    return stack.gather(0, dev.argmax(0, keepdim=True)).squeeze(0)
 
 
 def _label(mesh: Mesh, choice: tuple) -> str:

@@ -24,10 +24,12 @@ from torch import nn
 
 from ..errors import TreadleError, VerifyError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule
-from ..testing import spawn
+from ..schedule.core import Schedule, load_schedule, trusted_load_args
+from ..runtime.batch import check_batch, split_batch
+from ..runtime.losses import call_loss
+from ..testing import root_cause, spawn
 from ..runtime.params import assemble
-from .compare import Diff, Tolerance, assemble_best, diff, tolerance
+from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
 
 logger = logging.getLogger(__name__)
 
@@ -164,32 +166,9 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if loss is not None:
-        return loss
-    t = _first_tensor(out)
-    if t is None:
-        raise VerifyError("verify: the model output has no tensor; pass loss_fn=")
-    return t.float().pow(2).mean()
+    from ..runtime.losses import default_loss
 
-
-def _split_inputs(inputs: dict[str, Any], n: int, index: int, batch: int) -> dict[str, Any]:
-    out = {}
-    for k, v in inputs.items():
-        if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == batch:
-            out[k] = v.chunk(n, dim=0)[index]
-        else:
-            out[k] = v
-    return out
-
-
-def _batch_size(inputs: dict[str, Any]) -> int:
-    sizes = [v.shape[0] for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0]
-    if not sizes:
-        raise VerifyError("verify: example inputs hold no batched tensor")
-    return sizes[0]
+    return default_loss(out)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -223,10 +202,13 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             try:
                 out = model(**sl)
             except Exception as exc:
-                where = rec.stack[-1] if rec.stack else "<model>"
+                where = (rec.stack[-1] or "<model>") if rec.stack else "<model>"
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
-            loss = loss_fn(out) * dp_scale
+            loss = call_loss(loss_fn, out, "verify") * dp_scale
             total = loss if total is None else total + loss
+            t_out = _first_tensor(out)
+            if step > 0 and t_out is not None and t_out.is_floating_point():  # step 0: the recorder has it
+                result.setdefault("step_outputs", {}).setdefault(step, []).append(t_out.detach().clone())
         rec.active = False  # checkpointed modules run again in backward: not new calls
         total.backward()
         result["losses"].append(float(total.detach()))
@@ -257,7 +239,7 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     model: nn.Module = p["model"]
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
     try:
-        sch = load_schedule(model, p["schedule"], mesh)
+        sch = load_schedule(model, p["schedule"], mesh, **p["load_args"])
         # leaves whose output is a shard interleaved in blocks (fused q|k|v), to assemble their outputs;
         # read before build, which gives parameters new identities
         out_blocks = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
@@ -271,11 +253,11 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     if st.data_parallel is not None:
         dp_axis = st.data_parallel[0]
         dp_n, dp_i = mesh.size(dp_axis), mesh.local_rank(dp_axis)
-    local = _split_inputs(inputs, dp_n, dp_i, _batch_size(inputs))
+    local = split_batch(inputs, dp_n, dp_i, axis=dp_axis, where="verify")
     torch.manual_seed(p["seed"])
     try:
         res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
-    except VerifyError as exc:
+    except TreadleError as exc:
         return {"error": str(exc)}
     res["dp"] = (dp_axis, dp_n, dp_i)
     res["out_blocks"] = out_blocks
@@ -323,7 +305,10 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
     mesh = sch.mesh
-    payload_d = dict(model=original, schedule=sch.to_json(), mesh_shape=mesh.shape, mesh_names=mesh.names,
+    dp = sch._state.data_parallel
+    check_batch(example_inputs, mesh.size(dp[0]) if dp else 1, axis=dp[0] if dp else None, where="verify")
+    payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
+                     mesh_shape=mesh.shape, mesh_names=mesh.names,
                      inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
                      float_inputs=float_inputs)
     buf = io.BytesIO()
@@ -334,9 +319,10 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
                           f"use module-level functions and picklable modules") from exc
     results = spawn(_verify_rank, mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     report = VerifyReport()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        report.error = errors[0]
+    errors = {i: r["error"] for i, r in enumerate(results) if "error" in r}
+    if errors:  # the root cause, not another rank's echo of it (NOTE [root cause] in treadle.testing)
+        first = root_cause(errors)
+        report.error = f"rank {first}: {errors[first]}"
         if raise_on_mismatch:
             raise VerifyError(report.summary())
         return report
@@ -346,7 +332,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     dtype = next(original.parameters()).dtype
     tol = tol or tolerance(dtype)
     ref_model = copy.deepcopy(original)
-    slices = [_split_inputs(example_inputs, dp_n, i, _batch_size(example_inputs)) for i in range(dp_n)]
+    slices = [split_batch(example_inputs, dp_n, i, axis=dp_axis, where="verify") for i in range(dp_n)]
     torch.manual_seed(seed)
     ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
@@ -369,20 +355,41 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     loss_tol = Tolerance(max(tol.rtol * 0.1, 1e-5), tol.atol * 0.1)
     for step, (a, b) in enumerate(zip(report.losses, report.ref_losses)):
         report.checks.append(Check("loss", f"step {step}", diff(torch.tensor(a), torch.tensor(b), loss_tol)))
+    # every rank, every step: a rank's loss equals its data-parallel replica's representative (a NaN or a drift
+    # on a rank the mean above does not read fails here)
+    for r in range(mesh.world_size):
+        rep_r = next(q for q in range(mesh.world_size)
+                     if all(c == 0 or ax == dp_axis for ax, c in by_coord[q].items())
+                     and by_coord[q].get(dp_axis) == by_coord[r].get(dp_axis))
+        if r == rep_r:
+            continue
+        for step in range(len(ref["losses"])):
+            d = diff(torch.tensor(results[r]["losses"][step]), torch.tensor(results[rep_r]["losses"][step]), loss_tol)
+            if not d.ok or not math.isfinite(results[r]["losses"][step]):
+                report.checks.append(Check("loss", f"step {step} rank {r} vs rank {rep_r}",
+                                           Diff(d.max_abs, d.max_rel, False, note="ranks of one replica disagree")))
 
     def gathered(ref_slices: list[torch.Tensor], key: str, path: str, call: int, scale: float = 1.0) -> Diff:
-        ref_t = torch.cat(ref_slices, dim=0) if len(ref_slices) > 1 and ref_slices[0].dim() > 0 else ref_slices[0]
         locals_ = []
         for r in results:
             calls = r[key].get(path)
             if not calls or call >= len(calls):
                 return Diff(math.nan, math.nan, True, note="not recorded on the ranks (recomputed or unused)")
             locals_.append(calls[call][0] * scale)
+        ref_t, locals_ = _by_slice(ref_slices, locals_)
         return assemble_best(locals_, ref_t, mesh, tol, blocks=results[0]["out_blocks"].get(path, 1))
 
     def label(path: str, call: int) -> str:
         return (path or "<model>") + (f" (call {call + 1})" if call else "")
 
+    # the model's output after each optimizer step, on every rank (a rank that drifts or turns NaN later)
+    for step, ref_slices in sorted(ref.get("step_outputs", {}).items()):
+        locals_ = [r.get("step_outputs", {}).get(step) for r in results]
+        if any(not x for x in locals_) or len(ref_slices) != dp_n:
+            continue
+        ref_t, got = _by_slice(ref_slices, [x[0] for x in locals_])
+        step_tol = Tolerance(tol.rtol * STEP_OUTPUT_TOL_FACTOR, tol.atol * STEP_OUTPUT_TOL_FACTOR)
+        report.checks.append(Check("output", f"<model> after step {step}", assemble_best(got, ref_t, mesh, step_tol)))
     first = None
     for path in ref["order"]:
         for call, ref_slices in enumerate(ref["outputs"].get(path, [])):
@@ -413,8 +420,8 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
             if shards:  # the recorded layout, exactly (interleaved blocks included)
                 got = assemble({tuple(c.values()): t for c, t in zip(by_coord, locals_)}, shards, mesh.names,
                                dict(zip(mesh.names, mesh.shape)))
-            elif locals_[0].shape == ref_t.shape:  # replicated: every rank holds the whole parameter
-                got = locals_[0]
+            elif all(t.shape == ref_t.shape for t in locals_):  # replicated: every rank holds all of it
+                got = worst_copy(locals_)  # each rank's copy counts
             else:
                 report.checks.append(Check(kind, name, assemble_best(locals_, ref_t, mesh, tol, allow_partial=False)))
                 continue
@@ -430,11 +437,25 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     report.first_divergence = first or first_bwd
 
 
+def _by_slice(ref_slices: list[torch.Tensor], locals_: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The reference over all data-parallel slices (concatenated on dim 0) and the rank tensors to assemble
+    into it. A 0-dim value (a loss) of several slices is stacked, each rank's value becoming a 1-element row,
+    so every slice is compared (not only the first)."""
+    if len(ref_slices) == 1:
+        return ref_slices[0], locals_
+    if ref_slices[0].dim() == 0:
+        return torch.stack(ref_slices), [t.reshape(1) for t in locals_]
+    return torch.cat(ref_slices, dim=0), locals_
+
+
 # NOTE [Adam's ill-conditioned entries]: AdamW's first update of an entry is lr * g / (|g| + eps). Where |g| is
 # within a few orders of eps (1e-8), rounding-level differences of g (a distributed sum in another order) move
 # the update by a visible fraction of lr, in either direction. Those entries are checked through their
 # gradients (compared above at full tolerance); the step check covers the entries with |g| > 1e-6.
 ADAM_WELL_CONDITIONED_GRAD = 1e-6
+# The model's output after an optimizer step carries those entries' drift too: compared at 10x the tolerance
+# (enough for the drift; a NaN, a wrong rank or a wrong update is off by far more).
+STEP_OUTPUT_TOL_FACTOR = 10.0
 
 
 def _step_diff(got: torch.Tensor, ref_t: torch.Tensor, ref_grad: torch.Tensor | None, tol: Tolerance) -> Diff:

@@ -1,0 +1,91 @@
+"""Check `plan_model`'s arguments before any capture or solve: mesh axes, pins, forbidden axes, budget.
+
+Each mistake raises a PlanError naming the argument, the bad value and the valid choices, instead of a
+late "no plan meets the budget" (a pin on an axis the mesh lacks used to read as an infeasible budget).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any
+
+from torch import nn
+
+from ..errors import PlanError
+
+_REPLICATE = ("R", "replicate", None)
+
+
+def _axes(cluster: Any) -> list[str]:
+    clusters = list(cluster) if isinstance(cluster, (list, tuple)) else [cluster]
+    names: list[str] = []
+    for cl in clusters:
+        mesh = getattr(cl, "mesh", None)
+        if mesh is None:
+            raise PlanError(f"plan_model: cluster must be a ClusterSpec (treadle.cost.cluster.parse_cluster) or a "
+                            f"list of them, got {type(cl).__name__}")
+        names += [n for n in mesh.names if n not in names]
+    return names
+
+
+def _pin_dim(pattern: str, axis: str, value: Any) -> int | None:
+    """The tensor dim a pin value names (None: Replicate). Raises PlanError for anything else."""
+    if value in _REPLICATE:
+        return None
+    if isinstance(value, bool):
+        raise PlanError(f"pin {pattern!r} axis {axis!r}: {value!r} is not a dim; use an int dim, 'S<dim>' or 'R'")
+    if isinstance(value, int):
+        dim = value
+    elif isinstance(value, str) and value.lstrip("S").isdigit():
+        dim = int(value.lstrip("S"))
+    else:
+        raise PlanError(f"pin {pattern!r} axis {axis!r}: cannot read {value!r}; use an int dim, 'S<dim>' or 'R'")
+    if dim < 0:
+        raise PlanError(f"pin {pattern!r} axis {axis!r}: dim {dim} is negative; use a dim >= 0")
+    return dim
+
+
+def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: float | None,
+                       pins: dict[str, dict[str, Any]] | None, forbid_axes: Any, dp_axis: Any) -> None:
+    """Raise PlanError for: a cluster that is not a ClusterSpec; a budget that is not a positive number of
+    bytes; `forbid_axes` given as one string or naming an axis no mesh has; a `dp_axis` no mesh has; a pin
+    whose axis no mesh has, whose glob matches no parameter of `model`, whose dim is out of range for a
+    matched parameter, or that shards on an axis it also forbids or gives to data parallelism."""
+    axes = _axes(cluster)
+    if memory_budget_bytes is not None:
+        ok = isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool)
+        if not ok or math.isnan(memory_budget_bytes) or memory_budget_bytes <= 0:
+            raise PlanError(f"plan_model: memory_budget_bytes must be a positive number of bytes (or None for no "
+                            f"limit); got {memory_budget_bytes!r}")
+    if isinstance(forbid_axes, str):
+        raise PlanError(f"plan_model: forbid_axes must be a tuple of mesh axis names, not the string "
+                        f"{forbid_axes!r}; write forbid_axes=({forbid_axes!r},)")
+    unknown = [a for a in (forbid_axes or ()) if a not in axes]
+    if unknown:
+        raise PlanError(f"plan_model: forbid_axes names {unknown}, which no mesh has; mesh axes: {axes}")
+    if dp_axis not in ("auto", None) and dp_axis not in axes:
+        raise PlanError(f"plan_model: dp_axis {dp_axis!r} is not a mesh axis; use 'auto', None or one of {axes}")
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for pattern, per_axis in (pins or {}).items():
+        if not isinstance(per_axis, dict):
+            raise PlanError(f"pin {pattern!r}: expected {{axis: dim or 'R'}}, got {per_axis!r}")
+        matched = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise PlanError(f"pin {pattern!r} matches no parameter; parameters look like {sorted(params)[:4]}")
+        for axis, value in per_axis.items():
+            if axis not in axes:
+                raise PlanError(f"pin {pattern!r} names mesh axis {axis!r}, which no mesh has; mesh axes: {axes}")
+            dim = _pin_dim(pattern, axis, value)
+            if dim is None:
+                continue
+            for n in matched:
+                if dim >= len(params[n]):
+                    raise PlanError(f"pin {pattern!r} axis {axis!r}: dim {dim} is out of range for {n!r} of shape "
+                                    f"{params[n]}")
+            if axis in (forbid_axes or ()):
+                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but forbid_axes keeps every op "
+                                f"replicated on {axis!r}; drop one of them")
+            if dp_axis == axis:
+                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but dp_axis={axis!r} gives it "
+                                f"to data parallelism; pin on another axis or set dp_axis")

@@ -1,0 +1,110 @@
+"""Architectures the ready-made recipes were not written for: Gemma under the Megatron recipe (its scaled
+embedding keeps its own forward), and BLOOM and GPT-J under planner schedules at 0.6x the unconstrained
+plan's peak memory (layouts that split one weight over both mesh axes), each verified on gloo ranks."""
+
+import pytest
+import torch
+
+import treadle
+import treadle.models
+from treadle import Mesh
+from tiny_models import VOCAB, lm_inputs
+
+
+def tiny_gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    return GemmaForCausalLM(GemmaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=VOCAB,
+                                        max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def tiny_bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=VOCAB, hidden_dropout=0.0,
+                                        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def tiny_gptj():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    return GPTJForCausalLM(GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB,
+                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.slow
+def test_gemma_megatron_schedule_verifies_with_its_scaled_embedding():
+    sch = treadle.create_schedule(tiny_gemma(), mesh=Mesh((2,), ("tp",)))
+    treadle.models.megatron(sch, tp="tp")
+    emb = sch["model.embed_tokens"].mod
+    assert type(emb).forward is not torch.nn.Embedding.forward  # multiplies the lookup by sqrt(hidden)
+    report = treadle.verify(sch, lm_inputs(), steps=2, timeout_s=300)
+    assert report.ok and len(report.losses) == 2
+    for got, ref in zip(report.losses, report.ref_losses):
+        assert abs(got - ref) <= 1e-5 * abs(ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [tiny_bloom, tiny_gptj], ids=["bloom", "gptj"])
+def test_planner_schedule_under_a_tight_budget_verifies_on_4_ranks(make):
+    from treadle.cost.cluster import parse_cluster
+    from treadle.planner import plan_model
+
+    inputs = lm_inputs(8, 16)
+    cluster = parse_cluster("2x2:cpu")
+    free = plan_model(make(), inputs, cluster=cluster)
+    plan = plan_model(make(), inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimate().peak_bytes)
+    assert plan.estimate().peak_bytes <= 0.6 * free.estimate().peak_bytes
+    assert any(r.op == "shard" for r in plan.schedule.records)
+    assert plan.schedule.mesh.world_size == 4
+    report = treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300)
+    assert report.ok
+
+
+def _llama_like(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0)
+    model = (T.Qwen2ForCausalLM(T.Qwen2Config(**common)) if name == "qwen2" else
+             T.MistralForCausalLM(T.MistralConfig(**common)) if name == "mistral" else
+             T.GemmaForCausalLM(T.GemmaConfig(head_dim=16, **common)))
+    model.config._attn_implementation = "eager"  # the baseline the SDPA module replaces
+    return model
+
+
+@pytest.mark.slow
+def test_kernel_schedule_on_qwen2_fuses_norm_and_swiglu_and_verifies():
+    from treadle.graph.rewrite import FusedRegion
+    from treadle.models.kernels import LlamaSdpaAttention, kernel_schedule
+
+    inputs = {**lm_inputs(2, 8), "use_cache": False}
+    sch = treadle.create_schedule(_llama_like("qwen2"), mesh=Mesh((1,), ("tp",)))
+    kernel_schedule(sch, example_inputs=inputs, compiler="aot_eager")
+    assert isinstance(sch["model.layers.0.self_attn"].mod, LlamaSdpaAttention)
+    assert len([m for m in sch["model.layers.1"].mod.modules() if isinstance(m, FusedRegion)]) == 2
+    assert treadle.verify(sch, inputs).ok
+
+
+@pytest.mark.slow
+def test_kernel_schedule_on_gemma_refuses_its_norm_before_tracing_and_runs_without_it():
+    from treadle.errors import ScheduleError
+    from treadle.models.kernels import geglu_tanh, kernel_schedule
+
+    inputs = {**lm_inputs(2, 8), "use_cache": False}
+    sch = treadle.create_schedule(_llama_like("gemma"), mesh=Mesh((1,), ("tp",)))
+    with pytest.raises(ScheduleError, match=r"kernel_schedule at 'model.layers.0': GemmaRMSNorm is not an F.rms_norm "
+                                            r"of its weight \(checked numerically\).*pass fuse_norm=False"):
+        kernel_schedule(sch, example_inputs=inputs, compiler="aot_eager")
+    assert sch.records == []  # refused before anything was replaced or traced
+    kernel_schedule(sch, example_inputs=inputs, compiler="aot_eager", fuse_norm=False)
+    fused = [r for r in sch.records if r.op == "fuse"]
+    assert len(fused) == 2 and geglu_tanh  # GeGLU (tanh) in each MLP, found by what the activation computes
+    assert treadle.verify(sch, inputs).ok
