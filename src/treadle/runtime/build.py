@@ -28,6 +28,7 @@ from .collectives import on_grad
 from .convert import apply_op, convert, convert_multi
 from .leaf_rules import LeafPlan, embedding_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
+from .sync_plan import plan_syncs
 
 logger = logging.getLogger(__name__)
 
@@ -234,17 +235,10 @@ class _Builder:
     def syncs_of(self, path: str, mode: str) -> list[SyncSpec]:
         return [s for s in self.st.syncs if s.path == path and s.mode == mode]
 
-    def source_layout(self, spec: SyncSpec, where: str) -> dict[str, Placement]:
-        if spec.from_ is not None:
-            return dict(spec.from_)
-        if spec.mode == "fwd_post":
-            if spec.path in self.leaf:
-                return dict(self.leaf[spec.path].out)
-            raise BuildError(f"{where}: cannot derive the layout {type(self.module(spec.path)).__name__} "
-                             f"produces (only sharded Linear/Conv1D/Embedding leaves have rules); give from_=")
-        return {}
-
-    def transform(self, spec: SyncSpec, where: str, *, fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def transform(self, idx: int, spec: SyncSpec, where: str, *,
+                  fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function a sync hook applies: its explicit op, or the conversion from the layout the sync plan
+        derived (`self.syncs.src[idx]`) to its target."""
         if spec.op is not None:
             kw = spec.kw()
             if spec.op == "all_gather" and spec.axis in fused_gather:
@@ -253,7 +247,7 @@ class _Builder:
             if spec.mode == "bwd_post":
                 return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group))
             return lambda x: apply_op(x, spec.op, kw, group)
-        src = self.source_layout(spec, where)
+        src = dict(self.syncs.src.get(idx, dict(spec.from_ or ())))
         dst = dict(spec.to)
         if spec.mode == "bwd_post":
             return lambda x: on_grad(x, lambda g: convert_multi(g, src, dst, self.group, where=where))
@@ -288,36 +282,40 @@ class _Builder:
         return redistribute(x, Layout(src_full), Layout(dst_full), mesh=self.mesh, global_shape=global_shape)
 
     def install_syncs(self) -> None:
+        """Hooks for every sync and derived collective, per module: input syncs (fwd_pre, then bwd_post), the
+        derived input-gradient reduction of a column-parallel leaf, output syncs in order, a derived all-reduce
+        of a pending sum nobody reduces, the row-parallel bias, the local forward (NOTE [explicit replaces
+        derived] in `sync_plan`)."""
+        types = {p: type(m).__name__ for p, m in self.model.named_modules()}
+        self.syncs = plan_syncs(self.st.syncs, self.leaf, types)
+        index = {id(s): i for i, s in enumerate(self.st.syncs)}
         paths = list(dict.fromkeys([s.path for s in self.st.syncs] + list(self.leaf)))
         for path in paths:
             m = self.module(path)
             plan = self.leaf.get(path)
             where = f"sync at sch[{path!r}]"
-            # a gather on an axis where this leaf's input gradient is partial: gather forward, reduce-scatter
-            # backward, instead of a split plus a full all-reduce (NOTE [grad layouts] in collectives)
-            fused: set[str] = set()
-            if plan is not None:
-                for s in self.syncs_of(path, "fwd_pre"):
-                    gathers = ({s.axis} if s.op == "all_gather" else
-                               {ax for ax, d in (s.to or ()) if isinstance(d, Replicate)
-                                and isinstance(dict(s.from_ or ()).get(ax), Shard)})
-                    fused |= gathers & set(plan.grad_partial_axes)
+            fused = self.syncs.fused.get(path, set())
             for s in self.syncs_of(path, "fwd_pre") + self.syncs_of(path, "bwd_post"):
-                fn = self.transform(s, where, fused_gather=fused)
+                if index[id(s)] in self.syncs.merged:
+                    continue  # carried out by the fwd_pre gather's backward
+                fn = self.transform(index[id(s)], s, where, fused_gather=fused)
                 m.register_forward_pre_hook(
                     lambda mod, a, k, fn=fn, s=s: _map_input(mod, a, k, s.arg, fn, where), with_kwargs=True)
             if plan is not None:
                 for ax in plan.grad_partial_axes:
-                    if ax in fused:
+                    if ax in fused or (path, ax) in self.syncs.grad_replaced:
                         continue
                     f = self.shared_grad_all_reduce(ax)
                     m.register_forward_pre_hook(
                         lambda mod, a, k, f=f: _map_input(mod, a, k, 0, f, f"build at {path!r}"), with_kwargs=True)
-            final = dict(plan.out) if plan is not None else {}
             for s in self.syncs_of(path, "fwd_post"):
-                fn = self.transform(s, where, fused_gather=set())
+                fn = self.transform(index[id(s)], s, where, fused_gather=set())
                 m.register_forward_hook(lambda mod, a, out, fn=fn, s=s: _map_output(out, s.out, fn, where))
-                final.update(_after(s))
+            for ax in self.syncs.derived_reduce.get(path, []):
+                logger.info("build: all-reduce after %r on axis %r (a pending sum no sync reduces)", path, ax)
+                g = self.group(ax)
+                m.register_forward_hook(lambda mod, a, out, g=g: _map_output(out, 0, lambda y: C.all_reduce(y, g), where))
+            final = self.syncs.final.get(path, {})
             if plan is not None and plan.pending_bias:
                 self.install_pending_bias(path, m, plan, final)
             if plan is not None and plan.forward is not None:
@@ -469,18 +467,6 @@ class _Builder:
         logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",
                     len(self.st.param_shards), len(self.st.syncs), len(self.st.checkpoints), self.mesh)
         return out
-
-
-def _after(spec: SyncSpec) -> dict[str, Placement]:
-    """The layout a fwd_post sync leaves on its axes."""
-    if spec.to is not None:
-        return dict(spec.to)
-    kw = spec.kw()
-    if spec.op in ("all_reduce", "all_gather"):
-        return {spec.axis: Replicate()}
-    if spec.op in ("reduce_scatter", "split"):
-        return {spec.axis: Shard(kw["dim"])}
-    return {spec.axis: Shard(kw["split_dim"])}
 
 
 def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
