@@ -56,6 +56,13 @@ def _sync_decomposed(builder) -> None:
                 elif s.dim == in_dim:
                     raise BuildError(f"build: {path!r} was decomposed but its weight is split on its input dim over "
                                      f"axis {s.axis!r} (row parallel); decompose only column-parallel leaves")
+            for s in st.syncs:
+                reduces = s.mode == "bwd_post" and (s.op == "all_reduce" and s.axis in axes or s.op is None and all(
+                    ax in axes for ax, _ in s.to))
+                if s.path == path and not reduces:
+                    raise BuildError(f"build: {path!r} was decomposed, so its sync {s.mode} "
+                                     f"{'op=%r' % s.op if s.op else 'to=%s' % [p for _, p in s.to]} has no module call "
+                                     f"to run on; record it on the parent module")
             x = node.args[0]
             for ax in axes:
                 name = f"_grad_sync_{node.name}_{ax}"

@@ -325,20 +325,70 @@ def decomposition_dims(mod: nn.Module) -> tuple[int, int]:
     return out_dim, in_dim
 
 
+class LeafHooks(nn.Module):
+    """The forward pre-hooks and forward hooks a decomposed leaf had, run around its decomposition in the
+    graph: ``forward(x)`` runs the pre-hooks on the input, ``forward(x, y)`` the forward hooks on the output.
+    The leaf itself is held by reference, not as a child, so its parameters keep their one path."""
+
+    def __init__(self, leaf: nn.Module, pre: list[Callable], post: list[Callable]):
+        super().__init__()
+        self.pre, self.post = list(pre), list(post)
+        object.__setattr__(self, "_leaf", leaf)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if y is None:
+            for hook in self.pre:
+                r = hook(self._leaf, (x,))
+                if r is not None:
+                    x = r[0] if isinstance(r, tuple) else r
+            return x
+        for hook in self.post:
+            r = hook(self._leaf, (x,), y)
+            if r is not None:
+                y = r
+        return y
+
+
+def leaf_hook_problems(mod: nn.Module) -> list[str]:
+    """Hooks of a leaf that a graph of loose ops cannot run as the module would (empty: all carry over)."""
+    out = []
+    if getattr(mod, "_backward_hooks", None) or getattr(mod, "_backward_pre_hooks", None):
+        out.append("backward hooks")
+    if getattr(mod, "_forward_pre_hooks_with_kwargs", None) or getattr(mod, "_forward_hooks_with_kwargs", None):
+        out.append("hooks registered with_kwargs=True")
+    return out
+
+
 def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None:
-    """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op."""
+    """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op. The
+    leaf's forward pre-hooks and forward hooks keep running around it (`LeafHooks`); backward hooks or hooks
+    with keyword arguments cannot, so they are a ScheduleError (the graph is unchanged)."""
     mod = gm.get_submodule(node.target)
     fn, _, _ = _DECOMPOSITIONS[type(mod)]
     if len(node.args) != 1 or node.kwargs:
         raise ScheduleError(f"decompose at {full_path!r}: the leaf is called with {len(node.args)} positional and "
                             f"{sorted(node.kwargs)} keyword arguments; only single-input calls decompose")
+    bad = leaf_hook_problems(mod)
+    if bad:
+        raise ScheduleError(f"decompose at {full_path!r}: the leaf has {' and '.join(bad)}, which its loose ops "
+                            f"could not run; remove them or do not decompose this leaf")
     g = gm.graph
+    pre, post = list(mod._forward_pre_hooks.values()), list(mod._forward_hooks.values())
+    hooks_name = None
+    if pre or post:
+        hooks_name = _unique_name(gm, f"{node.target.replace('.', '_')}_hooks")
+        gm.add_submodule(hooks_name, LeafHooks(mod, pre, post))
     with g.inserting_before(node):
-        x = g.call_function(leaf_input, (node.args[0],), {"path": full_path})
+        x_in = node.args[0]
+        if pre:
+            x_in = g.call_module(hooks_name, (x_in,))
+        x = g.call_function(leaf_input, (x_in,), {"path": full_path})
         y = fn(g, x, node.target)
         if getattr(mod, "bias", None) is not None:
             b = g.get_attr(f"{node.target}.bias")
             y = g.call_function(operator.add, (y, b))
+        if post:
+            y = g.call_module(hooks_name, (x_in, y))
     # the leaf's output pytree was read through _tensor_leaves (export) or used directly (fx)
     from .capture import _tensor_leaves
 

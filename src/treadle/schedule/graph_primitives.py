@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor.placement_types import Replicate
 
 from ..errors import ScheduleError
 from .log import Ref
@@ -170,6 +171,7 @@ class GraphPrimitives:
         new = new.load() if isinstance(new, Ref) else new
         gm, m, path = self._match(match, "replace_match")
         arg = new if isinstance(new, nn.Module) else Ref.of(new)
+        _check_no_primitives_inside(self, gm, m, path, op="replace_match", what="the replacement")
         spec = m.spec()
         self._state.snapshot()
         replace_match(gm, m, new)
@@ -201,6 +203,9 @@ class GraphPrimitives:
             nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
         if not nodes:
             raise ScheduleError(f"decompose at {self._where()}: no call of a decomposable leaf in the traced graph")
+        for n in nodes:
+            full = f"{prefix}.{n.target}" if prefix else n.target
+            _check_decomposable_primitives(self, gm.get_submodule(n.target), full)
         self._state.snapshot()
         done = []
         for n in nodes:
@@ -333,23 +338,62 @@ class GraphPrimitives:
         return self
 
 
-def _check_no_primitives_inside(sch: "Schedule", gm: fx.GraphModule, m: "Match", path: str) -> None:
-    """A compiled region runs its leaves as plain functions: primitives recorded on them (syncs, gradient
-    reductions, checkpoints, RNG forks, sharded parameters) would be bypassed, so refuse to fuse over them."""
+def _recorded_on(sch: "Schedule", mod: nn.Module, full: str) -> list[str]:
+    """Primitives recorded on module `full` (and its parameters) and hooks registered on it, as short names."""
     st = sch._state
+    hooks = [name for name, attr in (("forward pre-hooks", "_forward_pre_hooks"), ("forward hooks", "_forward_hooks"),
+                                     ("backward hooks", "_backward_hooks"),
+                                     ("backward pre-hooks", "_backward_pre_hooks")) if getattr(mod, attr, None)]
+    return ([f"sync {s.mode}" + (f" op={s.op!r}" if s.op else "") for s in st.syncs if s.path == full]
+            + ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
+            + ["checkpoint" for p in st.checkpoints if p == full]
+            + ["fork_rng" for p, _ in st.fork_rngs if p == full]
+            + [f"shard {name}" for name, prm in mod.named_parameters() if id(prm) in st.param_shards]
+            + hooks)
+
+
+def _check_no_primitives_inside(sch: "Schedule", gm: fx.GraphModule, m: "Match", path: str, *, op: str = "fuse",
+                                what: str = "a compiled region") -> None:
+    """A compiled region (or a replacement) runs instead of the matched leaves: primitives recorded on them
+    (syncs, gradient reductions, checkpoints, RNG forks, sharded parameters) and their hooks would be
+    bypassed, so refuse to rewrite over them."""
     for n in m.nodes:
         if n.op != "call_module":
             continue
         full = f"{path}.{n.target}" if path else n.target
-        what = ([f"sync {s.mode}" for s in st.syncs if s.path == full]
-                + ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
-                + ["checkpoint" for p in st.checkpoints if p == full]
-                + ["fork_rng" for p, _ in st.fork_rngs if p == full]
-                + [f"shard {name}" for name, prm in gm.get_submodule(n.target).named_parameters()
-                   if id(prm) in st.param_shards])
-        if what:
-            raise ScheduleError(f"fuse at {sch._where()}: leaf {full!r} has recorded primitives {what} that a compiled "
-                                f"region would bypass; fuse a region without that leaf")
+        found = _recorded_on(sch, gm.get_submodule(n.target), full)
+        if found:
+            raise ScheduleError(f"{op} at {sch._where()}: leaf {full!r} has recorded primitives or hooks ({', '.join(found)}) that "
+                                f"{what} would bypass; {op} a region without that leaf, or apply them to the "
+                                f"module that replaces it")
+
+
+def _check_decomposable_primitives(sch: "Schedule", leaf: nn.Module, full: str) -> None:
+    """What a decomposition keeps: a column-sharded weight (and bias) and a reduction of the input gradient on
+    that axis (build puts it where the leaf's input was); forward pre-hooks and forward hooks (run around the
+    loose ops). Anything else recorded on the leaf would be silently dropped, so it is a ScheduleError."""
+    from ..graph.rewrite import decomposition_dims, leaf_hook_problems
+
+    st = sch._state
+    out_dim, in_dim = decomposition_dims(leaf)
+    col_axes = {s.axis for s in st.param_shards.get(id(leaf.weight), []) if s.dim == out_dim}
+    bad = [f"shard weight dim {s.dim} over {s.axis!r} (row parallel: its output is a pending sum)"
+           for s in st.param_shards.get(id(leaf.weight), []) if s.dim == in_dim]
+    for s in st.syncs:
+        if s.path != full:
+            continue
+        reduces = s.mode == "bwd_post" and (
+            (s.op == "all_reduce" and s.axis in col_axes)
+            or (s.op is None and all(ax in col_axes and isinstance(p, Replicate) for ax, p in s.to)))
+        if not reduces:
+            bad.append(f"sync {s.mode}" + (f" op={s.op!r}" if s.op else f" to={[p for _, p in s.to]}"))
+    bad += ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
+    bad += ["checkpoint" for p in st.checkpoints if p == full]
+    bad += ["fork_rng" for p, _ in st.fork_rngs if p == full]
+    bad += leaf_hook_problems(leaf)
+    if bad:
+        raise ScheduleError(f"decompose at {full!r}: the leaf has {'; '.join(bad)}, which its loose ops (matmul, + bias) cannot "
+                            f"carry; apply them to its parent module, or do not decompose this leaf")
 
 
 def _record(op: str, path: str, **args: Any):
