@@ -21,8 +21,10 @@ Failures raise ScheduleError naming the module and the reason; nothing falls bac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import keyword
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -101,7 +103,11 @@ class TracedModule(fx.GraphModule):
         self.source_type = source
 
     def recompile(self):
-        res = super().recompile()
+        for node in self.graph.nodes:  # a node named `self` would shadow the module inside forward
+            if node.name == "self":
+                node._rename("self_")
+        with _keyword_safe_targets():
+            res = super().recompile()
         cls = type(self)
         if cls.forward is not _structured_forward:
             cls._flat_forward = cls.forward
@@ -119,6 +125,27 @@ class TracedModule(fx.GraphModule):
 
     def __reduce__(self):
         raise TypeError("a TracedModule is not picklable; save the schedule (to_json) and replay it instead")
+
+
+@contextlib.contextmanager
+def _keyword_safe_targets():
+    """During code generation, spell a sub-module named like a Python keyword (``lambda``, ``class``) as
+    ``getattr(self, "lambda")``: torch.fx writes ``self.lambda``, which is a syntax error."""
+    import torch.fx.graph as fx_graph
+
+    orig = fx_graph._format_target
+
+    def format_target(base: str, target: str) -> str:
+        r = base
+        for e in target.split("."):
+            r = f'getattr({r}, "{e}")' if not e.isidentifier() or keyword.iskeyword(e) else f"{r}.{e}"
+        return r
+
+    fx_graph._format_target = format_target
+    try:
+        yield
+    finally:
+        fx_graph._format_target = orig
 
 
 def _structured_forward(self, *args, **kwargs):

@@ -164,7 +164,8 @@ def _subgraph(gm: fx.GraphModule, body: list[fx.Node], ins: list[fx.Node], outs:
 
     for n in body:
         env[n] = g.node_copy(n, get)
-    res = [get(o) for o in outs]
+    # what a stage sends must be contiguous (gloo refuses views such as a tensor-parallel gather's result)
+    res = [g.call_method("contiguous", (get(o),)) for o in outs]
     g.output(res[0] if single else tuple(res))
     out = fx.GraphModule(gm, g, name)
     return out

@@ -486,7 +486,15 @@ class Schedule(_GraphPrimitives):
 
 
 def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
-    """Install `new` at `path`, carrying over the hooks registered on `old`."""
+    """Install `new` at `path` (not the root), carrying over the hooks registered on `old`."""
+    _copy_hooks(old, new)
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def _copy_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Carry the hooks registered on `old` (and its training flag) over to `new`."""
     for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
                  "_backward_pre_hooks"):
@@ -498,9 +506,6 @@ def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) ->
     if getattr(old, "_is_full_backward_hook", None) is not None:  # full vs legacy backward hooks
         new._is_full_backward_hook = old._is_full_backward_hook
     new.train(old.training)
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, new)
 
 
 def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:

@@ -85,12 +85,11 @@ class GraphPrimitives:
         Raises ScheduleError naming the module and the capture error; nothing falls back silently.
         """
         from ..graph.capture import capture_export, capture_fx, record_call, resolve_leaves
-        from .core import _swap_module
+        from .core import _copy_hooks, _swap_module
 
         self._check_not_built("trace")
-        if not self.path:
-            raise ScheduleError("trace: the root module cannot be replaced by its graph; trace a sub-module "
-                                "(pipelines capture the root themselves at build)")
+        if not self.path and "pipeline" in self._state.extras:
+            raise ScheduleError("trace: a pipelined model captures its root itself at build; trace a sub-module")
         if isinstance(self.mod, fx.GraphModule):
             raise ScheduleError(f"trace at {self._where()}: already traced")
         if method not in ("auto", "fx", "export"):
@@ -108,7 +107,11 @@ class GraphPrimitives:
             args, kwargs = record_call(self.model, self.path, make_inputs(spec))
             gm = capture_export(self.mod, leaf_paths, args, kwargs, where=self._where())
         self._state.snapshot()
-        _swap_module(self._state.model, self.path, self.mod, gm)
+        if self.path:
+            _swap_module(self._state.model, self.path, self.mod, gm)
+        else:  # the root: the schedule's model becomes the graph (verify keeps the snapshot as reference)
+            _copy_hooks(self.mod, gm)
+            self._state.model = gm
         self.mod = gm
         rec: dict[str, Any] = {"flatten": flatten, "method": method}
         if leaves:
