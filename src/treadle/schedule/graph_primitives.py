@@ -25,8 +25,24 @@ from ..errors import ScheduleError
 from .log import Ref
 
 if TYPE_CHECKING:
-    from ..graph.pattern import Match
     from .core import Schedule
+
+# The graph layer (capture, pattern, rewrite modules) registers itself here on import (`treadle.graph`): the
+# schedule records primitives and never imports the layers below it.
+_GRAPH_LAYER: dict[str, Any] = {}
+
+
+def register_graph_layer(**modules: Any) -> None:
+    """Called by `treadle.graph` with its modules (capture=, pattern=, rewrite=)."""
+    _GRAPH_LAYER.update(modules)
+
+
+def _layer(name: str) -> Any:
+    mod = _GRAPH_LAYER.get(name)
+    if mod is None:
+        raise ScheduleError(f"graph primitives need the graph layer, which is not loaded; import treadle.graph "
+                            f"(importing treadle does)")
+    return mod
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +100,9 @@ class GraphPrimitives:
         example inputs are given, else fx). Batch and sequence dims stay symbolic.
         Raises ScheduleError naming the module and the capture error; nothing falls back silently.
         """
-        from ..graph.capture import capture_export, capture_fx, record_call, resolve_leaves
+        cap = _layer("capture")
+        capture_export, capture_fx = cap.capture_export, cap.capture_fx
+        record_call, resolve_leaves = cap.record_call, cap.resolve_leaves
         from .core import _copy_hooks, _swap_module
 
         self._check_not_built("trace")
@@ -138,15 +156,13 @@ class GraphPrimitives:
         """Matches of a subgraph pattern (a function such as ``lambda x, bias: F.gelu(x + bias)``) in this
         module's graph, non-overlapping, in graph order; empty if there is none. Needs `trace` first.
         Raises ScheduleError when the pattern cannot be captured."""
-        from ..graph.pattern import find_matches
-
-        _ensure_model_forms()
+        find_matches = _layer("pattern").find_matches
 
         gm = self._traced("find")
         return find_matches(pattern, gm, path=self.path)
 
     def _match(self: "Schedule", match: "Match | dict", op: str) -> tuple[fx.GraphModule, "Match", str]:
-        from ..graph.pattern import Match, match_from_spec
+        Match, match_from_spec = _layer("pattern").Match, _layer("pattern").match_from_spec
 
         if match is None or (isinstance(match, list) and not match):
             raise ScheduleError(f"{op} at {self._where()}: no match given (the pattern matched nothing)")
@@ -168,7 +184,7 @@ class GraphPrimitives:
         match's inputs *by name*. Hooks of the surrounding modules are kept. A replacement whose signature
         cannot bind (a parameter without a match input of its name, or an input it would drop) is rejected
         with ScheduleError and the schedule is unchanged; so is an empty match."""
-        from ..graph.rewrite import replace_match
+        replace_match = _layer("rewrite").replace_match
 
         self._check_not_built("replace_match")
         new = new.load() if isinstance(new, Ref) else new
@@ -188,12 +204,9 @@ class GraphPrimitives:
         follows. On a traced module: every decomposable leaf call in its graph; on a leaf: its calls in the
         nearest traced ancestor. A column-sharded weight keeps working (build inserts the input-gradient
         reduction); a row-sharded one is a BuildError. Raises ScheduleError if nothing can decompose."""
-        from ..graph.rewrite import decomposable, decompose_node
-
-        _ensure_model_forms()
+        decomposable, decompose_node = _layer("rewrite").decomposable, _layer("rewrite").decompose_node
 
         self._check_not_built("decompose")
-        _ensure_build_steps()
         if isinstance(self.mod, fx.GraphModule):
             gm, prefix = self.mod, self.path
             nodes = [n for n in gm.graph.nodes if n.op == "call_module" and decomposable(gm.get_submodule(n.target))]
@@ -223,9 +236,9 @@ class GraphPrimitives:
         """Compile the matched region with ``torch.compile(backend=compiler, fullgraph=True)`` (on first call);
         numerics are unchanged up to the backend's rounding. Raises ScheduleError for an unavailable compiler
         (listing the available ones) or an empty match."""
-        from ..graph.rewrite import FusedRegion, check_compiler, inline_leaf_forms, wrap_region
-
-        _ensure_model_forms()
+        rw = _layer("rewrite")
+        FusedRegion, check_compiler, inline_leaf_forms, wrap_region = (rw.FusedRegion, rw.check_compiler,
+                                                                       rw.inline_leaf_forms, rw.wrap_region)
 
         self._check_not_built("fuse")
         check_compiler(compiler, self._where())
@@ -244,7 +257,7 @@ class GraphPrimitives:
 
     def checkpoint_match(self: "Schedule", match: "Match | dict") -> "Schedule":
         """Recompute the matched part of the graph in backward instead of saving its activations."""
-        from ..graph.rewrite import CheckpointRegion, wrap_region
+        CheckpointRegion, wrap_region = _layer("rewrite").CheckpointRegion, _layer("rewrite").wrap_region
 
         self._check_not_built("checkpoint_match")
         gm, m, path = self._match(match, "checkpoint_match")
@@ -260,7 +273,6 @@ class GraphPrimitives:
         other op is recomputed in backward (`torch.utils.checkpoint.create_selective_checkpoint_contexts`).
         Raises ScheduleError for an unknown op or a module already checkpointed."""
         self._check_not_built("checkpoint_selective")
-        _ensure_build_steps()
         resolve_ops(save, self._where())
         if self.path in self._state.checkpoints or any(p == self.path for p, _ in self._state.extras.get("selective", [])):
             raise ScheduleError(f"checkpoint_selective at {self._where()}: already checkpointed")
@@ -274,7 +286,6 @@ class GraphPrimitives:
         (nn.ModuleList / nn.Sequential) such as the model's stack of blocks, and not its last element.
         Raises ScheduleError otherwise, naming the containers where a cut would work."""
         self._check_not_built("cut_pipeline_stage")
-        _ensure_build_steps()
         parent_path, _, name = self.path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         if not self.path or not isinstance(parent, (nn.ModuleList, nn.Sequential)):
@@ -309,7 +320,6 @@ class GraphPrimitives:
         they equal the gradient of the mean of the micro-batch losses.
         Raises ScheduleError for a missing axis, no cuts, an unknown schedule or a batch that does not split."""
         self._check_not_built("pipeline")
-        _ensure_build_steps()
         if self.path:
             raise ScheduleError(f"pipeline applies to the whole model: call it on the root schedule, not {self._where()}")
         self._check_axis(axis, "pipeline")
@@ -375,7 +385,7 @@ def _check_decomposable_primitives(sch: "Schedule", leaf: nn.Module, full: str) 
     """What a decomposition keeps: a column-sharded weight (and bias) and a reduction of the input gradient on
     that axis (build puts it where the leaf's input was); forward pre-hooks and forward hooks (run around the
     loose ops). Anything else recorded on the leaf would be silently dropped, so it is a ScheduleError."""
-    from ..graph.rewrite import decomposition_dims, leaf_hook_problems
+    decomposition_dims, leaf_hook_problems = _layer("rewrite").decomposition_dims, _layer("rewrite").leaf_hook_problems
 
     st = sch._state
     out_dim, in_dim = decomposition_dims(leaf)
@@ -432,16 +442,3 @@ def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
         raise ScheduleError(f"checkpoint_selective at {where}: unknown ops {bad}; name aten ops as 'aten.<op>', "
                             f"e.g. 'aten.mm', 'aten.addmm'")
     return out
-
-
-def _ensure_model_forms() -> None:
-    """Load the model-specific op forms and decompositions (they live in treadle.models.kernels)."""
-    try:
-        from ..models import kernels  # noqa: F401
-    except ImportError:  # pragma: no cover - transformers missing: only the built-in forms exist
-        pass
-
-
-def _ensure_build_steps() -> None:
-    """Register the graph layer's build steps (imported lazily: the runtime imports this module's class)."""
-    from ..graph import build_steps  # noqa: F401

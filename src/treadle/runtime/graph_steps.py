@@ -1,4 +1,4 @@
-"""Build steps of the graph layer: sharded decomposed leaves and selective checkpointing.
+"""Build steps for graph-level primitives: sharded decomposed leaves and selective checkpointing.
 
 * pre_shard: a decomposed leaf no longer runs its module, so the input-gradient reduction a column-sharded
   weight needs (the leaf rule's pre-hook) is inserted into the graph where the leaf's input was marked
@@ -18,10 +18,10 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import BuildError
-from ..runtime import collectives as C
-from ..runtime.build import _wrap_forward, register_build_extension
+from ..graph.rewrite import decomposition_dims, leaf_input
 from ..schedule.graph_primitives import resolve_ops
-from .rewrite import decomposition_dims, leaf_input
+from . import collectives as C
+from .build import _wrap_forward, register_build_extension
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _selective(builder) -> None:
                                                                            context_fn=ctx, **k)))
 
 
-from ..runtime import pipeline as _pipeline  # noqa: E402,F401  (registers the pipeline build steps)
+from . import pipeline as _pipeline  # noqa: E402,F401  (registers the pipeline build steps)
 
 register_build_extension("pre_shard", _sync_decomposed)
 register_build_extension("post_hooks", _selective)
