@@ -199,6 +199,7 @@ class _Builder:
             p = holders[0][0]._parameters[holders[0][1]]
             local = local_slice(p.detach(), shards, self.coords, self.sizes).clone().contiguous()
             new = nn.Parameter(local, requires_grad=p.requires_grad)
+            new.global_shape = tuple(p.shape)  # Slapo's orig_shape: the whole parameter's shape
             for m, name, _ in holders:
                 m._parameters[name] = new
             if pid in self.st.annotations:
@@ -450,6 +451,9 @@ class _Builder:
         owners = self.owners()
         self.plan_leaves(owners)
         self.slice_params(owners)
+        for p in self.model.parameters():
+            if not hasattr(p, "global_shape"):
+                p.global_shape = tuple(p.shape)  # not sharded: local and global shapes agree
         self.install_syncs()
         self.install_reduce_grads()
         self.install_fork_rng()
@@ -472,6 +476,7 @@ class _Builder:
 def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
 
+    Every parameter of the result carries ``global_shape`` (the whole tensor's shape; Slapo's ``orig_shape``).
     Pretrained weights are sliced to the local shard, never re-initialised; meta parameters are
     materialised with a per-module seeded init (`init_fn`, else the model's ``_init_weights``, else
     ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its

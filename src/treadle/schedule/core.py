@@ -235,25 +235,36 @@ class Schedule(_GraphPrimitives):
         self.mod = built
         return self
 
-    def replace_all(self, module_type: type, factory: Callable[[nn.Module], nn.Module]) -> list[str]:
-        """Replace every module of exactly `module_type` under this one with ``factory(old)``.
+    def replace_all(self, module_type: type, factory: Callable[..., nn.Module], **kwargs: Any) -> list[str]:
+        """Replace every module of exactly `module_type` under this one with ``factory(old, **kwargs)``; a
+        factory with a ``path`` parameter (or ``**kw``) also receives the module's full dotted path
+        (Slapo's ``make_mod_func(name, mod)``). `kwargs` are logged, so they must be JSON values.
 
         Returns the replaced paths. Raises ScheduleError when nothing matches (a pattern that matches
-        nothing is a mistake, not a no-op).
+        nothing is a mistake, not a no-op) or the factory does not return a module.
         """
+        import inspect
+
         self._check_not_built("replace_all")
         ref = Ref.of(factory)
         paths = [p for p, m in self.named_schedules() if type(m.mod) is module_type and p != self.path]
         if not paths:
             raise ScheduleError(f"replace_all at {self._where()}: no module of type {module_type.__qualname__} here")
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        wants_path = "path" in params or any(q.kind == q.VAR_KEYWORD for q in params.values())
+        if "path" in kwargs:
+            raise ScheduleError(f"replace_all at {self._where()}: 'path' is passed by treadle; rename that argument")
         self._state.snapshot()
         for p in paths:
             sub = Schedule(self._state, p, self._state.model.get_submodule(p))
-            new = factory(sub.mod)
+            new = factory(sub.mod, **({"path": p} if wants_path else {}), **kwargs)
             if not isinstance(new, nn.Module):
                 raise ScheduleError(f"replace_all: factory {ref.target} returned {type(new).__name__} for {p!r}")
             _swap_module(self._state.model, p, sub.mod, new)
-        self._record("replace_all", module_type=module_type, factory=ref)
+        self._record("replace_all", module_type=module_type, factory=ref, **kwargs)
         return paths
 
     # ================================================================== primitives: layouts
@@ -531,7 +542,7 @@ def replay(sch: Schedule, records: list[Record]) -> Schedule:
             new = args["new"]
             fn(new.load() if isinstance(new, Ref) else new)
         elif r.op == "replace_all":
-            fn(args["module_type"], args["factory"].load())
+            fn(args.pop("module_type"), args.pop("factory").load(), **args)
         elif pos is not None:
             fn(pos, **args)
         else:
