@@ -71,12 +71,9 @@ def _value(gm: fx.GraphModule, v: Any, before: fx.Node) -> Any:
 
 
 def _check_region(match: Match) -> None:
-    nodes = set(match.nodes)
-    outs = set(match.outputs)
+    """The match still belongs to the graph. Inner values read outside the match (`Match.shared`) are allowed:
+    `_install` erases only ops nobody reads any more, so those readers keep their value."""
     for n in match.nodes:
-        if n not in outs and any(u not in nodes for u in n.users):
-            raise ScheduleError(f"match at {match.path!r}: node {n.name!r} is used outside the match; only the "
-                                f"match's outputs may be")
         if n.graph is not match.outputs[0].graph:
             raise ScheduleError(f"match at {match.path!r} belongs to a graph that was since rewritten; find again")
 
