@@ -510,5 +510,5 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None) 
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
-    from . import graph_steps  # noqa: F401  (registers the build steps of graph primitives and pipelines)
+    from . import conv_rules, graph_steps  # noqa: F401  (register conv rules and graph/pipeline build steps)
     return _Builder(Schedule(sch._state, "", sch._state.model), init_fn).run()  # always from the root
