@@ -54,13 +54,29 @@ def phi():  # partial rotary, parallel residual, q/k/v with bias
                                         **COMMON))
 
 
+def qwen2():  # grouped q/k/v with bias, gated MLP (LLaMA-like names: the named recipe)
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **COMMON))
+
+
+def gemma():  # separate head_dim, gelu-gated MLP, tied head
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.GemmaForCausalLM(T.GemmaConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **COMMON))
+
+
 def _inputs():
     ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 @pytest.mark.parametrize("make", [gpt_neox, gpt_j, pytest.param(gpt_neo, marks=pytest.mark.slow),
-                                  pytest.param(phi, marks=pytest.mark.slow)])
+                                  pytest.param(phi, marks=pytest.mark.slow),
+                                  pytest.param(qwen2, marks=pytest.mark.slow),
+                                  pytest.param(gemma, marks=pytest.mark.slow)])
 def test_megatron_by_structure_verifies(make):
     sch = create_schedule(make(), mesh=TP2)
     treadle.models.megatron(sch, tp="tp")
