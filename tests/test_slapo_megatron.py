@@ -79,7 +79,8 @@ def _inputs():
                                   pytest.param(gemma, marks=pytest.mark.slow)])
 def test_megatron_by_structure_verifies(make):
     sch = create_schedule(make(), mesh=TP2)
-    treadle.models.megatron(sch, tp="tp")
+    # Gemma scales its embedding inside a subclass of nn.Embedding: keep the vocabulary whole
+    treadle.models.megatron(sch, tp="tp", **({"vocab_parallel_head": False} if make is gemma else {}))
     rows = [r.path for r in sch.records if r.op == "sync"]
     assert rows and all(r.args.get("to") is not None for r in sch.records if r.op == "sync")
     treadle.verify(sch, _inputs(), steps=1)
