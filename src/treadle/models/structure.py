@@ -96,6 +96,7 @@ def find_block_layout(sch: Schedule, blocks: str, example_inputs: dict, tp_size:
         raise ScheduleError(f"{where}: finding the layout by data flow runs the model once; the model is on the "
                             f"meta device (use a recipe by name, or materialise it)")
     args, kwargs = record_call(sch.model, f"{blocks}.0", example_inputs)
+    _refuse_per_head_inputs(sch, args, kwargs, where)
     gm = capture_export(block, sorted(leaves), args, kwargs, where=where, dynamic=False)
     levels = _levels(gm, leaves)
     unused = sorted(leaves - set(levels))
@@ -152,12 +153,37 @@ def find_block_layout(sch: Schedule, blocks: str, example_inputs: dict, tp_size:
     return lay
 
 
+def _refuse_per_head_inputs(sch: Schedule, args: tuple, kwargs: dict, where: str) -> None:
+    """A tensor made outside the block with one entry per attention head (BLOOM's ALiBi biases, batch x heads
+    flattened) cannot follow the heads into their shards: refuse rather than fail inside attention. Seen on
+    the one-sample example batch as a dim of size heads that is neither the sequence nor the last dim."""
+    import torch.utils._pytree as pytree
+
+    cfg = getattr(sch.model, "config", None)
+    heads = next((getattr(cfg, n) for n in ("num_attention_heads", "n_head", "num_heads")
+                  if isinstance(getattr(cfg, n, None), int)), None)
+    if not heads or heads == 1:
+        return
+    hidden = next((t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.is_floating_point()
+                   and t.dim() == 3), None)
+    seq = hidden.shape[1] if hidden is not None else None
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    for i, t in enumerate(flat):
+        if not torch.is_tensor(t) or t.dim() < 2 or heads == seq:
+            continue
+        if any(d == heads for d in t.shape[:-1]) and t.shape[0] * (t.shape[1] if t.dim() > 3 else 1) == heads:
+            raise ScheduleError(f"{where}: the block receives a tensor of shape {tuple(t.shape)} with one entry per "
+                                f"attention head ({heads}) made outside it (e.g. ALiBi biases); it cannot follow the "
+                                f"heads into their tensor-parallel shards, so this architecture needs a schedule "
+                                f"written by hand")
+
+
 def default_example_inputs(sch: Schedule) -> dict:
     """A small batch of token ids for models that take ``input_ids`` (zeros are valid ids), without a KV cache
     (a graph cannot hold one)."""
     import inspect
 
-    out: dict = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+    out: dict = {"input_ids": torch.zeros(1, 7, dtype=torch.long)}  # 7: a sequence unlike a head count
     try:
         params = inspect.signature(sch.model.forward).parameters
     except (TypeError, ValueError):
