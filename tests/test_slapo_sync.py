@@ -161,6 +161,8 @@ def _errors(rank, world):
                                    s["mlp"].sync("fwd_post", op="all_reduce", axis="tp")),
         "gather_row_input": lambda s: (s["mlp.fc2"].shard("weight", dim=1, axis="tp"),
                                        s["mlp.fc2"].sync("fwd_pre", op="all_gather", dim=-1, axis="tp")),
+        "reduced_twice": lambda s: (_column(s["mlp.fc1"]), s["mlp"].sync("bwd_post", op="all_reduce", axis="tp"),
+                                    s["mlp.fc1"].sync("bwd_post", op="all_reduce", axis="tp")),
     }
     for name, apply in cases.items():
         sch = treadle.create_schedule(make_block(), mesh=Mesh((world,), ("tp",)))
@@ -190,3 +192,5 @@ def test_explicit_ops_that_contradict_the_known_layout_are_refused():
     assert m and "sch['mlp']" in m and "'mlp.fc2': 'Replicate()'" in m, m
     m = msgs["gather_row_input"]
     assert m and "row-parallel 'mlp.fc2' reads its input as Shard(dim=-1)" in m, m
+    m = msgs["reduced_twice"]
+    assert m and "column-parallel 'mlp.fc1' over axis 'tp', which sync at sch['mlp']" in m and "counted twice" in m, m

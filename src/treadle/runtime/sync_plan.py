@@ -104,6 +104,7 @@ class _Planner:
         self.leaves = leaves  # path -> LeafPlan (out, grad_partial_axes)
         self.module_type = module_type  # path -> class name, for messages
         self.plan = SyncPlan()
+        self.grad_owner: dict[tuple[str, str], SyncSpec] = {}
 
     def where(self, spec: SyncSpec) -> str:
         return f"sync at sch[{spec.path!r}]"
@@ -268,7 +269,19 @@ class _Planner:
                 f"leaf at or under it makes that gradient a pending sum (sharded leaves and their outputs on "
                 f"{axis!r}: {lays}); the gradient there is already complete (Replicate or Shard), so the sum would "
                 f"count it {axis!r}-size times or add different shards; drop this sync")
+        self.claim(s, cols, axis)
+
+    def claim(self, s: SyncSpec, cols: list[str], axis: str) -> None:
+        """Record that `s` reduces the input gradient of column leaves `cols` on `axis`; a second explicit
+        reduction of the same gradient would count it twice."""
         for c in cols:
+            other = self.grad_owner.get((c, axis))
+            if other is not None and other is not s:
+                raise ScheduleError(
+                    f"{self.where(s)}: {_describe(s)} reduces the input gradient of column-parallel {c!r} over axis "
+                    f"{axis!r}, which sync at sch[{other.path!r}] ({_describe(other)}) already reduces; the sum would "
+                    f"be counted twice; keep one of them")
+            self.grad_owner[(c, axis)] = s
             self.plan.grad_replaced.add((c, axis))
 
     def merge_into_gather(self, i: int, s: SyncSpec, axis: str, dim: int) -> None:
@@ -279,8 +292,7 @@ class _Planner:
             if gathers:
                 self.plan.merged.add(i)
                 self.plan.fused.setdefault(s.path, set()).add(axis)
-                for c in self.columns_under(s.path, axis):
-                    self.plan.grad_replaced.add((c, axis))
+                self.claim(s, self.columns_under(s.path, axis), axis)
                 return
         raise ScheduleError(
             f"{self.where(s)}: {_describe(s)} over axis {axis!r} would change the input gradient's shape; a "
