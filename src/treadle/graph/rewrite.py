@@ -128,24 +128,95 @@ def check_binding(new: Callable, match: Match) -> inspect.Signature:
     return sig
 
 
-def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable) -> str | None:
+def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable, *,
+                  pre_hooks: dict[str, tuple[nn.Module, list]] | None = None,
+                  post_hooks: dict[int, tuple[nn.Module, list, str]] | None = None) -> str | None:
     """Put `new` (module or function) in place of `match`, calling it with the match inputs by name.
-    A module becomes a child of `gm`; returns its attribute name (None for a function)."""
+    A module becomes a child of `gm`; returns its attribute name (None for a function).
+
+    `pre_hooks` {match input: (leaf, forward pre-hooks)} run on that input before the replacement;
+    `post_hooks` {output index: (leaf, forward hooks, match input)} run on that output, with that input as the
+    hooks' ``args`` (after its pre-hooks), as they ran around the removed leaf (`LeafHooks`)."""
     _check_region(match)
     check_binding(new, match)
+    pre_hooks, post_hooks = pre_hooks or {}, post_hooks or {}
     name = None
     if isinstance(new, nn.Module):
         name = _unique_name(gm, "replaced")
         gm.add_submodule(name, new)
+    hooked: dict[str, fx.Node] = {}
+
+    def hooks_module(leaf: nn.Module, pre: list, post: list) -> str:
+        attr = _unique_name(gm, "leaf_hooks")
+        gm.add_submodule(attr, LeafHooks(leaf, pre, post))
+        return attr
 
     def make(last: fx.Node) -> fx.Node:
         kwargs = {k: _value(gm, v, last.next) for k, v in match.inputs.items()}
+        for k, (leaf, hooks) in pre_hooks.items():
+            kwargs[k] = hooked[k] = gm.graph.call_module(hooks_module(leaf, hooks, []), (kwargs[k],))
         if name is not None:
             return gm.graph.call_module(name, (), kwargs)
         return gm.graph.call_function(new, (), kwargs)
 
-    _install(gm, match, make)
+    leaves = {n.target for n in match.nodes if n.op == "call_module"}
+    out = _install(gm, match, make)
+    if name is not None:
+        _retarget_owned(gm, leaves, name)
+    _drop_unused_leaves(gm, leaves)
+    if post_hooks:
+        outs = [out] if len(match.outputs) == 1 else sorted((u for u in out.users if u.target is operator.getitem),
+                                                            key=lambda u: u.args[1])
+        for i, (leaf, hooks, in_name) in post_hooks.items():
+            y = outs[i]
+            x = hooked.get(in_name, match.inputs[in_name])
+            users = list(y.users)
+            with gm.graph.inserting_after(y):
+                h = gm.graph.call_module(hooks_module(leaf, [], hooks), (x, y))
+            for u in users:
+                u.replace_input_with(y, h)
+        _toposort(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
     return name
+
+
+def _retarget_owned(gm: fx.GraphModule, targets: set[str], name: str) -> None:
+    """Reads (get_attr) of a removed leaf that the replacement `name` now owns go through the replacement, so
+    the leaf keeps one path in the model; reads of a removed leaf's parameter go to the replacement's
+    parameter of the same name (relative to this module) and shape, which takes it over."""
+    new = gm.get_submodule(name)
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    for t in targets - called:
+        leaf = gm.get_submodule(t)
+        rel = next((q for q, sub in new.named_modules() if sub is leaf), None)
+        own = dict(new.named_parameters())
+        for n in gm.graph.nodes:
+            if n.op != "get_attr" or not n.target.startswith(t + "."):
+                continue
+            if rel is not None:
+                n.target = f"{name}.{rel}{n.target[len(t):]}" if rel else f"{name}{n.target[len(t):]}"
+            elif n.target in own and own[n.target].shape == _attr(gm, n.target).shape:
+                n.target = f"{name}.{n.target}"  # the replacement takes the parameter over by name
+    gm.recompile()
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    parent, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(parent) if parent else gm, name)
+
+
+def _drop_unused_leaves(gm: fx.GraphModule, targets: set[str]) -> None:
+    """Remove the leaf modules in `targets` that no node calls or reads any more, so a leaf the replacement
+    now owns has one path (its new one) and a removed one leaves no parameters behind."""
+    used = set()
+    for n in gm.graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            parts = n.target.split(".")
+            used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for t in sorted(targets - used):
+        parent, _, name = t.rpartition(".")
+        delattr(gm.get_submodule(parent) if parent else gm, name)
 
 
 # ------------------------------------------------------------------------------------------ regions

@@ -181,7 +181,9 @@ class GraphPrimitives:
 
     def replace_match(self: "Schedule", new: nn.Module | Callable | Ref, match: "Match | dict") -> "Schedule":
         """Put `new` (a module or a module-level function) in place of the matched subgraph, called with the
-        match's inputs *by name*. Hooks of the surrounding modules are kept. A replacement whose signature
+        match's inputs *by name*. Hooks of the surrounding modules are kept; primitives and hooks of the matched
+        leaves it removes move onto it where their meaning is kept (`treadle.schedule.carry`), else this is a
+        ScheduleError naming the leaf, the primitive and why. A replacement whose signature
         cannot bind (a parameter without a match input of its name, or an input it would drop) is rejected
         with ScheduleError and the schedule is unchanged; so is an empty match."""
         replace_match = _layer("rewrite").replace_match
@@ -190,10 +192,13 @@ class GraphPrimitives:
         new = new.load() if isinstance(new, Ref) else new
         gm, m, path = self._match(match, "replace_match")
         arg = new if isinstance(new, nn.Module) else Ref.of(new)
-        _check_no_primitives_inside(self, gm, m, path, op="replace_match", what="the replacement")
+        from .carry import plan_carry
+
+        carry = plan_carry(self, gm, m, path, new)
         spec = m.spec()
         self._state.snapshot()
-        replace_match(gm, m, new)
+        name = replace_match(gm, m, new, pre_hooks=carry.pre_hooks, post_hooks=carry.post_hooks)
+        carry.apply(self, f"{path}.{name}" if path and name else (name or path))
         self._state.records.append(_record("replace_match", path, new=arg, match=spec))
         logger.info("replace_match at %r: %s -> %s", path, spec["pattern"], getattr(arg, "target", type(new).__name__))
         return self
