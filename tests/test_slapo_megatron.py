@@ -113,18 +113,3 @@ def test_megatron_names_what_it_could_not_recognise():
     with pytest.raises(ScheduleError, match=r"megatron at sch\['layers.0'\] \(Odd\): could not recognise attention "
                                             r"and MLP: the Linear leaves form levels \[1, 2, 3\]"):
         treadle.models.megatron(sch, tp="tp", example_inputs={"x": torch.randn(2, 8)})
-
-
-def bloom():  # ALiBi: per-head biases built outside the blocks
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.BloomForCausalLM(T.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=256, hidden_dropout=0.0,
-                                            attention_dropout=0.0))
-
-
-def test_megatron_refuses_per_head_tensors_made_outside_the_block():
-    sch = create_schedule(bloom(), mesh=TP2)
-    with pytest.raises(ScheduleError, match=r"megatron at sch\['transformer.h.0'\] \(BloomBlock\): the block receives a "
-                                            r"tensor of shape \(4, 1, 7\) with one entry per attention head"):
-        treadle.models.megatron(sch, tp="tp")

@@ -175,6 +175,8 @@ def schedule_by_structure(sch: Schedule, *, tp: str = "tp", dp: str | None = Non
             b[path].shard_attr(attr, axis=tp)
         for path in lay.attention:
             b[path].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
+        for name, dim, inner in lay.per_head_inputs:  # ALiBi biases: this rank's heads only
+            b.sync("fwd_pre", op="split", dim=dim, axis=tp, arg=name, **({"inner": inner} if inner > 1 else {}))
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
 
 

@@ -49,6 +49,8 @@ class BlockLayout:
     rows: list[str] = field(default_factory=list)
     head_attrs: list[tuple[str, str]] = field(default_factory=list)  # (module path, attribute)
     attention: list[str] = field(default_factory=list)  # modules holding level-1 column leaves (dropout forks)
+    # inputs of the block with one entry per head (ALiBi biases): (input name, dim, inner) for a split sync
+    per_head_inputs: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def _levels(gm: fx.GraphModule, leaves: set[str]) -> dict[str, int]:
@@ -96,7 +98,7 @@ def find_block_layout(sch: Schedule, blocks: str, example_inputs: dict, tp_size:
         raise ScheduleError(f"{where}: finding the layout by data flow runs the model once; the model is on the "
                             f"meta device (use a recipe by name, or materialise it)")
     args, kwargs = record_call(sch.model, f"{blocks}.0", example_inputs)
-    _refuse_per_head_inputs(sch, args, kwargs, where)
+    per_head = _per_head_inputs(sch, block, args, kwargs, where)
     gm = capture_export(block, sorted(leaves), args, kwargs, where=where, dynamic=False)
     levels = _levels(gm, leaves)
     unused = sorted(leaves - set(levels))
@@ -107,7 +109,7 @@ def find_block_layout(sch: Schedule, blocks: str, example_inputs: dict, tp_size:
         raise ScheduleError(f"{where}: could not recognise attention and MLP: the Linear leaves form levels {seen} "
                             f"of data flow ({ {p: levels[p] for p in sorted(levels)} }); Megatron needs column/row "
                             f"pairs (levels 1-2 for a parallel block, 1-4 for attention then MLP)")
-    lay = BlockLayout(levels)
+    lay = BlockLayout(levels, per_head_inputs=per_head)
     cfg = getattr(sch.model, "config", None)
     hidden = getattr(cfg, "hidden_size", None)
     for p, lv in sorted(levels.items(), key=lambda kv: (kv[1], kv[0])):
@@ -153,29 +155,44 @@ def find_block_layout(sch: Schedule, blocks: str, example_inputs: dict, tp_size:
     return lay
 
 
-def _refuse_per_head_inputs(sch: Schedule, args: tuple, kwargs: dict, where: str) -> None:
-    """A tensor made outside the block with one entry per attention head (BLOOM's ALiBi biases, batch x heads
-    flattened) cannot follow the heads into their shards: refuse rather than fail inside attention. Seen on
-    the one-sample example batch as a dim of size heads that is neither the sequence nor the last dim."""
+def _per_head_inputs(sch: Schedule, block: nn.Module, args: tuple, kwargs: dict, where: str
+                     ) -> list[tuple[str, int, int]]:
+    """Inputs of the block made outside it with one entry per attention head (BLOOM's ALiBi biases, batch x
+    heads flattened in dim 0; or a (batch, heads, ...) tensor): each rank must see only its heads. Found on the
+    one-sample example batch, by shape: dim 0 of size heads (flattened batch x heads) or dim 1 of size heads in
+    a 4-d tensor, neither being the sequence. Returns (input name, dim, inner) for a ``split`` sync (inner =
+    heads for the flattened form). A per-head tensor nested in a container input is a ScheduleError."""
+    import inspect
+
     import torch.utils._pytree as pytree
 
     cfg = getattr(sch.model, "config", None)
     heads = next((getattr(cfg, n) for n in ("num_attention_heads", "n_head", "num_heads")
                   if isinstance(getattr(cfg, n, None), int)), None)
     if not heads or heads == 1:
-        return
+        return []
     hidden = next((t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.is_floating_point()
                    and t.dim() == 3), None)
     seq = hidden.shape[1] if hidden is not None else None
-    flat, _ = pytree.tree_flatten((args, kwargs))
-    for i, t in enumerate(flat):
-        if not torch.is_tensor(t) or t.dim() < 2 or heads == seq:
-            continue
-        if any(d == heads for d in t.shape[:-1]) and t.shape[0] * (t.shape[1] if t.dim() > 3 else 1) == heads:
-            raise ScheduleError(f"{where}: the block receives a tensor of shape {tuple(t.shape)} with one entry per "
-                                f"attention head ({heads}) made outside it (e.g. ALiBi biases); it cannot follow the "
-                                f"heads into their tensor-parallel shards, so this architecture needs a schedule "
-                                f"written by hand")
+    if heads == seq:
+        return []
+    names = [p.name for p in inspect.signature(block.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    top = [(names[i] if i < len(names) else i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    out = []
+    for name, t in top:
+        if torch.is_tensor(t) and t.dim() >= 2:
+            if t.dim() == 4 and t.shape[1] == heads and t.shape[0] == 1:
+                out.append((name, 1, 1))
+            elif t.dim() == 3 and t.shape[0] == heads:
+                out.append((name, 0, heads))
+        elif not torch.is_tensor(t):
+            for x in pytree.tree_leaves(t):
+                if torch.is_tensor(x) and x.dim() >= 2 and x.shape[0] * (x.shape[1] if x.dim() > 3 else 1) == heads:
+                    raise ScheduleError(f"{where}: input {name!r} holds a tensor of shape {tuple(x.shape)} with one "
+                                        f"entry per attention head ({heads}) inside a container; it cannot be split "
+                                        f"to the local heads, so this architecture needs a schedule written by hand")
+    return out
 
 
 def default_example_inputs(sch: Schedule) -> dict:

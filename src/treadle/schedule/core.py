@@ -41,6 +41,10 @@ SYNC_OPS: dict[str, tuple[str, ...]] = {
     "split": ("dim",),
     "all_to_all": ("split_dim", "concat_dim"),
 }
+# op -> keyword arguments it may take: all_gather's backward; split of the inner factor of a flattened dim
+# (``inner=h``: dim is (outer x h) flattened, each rank keeps its h/n of every outer entry, e.g. ALiBi's
+# batch x heads)
+_SYNC_OPTIONS: dict[str, tuple[str, ...]] = {"all_gather": ("grad",), "split": ("inner",)}
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,8 @@ class Schedule(_GraphPrimitives):
 
         Modes: ``fwd_pre`` (an input, before forward), ``fwd_post`` (the output, after forward), ``bwd_post``
         (the gradient of an input, after backward). Explicit ops: ``all_reduce``, ``all_gather(dim)``,
-        ``reduce_scatter(dim)``, ``split(dim)``, ``all_to_all(split_dim, concat_dim)``, each over `axis`,
+        ``reduce_scatter(dim)``, ``split(dim)`` (``inner=h``: split the inner factor h of a flattened dim),
+        ``all_to_all(split_dim, concat_dim)``, each over `axis`,
         each with its adjoint in backward (see `treadle.runtime.collectives`). Typed form:
         ``to=Replicate()`` (with `axis`) or ``to=[...]`` (one placement per mesh axis) derives the
         collective(s) from the layout this module produces (sharded Linear/Conv1D/Embedding leaves) or
@@ -347,10 +352,15 @@ class Schedule(_GraphPrimitives):
             missing = [k for k in SYNC_OPS[op] if k not in kwargs]
             if missing:
                 raise ScheduleError(f"sync at {self._where()}: op={op!r} needs {missing}")
-            allowed = set(SYNC_OPS[op]) | ({"grad"} if op == "all_gather" else set())
+            allowed = set(SYNC_OPS[op]) | set(_SYNC_OPTIONS.get(op, ()))
             extra = sorted(set(kwargs) - allowed)
             if extra:
                 raise ScheduleError(f"sync at {self._where()}: op={op!r} takes {sorted(allowed)}, not {extra}")
+            inner = kwargs.get("inner", 1)
+            if op == "split" and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1
+                                  or inner % self.mesh.size(axis)):
+                raise ScheduleError(f"sync at {self._where()}: split inner={inner!r} must be a positive multiple of the "
+                                    f"size {self.mesh.size(axis)} of axis {axis!r}")
             if op == "all_gather" and kwargs.get("grad", "split") not in ("split", "reduce_scatter"):
                 raise ScheduleError(f"sync at {self._where()}: all_gather grad must be 'split' or 'reduce_scatter'")
             args.update(op=op, axis=axis, **kwargs)
