@@ -356,8 +356,8 @@ class Schedule(_GraphPrimitives):
             extra = sorted(set(kwargs) - allowed)
             if extra:
                 raise ScheduleError(f"sync at {self._where()}: op={op!r} takes {sorted(allowed)}, not {extra}")
-            inner = kwargs.get("inner", 1)
-            if op == "split" and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1
+            inner = kwargs.get("inner")
+            if op == "split" and inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1
                                   or inner % self.mesh.size(axis)):
                 raise ScheduleError(f"sync at {self._where()}: split inner={inner!r} must be a positive multiple of the "
                                     f"size {self.mesh.size(axis)} of axis {axis!r}")
