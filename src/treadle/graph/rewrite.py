@@ -427,7 +427,16 @@ def leaf_hook_problems(mod: nn.Module) -> list[str]:
     return out
 
 
-def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None:
+class SyncBoundary(nn.Module):
+    """Identity at the input or output of a decomposed leaf: the module the leaf's explicit syncs move to
+    (build hangs them on it as it would on the leaf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str, boundary_in: bool = False,
+                   boundary_out: bool = False) -> tuple[str | None, str | None]:
     """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op. The
     leaf's forward pre-hooks and forward hooks keep running around it (`LeafHooks`); backward hooks or hooks
     with keyword arguments cannot, so they are a ScheduleError (the graph is unchanged)."""
@@ -446,10 +455,18 @@ def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None
     if pre or post:
         hooks_name = _unique_name(gm, f"{node.target.replace('.', '_')}_hooks")
         gm.add_submodule(hooks_name, LeafHooks(mod, pre, post))
+    names: list[str | None] = []
+    for want, side in ((boundary_in, "in"), (boundary_out, "out")):
+        names.append(None)
+        if want:
+            names[-1] = _unique_name(gm, f"{node.target.replace('.', '_')}_sync_{side}")
+            gm.add_submodule(names[-1], SyncBoundary())
     with g.inserting_before(node):
         x_in = node.args[0]
         if pre:
             x_in = g.call_module(hooks_name, (x_in,))
+        if names[0]:  # the leaf's input syncs run after its pre-hooks, as build's hooks did on the leaf
+            x_in = g.call_module(names[0], (x_in,))
         x = g.call_function(leaf_input, (x_in,), {"path": full_path})
         y = fn(g, x, node.target)
         if getattr(mod, "bias", None) is not None:
@@ -457,6 +474,8 @@ def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None
             y = g.call_function(operator.add, (y, b))
         if post:
             y = g.call_module(hooks_name, (x_in, y))
+        if names[1]:
+            y = g.call_module(names[1], (y,))
     # the leaf's output pytree was read through _tensor_leaves (export) or used directly (fx)
     from .capture import _tensor_leaves
 
@@ -470,3 +489,4 @@ def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None
     g.erase_node(node)
     g.lint()
     gm.recompile()
+    return names[0], names[1]

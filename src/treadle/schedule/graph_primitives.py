@@ -12,6 +12,7 @@ graph forms have their own names here — ``find_pattern(fn)``, ``replace_match(
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -229,9 +230,18 @@ class GraphPrimitives:
             _check_decomposable_primitives(self, gm.get_submodule(n.target), full)
         self._state.snapshot()
         done = []
+        st = self._state
         for n in nodes:
             full = f"{prefix}.{n.target}" if prefix else n.target
-            decompose_node(gm, n, full_path=full)
+            moving = [i for i, s in enumerate(st.syncs) if s.path == full and s.op is not None
+                      and not _reduces_input_grad(st, gm.get_submodule(n.target), s)]
+            ins = [i for i in moving if st.syncs[i].mode in ("fwd_pre", "bwd_post")]
+            outs = [i for i in moving if st.syncs[i].mode == "fwd_post"]
+            b_in, b_out = decompose_node(gm, n, full_path=full, boundary_in=bool(ins), boundary_out=bool(outs))
+            for idxs, name in ((ins, b_in), (outs, b_out)):
+                for i in idxs:  # the explicit sync now sits on the identity at the leaf's input / output
+                    st.syncs[i] = dataclasses.replace(st.syncs[i], path=f"{prefix}.{name}" if prefix else name,
+                                                      arg=0)
             done.append(full)
         self._state.extras.setdefault("decomposed", []).extend(done)
         self._record("decompose")
@@ -394,17 +404,13 @@ def _check_decomposable_primitives(sch: "Schedule", leaf: nn.Module, full: str) 
 
     st = sch._state
     out_dim, in_dim = decomposition_dims(leaf)
-    col_axes = {s.axis for s in st.param_shards.get(id(leaf.weight), []) if s.dim == out_dim}
     bad = [f"shard weight dim {s.dim} over {s.axis!r} (row parallel: its output is a pending sum)"
            for s in st.param_shards.get(id(leaf.weight), []) if s.dim == in_dim]
     for s in st.syncs:
-        if s.path != full:
-            continue
-        reduces = s.mode == "bwd_post" and (
-            (s.op == "all_reduce" and s.axis in col_axes)
-            or (s.op is None and all(ax in col_axes and isinstance(p, Replicate) for ax, p in s.to)))
-        if not reduces:
-            bad.append(f"sync {s.mode}" + (f" op={s.op!r}" if s.op else f" to={[p for _, p in s.to]}"))
+        if s.path != full or _reduces_input_grad(st, leaf, s) or s.op is not None:
+            continue  # explicit ops move to identities at the leaf's input / output
+        bad.append(f"sync {s.mode} to={[p for _, p in s.to]} (a typed sync reads the leaf's layout; state it "
+                   f"with op=)")
     bad += ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
     bad += ["checkpoint" for p in st.checkpoints if p == full]
     bad += ["fork_rng" for p, _ in st.fork_rngs if p == full]
@@ -412,6 +418,15 @@ def _check_decomposable_primitives(sch: "Schedule", leaf: nn.Module, full: str) 
     if bad:
         raise ScheduleError(f"decompose at {full!r}: the leaf has {'; '.join(bad)}, which its loose ops (matmul, + bias) cannot "
                             f"carry; apply them to its parent module, or do not decompose this leaf")
+
+
+def _reduces_input_grad(st: Any, leaf: nn.Module, s: Any) -> bool:
+    """`s` is the reduction of a column-parallel leaf's input gradient (build puts it where the input was)."""
+    out_dim, _ = _layer("rewrite").decomposition_dims(leaf)
+    col_axes = {p.axis for p in st.param_shards.get(id(leaf.weight), []) if p.dim == out_dim}
+    return s.mode == "bwd_post" and (
+        (s.op == "all_reduce" and s.axis in col_axes)
+        or (s.op is None and all(ax in col_axes and isinstance(p, Replicate) for ax, p in s.to)))
 
 
 def _record(op: str, path: str, **args: Any):
