@@ -166,7 +166,13 @@ def test_decompose_column_parallel_under_tp_then_verify_row_parallel_is_rejected
     bad = create_schedule(Net(), mesh=Mesh((2,), ("tp",)))
     bad["mlp"].trace()
     bad["mlp.fc2"].shard("weight", dim=1, axis="tp")
+    with pytest.raises(ScheduleError, match=r"decompose at 'mlp.fc2': the leaf has shard weight dim 1 over 'tp' "
+                                            r"\(row parallel"):
+        bad["mlp.fc2"].decompose()
+    bad = create_schedule(Net(), mesh=Mesh((2,), ("tp",)))
+    bad["mlp"].trace()
     bad["mlp.fc2"].decompose()
+    bad["mlp.fc2"].shard("weight", dim=1, axis="tp")  # sharded after decompose: refused at build
     rep = treadle.verify(bad, _inputs(), raise_on_mismatch=False)
     assert not rep.ok and "'mlp.fc2' was decomposed but its weight is split on its input dim" in rep.error
 

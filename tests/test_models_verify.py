@@ -6,7 +6,7 @@ from torch import nn
 
 import treadle
 import treadle.models
-from treadle import Mesh, Replicate, Shard
+from treadle import Mesh, Partial, Replicate, Shard
 from tiny_models import MODELS, lm_inputs, tiny_gpt2
 
 TP2 = Mesh((2,), ("tp",))
@@ -78,12 +78,20 @@ def make_tanh_gelu(old):
     return TanhGelu()
 
 
-def test_verify_catches_dropped_row_parallel_all_reduce():
-    sch = treadle.create_schedule(tiny_gpt2(), mesh=TP2)
-    treadle.models.megatron(sch, tp="tp")
+def _without_c_proj_sync(sch):
     st = sch._state
-    st.syncs = [s for s in st.syncs if s.path != "transformer.h.0.mlp.c_proj"]  # the bug under test
+    st.syncs = [s for s in st.syncs if s.path != "transformer.h.0.mlp.c_proj"]
     st.records = [r for r in st.records if not (r.op == "sync" and r.path == "transformer.h.0.mlp.c_proj")]
+    return sch
+
+
+def test_verify_catches_row_parallel_all_reduce_stated_at_the_wrong_place():
+    # with no sync anywhere, build derives the all-reduce after the row-parallel leaf
+    sch = _without_c_proj_sync(treadle.models.megatron(treadle.create_schedule(tiny_gpt2(), mesh=TP2), tp="tp"))
+    assert treadle.verify(sch, lm_inputs(), steps=1).ok
+    sch = _without_c_proj_sync(treadle.models.megatron(treadle.create_schedule(tiny_gpt2(), mesh=TP2), tp="tp"))
+    # the bug under test: the reduction is stated after the residual add, which it then counts twice
+    sch["transformer.h.1.ln_1"].sync("fwd_pre", to=Replicate(), from_=Partial(), axis="tp")
     report = treadle.verify(sch, lm_inputs(), steps=1, raise_on_mismatch=False)
     assert not report.ok
     # the MLP's output is still a valid pending sum; the block's residual add is where it goes wrong

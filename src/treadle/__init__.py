@@ -11,6 +11,12 @@ from .runtime.train import TrainResult, train
 from .schedule.core import Schedule, create_schedule, load_schedule
 from .schedule.log import Ref, register_ref
 from .verify import VerifyReport, verify
+from . import graph as _graph  # noqa: E402,F401  (registers the graph layer with the schedule's graph primitives)
+
+try:  # model-specific op forms and decompositions for patterns (need transformers)
+    from .models import kernels as _kernels  # noqa: F401
+except ImportError:  # pragma: no cover - transformers is a dependency
+    pass
 
 
 

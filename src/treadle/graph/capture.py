@@ -21,8 +21,10 @@ Failures raise ScheduleError naming the module and the reason; nothing falls bac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import keyword
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -33,6 +35,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import ScheduleError
 
@@ -101,7 +105,11 @@ class TracedModule(fx.GraphModule):
         self.source_type = source
 
     def recompile(self):
-        res = super().recompile()
+        for node in self.graph.nodes:  # a node named `self` would shadow the module inside forward
+            if node.name == "self":
+                node._rename("self_")
+        with _keyword_safe_targets():
+            res = super().recompile()
         cls = type(self)
         if cls.forward is not _structured_forward:
             cls._flat_forward = cls.forward
@@ -119,6 +127,27 @@ class TracedModule(fx.GraphModule):
 
     def __reduce__(self):
         raise TypeError("a TracedModule is not picklable; save the schedule (to_json) and replay it instead")
+
+
+@contextlib.contextmanager
+def _keyword_safe_targets():
+    """During code generation, spell a sub-module named like a Python keyword (``lambda``, ``class``) as
+    ``getattr(self, "lambda")``: torch.fx writes ``self.lambda``, which is a syntax error."""
+    import torch.fx.graph as fx_graph
+
+    orig = fx_graph._format_target
+
+    def format_target(base: str, target: str) -> str:
+        r = base
+        for e in target.split("."):
+            r = f'getattr({r}, "{e}")' if not e.isidentifier() or keyword.iskeyword(e) else f"{r}.{e}"
+        return r
+
+    fx_graph._format_target = format_target
+    try:
+        yield
+    finally:
+        fx_graph._format_target = orig
 
 
 def _structured_forward(self, *args, **kwargs):
@@ -281,10 +310,45 @@ def _split_call(args: tuple, kwargs: dict) -> tuple[Any, list[Any], list[torch.T
     return spec, kinds, tensors, opaques
 
 
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+
+def record_leaf_outputs(model: nn.Module, leaf_paths: Sequence[str], kwargs: dict) -> dict[str, list[Any]]:
+    """Run ``model(**kwargs)`` eagerly once (no grad, RNG state restored afterwards) and return, per leaf path,
+    the shapes, dtypes and devices of its outputs in call order, for `capture_export(eager_outputs=...)`."""
+    out: dict[str, list[Any]] = {p: [] for p in leaf_paths}
+    handles = []
+    for p in leaf_paths:
+        def hook(mod, a, o, p=p):
+            out[p].append(pytree.tree_map(lambda t: _TensorMeta(tuple(t.shape), t.dtype, t.device)
+                                          if torch.is_tensor(t) else t, o))
+        handles.append(model.get_submodule(p).register_forward_hook(hook))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
 def capture_export(mod: nn.Module, leaf_paths: list[str], args: tuple, kwargs: dict, *, where: str,
-                   dynamic: bool = True) -> TracedModule:
+                   dynamic: bool = True, eager_outputs: dict[str, list[Any]] | None = None) -> TracedModule:
     """torch.export (non-strict) of ``mod(*args, **kwargs)`` with `leaf_paths` kept as leaf calls.
-    With `dynamic`, every tensor dim is exported as `Dim.AUTO` (batch and sequence stay symbolic)."""
+    With `dynamic`, every tensor dim is exported as `Dim.AUTO` (batch and sequence stay symbolic).
+
+    `eager_outputs` (from `record_leaf_outputs`, static shapes only): the leaves' outputs are made from the
+    recorded shapes instead of running their code on fake tensors, so a leaf whose code branches on tensor
+    values captures (it runs eagerly at run time). Without a recording such a leaf is a ScheduleError naming
+    it."""
+    calls_seen: dict[str, int] = {}
     in_spec, in_kinds, tensors, real_opaques = _split_call(args, kwargs)
     # leaves may mutate what they are handed (a KV cache): trace on copies so the caller's objects never hold
     # fake tensors
@@ -316,12 +380,25 @@ def capture_export(mod: nn.Module, leaf_paths: list[str], args: tuple, kwargs: d
             cid = next(_CALL_IDS)
             rec = _LeafCallRecord(path, spec, kinds)
             records[cid] = rec
+            k_call = calls_seen[path] = calls_seen.get(path, -1) + 1
 
             def run(real_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 fl = [real_tensors[kd.index] if isinstance(kd, _TensorSlot) else
                       opaques[kd.index] if isinstance(kd, _Opaque) else kd for kd in rec.in_flat]
                 aa, kk = pytree.tree_unflatten(fl, rec.in_spec)
-                out = orig(*aa, **kk)
+                seen = (eager_outputs or {}).get(path, [])
+                if k_call < len(seen):  # shapes from the eager run: the leaf's code never sees a fake tensor
+                    out = pytree.tree_map(lambda m: torch.empty(m.shape, dtype=m.dtype, device=m.device)
+                                          if isinstance(m, _TensorMeta) else m, seen[k_call])
+                else:
+                    try:
+                        out = orig(*aa, **kk)
+                    except _DATA_DEPENDENT as exc:
+                        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                        raise ScheduleError(f"trace at {where}: leaf {path!r} branches on tensor values "
+                                            f"({type(exc).__name__}: {first}), so it cannot run on fake tensors; "
+                                            f"capture with static shapes and recorded leaf outputs "
+                                            f"(record_leaf_outputs), as a pipeline does") from exc
                 oflat, ospec = pytree.tree_flatten(out)
                 okinds, outs = [], []
                 in_ids = {id(t) for t in real_tensors}

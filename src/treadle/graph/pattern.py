@@ -10,8 +10,14 @@ Python signature, defaults applied), tensors are compared as edges and constants
 not match ``x * 2.0``). A parameter-owning leaf (``nn.Linear``) reads as its functional form with its
 parameters as inputs (`ParamRef`), so ``lambda x, w, b: F.linear(x, w, b)`` finds Linear leaves too.
 
-A match is kept only if replacing it is safe: every matched op except the outputs has all its users inside
-the match. Matches do not overlap and come in graph order (q, k, v projections come out as q, k, v).
+A matched op other than the outputs may have users outside the match (`Match.shared`): rewrites keep that op
+in the graph for them, so the outside users keep reading the inner value (computed once more there). A match
+whose shared op is random (dropout) is not offered: a second run would draw a different mask. Matches do not
+overlap and come in graph order (q, k, v projections come out as q, k, v).
+
+``module_call(path_regex, *args)`` inside a pattern matches a call of any leaf module of the traced graph whose
+path (relative to the traced module) fully matches the regular expression, with those arguments, beside
+ordinary ops: ``lambda x: F.gelu(module_call(r"fc\d", x))``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import inspect
 import logging
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -240,6 +247,23 @@ def _const_eq(a: Any, b: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- patterns
+def module_call(path_regex: str, *args: Any) -> Any:
+    """In a pattern: a call of a leaf module whose relative path fully matches `path_regex` (Slapo's
+    call_module patterns). Only meaningful inside a pattern function (it records itself while the pattern is
+    captured); called directly it is an error."""
+    proxies = [a for a in args if isinstance(a, fx.Proxy)]
+    if not proxies:
+        raise ScheduleError("module_call(...) is a pattern element: use it inside a pattern function for find")
+    try:
+        re.compile(path_regex)
+    except re.error as exc:
+        raise ScheduleError(f"module_call: {path_regex!r} is not a regular expression ({exc})") from None
+    return proxies[0].tracer.create_proxy("call_function", module_call, (path_regex, *args), {})
+
+
+_RANDOM_OPS = {"dropout", "rand", "randn", "bernoulli", "rand_like", "randn_like", "randint"}
+
+
 @dataclass
 class Pattern:
     """A captured pattern: its graph, input names (placeholders, in order) and output nodes."""
@@ -294,6 +318,7 @@ class Match:
     nodes: tuple[fx.Node, ...]
     inputs: dict[str, Any]
     outputs: tuple[fx.Node, ...]
+    shared: tuple[fx.Node, ...] = ()  # matched ops (not outputs) that ops outside the match also read
 
     def spec(self) -> dict[str, Any]:
         """JSON form (node names), which `replace_match`/`fuse`/`checkpoint_match` record for replay."""
@@ -317,8 +342,14 @@ def match_from_spec(path: str, gm: fx.GraphModule, spec: dict[str, Any]) -> Matc
         return by_name[name]
 
     inputs = {k: (ParamRef(v[6:]) if v.startswith("param:") else get(v)) for k, v in spec["inputs"].items()}
-    return Match(path, spec.get("pattern", "?"), tuple(get(n) for n in spec["nodes"]), inputs,
-                 tuple(get(n) for n in spec["outputs"]))
+    nodes = tuple(get(n) for n in spec["nodes"])
+    outputs = tuple(get(n) for n in spec["outputs"])
+    return Match(path, spec.get("pattern", "?"), nodes, inputs, outputs, _shared(nodes, outputs))
+
+
+def _shared(nodes: tuple[fx.Node, ...], outputs: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    inside = set(nodes)
+    return tuple(n for n in nodes if n not in outputs and any(u not in inside for u in n.users))
 
 
 class _Matcher:
@@ -346,6 +377,14 @@ class _Matcher:
             return [(m, bind)] if m[p] is g else []
         if g in m.values():
             return []
+        if p.op == "call_function" and p.target is module_call:
+            if g.op != "call_module" or g.kwargs or len(g.args) != len(p.args) - 1 \
+                    or not re.fullmatch(p.args[0], g.target):
+                return []
+            states = [({**m, p: g}, bind)]
+            for pin, gin in zip(p.args[1:], g.args):
+                states = [st for mm, bb in states for st in self.match_node(pin, gin, mm, bb)]
+            return states
         pf, gf = self.pforms.get(p), self.gform(g)
         if pf is None or gf is None or pf.op != gf.op or len(pf.inputs) != len(gf.inputs):
             return []
@@ -371,13 +410,16 @@ class _Matcher:
         return results
 
     def valid(self, m: dict) -> bool:
+        """Inner values read outside the match stay in the graph for those readers; a random op cannot be
+        computed twice with the same result, so such a match is not offered."""
         matched = set(m.values())
         outs = {m[o] for o in self.pat.outputs}
         for p, g in m.items():
-            if g in outs:
+            if g in outs or all(u in matched for u in g.users):
                 continue
-            if any(u not in matched for u in g.users):
-                return False
+            form = self.gform(g)
+            if g.op == "call_module" or (form is not None and form.op in _RANDOM_OPS):
+                return False  # a leaf (hooks, state) or a random op must not run twice
         return True
 
     def find(self) -> list[tuple[dict, dict]]:
@@ -412,7 +454,8 @@ def find_matches(pattern: Callable | Pattern, gm: fx.GraphModule, *, path: str) 
         used |= nodes
         inputs = {p.target: v for p, v in bind.items()}
         ordered = tuple(sorted(nodes, key=matcher.order.__getitem__))
+        outputs = tuple(m[o] for o in pat.outputs)
         out.append(Match(path, pat.name, ordered, {k: inputs[k] for k in pat.input_names if k in inputs},
-                         tuple(m[o] for o in pat.outputs)))
+                         outputs, _shared(ordered, outputs)))
     logger.debug("pattern %s at %r: %d matches", pat.name, path, len(out))
     return out

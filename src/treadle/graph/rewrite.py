@@ -71,12 +71,9 @@ def _value(gm: fx.GraphModule, v: Any, before: fx.Node) -> Any:
 
 
 def _check_region(match: Match) -> None:
-    nodes = set(match.nodes)
-    outs = set(match.outputs)
+    """The match still belongs to the graph. Inner values read outside the match (`Match.shared`) are allowed:
+    `_install` erases only ops nobody reads any more, so those readers keep their value."""
     for n in match.nodes:
-        if n not in outs and any(u not in nodes for u in n.users):
-            raise ScheduleError(f"match at {match.path!r}: node {n.name!r} is used outside the match; only the "
-                                f"match's outputs may be")
         if n.graph is not match.outputs[0].graph:
             raise ScheduleError(f"match at {match.path!r} belongs to a graph that was since rewritten; find again")
 
@@ -131,24 +128,95 @@ def check_binding(new: Callable, match: Match) -> inspect.Signature:
     return sig
 
 
-def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable) -> str | None:
+def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable, *,
+                  pre_hooks: dict[str, tuple[nn.Module, list]] | None = None,
+                  post_hooks: dict[int, tuple[nn.Module, list, str]] | None = None) -> str | None:
     """Put `new` (module or function) in place of `match`, calling it with the match inputs by name.
-    A module becomes a child of `gm`; returns its attribute name (None for a function)."""
+    A module becomes a child of `gm`; returns its attribute name (None for a function).
+
+    `pre_hooks` {match input: (leaf, forward pre-hooks)} run on that input before the replacement;
+    `post_hooks` {output index: (leaf, forward hooks, match input)} run on that output, with that input as the
+    hooks' ``args`` (after its pre-hooks), as they ran around the removed leaf (`LeafHooks`)."""
     _check_region(match)
     check_binding(new, match)
+    pre_hooks, post_hooks = pre_hooks or {}, post_hooks or {}
     name = None
     if isinstance(new, nn.Module):
         name = _unique_name(gm, "replaced")
         gm.add_submodule(name, new)
+    hooked: dict[str, fx.Node] = {}
+
+    def hooks_module(leaf: nn.Module, pre: list, post: list) -> str:
+        attr = _unique_name(gm, "leaf_hooks")
+        gm.add_submodule(attr, LeafHooks(leaf, pre, post))
+        return attr
 
     def make(last: fx.Node) -> fx.Node:
         kwargs = {k: _value(gm, v, last.next) for k, v in match.inputs.items()}
+        for k, (leaf, hooks) in pre_hooks.items():
+            kwargs[k] = hooked[k] = gm.graph.call_module(hooks_module(leaf, hooks, []), (kwargs[k],))
         if name is not None:
             return gm.graph.call_module(name, (), kwargs)
         return gm.graph.call_function(new, (), kwargs)
 
-    _install(gm, match, make)
+    leaves = {n.target for n in match.nodes if n.op == "call_module"}
+    out = _install(gm, match, make)
+    if name is not None:
+        _retarget_owned(gm, leaves, name)
+    _drop_unused_leaves(gm, leaves)
+    if post_hooks:
+        outs = [out] if len(match.outputs) == 1 else sorted((u for u in out.users if u.target is operator.getitem),
+                                                            key=lambda u: u.args[1])
+        for i, (leaf, hooks, in_name) in post_hooks.items():
+            y = outs[i]
+            x = hooked.get(in_name, match.inputs[in_name])
+            users = list(y.users)
+            with gm.graph.inserting_after(y):
+                h = gm.graph.call_module(hooks_module(leaf, [], hooks), (x, y))
+            for u in users:
+                u.replace_input_with(y, h)
+        _toposort(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
     return name
+
+
+def _retarget_owned(gm: fx.GraphModule, targets: set[str], name: str) -> None:
+    """Reads (get_attr) of a removed leaf that the replacement `name` now owns go through the replacement, so
+    the leaf keeps one path in the model; reads of a removed leaf's parameter go to the replacement's
+    parameter of the same name (relative to this module) and shape, which takes it over."""
+    new = gm.get_submodule(name)
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    for t in targets - called:
+        leaf = gm.get_submodule(t)
+        rel = next((q for q, sub in new.named_modules() if sub is leaf), None)
+        own = dict(new.named_parameters())
+        for n in gm.graph.nodes:
+            if n.op != "get_attr" or not n.target.startswith(t + "."):
+                continue
+            if rel is not None:
+                n.target = f"{name}.{rel}{n.target[len(t):]}" if rel else f"{name}{n.target[len(t):]}"
+            elif n.target in own and own[n.target].shape == _attr(gm, n.target).shape:
+                n.target = f"{name}.{n.target}"  # the replacement takes the parameter over by name
+    gm.recompile()
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    parent, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(parent) if parent else gm, name)
+
+
+def _drop_unused_leaves(gm: fx.GraphModule, targets: set[str]) -> None:
+    """Remove the leaf modules in `targets` that no node calls or reads any more, so a leaf the replacement
+    now owns has one path (its new one) and a removed one leaves no parameters behind."""
+    used = set()
+    for n in gm.graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            parts = n.target.split(".")
+            used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for t in sorted(targets - used):
+        parent, _, name = t.rpartition(".")
+        delattr(gm.get_submodule(parent) if parent else gm, name)
 
 
 # ------------------------------------------------------------------------------------------ regions
@@ -325,20 +393,89 @@ def decomposition_dims(mod: nn.Module) -> tuple[int, int]:
     return out_dim, in_dim
 
 
-def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None:
-    """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op."""
+class LeafHooks(nn.Module):
+    """The forward pre-hooks and forward hooks a decomposed leaf had, run around its decomposition in the
+    graph: ``forward(x)`` runs the pre-hooks on the input, ``forward(x, y)`` the forward hooks on the output.
+    The leaf itself is held by reference, not as a child, so its parameters keep their one path."""
+
+    def __init__(self, leaf: nn.Module, pre: list[Callable], post: list[Callable]):
+        super().__init__()
+        self.pre, self.post = list(pre), list(post)
+        object.__setattr__(self, "_leaf", leaf)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if y is None:
+            for hook in self.pre:
+                r = hook(self._leaf, (x,))
+                if r is not None:
+                    x = r[0] if isinstance(r, tuple) else r
+            return x
+        for hook in self.post:
+            r = hook(self._leaf, (x,), y)
+            if r is not None:
+                y = r
+        return y
+
+
+def leaf_hook_problems(mod: nn.Module) -> list[str]:
+    """Hooks of a leaf that a graph of loose ops cannot run as the module would (empty: all carry over)."""
+    out = []
+    if getattr(mod, "_backward_hooks", None) or getattr(mod, "_backward_pre_hooks", None):
+        out.append("backward hooks")
+    if getattr(mod, "_forward_pre_hooks_with_kwargs", None) or getattr(mod, "_forward_hooks_with_kwargs", None):
+        out.append("hooks registered with_kwargs=True")
+    return out
+
+
+class SyncBoundary(nn.Module):
+    """Identity at the input or output of a decomposed leaf: the module the leaf's explicit syncs move to
+    (build hangs them on it as it would on the leaf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str, boundary_in: bool = False,
+                   boundary_out: bool = False) -> tuple[str | None, str | None]:
+    """Replace leaf call `node` by its matmul (decomposition) followed by ``+ bias`` as a separate op. The
+    leaf's forward pre-hooks and forward hooks keep running around it (`LeafHooks`); backward hooks or hooks
+    with keyword arguments cannot, so they are a ScheduleError (the graph is unchanged)."""
     mod = gm.get_submodule(node.target)
     fn, _, _ = _DECOMPOSITIONS[type(mod)]
     if len(node.args) != 1 or node.kwargs:
         raise ScheduleError(f"decompose at {full_path!r}: the leaf is called with {len(node.args)} positional and "
                             f"{sorted(node.kwargs)} keyword arguments; only single-input calls decompose")
+    bad = leaf_hook_problems(mod)
+    if bad:
+        raise ScheduleError(f"decompose at {full_path!r}: the leaf has {' and '.join(bad)}, which its loose ops "
+                            f"could not run; remove them or do not decompose this leaf")
     g = gm.graph
+    pre, post = list(mod._forward_pre_hooks.values()), list(mod._forward_hooks.values())
+    hooks_name = None
+    if pre or post:
+        hooks_name = _unique_name(gm, f"{node.target.replace('.', '_')}_hooks")
+        gm.add_submodule(hooks_name, LeafHooks(mod, pre, post))
+    names: list[str | None] = []
+    for want, side in ((boundary_in, "in"), (boundary_out, "out")):
+        names.append(None)
+        if want:
+            names[-1] = _unique_name(gm, f"{node.target.replace('.', '_')}_sync_{side}")
+            gm.add_submodule(names[-1], SyncBoundary())
     with g.inserting_before(node):
-        x = g.call_function(leaf_input, (node.args[0],), {"path": full_path})
+        x_in = node.args[0]
+        if pre:
+            x_in = g.call_module(hooks_name, (x_in,))
+        if names[0]:  # the leaf's input syncs run after its pre-hooks, as build's hooks did on the leaf
+            x_in = g.call_module(names[0], (x_in,))
+        x = g.call_function(leaf_input, (x_in,), {"path": full_path})
         y = fn(g, x, node.target)
         if getattr(mod, "bias", None) is not None:
             b = g.get_attr(f"{node.target}.bias")
             y = g.call_function(operator.add, (y, b))
+        if post:
+            y = g.call_module(hooks_name, (x_in, y))
+        if names[1]:
+            y = g.call_module(names[1], (y,))
     # the leaf's output pytree was read through _tensor_leaves (export) or used directly (fx)
     from .capture import _tensor_leaves
 
@@ -352,3 +489,4 @@ def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str) -> None
     g.erase_node(node)
     g.lint()
     gm.recompile()
+    return names[0], names[1]

@@ -1,4 +1,5 @@
-"""Ready-made Megatron-LM schedules for Hugging Face GPT-2, BERT and LLaMA, found by module structure.
+"""Ready-made Megatron-LM schedules: GPT-2, BERT and LLaMA by module structure, any other transformer by the
+data flow of its blocks (`schedule_by_structure`).
 
 Each is a short recipe of primitives over the stock model: column-parallel then row-parallel linears
 (one all-reduce forward and one backward per attention and per MLP), head-sharded attention,
@@ -141,12 +142,52 @@ _FAMILIES = (
 )
 
 
+def schedule_by_structure(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
+                          checkpoint_fraction: float = 0.0, example_inputs: dict | None = None,
+                          sequence_parallel: bool = False, vocab_parallel_head: bool = False) -> Schedule:
+    """Megatron for any block whose Linear leaves alternate column/row by data flow (`models.structure`):
+    separate, fused or grouped q/k/v, rotary or learned positions, parallel or sequential residual, plain or
+    gated MLP. Embeddings and head stay replicated. `example_inputs` (keyword inputs of the model; default a
+    few token ids) run it once to capture the first block. Raises ScheduleError naming what it could not
+    recognise."""
+    from .structure import default_example_inputs, find_block_layout
+
+    if sequence_parallel or vocab_parallel_head:
+        raise ScheduleError("megatron by structure: sequence parallelism and a vocab-parallel head need a recipe "
+                            "by name (GPT-2, BERT, LLaMA); use sequence_parallel=False, vocab_parallel_head=False")
+    blocks = blocks_path(sch)
+    lay = find_block_layout(sch, blocks, example_inputs or default_example_inputs(sch), sch.mesh.size(tp))
+    from .structure import linear_dims
+
+    for i in range(len(sch[blocks].mod)):
+        b = sch[f"{blocks}.{i}"]
+        for path, nb in lay.columns.items():
+            lin = b[path]
+            out_dim = linear_dims(lin.mod)[2]
+            lin.shard("weight", dim=out_dim, axis=tp, blocks=nb)
+            if getattr(lin.mod, "bias", None) is not None:
+                lin.shard("bias", dim=0, axis=tp, blocks=nb)
+        for path in lay.rows:
+            lin = b[path]
+            lin.shard("weight", dim=linear_dims(lin.mod)[3], axis=tp)
+            _row_out(lin, tp, False)
+        for path, attr in lay.head_attrs:
+            b[path].shard_attr(attr, axis=tp)
+        for path in lay.attention:
+            b[path].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
+        for name, dim, inner in lay.per_head_inputs:  # ALiBi biases: this rank's heads only
+            b.sync("fwd_pre", op="split", dim=dim, axis=tp, arg=name, **({"inner": inner} if inner > 1 else {}))
+    return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
+
+
 def megatron(sch: Schedule, **kwargs) -> Schedule:
-    """Apply the Megatron recipe matching the model's block structure (GPT-2, LLaMA or BERT style).
-    Keyword arguments go to the recipe. Raises ScheduleError listing the known structures otherwise."""
+    """Apply the Megatron recipe matching the model's block structure: GPT-2, LLaMA or BERT style by their
+    module names, else found by data flow (`schedule_by_structure`; pass ``example_inputs=`` for a model that
+    does not take ``input_ids``). Keyword arguments go to the recipe. Raises ScheduleError naming what could
+    not be recognised."""
     first = sch[blocks_path(sch)].mod[0]
     for sig, recipe in _FAMILIES:
         if has_children(first, *sig):
+            kwargs.pop("example_inputs", None)
             return recipe(sch, **kwargs)
-    raise ScheduleError(f"megatron: no ready-made schedule matches blocks of type {type(first).__name__}; "
-                        f"known block structures: {[sig for sig, _ in _FAMILIES]}")
+    return schedule_by_structure(sch, **kwargs)

@@ -28,6 +28,7 @@ from .collectives import on_grad
 from .convert import apply_op, convert, convert_multi
 from .leaf_rules import LeafPlan, embedding_forward, gathered_forward, has_leaf_rule, leaf_plan
 from .params import local_slice
+from .sync_plan import plan_syncs
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,60 @@ def annotations(model: nn.Module) -> dict[str, dict[str, Any]]:
 def stable_seed(text: str) -> int:
     """A seed from a string that is the same in every process (unlike `hash`)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+# ------------------------------------------------------------------------------------------- meta init
+def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None, device: torch.device | str,
+                *, on_new: Callable[[nn.Parameter, nn.Parameter], None] | None = None) -> None:
+    """Give the meta parameters of `model` real values, in place: per module (in `named_modules` order),
+    full-size and seeded by the module's path, initialised by `init_fn`, else the model's ``_init_weights``,
+    else the module's ``reset_parameters``. The same global tensors come out for every mesh (build slices
+    them afterwards) and in a single process (verify's reference). Tied parameters stay one object;
+    `on_new(old, new)` is told of every replaced parameter. Raises BuildError for meta buffers or a module
+    with no way to initialise."""
+    init = init_fn
+    if init is None:
+        hf = getattr(model, "_init_weights", None)
+        init = hf if callable(hf) else None
+    done: set[int] = set()
+    owners = _owners(model)
+    for path, m in model.named_modules():
+        metas = {n: p for n, p in m._parameters.items() if p is not None and p.is_meta and id(p) not in done}
+        meta_bufs = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+        if meta_bufs:
+            raise BuildError(f"build: buffers {meta_bufs} of {path!r} are on the meta device; treadle can only "
+                             f"materialise parameters (create buffers on a real device)")
+        if not metas:
+            continue
+        for n, p in metas.items():
+            m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                            requires_grad=p.requires_grad)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stable_seed(path))
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            else:
+                raise BuildError(f"build: {path!r} ({type(m).__name__}) has meta parameters but no "
+                                 f"reset_parameters(); pass build(sch, init_fn=...)")
+        for n, p in metas.items():
+            new = m._parameters[n]
+            for mm, nn_, _ in owners.get(id(p), []):  # re-point every alias (tied parameters)
+                mm._parameters[nn_] = new
+            if on_new is not None:
+                on_new(p, new)
+            done.add(id(new))
+        owners = _owners(model)
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    out: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        for name, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, name, path))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -161,43 +216,14 @@ class _Builder:
                                  "(its module was replaced after the primitive); apply shard/annotate after replace")
 
     def materialize(self, owners) -> None:
-        """Give meta parameters real values: per module, full-size and seeded by path, then sliced.
-        The same global tensors come out for every mesh shape."""
-        init = self.init_fn
-        if init is None:
-            hf = getattr(self.model, "_init_weights", None)
-            init = hf if callable(hf) else None
-        done: set[int] = set()
-        for path, m in self.model.named_modules():
-            metas = {n: p for n, p in m._parameters.items() if p is not None and p.is_meta and id(p) not in done}
-            meta_bufs = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
-            if meta_bufs:
-                raise BuildError(f"build: buffers {meta_bufs} of {path!r} are on the meta device; treadle can only "
-                                 f"materialise parameters (create buffers on a real device)")
-            if not metas:
-                continue
-            for n, p in metas.items():
-                m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.mesh.device),
-                                                requires_grad=p.requires_grad)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(stable_seed(path))
-                if init is not None:
-                    init(m)
-                elif hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-                else:
-                    raise BuildError(f"build: {path!r} ({type(m).__name__}) has meta parameters but no "
-                                     f"reset_parameters(); pass build(sch, init_fn=...)")
-            for n, p in metas.items():
-                new = m._parameters[n]
-                # re-point every alias (tied parameters) and the schedule's records to the new object
-                for mm, nn_, _ in owners.get(id(p), []):
-                    mm._parameters[nn_] = new
-                for table in (self.st.param_shards, self.st.annotations):
-                    if id(p) in table:
-                        table[id(new)] = table.pop(id(p))
-                done.add(id(new))
-            owners = self.owners()
+        """Give meta parameters real values (`materialize`); the schedule's records follow the new objects."""
+
+        def moved(old: nn.Parameter, new: nn.Parameter) -> None:
+            for table in (self.st.param_shards, self.st.annotations):
+                if id(old) in table:
+                    table[id(new)] = table.pop(id(old))
+
+        materialize(self.model, self.init_fn, self.mesh.device, on_new=moved)
 
     def slice_params(self, owners) -> None:
         for pid, shards in list(self.st.param_shards.items()):
@@ -205,6 +231,7 @@ class _Builder:
             p = holders[0][0]._parameters[holders[0][1]]
             local = local_slice(p.detach(), shards, self.coords, self.sizes).clone().contiguous()
             new = nn.Parameter(local, requires_grad=p.requires_grad)
+            new.global_shape = tuple(p.shape)  # Slapo's orig_shape: the whole parameter's shape
             for m, name, _ in holders:
                 m._parameters[name] = new
             if pid in self.st.annotations:
@@ -243,17 +270,10 @@ class _Builder:
     def syncs_of(self, path: str, mode: str) -> list[SyncSpec]:
         return [s for s in self.st.syncs if s.path == path and s.mode == mode]
 
-    def source_layout(self, spec: SyncSpec, where: str) -> dict[str, Placement]:
-        if spec.from_ is not None:
-            return dict(spec.from_)
-        if spec.mode == "fwd_post":
-            if spec.path in self.leaf:
-                return dict(self.leaf[spec.path].out)
-            raise BuildError(f"{where}: cannot derive the layout {type(self.module(spec.path)).__name__} "
-                             f"produces (only sharded Linear/Conv1D/Embedding leaves have rules); give from_=")
-        return {}
-
-    def transform(self, spec: SyncSpec, where: str, *, fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def transform(self, idx: int, spec: SyncSpec, where: str, *,
+                  fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function a sync hook applies: its explicit op, or the conversion from the layout the sync plan
+        derived (`self.syncs.src[idx]`) to its target."""
         if spec.op is not None:
             kw = spec.kw()
             if spec.op == "all_gather" and spec.axis in fused_gather:
@@ -262,7 +282,7 @@ class _Builder:
             if spec.mode == "bwd_post":
                 return lambda x: on_grad(x, lambda g: apply_op(g, spec.op, kw, group, where))
             return lambda x: apply_op(x, spec.op, kw, group, where)
-        src = self.source_layout(spec, where)
+        src = dict(self.syncs.src.get(idx, dict(spec.from_ or ())))
         dst = dict(spec.to)
         if spec.mode == "bwd_post":
             return lambda x: on_grad(x, lambda g: convert_multi(g, src, dst, self.group, where=where))
@@ -299,36 +319,40 @@ class _Builder:
         return redistribute(x, Layout(src_full), Layout(dst_full), mesh=self.mesh, global_shape=global_shape)
 
     def install_syncs(self) -> None:
+        """Hooks for every sync and derived collective, per module: input syncs (fwd_pre, then bwd_post), the
+        derived input-gradient reduction of a column-parallel leaf, output syncs in order, a derived all-reduce
+        of a pending sum nobody reduces, the row-parallel bias, the local forward (NOTE [explicit replaces
+        derived] in `sync_plan`)."""
+        types = {p: type(m).__name__ for p, m in self.model.named_modules()}
+        self.syncs = plan_syncs(self.st.syncs, self.leaf, types)
+        index = {id(s): i for i, s in enumerate(self.st.syncs)}
         paths = list(dict.fromkeys([s.path for s in self.st.syncs] + list(self.leaf)))
         for path in paths:
             m = self.module(path)
             plan = self.leaf.get(path)
             where = f"sync at sch[{path!r}]"
-            # a gather on an axis where this leaf's input gradient is partial: gather forward, reduce-scatter
-            # backward, instead of a split plus a full all-reduce (NOTE [grad layouts] in collectives)
-            fused: set[str] = set()
-            if plan is not None:
-                for s in self.syncs_of(path, "fwd_pre"):
-                    gathers = ({s.axis} if s.op == "all_gather" else
-                               {ax for ax, d in (s.to or ()) if isinstance(d, Replicate)
-                                and isinstance(dict(s.from_ or ()).get(ax), Shard)})
-                    fused |= gathers & set(plan.grad_partial_axes)
+            fused = self.syncs.fused.get(path, set())
             for s in self.syncs_of(path, "fwd_pre") + self.syncs_of(path, "bwd_post"):
-                fn = self.transform(s, where, fused_gather=fused)
+                if index[id(s)] in self.syncs.merged:
+                    continue  # carried out by the fwd_pre gather's backward
+                fn = self.transform(index[id(s)], s, where, fused_gather=fused)
                 m.register_forward_pre_hook(
                     lambda mod, a, k, fn=fn, s=s: _map_input(mod, a, k, s.arg, fn, where), with_kwargs=True)
             if plan is not None:
                 for ax in plan.grad_partial_axes:
-                    if ax in fused:
+                    if ax in fused or (path, ax) in self.syncs.grad_replaced:
                         continue
                     f = self.shared_grad_all_reduce(ax)
                     m.register_forward_pre_hook(
                         lambda mod, a, k, f=f: _map_input(mod, a, k, 0, f, f"build at {path!r}"), with_kwargs=True)
-            final = dict(plan.out) if plan is not None else {}
-            for s in _merge_typed(self.syncs_of(path, "fwd_post")):
-                fn = self.transform(s, where, fused_gather=set())
+            for s in self.syncs_of(path, "fwd_post"):
+                fn = self.transform(index[id(s)], s, where, fused_gather=set())
                 m.register_forward_hook(lambda mod, a, out, fn=fn, s=s: _map_output(out, s.out, fn, where))
-                final.update(_after(s))
+            for ax in self.syncs.derived_reduce.get(path, []):
+                logger.info("build: all-reduce after %r on axis %r (a pending sum no sync reduces)", path, ax)
+                g = self.group(ax)
+                m.register_forward_hook(lambda mod, a, out, g=g: _map_output(out, 0, lambda y: C.all_reduce(y, g), where))
+            final = self.syncs.final.get(path, {})
             if plan is not None and plan.pending_bias:
                 self.install_pending_bias(path, m, plan, final)
             if plan is not None and plan.forward is not None:
@@ -484,6 +508,9 @@ class _Builder:
         owners = self.owners()
         self.plan_leaves(owners)
         self.slice_params(owners)
+        for p in self.model.parameters():
+            if not hasattr(p, "global_shape"):
+                p.global_shape = tuple(p.shape)  # not sharded: local and global shapes agree
         self.install_syncs()
         self.install_reduce_grads()
         self.install_fork_rng()
@@ -515,42 +542,10 @@ def _shares_dim(changed: list[str], src: dict[str, Placement], dst: dict[str, Pl
     return False
 
 
-def _merge_typed(specs: list[SyncSpec]) -> list[SyncSpec]:
-    """fwd_post typed syncs of one module on disjoint axes (one `sync` per axis, as the planner writes them)
-    are one layout change: merged into one spec, so a dim split over several axes is converted jointly."""
-    typed = [s for s in specs if s.op is None and s.to is not None]
-    if len(typed) < 2 or len({s.out for s in typed}) > 1:
-        return specs
-    axes = [ax for s in typed for ax, _ in s.to]
-    if len(axes) != len(set(axes)):
-        return specs
-    to = tuple(p for s in typed for p in s.to)
-    froms = [s.from_ for s in typed if s.from_ is not None]
-    from_ = None
-    if froms:
-        if len(froms) != len(typed):  # some axes derive their source, others give it: keep them apart
-            return specs
-        from_ = tuple(p for f in froms for p in f)
-    first = typed[0]
-    merged = SyncSpec(first.path, first.mode, None, None, (), to, from_, first.arg, first.out)
-    return [s for s in specs if s not in typed] + [merged]
-
-
-def _after(spec: SyncSpec) -> dict[str, Placement]:
-    """The layout a fwd_post sync leaves on its axes."""
-    if spec.to is not None:
-        return dict(spec.to)
-    kw = spec.kw()
-    if spec.op in ("all_reduce", "all_gather"):
-        return {spec.axis: Replicate()}
-    if spec.op in ("reduce_scatter", "split"):
-        return {spec.axis: Shard(kw["dim"])}
-    return {spec.axis: Shard(kw["split_dim"])}
-
-
 def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None) -> nn.Module:
     """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
 
+    Every parameter of the result carries ``global_shape`` (the whole tensor's shape; Slapo's ``orig_shape``).
     Pretrained weights are sliced to the local shard, never re-initialised; meta parameters are
     materialised with a per-module seeded init (`init_fn`, else the model's ``_init_weights``, else
     ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its
@@ -560,4 +555,5 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
+    from . import conv_rules, graph_steps  # noqa: F401  (register conv rules and graph/pipeline build steps)
     return _Builder(Schedule(sch._state, "", sch._state.model), init_fn, mp_policy).run()  # always from the root

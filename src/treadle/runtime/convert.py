@@ -81,7 +81,13 @@ def apply_op(x: torch.Tensor, op: str, kwargs: dict, group, where: str = "") -> 
     if op == "reduce_scatter":
         return C.reduce_scatter(x, kwargs["dim"], group)
     if op == "split":
-        return C.split(x, kwargs["dim"], group)
+        inner = kwargs.get("inner", 1)
+        if inner == 1:
+            return C.split(x, kwargs["dim"], group)
+        d = kwargs["dim"] % x.dim()
+        if x.shape[d] % inner:
+            raise BuildError(f"sync split: dim {d} of size {x.shape[d]} is not a multiple of inner={inner}")
+        return C.split(x.unflatten(d, (-1, inner)), d + 1, group).flatten(d, d + 1)
     if op == "all_to_all":
         return C.all_to_all(x, kwargs["split_dim"], kwargs["concat_dim"], group)
     raise BuildError(f"unknown sync op {op!r}")

@@ -1,10 +1,12 @@
 """Pipeline parallelism: split the captured model at `cut_pipeline_stage` marks into stage graphs and run them
 with `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B) on a ``pp`` mesh axis.
 
-At build ("pre_shard", before weights are sliced) the whole model is captured once with torch.export on one
-micro-batch, keeping the blocks of the cut container and every parameter-owning module as leaf calls (the
-original modules: tensor-parallel shards, hooks and sub-schedules apply to them unchanged). Ops are assigned
-to stages in graph order; the ops that read the loss target form the loss function run after the last stage.
+At build ("pre_shard", before weights are sliced) the model is captured once with torch.export on one
+micro-batch, by need (`stage_leaves`): only the forwards from the root down to the cut container are traced;
+the container's blocks and every other module off that path stay leaf calls (the original modules:
+tensor-parallel shards, hooks and sub-schedules apply to them unchanged), with output shapes taken from one
+eager run, so a leaf may branch on tensor values. Ops are assigned to stages in graph order; the ops that read
+the loss target form the loss function run after the last stage.
 
 Stage I/O is found by liveness: the values crossing boundary b are those defined before it and read at or
 after it, so only what later stages need is sent (values a stage merely forwards pass through it). Values
@@ -164,7 +166,8 @@ def _subgraph(gm: fx.GraphModule, body: list[fx.Node], ins: list[fx.Node], outs:
 
     for n in body:
         env[n] = g.node_copy(n, get)
-    res = [get(o) for o in outs]
+    # what a stage sends must be contiguous (gloo refuses views such as a tensor-parallel gather's result)
+    res = [g.call_method("contiguous", (get(o),)) for o in outs]
     g.output(res[0] if single else tuple(res))
     out = fx.GraphModule(gm, g, name)
     return out
@@ -244,24 +247,35 @@ class PipelineModel(nn.Module):
                 p.grad = g
 
 
+def stage_leaves(model: nn.Module, container: str) -> list[str]:
+    """Trace by need: the modules a pipeline capture keeps as leaf calls. Only the forwards on the path from
+    the root to the cut container are captured (they decide what runs before, between and after the blocks);
+    the container's elements and every other module hanging off that path stay eager leaf calls, so their
+    code may branch on tensor values. E.g. GPT-2 cut in ``transformer.h``: the root's and ``transformer``'s
+    forwards are captured; ``transformer.h.*``, ``wte``, ``wpe``, ``drop``, ``ln_f``, ``lm_head`` are leaves."""
+    parts = container.split(".")
+    chain = [".".join(parts[:i]) for i in range(len(parts))]  # the root .. the container's parent
+    leaves = [f"{container}.{n}" for n, _ in model.get_submodule(container).named_children()]
+    for anc in chain:
+        mod = model.get_submodule(anc) if anc else model
+        for name, _ in mod.named_children():
+            path = f"{anc}.{name}" if anc else name
+            if path != container and path not in chain:
+                leaves.append(path)
+    return leaves
+
+
 def _capture_root(builder) -> None:
     cfg = builder.st.extras.get("pipeline")
     if cfg is None:
         return
-    from ..graph.capture import capture_export
+    from ..graph.capture import capture_export, record_leaf_outputs
     from ..schedule.graph_primitives import make_inputs
 
     model = builder.model
     cuts = builder.st.extras["pipeline_cuts"]
     container = cuts[0].rpartition(".")[0]
-    cont = model.get_submodule(container)
-    leaf_set = [f"{container}.{n}" for n, _ in cont.named_children()]
-    for path, m in model.named_modules():
-        if path and any(True for _ in m.parameters(recurse=False)) and not any(
-                path == lp or path.startswith(lp + ".") for lp in leaf_set):
-            leaf_set.append(path)
-    # outermost only
-    leaves = [p for p in leaf_set if not any(p.startswith(q + ".") for q in leaf_set if q != p)]
+    leaves = stage_leaves(model, container)
     full = make_inputs(cfg["example_inputs"])
     m = cfg["n_microbatches"]
     mb = {k: (v.chunk(m, 0)[0].clone() if torch.is_tensor(v) else v) for k, v in full.items()}
@@ -272,7 +286,9 @@ def _capture_root(builder) -> None:
     for (mod, a, v), (_, _, axis) in zip(saved, builder.st.shard_attrs):
         setattr(mod, a, v * builder.sizes[axis])
     try:
-        gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False)
+        eager = record_leaf_outputs(model, leaves, mb)
+        gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
+                            eager_outputs=eager)
     finally:
         for mod, a, v in saved:
             setattr(mod, a, v)

@@ -41,6 +41,10 @@ SYNC_OPS: dict[str, tuple[str, ...]] = {
     "split": ("dim",),
     "all_to_all": ("split_dim", "concat_dim"),
 }
+# op -> keyword arguments it may take: all_gather's backward; split of the inner factor of a flattened dim
+# (``inner=h``: dim is (outer x h) flattened, each rank keeps its h/n of every outer entry, e.g. ALiBi's
+# batch x heads)
+_SYNC_OPTIONS: dict[str, tuple[str, ...]] = {"all_gather": ("grad",), "split": ("inner",)}
 
 
 @dataclass(frozen=True)
@@ -235,25 +239,36 @@ class Schedule(_GraphPrimitives):
         self.mod = built
         return self
 
-    def replace_all(self, module_type: type, factory: Callable[[nn.Module], nn.Module]) -> list[str]:
-        """Replace every module of exactly `module_type` under this one with ``factory(old)``.
+    def replace_all(self, module_type: type, factory: Callable[..., nn.Module], **kwargs: Any) -> list[str]:
+        """Replace every module of exactly `module_type` under this one with ``factory(old, **kwargs)``; a
+        factory with a ``path`` parameter (or ``**kw``) also receives the module's full dotted path
+        (Slapo's ``make_mod_func(name, mod)``). `kwargs` are logged, so they must be JSON values.
 
         Returns the replaced paths. Raises ScheduleError when nothing matches (a pattern that matches
-        nothing is a mistake, not a no-op).
+        nothing is a mistake, not a no-op) or the factory does not return a module.
         """
+        import inspect
+
         self._check_not_built("replace_all")
         ref = Ref.of(factory)
         paths = [p for p, m in self.named_schedules() if type(m.mod) is module_type and p != self.path]
         if not paths:
             raise ScheduleError(f"replace_all at {self._where()}: no module of type {module_type.__qualname__} here")
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        wants_path = "path" in params or any(q.kind == q.VAR_KEYWORD for q in params.values())
+        if "path" in kwargs:
+            raise ScheduleError(f"replace_all at {self._where()}: 'path' is passed by treadle; rename that argument")
         self._state.snapshot()
         for p in paths:
             sub = Schedule(self._state, p, self._state.model.get_submodule(p))
-            new = factory(sub.mod)
+            new = factory(sub.mod, **({"path": p} if wants_path else {}), **kwargs)
             if not isinstance(new, nn.Module):
                 raise ScheduleError(f"replace_all: factory {ref.target} returned {type(new).__name__} for {p!r}")
             _swap_module(self._state.model, p, sub.mod, new)
-        self._record("replace_all", module_type=module_type, factory=ref)
+        self._record("replace_all", module_type=module_type, factory=ref, **kwargs)
         return paths
 
     # ================================================================== primitives: layouts
@@ -319,7 +334,8 @@ class Schedule(_GraphPrimitives):
 
         Modes: ``fwd_pre`` (an input, before forward), ``fwd_post`` (the output, after forward), ``bwd_post``
         (the gradient of an input, after backward). Explicit ops: ``all_reduce``, ``all_gather(dim)``,
-        ``reduce_scatter(dim)``, ``split(dim)``, ``all_to_all(split_dim, concat_dim)``, each over `axis`,
+        ``reduce_scatter(dim)``, ``split(dim)`` (``inner=h``: split the inner factor h of a flattened dim),
+        ``all_to_all(split_dim, concat_dim)``, each over `axis`,
         each with its adjoint in backward (see `treadle.runtime.collectives`). Typed form:
         ``to=Replicate()`` (with `axis`) or ``to=[...]`` (one placement per mesh axis) derives the
         collective(s) from the layout this module produces (sharded Linear/Conv1D/Embedding leaves) or
@@ -353,10 +369,15 @@ class Schedule(_GraphPrimitives):
             missing = [k for k in SYNC_OPS[op] if k not in kwargs]
             if missing:
                 raise ScheduleError(f"sync at {self._where()}: op={op!r} needs {missing}")
-            allowed = set(SYNC_OPS[op]) | ({"grad"} if op == "all_gather" else set())
+            allowed = set(SYNC_OPS[op]) | set(_SYNC_OPTIONS.get(op, ()))
             extra = sorted(set(kwargs) - allowed)
             if extra:
                 raise ScheduleError(f"sync at {self._where()}: op={op!r} takes {sorted(allowed)}, not {extra}")
+            inner = kwargs.get("inner")
+            if op == "split" and inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1
+                                  or inner % self.mesh.size(axis)):
+                raise ScheduleError(f"sync at {self._where()}: split inner={inner!r} must be a positive multiple of the "
+                                    f"size {self.mesh.size(axis)} of axis {axis!r}")
             if op == "all_gather" and kwargs.get("grad", "split") not in ("split", "reduce_scatter"):
                 raise ScheduleError(f"sync at {self._where()}: all_gather grad must be 'split' or 'reduce_scatter'")
             args.update(op=op, axis=axis, **kwargs)
@@ -513,7 +534,15 @@ class Schedule(_GraphPrimitives):
 
 
 def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
-    """Install `new` at `path`, carrying over the hooks registered on `old`."""
+    """Install `new` at `path` (not the root), carrying over the hooks registered on `old`."""
+    _copy_hooks(old, new)
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def _copy_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Carry the hooks registered on `old` (and its training flag) over to `new`."""
     for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
                  "_backward_pre_hooks"):
@@ -525,9 +554,6 @@ def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) ->
     if getattr(old, "_is_full_backward_hook", None) is not None:  # full vs legacy backward hooks
         new._is_full_backward_hook = old._is_full_backward_hook
     new.train(old.training)
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, new)
 
 
 def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
@@ -553,7 +579,7 @@ def replay(sch: Schedule, records: list[Record]) -> Schedule:
             new = args["new"]
             fn(new.load() if isinstance(new, Ref) else new)
         elif r.op == "replace_all":
-            fn(args["module_type"], args["factory"].load())
+            fn(args.pop("module_type"), args.pop("factory").load(), **args)
         elif pos is not None:
             fn(pos, **args)
         else:

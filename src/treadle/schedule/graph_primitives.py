@@ -12,6 +12,7 @@ graph forms have their own names here — ``find_pattern(fn)``, ``replace_match(
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,13 +20,30 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor.placement_types import Replicate
 
 from ..errors import ScheduleError
 from .log import Ref
 
 if TYPE_CHECKING:
-    from ..graph.pattern import Match
     from .core import Schedule
+
+# The graph layer (capture, pattern, rewrite modules) registers itself here on import (`treadle.graph`): the
+# schedule records primitives and never imports the layers below it.
+_GRAPH_LAYER: dict[str, Any] = {}
+
+
+def register_graph_layer(**modules: Any) -> None:
+    """Called by `treadle.graph` with its modules (capture=, pattern=, rewrite=)."""
+    _GRAPH_LAYER.update(modules)
+
+
+def _layer(name: str) -> Any:
+    mod = _GRAPH_LAYER.get(name)
+    if mod is None:
+        raise ScheduleError(f"graph primitives need the graph layer, which is not loaded; import treadle.graph "
+                            f"(importing treadle does)")
+    return mod
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +101,14 @@ class GraphPrimitives:
         example inputs are given, else fx). Batch and sequence dims stay symbolic.
         Raises ScheduleError naming the module and the capture error; nothing falls back silently.
         """
-        from ..graph.capture import capture_export, capture_fx, record_call, resolve_leaves
-        from .core import _swap_module
+        cap = _layer("capture")
+        capture_export, capture_fx = cap.capture_export, cap.capture_fx
+        record_call, resolve_leaves = cap.record_call, cap.resolve_leaves
+        from .core import _copy_hooks, _swap_module
 
         self._check_not_built("trace")
-        if not self.path:
-            raise ScheduleError("trace: the root module cannot be replaced by its graph; trace a sub-module "
-                                "(pipelines capture the root themselves at build)")
+        if not self.path and "pipeline" in self._state.extras:
+            raise ScheduleError("trace: a pipelined model captures its root itself at build; trace a sub-module")
         if isinstance(self.mod, fx.GraphModule):
             raise ScheduleError(f"trace at {self._where()}: already traced")
         if method not in ("auto", "fx", "export"):
@@ -107,7 +126,11 @@ class GraphPrimitives:
             args, kwargs = record_call(self.model, self.path, make_inputs(spec))
             gm = capture_export(self.mod, leaf_paths, args, kwargs, where=self._where())
         self._state.snapshot()
-        _swap_module(self._state.model, self.path, self.mod, gm)
+        if self.path:
+            _swap_module(self._state.model, self.path, self.mod, gm)
+        else:  # the root: the schedule's model becomes the graph (verify keeps the snapshot as reference)
+            _copy_hooks(self.mod, gm)
+            self._state.model = gm
         self.mod = gm
         rec: dict[str, Any] = {"flatten": flatten, "method": method}
         if leaves:
@@ -134,15 +157,13 @@ class GraphPrimitives:
         """Matches of a subgraph pattern (a function such as ``lambda x, bias: F.gelu(x + bias)``) in this
         module's graph, non-overlapping, in graph order; empty if there is none. Needs `trace` first.
         Raises ScheduleError when the pattern cannot be captured."""
-        from ..graph.pattern import find_matches
-
-        _ensure_model_forms()
+        find_matches = _layer("pattern").find_matches
 
         gm = self._traced("find")
         return find_matches(pattern, gm, path=self.path)
 
     def _match(self: "Schedule", match: "Match | dict", op: str) -> tuple[fx.GraphModule, "Match", str]:
-        from ..graph.pattern import Match, match_from_spec
+        Match, match_from_spec = _layer("pattern").Match, _layer("pattern").match_from_spec
 
         if match is None or (isinstance(match, list) and not match):
             raise ScheduleError(f"{op} at {self._where()}: no match given (the pattern matched nothing)")
@@ -161,18 +182,24 @@ class GraphPrimitives:
 
     def replace_match(self: "Schedule", new: nn.Module | Callable | Ref, match: "Match | dict") -> "Schedule":
         """Put `new` (a module or a module-level function) in place of the matched subgraph, called with the
-        match's inputs *by name*. Hooks of the surrounding modules are kept. A replacement whose signature
+        match's inputs *by name*. Hooks of the surrounding modules are kept; primitives and hooks of the matched
+        leaves it removes move onto it where their meaning is kept (`treadle.schedule.carry`), else this is a
+        ScheduleError naming the leaf, the primitive and why. A replacement whose signature
         cannot bind (a parameter without a match input of its name, or an input it would drop) is rejected
         with ScheduleError and the schedule is unchanged; so is an empty match."""
-        from ..graph.rewrite import replace_match
+        replace_match = _layer("rewrite").replace_match
 
         self._check_not_built("replace_match")
         new = new.load() if isinstance(new, Ref) else new
         gm, m, path = self._match(match, "replace_match")
         arg = new if isinstance(new, nn.Module) else Ref.of(new)
+        from .carry import plan_carry
+
+        carry = plan_carry(self, gm, m, path, new)
         spec = m.spec()
         self._state.snapshot()
-        replace_match(gm, m, new)
+        name = replace_match(gm, m, new, pre_hooks=carry.pre_hooks, post_hooks=carry.post_hooks)
+        carry.apply(self, f"{path}.{name}" if path and name else (name or path))
         self._state.records.append(_record("replace_match", path, new=arg, match=spec))
         logger.info("replace_match at %r: %s -> %s", path, spec["pattern"], getattr(arg, "target", type(new).__name__))
         return self
@@ -183,12 +210,9 @@ class GraphPrimitives:
         follows. On a traced module: every decomposable leaf call in its graph; on a leaf: its calls in the
         nearest traced ancestor. A column-sharded weight keeps working (build inserts the input-gradient
         reduction); a row-sharded one is a BuildError. Raises ScheduleError if nothing can decompose."""
-        from ..graph.rewrite import decomposable, decompose_node
-
-        _ensure_model_forms()
+        decomposable, decompose_node = _layer("rewrite").decomposable, _layer("rewrite").decompose_node
 
         self._check_not_built("decompose")
-        _ensure_build_steps()
         if isinstance(self.mod, fx.GraphModule):
             gm, prefix = self.mod, self.path
             nodes = [n for n in gm.graph.nodes if n.op == "call_module" and decomposable(gm.get_submodule(n.target))]
@@ -201,11 +225,23 @@ class GraphPrimitives:
             nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
         if not nodes:
             raise ScheduleError(f"decompose at {self._where()}: no call of a decomposable leaf in the traced graph")
-        self._state.snapshot()
-        done = []
         for n in nodes:
             full = f"{prefix}.{n.target}" if prefix else n.target
-            decompose_node(gm, n, full_path=full)
+            _check_decomposable_primitives(self, gm.get_submodule(n.target), full)
+        self._state.snapshot()
+        done = []
+        st = self._state
+        for n in nodes:
+            full = f"{prefix}.{n.target}" if prefix else n.target
+            moving = [i for i, s in enumerate(st.syncs) if s.path == full and s.op is not None
+                      and not _reduces_input_grad(st, gm.get_submodule(n.target), s)]
+            ins = [i for i in moving if st.syncs[i].mode in ("fwd_pre", "bwd_post")]
+            outs = [i for i in moving if st.syncs[i].mode == "fwd_post"]
+            b_in, b_out = decompose_node(gm, n, full_path=full, boundary_in=bool(ins), boundary_out=bool(outs))
+            for idxs, name in ((ins, b_in), (outs, b_out)):
+                for i in idxs:  # the explicit sync now sits on the identity at the leaf's input / output
+                    st.syncs[i] = dataclasses.replace(st.syncs[i], path=f"{prefix}.{name}" if prefix else name,
+                                                      arg=0)
             done.append(full)
         self._state.extras.setdefault("decomposed", []).extend(done)
         self._record("decompose")
@@ -215,9 +251,9 @@ class GraphPrimitives:
         """Compile the matched region with ``torch.compile(backend=compiler, fullgraph=True)`` (on first call);
         numerics are unchanged up to the backend's rounding. Raises ScheduleError for an unavailable compiler
         (listing the available ones) or an empty match."""
-        from ..graph.rewrite import FusedRegion, check_compiler, inline_leaf_forms, wrap_region
-
-        _ensure_model_forms()
+        rw = _layer("rewrite")
+        FusedRegion, check_compiler, inline_leaf_forms, wrap_region = (rw.FusedRegion, rw.check_compiler,
+                                                                       rw.inline_leaf_forms, rw.wrap_region)
 
         self._check_not_built("fuse")
         check_compiler(compiler, self._where())
@@ -236,7 +272,7 @@ class GraphPrimitives:
 
     def checkpoint_match(self: "Schedule", match: "Match | dict") -> "Schedule":
         """Recompute the matched part of the graph in backward instead of saving its activations."""
-        from ..graph.rewrite import CheckpointRegion, wrap_region
+        CheckpointRegion, wrap_region = _layer("rewrite").CheckpointRegion, _layer("rewrite").wrap_region
 
         self._check_not_built("checkpoint_match")
         gm, m, path = self._match(match, "checkpoint_match")
@@ -252,7 +288,6 @@ class GraphPrimitives:
         other op is recomputed in backward (`torch.utils.checkpoint.create_selective_checkpoint_contexts`).
         Raises ScheduleError for an unknown op or a module already checkpointed."""
         self._check_not_built("checkpoint_selective")
-        _ensure_build_steps()
         resolve_ops(save, self._where())
         if self.path in self._state.checkpoints or any(p == self.path for p, _ in self._state.extras.get("selective", [])):
             raise ScheduleError(f"checkpoint_selective at {self._where()}: already checkpointed")
@@ -266,7 +301,6 @@ class GraphPrimitives:
         (nn.ModuleList / nn.Sequential) such as the model's stack of blocks, and not its last element.
         Raises ScheduleError otherwise, naming the containers where a cut would work."""
         self._check_not_built("cut_pipeline_stage")
-        _ensure_build_steps()
         parent_path, _, name = self.path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         if not self.path or not isinstance(parent, (nn.ModuleList, nn.Sequential)):
@@ -301,7 +335,6 @@ class GraphPrimitives:
         they equal the gradient of the mean of the micro-batch losses.
         Raises ScheduleError for a missing axis, no cuts, an unknown schedule or a batch that does not split."""
         self._check_not_built("pipeline")
-        _ensure_build_steps()
         if self.path:
             raise ScheduleError(f"pipeline applies to the whole model: call it on the root schedule, not {self._where()}")
         self._check_axis(axis, "pipeline")
@@ -333,23 +366,67 @@ class GraphPrimitives:
         return self
 
 
-def _check_no_primitives_inside(sch: "Schedule", gm: fx.GraphModule, m: "Match", path: str) -> None:
-    """A compiled region runs its leaves as plain functions: primitives recorded on them (syncs, gradient
-    reductions, checkpoints, RNG forks, sharded parameters) would be bypassed, so refuse to fuse over them."""
+def _recorded_on(sch: "Schedule", mod: nn.Module, full: str) -> list[str]:
+    """Primitives recorded on module `full` (and its parameters) and hooks registered on it, as short names."""
     st = sch._state
+    hooks = [name for name, attr in (("forward pre-hooks", "_forward_pre_hooks"), ("forward hooks", "_forward_hooks"),
+                                     ("backward hooks", "_backward_hooks"),
+                                     ("backward pre-hooks", "_backward_pre_hooks")) if getattr(mod, attr, None)]
+    return ([f"sync {s.mode}" + (f" op={s.op!r}" if s.op else "") for s in st.syncs if s.path == full]
+            + ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
+            + ["checkpoint" for p in st.checkpoints if p == full]
+            + ["fork_rng" for p, _ in st.fork_rngs if p == full]
+            + [f"shard {name}" for name, prm in mod.named_parameters() if id(prm) in st.param_shards]
+            + hooks)
+
+
+def _check_no_primitives_inside(sch: "Schedule", gm: fx.GraphModule, m: "Match", path: str, *, op: str = "fuse",
+                                what: str = "a compiled region") -> None:
+    """A compiled region (or a replacement) runs instead of the matched leaves: primitives recorded on them
+    (syncs, gradient reductions, checkpoints, RNG forks, sharded parameters) and their hooks would be
+    bypassed, so refuse to rewrite over them."""
     for n in m.nodes:
         if n.op != "call_module":
             continue
         full = f"{path}.{n.target}" if path else n.target
-        what = ([f"sync {s.mode}" for s in st.syncs if s.path == full]
-                + ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
-                + ["checkpoint" for p in st.checkpoints if p == full]
-                + ["fork_rng" for p, _ in st.fork_rngs if p == full]
-                + [f"shard {name}" for name, prm in gm.get_submodule(n.target).named_parameters()
-                   if id(prm) in st.param_shards])
-        if what:
-            raise ScheduleError(f"fuse at {sch._where()}: leaf {full!r} has recorded primitives {what} that a compiled "
-                                f"region would bypass; fuse a region without that leaf")
+        found = _recorded_on(sch, gm.get_submodule(n.target), full)
+        if found:
+            raise ScheduleError(f"{op} at {sch._where()}: leaf {full!r} has recorded primitives or hooks ({', '.join(found)}) that "
+                                f"{what} would bypass; {op} a region without that leaf, or apply them to the "
+                                f"module that replaces it")
+
+
+def _check_decomposable_primitives(sch: "Schedule", leaf: nn.Module, full: str) -> None:
+    """What a decomposition keeps: a column-sharded weight (and bias) and a reduction of the input gradient on
+    that axis (build puts it where the leaf's input was); forward pre-hooks and forward hooks (run around the
+    loose ops). Anything else recorded on the leaf would be silently dropped, so it is a ScheduleError."""
+    decomposition_dims, leaf_hook_problems = _layer("rewrite").decomposition_dims, _layer("rewrite").leaf_hook_problems
+
+    st = sch._state
+    out_dim, in_dim = decomposition_dims(leaf)
+    bad = [f"shard weight dim {s.dim} over {s.axis!r} (row parallel: its output is a pending sum)"
+           for s in st.param_shards.get(id(leaf.weight), []) if s.dim == in_dim]
+    for s in st.syncs:
+        if s.path != full or _reduces_input_grad(st, leaf, s) or s.op is not None:
+            continue  # explicit ops move to identities at the leaf's input / output
+        bad.append(f"sync {s.mode} to={[p for _, p in s.to]} (a typed sync reads the leaf's layout; state it "
+                   f"with op=)")
+    bad += ["reduce_grads" for p, _, _ in st.reduce_grads if p == full]
+    bad += ["checkpoint" for p in st.checkpoints if p == full]
+    bad += ["fork_rng" for p, _ in st.fork_rngs if p == full]
+    bad += leaf_hook_problems(leaf)
+    if bad:
+        raise ScheduleError(f"decompose at {full!r}: the leaf has {'; '.join(bad)}, which its loose ops (matmul, + bias) cannot "
+                            f"carry; apply them to its parent module, or do not decompose this leaf")
+
+
+def _reduces_input_grad(st: Any, leaf: nn.Module, s: Any) -> bool:
+    """`s` is the reduction of a column-parallel leaf's input gradient (build puts it where the input was)."""
+    out_dim, _ = _layer("rewrite").decomposition_dims(leaf)
+    col_axes = {p.axis for p in st.param_shards.get(id(leaf.weight), []) if p.dim == out_dim}
+    return s.mode == "bwd_post" and (
+        (s.op == "all_reduce" and s.axis in col_axes)
+        or (s.op is None and all(ax in col_axes and isinstance(p, Replicate) for ax, p in s.to)))
 
 
 def _record(op: str, path: str, **args: Any):
@@ -385,16 +462,3 @@ def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
         raise ScheduleError(f"checkpoint_selective at {where}: unknown ops {bad}; name aten ops as 'aten.<op>', "
                             f"e.g. 'aten.mm', 'aten.addmm'")
     return out
-
-
-def _ensure_model_forms() -> None:
-    """Load the model-specific op forms and decompositions (they live in treadle.models.kernels)."""
-    try:
-        from ..models import kernels  # noqa: F401
-    except ImportError:  # pragma: no cover - transformers missing: only the built-in forms exist
-        pass
-
-
-def _ensure_build_steps() -> None:
-    """Register the graph layer's build steps (imported lazily: the runtime imports this module's class)."""
-    from ..graph import build_steps  # noqa: F401

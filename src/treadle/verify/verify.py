@@ -293,14 +293,24 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     splits dim 0). `loss_fn(output)` defaults to ``output.loss`` or the mean square of the first output.
     Tolerances come from the dtype of the parameters (`tolerance`). With ``raise_on_mismatch`` a failed
     check raises VerifyError carrying the report's summary; else the report says ``.ok``.
-    The schedule must not have been built; its model (before any `replace`) is the reference.
+    The schedule must not have been built; its model (before any `replace`) is the reference. A model on the
+    meta device is materialised for the reference with the same seeded, mesh-independent init build uses.
     """
     if sch._state.built:
         raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
     loss_fn = loss_fn or _default_loss
     original = sch._state.original if sch._state.original is not None else sch._state.model
+    reference = original
     if any(p.is_meta for p in original.parameters()):
-        raise VerifyError("verify: the model is on the meta device; verify needs real weights to compare")
+        # the ranks materialise it at build with the seeded, mesh-independent init: so does the reference
+        if sch._state.original is None and sch._state.records and any(r.op in ("replace", "replace_all")
+                                                                      for r in sch._state.records):
+            raise VerifyError("verify: a meta-device model replaced before any real weights existed has no "
+                              "reference; materialise it first")
+        from ..runtime.build import materialize
+
+        reference = copy.deepcopy(original)
+        materialize(reference, None, "cpu")
     if not isinstance(example_inputs, dict):
         raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
@@ -329,13 +339,15 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
 
     # reference: the original, single process, on the same data-parallel slices
     dp_axis, dp_n, _ = results[0]["dp"]
-    dtype = next(original.parameters()).dtype
+    dtype = next(reference.parameters()).dtype
     tol = tol or tolerance(dtype)
-    ref_model = copy.deepcopy(original)
+    ref_model = copy.deepcopy(reference)
     slices = [split_batch(example_inputs, dp_n, i, axis=dp_axis, where="verify") for i in range(dp_n)]
     torch.manual_seed(seed)
     ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
+    if report.first_divergence:
+        report.first_divergence += nearest_primitive(sch, report.first_divergence)
     if raise_on_mismatch:
         report.raise_if_failed()
     return report
@@ -480,3 +492,47 @@ def _pending_sum_hint(report: VerifyReport, first: str) -> str:
     axes = [part.split("=")[0] for part in c.diff.layout.split() if part.endswith("=P")]
     return (f"; inside it, {c.name!r} leaves a pending sum (Partial over {', '.join(axes)}) that is never "
             f"reduced")
+
+
+def nearest_primitive(sch: Schedule, first: str) -> str:
+    """The primitives recorded nearest the first diverging tensor, as ``; nearest primitive: sch[...]....``.
+
+    `first` names a module output or gradient (``... of 'path' ...``) or a parameter gradient. Nearest: recorded
+    at that module (for the gradient of its output: only its fwd_post syncs), then, for an output, inside it;
+    for the gradient of an output, at the modules that run after it in forward (their backward makes it);
+    ties go to the closest in module order. Empty if nothing is recorded on any module path."""
+    import re
+
+    m = re.search(r"'([^']*)'", first)
+    if m is None:
+        return ""
+    path = m.group(1).split(" (call ")[0]
+    if path == "<model>":
+        path = ""
+    if first.startswith("gradient of parameter"):
+        path = path.rpartition(".")[0]
+    order = {p: i for i, (p, _) in enumerate(sch.model.named_modules())}
+    here = order.get(path)
+    out_grad = first.startswith("gradient of the output")
+    backward = first.startswith("gradient")
+    best, best_key = [], None
+    for r in sch.records:
+        if r.path not in order or r.op in ("data_parallel", "pipeline", "trace", "annotate"):
+            continue
+        inside = path == "" or r.path.startswith(path + ".")
+        after = here is not None and order[r.path] > here and not inside
+        if r.path == path and (not out_grad or (r.op == "sync" and r.args.get("*") == "fwd_post")):
+            rank = 0  # the gradient of an output is made downstream: of this module's own, only its output syncs
+        elif out_grad:
+            rank = 1 if after else 2 if inside else 3
+        else:
+            rank = 1 if inside else 2 if after == backward else 3
+        key = (rank, abs(order[r.path] - here) if here is not None else 0)
+        if best_key is None or key < best_key:
+            best, best_key = [r], key
+        elif key == best_key:
+            best.append(r)
+    if not best:
+        return ""
+    where = "at it" if best_key[0] == 0 else "nearest"
+    return f"; primitives {where}: " + "; ".join(r.to_python() for r in best[:3])

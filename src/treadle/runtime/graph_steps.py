@@ -1,4 +1,4 @@
-"""Build steps of the graph layer: sharded decomposed leaves and selective checkpointing.
+"""Build steps for graph-level primitives: sharded decomposed leaves and selective checkpointing.
 
 * pre_shard: a decomposed leaf no longer runs its module, so the input-gradient reduction a column-sharded
   weight needs (the leaf rule's pre-hook) is inserted into the graph where the leaf's input was marked
@@ -18,10 +18,10 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import BuildError
-from ..runtime import collectives as C
-from ..runtime.build import _wrap_forward, register_build_extension
+from ..graph.rewrite import decomposition_dims, leaf_input
 from ..schedule.graph_primitives import resolve_ops
-from .rewrite import decomposition_dims, leaf_input
+from . import collectives as C
+from .build import _wrap_forward, register_build_extension
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ def _sync_decomposed(builder) -> None:
                 elif s.dim == in_dim:
                     raise BuildError(f"build: {path!r} was decomposed but its weight is split on its input dim over "
                                      f"axis {s.axis!r} (row parallel); decompose only column-parallel leaves")
+            for s in st.syncs:
+                reduces = s.mode == "bwd_post" and (s.op == "all_reduce" and s.axis in axes or s.op is None and all(
+                    ax in axes for ax, _ in s.to))
+                if s.path == path and not reduces:
+                    raise BuildError(f"build: {path!r} was decomposed, so its sync {s.mode} "
+                                     f"{'op=%r' % s.op if s.op else 'to=%s' % [p for _, p in s.to]} has no module call "
+                                     f"to run on; record it on the parent module")
             x = node.args[0]
             for ax in axes:
                 name = f"_grad_sync_{node.name}_{ax}"
@@ -94,7 +101,7 @@ def _selective(builder) -> None:
                                                                            context_fn=ctx, **k)))
 
 
-from ..runtime import pipeline as _pipeline  # noqa: E402,F401  (registers the pipeline build steps)
+from . import pipeline as _pipeline  # noqa: E402,F401  (registers the pipeline build steps)
 
 register_build_extension("pre_shard", _sync_decomposed)
 register_build_extension("post_hooks", _selective)
