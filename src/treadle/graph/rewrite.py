@@ -130,13 +130,16 @@ def check_binding(new: Callable, match: Match) -> inspect.Signature:
 
 def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable, *,
                   pre_hooks: dict[str, tuple[nn.Module, list]] | None = None,
-                  post_hooks: dict[int, tuple[nn.Module, list, str]] | None = None) -> str | None:
+                  post_hooks: dict[int, tuple[nn.Module, list, str]] | None = None,
+                  takeover: set[str] = frozenset()) -> str | None:
     """Put `new` (module or function) in place of `match`, calling it with the match inputs by name.
     A module becomes a child of `gm`; returns its attribute name (None for a function).
 
     `pre_hooks` {match input: (leaf, forward pre-hooks)} run on that input before the replacement;
     `post_hooks` {output index: (leaf, forward hooks, match input)} run on that output, with that input as the
-    hooks' ``args`` (after its pre-hooks), as they ran around the removed leaf (`LeafHooks`)."""
+    hooks' ``args`` (after its pre-hooks), as they ran around the removed leaf (`LeafHooks`).
+    `takeover`: parameters of removed leaves (targets such as ``fc1.weight``) whose reads go to the
+    replacement's parameter of the same name."""
     _check_region(match)
     check_binding(new, match)
     pre_hooks, post_hooks = pre_hooks or {}, post_hooks or {}
@@ -162,7 +165,7 @@ def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable, *
     leaves = {n.target for n in match.nodes if n.op == "call_module"}
     out = _install(gm, match, make)
     if name is not None:
-        _retarget_owned(gm, leaves, name)
+        _retarget_owned(gm, leaves, name, takeover)
     _drop_unused_leaves(gm, leaves)
     if post_hooks:
         outs = [out] if len(match.outputs) == 1 else sorted((u for u in out.users if u.target is operator.getitem),
@@ -181,10 +184,10 @@ def replace_match(gm: fx.GraphModule, match: Match, new: nn.Module | Callable, *
     return name
 
 
-def _retarget_owned(gm: fx.GraphModule, targets: set[str], name: str) -> None:
+def _retarget_owned(gm: fx.GraphModule, targets: set[str], name: str, takeover: set[str]) -> None:
     """Reads (get_attr) of a removed leaf that the replacement `name` now owns go through the replacement, so
-    the leaf keeps one path in the model; reads of a removed leaf's parameter go to the replacement's
-    parameter of the same name (relative to this module) and shape, which takes it over."""
+    the leaf keeps one path in the model; reads of a removed leaf's parameter in `takeover` go to the
+    replacement's parameter of the same name (relative to this module) and shape."""
     new = gm.get_submodule(name)
     called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     for t in targets - called:
@@ -196,7 +199,7 @@ def _retarget_owned(gm: fx.GraphModule, targets: set[str], name: str) -> None:
                 continue
             if rel is not None:
                 n.target = f"{name}.{rel}{n.target[len(t):]}" if rel else f"{name}{n.target[len(t):]}"
-            elif n.target in own and own[n.target].shape == _attr(gm, n.target).shape:
+            elif n.target in takeover and n.target in own and own[n.target].shape == _attr(gm, n.target).shape:
                 n.target = f"{name}.{n.target}"  # the replacement takes the parameter over by name
     gm.recompile()
 

@@ -9,7 +9,7 @@ primitive and why (nothing is changed):
   hooks are on the object and travel with it;
 * a sharded parameter of the leaf: kept when the replacement owns that very parameter, moved to the
   replacement's parameter of the same name (the leaf's name in the traced module, e.g. ``fc1.weight``) when
-  it has the same shape;
+  it has the same shape; that parameter then takes the leaf's over (graph reads of it go to the new one);
 * ``fwd_pre`` / ``bwd_post`` syncs and forward pre-hooks: moved to the replacement's input when the leaf's
   input is a match input that no other matched op reads;
 * ``fwd_post`` / ``bwd_pre`` syncs and forward hooks: moved to the replacement's output when the leaf's
@@ -41,6 +41,7 @@ class Carry:
     moved_paths: dict[str, nn.Module] = field(default_factory=dict)  # leaf full path -> the leaf, now owned
     syncs: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (SyncSpec, changes, path set by apply)
     shards: list[tuple[int, nn.Parameter]] = field(default_factory=list)  # (id of old param, new param)
+    takeover: set[str] = field(default_factory=set)  # leaf parameters (graph targets) the replacement takes over
     pre_hooks: dict[str, tuple[nn.Module, list]] = field(default_factory=dict)  # match input -> (leaf, hooks)
     post_hooks: dict[int, tuple[nn.Module, list, str]] = field(default_factory=dict)  # out -> (leaf, hooks, input)
 
@@ -171,6 +172,7 @@ def plan_carry(sch: "Schedule", gm: fx.GraphModule, m: Any, path: str, new: Any)
             if id(new_p) in st.param_shards:
                 refuse(f"shard {pn}", f"the replacement's {target!r} is sharded already")
             carry.shards.append((id(prm), new_p))
+            carry.takeover.add(target)
         for attr in ("_backward_hooks", "_backward_pre_hooks"):
             if getattr(leaf, attr, None):
                 refuse("backward hooks", "the leaf's gradients are not the replacement's")

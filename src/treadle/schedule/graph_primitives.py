@@ -198,7 +198,8 @@ class GraphPrimitives:
         carry = plan_carry(self, gm, m, path, new)
         spec = m.spec()
         self._state.snapshot()
-        name = replace_match(gm, m, new, pre_hooks=carry.pre_hooks, post_hooks=carry.post_hooks)
+        name = replace_match(gm, m, new, pre_hooks=carry.pre_hooks, post_hooks=carry.post_hooks,
+                             takeover=carry.takeover)
         carry.apply(self, f"{path}.{name}" if path and name else (name or path))
         self._state.records.append(_record("replace_match", path, new=arg, match=spec))
         logger.info("replace_match at %r: %s -> %s", path, spec["pattern"], getattr(arg, "target", type(new).__name__))
