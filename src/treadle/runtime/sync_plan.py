@@ -120,14 +120,40 @@ class _Planner:
         return [p for p, lp in self.leaves.items() if _under(p, path) and axis in lp.grad_partial_axes]
 
     # ---------------------------------------------------------------- forward: chain and check
+    def input_layout(self, path: str) -> dict[str, Placement]:
+        """The layout the module's first input has after its own fwd_pre syncs, on the axes they name."""
+        lay: dict[str, Placement] = {}
+        for _, s in self.of(path, "fwd_pre"):
+            if s.arg not in (0, None):
+                continue
+            lay.update(after(s))
+        return lay
+
+    def leaf_out(self, path: str, lp) -> dict[str, Placement]:
+        """A sharded leaf's output layout: its rule's, plus what its input's fwd_pre syncs carry through on the
+        axes the rule leaves Replicate. An input split on a dim other than the last (a batch or sequence dim)
+        comes out split on the same dim (Linear / Conv1D act on the last dim; an Embedding maps every id); a
+        dim counted from the end (or a pending sum) is left to the sync's ``from_`` (`self.unknown`)."""
+        out = dict(lp.out)
+        self.unknown = set()
+        for ax, p in self.input_layout(path).items():
+            if ax in out or isinstance(p, Replicate):
+                continue
+            if isinstance(p, Shard) and p.dim >= 0:  # a feature-dim split here would not even run (shapes)
+                out[ax] = p
+            else:
+                self.unknown.add(ax)
+        return out
+
     def chain_fwd_post(self, path: str) -> dict[str, Placement] | None:
         lp = self.leaves.get(path)
-        known: dict[str, Placement] | None = dict(lp.out) if lp is not None else None
+        self.unknown = set()
+        known: dict[str, Placement] | None = self.leaf_out(path, lp) if lp is not None else None
         what = f"the output of {self.module_type.get(path, 'the module')} {path!r}"
         for i, s in self.of(path, "fwd_post"):
             if s.op is not None:
                 need = op_source(s)
-                if known is not None:
+                if known is not None and s.axis not in self.unknown:
                     have = known.get(s.axis, Replicate())
                     if not _compatible(have, need):
                         raise ScheduleError(
@@ -141,6 +167,8 @@ class _Planner:
                 given = dict(s.from_)
                 if known is not None:
                     for ax, p in given.items():
+                        if ax in self.unknown:
+                            continue
                         have = known.get(ax, Replicate())
                         if not _compatible(have, p):
                             raise ScheduleError(
@@ -149,6 +177,11 @@ class _Planner:
                                 f"start from the known layout")
                 base = {**(known or {}), **given}
             elif known is not None:
+                blind = sorted(ax for ax, _ in s.to if ax in self.unknown)
+                if blind:
+                    raise BuildError(f"{self.where(s)}: cannot derive the layout of the output of {path!r} on "
+                                     f"axes {blind} (its input is split there by a fwd_pre sync on a dim counted "
+                                     f"from the end); give from_=")
                 base = dict(known)
             else:
                 raise BuildError(f"{self.where(s)}: cannot derive the layout "
