@@ -538,3 +538,20 @@ def test_acceptance_plans_trace_and_report(make) -> None:
     p = _Sections()
     p.feed(plan_html(plan))
     assert p.sections == list(PLAN_SECTIONS) and not p.urls
+
+
+def test_plan_whose_schedule_cannot_be_priced_is_drawn_from_its_rows(fixed_plan: Plan, monkeypatch) -> None:
+    """A planned model whose price fails (PlanError) falls back to the rows, saying why, instead of raising."""
+    from treadle.errors import PlanError
+
+    plan = Plan.from_dict(fixed_plan_dict())
+
+    def fails() -> None:
+        raise PlanError("price: pipeline schedules are not priced")
+
+    monkeypatch.setattr(Plan, "estimate", lambda self: fails())
+    tl = timeline_from_plan(plan)
+    assert tl.step_s == pytest.approx(plan.estimated.step_s)
+    assert "pipeline schedules are not priced" in tl.notes[0]
+    monkeypatch.undo()
+    assert validate_chrome_trace(chrome_trace(tl)) == []

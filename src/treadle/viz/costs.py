@@ -186,9 +186,11 @@ def _block_of(path: str, blocks: list[str]) -> str | None:
 
 
 def costs_from_plan(plan) -> StepCosts:
-    """The step of `plan` (a `treadle.planner.Plan`, planned or loaded) as StepCosts, by NOTE [plan attribution].
-    Raises ValueError when the rows do not add up to the plan's estimate (a plan file edited by hand)."""
-    est = plan.estimate()
+    """The step of `plan` (a `treadle.planner.Plan`, planned or loaded) as StepCosts, by NOTE [plan attribution],
+    from its rows and the solver's own estimate (`plan.estimated`, what the rows add up to; the plan's price
+    is drawn by `treadle.viz.price_timeline` instead). Raises ValueError when the rows do not add up to that
+    estimate (a plan file edited by hand)."""
+    est = plan.estimated
     dp, zero, tp = plan_axes(plan)
     ckpts: dict[str, int] = dict((plan.solver or {}).get("checkpoints") or {})
     # repeated blocks: the checkpoint templates the solver reports, else a run of rows with the same count > 1

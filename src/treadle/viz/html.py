@@ -123,7 +123,7 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
     from ..planner.cli import plan_python
 
     tl = timeline or timeline_from_plan(plan)
-    e = plan.estimate()
+    e = plan.estimate() if plan.price is not None else plan.estimated  # the timeline priced it when it could
     unit = bytes_unit([e.peak_bytes])
     name = (plan.model or {}).get("name", "model") if isinstance(plan.model, dict) else "model"
     summary = _table(["", ""], [
