@@ -1,5 +1,6 @@
 """Regenerate the README's pictures into docs/img/: one per kind, from the README's Llama-3-8B plan and a
-GPT-2 profile (fake tensors: no downloads, no GPU; about a minute on a laptop).
+GPT-2 profile (fake tensors: no downloads, no GPU; a few minutes on a laptop). The plan is drawn from
+its price (`timeline_from_plan` -> `treadle.viz.timeline_from_price`), the numbers `treadle explain` prints.
 
     python docs/make_pictures.py            # needs matplotlib (pip install -e '.[viz]')
 

@@ -21,6 +21,8 @@ from treadle.viz import (CommCost, MemoryTotals, ModuleCosts, StepCosts, chrome_
 from treadle.viz.html import PLAN_SECTIONS, PROFILE_SECTIONS, plan_html, profile_html
 from treadle.viz.measured import measured_trace, step_times_s
 from treadle.viz.progress import progress
+from treadle.viz.chrome import track_names
+from treadle.viz.price_timeline import WAIT
 from treadle.viz.timeline import COMPUTE
 
 MS = 1e-3
@@ -85,52 +87,131 @@ def x_events(doc: dict) -> list[dict]:
     return [e for e in doc["traceEvents"] if e["ph"] == "X"]
 
 
+def _by_track(doc: dict) -> dict[str, list[dict]]:
+    names = track_names(doc)
+    out: dict[str, list[dict]] = {}
+    for e in x_events(doc):
+        assert (e["pid"], e["tid"]) in names
+        out.setdefault(names[(e["pid"], e["tid"])], []).append(e)
+    return out
+
+
 def assert_trace_matches_estimate(doc: dict, plan: Plan) -> None:
     """The Chrome-trace checks of the issue: required keys, monotonic timestamps per track, durations summing
-    to the predicted step, and the split by phase and stream matching the estimate (explain's numbers)."""
+    to the predicted step, and the split by phase and stream matching the estimate (explain's numbers).
+    A priced plan is drawn from its price: the compute track (compute, recompute, and the waits for exposed
+    collectives) covers the step; a price-less plan's slices add up to the step (nothing overlapped)."""
     assert validate_chrome_trace(doc) == []
     xs = x_events(doc)
     assert xs
     for e in xs:
         assert {"name", "ph", "ts", "dur", "pid", "tid", "cat", "args"} <= set(e)
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert all((e["pid"], e["tid"]) in names for e in xs)
-    by_track: dict[str, list[dict]] = {}
-    for e in xs:
-        by_track.setdefault(names[(e["pid"], e["tid"])], []).append(e)
+    by_track = _by_track(doc)
     for track, evs in by_track.items():  # monotonic and disjoint, in file order
         for a, b in zip(evs, evs[1:]):
             assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, (track, a["name"], b["name"])
     est = plan.estimate()
-    total_us = sum(e["dur"] for e in xs)
-    assert total_us == pytest.approx(est.step_s * 1e6, rel=0.01)  # nothing overlapped in the planner's model
     end_us = max(e["ts"] + e["dur"] for e in xs)
     assert end_us == pytest.approx(est.step_s * 1e6, rel=0.01)
     comp = by_track[COMPUTE]
-    fwd_bwd_us = sum(e["dur"] for e in comp if e["cat"] in ("forward", "backward"))
+    fwd_bwd_us = sum(e["dur"] for e in comp if e["cat"] in ("forward", "backward", "optimizer"))
     assert fwd_bwd_us == pytest.approx(est.compute_s * 1e6, rel=0.01)
-    if est.recompute_s:
-        assert sum(e["dur"] for e in comp if e["cat"] == "recompute") == pytest.approx(est.recompute_s * 1e6, rel=0.01)
-    comm_us = sum(e["dur"] for t, evs in by_track.items() if t != COMPUTE for e in evs)
-    assert comm_us == pytest.approx(est.comm_s * 1e6, rel=0.01, abs=1e-3)
+    assert sum(e["dur"] for e in comp if e["cat"] == "recompute") == pytest.approx(est.recompute_s * 1e6, rel=0.01,
+                                                                                   abs=1e-3)
+    comm = [e for t, evs in by_track.items() if t != COMPUTE for e in evs]
+    exposed_us = sum(e["args"]["exposed_ms"] * 1e3 for e in comm)
+    assert exposed_us == pytest.approx(est.comm_s * 1e6, rel=0.01, abs=1e-3)
+    if plan.price is not None:
+        assert_trace_matches_price(doc, plan.price)
+    else:
+        assert sum(e["dur"] for e in xs) == pytest.approx(est.step_s * 1e6, rel=0.01)  # nothing overlapped
     assert doc["otherData"]["step_ms"] == pytest.approx(est.step_s * 1e3, rel=0.01)
+
+
+def assert_trace_matches_price(doc: dict, p: dict) -> None:
+    """A trace drawn by timeline_from_price: the compute track sums to step_s = compute + recompute + exposed
+    comm, its waits to the exposed comm, each collective of the price is one slice on its axis's stream at
+    its start and end, with its kind, axis and bytes."""
+    by_track = _by_track(doc)
+    comp = by_track[COMPUTE]
+    assert sum(e["dur"] for e in comp) == pytest.approx(p["step_s"] * 1e6, rel=0.01)
+    assert sum(e["dur"] for e in comp if e["cat"] == WAIT) == pytest.approx(p["exposed_comm_s"] * 1e6, rel=0.01,
+                                                                            abs=1e-3)
+    comm = [(t, e) for t, evs in by_track.items() if t != COMPUTE for e in evs]
+    timed = [c for c in p["collectives"] if c["end_s"] > c["start_s"]]
+    assert len(comm) == len(timed)
+    assert sum(e["dur"] for _, e in comm) == pytest.approx(p["comm_s"] * 1e6, rel=0.01, abs=1e-3)
+    got = sorted((t, e["args"]["kind"], e["args"]["nbytes"], round(e["ts"]), round(e["ts"] + e["dur"]))
+                 for t, e in comm)
+    want = sorted(("comm " + c["axis"].replace(",", "+"), c["kind"], c["nbytes"], round(c["start_s"] * 1e6),
+                   round(c["end_s"] * 1e6)) for c in timed)
+    assert got == want
+    segs = [s for s in p["segments"] if s["compute_s"] > 0]
+    assert len([e for e in comp if e["cat"] != WAIT]) == len(segs)
 
 
 # ----------------------------------------------------------------------------- trace
 def test_trace_of_a_real_plan_matches_its_estimate(real_plan: Plan, tmp_path) -> None:
-    assert real_plan.estimate().recompute_s > 0  # the budget made it checkpoint
     path = write_chrome_trace(timeline_from_plan(real_plan), str(tmp_path / "step.json"))
+    assert real_plan.price is not None  # drawn from the plan's price
     doc = json.loads(open(path).read())
     assert_trace_matches_estimate(doc, real_plan)
     # a plan saved and loaded gives the same trace
     loaded = Plan.from_json(real_plan.to_json())
     assert chrome_trace(timeline_from_plan(loaded)) == doc
-    # every module of explain's table appears, with its compute adding up to the row
+    # every (module, phase) row of the price appears, with its compute adding up to the row
     xs = x_events(doc)
-    for r in real_plan.rows:
-        got = sum(e["dur"] for e in xs if e["args"]["module"] == r.path and e["cat"] in ("forward", "backward"))
-        assert got == pytest.approx(r.compute_s * 1e6, rel=0.01, abs=1e-3), r.path
+    cat = {"fwd": "forward", "bwd": "backward", "recompute": "recompute", "optim": "optimizer"}
+    for r in real_plan.price["rows"]:
+        got = sum(e["dur"] for e in xs if e["args"]["module"] == (r["module"] or "<root>")
+                  and e["cat"] == cat[r["phase"]] and "kind" not in e["args"])
+        assert got == pytest.approx(r["compute_s"] * 1e6, rel=0.01, abs=1e-3), r
+    assert sum(e["args"].get("flops", 0) for e in xs) > 0
+
+
+def test_trace_of_a_hand_written_schedule_priced_by_treadle_price(tmp_path) -> None:
+    """Megatron tp + FSDP2 on a 2x2 mesh of H100s (overlap on), half the blocks checkpointed: recompute,
+    blocking tp collectives and prefetched gathers hidden behind compute, all where the price puts them."""
+    import treadle
+    from treadle import Mesh
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.models.zoo import named_model
+    from treadle.planner.price import price
+    from treadle.viz import timeline_from_price
+
+    model, inputs = named_model("tiny-gpt2", batch=32, seq=128, dropout=False)
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    sch = treadle.models.megatron(treadle.create_schedule(model, mesh=mesh), tp="tp", checkpoint_fraction=0.5)
+    sch.data_parallel(axis="dp", shard=True)
+    p = price(sch, inputs, ClusterSpec.uniform(mesh, "nvlink4", device="h100-sxm"))
+    assert p.recompute_s > 0 and p.overlapped_comm_s > 0.1 * p.comm_s and p.exposed_comm_s > 0
+    tl = timeline_from_price(p, title="megatron", world_size=4)
+    assert tl.tracks == [COMPUTE, "comm dp", "comm tp"]
+    assert tl.step_s == pytest.approx(p.step_s)
+    assert tl.hidden_comm_s() == pytest.approx(p.overlapped_comm_s, rel=1e-6, abs=1e-12)
+    bd = tl.breakdown()
+    assert sum(bd.values()) == pytest.approx(p.step_s, rel=1e-6)
+    assert bd["recompute"] == pytest.approx(p.recompute_s)
+    assert bd["comm dp"] + bd["comm tp"] == pytest.approx(p.exposed_comm_s, abs=1e-12)
+    doc = chrome_trace(tl)
+    assert_trace_matches_price(doc, p.to_dict())
+    assert timeline_from_price(p.to_dict(), title="megatron", world_size=4) == tl
+    # a prefetched FSDP2 gather runs beside compute (a compute slice starts inside it) and delays nothing
+    hidden = [s for s in tl.spans if s.track == "comm dp" and s.exposed_s == 0]
+    assert hidden and {s.args["source"] for s in hidden} == {"fsdp"}
+    assert any(hidden[0].start_s <= s.start_s < hidden[0].end_s for s in tl.spans
+               if s.track == COMPUTE and s.phase != WAIT)
+    # a blocking tp collective delays compute by all of it: its wait slice on the compute track
+    tp = next(s for s in tl.spans if s.track == "comm tp")
+    (wait,) = [s for s in tl.spans if s.phase == WAIT and s.end_s == pytest.approx(tp.end_s)]
+    assert wait.duration_s == pytest.approx(tp.duration_s) and tp.args["blocking"]
+    # memory: static all step, the price's peak reached at the end of the forward
+    assert max(m.total_bytes for m in tl.memory) == pytest.approx(p.peak_bytes)
+    assert tl.memory[0].total_bytes == pytest.approx(p.static_bytes)
+    with pytest.raises(ValueError, match="compute track adds up to"):
+        timeline_from_price(dict(p.to_dict(), step_s=2 * p.step_s))
+    with pytest.raises(ValueError, match="holds no 'segments'"):
+        timeline_from_price({"step_s": 1.0})
 
 
 def test_trace_of_a_fixed_plan_has_its_structure(fixed_plan: Plan) -> None:
@@ -177,6 +258,25 @@ def test_costs_from_plan_refuses_rows_that_do_not_add_up() -> None:
     d["rows"][1]["compute_s"] += 1.0
     with pytest.raises(ValueError, match="rows' compute adds up to"):
         costs_from_plan(Plan.from_dict(d))
+    d = fixed_plan_dict()
+    d["estimate"]["comm_s"] += 1.0
+    with pytest.raises(ValueError, match="less than the estimate's exposed"):
+        costs_from_plan(Plan.from_dict(d))
+
+
+def test_price_less_plan_with_hidden_sync_draws_the_estimate() -> None:
+    """A plan file without a price whose solver hid part of the sync: the rows' comm exceeds the exposed
+    estimate; every collective is drawn exposed by estimate / rows, and the breakdown is the estimate's."""
+    d = fixed_plan_dict()
+    d["estimate"]["comm_s"] -= 3.5 * MS  # 7 ms of comm in the rows, 3.5 ms exposed
+    d["estimate"]["step_s"] -= 3.5 * MS
+    plan = Plan.from_dict(d)
+    tl = timeline_from_plan(plan)
+    bd = tl.breakdown()
+    assert bd["comm dp"] + bd["comm dp+tp"] == pytest.approx(3.5 * MS)
+    assert tl.hidden_comm_s() == pytest.approx(3.5 * MS)
+    assert sum(bd.values()) == pytest.approx(plan.estimate().step_s)
+    assert validate_chrome_trace(chrome_trace(tl)) == []
 
 
 def test_overlapped_communication_runs_beside_compute() -> None:
@@ -259,6 +359,7 @@ class _Sections(HTMLParser):
 def test_plan_report_has_every_section_and_needs_no_network(real_plan: Plan, fixed_plan: Plan) -> None:
     for plan in (real_plan, fixed_plan):
         page = plan_html(plan)
+        assert ("transient" in page) == (plan.price is not None)
         p = _Sections()
         p.feed(page)
         p.close()
@@ -347,6 +448,47 @@ def test_explain_cli_writes_trace_and_report(fixed_plan: Plan, tmp_path, capsys)
     assert '<section id="layouts">' in report.read_text()
 
 
+def test_explain_of_a_priced_plan_draws_its_price(real_plan: Plan, tmp_path, capsys) -> None:
+    from treadle.cli import main
+
+    real_plan.estimate()
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(real_plan.to_json())
+    trace = tmp_path / "step.json"
+    assert main(["explain", str(plan_path), "--trace", str(trace), "-q"]) == 0
+    out = capsys.readouterr().out
+    e = real_plan.estimate()
+    assert f"step {e.step_s * 1e3:.3f} ms" in out  # explain's step is the trace's
+    doc = json.loads(trace.read_text())
+    assert doc == chrome_trace(timeline_from_plan(real_plan))
+    assert_trace_matches_estimate(doc, Plan.from_json(plan_path.read_text()))
+
+
+def test_price_cli_writes_trace_and_report(tmp_path, capsys) -> None:
+    import treadle
+    from treadle import Mesh
+    from treadle.cli import main
+    from treadle.models.zoo import named_model
+
+    model, _ = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
+    sch = treadle.models.megatron(treadle.create_schedule(model, mesh=Mesh((2, 2), ("dp", "tp"))), tp="tp", dp="dp")
+    f = tmp_path / "schedule.json"
+    f.write_text(sch.to_json())
+    out, trace, report = tmp_path / "price.json", tmp_path / "step.json", tmp_path / "price.html"
+    assert main(["price", str(f), "--model", "tiny-gpt2", "--cluster", "2x2:cpu", "--batch", "8", "--seq", "32",
+                 "--json", str(out), "--trace", str(trace), "--html", str(report)]) == 0
+    assert f"wrote {trace}" in capsys.readouterr().out
+    p = json.loads(out.read_text())
+    doc = json.loads(trace.read_text())
+    assert_trace_matches_price(doc, p)
+    assert doc["otherData"]["step_ms"] == pytest.approx(p["step_s"] * 1e3)
+    parsed = _Sections()
+    parsed.feed(report.read_text())
+    assert parsed.sections == ["summary", "breakdown", "memory"] and not parsed.urls
+    assert {"breakdown", "timeline", "memory"} <= set(parsed.charts)
+    assert sum(parsed.parts.values()) == pytest.approx(p["step_s"], rel=0.01)
+
+
 def test_progress_is_quiet_off_a_terminal_and_with_quiet() -> None:
     buf = io.StringIO()
     with progress("planning", console=Console(file=buf, force_terminal=False)) as report:
@@ -388,9 +530,28 @@ def _readme_llama_plan() -> Plan:
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [_demo_gpt2_plan, _readme_llama_plan], ids=["demo-gpt2", "readme-llama-3-8b"])
 def test_acceptance_plans_trace_and_report(make) -> None:
-    plan = Plan.from_json(make().to_json())  # as `treadle explain plan.json` sees it
-    assert plan.estimate().recompute_s > 0
+    planned = make()
+    planned.estimate()  # as `treadle plan -o` writes it: with its price
+    plan = Plan.from_json(planned.to_json())  # as `treadle explain plan.json` sees it
+    assert plan.price is not None and plan.estimate() == planned.estimate()
     assert_trace_matches_estimate(chrome_trace(timeline_from_plan(plan)), plan)
     p = _Sections()
     p.feed(plan_html(plan))
     assert p.sections == list(PLAN_SECTIONS) and not p.urls
+
+
+def test_plan_whose_schedule_cannot_be_priced_is_drawn_from_its_rows(fixed_plan: Plan, monkeypatch) -> None:
+    """A planned model whose price fails (PlanError) falls back to the rows, saying why, instead of raising."""
+    from treadle.errors import PlanError
+
+    plan = Plan.from_dict(fixed_plan_dict())
+
+    def fails() -> None:
+        raise PlanError("price: pipeline schedules are not priced")
+
+    monkeypatch.setattr(Plan, "estimate", lambda self: fails())
+    tl = timeline_from_plan(plan)
+    assert tl.step_s == pytest.approx(plan.estimated.step_s)
+    assert "pipeline schedules are not priced" in tl.notes[0]
+    monkeypatch.undo()
+    assert validate_chrome_trace(chrome_trace(tl)) == []

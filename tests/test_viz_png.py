@@ -64,3 +64,29 @@ def test_profile_memory_figure_reaches_the_profile_peak(tmp_path) -> None:
     assert top == pytest.approx(peak, rel=1e-6)
     (path,) = save_profile_png(prof, str(tmp_path / "prof"))
     assert open(path, "rb").read(8) == PNG_MAGIC
+
+
+def test_figures_of_a_priced_schedule_add_up_to_its_step() -> None:
+    """A timeline drawn from treadle.price: the breakdown bar is the price's step, split into its phases and
+    each axis's exposed communication; every slice (waits included) is drawn."""
+    import treadle
+    from treadle import Mesh
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.models.zoo import named_model
+    from treadle.planner.price import price
+    from treadle.viz import timeline_from_price
+
+    model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    sch = treadle.models.megatron(treadle.create_schedule(model, mesh=mesh), tp="tp", dp="dp")
+    p = price(sch, inputs, ClusterSpec.uniform(mesh, "nvlink4", device="h100-sxm"))
+    tl = timeline_from_price(p)
+    (ax,) = breakdown_figure(tl).axes
+    widths = {c.get_label().split(":")[0]: c.patches[0].get_width() for c in ax.containers}
+    assert sum(widths.values()) == pytest.approx(p.step_s * 1e3, rel=1e-6)
+    assert {"forward", "backward", "optimizer", "comm tp (exposed)"} <= set(widths)
+    (ax,) = timeline_figure(tl).axes
+    assert sum(len(c.get_paths()) for c in ax.collections) == len(tl.spans)
+    (ax,) = memory_figure(tl).axes
+    assert {ln.get_label(): ln.get_ydata()[0] for ln in ax.lines}["predicted peak"] == pytest.approx(
+        p.peak_bytes / 2**20)

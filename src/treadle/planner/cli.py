@@ -118,6 +118,12 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         except PlanError as exc:
             console.print(f"[red]treadle plan: {exc}[/red]", soft_wrap=True)  # one line (treadle.cli)
             return 2
+    with progress("pricing the plan's schedule", quiet=is_quiet(args), console=console):
+        try:
+            plan.estimate()  # the price, stored in the plan (and its JSON): explain and the pictures read it
+        except PlanError as exc:
+            console.print(f"[yellow]treadle plan: the schedule could not be priced ({exc}); the plan keeps the "
+                          f"solver's estimate[/yellow]")
     if args.output:
         # the schedule in the plan is replayed on a freshly built model; fake parameters serialise as records only
         with open(args.output, "w") as f:

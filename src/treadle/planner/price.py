@@ -98,7 +98,8 @@ class Price:
     gradients. `device` says how the compute rate was derived.
 
     Breakdown for timelines: `rows` (per module and phase, see PriceRow); `segments` — the step's compute
-    in order, dicts {module, phase, start_s, compute_s}; `collectives` — dicts {kind, axis, nbytes,
+    in order, dicts {module, phase, start_s, compute_s, flops, bytes (read + written), ops} (the last
+    three None for the optimizer segment); `collectives` — dicts {kind, axis, nbytes,
     time_s, module, phase, source ("tp", "ddp", "fsdp"), blocking, start_s, end_s, exposed_s}, so a
     timeline can draw compute and each axis's channel on one time axis.
     """
@@ -498,8 +499,17 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)
     mfu = mfu_of(int(flops), tl.step_s, hw, dtype) if tl.step_s > 0 else 0.0
     rows = _rows(segs, reh.records, tl)
-    seg_dicts = [{"module": s.module, "phase": s.phase, "start_s": st, "compute_s": s.compute_s}
-                 for s, st in zip(segs, tl.segment_start_s)]
+    seg_flops = [0.0] * len(segs)
+    seg_bytes = [0.0] * len(segs)
+    seg_ops = [0] * len(segs)
+    for r, i in zip(reh.records, seg_of):
+        seg_flops[i] += r.flops
+        seg_bytes[i] += r.read_bytes + r.write_bytes
+        seg_ops[i] += 1
+    seg_dicts = [{"module": s.module, "phase": s.phase, "start_s": st, "compute_s": s.compute_s,
+                  "flops": seg_flops[i] if i < n_opt else None, "bytes": seg_bytes[i] if i < n_opt else None,
+                  "ops": seg_ops[i] if i < n_opt else None}
+                 for i, (s, st) in enumerate(zip(segs, tl.segment_start_s))]
     coll_dicts = [{"kind": c.kind, "axis": c.axis, "nbytes": c.nbytes, "time_s": c.time_s, "module": c.module,
                    "phase": c.phase, "source": c.source, "blocking": c.blocking, "start_s": c.start_s,
                    "end_s": c.end_s, "exposed_s": c.exposed_s} for c in tl.collectives]

@@ -1,6 +1,7 @@
 """`treadle price`: predicted step time, memory and MFU of a saved schedule (or plan) on a cluster.
 
     treadle price schedule.json --model tiny-gpt2 --cluster 2x2:cpu [--batch 8 --seq 64] [--json out.json]
+        [--trace step.json --html price.html --png fig]   # the step as treadle.viz.timeline_from_price draws it
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def _price_cmd(args: argparse.Namespace) -> int:
     console.print(price_table(p))
     console.print(str(p))
     console.print(f"device: {p.device.source}; overlap {'on' if p.device.overlap else 'off'}")
+    if args.trace or args.html or args.png:
+        from ..viz.files import write_price_pictures
+
+        try:
+            paths = write_price_pictures(p, trace=args.trace, html=args.html, png=args.png,
+                                         title=f"{name} on {sch.mesh} ({p.data_parallel})",
+                                         world_size=cluster.world_size)
+        except (ImportError, OSError) as exc:
+            console.print(f"[red]treadle price: {exc}")
+            return 2
+        for path in paths:
+            console.print(f"wrote {path}")
     return 0
 
 
@@ -72,4 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores-per-host", type=int, default=None,
                    help="cores the ranks of one host share (default: not shared)")
     p.add_argument("--json", help="write the price (with its per-module breakdown and timeline) here")
+    p.add_argument("--trace", metavar="FILE", help="write the priced step as a Chrome trace (Perfetto)")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the price")
+    p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory/-breakdown/-timeline.png (needs matplotlib)")
     p.set_defaults(func=_price_cmd)

@@ -16,9 +16,12 @@ module. `costs_from_plan` splits them by these documented rules, which the slice
     its exit) communicates on those axes and, under data parallelism, on the
     data-parallel axis too; the row does not split these, so the slice sits on one stream named by every
     axis involved (e.g. "dp+tp"), half in the forward and half in the backward (Megatron's f/g pair);
-  * overlap: none — the planner's cost model adds communication to compute (`node_costs`), so every
-    collective is exposed.
-The totals (compute, communication, recomputation, step time) are exactly the estimate's.
+  * overlap: the estimate's communication is its exposed part; when the rows' communication adds up to
+    more (the solver hides part of the data-parallel sync behind the backward), every collective is drawn
+    exposed by the same fraction, estimate / rows; otherwise nothing is overlapped.
+The totals (compute, exposed communication, recomputation, step time) are exactly the estimate's.
+This is the fallback for plans without a price (`Plan.price`): `timeline_from_plan` draws a priced plan
+from its price (`treadle.viz.price_timeline`).
 """
 
 from __future__ import annotations
@@ -183,9 +186,11 @@ def _block_of(path: str, blocks: list[str]) -> str | None:
 
 
 def costs_from_plan(plan) -> StepCosts:
-    """The step of `plan` (a `treadle.planner.Plan`, planned or loaded) as StepCosts, by NOTE [plan attribution].
-    Raises ValueError when the rows do not add up to the plan's estimate (a plan file edited by hand)."""
-    est = plan.estimate()
+    """The step of `plan` (a `treadle.planner.Plan`, planned or loaded) as StepCosts, by NOTE [plan attribution],
+    from its rows and the solver's own estimate (`plan.estimated`, what the rows add up to; the plan's price
+    is drawn by `treadle.viz.price_timeline` instead). Raises ValueError when the rows do not add up to that
+    estimate (a plan file edited by hand)."""
+    est = plan.estimated
     dp, zero, tp = plan_axes(plan)
     ckpts: dict[str, int] = dict((plan.solver or {}).get("checkpoints") or {})
     # repeated blocks: the checkpoint templates the solver reports, else a run of rows with the same count > 1
@@ -223,15 +228,25 @@ def costs_from_plan(plan) -> StepCosts:
     total_compute = sum(r.compute_s for r in plan.rows)
     total_comm = sum(r.comm_s for r in plan.rows)
     total_rec = sum(r.recompute_s for r in plan.rows)
-    for what, mine, theirs in (("compute", total_compute, est.compute_s), ("comm", total_comm, est.comm_s),
-                               ("recompute", total_rec, est.recompute_s)):
+    for what, mine, theirs in (("compute", total_compute, est.compute_s), ("recompute", total_rec, est.recompute_s)):
         if abs(mine - theirs) > 1e-6 * max(abs(theirs), 1e-9) + 1e-12:
             raise ValueError(f"costs_from_plan: the rows' {what} adds up to {mine:.6g} s but the estimate says "
                              f"{theirs:.6g} s; the plan file is inconsistent")
+    tol = 1e-6 * max(abs(est.comm_s), 1e-9) + 1e-12
+    if total_comm < est.comm_s - tol:
+        raise ValueError(f"costs_from_plan: the rows' comm adds up to {total_comm:.6g} s, less than the "
+                         f"estimate's exposed {est.comm_s:.6g} s; the plan file is inconsistent")
+    notes = [PLAN_ATTRIBUTION]
+    if total_comm > est.comm_s + tol:  # NOTE [plan attribution]: the solver hides part of the data-parallel sync
+        frac = est.comm_s / total_comm
+        for m in modules:
+            m.comm = [CommCost(c.axes, c.phase, c.seconds, c.seconds * frac, c.collectives) for c in m.comm]
+        notes.append(f"the rows' communication ({total_comm:.6g} s) exceeds the estimate's exposed part "
+                     f"({est.comm_s:.6g} s): every collective drawn {frac:.1%} exposed")
     other = max(est.peak_bytes - est.static_bytes - est.activation_bytes - est.transient_bytes, 0.0)
     mem = MemoryTotals(est.static_bytes, other, est.activation_bytes, est.transient_bytes, plan.budget_bytes)
     name = (plan.model or {}).get("name", "model") if isinstance(plan.model, dict) else "model"
     title = f"{name} on {plan.cluster.mesh} ({plan.roles})"
     streams.sort(key=lambda s: (s.count("+"), s))
     return StepCosts(title, modules, est.step_s, est.compute_s, est.comm_s, est.recompute_s, mem,
-                     plan.cluster.world_size, streams, [PLAN_ATTRIBUTION])
+                     plan.cluster.world_size, streams, notes)

@@ -33,6 +33,33 @@ def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = No
     return out
 
 
+def write_price_pictures(price, *, trace: str | None = None, html: str | None = None, png: str | None = None,
+                         title: str = "", world_size: int | None = None) -> list[str]:
+    """Write the step of a `treadle.planner.price.Price` (or its to_dict()) as a Chrome trace, an HTML page
+    and PNG figures (as `write_plan_pictures`). Returns the paths written."""
+    from .price_timeline import timeline_from_price
+
+    if png:
+        from .png import require_matplotlib
+
+        require_matplotlib()
+    tl = timeline_from_price(price, title=title or None, world_size=world_size)
+    out: list[str] = []
+    if trace:
+        out.append(write_chrome_trace(tl, trace))
+    if html:
+        from .html import price_html
+
+        with open(html, "w") as f:
+            f.write(price_html(price, timeline=tl, title=title))
+        out.append(html)
+    if png:
+        from .png import save_plan_pngs
+
+        out += save_plan_pngs(tl, png)
+    return out
+
+
 def write_profile_pictures(prof, *, trace: str | None = None, html: str | None = None, png: str | None = None,
                            depth: int = 2) -> list[str]:
     """Write a profile's op-level Chrome trace (`trace`), HTML report (`html`) and memory figure (`png`

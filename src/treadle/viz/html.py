@@ -65,9 +65,10 @@ def memory_chart(tl: Timeline) -> str:
 
 
 def breakdown_parts(tl: Timeline) -> list[tuple[str, str, float]]:
-    """(label, colour, seconds) of the critical path: forward, backward, recompute, then each comm stream."""
+    """(label, colour, seconds) of the critical path: forward, backward, recompute, optimizer, then each comm
+    stream's exposed part."""
     bd = tl.breakdown()
-    parts = [(k, PHASE_COLOURS[k], bd[k]) for k in ("forward", "backward", "recompute") if bd.get(k)]
+    parts = [(k, PHASE_COLOURS[k], bd[k]) for k in ("forward", "backward", "recompute", "optimizer") if bd.get(k)]
     parts += [(t + " (exposed)", stream_colour(t, tl.tracks), bd[t]) for t in tl.tracks if t != COMPUTE and bd.get(t)]
     return parts
 
@@ -122,16 +123,17 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
     from ..planner.cli import plan_python
 
     tl = timeline or timeline_from_plan(plan)
-    e = plan.estimate()
+    e = plan.estimate() if plan.price is not None else plan.estimated  # the timeline priced it when it could
     unit = bytes_unit([e.peak_bytes])
     name = (plan.model or {}).get("name", "model") if isinstance(plan.model, dict) else "model"
     summary = _table(["", ""], [
         ["model", escape(str(plan.model))], ["cluster", escape(str(plan.cluster))],
         ["roles", escape(plan.roles)], ["mode", escape(plan.mode)],
-        ["step", f"{fmt_s(e.step_s)} (compute {fmt_s(e.compute_s)}, comm {fmt_s(e.comm_s)}, "
+        ["step", f"{fmt_s(e.step_s)} (compute {fmt_s(e.compute_s)}, exposed comm {fmt_s(e.comm_s)}, "
                  f"recompute {fmt_s(e.recompute_s)})"],
         ["peak memory", f"{e.peak_bytes / unit[1]:.3f} {unit[0]} per device (static {e.static_bytes / unit[1]:.3f}, "
-                        f"activations {e.activation_bytes / unit[1]:.3f}, recomputed block "
+                        f"activations {e.activation_bytes / unit[1]:.3f}, "
+                        f"{'transient' if plan.price is not None else 'recomputed block'} "
                         f"{e.transient_bytes / unit[1]:.3f})" +
                         (f" of a {plan.budget_bytes / unit[1]:.3f} {unit[0]} budget" if plan.budget_bytes else "")],
         ["MFU", f"{e.mfu * 100:.1f}%"]])
@@ -143,10 +145,11 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
     breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
                  gantt(tl) + notes)
-    memory = (memory_chart(tl) + '<p class="note">per device (every device of the mesh holds the same); static = '
-              'parameters + gradients + optimizer states, other = buffers + inputs. Activations are drawn growing '
-              'linearly over the forward and shrinking over the backward; the planner\'s peak adds every term at '
-              'once, an upper bound of the curve.</p>')
+    memory = memory_chart(tl) + (_PRICE_MEMORY_NOTE if plan.price is not None else
+                                 '<p class="note">per device (every device of the mesh holds the same); static = '
+                                 'parameters + gradients + optimizer states, other = buffers + inputs. Activations '
+                                 'are drawn growing linearly over the forward and shrinking over the backward; the '
+                                 'planner\'s peak adds every term at once, an upper bound of the curve.</p>')
     python = "<pre>" + escape("\n".join(plan_python(plan))) + "</pre>"
     return _page(f"treadle plan: {name} on {m}", [
         ("summary", "Summary", summary), ("mesh", "Mesh and links", mesh),
@@ -154,6 +157,39 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
         ("layouts", "Layouts per module and mesh axis", _layout_table(plan)),
         ("alternatives", "Alternatives compared and the binding constraint", _alternatives(plan)),
         ("schedule", "The schedule as Python", python)])
+
+
+_PRICE_MEMORY_NOTE = ('<p class="note">per device (every device of the mesh holds the same), from the price\'s '
+                      'totals (NOTE [price memory over the step] in treadle.viz.price_timeline): static = parameters, '
+                      'optimizer states, buffers, inputs (and DDP buckets) all step; activations grow over the '
+                      'forward and shrink over the backward; the recomputed block band holds the price\'s transient '
+                      'bytes (gradients, temporaries, a recomputed block, gathered units) over the backward.</p>')
+
+
+def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> str:
+    """A `treadle.planner.price.Price` (or its to_dict()) as one HTML page: summary, step-time breakdown with
+    the timeline, memory over the step. `timeline` defaults to `timeline_from_price(price)`."""
+    from .price_timeline import timeline_from_price
+
+    p = price if isinstance(price, dict) else price.to_dict()
+    tl = timeline or timeline_from_price(p, title=title or None)
+    unit = bytes_unit([p["peak_bytes"]])
+    dev = p.get("device") or {}
+    summary = _table(["", ""], [
+        ["schedule", escape(title or tl.title)], ["data parallel", escape(str(p.get("data_parallel")))],
+        ["device", escape(str(dev.get("name", "")) if isinstance(dev, dict) else str(dev))],
+        ["step", f"{fmt_s(p['step_s'])} (compute {fmt_s(p['compute_s'])}, recompute {fmt_s(p['recompute_s'])}, "
+                 f"comm {fmt_s(p['comm_s'])} of which exposed {fmt_s(p['exposed_comm_s'])})"],
+        ["peak memory", f"{p['peak_bytes'] / unit[1]:.3f} {unit[0]} per device (static "
+                        f"{p['static_bytes'] / unit[1]:.3f}, activations {p['activation_bytes'] / unit[1]:.3f}, "
+                        f"transient {p['transient_bytes'] / unit[1]:.3f})"],
+        ["MFU", f"{p['mfu'] * 100:.1f}%"]])
+    notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
+    breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
+                 gantt(tl) + notes)
+    return _page(f"treadle price: {title or tl.title}", [
+        ("summary", "Summary", summary), ("breakdown", "Step time breakdown", breakdown),
+        ("memory", "Memory over the step", memory_chart(tl) + _PRICE_MEMORY_NOTE)])
 
 
 # ----------------------------------------------------------------------------- profile

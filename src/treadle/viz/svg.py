@@ -15,7 +15,8 @@ from .timeline import COMPUTE, Timeline
 
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
 COMM_PALETTE = ("#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#f28e2b")  # none is a phase colour
-PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "recompute": "#e15759"}
+PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "recompute": "#e15759", "optimizer": "#9467bd",
+                 "exposed comm": "#d3d3d3"}
 MEMORY_COLOURS = {"static": "#9c755f", "other": "#bab0ac", "activations": "#4e79a7", "recomputed block": "#e15759",
                   "parameters": "#9c755f", "gradients": "#edc948", "optimizer states": "#b07aa1",
                   "buffers + inputs": "#bab0ac"}
