@@ -68,6 +68,23 @@ def gemma():  # separate head_dim, gelu-gated MLP, tied head
     return T.GemmaForCausalLM(T.GemmaConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **COMMON))
 
 
+def mistral():  # grouped q/k/v without bias, sliding-window attention config, gated MLP
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.MistralForCausalLM(T.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
+                                                **COMMON))
+
+
+def roberta():  # BERT-like encoder, post-norm, learned positions with a padding offset
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.RobertaForMaskedLM(T.RobertaConfig(num_hidden_layers=2, hidden_dropout_prob=0.0,
+                                                attention_probs_dropout_prob=0.0, pad_token_id=1,
+                                                **{**COMMON, "max_position_embeddings": 64 + 2}))
+
+
 def _inputs():
     ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids, "use_cache": False}
@@ -76,14 +93,19 @@ def _inputs():
 @pytest.mark.parametrize("make", [gpt_neox, gpt_j, pytest.param(gpt_neo, marks=pytest.mark.slow),
                                   pytest.param(phi, marks=pytest.mark.slow),
                                   pytest.param(qwen2, marks=pytest.mark.slow),
-                                  pytest.param(gemma, marks=pytest.mark.slow)])
+                                  pytest.param(gemma, marks=pytest.mark.slow),
+                                  pytest.param(mistral, marks=pytest.mark.slow),
+                                  pytest.param(roberta, marks=pytest.mark.slow)])
 def test_megatron_by_structure_verifies(make):
     sch = create_schedule(make(), mesh=TP2)
     # Gemma scales its embedding inside a subclass of nn.Embedding: keep the vocabulary whole
     treadle.models.megatron(sch, tp="tp", **({"vocab_parallel_head": False} if make is gemma else {}))
     rows = [r.path for r in sch.records if r.op == "sync"]
     assert rows and all(r.args.get("to") is not None for r in sch.records if r.op == "sync")
-    treadle.verify(sch, _inputs(), steps=1)
+    inputs = _inputs()
+    if make is roberta:  # an encoder: no KV cache argument
+        inputs.pop("use_cache")
+    treadle.verify(sch, inputs, steps=1)
 
 
 class Odd(nn.Module):

@@ -21,12 +21,13 @@ import hashlib
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from ..errors import PlanError
+from ..runtime.losses import default_loss
 
 logger = logging.getLogger(__name__)
 
@@ -190,22 +191,17 @@ def _shortened_lists(model: nn.Module, enabled: bool) -> Iterator[dict[str, tupl
 
 
 class _Returning(nn.Module):
-    """Wraps a model so export sees plain tensors out: the loss when the model returns one, else output 0."""
+    """Wraps a model so export sees one tensor out: the training loss, by the same convention as profile /
+    verify / train (`loss_fn(output)`, default `treadle.runtime.losses.default_loss`: ``.loss`` when the model
+    returns one, else the mean square of its first floating output)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None = None):
         super().__init__()
         self.model = model
+        self.loss_fn = loss_fn or default_loss
 
     def forward(self, *args, **kwargs):
-        out = self.model(*args, **kwargs)
-        loss = getattr(out, "loss", None)
-        if loss is not None:
-            return loss
-        if isinstance(out, torch.Tensor):
-            return out
-        if isinstance(out, dict):
-            return next(iter(out.values()))
-        return out[0]
+        return self.loss_fn(self.model(*args, **kwargs))
 
 
 def _meta(v: Any) -> TensorMeta | tuple | None:
@@ -216,8 +212,8 @@ def _meta(v: Any) -> TensorMeta | tuple | None:
     return None
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict):
-    wrapped = _Returning(model)
+def _export(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None):
+    wrapped = _Returning(model, loss_fn)
     try:
         return torch.export.export(wrapped, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; we re-raise as PlanError naming the model
@@ -227,12 +223,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            reduce_repeats: bool = True) -> CapturedGraph:
+            reduce_repeats: bool = True, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> CapturedGraph:
     """Export `model(*args, **kwargs)` and return its forward graph with module paths and blocks.
 
     `args`/`kwargs` may be real or fake tensors (global shapes). With `reduce_repeats`, each
     ``nn.ModuleList`` of >= 3 entries is captured as its shortest prefix holding two instances of each
     distinct entry structure; `CapturedGraph.blocks` says how many real blocks each instance stands for.
+    The captured output is the training loss, `loss_fn(output)` (default: `runtime.losses.default_loss`).
     The model is restored before returning. Raises PlanError when export fails.
     """
     kwargs = dict(kwargs or {})
@@ -242,7 +239,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         for pname, _ in mod.named_parameters(recurse=False):
             real_param_modules[f"{mname}.{pname}" if mname else pname] = mname
     with _shortened_lists(model, reduce_repeats) as block_plan:
-        ep = _export(model, tuple(args), kwargs)
+        ep = _export(model, tuple(args), kwargs, loss_fn)
     saved_by_name, saved_error = _measure_saved(ep, args, kwargs)
     graph = ep.graph_module.graph
     sig = ep.graph_signature

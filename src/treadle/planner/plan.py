@@ -202,7 +202,8 @@ class Plan:
                 and isinstance(self._context["inputs"], dict):
             from .price import price
 
-            self.price = price(self.schedule, self._context["inputs"], self.cluster).to_dict()
+            self.price = price(self.schedule, self._context["inputs"], self.cluster,
+                               loss_fn=self._context["kwargs"].get("loss_fn")).to_dict()
         if self.price is None:
             return self.estimated
         p = self.price
@@ -387,7 +388,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                zero: bool | None = None, forbid_axes: tuple[str, ...] = (), partial_schedule: Any = None,
                train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0, model_spec: dict | None = None,
                graph: CapturedGraph | None = None, checkpoint: Literal["auto", "all", "none"] = "auto",
-               progress: Callable[[str], None] | None = None) -> Plan:
+               progress: Callable[[str], None] | None = None,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
     """Plan `model` on `cluster` under `memory_budget_bytes` per device (None: unlimited).
 
     `example_inputs`: keyword arguments (a dict, e.g. from `treadle.models.zoo.named_model`) or positional
@@ -398,6 +400,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     {"name": "tiny-gpt2", "batch": 4, "seq": 16}) so `treadle verify plan.json` can rebuild the model.
     `cluster` may be a list (e.g. `treadle.cost.cluster.enumerate_meshes`): every mesh is searched and the
     best plan wins. `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none".
+    `loss_fn(output)`: the training loss, as in verify / train / profile (default: ``.loss`` when the model
+    returns one, else the mean square of its first floating output; `treadle.runtime.losses.default_loss`).
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
@@ -419,7 +423,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         args, kwargs = (), dict(example_inputs)
     if graph is None:
         say("capture")
-        graph = capture(model, args, kwargs)
+        graph = capture(model, args, kwargs, loss_fn=loss_fn)
     t_capture = time.perf_counter() - t0
     batch = _batch_size(args, kwargs)
     clusters = list(cluster) if isinstance(cluster, (list, tuple)) else [cluster]
@@ -505,7 +509,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                               memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
                               zero=zero, forbid_axes=forbid_axes, train=train, time_limit_s=time_limit_s,
                               model_spec=model_spec, graph=graph, checkpoint=checkpoint,
-                              partial_schedule=partial_schedule)}
+                              partial_schedule=partial_schedule, loss_fn=loss_fn)}
     plan = Plan(model_spec, cluster, str(cg.roles), mode, memory_budget_bytes, decisions, est,
                 _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model, _context=context)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
