@@ -132,6 +132,9 @@ MISUSES = {
         _dp_after_shard, ScheduleError, "mesh axis 'dp' already shards parameters ['a.weight']"),
     "shard on the data-parallel axis": (
         _shard_on_dp_axis, ScheduleError, "mesh axis 'dp' is the data-parallel axis"),
+    "one dim split over two axes against mesh order": (
+        lambda: _sch(Mesh((2, 2), ("a", "b")))["a"].shard("weight", dim=0, axis="b").shard("weight", dim=0, axis="a"),
+        ScheduleError, "split a dim over several axes in mesh-axis order ['a', 'b'] (shard on 'a' first"),
     "checkpoint a ModuleList": (lambda: _sch()["blocks"].checkpoint(), ScheduleError,
                                 "a ModuleList has no forward to recompute; checkpoint its items, e.g. sch['blocks.0']"),
     "sync out= negative": (lambda: _sch()["a"].sync("fwd_post", to=Replicate(), axis="tp", out=-1), ScheduleError,

@@ -109,7 +109,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                         for m in _members(cg, n.module, i):
                             rngs[(m, a)] = n.name
     out: list[Decision] = []
-    for (m, pname, dim, a), why in sorted(shards.items()):
+    # a dim split over several axes is sharded in mesh-axis order (the order slicing and layouts agree on)
+    for (m, pname, dim, a), why in sorted(shards.items(), key=lambda kv: (*kv[0][:3], axes.index(kv[0][3]))):
         out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
     for (m, a), d in sorted(syncs.items()):
         out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))

@@ -310,9 +310,17 @@ class Schedule(_GraphPrimitives):
                     raise ScheduleError(f"shard at {self._where()}: parameter {name!r} is already split on mesh axis "
                                         f"{axis!r} (dim {s.dim}); a parameter takes each mesh axis at most once")
             size = p.shape[d]
+            order = self.mesh.names
             for s in prior:
                 if s.dim == d:
                     size //= self.mesh.size(s.axis)
+                    if order.index(s.axis) > order.index(axis):
+                        # slicing applies shards in call order (the first axis splits outermost); layouts
+                        # and conversions count a dim split over several axes in mesh-axis order
+                        raise ScheduleError(
+                            f"shard at {self._where()}: parameter {name!r} dim {d} is already split on mesh axis "
+                            f"{s.axis!r}; split a dim over several axes in mesh-axis order {list(order)} "
+                            f"(shard on {axis!r} first, then on {s.axis!r})")
             if size % (n * blocks):
                 what = f"{blocks} blocks x " if blocks > 1 else ""
                 raise ScheduleError(f"shard at {self._where()}: parameter {name!r} dim {d} has size {size}, "
