@@ -48,7 +48,7 @@ from ..cost.cluster import ClusterSpec, RankDevice
 from ..cost.overlap import Collective, Segment, Timeline, ddp_buckets, simulate
 from ..errors import PlanError, ProfileError
 from ..mesh import Mesh
-from ..profile.profiler import _fake_inputs, _fake_state, default_loss
+from ..profile.profiler import default_loss, fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
 from ..profile.roofline import op_time_s
@@ -253,18 +253,7 @@ def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
 
 def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = _fake_state(model, fake_mode)
-    args, kwargs = _fake_inputs((), inputs, fake_mode)
-    pre = {}
-    param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for name, t in state.items():
-        pre[id(t.untyped_storage())] = (t.untyped_storage(), "param" if name in param_names else "buffer")
-    for t in _tensors((args, kwargs)):
-        pre.setdefault(id(t.untyped_storage()), (t.untyped_storage(), "input"))
-    named = list(model.named_modules())
-    rec = StepRecorder(hardware=hw, preexisting=pre, n_modules=len(named))
-    for name, t in state.items():
-        rec.leaf_owner.setdefault(id(t), name.rpartition(".")[0])
+    state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     try:

@@ -70,10 +70,11 @@ def _fake_inputs(args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> tuple[
     return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
 
 
-def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTensorMode, hw: HardwareSpec,
-            train: bool, loss_fn: Callable[[Any], torch.Tensor] | None, progress: Progress | None
-            ) -> tuple[list[OpRecord], int, int]:
-    """Run one step under the recorder; returns (records, live bytes after the step, saved input bytes)."""
+def fake_step_recorder(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTensorMode,
+                       hw: HardwareSpec, progress: Progress | None = None):
+    """Fake parameters/buffers and inputs of `model` in `fake_mode`, and a StepRecorder that knows their
+    storages as pre-existing (param / buffer / input) and each parameter's owning module (first name wins for
+    tied parameters). Returns (state, args, kwargs, recorder, named_modules); the caller attaches and runs."""
     state = _fake_state(model, fake_mode)
     args, kwargs = _fake_inputs(args, kwargs, fake_mode)
     pre: dict[int, tuple[torch.UntypedStorage, str]] = {}
@@ -84,8 +85,17 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
         pre.setdefault(id(t.untyped_storage()), (t.untyped_storage(), "input"))
     named = list(model.named_modules())
     rec = StepRecorder(hardware=hw, preexisting=pre, progress=progress, n_modules=len(named))
-    for name, t in state.items():  # first name wins for tied parameters
+    for name, t in state.items():
         rec.leaf_owner.setdefault(id(t), name.rpartition(".")[0])
+    return state, args, kwargs, rec, named
+
+
+def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTensorMode, hw: HardwareSpec,
+            train: bool, loss_fn: Callable[[Any], torch.Tensor] | None, progress: Progress | None
+            ) -> tuple[list[OpRecord], int, int]:
+    """Run one step under the recorder; returns (records, live bytes after the step, saved input bytes)."""
+    state, args, kwargs, rec, named = fake_step_recorder(model, args, kwargs, fake_mode=fake_mode, hw=hw,
+                                                         progress=progress)
     handles = rec.attach(named)
     hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if train else contextlib.nullcontext()
     try:
