@@ -143,10 +143,13 @@ class ClusterSpec:
         d = self.rank_device()
         from ..profile.hardware import HardwareSpec
 
+        from ..profile.hardware import _OVERHEADS
+
+        per_core = {k: getattr(hw, k) / (d.cores_per_rank or 1.0) for k in _OVERHEADS}  # host work: scales too
         return HardwareSpec(name=d.name, peak_flops_per_s=d.peak_flops_per_s, hbm_bytes_per_s=d.hbm_bytes_per_s,
                             memory_bytes=hw.memory_bytes, compute_efficiency=hw.compute_efficiency,
-                            memory_efficiency=hw.memory_efficiency,
-                            op_overhead_s=hw.op_overhead_s / (d.cores_per_rank or 1.0), source=d.source)
+                            memory_efficiency=hw.memory_efficiency, optimizer_foreach=hw.optimizer_foreach,
+                            **per_core, source=d.source)
 
     def with_ranks(self, *, threads_per_rank: int = 1, ranks_per_host: int | None = None,
                    cores_per_host: int | None = None) -> "ClusterSpec":

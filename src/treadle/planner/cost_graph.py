@@ -124,6 +124,8 @@ class CostGraph:
     attr_resolver: Any = None
     model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
     dp_latency_s: float = 0.0  # NOTE [bucketed data parallel]
+    host_s: float = 0.0  # host overheads fixed by the role (NOTE [framework overheads]): FSDP2 units, foreach lists
+    ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     dp_overlap: bool = False  # reductions hide behind compute
     dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute they hide behind
 
@@ -412,6 +414,7 @@ class _Builder(NodeCosts):
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops)
         self._dp_terms(cg)
+        self._host_terms(cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg
@@ -438,6 +441,22 @@ class _Builder(NodeCosts):
             buckets = 1 + max(0, -(-(grad_bytes - DDP_FIRST_BUCKET_BYTES) // DDP_BUCKET_BYTES))
             cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
             cg.dp_window = "bwd"
+
+    def _host_terms(self, cg: CostGraph) -> None:
+        """NOTE [framework overheads] (treadle.profile.hardware), as `treadle.planner.price` charges them: a
+        checkpointed block costs `checkpoint_region_s` + its ops x `checkpoint_op_s`; under ZeRO-3 each FSDP2 unit
+        (every block, and the root) `fsdp_unit_s` per step; a foreach optimizer its per-step list ops."""
+        from .price import _ADAMW_FOREACH_OPS
+
+        hw = self.hw
+        for t, info in cg.templates.items():
+            ops = sum(len(cg.units[u].nodes) for u in info.units)
+            cg.ckpt_host_s[t] = hw.checkpoint_region_s + ops * hw.checkpoint_op_s
+        zero = bool(self.roles.dp) and self.roles.zero and self.dp_size > 1
+        if zero:
+            cg.host_s += (sum(info.count for info in cg.templates.values()) + 1) * hw.fsdp_unit_s
+        if hw.optimizer_foreach:
+            cg.host_s += _ADAMW_FOREACH_OPS * (hw.op_overhead_s + (hw.subclass_op_overhead_s if zero else 0.0))
 
     def _template(self, i: int) -> int | None:
         b = self.nodes[i].block

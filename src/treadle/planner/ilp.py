@@ -207,7 +207,8 @@ def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dic
         Fmax = max(_upper(cg, info.units, "fwd_s") * _SECONDS, 1e-9)
         Imax = max(info.input_bytes, default=0.0) * _BYTES or 1e-9
         nb = max(1, math.ceil(math.log2(L + 1)))
-        ys = [m.var(ub=1.0 if enabled else 0.0, integer=True) for _ in range(nb)]
+        host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS  # NOTE [framework overheads]: per checkpointed block
+        ys = [m.var(ub=1.0 if enabled else 0.0, integer=True, cost=float(2 ** b) * host) for b in range(nb)]
         bits[t] = ys
         count_terms = {y: float(2 ** b) for b, y in enumerate(ys)}
         m.row(count_terms, float(min_ckpt.get(t, 0)), float(L), "ckpt_count")
@@ -380,12 +381,13 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         F = sum(cg.units[u].costs[choice[u]].fwd_s for u in info.units)
         In = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
         c = ckpt.get(t, 0)
-        recompute += c * F
+        recompute += c * (F + cg.ckpt_host_s.get(t, 0.0))
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
     if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
         comm += max(0.0, cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0))
+    compute += cg.host_s
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
     return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,

@@ -163,21 +163,27 @@ class NodeCosts:
     def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """AdamW's step on this parameter's local shard, as `treadle.planner.price` prices it (elementwise,
         roofline, one dispatch overhead per kernel)."""
-        from .price import _ADAMW_FLOPS_PER_ELEM, _ADAMW_OPS
+        from .price import _ADAMW_FLOPS_PER_ELEM, _ADAMW_FOREACH_OPS_PER_PARAM, _ADAMW_OPS
 
-        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.dp_size if self.roles.zero else 1)
+        zero = self.roles.zero and self.dp_size > 1
+        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.dp_size if zero else 1)
         moved = elems * (3 * meta.dtype.itemsize + 2 * self.train.optimizer_bytes_per_elem)
-        return (op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), self.hw, meta.dtype)
-                + _ADAMW_OPS * self.hw.op_overhead_s)
+        # per-tensor dispatches (the foreach form's per-step list ops are a constant of the role, CostGraph.host_s)
+        if self.hw.optimizer_foreach:
+            host = _ADAMW_FOREACH_OPS_PER_PARAM * self.hw.op_overhead_s
+        else:
+            host = _ADAMW_OPS * (self.hw.op_overhead_s + (self.hw.subclass_op_overhead_s if zero else 0.0))
+        return op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), self.hw, meta.dtype) + host
 
     def zero_copies_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """FSDP2's local copies around its collectives (ZeRO-3 only): each all-gather copies the shard in and
         the gathered parameter out, the reduce-scatter the gradient in and its shard out — 2 (full + shard)
-        bytes moved per collective, two gathers and one reduce-scatter (`treadle.planner.price` the same)."""
+        bytes moved per collective, two gathers and one reduce-scatter (`treadle.planner.price` the same) — plus
+        FSDP2's per-parameter host cost `fsdp_param_s` (NOTE [framework overheads])."""
         if not self.roles.zero or self.dp_size == 1:
             return 0.0
         full = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
-        return 3 * op_time_s(0, int(2 * (full + full / self.dp_size)), self.hw, meta.dtype)
+        return 3 * op_time_s(0, int(2 * (full + full / self.dp_size)), self.hw, meta.dtype) + self.hw.fsdp_param_s
 
     def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """The bandwidth part of this parameter's data-parallel sync: DDP's all-reduce, or ZeRO-3's two

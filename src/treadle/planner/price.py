@@ -21,7 +21,13 @@ once and not again in backward (FSDP2 keeps the root unsharded after forward); t
 makes around each collective (2 (full + shard) bytes) are compute where the collective is used.
 
 The step ends with the optimizer (AdamW: elementwise over the local parameters, priced by the roofline),
-after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch).
+after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch), and the
+framework's host costs are charged where the runtime pays them (NOTE [framework overheads] in
+`treadle.profile.hardware`): a recomputed op `checkpoint_op_s` and a checkpointed region
+`checkpoint_region_s`; an FSDP2 unit ``fsdp_unit_s + n_params * fsdp_param_s`` per step (half at its
+forward, half at its backward); the optimizer's ops ``10 n_tensors`` (per-tensor loop, CPU) or
+``12 + 2 n_tensors`` (foreach, GPU) times `op_overhead_s`, plus `subclass_op_overhead_s` per op (loop) or per
+list op (foreach) on FSDP2's DTensor parameters.
 
 Data-dependent scalars (``.item()``) read as 1 on fake tensors: pricing needs shapes, not values.
 Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a launched process group
@@ -55,10 +61,22 @@ from ..profile.roofline import op_time_s
 
 logger = logging.getLogger(__name__)
 
-# torch.optim.AdamW (foreach, no amsgrad) per element: ~12 FLOPs (two moment updates, bias corrections, sqrt,
-# division, decoupled weight decay) in ~12 elementwise kernels per parameter tensor
+# torch.optim.AdamW (no amsgrad) per element: ~12 FLOPs (two moment updates, bias corrections, sqrt, division,
+# decoupled weight decay). Dispatched ops per step (counted in PyTorch 2.13): the per-tensor loop (PyTorch's
+# default on CPU) ~10 per parameter tensor; the foreach form (default for CUDA tensors) ~12 multi-tensor ops
+# plus ~2 per parameter tensor (step counters).
 _ADAMW_FLOPS_PER_ELEM = 12
-_ADAMW_OPS = 12
+_ADAMW_OPS = 10
+_ADAMW_FOREACH_OPS = 12
+_ADAMW_FOREACH_OPS_PER_PARAM = 2
+
+
+def adamw_ops(n_tensors: int, foreach: bool) -> tuple[int, int]:
+    """(dispatched ops, of which on whole lists) of one AdamW step over `n_tensors` parameter tensors: a DTensor
+    parameter pays `subclass_op_overhead_s` once per op of the loop, or once per list op in foreach form."""
+    if foreach:
+        return _ADAMW_FOREACH_OPS + _ADAMW_FOREACH_OPS_PER_PARAM * n_tensors, _ADAMW_FOREACH_OPS
+    return _ADAMW_OPS * n_tensors, _ADAMW_OPS * n_tensors
 
 _PHASE = {"forward": "fwd", "backward": "bwd", "recompute": "recompute"}
 # c10d op name -> (collective kind, how its bytes are read: "sum" of a tensor list, "out" first tensor, "in" 2nd)
@@ -214,6 +232,7 @@ class _Rehearsal:
     mesh: Mesh
     data_parallel: tuple[str, bool] | None
     inputs: dict
+    checkpoints: tuple[str, ...] = ()  # checkpointed module paths, deepest first
 
 
 def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
@@ -248,7 +267,8 @@ def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
         records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group)
     finally:
         dist.destroy_process_group()
-    return _Rehearsal(records, coll, built, saved_in, mesh, dp, inputs)
+    ckpts = tuple(sorted(sch2._state.checkpoints, key=lambda p: -p.count(".")))
+    return _Rehearsal(records, coll, built, saved_in, mesh, dp, inputs, ckpts)
 
 
 def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group):
@@ -277,13 +297,17 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group):
 
 
 # ----------------------------------------------------------------------------------------------- pricing
-def _segments(records, op_overhead_s: float = 0.0) -> tuple[list[Segment], list[int]]:
+def _segments(records, op_overhead_s: float = 0.0, checkpoint_op_s: float = 0.0,
+              checkpoint_region_s: float = 0.0, regions: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
     """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's
-    per-op overhead; returns segments and, per record, its segment."""
+    per-op overhead (a recomputed op also `checkpoint_op_s`, and each checkpointed region of `regions` (module
+    paths) `checkpoint_region_s` once, at its first recomputed op: NOTE [framework overheads]); returns
+    segments and, per record, its segment."""
     segs: list[Segment] = []
     seg_of: list[int] = []
     acc = 0.0
     key = None
+    seen: set[str] = set()
     for r in records:
         k = (r.module, _PHASE.get(r.phase, r.phase))
         if k != key:
@@ -291,6 +315,12 @@ def _segments(records, op_overhead_s: float = 0.0) -> tuple[list[Segment], list[
                 segs.append(Segment(key[0], key[1], acc))
             key, acc = k, 0.0
         acc += r.time_s + op_overhead_s
+        if r.phase == "recompute":
+            acc += checkpoint_op_s
+            region = next((p for p in regions if _within(r.module, p)), None)
+            if region is not None and region not in seen:
+                seen.add(region)
+                acc += checkpoint_region_s
         seg_of.append(len(segs))
     if key is not None:
         segs.append(Segment(key[0], key[1], acc))
@@ -402,9 +432,21 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
                               _coll_time_s("reduce_scatter", unit_bytes[u], n, link), u or "", "bwd", after,
                               blocking=False, needed_before=None, source="fsdp"))
     gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+    # FSDP2's hooks per unit per step (NOTE [framework overheads]): half where its forward starts, half where
+    # its backward starts
+    unit_params: dict[str, int] = {u: 0 for u in units}
+    for name, _ in _local_params(reh.model):
+        unit_params[unit_of(name.rpartition(".")[0])] += 1
+    hw = cluster.rank_hardware()
+    for u in units:
+        if not unit_bytes[u]:
+            continue
+        host_s = hw.fsdp_unit_s + unit_params[u] * hw.fsdp_param_s
+        for where in (first_fwd.get(u), first_bwd.get(u)):
+            if where is not None:
+                segs[where] = dataclasses.replace(segs[where], compute_s=segs[where].compute_s + host_s / 2)
     # FSDP2's copies around each collective (copy-in of the shard / gradient, copy-out of the gathered
     # parameter / reduced shard): 2 (full + shard) bytes moved, on the compute stream where it runs
-    hw = cluster.rank_hardware()
     for c in out:
         where = c.needed_before if c.kind == "all_gather" else c.issue_after
         if where is not None and 0 <= where < len(segs):
@@ -433,7 +475,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     reh = _rehearse(sch, example_inputs, hw, loss_fn)
-    segs, seg_of = _segments(reh.records, hw.op_overhead_s)
+    segs, seg_of = _segments(reh.records, hw.op_overhead_s, hw.checkpoint_op_s, hw.checkpoint_region_s,
+                             reh.checkpoints)
     colls: list[Collective] = []
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
@@ -454,10 +497,15 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     zero_n = dp_n if reh.data_parallel is not None and reh.data_parallel[1] else 1
     n_opt = len(segs)
     opt_s = 0.0
-    for _, p in _local_params(reh.model):
+    local = _local_params(reh.model)
+    for _, p in local:
         elems = p.numel() / zero_n
         moved = elems * (3 * p.element_size() + 2 * optimizer_bytes_per_elem)
-        opt_s += op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), hw, p.dtype) + _ADAMW_OPS * hw.op_overhead_s
+        opt_s += op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), hw, p.dtype)
+    n_ops, n_list_ops = adamw_ops(len(local), hw.optimizer_foreach)
+    opt_s += n_ops * hw.op_overhead_s
+    if zero_n > 1:  # FSDP2's parameters are DTensors: every optimizer op dispatches through DTensor
+        opt_s += n_list_ops * hw.subclass_op_overhead_s
     segs.append(Segment("", "optim", opt_s))
     for c in colls:
         if not c.blocking and c.needed_before is None:

@@ -33,6 +33,11 @@ GB = 10**9
 GIB = 2**30
 
 
+# the per-op / per-region host costs of NOTE [framework overheads] (seconds per core; a rank scales them)
+_OVERHEADS = ("op_overhead_s", "subclass_op_overhead_s", "checkpoint_region_s", "checkpoint_op_s", "fsdp_unit_s",
+              "fsdp_param_s")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareSpec:
     """One device: peak dense FLOP/s per dtype name, memory bandwidth (bytes/s) and capacity (bytes).
@@ -50,6 +55,23 @@ class HardwareSpec:
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     op_overhead_s: float = 0.0  # fixed cost of dispatching one op (framework + launch); `treadle.price` adds it per op
+    # NOTE [framework overheads]: host-side costs of the PyTorch machinery a schedule runs through, per core, in
+    # seconds (0 = hidden behind the device, as on a GPU that the host keeps ahead of). `treadle.price` and the
+    # planner charge them where the runtime pays them:
+    #   subclass_op_overhead_s   extra per op on tensor-subclass arguments (DTensor dispatch: FSDP2's sharded
+    #                            parameters in the optimizer step),
+    #   checkpoint_region_s      per checkpointed region per step (torch.utils.checkpoint's frame and recompute),
+    #   checkpoint_op_s          per recomputed op (saved-tensor hooks and holders around it),
+    #   fsdp_unit_s              per FSDP2 unit per step (its forward/backward hooks, gather and reduce bookkeeping),
+    #   fsdp_param_s             per parameter of an FSDP2 unit per step (copy-in/out views, DTensor wrapping).
+    # `optimizer_foreach`: AdamW runs its multi-tensor (foreach) kernels, ~12 ops per step, as PyTorch does by
+    # default for CUDA tensors; False: one op sequence per parameter tensor (PyTorch's default on CPU).
+    subclass_op_overhead_s: float = 0.0
+    checkpoint_region_s: float = 0.0
+    checkpoint_op_s: float = 0.0
+    fsdp_unit_s: float = 0.0
+    fsdp_param_s: float = 0.0
+    optimizer_foreach: bool = True
     source: str = field(default="user-defined", compare=False)
 
     def __post_init__(self) -> None:
@@ -59,8 +81,10 @@ class HardwareSpec:
         if self.hbm_bytes_per_s <= 0 or self.memory_bytes <= 0:
             raise ProfileError(f"HardwareSpec {self.name!r} needs hbm_bytes_per_s > 0 and memory_bytes > 0; "
                                f"got {self.hbm_bytes_per_s!r}, {self.memory_bytes!r}")
-        if self.op_overhead_s < 0:
-            raise ProfileError(f"HardwareSpec {self.name!r}: op_overhead_s must be >= 0; got {self.op_overhead_s!r}")
+        for attr in _OVERHEADS:
+            v = getattr(self, attr)
+            if not v >= 0:
+                raise ProfileError(f"HardwareSpec {self.name!r}: {attr} must be >= 0; got {v!r}")
         for attr in ("compute_efficiency", "memory_efficiency"):
             v = getattr(self, attr)
             if not 0 < v <= 1:
@@ -85,7 +109,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "op_overhead_s", "source"}
+                 "memory_efficiency", "optimizer_foreach", "source", *_OVERHEADS}
         unknown = set(d) - known
         if unknown:
             raise ProfileError(f"HardwareSpec JSON has unknown fields {sorted(unknown)}; known: {sorted(known)}")
@@ -181,12 +205,15 @@ def _machine_key() -> str:
 
 
 def _best_time_s(fn, *, reps: int) -> float:
+    """Best of `reps` (after a warm-up): the calling thread's CPU time when torch runs on one thread (a busy
+    machine preempts the probe without inflating it), wall time otherwise (other threads do the work)."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()  # warm-up
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -196,7 +223,8 @@ def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
     return 2 * n**3 / _best_time_s(lambda: torch.mm(a, b), reps=reps)
 
 
-def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1) -> HardwareSpec:
+def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1,
+                  overheads: bool = True) -> HardwareSpec:
     """Measure this machine: fp32 and bf16 `torch.mm` of (`matmul_n`, `matmul_n`) matrices (FLOP/s = 2 n^3 / best
     time), and memory bandwidth as bytes read + written by a `copy_` of `copy_bytes` (best of `reps`).
 
@@ -205,7 +233,12 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
     busy with other work still measures low: calibrate when it is quiet. Takes about 1 s; nothing is cached.
     It runs on `threads` threads (restored after): with the default 1 the spec is per core, which is what the
     `cpu` device of a ClusterSpec means (ranks scale it by the cores they get).
+    With `overheads` it also measures the framework overheads of NOTE [framework overheads]
+    (`treadle.profile.overheads`, ~2 s more); those it cannot measure here (the DTensor and FSDP2 probes inside
+    an initialised process group) keep `CPU_CORE`'s nominal values, and `source` says which.
     """
+    from . import overheads as ov
+
     t0 = time.perf_counter()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -216,17 +249,26 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
-        a, b = torch.ones(1), torch.ones(1)
-        overhead = _best_time_s(lambda: [torch.add(a, b) for _ in range(1000)], reps=reps) / 1000
+        framework = {"op_overhead_s": ov.op_overhead_s(reps=reps)}
+        if overheads:
+            framework["checkpoint_region_s"], framework["checkpoint_op_s"] = ov.checkpoint_overheads_s(reps=reps)
+            dist_ov = ov.distributed_overheads_s(reps=reps)
+            if dist_ov is not None:
+                (framework["subclass_op_overhead_s"], framework["fsdp_unit_s"],
+                 framework["fsdp_param_s"]) = dist_ov
     finally:
         torch.set_num_threads(before)
+    nominal = {k: getattr(CPU_CORE, k) for k in _OVERHEADS if k not in framework}
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 16 * GIB
+    note = f"; nominal {sorted(nominal)}" if nominal else ""
     spec = HardwareSpec(name="cpu", peak_flops_per_s=peaks, hbm_bytes_per_s=bw, memory_bytes=int(mem),
-                        compute_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=overhead,
-                        source=f"calibrated on {threads} thread(s) of {_machine_key()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+                        compute_efficiency=1.0, memory_efficiency=1.0, optimizer_foreach=False,
+                        **framework, **nominal,
+                        source=f"calibrated on {threads} thread(s) of {_machine_key()} at "
+                               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}{note}")
     logger.info("calibrated cpu in %.2f s: %.1f GFLOP/s fp32, %.1f GB/s", time.perf_counter() - t0,
                 peaks["float32"] / 1e9, bw / GB)
     return spec
@@ -235,10 +277,15 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 # NOTE [no hidden state]: one core of a nominal x86-64 server CPU: 2 FMA units x 8 fp32 lanes (AVX2) x 2 FLOP
 # x 2.5 GHz = 80 GFLOP/s fp32 (bf16/fp16 run at the fp32 rate without AMX), and ~10 GB/s of memory bandwidth
 # per core (a 16-core socket's ~160 GB/s shared), and ~10 us to dispatch one eager op (PyTorch's CPU
-# dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). A fixed constant, so a plan never
-# depends on where it was made.
+# dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). The framework overheads (NOTE
+# [framework overheads]) are PyTorch 2.13 eager on a 2.5 GHz EPYC core as `treadle.profile.overheads` measured
+# them, rounded: DTensor dispatch ~30 us an op, non-reentrant checkpoint ~0.3 ms a region + ~0.1 ms a recomputed
+# op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step. AdamW runs per tensor (no foreach on CPU). A fixed
+# constant, so a plan never depends on where it was made.
 CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
                         hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=10e-6,
+                        subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
+                        fsdp_unit_s=1.5e-3, fsdp_param_s=20e-6, optimizer_foreach=False,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")
 
 

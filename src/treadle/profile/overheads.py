@@ -1,0 +1,134 @@
+"""Measure the host-side framework overheads of NOTE [framework overheads] (treadle.profile.hardware) on this core.
+
+Each probe runs a tiny workload twice, with and without the machinery in question, and attributes the
+difference per unit of that machinery; sizes are tiny so the arithmetic itself is negligible. Times are the
+calling thread's CPU time (`time.thread_time`), best of `reps`: a busy machine preempts the probe but does not
+inflate it, which wall-clock timing would. All probes run on the calling thread with torch's thread count as
+the caller set it (`calibrate_cpu` sets 1).
+
+- `op_overhead_s`: one eager op (1-element `add`), dispatcher and Python included.
+- `subclass_op_overhead_s`: the same op on two DTensors of a 1-rank mesh, minus the plain op.
+- `checkpoint_region_s`, `checkpoint_op_s`: fwd+bwd of a block of k tiny Linear layers under
+  `torch.utils.checkpoint` (non-reentrant) minus without, minus one forward of the block (the recomputation
+  `treadle.price` already prices), fitted as ``region + ops(k) * op`` over k in (2, 12); ops(k) counted.
+- `fsdp_unit_s`, `fsdp_param_s`: fwd+bwd of U units of m tiny Linear layers each under FSDP2 `fully_shard`
+  on a 1-rank mesh minus without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6).
+
+The DTensor and FSDP2 probes need a process group of their own: they run only when torch.distributed is not
+initialised (a fake 1-rank group is created and destroyed); otherwise they return None for those fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def best_thread_time_s(fn: Callable[[], object], *, reps: int, inner: int = 1) -> float:
+    """Best of `reps` runs of `inner` calls of `fn`, per call, in the calling thread's CPU seconds (after one
+    warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.thread_time()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.thread_time() - t0) / inner)
+    return best
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
+    """(intercept, slope) through two points, both clamped at >= 0."""
+    slope = max(0.0, (y1 - y0) / (x1 - x0))
+    return max(0.0, y0 - slope * x0), slope
+
+
+def op_overhead_s(*, reps: int = 7) -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=1000)
+
+
+def checkpoint_overheads_s(*, reps: int = 7) -> tuple[float, float]:
+    """(per region, per recomputed op) of non-reentrant activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    points = []
+    for k in (2, 12):
+        torch.manual_seed(0)
+        block = nn.Sequential(*[nn.Linear(4, 4) for _ in range(k)])
+        x = torch.randn(2, 4, requires_grad=True)
+
+        def plain() -> None:
+            block(x).sum().backward()
+
+        def ckpt() -> None:
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+
+        def fwd() -> None:
+            block(x)
+
+        counter = _CountOps()
+        with counter:
+            block(x)
+        extra = (best_thread_time_s(ckpt, reps=reps, inner=20) - best_thread_time_s(plain, reps=reps, inner=20)
+                 - best_thread_time_s(fwd, reps=reps, inner=20))
+        points.append((counter.n, extra))
+    (x0, y0), (x1, y1) = points
+    return _fit_line(x0, y0, x1, y1)
+
+
+def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | None:
+    """(subclass op, FSDP2 unit, FSDP2 parameter), or None when torch.distributed is already initialised."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        a, b = torch.ones(1), torch.ones(1)
+        da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
+        plain = best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=200)
+        sub = max(0.0, best_thread_time_s(lambda: torch.add(da, db), reps=reps, inner=200) - plain)
+        units = 4
+        points = []
+        for m in (1, 6):
+            def make(wrap: bool) -> Callable[[], None]:
+                torch.manual_seed(0)
+                model = nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(m)]) for _ in range(units)])
+                if wrap:
+                    for unit in model:
+                        fully_shard(unit, mesh=mesh)
+                x = torch.randn(2, 4)
+                return lambda: model(x).sum().backward()
+
+            extra = best_thread_time_s(make(True), reps=reps, inner=5) - best_thread_time_s(make(False), reps=reps,
+                                                                                          inner=5)
+            points.append((2 * m, extra / units))  # per unit: fixed + 2m parameters
+        (x0, y0), (x1, y1) = points
+        unit_s, param_s = _fit_line(x0, y0, x1, y1)
+        return sub, unit_s, param_s
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "distributed_overheads_s"]

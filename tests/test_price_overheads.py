@@ -1,0 +1,135 @@
+"""NOTE [framework overheads]: the host costs of checkpointing, FSDP2 and the optimizer, each charged by
+`treadle.price` and by the planner's cost graph where the runtime pays it (hand computations)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import treadle
+from treadle import Mesh
+from treadle.cost.cluster import ClusterSpec
+from treadle.errors import ProfileError
+from treadle.profile import overheads as ov
+from treadle.profile.hardware import CPU_CORE, HardwareSpec, hardware_preset
+from treadle.planner.price import adamw_ops, price
+
+from test_price import Net
+
+ZERO = dict(op_overhead_s=0.0, subclass_op_overhead_s=0.0, checkpoint_region_s=0.0, checkpoint_op_s=0.0,
+            fsdp_unit_s=0.0, fsdp_param_s=0.0)
+
+
+def _cluster(mesh: Mesh, **overheads) -> ClusterSpec:
+    hw = dataclasses.replace(hardware_preset("h100-sxm"), **{**ZERO, **overheads})
+    return ClusterSpec.uniform(mesh, "nvlink4", device=hw)
+
+
+def _sch(mesh: Mesh, *, dp: str | None = None, shard: bool = False, ckpt: int = 0):
+    torch.manual_seed(0)
+    model = Net(d=16, n=3)
+    sch = treadle.create_schedule(model, mesh=mesh)
+    if dp:
+        sch.data_parallel(axis=dp, shard=shard)
+    for i in range(ckpt):
+        sch[f"blocks.{i}"].checkpoint()
+    return sch, {"x": torch.randn(8, 16)}
+
+
+def test_checkpoint_costs_a_region_and_each_recomputed_op():
+    mesh = Mesh((1,), ("x",))
+    base = price(*_sch(mesh, ckpt=2), _cluster(mesh))
+    p = price(*_sch(mesh, ckpt=2), _cluster(mesh, checkpoint_region_s=1e-3, checkpoint_op_s=1e-5))
+    n_ops = sum(s["ops"] for s in base.segments if s["phase"] == "recompute")
+    assert n_ops > 0
+    assert p.recompute_s - base.recompute_s == pytest.approx(2 * 1e-3 + n_ops * 1e-5)
+    assert p.compute_s == pytest.approx(base.compute_s)  # forward, backward, optimizer untouched
+    # without checkpointing nothing is charged
+    plain = price(*_sch(mesh), _cluster(mesh, checkpoint_region_s=1e-3, checkpoint_op_s=1e-5))
+    assert plain.recompute_s == 0
+
+
+def test_fsdp2_units_and_parameters_cost_host_time_per_step():
+    mesh = Mesh((2,), ("dp",))
+    base = price(*_sch(mesh, dp="dp", shard=True), _cluster(mesh))
+    p = price(*_sch(mesh, dp="dp", shard=True), _cluster(mesh, fsdp_unit_s=1e-3, fsdp_param_s=1e-5))
+    n_params = sum(1 for _ in Net(d=16, n=3).parameters())
+    units = 4  # blocks.0-2 and the root
+    assert p.compute_s - base.compute_s == pytest.approx(units * 1e-3 + n_params * 1e-5)
+    # DDP pays none of it
+    d0 = price(*_sch(mesh, dp="dp"), _cluster(mesh))
+    d1 = price(*_sch(mesh, dp="dp"), _cluster(mesh, fsdp_unit_s=1e-3, fsdp_param_s=1e-5))
+    assert d1.compute_s == pytest.approx(d0.compute_s)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_dispatches_per_tensor_or_per_list_and_dtensor_parameters_pay_the_subclass_cost(foreach):
+    mesh = Mesh((2,), ("dp",))
+    n = sum(1 for _ in Net(d=16, n=3).parameters())
+    ops, list_ops = adamw_ops(n, foreach)
+    assert (ops, list_ops) == ((12 + 2 * n, 12) if foreach else (10 * n, 10 * n))
+
+    def optim_s(**kw) -> float:
+        sch, x = _sch(mesh, dp="dp", shard=kw.pop("shard", False))
+        cl = _cluster(mesh, **kw)
+        cl = ClusterSpec(cl.mesh, cl.links, dataclasses.replace(cl.device, optimizer_foreach=foreach),
+                         cl.copy_bytes_per_s)
+        (seg,) = [s for s in price(sch, x, cl).segments if s["phase"] == "optim"]
+        return seg["compute_s"]
+
+    assert optim_s(op_overhead_s=1e-5) - optim_s() == pytest.approx(ops * 1e-5)
+    # plain (DDP) parameters are no subclass; FSDP2's are DTensors
+    assert optim_s(subclass_op_overhead_s=1e-4) == pytest.approx(optim_s())
+    assert optim_s(shard=True, subclass_op_overhead_s=1e-4) - optim_s(shard=True) == pytest.approx(list_ops * 1e-4)
+
+
+def test_rank_hardware_scales_every_overhead_by_the_cores_a_rank_gets():
+    mesh = Mesh((4,), ("x",))
+    cl = ClusterSpec.uniform(mesh, "loopback", device=CPU_CORE).with_ranks(threads_per_rank=1, ranks_per_host=4,
+                                                                            cores_per_host=2)
+    hw = cl.rank_hardware()
+    for k in ZERO:
+        assert getattr(hw, k) == pytest.approx(getattr(CPU_CORE, k) * 2), k  # half a core each
+    assert hw.optimizer_foreach is False
+
+
+def test_cost_graph_charges_checkpointed_blocks_and_fsdp_units_like_price():
+    from treadle.models.zoo import named_model
+    from treadle.planner.capture import capture
+    from treadle.planner.cost_graph import Roles, TrainSpec, build_cost_graph
+    from treadle.planner.ilp import evaluate
+
+    model, inputs = named_model("tiny-gpt2", batch=4, seq=16, dropout=False)
+    graph = capture(model, (), inputs)
+    mesh = Mesh((2,), ("dp",))
+    kw = dict(checkpoint_region_s=1e-3, checkpoint_op_s=1e-5, fsdp_unit_s=2e-3)
+    cg0 = build_cost_graph(graph, _cluster(mesh), Roles("dp", True, (), ()))
+    cg1 = build_cost_graph(graph, _cluster(mesh, **kw), Roles("dp", True, (), ()))
+    (t, info), = cg1.templates.items()
+    ops = sum(len(cg1.units[u].nodes) for u in info.units)
+    assert cg1.ckpt_host_s[t] == pytest.approx(1e-3 + ops * 1e-5) and cg0.ckpt_host_s[t] == 0
+    assert cg1.host_s == pytest.approx((info.count + 1) * 2e-3)  # every block and the root are FSDP2 units
+    choice = [0] * len(cg1.units)
+    s0, _, _ = evaluate(cg0, choice, {t: 2})
+    s1, _, terms = evaluate(cg1, choice, {t: 2})
+    assert s1 - s0 == pytest.approx(2 * (1e-3 + ops * 1e-5) + (info.count + 1) * 2e-3)
+
+
+def test_hardware_spec_overheads_round_trip_and_are_validated(tmp_path):
+    path = tmp_path / "cpu.json"
+    CPU_CORE.save(path)
+    back = HardwareSpec.load(path)
+    assert back == CPU_CORE and back.optimizer_foreach is False
+    with pytest.raises(ProfileError, match="fsdp_unit_s must be >= 0"):
+        dataclasses.replace(CPU_CORE, fsdp_unit_s=-1.0)
+
+
+def test_overhead_probes_fit_two_points_and_measure_positive_costs():
+    assert ov._fit_line(2, 5.0, 6, 13.0) == (1.0, 2.0)
+    assert ov._fit_line(1, 5.0, 3, 1.0) == (5.0, 0.0)  # a negative slope (noise) clamps to 0
+    region_s, op_s = ov.checkpoint_overheads_s(reps=2)
+    assert region_s >= 0 and op_s > 0
+    sub, unit_s, param_s = ov.distributed_overheads_s(reps=2)
+    assert sub > 0 and unit_s + param_s > 0
