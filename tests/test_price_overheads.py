@@ -133,3 +133,44 @@ def test_overhead_probes_fit_two_points_and_measure_positive_costs():
     assert region_s >= 0 and op_s > 0
     sub, unit_s, param_s = ov.distributed_overheads_s(reps=2)
     assert sub > 0 and unit_s + param_s > 0
+
+
+# ------------------------------------------------------------------------------------------ NOTE [kernel rates]
+def test_kernel_rates_refine_the_roofline_by_kind_size_and_op():
+    from treadle.profile.roofline import matmul_efficiency, op_time_s
+
+    base = hardware_preset("h100-sxm")
+    hw = dataclasses.replace(base, matmul_curve=((1e6, 0.2), (1e8, 0.8)), attention_efficiency=0.4,
+                             elementwise_s_per_elem={"tanh": 1e-9})
+    peak = hw.peak_for("float32")
+    # clamped below and above, log-interpolated between: 1e7 is half-way in log space
+    assert matmul_efficiency(1e5, hw) == 0.2 and matmul_efficiency(1e9, hw) == 0.8
+    assert matmul_efficiency(1e7, hw) == pytest.approx(0.5)
+    assert op_time_s(int(1e7), 0, hw, "float32", kind="matmul") == pytest.approx(1e7 / (peak * 0.5))
+    assert op_time_s(int(1e7), 0, hw, "float32", kind="attention") == pytest.approx(1e7 / (peak * 0.4))
+    assert op_time_s(int(1e7), 0, hw, "float32", kind="pointwise") == pytest.approx(1e7 / (peak * 0.7))
+    # an arithmetic-bound pointwise op takes at least elems x its rate; other ops keep the memory roofline
+    mem = op_time_s(0, 8 * 10**6, hw, "float32")
+    assert op_time_s(0, 8 * 10**6, hw, "float32", op="tanh", elems=10**6) == pytest.approx(max(mem, 1e-3))
+    assert op_time_s(0, 8 * 10**6, hw, "float32", op="add", elems=10**6) == pytest.approx(mem)
+    # the spec keeps its rates through JSON and through a rank's share of a CPU host
+    assert HardwareSpec.from_json(hw.to_json()) == hw
+    cpu = dataclasses.replace(CPU_CORE, elementwise_s_per_elem={"tanh": 1e-9}, matmul_curve=((1e6, 0.5),))
+    cl = ClusterSpec.uniform(Mesh((4,), ("x",)), "loopback", device=cpu).with_ranks(cores_per_host=2)
+    rh = cl.rank_hardware()
+    assert rh.elementwise_s_per_elem["tanh"] == pytest.approx(2e-9) and rh.matmul_curve == ((1e6, 0.5),)
+    with pytest.raises(ProfileError, match="matmul_curve"):
+        dataclasses.replace(base, matmul_curve=((1e6, 1.5),))
+
+
+def test_price_uses_the_kernel_rates_of_its_device():
+    mesh = Mesh((1,), ("x",))
+
+    def step_s(hw) -> float:
+        torch.manual_seed(0)
+        sch = treadle.create_schedule(Net(d=256, n=3), mesh=mesh)
+        return price(sch, {"x": torch.randn(64, 256)}, ClusterSpec.uniform(mesh, "nvlink4", device=hw)).compute_s
+
+    plain = dataclasses.replace(hardware_preset("h100-sxm"), **ZERO)
+    # every product at 1% of the peak instead of 70%: memory-bound on an H100 at this size, compute-bound then
+    assert step_s(dataclasses.replace(plain, matmul_curve=((1.0, 0.01),))) > 3 * step_s(plain)

@@ -25,7 +25,7 @@ from ..cost.convert import plan_conversion
 from ..cost.layout import Layout
 from ..errors import ProfileError
 from ..profile import flops as flops_mod
-from ..profile.roofline import op_time_s
+from ..profile.roofline import matmul_efficiency, op_time_s
 from .capture import Node, TensorMeta
 from .dims import P, R, AxisOption
 
@@ -78,6 +78,12 @@ class NodeCosts:
             self.unknown_flops[n.op_name] = self.unknown_flops.get(n.op_name, 0) + 1
             return 0, 0
 
+    def _kind(self, n: Node) -> str | None:
+        try:
+            return flops_mod.op_kind(n.target)
+        except ProfileError:
+            return None
+
     def _is_view(self, n: Node) -> bool:
         if n.op_name in _VIEW_OPS:
             return True
@@ -110,16 +116,29 @@ class NodeCosts:
                 if isinstance(m, TensorMeta):
                     pl = tuple(o.ins[pos] for o in combo)
                     moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
+        out_elems = 0.0
+        if not self._is_view(n):
             outs = n.out if isinstance(n.out, tuple) else (n.out,)
             for k, m in enumerate(outs):
                 if isinstance(m, TensorMeta):
                     pl = tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
-                    moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+                    local = _tensor_axes_divisor(pl, self.tp_sizes) * self.dp_div(i)
+                    moved += m.nbytes / local
+                    out_elems += m.numel / local
         dtype = self.dtype_compute or _dtype_of(n)
-        # each op also costs the device's dispatch overhead, once forward and once in backward (as `price`)
-        fwd = op_time_s(int(f_flops / work), int(moved), self.hw, dtype) + self.hw.op_overhead_s
-        bwd = (op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype) + self.hw.op_overhead_s
-               if self.rg[i] else 0.0)
+        kind = self._kind(n)
+        # each op also costs the device's dispatch overhead, once forward and once in backward (as `price`);
+        # kernel rates by kind (NOTE [kernel rates]): a backward matmul is priced at its forward product's size
+        fwd = (op_time_s(int(f_flops / work), int(moved), self.hw, dtype, kind=kind, op=n.op_name,
+                         elems=int(out_elems)) + self.hw.op_overhead_s)
+        if kind == "matmul" and f_flops and b_flops:
+            eff = matmul_efficiency(f_flops / work, self.hw)
+            b_compute = b_flops / work / (self.hw.peak_for(dtype) * eff)
+            bwd = max(b_compute, op_time_s(0, int(2 * moved), self.hw, dtype)) + self.hw.op_overhead_s
+        else:
+            bwd = op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype, kind=kind) + self.hw.op_overhead_s
+        if not self.rg[i]:
+            bwd = 0.0
         c.compute_s = fwd + bwd
         c.fwd_s = fwd
         c.bwd_s = bwd

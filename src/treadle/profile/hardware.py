@@ -72,6 +72,16 @@ class HardwareSpec:
     fsdp_unit_s: float = 0.0
     fsdp_param_s: float = 0.0
     optimizer_foreach: bool = True
+    # NOTE [kernel rates]: what kernels of a kind really reach, where a single efficiency is too coarse (all
+    # optional; empty = `compute_efficiency` for every kernel):
+    #   matmul_curve        ((FLOPs of one matrix product, fraction of the dtype's peak it reaches), ...) sorted by
+    #                       FLOPs; interpolated in log(FLOPs), clamped at both ends (small products run slower)
+    #   attention_efficiency fraction of the peak fused attention kernels reach (kind "attention"), or None
+    #   elementwise_s_per_elem {op name: seconds per output element} for pointwise kernels bound by arithmetic
+    #                       rather than memory (tanh, exp, erf...): such an op takes at least numel x rate
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+    attention_efficiency: float | None = None
+    elementwise_s_per_elem: dict[str, float] = field(default_factory=dict)
     source: str = field(default="user-defined", compare=False)
 
     def __post_init__(self) -> None:
@@ -85,10 +95,17 @@ class HardwareSpec:
             v = getattr(self, attr)
             if not v >= 0:
                 raise ProfileError(f"HardwareSpec {self.name!r}: {attr} must be >= 0; got {v!r}")
-        for attr in ("compute_efficiency", "memory_efficiency"):
+        for attr in ("compute_efficiency", "memory_efficiency", "attention_efficiency"):
             v = getattr(self, attr)
-            if not 0 < v <= 1:
+            if v is not None and not 0 < v <= 1:
                 raise ProfileError(f"HardwareSpec {self.name!r}: {attr} must be in (0, 1]; got {v!r}")
+        object.__setattr__(self, "matmul_curve", tuple(sorted((float(f), float(e)) for f, e in self.matmul_curve)))
+        if any(f <= 0 or not 0 < e <= 1 for f, e in self.matmul_curve):
+            raise ProfileError(f"HardwareSpec {self.name!r}: matmul_curve needs (FLOPs > 0, fraction in (0, 1]) "
+                               f"points; got {self.matmul_curve!r}")
+        if any(not v >= 0 for v in self.elementwise_s_per_elem.values()):
+            raise ProfileError(f"HardwareSpec {self.name!r}: elementwise_s_per_elem must be >= 0; "
+                               f"got {self.elementwise_s_per_elem!r}")
 
     def __str__(self) -> str:
         top = max(self.peak_flops_per_s.values())
@@ -109,13 +126,16 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "optimizer_foreach", "source", *_OVERHEADS}
+                 "memory_efficiency", "optimizer_foreach", "matmul_curve", "attention_efficiency",
+                 "elementwise_s_per_elem", "source", *_OVERHEADS}
         unknown = set(d) - known
         if unknown:
             raise ProfileError(f"HardwareSpec JSON has unknown fields {sorted(unknown)}; known: {sorted(known)}")
         d = dict(d)
         d["peak_flops_per_s"] = {str(k): float(v) for k, v in d["peak_flops_per_s"].items()}
         d["memory_bytes"] = int(d["memory_bytes"])
+        if "matmul_curve" in d:
+            d["matmul_curve"] = tuple((float(f), float(e)) for f, e in d["matmul_curve"])
         return cls(**d)
 
     def to_json(self) -> str:
@@ -224,7 +244,7 @@ def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
 
 
 def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1,
-                  overheads: bool = True) -> HardwareSpec:
+                  overheads: bool = True, kernels: bool = True) -> HardwareSpec:
     """Measure this machine: fp32 and bf16 `torch.mm` of (`matmul_n`, `matmul_n`) matrices (FLOP/s = 2 n^3 / best
     time), and memory bandwidth as bytes read + written by a `copy_` of `copy_bytes` (best of `reps`).
 
@@ -234,9 +254,12 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
     It runs on `threads` threads (restored after): with the default 1 the spec is per core, which is what the
     `cpu` device of a ClusterSpec means (ranks scale it by the cores they get).
     With `overheads` it also measures the framework overheads of NOTE [framework overheads]
-    (`treadle.profile.overheads`, ~2 s more); those it cannot measure here (the DTensor and FSDP2 probes inside
+    (`treadle.profile.overheads`, ~2 s more), and with `kernels` the kernel rates of NOTE [kernel rates]
+    (`treadle.profile.kernel_rates`, ~2 s: matmul efficiency by size, fused attention, arithmetic-bound
+    pointwise ops); the framework overheads it cannot measure here (the DTensor and FSDP2 probes inside
     an initialised process group) keep `CPU_CORE`'s nominal values, and `source` says which.
     """
+    from . import kernel_rates as kr
     from . import overheads as ov
 
     t0 = time.perf_counter()
@@ -250,6 +273,10 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         dst = torch.empty_like(src)
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
         framework = {"op_overhead_s": ov.op_overhead_s(reps=reps)}
+        if kernels:
+            framework["matmul_curve"] = kr.matmul_curve(peaks["float32"], reps=reps)
+            framework["attention_efficiency"] = kr.attention_efficiency(peaks["float32"], reps=reps)
+            framework["elementwise_s_per_elem"] = kr.elementwise_s_per_elem(reps=reps)
         if overheads:
             framework["checkpoint_region_s"], framework["checkpoint_op_s"] = ov.checkpoint_overheads_s(reps=reps)
             dist_ov = ov.distributed_overheads_s(reps=reps)
@@ -280,12 +307,20 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 # dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). The framework overheads (NOTE
 # [framework overheads]) are PyTorch 2.13 eager on a 2.5 GHz EPYC core as `treadle.profile.overheads` measured
 # them, rounded: DTensor dispatch ~30 us an op, non-reentrant checkpoint ~0.3 ms a region + ~0.1 ms a recomputed
-# op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step. AdamW runs per tensor (no foreach on CPU). A fixed
-# constant, so a plan never depends on where it was made.
+# op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step; ~15 us per op of a training step (module calls and
+# autograd included). AdamW runs per tensor (no foreach on CPU). Kernel rates (NOTE [kernel rates]) as
+# `treadle.profile.kernel_rates` measured them there, rounded: square fp32 products of n = 32 / 64 / 128 / 256
+# reach 20 / 65 / 90 / 95% of the peak, CPU flash attention 40%, and transcendental pointwise kernels cost
+# 1.3-5 ns an element. A fixed constant, so a plan never depends on where it was made.
+_CPU_POINTWISE_S = {"tanh": 4.8e-9, "exp": 1.8e-9, "log": 2.2e-9, "sigmoid": 1.3e-9, "erf": 2.5e-9, "sin": 1.7e-9,
+                    "cos": 1.8e-9, "silu": 1.5e-9, "gelu": 1.6e-9, "silu_backward": 1.8e-9, "gelu_backward": 2.5e-9,
+                    "_softmax": 1.8e-9, "_log_softmax": 1.7e-9, "_log_softmax_backward_data": 1.4e-9}
 CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
-                        hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=10e-6,
+                        hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=15e-6,
                         subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
                         fsdp_unit_s=1.5e-3, fsdp_param_s=20e-6, optimizer_foreach=False,
+                        matmul_curve=((6.6e4, 0.2), (5.2e5, 0.65), (4.2e6, 0.9), (3.4e7, 0.95)),
+                        attention_efficiency=0.4, elementwise_s_per_elem=_CPU_POINTWISE_S,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")
 
 

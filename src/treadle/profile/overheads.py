@@ -6,7 +6,8 @@ calling thread's CPU time (`time.thread_time`), best of `reps`: a busy machine p
 inflate it, which wall-clock timing would. All probes run on the calling thread with torch's thread count as
 the caller set it (`calibrate_cpu` sets 1).
 
-- `op_overhead_s`: one eager op (1-element `add`), dispatcher and Python included.
+- `op_overhead_s`: one op of an eager training step on tiny tensors (forward and backward of a stack of small
+  norm / linear / GELU blocks over the ATen ops counted): dispatcher, module calls and autograd included.
 - `subclass_op_overhead_s`: the same op on two DTensors of a 1-rank mesh, minus the plain op.
 - `checkpoint_region_s`, `checkpoint_op_s`: fwd+bwd of a block of k tiny Linear layers under
   `torch.utils.checkpoint` (non-reentrant) minus without, minus one forward of the block (the recomputation
@@ -57,9 +58,35 @@ def _fit_line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]
     return max(0.0, y0 - slope * x0), slope
 
 
+class _TinyBlock(nn.Module):
+    """A pre-norm transformer-like block on tiny tensors: what one training step's ops cost apart from arithmetic."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        h = torch.nn.functional.gelu(h).view(x.shape[0], -1)
+        return x + self.down(h).view_as(x) * 0.5
+
+
 def op_overhead_s(*, reps: int = 7) -> float:
-    a, b = torch.ones(1), torch.ones(1)
-    return best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=1000)
+    """Seconds per ATen op of a training step whose arithmetic is negligible: forward + backward of a stack of
+    tiny blocks (module calls, autograd's graph and engine, dispatch) over the ops it runs, counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TinyBlock() for _ in range(4)])
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    counter = _CountOps()
+    with counter:
+        step()
+    return best_thread_time_s(step, reps=reps, inner=20) / max(counter.n, 1)
 
 
 def checkpoint_overheads_s(*, reps: int = 7) -> tuple[float, float]:

@@ -227,7 +227,9 @@ class StepRecorder:
             self._track(t, rec)
         rec.live_after_bytes = self.live_bytes
         try:
-            rec.time_s = op_time_s(rec.flops, rec.read_bytes + rec.write_bytes, self.hw, rec.dtype)
+            rec.time_s = op_time_s(rec.flops, rec.read_bytes + rec.write_bytes, self.hw, rec.dtype, kind=rule.kind,
+                                   op=func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else None,
+                                   elems=sum(t.numel() for t in outs))
         except ProfileError as exc:
             err = ProfileError(f"{exc}; met at op {rec.op} in module {module or '<model>'!r}")
             self.error = self.error or err
