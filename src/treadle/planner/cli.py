@@ -194,7 +194,9 @@ def plan_python(plan) -> list[str]:
         elif d.op == "checkpoint":
             lines.append(f"sch[{d.path!r}].checkpoint()")
         elif d.op == "data_parallel":
-            lines.append(f"sch.data_parallel(axis={a['axis']!r}, shard={a['shard']})")
+            extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
+            axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
+            lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
     return lines
 
 
