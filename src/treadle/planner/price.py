@@ -19,6 +19,10 @@ entry of every ``nn.ModuleList`` plus the root) all-gathers a unit's parameters 
 and in backward (prefetch) and reduce-scatters its gradients when its backward ends; the root is gathered
 once and not again in backward (FSDP2 keeps the root unsharded after forward); the local copies FSDP2
 makes around each collective (2 (full + shard) bytes) are compute where the collective is used.
+Data parallelism over several axes runs on one flattened process group, priced on the slowest link of its
+axes (`treadle.cost.collective_cost.flat_link`); HSDP all-reduces each reduce-scattered shard over the
+replicate axes once its reduce-scatter ends; ``reshard_after_forward=False`` drops the backward gathers
+and keeps every unit gathered from forward to backward.
 
 The step ends with the optimizer (AdamW: elementwise over the local parameters, priced by the roofline),
 after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch).

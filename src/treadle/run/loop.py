@@ -140,7 +140,8 @@ def train(cfg: RunConfig) -> list[float]:
     before = shards_by_name(sch)
     built = build_for(sch, cfg)
     mesh = sch.mesh
-    layouts = param_layouts(built, before, mesh)
+    dp = sch._state.data_parallel
+    layouts = param_layouts(built, before, mesh, dp.shard_axes if dp is not None and dp.shard else None)
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))
 
