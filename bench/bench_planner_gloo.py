@@ -69,9 +69,9 @@ def _time_rank(rank: int, world: int, decisions: list[dict], shape: tuple, names
     sch = apply_decisions(create_schedule(model, mesh=mesh), [Decision.from_dict(d) for d in decisions],
                           leaf_module=is_leaf)
     built = build(sch)
-    dp = next((d["args"]["axis"] for d in decisions if d["op"] == "data_parallel"), None)
+    dp = sch._state.data_parallel  # the batch splits over every data-parallel axis
     if dp is not None:
-        n, i = mesh.size(dp), mesh.coordinate(rank)[dp]
+        n, i = dp.size(mesh), dp.index(mesh.coordinate(rank), mesh)
         inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
     opt = torch.optim.AdamW(built.parameters(), lr=1e-5)
     times = []
