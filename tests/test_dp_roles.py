@@ -326,3 +326,19 @@ def test_planner_finds_pure_dp_over_a_2x2_mesh_and_emits_the_new_form():
     # the solver's estimate of the role and the price of the hand-written DDP schedule agree within 15%
     assert forced.estimated.step_s == pytest.approx(p.step_s, rel=0.15)
     assert alt["data-parallel dp,tp"]["step_s"] == pytest.approx(forced.estimated.step_s)
+
+
+def test_planner_roles_become_the_data_parallel_call_they_price():
+    from treadle.planner.to_schedule import Decision, apply_decisions, data_parallel_args
+
+    cases = {Roles(("dp", "tp"), False, ()): {"axis": ["dp", "tp"], "shard": False},
+             Roles("dp", True, ("tp",)): {"axis": "dp", "shard": True},
+             Roles(("dp", "tp"), True, (), replicate=("dp",), reshard_after_forward=False):
+                 {"axis": "tp", "shard": True, "replicate": "dp", "reshard_after_forward": False}}
+    for roles, args in cases.items():
+        assert data_parallel_args(roles) == args
+        sch = apply_decisions(_two_by_two(), [Decision("data_parallel", "", args, str(roles))],
+                              leaf_module=lambda p: True)
+        spec = sch._state.data_parallel
+        assert (spec.axes, spec.shard_axes, spec.reshard_after_forward) == (
+            roles.dp, roles.shard_axes, roles.reshard_after_forward), roles
