@@ -278,7 +278,8 @@ def test_cost_graph_prices_hsdp_and_multi_axis_ddp_by_hand():
     # parameters + gradients + AdamW state (8 B) of the 1/2 shard
     assert static_hsdp == pytest.approx(nbytes / 4 / 2 * (2 * 4 + 8))
     _, dp, static_keep = dp_sum(Roles(("dp", "tp"), True, (), reshard_after_forward=False))
-    assert dp == pytest.approx(bw(cc.all_gather_time_s, nbytes, 4, flat) + bw(cc.reduce_scatter_time_s, nbytes, 4, flat))
+    assert dp == pytest.approx(bw(cc.all_gather_time_s, nbytes, 4, flat)
+                               + bw(cc.reduce_scatter_time_s, nbytes, 4, flat))
     assert static_keep == pytest.approx(nbytes / 4 / 4 * (2 * 4 + 8) + nbytes)  # the gathered copy is kept
     sol = ilp.solve(build_cost_graph(g, cl, Roles(("dp", "tp"), True, (), replicate=("dp",))), budget_bytes=None)
     assert sol.status != "infeasible"
