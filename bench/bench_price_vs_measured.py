@@ -180,7 +180,7 @@ def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, 
         dp = sch._state.data_parallel
         m = build(sch)
         if dp is not None:
-            n, i = sch.mesh.size(dp[0]), sch.mesh.local_rank(dp[0])
+            n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
             inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
         saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)

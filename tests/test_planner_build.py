@@ -77,9 +77,9 @@ def _saved_bytes_rank(rank: int, world: int, name: str, plan_json: str) -> float
     sch = plan.schedule_for(model)
     built = build(sch)
     mesh = plan.cluster.mesh
-    dp = next((d.args["axis"] for d in plan.decisions if d.op == "data_parallel"), None)
+    dp = sch._state.data_parallel  # the batch splits over every data-parallel axis (HSDP: replicate ones too)
     if dp is not None:
-        n, i = mesh.size(dp), mesh.coordinate(rank)[dp]
+        n, i = dp.size(mesh), dp.index(mesh.coordinate(rank), mesh)
         inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
     params = {p.untyped_storage().data_ptr() for p in built.parameters()}
     seen: dict[int, int] = {}

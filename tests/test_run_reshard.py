@@ -15,6 +15,8 @@ SCHEDULES = {
     "ddp4": ("ddp", (4, 1)),
     "fsdp4": ("fsdp", (4, 1)),
     "tp4": ("megatron", (1, 4)),
+    "hsdp2x2": ("hsdp", (2, 2)),            # FSDP2 over tp, replicated over dp: a 2-D (replicate, shard) mesh
+    "fsdp-all2x2": ("fsdp-all", (2, 2)),    # FSDP2 over the flattened (dp, tp) group
 }
 
 
@@ -32,11 +34,16 @@ def _make(recipe: str, shape: tuple[int, int], build_fn=None):
     dp = "dp" if shape[0] > 1 else None
     if recipe.startswith("megatron"):
         megatron(sch, tp="tp", dp=dp, zero3=recipe.endswith("fsdp"))
+    elif recipe == "hsdp":
+        sch.data_parallel(axis="tp", shard=True, replicate="dp")
+    elif recipe == "fsdp-all":
+        sch.data_parallel(axis=("dp", "tp"), shard=True)
     else:
         sch.data_parallel(axis="dp", shard=recipe == "fsdp")
     before = shards_by_name(sch)
     built = (build_fn or build)(sch)
-    lay = layouts(built, before, sch.mesh)
+    spec = sch._state.data_parallel
+    lay = layouts(built, before, sch.mesh, spec.shard_axes if spec is not None and spec.shard else None)
     cfg = RunConfig(model="tiny-gpt2", data=["unused"], lr=1e-2, warmup_steps=0, steps=10)
     opt = make_optimizer(built, lay, cfg)
     init_optimizer_state(opt)
@@ -89,7 +96,8 @@ def _reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("src,dst", [("tp2xdp2", "fsdp4"), ("ddp4", "megatron-fsdp2x2"), ("fsdp4", "tp4")])
+@pytest.mark.parametrize("src,dst", [("tp2xdp2", "fsdp4"), ("ddp4", "megatron-fsdp2x2"), ("fsdp4", "tp4"),
+                                     ("hsdp2x2", "fsdp-all2x2")])
 def test_reshard_on_load(tmp_path, src, dst):
     results = spawn(_reshard_rank, 4, src, dst, str(tmp_path / "ck"), timeout_s=240)
     ref_loss, ref_norm = _reference_first_step()

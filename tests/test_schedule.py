@@ -175,7 +175,8 @@ def test_log_to_python_and_json_replay():
     again = treadle.load_schedule(tiny_gpt2(), text)
     assert again.to_python() == py and again.to_json() == text
     st = again._state
-    assert st.data_parallel == ("dp", True) and st.checkpoints == ["transformer.h.0.mlp"]
+    assert (st.data_parallel.axes, st.data_parallel.shard_axes) == (("dp",), ("dp",))
+    assert st.checkpoints == ["transformer.h.0.mlp"]
     assert len(st.param_shards) == 3 and st.syncs[0].to == (("tp", Replicate()),)
     with pytest.raises(ScheduleError, match="lacks axes \\['dp'\\]"):
         treadle.load_schedule(tiny_gpt2(), text, Mesh((4,), ("tp",)))

@@ -19,6 +19,9 @@ With ``t_c`` the collective's alpha-beta time and ``free[axis]`` when its channe
     step_s = max(end of the last segment, end_c for every c)
     exposed_s = step_s - compute_s            (the part of communication compute waited for)
 
+A collective may also wait for another one issued before it (``follows``: HSDP's all-reduce of a gradient
+shard starts once its reduce-scatter ends): ``start_c = max(..., end_follows)``.
+
 Each wait is split exactly among the collectives waited on, in order of their end times, so the
 per-collective ``exposed_s`` sum to the step's exposed communication. With ``overlap=False`` (a device
 whose ranks have no core to spare for communication threads, e.g. gloo ranks sharing CPU cores) every
@@ -65,6 +68,7 @@ class Collective:
     blocking: bool = True
     needed_before: int | None = None
     source: str = "tp"
+    follows: "Collective | None" = None  # starts once this one ends (HSDP: all-reduce after reduce-scatter)
     start_s: float = 0.0
     end_s: float = 0.0
     exposed_s: float = 0.0
@@ -112,7 +116,7 @@ def simulate(segments: list[Segment], collectives: list[Collective], *, overlap:
     def issue(after: int) -> None:
         nonlocal now
         for c in issued.get(after, []):
-            c.start_s = max(now, free.get(c.axis, 0.0))
+            c.start_s = max(now, free.get(c.axis, 0.0), c.follows.end_s if c.follows is not None else 0.0)
             c.end_s = c.start_s + c.time_s
             free[c.axis] = c.end_s
             if c.blocking:

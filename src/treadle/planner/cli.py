@@ -50,7 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", default="joint", choices=["joint", "two_stage"])
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=AXIS:DIM",
                    help="pin a parameter layout on a mesh axis (repeatable)")
-    p.add_argument("--dp-axis", default="auto", help="data-parallel axis: auto (search), none, or an axis name")
+    p.add_argument("--dp-axis", default="auto",
+                   help="data-parallel axes: auto (search), none, an axis name, or names joined by ','")
     p.add_argument("--zero", choices=["auto", "on", "off"], default="auto", help="ZeRO-3 over the dp axis")
     p.add_argument("--forbid-axis", action="append", default=[], help="keep every op replicated on this axis")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
@@ -100,7 +101,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     for text in args.pin:
         glob, axis, dim = _parse_pin(text)
         pins.setdefault(glob, {})[axis] = dim if dim == "R" else int(dim.lstrip("S"))
-    dp_axis = None if args.dp_axis == "none" else args.dp_axis
+    dp_axis = (None if args.dp_axis == "none" else tuple(args.dp_axis.split(",")) if "," in args.dp_axis
+               else args.dp_axis)
     zero = None if args.zero == "auto" else args.zero == "on"
     with progress(f"planning {args.model}", quiet=is_quiet(args), console=console) as report:
         report("building the model (fake tensors)")
@@ -194,7 +196,9 @@ def plan_python(plan) -> list[str]:
         elif d.op == "checkpoint":
             lines.append(f"sch[{d.path!r}].checkpoint()")
         elif d.op == "data_parallel":
-            lines.append(f"sch.data_parallel(axis={a['axis']!r}, shard={a['shard']})")
+            extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
+            axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
+            lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
     return lines
 
 

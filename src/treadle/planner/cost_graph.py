@@ -41,6 +41,7 @@ Costs per strategy (per execution, per device, seconds and bytes) are computed i
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,18 +58,38 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Roles:
-    """What each mesh axis does: `dp` (the data-parallel axis or None), `zero` (ZeRO-3 over it), and the
-    tensor axes in mesh order. Axes in `off` are forbidden: every op is replicated on them."""
+    """What each mesh axis does: `dp` (the data-parallel axes in mesh order, () for none; one axis name or
+    None are accepted), `zero` (ZeRO-3 / FSDP2 over the dp axes not in `replicate`), the tensor axes in mesh
+    order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
+    replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
+    from forward to backward (treadle.schedule.data_parallel)."""
 
-    dp: str | None
+    dp: tuple[str, ...]
     zero: bool
     tp: tuple[str, ...]
     off: tuple[str, ...] = ()
+    replicate: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "replicate", tuple(self.replicate))
+        if not set(self.replicate) <= set(dp) or (self.replicate and not self.zero):
+            raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes ZeRO-3 shards parameters over (() without `zero`)."""
+        return tuple(a for a in self.dp if a not in self.replicate) if self.zero else ()
 
     def __str__(self) -> str:
         parts = []
         if self.dp:
-            parts.append(f"data-parallel {self.dp}{' (ZeRO-3)' if self.zero else ''}")
+            how = (f" (HSDP: shard {','.join(self.shard_axes)}, replicate {','.join(self.replicate)})" if self.replicate
+                   else " (ZeRO-3)" if self.zero else "")
+            keep = "" if self.reshard_after_forward or not self.zero else ", no reshard after forward"
+            parts.append(f"data-parallel {','.join(self.dp)}{how}{keep}")
         if self.tp:
             parts.append(f"tensor {','.join(self.tp)}")
         if self.off:
@@ -223,7 +244,8 @@ class _Builder(NodeCosts):
         mesh = cluster.mesh
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
-        self.dp_size = mesh.size(roles.dp) if roles.dp else 1
+        self.dp_size = math.prod(mesh.size(a) for a in roles.dp)  # replicas: the batch divisor
+        self.zero_size = math.prod(mesh.size(a) for a in roles.shard_axes)  # ranks one ZeRO-3 shard group spans
         # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
         # a layout change is its collectives), so the copy rate is left out on purpose
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
@@ -426,13 +448,18 @@ class _Builder(NodeCosts):
         from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
         from ..cost.overlap import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 
-        link = self.cluster.link(self.roles.dp)
+        link = self.dp_link(self.roles.dp)
         n = self.dp_size
         cg.dp_overlap = self.cluster.rank_device().overlap
         if self.roles.zero:
             units = sum(info.count for info in cg.templates.values())
-            cg.dp_latency_s = (units * (2 * all_gather_time_s(0.0, n, link) + reduce_scatter_time_s(0.0, n, link))
-                               + all_gather_time_s(0.0, n, link) + reduce_scatter_time_s(0.0, n, link))
+            zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
+            gathers = 2 if self.roles.reshard_after_forward else 1  # a block's backward gather (not the root's)
+            per_unit = reduce_scatter_time_s(0.0, zn, zlink)
+            if self.roles.replicate:  # HSDP: the shard's all-reduce over the replicate axes
+                per_unit += all_reduce_time_s(0.0, self.dp_size // zn, self.dp_link(self.roles.replicate))
+            cg.dp_latency_s = (units * (gathers * all_gather_time_s(0.0, zn, zlink) + per_unit)
+                               + all_gather_time_s(0.0, zn, zlink) + per_unit)
             cg.dp_window = "all"
         else:
             grad_bytes = sum(m.nbytes * (self.count(j) if self.nodes[j].block is not None else 1)
@@ -452,7 +479,7 @@ class _Builder(NodeCosts):
         for t, info in cg.templates.items():
             ops = sum(len(cg.units[u].nodes) for u in info.units)
             cg.ckpt_host_s[t] = hw.checkpoint_region_s + ops * hw.checkpoint_op_s
-        zero = bool(self.roles.dp) and self.roles.zero and self.dp_size > 1
+        zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
         if zero:
             cg.host_s += (sum(info.count for info in cg.templates.values()) + 1) * hw.fsdp_unit_s
         if hw.optimizer_foreach:

@@ -170,22 +170,34 @@ class NodeCosts:
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
 
+    def dp_link(self, axes: tuple[str, ...]):  # -> LinkSpec
+        """The link of the flattened group of data-parallel `axes` (the runtime's one process group over
+        them): the slowest hop (`treadle.cost.collective_cost.flat_link`), as `treadle.planner.price` does."""
+        from ..cost.collective_cost import flat_link
+
+        return flat_link([self.cluster.link(a) for a in axes])
+
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+        """Parameter, gradient and optimizer bytes of the local shard (1/zero_size under ZeRO-3); without
+        reshard after forward, plus the gathered parameter, kept from forward to backward."""
         local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
+        full = local
         if self.roles.zero:
-            local /= self.dp_size
+            local /= self.zero_size
         per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
         if self.train.master_copy and meta.dtype != torch.float32:
             per += 4
-        return local * per
+        # the gathered copy FSDP2 keeps beside the shard (price: `gathered`, all units at the end of forward)
+        kept = full * meta.dtype.itemsize if self.roles.zero and not self.roles.reshard_after_forward else 0.0
+        return local * per + kept
 
     def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """AdamW's step on this parameter's local shard, as `treadle.planner.price` prices it (elementwise,
         roofline, one dispatch overhead per kernel)."""
         from .price import _ADAMW_FLOPS_PER_ELEM, _ADAMW_FOREACH_OPS_PER_PARAM, _ADAMW_OPS
 
-        zero = self.roles.zero and self.dp_size > 1
-        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.dp_size if zero else 1)
+        zero = self.roles.zero and self.zero_size > 1
+        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.zero_size if zero else 1)
         moved = elems * (3 * meta.dtype.itemsize + 2 * self.train.optimizer_bytes_per_elem)
         # per-tensor dispatches (the foreach form's per-step list ops are a constant of the role, CostGraph.host_s)
         if self.hw.optimizer_foreach:
@@ -197,28 +209,38 @@ class NodeCosts:
     def zero_copies_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """FSDP2's local copies around its collectives (ZeRO-3 only): each all-gather copies the shard in and
         the gathered parameter out, the reduce-scatter the gradient in and its shard out — 2 (full + shard)
-        bytes moved per collective, two gathers and one reduce-scatter (`treadle.planner.price` the same) — plus
-        FSDP2's per-parameter host cost `fsdp_param_s` (NOTE [framework overheads])."""
-        if not self.roles.zero or self.dp_size == 1:
+        bytes moved per collective, two gathers (one without reshard after forward) and one reduce-scatter
+        (`treadle.planner.price` the same) — plus FSDP2's per-parameter host cost `fsdp_param_s` (NOTE
+        [framework overheads])."""
+        if not self.roles.zero or self.zero_size == 1:
             return 0.0
         full = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
-        return 3 * op_time_s(0, int(2 * (full + full / self.dp_size)), self.hw, meta.dtype) + self.hw.fsdp_param_s
+        n_coll = 3 if self.roles.reshard_after_forward else 2
+        return (n_coll * op_time_s(0, int(2 * (full + full / self.zero_size)), self.hw, meta.dtype)
+                + self.hw.fsdp_param_s)
 
     def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """The bandwidth part of this parameter's data-parallel sync: DDP's all-reduce, or ZeRO-3's two
         all-gathers and one reduce-scatter (NOTE [bucketed data parallel] in cost_graph.py: the runtime
-        moves gradients in buckets / units, so the per-message latency is priced once per bucket there)."""
+        moves gradients in buckets / units, so the per-message latency is priced once per bucket there).
+        Several dp axes: one flattened group (`dp_link`). ZeRO-3 gathers and reduce-scatters over the shard
+        axes; HSDP adds an all-reduce of the 1/zero_size shard over the replicate axes; without reshard after
+        forward there is one gather, not two."""
         if not self.roles.dp or self.dp_size == 1:
             return 0.0
         nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
-        link = self.cluster.link(self.roles.dp)
 
-        def bw(fn) -> float:
-            return fn(nbytes, self.dp_size, link) - fn(0.0, self.dp_size, link)
+        def bw(fn, b: float, n: int, link) -> float:
+            return fn(b, n, link) - fn(0.0, n, link)
 
         if self.roles.zero:
-            return 2 * bw(all_gather_time_s) + bw(reduce_scatter_time_s)
-        return bw(all_reduce_time_s)
+            zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
+            gathers = 2 if self.roles.reshard_after_forward else 1
+            out = gathers * bw(all_gather_time_s, nbytes, zn, zlink) + bw(reduce_scatter_time_s, nbytes, zn, zlink)
+            if self.roles.replicate:
+                out += bw(all_reduce_time_s, nbytes / zn, self.dp_size // zn, self.dp_link(self.roles.replicate))
+            return out
+        return bw(all_reduce_time_s, nbytes, self.dp_size, self.dp_link(self.roles.dp))
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
         """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by

@@ -283,25 +283,48 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- roles and pins
-def enumerate_roles(mesh: Mesh, *, batch: int | None, dp_axis: str | None | Literal["auto"] = "auto",
-                    zero: bool | None = None, forbid_axes: tuple[str, ...] = ()) -> list[Roles]:
-    """Every role assignment: at most one data-parallel axis (whose size divides the batch), with and
-    without ZeRO-3, the other axes tensor-parallel; forbidden and size-1 axes are off."""
+def enumerate_roles(mesh: Mesh, *, batch: int | None,
+                    dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
+                    forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
+                    replicate: tuple[str, ...] | None = None) -> list[Roles]:
+    """Every role assignment: data parallelism on any subset of the live axes (`dp_axis` "auto"; None: on
+    none; an axis or a tuple: on exactly those) whose sizes' product divides the batch, as DDP, ZeRO-3 over
+    all of them or HSDP (ZeRO-3 over some, replicated over the others; `replicate` fixes which, None
+    searches), the other live axes tensor-parallel; forbidden and size-1 axes are off. `zero`: None (DDP
+    and ZeRO-3 / HSDP), False (DDP only), True (ZeRO-3 / HSDP only). `reshard_after_forward`: the FSDP2
+    flag of the ZeRO-3 roles (None: both). Raises PlanError for a data-parallel axis that is not live."""
     for a in forbid_axes:
         mesh.axis_index(a)
     live = [a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes]
     off = tuple(a for a in mesh.names if a not in live)
-    if dp_axis not in ("auto", None) and dp_axis not in live:
-        raise PlanError(f"data-parallel axis {dp_axis!r} is not a live mesh axis of {mesh}; live axes: {live}")
-    dps: list[str | None] = [None] + live if dp_axis == "auto" else [dp_axis]
+    if dp_axis == "auto":
+        dps = [c for k in range(len(live) + 1) for c in itertools.combinations(live, k)]
+    elif dp_axis is None:
+        dps = [()]
+    else:
+        want = (dp_axis,) if isinstance(dp_axis, str) else tuple(dp_axis)
+        for a in want:
+            if a not in live:
+                raise PlanError(f"data-parallel axis {a!r} is not a live mesh axis of {mesh}; live axes: {live}")
+        dps = [tuple(a for a in mesh.names if a in want)]
+    reshards = [True, False] if reshard_after_forward is None else [bool(reshard_after_forward)]
     out = []
     for dp in dps:
-        if dp is not None and batch is not None and batch % mesh.size(dp):
+        if dp and batch is not None and batch % math.prod(mesh.size(a) for a in dp):
             continue
-        tp = tuple(a for a in live if a != dp)
-        zeros = [False] if dp is None else ([False, True] if zero is None else [bool(zero)])
-        for z in zeros:
-            out.append(Roles(dp, z, tp, off))
+        tp = tuple(a for a in live if a not in dp)
+        if not dp:
+            out.append(Roles((), False, tp, off))
+            continue
+        if zero is not True:
+            out.append(Roles(dp, False, tp, off))
+        if zero is False:
+            continue
+        reps = ([tuple(a for a, bit in zip(dp, bits) if bit) for bits in itertools.product((0, 1), repeat=len(dp))
+                 if not all(bits)] if replicate is None else [tuple(a for a in dp if a in replicate)])
+        for rep in sorted(reps, key=len):
+            for keep in reshards:
+                out.append(Roles(dp, True, tp, off, replicate=rep, reshard_after_forward=keep))
     return out
 
 
@@ -336,7 +359,11 @@ def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], 
                 full = f"{path}.{nm}" if path else nm
                 pins.setdefault(full, {})[args["axis"]] = int(args["dim"])
         elif op == "data_parallel":
-            role = {"dp": args.get("axis", "dp"), "zero": bool(args.get("shard", False))}
+            axis, rep = args.get("axis", "dp"), args.get("replicate") or ()
+            axes = [axis] if isinstance(axis, str) else list(axis)
+            reps = [rep] if isinstance(rep, str) else list(rep)
+            role = {"dp": tuple(axes + reps), "zero": bool(args.get("shard", False)), "replicate": tuple(reps),
+                    "reshard_after_forward": bool(args.get("reshard_after_forward", True))}
         elif op == "checkpoint":
             ckpts.append(path)
         else:
@@ -384,8 +411,10 @@ def _min_ckpt(cg: CostGraph, paths: list[str]) -> dict[int, int]:
 
 def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec | list[ClusterSpec],
                memory_budget_bytes: float | None = None, mode: Mode = "joint",
-               pins: dict[str, dict[str, int | str]] | None = None, dp_axis: str | None | Literal["auto"] = "auto",
-               zero: bool | None = None, forbid_axes: tuple[str, ...] = (), partial_schedule: Any = None,
+               pins: dict[str, dict[str, int | str]] | None = None,
+               dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
+               reshard_after_forward: bool | None = True, forbid_axes: tuple[str, ...] = (),
+               partial_schedule: Any = None,
                train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0, model_spec: dict | None = None,
                graph: CapturedGraph | None = None, checkpoint: Literal["auto", "all", "none"] = "auto",
                progress: Callable[[str], None] | None = None,
@@ -394,7 +423,9 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
 
     `example_inputs`: keyword arguments (a dict, e.g. from `treadle.models.zoo.named_model`) or positional
     args; global batch, real or fake tensors. `pins`: {parameter glob: {axis: dim or "R"}}.
-    `dp_axis`: "auto" (search), None (no data parallelism) or an axis name; `zero`: force ZeRO-3 on/off.
+    `dp_axis`: "auto" (search every subset of the axes), None (no data parallelism), an axis name or a tuple
+    of them (data parallelism on exactly those); `zero`: force ZeRO-3 / HSDP on or off (None: search);
+    `reshard_after_forward`: the FSDP2 flag of ZeRO-3 roles (None: search both).
     `forbid_axes`: axes every op stays replicated on. `partial_schedule`: a Schedule whose shard /
     data_parallel / checkpoint records become constraints. `model_spec` is stored in the plan (e.g.
     {"name": "tiny-gpt2", "batch": 4, "seq": 16}) so `treadle verify plan.json` can rebuild the model.
@@ -411,12 +442,14 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     t0 = time.perf_counter()
     pins = dict(pins or {})
     ckpt_paths: list[str] = []
+    replicate: tuple[str, ...] | None = None  # HSDP's replicate axes: searched unless a partial schedule fixes them
     if partial_schedule is not None:
         p2, role, ckpt_paths = pins_from_schedule(partial_schedule)
         for k, v in p2.items():
             pins.setdefault(k, {}).update(v)
         if role:
             dp_axis, zero = role["dp"], role["zero"]
+            replicate, reshard_after_forward = role["replicate"], role["reshard_after_forward"]
     if isinstance(example_inputs, (tuple, list)):
         args, kwargs = tuple(example_inputs), {}
     else:
@@ -436,10 +469,12 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     tried_roles = 0
     for cl in clusters:
         mesh = cl.mesh
-        if len(clusters) > 1 and dp_axis not in ("auto", None) and dp_axis not in mesh.names:
+        if len(clusters) > 1 and dp_axis not in ("auto", None) and not set(
+                (dp_axis,) if isinstance(dp_axis, str) else dp_axis) <= set(mesh.names):
             continue
         candidates = enumerate_roles(mesh, batch=batch, dp_axis=dp_axis, zero=zero,
-                                     forbid_axes=tuple(a for a in forbid_axes if a in mesh.names))
+                                     forbid_axes=tuple(a for a in forbid_axes if a in mesh.names),
+                                     reshard_after_forward=reshard_after_forward, replicate=replicate)
         tried_roles += len(candidates)
         for roles in candidates:
             rpins = _pins_for(graph, pins, roles)
@@ -507,7 +542,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     context = {"inputs": example_inputs,
                "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
-                              zero=zero, forbid_axes=forbid_axes, train=train, time_limit_s=time_limit_s,
+                              zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
+                              train=train, time_limit_s=time_limit_s,
                               model_spec=model_spec, graph=graph, checkpoint=checkpoint,
                               partial_schedule=partial_schedule, loss_fn=loss_fn)}
     plan = Plan(model_spec, cluster, str(cg.roles), mode, memory_budget_bytes, decisions, est,

@@ -19,6 +19,10 @@ entry of every ``nn.ModuleList`` plus the root) all-gathers a unit's parameters 
 and in backward (prefetch) and reduce-scatters its gradients when its backward ends; the root is gathered
 once and not again in backward (FSDP2 keeps the root unsharded after forward); the local copies FSDP2
 makes around each collective (2 (full + shard) bytes) are compute where the collective is used.
+Data parallelism over several axes runs on one flattened process group, priced on the slowest link of its
+axes (`treadle.cost.collective_cost.flat_link`); HSDP all-reduces each reduce-scattered shard over the
+replicate axes once its reduce-scatter ends; ``reshard_after_forward=False`` drops the backward gathers
+and keeps every unit gathered from forward to backward.
 
 The step ends with the optimizer (AdamW: elementwise over the local parameters, priced by the roofline),
 after every gradient reduction. Each op also costs the device's fixed `op_overhead_s` (dispatch), and the
@@ -230,7 +234,7 @@ class _Rehearsal:
     model: nn.Module
     saved_input_bytes: int
     mesh: Mesh
-    data_parallel: tuple[str, bool] | None
+    data_parallel: Any  # treadle.schedule.data_parallel.DataParallel | None
     inputs: dict
     checkpoints: tuple[str, ...] = ()  # checkpointed module paths, deepest first
 
@@ -263,7 +267,7 @@ def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
         sch2._state.data_parallel = None  # priced, not run (module doc)
         built = build(sch2)
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
-        inputs = _split_batch(dict(example_inputs), mesh.size(dp[0]) if dp else 1)
+        inputs = _split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
         records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group)
     finally:
         dist.destroy_process_group()
@@ -344,9 +348,17 @@ def _local_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def _dp_link(cluster: ClusterSpec, axes: tuple[str, ...]):
+    """The link of the flattened group of `axes` (one process group over all of them): the slowest hop
+    (`treadle.cost.collective_cost.flat_link`)."""
+    return cc.flat_link([cluster.link(a) for a in axes])
+
+
 def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Collective]:
-    axis = reh.data_parallel[0]
-    n = reh.mesh.size(axis)
+    """DDP's bucketed all-reduces over the flattened group of every data-parallel axis (prod of their sizes
+    ranks, `_dp_link`), each issued when the bucket's last gradient is ready."""
+    dp = reh.data_parallel
+    axis, n, link = dp.label(), dp.size(reh.mesh), _dp_link(cluster, dp.axes)
     bwd_last: dict[str, int] = {}
     for i, s in enumerate(segs):
         if s.phase == "bwd":
@@ -364,7 +376,7 @@ def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Col
     for bucket in ddp_buckets([(g[2], g[3], g[4]) for g in grads]):
         nbytes = sum(size_of[x] for x in bucket)
         after = max(ready_of[x] for x in bucket)
-        out.append(Collective("all_reduce", axis, nbytes, _coll_time_s("all_reduce", nbytes, n, cluster.link(axis)),
+        out.append(Collective("all_reduce", axis, nbytes, _coll_time_s("all_reduce", nbytes, n, link),
                               segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp"))
     return out
 
@@ -379,10 +391,15 @@ def fsdp_units(model: nn.Module) -> list[str]:
 
 
 def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[list[Collective], float]:
-    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak."""
-    axis = reh.data_parallel[0]
-    n = reh.mesh.size(axis)
-    link = cluster.link(axis)
+    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak.
+
+    Gathers and reduce-scatters run over the flattened group of the shard axes (n = prod of their sizes,
+    `_dp_link`). HSDP adds, per unit, an all-reduce of the reduced shard (unit bytes / n) over the
+    replicate axes, after its reduce-scatter. ``reshard_after_forward=False``: no backward gathers, and every
+    unit stays gathered from its forward to its backward (gathered bytes at peak: all units)."""
+    dp = reh.data_parallel
+    axis, n, link = ",".join(dp.shard_axes), dp.shard_size(reh.mesh), _dp_link(cluster, dp.shard_axes)
+    rep_axes = dp.replicate_axes
     units = fsdp_units(reh.model)
     unit_bytes: dict[str, float] = {u: 0.0 for u in units}
     for name, p in _local_params(reh.model):
@@ -416,7 +433,8 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
         out.append(Collective("all_gather", axis, unit_bytes[u], _coll_time_s("all_gather", unit_bytes[u], n, link),
                               u, "fwd", issue, blocking=False, needed_before=need, source="fsdp"))
         prev_start = need
-    bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u]), key=first_bwd.get)
+    bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
+                       key=first_bwd.get)
     prev_start = end_fwd + 1
     for u in bwd_order:
         need = first_bwd[u]
@@ -428,10 +446,18 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
         if not unit_bytes[u]:
             continue
         after = last_bwd.get(u, len(segs) - 1)
-        out.append(Collective("reduce_scatter", axis, unit_bytes[u],
-                              _coll_time_s("reduce_scatter", unit_bytes[u], n, link), u or "", "bwd", after,
-                              blocking=False, needed_before=None, source="fsdp"))
-    gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+        rs = Collective("reduce_scatter", axis, unit_bytes[u], _coll_time_s("reduce_scatter", unit_bytes[u], n, link),
+                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp")
+        out.append(rs)
+        if rep_axes:
+            shard_bytes = unit_bytes[u] / n
+            t = _coll_time_s("all_reduce", shard_bytes, dp.replicate_size(reh.mesh), _dp_link(cluster, rep_axes))
+            out.append(Collective("all_reduce", ",".join(rep_axes), shard_bytes, t, u or "", "bwd", after,
+                                  blocking=False, needed_before=None, source="fsdp", follows=rs))
+    if dp.reshard_after_forward:
+        gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+    else:
+        gathered = sum(unit_bytes.values())
     # FSDP2's hooks per unit per step (NOTE [framework overheads]): half where its forward starts, half where
     # its backward starts
     unit_params: dict[str, int] = {u: 0 for u in units}
@@ -448,6 +474,8 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
     # FSDP2's copies around each collective (copy-in of the shard / gradient, copy-out of the gathered
     # parameter / reduced shard): 2 (full + shard) bytes moved, on the compute stream where it runs
     for c in out:
+        if c.kind == "all_reduce":  # HSDP's all-reduce works on the reduce-scatter's output in place
+            continue
         where = c.needed_before if c.kind == "all_gather" else c.issue_after
         if where is not None and 0 <= where < len(segs):
             cp = op_time_s(0, int(2 * (c.nbytes + c.nbytes / n)), hw, torch.float32)
@@ -483,18 +511,17 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
         t = _coll_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
         colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source="tp"))
     dp_kind, gathered = "none", 0.0
-    dp_n = 1
-    if reh.data_parallel is not None and reh.mesh.size(reh.data_parallel[0]) > 1:
-        dp_n = reh.mesh.size(reh.data_parallel[0])
-        if reh.data_parallel[1]:
+    zero_n = 1  # ranks an FSDP2 shard group spans: parameters, gradients and optimizer state are 1/zero_n
+    dp = reh.data_parallel
+    if dp is not None and dp.size(reh.mesh) > 1:
+        if dp.shard:
             extra, gathered = _fsdp(reh, segs, cluster)
-            dp_kind = f"fsdp2 over {reh.data_parallel[0]}"
+            zero_n = dp.shard_size(reh.mesh)
         else:
             extra = _ddp(reh, segs, cluster)
-            dp_kind = f"ddp over {reh.data_parallel[0]}"
+        dp_kind = str(dp)
         colls += extra
     # the optimizer step: elementwise over the local parameters (AdamW: reads p, g, m, v; writes p, m, v)
-    zero_n = dp_n if reh.data_parallel is not None and reh.data_parallel[1] else 1
     n_opt = len(segs)
     opt_s = 0.0
     local = _local_params(reh.model)
@@ -512,10 +539,10 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
             c.needed_before = n_opt  # gradients are reduced before the optimizer steps
     tl: Timeline = simulate(segs, colls, overlap=device.overlap)
     # ---- memory
-    zero = dp_kind.startswith("fsdp")
+    zero = dp is not None and dp.shard and dp_kind != "none"
     param_b = grad_b = opt_b = 0.0
     for _, p in _local_params(reh.model):
-        elems = p.numel() / (dp_n if zero else 1)
+        elems = p.numel() / zero_n
         param_b += elems * p.element_size()
         grad_b += elems * p.element_size()
         opt_b += elems * (optimizer_bytes_per_elem + (4 if master_copy and p.dtype != torch.float32 else 0))
@@ -527,7 +554,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     saved = float(sum(r.saved_bytes for r in reh.records if r.phase == "forward"))
     peak_live = max((r.live_after_bytes for r in reh.records), default=0)
     if zero:
-        peak_live -= grad_b * (dp_n - 1)  # the recorded full gradients are reduce-scattered to 1/dp
+        peak_live -= grad_b * (zero_n - 1)  # the recorded full gradients are reduce-scattered to 1/zero_n
     transient = max(0.0, peak_live - saved) + gathered
     # ---- time split
     compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer

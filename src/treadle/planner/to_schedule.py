@@ -126,8 +126,21 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         for m in _spread(info.members, c):
             out.append(Decision("checkpoint", m, {}, f"{c} of {info.count} blocks like {info.path}"))
     if cg.roles.dp:
-        out.append(Decision("data_parallel", "", {"axis": cg.roles.dp, "shard": cg.roles.zero}, str(cg.roles)))
+        out.append(Decision("data_parallel", "", data_parallel_args(cg.roles), str(cg.roles)))
     return out
+
+
+def data_parallel_args(roles) -> dict:
+    """`Schedule.data_parallel` keyword arguments for `roles` (a cost_graph.Roles with dp axes): one axis as
+    a name, several as a list; ZeRO-3 names its shard axes, HSDP adds `replicate`, and
+    ``reshard_after_forward=False`` only when set."""
+    axes = list(roles.shard_axes if roles.zero else roles.dp)
+    args: dict = {"axis": axes[0] if len(axes) == 1 else axes, "shard": roles.zero}
+    if roles.replicate:
+        args["replicate"] = roles.replicate[0] if len(roles.replicate) == 1 else list(roles.replicate)
+    if roles.zero and not roles.reshard_after_forward:
+        args["reshard_after_forward"] = False
+    return args
 
 
 def _pl_str(p: int) -> str:
@@ -164,7 +177,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
         elif d.op == "checkpoint":
             sch[d.path].checkpoint()
         elif d.op == "data_parallel":
-            sch.data_parallel(axis=d.args["axis"], shard=d.args["shard"])
+            sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
     return sch
 
 

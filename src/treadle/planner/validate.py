@@ -64,8 +64,11 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
     unknown = [a for a in (forbid_axes or ()) if a not in axes]
     if unknown:
         raise PlanError(f"plan_model: forbid_axes names {unknown}, which no mesh has; mesh axes: {axes}")
-    if dp_axis not in ("auto", None) and dp_axis not in axes:
-        raise PlanError(f"plan_model: dp_axis {dp_axis!r} is not a mesh axis; use 'auto', None or one of {axes}")
+    dp_axes = () if dp_axis in ("auto", None) else (dp_axis,) if isinstance(dp_axis, str) else tuple(dp_axis)
+    for a in dp_axes:
+        if a not in axes:
+            raise PlanError(f"plan_model: dp_axis {a!r} is not a mesh axis; use 'auto', None, one of {axes} "
+                            f"or a tuple of them")
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for pattern, per_axis in (pins or {}).items():
         if not isinstance(per_axis, dict):
@@ -86,6 +89,6 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
             if axis in (forbid_axes or ()):
                 raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but forbid_axes keeps every op "
                                 f"replicated on {axis!r}; drop one of them")
-            if dp_axis == axis:
-                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but dp_axis={axis!r} gives it "
-                                f"to data parallelism; pin on another axis or set dp_axis")
+            if axis in dp_axes:
+                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but dp_axis={dp_axis!r} gives "
+                                f"it to data parallelism; pin on another axis or set dp_axis")

@@ -14,6 +14,7 @@ each parameter is described here once by name:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,21 +31,22 @@ from .config import RunError
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """One parameter: `name`, `global_shape`, tensor-parallel `shards` in applied order, and `fsdp_axis` /
-    `fsdp_dim` when FSDP splits the (tensor-parallel local) parameter over a data-parallel axis."""
+    """One parameter: `name`, `global_shape`, tensor-parallel `shards` in applied order, and `fsdp_axes` /
+    `fsdp_dim` when FSDP splits the (tensor-parallel local) parameter over the flattened group of those
+    data-parallel axes (mesh order, row-major; HSDP: its shard axes)."""
 
     name: str
     global_shape: tuple[int, ...]
     shards: tuple[ParamShard, ...]
-    fsdp_axis: str | None = None
+    fsdp_axes: tuple[str, ...] = ()
     fsdp_dim: int = 0
 
     def n_pieces(self, mesh: Mesh) -> int:
         n = 1
         for s in self.shards:
             n *= mesh.size(s.axis)
-        if self.fsdp_axis is not None:
-            n *= mesh.size(self.fsdp_axis)
+        for a in self.fsdp_axes:
+            n *= mesh.size(a)
         return n
 
     def replicas(self, mesh: Mesh) -> int:
@@ -53,13 +55,13 @@ class ParamLayout:
     def placements(self, mesh: Mesh) -> list[Placement] | None:
         """Placements on the full mesh, or None when the splits are not DTensor placements."""
         out: list[Placement] = [Replicate()] * mesh.ndim
-        dims = [s.dim for s in self.shards] + ([self.fsdp_dim] if self.fsdp_axis else [])
+        dims = [s.dim for s in self.shards] + [self.fsdp_dim] * len(self.fsdp_axes)
         if any(s.blocks != 1 for s in self.shards) or len(set(dims)) != len(dims):
             return None
         for s in self.shards:
             out[mesh.axis_index(s.axis)] = Shard(s.dim)
-        if self.fsdp_axis is not None:
-            out[mesh.axis_index(self.fsdp_axis)] = Shard(self.fsdp_dim)
+        for a in self.fsdp_axes:  # one axis here: two would share a dim, refused above
+            out[mesh.axis_index(a)] = Shard(self.fsdp_dim)
         return out
 
     # ------------------------------------------------------------------ views
@@ -91,9 +93,11 @@ class ParamLayout:
         """This rank's shard of the global tensor `full`, as the plain local tensor inside `like`."""
         coords = {ax: mesh.local_rank(ax) for ax in mesh.names}
         t = local_slice(full, list(self.shards), coords, dict(zip(mesh.names, mesh.shape)))
-        if self.fsdp_axis is not None:
-            t = t.chunk(mesh.size(self.fsdp_axis), dim=self.fsdp_dim)
-            i = coords[self.fsdp_axis]
+        if self.fsdp_axes:  # FSDP2's chunks over the flattened group, row-major over the axes in mesh order
+            n, i = 1, 0
+            for a in self.fsdp_axes:
+                n, i = n * mesh.size(a), i * mesh.size(a) + coords[a]
+            t = t.chunk(n, dim=self.fsdp_dim)
             t = t[i] if i < len(t) else full.new_empty(0)
         return t
 
@@ -119,8 +123,10 @@ def shards_by_name(sch: Schedule) -> dict[str, tuple[tuple[int, ...], tuple[Para
 
 
 def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]],
-            mesh: Mesh) -> dict[str, ParamLayout]:
-    """After build: the ParamLayout of every parameter of the built `model`, by name.
+            mesh: Mesh, fsdp_axes: tuple[str, ...] | None = None) -> dict[str, ParamLayout]:
+    """After build: the ParamLayout of every parameter of the built `model`, by name. `fsdp_axes`: the
+    schedule's FSDP2 shard axes (``sch._state.data_parallel.shard_axes``); None reads the one axis from the
+    DTensor's mesh (a single-axis FSDP).
 
     Raises RunError naming a parameter whose name did not exist before build, or whose local shape does not
     match its global shape under its splits (a layout this module cannot describe; never guessed)."""
@@ -131,20 +137,25 @@ def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[Par
             raise RunError(f"treadle.run: built parameter {name!r} has no counterpart in the unbuilt model; "
                            f"checkpointing needs stable parameter names")
         shape, shards = before[name]
-        fsdp_axis, fsdp_dim = None, 0
+        axes, fsdp_dim = (), 0
         local_shape = list(shape)
         for s in shards:
             local_shape[s.dim] //= sizes[s.axis]
         if isinstance(p, DTensor):
-            (pl,) = p.placements if len(p.placements) == 1 else (None,)
-            axis = p.device_mesh.mesh_dim_names[0] if p.device_mesh.mesh_dim_names else None
-            if not isinstance(pl, Shard) or axis not in mesh.names or tuple(p.shape) != tuple(local_shape):
+            # FSDP2: Shard on the last mesh dim (HSDP: Replicate before it) over the flattened shard axes
+            *reps, pl = p.placements
+            names = p.device_mesh.mesh_dim_names or ()
+            axes = tuple(fsdp_axes) if fsdp_axes is not None else tuple(names[-1:])
+            ok = (isinstance(pl, Shard) and all(isinstance(r, Replicate) for r in reps) and axes
+                  and all(a in mesh.names for a in axes) and tuple(p.shape) == tuple(local_shape)
+                  and p.device_mesh.size(p.device_mesh.ndim - 1) == math.prod(sizes[a] for a in axes))
+            if not ok:
                 raise RunError(f"treadle.run: parameter {name!r} is a DTensor {p.placements} of shape "
-                               f"{tuple(p.shape)} over {p.device_mesh}; expected FSDP Shard over one axis of "
-                               f"{mesh} with shape {tuple(local_shape)}")
-            fsdp_axis, fsdp_dim = axis, pl.dim
+                               f"{tuple(p.shape)} over {p.device_mesh}; expected FSDP Shard over the flattened "
+                               f"axes {axes} of {mesh} with shape {tuple(local_shape)}")
+            fsdp_dim = pl.dim
         elif tuple(p.shape) != tuple(local_shape):
             raise RunError(f"treadle.run: parameter {name!r} has local shape {tuple(p.shape)}, but its global "
                            f"shape {shape} split by {list(shards)} gives {tuple(local_shape)}")
-        out[name] = ParamLayout(name, shape, shards, fsdp_axis, fsdp_dim)
+        out[name] = ParamLayout(name, shape, shards, axes, fsdp_dim)
     return out

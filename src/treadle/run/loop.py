@@ -59,7 +59,7 @@ def build_for(sch, cfg: RunConfig) -> nn.Module:
     """`build` with the FSDP2 MixedPrecisionPolicy of NOTE [mixed precision] when bf16 meets FSDP."""
     from ..runtime.build import build
 
-    if cfg.precision == "bf16" and sch._state.data_parallel is not None and sch._state.data_parallel[1]:
+    if cfg.precision == "bf16" and sch._state.data_parallel is not None and sch._state.data_parallel.shard:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -68,7 +68,7 @@ def build_for(sch, cfg: RunConfig) -> nn.Module:
 
 def autocast_for(sch, cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """The forward's autocast under NOTE [mixed precision]: bf16 autocast unless FSDP's policy casts."""
-    fsdp = sch._state.data_parallel is not None and sch._state.data_parallel[1]
+    fsdp = sch._state.data_parallel is not None and sch._state.data_parallel.shard
     if cfg.precision == "bf16" and not fsdp:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -140,7 +140,8 @@ def train(cfg: RunConfig) -> list[float]:
     before = shards_by_name(sch)
     built = build_for(sch, cfg)
     mesh = sch.mesh
-    layouts = param_layouts(built, before, mesh)
+    dp = sch._state.data_parallel
+    layouts = param_layouts(built, before, mesh, dp.shard_axes if dp is not None and dp.shard else None)
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))
 

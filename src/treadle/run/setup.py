@@ -175,8 +175,9 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
 
 
 def data_parallel_coords(sch: Schedule) -> tuple[int, int]:
-    """(dp size, this rank's dp index) over the schedule's data-parallel axis; (1, 0) without one."""
+    """(dp size, this rank's dp index) over the schedule's data-parallel axes (row-major in mesh order);
+    (1, 0) without data parallelism."""
     dp = sch._state.data_parallel
     if dp is None:
         return 1, 0
-    return sch.mesh.size(dp[0]), sch.mesh.local_rank(dp[0])
+    return dp.size(sch.mesh), dp.local_index(sch.mesh)

@@ -476,22 +476,33 @@ class _Builder:
             _wrap_forward(m, lambda orig: (lambda *a, **k: checkpoint(orig, *a, use_reentrant=False, **k)))
 
     def data_parallel(self) -> nn.Module:
-        if self.st.data_parallel is None:
+        """Wrap for the recorded data parallelism (treadle.schedule.data_parallel): DDP on the flattened group
+        of its axes; FSDP2 `fully_shard` (every ModuleList entry, then the root) on the flattened shard axes,
+        or on a 2-D (replicate, shard) mesh for HSDP."""
+        dp = self.st.data_parallel
+        if dp is None:
             return self.model
-        axis, shard = self.st.data_parallel
-        if not shard:
-            if self.sizes[axis] == 1:
+        if not dp.shard:
+            if dp.size(self.mesh) == 1:
                 return self.model
-            return nn.parallel.DistributedDataParallel(self.model, process_group=self.group(axis))
+            group = self.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(self.mesh, dp.axes).get_group()
+            return nn.parallel.DistributedDataParallel(self.model, process_group=group)
         from torch.distributed.fsdp import fully_shard
 
-        sub = self.mesh.device_mesh[axis]
-        kw = {} if self.mp_policy is None else {"mp_policy": self.mp_policy}
+        sub = dp_device_mesh(self.mesh, dp.shard_axes)
+        if dp.replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            sub = DeviceMesh._concatenate([dp_device_mesh(self.mesh, dp.replicate_axes), sub])
+        kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
+        if self.mp_policy is not None:
+            kw["mp_policy"] = self.mp_policy
         for path, m in list(self.model.named_modules()):
             if isinstance(m, nn.ModuleList):
                 for child in m:
                     fully_shard(child, mesh=sub, **kw)
         fully_shard(self.model, mesh=sub, **kw)
+        logger.info("data parallel: %s", dp)
         return self.model
 
     def run(self) -> nn.Module:
@@ -540,6 +551,15 @@ def _shares_dim(changed: list[str], src: dict[str, Placement], dst: dict[str, Pl
         if mine & (dims(src, ax) | dims({**src, **dst}, ax)):
             return True
     return False
+
+
+def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
+    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order): the axis's own sub-mesh
+    for one axis, else the flattened sub-mesh named by the axes joined with "_" (made once per mesh)."""
+    dm = mesh.device_mesh
+    if len(axes) == 1:
+        return dm[axes[0]]
+    return dm[tuple(axes)]._flatten("_".join(axes))
 
 
 def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None) -> nn.Module:

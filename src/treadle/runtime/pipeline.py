@@ -303,7 +303,7 @@ def _wrap_pipeline(builder) -> PipelineModel | None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if builder.st.data_parallel is not None:
-        raise BuildError(f"pipeline: data_parallel on axis {builder.st.data_parallel[0]!r} together with a pipeline "
+        raise BuildError(f"pipeline: data_parallel ({builder.st.data_parallel}) together with a pipeline "
                          f"is not supported yet; use pp with tensor parallelism only")
     gm, names, constants = builder.st.extras["_pipeline_graph"]
     cuts = builder.st.extras["pipeline_cuts"]

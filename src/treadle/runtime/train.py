@@ -44,7 +44,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     dp = sch._state.data_parallel
     inputs = p["inputs"]
     if dp is not None:
-        inputs = split_batch(inputs, mesh.size(dp[0]), mesh.local_rank(dp[0]), axis=dp[0], where="train")
+        inputs = split_batch(inputs, dp.size(mesh), dp.local_index(mesh), axis=dp.label(), where="train")
     loss_fn = p["loss_fn"] or default_loss
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
     losses, times = [], []
@@ -74,7 +74,7 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
     if not isinstance(example_inputs, dict):
         raise TreadleError("train: example_inputs must be a dict of keyword arguments of forward")
     if st.data_parallel is not None:
-        check_batch(example_inputs, sch.mesh.size(st.data_parallel[0]), axis=st.data_parallel[0], where="train")
+        check_batch(example_inputs, st.data_parallel.size(sch.mesh), axis=st.data_parallel.label(), where="train")
     model: nn.Module = st.original if st.original is not None else st.model
     buf = io.BytesIO()
     torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
@@ -83,7 +83,7 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
     dp = st.data_parallel
     ranks = range(sch.mesh.world_size)
     if dp is not None:  # one representative per data-parallel replica, averaged
-        ranks = [r for r in ranks if all(c == 0 for ax, c in sch.mesh.coordinate(r).items() if ax != dp[0])]
+        ranks = [r for r in ranks if all(c == 0 for ax, c in sch.mesh.coordinate(r).items() if ax not in dp.axes)]
     ranks = list(ranks)
     losses = [sum(results[r][0][s] for r in ranks) / len(ranks) for s in range(steps)]
     step_s = [max(res[1][s] for res in results) for s in range(steps)]

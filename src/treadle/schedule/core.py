@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
+from .data_parallel import DataParallel, make_data_parallel
 from .log import Record, Ref, records_from_json, records_to_json, ref_targets
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class _State:
     annotations: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(param) -> tags
     attrs: list[tuple[str, str, Any]] = field(default_factory=list)  # (path, name, value)
     shard_attrs: list[tuple[str, str, str]] = field(default_factory=list)  # (path, name, axis)
-    data_parallel: tuple[str, bool] | None = None  # (axis, shard)
+    data_parallel: DataParallel | None = None  # axes, FSDP2 shard axes (treadle.schedule.data_parallel)
     built: bool = False
     original: nn.Module | None = None  # a copy of the model taken before its first `replace` (verify's reference)
     extras: dict[str, Any] = field(default_factory=dict)  # state of graph-level primitives and pipelines
@@ -288,9 +289,9 @@ class Schedule(_GraphPrimitives):
         if not isinstance(blocks, int) or isinstance(blocks, bool):
             raise ScheduleError(f"shard at {self._where()}: blocks must be an integer, got {blocks!r}")
         dp = self._state.data_parallel
-        if dp is not None and dp[0] == axis:
+        if dp is not None and axis in dp.axes:
             raise ScheduleError(f"shard at {self._where()}: mesh axis {axis!r} is the data-parallel axis "
-                                f"(data_parallel(axis={axis!r})); shard parameters over another axis")
+                                f"(data_parallel(axis={dp.label()!r})); shard parameters over another axis")
         name_list = [names] if isinstance(names, str) else list(names)
         if not name_list:
             raise ScheduleError(f"shard at {self._where()}: no parameter names given")
@@ -510,25 +511,42 @@ class Schedule(_GraphPrimitives):
         self._record("shard_attr", **{"*": name, "axis": axis})
         return self
 
-    def data_parallel(self, *, axis: str = "dp", shard: bool = False) -> "Schedule":
-        """Replicate the model over `axis` and average gradients (DDP), or with ``shard=True`` shard
-        parameters, gradients and optimizer state over it (ZeRO-3 via FSDP2 `fully_shard`).
-        Composes with tensor parallelism on the other axes. Root only."""
+    def data_parallel(self, *, axis: str | tuple[str, ...] = "dp", shard: bool = False,
+                      replicate: str | tuple[str, ...] = (), reshard_after_forward: bool = True) -> "Schedule":
+        """Data parallelism over one or several mesh axes (the batch splits over all of them, row-major in
+        mesh order). Composes with tensor parallelism on the other axes. Root only.
+
+        - ``shard=False``: replicate the model over every axis in `axis` and average gradients over their
+          flattened group (DDP): ``data_parallel(axis=("dp", "tp"))`` is pure DP over a 2x2 mesh's 4 ranks;
+        - ``shard=True``: shard parameters, gradients and optimizer state over the flattened group of `axis`
+          (ZeRO-3 via FSDP2 `fully_shard`); with ``replicate=("r",)`` also replicate over those axes (HSDP:
+          ``data_parallel(axis="s", shard=True, replicate="r")``);
+        - ``reshard_after_forward=False`` (FSDP2): keep gathered parameters from forward to backward.
+
+        Raises: ScheduleError for an unknown or repeated axis, an axis that already shards parameters, a
+        second call, and the flag combinations `treadle.schedule.data_parallel.make_data_parallel` refuses."""
         self._check_not_built("data_parallel")
         if self.path:
             raise ScheduleError(f"data_parallel applies to the whole model: call it on the root schedule, "
                                 f"not {self._where()}")
-        self._check_axis(axis, "data_parallel")
         if self._state.data_parallel is not None:
-            raise ScheduleError(f"data_parallel: already set to axis {self._state.data_parallel[0]!r}")
-        on_axis = sorted({n for n, p in self.mod.named_parameters(remove_duplicate=False)
-                          if any(s.axis == axis for s in self._state.param_shards.get(id(p), []))})
-        if on_axis:
-            raise ScheduleError(f"data_parallel: mesh axis {axis!r} already shards parameters {on_axis[:3]}"
-                                f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its own "
-                                f"(mesh axes: {list(self.mesh.names)})")
-        self._state.data_parallel = (axis, bool(shard))
-        self._record("data_parallel", axis=axis, shard=bool(shard))
+            raise ScheduleError(f"data_parallel: already set ({self._state.data_parallel})")
+        spec = make_data_parallel(self.mesh, axis=axis, shard=shard, replicate=replicate,
+                                  reshard_after_forward=reshard_after_forward)
+        for ax in spec.axes:
+            on_axis = sorted({n for n, p in self.mod.named_parameters(remove_duplicate=False)
+                              if any(s.axis == ax for s in self._state.param_shards.get(id(p), []))})
+            if on_axis:
+                raise ScheduleError(f"data_parallel: mesh axis {ax!r} already shards parameters {on_axis[:3]}"
+                                    f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its "
+                                    f"own (mesh axes: {list(self.mesh.names)}, data-parallel: {list(spec.axes)})")
+        self._state.data_parallel = spec
+        args: dict[str, Any] = {"axis": axis if isinstance(axis, str) else list(axis), "shard": bool(shard)}
+        if replicate:
+            args["replicate"] = replicate if isinstance(replicate, str) else list(replicate)
+        if not reshard_after_forward:
+            args["reshard_after_forward"] = False
+        self._record("data_parallel", args)
         return self
 
     # ------------------------------------------------------------------ serialisation

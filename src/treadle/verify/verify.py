@@ -249,19 +249,19 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
         return {"error": f"build failed: {type(exc).__name__}: {exc}"}
     st = sch._state
     inputs = p["inputs"]
-    dp_axis, dp_n, dp_i = None, 1, 0
+    dp_axes, dp_n, dp_i = (), 1, 0
     if st.data_parallel is not None:
-        dp_axis = st.data_parallel[0]
-        dp_n, dp_i = mesh.size(dp_axis), mesh.local_rank(dp_axis)
-    local = split_batch(inputs, dp_n, dp_i, axis=dp_axis, where="verify")
+        dp_axes = st.data_parallel.axes
+        dp_n, dp_i = st.data_parallel.size(mesh), st.data_parallel.local_index(mesh)
+    local = split_batch(inputs, dp_n, dp_i, axis=",".join(dp_axes) or None, where="verify")
     torch.manual_seed(p["seed"])
     try:
         res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
     except TreadleError as exc:
         return {"error": str(exc)}
-    res["dp"] = (dp_axis, dp_n, dp_i)
+    res["dp"] = (dp_axes, dp_n, dp_i)
     res["out_blocks"] = out_blocks
-    res["fsdp"] = bool(st.data_parallel and st.data_parallel[1])
+    res["fsdp"] = bool(st.data_parallel and st.data_parallel.shard)
     return res
 
 
@@ -316,7 +316,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
     mesh = sch.mesh
     dp = sch._state.data_parallel
-    check_batch(example_inputs, mesh.size(dp[0]) if dp else 1, axis=dp[0] if dp else None, where="verify")
+    check_batch(example_inputs, dp.size(mesh) if dp else 1, axis=dp.label() if dp else None, where="verify")
     payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
                      mesh_shape=mesh.shape, mesh_names=mesh.names,
                      inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
@@ -338,11 +338,12 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         return report
 
     # reference: the original, single process, on the same data-parallel slices
-    dp_axis, dp_n, _ = results[0]["dp"]
+    dp_axes, dp_n, _ = results[0]["dp"]
     dtype = next(reference.parameters()).dtype
     tol = tol or tolerance(dtype)
     ref_model = copy.deepcopy(reference)
-    slices = [split_batch(example_inputs, dp_n, i, axis=dp_axis, where="verify") for i in range(dp_n)]
+    slices = [split_batch(example_inputs, dp_n, i, axis=",".join(dp_axes) or None, where="verify")
+              for i in range(dp_n)]
     torch.manual_seed(seed)
     ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
@@ -358,11 +359,11 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     # losses: the data-parallel mean of the rank losses (identical over the other axes)
     report.ref_losses = ref["losses"]
     by_coord = [mesh.coordinate(r) for r in range(mesh.world_size)]
-    dp_axis = results[0]["dp"][0]
+    dp_axes = results[0]["dp"][0]
     report.losses = []
     for step in range(len(ref["losses"])):
         vals = [results[r]["losses"][step] for r in range(mesh.world_size)
-                if all(c == 0 for ax, c in by_coord[r].items() if ax != dp_axis)]
+                if all(c == 0 for ax, c in by_coord[r].items() if ax not in dp_axes)]
         report.losses.append(sum(vals) / len(vals))
     loss_tol = Tolerance(max(tol.rtol * 0.1, 1e-5), tol.atol * 0.1)
     for step, (a, b) in enumerate(zip(report.losses, report.ref_losses)):
@@ -371,8 +372,8 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     # on a rank the mean above does not read fails here)
     for r in range(mesh.world_size):
         rep_r = next(q for q in range(mesh.world_size)
-                     if all(c == 0 or ax == dp_axis for ax, c in by_coord[q].items())
-                     and by_coord[q].get(dp_axis) == by_coord[r].get(dp_axis))
+                     if all(c == 0 or ax in dp_axes for ax, c in by_coord[q].items())
+                     and all(by_coord[q][ax] == by_coord[r][ax] for ax in dp_axes))
         if r == rep_r:
             continue
         for step in range(len(ref["losses"])):

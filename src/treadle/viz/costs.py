@@ -132,12 +132,15 @@ def layout_tokens(layout: str) -> list[tuple[str, list[str]]]:
 
 
 def plan_axes(plan) -> tuple[str | None, bool, tuple[str, ...]]:
-    """(data-parallel axis or None, ZeRO-3, tensor axes in mesh order) of a plan, from its decisions and its
-    roles text ('data-parallel dp (ZeRO-3); tensor tp')."""
+    """(data-parallel axes joined by "," or None, ZeRO-3, tensor axes in mesh order) of a plan, from its
+    decisions and its roles text ('data-parallel dp (ZeRO-3); tensor tp')."""
     dp, zero = None, False
     for d in plan.decisions:
         if d.op == "data_parallel":
-            dp, zero = d.args.get("axis"), bool(d.args.get("shard", False))
+            ax, rep = d.args.get("axis"), d.args.get("replicate") or ()
+            ax = [ax] if isinstance(ax, str) else list(ax or ())
+            ax += [rep] if isinstance(rep, str) else list(rep)
+            dp, zero = ",".join(a for a in plan.cluster.mesh.names if a in ax), bool(d.args.get("shard", False))
     m = re.search(r"tensor ([\w,]+)", plan.roles)
     names = plan.cluster.mesh.names
     tp = tuple(a for a in m.group(1).split(",") if a in names) if m else ()
@@ -207,12 +210,12 @@ def costs_from_plan(plan) -> StepCosts:
         bwd = r.compute_s - fwd
         axes = _row_axes(r.layout, tp) | sync_axes.get(r.path, set())
         if dp is not None:
-            axes.add(dp)
+            axes.update(dp.split(","))
         ordered = tuple(a for a in plan.cluster.mesh.names if a in axes)
         comm: list[CommCost] = []
         what = tuple(colls.get(r.path, [])) + (tuple(colls.get("", [])) if dp is not None else ())
         if r.comm_s > 0:
-            if ordered == (dp,) or not any(a in tp for a in ordered):
+            if ordered == tuple(dp.split(",") if dp else ()) or not any(a in tp for a in ordered):
                 comm.append(CommCost(ordered, "backward", r.comm_s, r.comm_s, what))
             else:
                 half = r.comm_s / 2
