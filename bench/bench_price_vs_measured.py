@@ -5,7 +5,8 @@ grouped-query attention (4 layers, 128 wide, 8 heads, 4 KV heads, vocab 1024); b
 batch 8 x seq 32, fewer schedules and steps). Configurations: 4 ranks on a 2x2 mesh (dp, tp), 4 ranks on a
 1-D mesh, 2 ranks. Schedules per configuration (>= 10 without --quick): DDP, DDP + checkpoint, FSDP2,
 Megatron TP, TP + checkpoint, TP x DP (DDP), TP x DP + checkpoint, TP x FSDP2, TP + sequence parallel,
-the planner's plan without and with a memory budget (60% of its unconstrained peak).
+on 2x2 also DDP and FSDP2 over all four ranks and HSDP, and the planner's plan without and with a memory
+budget (60% of its unconstrained peak).
 
 Method. The links of each mesh are calibrated first on the running process group
 (`treadle.cost.calibrate.calibrate_cluster`), the CPU per core by `calibrate_cpu(threads=1)` (explicit:
@@ -91,6 +92,8 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
     from treadle.models import megatron as meg
     if len(shape) == 2:
         dp, tp = names
+        add("DDP (all ranks)", lambda s: s.data_parallel(axis=(dp, tp)))
+        add("FSDP2 (all ranks)", lambda s: s.data_parallel(axis=(dp, tp), shard=True))
         add("DDP (dp)", lambda s: s.data_parallel(axis=dp))
         add("FSDP2 (dp)", lambda s: s.data_parallel(axis=dp, shard=True))
         add("Megatron TP", lambda s: meg(s, tp=tp))
@@ -102,6 +105,7 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
             add("TP x FSDP2", lambda s: meg(s, tp=tp, dp=dp, zero3=True))
             add("TP x DP + half ckpt", lambda s: meg(s, tp=tp, dp=dp, checkpoint_fraction=0.5))
             add("TP + SP x DP", lambda s: meg(s, tp=tp, dp=dp, sequence_parallel=True))
+            add("HSDP (shard tp, replicate dp)", lambda s: s.data_parallel(axis=tp, shard=True, replicate=(dp,)))
     else:
         (ax,) = names
         add("DDP", lambda s: s.data_parallel(axis=ax))
