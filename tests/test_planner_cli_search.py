@@ -1,0 +1,73 @@
+"""Planner from the CLI: mesh search, the default precision per device, pins that cannot hold, and explain's
+per-module billing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from treadle.cost.cluster import ClusterSpec
+from treadle.errors import PlanError
+from treadle.mesh import Mesh
+from treadle.planner.plan import plan_model
+
+
+def _fake(*shape):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.randn(*shape)
+
+
+class TanhGELU(nn.Module):
+    """GPT-2's tanh GELU written out in elementwise ops (as transformers' NewGELUActivation)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.fc = nn.Linear(h, 4 * h)
+        self.act = TanhGELU()
+        self.proj = nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(x)))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, h: int, n: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([MLPBlock(h) for _ in range(n)])
+        self.head = nn.Linear(h, h)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+# ----------------------------------------------------------------------------- explain billing
+def test_explain_bills_merged_ops_to_their_own_module():
+    """The activation's elementwise ops follow fc's strategy (merged into fc's decision unit); explain must
+    still bill them to `blocks.0.act`, not to `blocks.0.fc`."""
+    model = MLPStack(256, 2)
+    cl = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="h100-sxm")
+    pins = {"blocks.*.fc.weight": {"tp": 0}, "blocks.*.fc.bias": {"tp": 0}, "blocks.*.proj.weight": {"tp": 1}}
+    plan = plan_model(model, (_fake(8, 128, 256),), cluster=cl, dp_axis=None, pins=pins)
+    rows = {r.path: r for r in plan.rows}
+    assert "blocks.0.act" in rows and rows["blocks.0.act"].compute_s > 0
+    # fc's row holds fc's ops alone: the same as in the model whose activation is an identity
+    bare = MLPStack(256, 2)
+    for b in bare.blocks:
+        b.act = nn.Identity()
+    plan_bare = plan_model(bare, (_fake(8, 128, 256),), cluster=cl, dp_axis=None, pins=pins)
+    fc_alone = {r.path: r for r in plan_bare.rows}["blocks.0.fc"]
+    assert math.isclose(rows["blocks.0.fc"].compute_s, fc_alone.compute_s, rel_tol=1e-9)
+    # nothing is lost or counted twice: the rows add up to the solver's compute
+    assert math.isclose(sum(r.compute_s for r in plan.rows), plan.estimated.compute_s, rel_tol=1e-9)
