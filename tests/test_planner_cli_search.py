@@ -71,3 +71,60 @@ def test_explain_bills_merged_ops_to_their_own_module():
     assert math.isclose(rows["blocks.0.fc"].compute_s, fc_alone.compute_s, rel_tol=1e-9)
     # nothing is lost or counted twice: the rows add up to the solver's compute
     assert math.isclose(sum(r.compute_s for r in plan.rows), plan.estimated.compute_s, rel_tol=1e-9)
+
+
+# ----------------------------------------------------------------------------- pins that cannot hold
+class NormMLP(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, 2 * h)
+        self.proj = nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return x + self.proj(torch.relu(self.fc(self.ln(x))))
+
+
+class Scale(nn.Module):
+    """A parameter used by plain ops: the runtime has no sharded-compute rule for this module."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+TP2 = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="h100-sxm")
+
+
+def test_pin_blocked_by_a_producer_names_pin_and_op():
+    model = nn.Sequential(nn.Linear(64, 64), NormMLP(64))
+    x = _fake(4, 8, 64)
+    with pytest.raises(PlanError) as info:
+        plan_model(model, (x,), cluster=TP2, dp_axis=None, pins={"1.fc.weight": {"tp": 1}})
+    msg = str(info.value)
+    assert "pin '1.fc.weight' (axis 'tp': Shard(1)) cannot hold" in msg
+    assert "1.fc (linear" in msg and "only as tp:S(2)" in msg
+    assert "producer 1.ln (layer_norm" in msg and "never publishes" in msg
+    assert "smallest budget" not in msg
+    # two pins, one of which holds alone: only the culprit is named
+    with pytest.raises(PlanError, match=r"^pin '1\.fc\.weight' \(axis 'tp': Shard\(1\)\) cannot hold: "):
+        plan_model(model, (x,), cluster=TP2, dp_axis=None,
+                   pins={"1.proj.weight": {"tp": 1}, "1.fc.weight": {"tp": 1}})
+
+
+def test_pin_on_user_input_no_leaf_rule_and_uneven_size():
+    x = _fake(4, 8, 64)
+    with pytest.raises(PlanError, match=r"pin '0\.weight' \(axis 'tp': Shard\(1\)\) cannot hold: .*0 \(linear, node "
+                                        r"linear\) would read input 'args_0' as tp:S\(2\), and user inputs"):
+        plan_model(nn.Sequential(nn.Linear(64, 64)), (x,), cluster=TP2, dp_axis=None, pins={"0.weight": {"tp": 1}})
+    with pytest.raises(PlanError, match=r"pin '1\.weight' \(axis 'tp': Shard\(0\)\) cannot hold: .*no sharded-compute "
+                                        r"rule for module '1' \(Scale\)"):
+        plan_model(nn.Sequential(nn.Linear(64, 64), Scale(64)), (x,), cluster=TP2, dp_axis=None,
+                   pins={"1.weight": {"tp": 0}})
+    with pytest.raises(PlanError, match=r"'1\.weight' has size 31 on dim 0, which does not divide over axis 'tp' of "
+                                        r"size 2 \(read by 1 \(linear"):
+        plan_model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 31)), (x,), cluster=TP2, dp_axis=None,
+                   pins={"1.weight": {"tp": 0}})

@@ -365,8 +365,10 @@ class _Builder(NodeCosts):
         for n in canon_ops:
             s = self.node_strategies(n)
             if not s:
-                raise PlanError(f"op {n.name} ({n.op_name}) at {n.module or '<root>'} has no strategy that meets "
+                err = PlanError(f"op {n.name} ({n.op_name}) at {n.module or '<root>'} has no strategy that meets "
                                 f"the pins and the runtime's sharding rules on {self.roles}")
+                err.node_index = n.index  # for `pin_check` (which pin, and why)
+                raise err
             node_strats[n.index] = s
         # followers
         unit_of: dict[int, tuple[int, dict[int, int] | None]] = {}

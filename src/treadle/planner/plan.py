@@ -434,6 +434,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     results: list[tuple[Solution, CostGraph]] = []
     t_build = t_solve = 0.0
     tried_roles = 0
+    unbuilt: list = []  # role assignments whose cost graph has an op without a strategy (`pin_check.Attempt`)
     for cl in clusters:
         mesh = cl.mesh
         if len(clusters) > 1 and dp_axis not in ("auto", None) and dp_axis not in mesh.names:
@@ -454,6 +455,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                                       attr_resolver=resolver)
             except PlanError as exc:
                 logger.info("%s skipped: %s", where, exc)
+                unbuilt.append((cl, roles, None, getattr(exc, "node_index", None), str(exc)))
                 continue
             t_build += time.perf_counter() - tb
             say(f"{where}: solve ({len(cg.units)} units)")
@@ -477,6 +479,9 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     feasible = [(s, c) for s, c in results if s.status != "infeasible"]
     if not feasible:
         smallest = _smallest_budget(results, time_limit_s)
+        if pins and smallest == math.inf:  # no plan even without the memory row: a pin cannot hold
+            _raise_pin_conflict(model, graph, pins, unbuilt + [(c.cluster, c.roles, c, None, "") for _, c in results],
+                                train=train, is_leaf_param=is_leaf_param, resolver=resolver, time_limit_s=time_limit_s)
         where = clusters[0] if len(clusters) == 1 else f"{len(clusters)} meshes"
         raise PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(memory_budget_bytes)} per "
                         f"device (constraint 'memory' binds for every role assignment tried: "
@@ -514,6 +519,31 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                 _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model, _context=context)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
     return plan
+
+
+def _raise_pin_conflict(model: nn.Module, graph: CapturedGraph, pins: dict, attempts: list, *, train: TrainSpec,
+                        is_leaf_param: Callable[[str], bool], resolver, time_limit_s: float) -> None:
+    """Raise PlanError naming the pin that cannot hold and the op that blocks it (`pin_check`)."""
+    from .pin_check import pin_conflict
+
+    def probe(sub: dict, cl: ClusterSpec, roles: Roles):
+        rp = _pins_for(graph, sub, roles) or {}
+        try:
+            cg = build_cost_graph(graph, cl, roles, train=train, pins=rp,
+                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)), attr_resolver=resolver)
+        except PlanError as exc:
+            return (cl, roles, None, getattr(exc, "node_index", None), str(exc))
+        free = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, minimise="memory")
+        return None if free.status != "infeasible" else (cl, roles, cg, None, "")
+
+    def module_type(path: str) -> str:
+        try:
+            return type(model.get_submodule(path) if path else model).__name__
+        except AttributeError:
+            return "?"
+
+    raise PlanError(pin_conflict(graph, pins, attempts, pins_for=lambda sub, roles: _pins_for(graph, sub, roles),
+                                 probe=probe, is_leaf_param=is_leaf_param, module_type=module_type))
 
 
 def _binding(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str) -> str:
