@@ -128,3 +128,49 @@ def test_pin_on_user_input_no_leaf_rule_and_uneven_size():
                                         r"size 2 \(read by 1 \(linear"):
         plan_model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 31)), (x,), cluster=TP2, dp_axis=None,
                    pins={"1.weight": {"tp": 0}})
+
+
+# ----------------------------------------------------------------------------- CLI: mesh search, precision
+def test_cli_searches_meshes_in_bf16_on_a_gpu_preset(tmp_path, capsys):
+    import json
+
+    from treadle.cli import main
+    from treadle.cost.cluster import parse_cluster
+    from treadle.cost.links import link_preset
+    from treadle.planner.cli import search_clusters
+
+    meshes = search_clusters(parse_cluster("8x8:h100"))
+    assert [tuple(c.mesh.shape) for c in meshes] == [(64,), (8, 8), (16, 4), (32, 2)]
+    assert all(c.links[-1] == link_preset("nvlink4") for c in meshes if c.mesh.ndim == 2)  # fast inner axis
+    out = tmp_path / "plan.json"
+    assert main(["plan", "tiny-gpt2", "--cluster", "1x4:h100", "--batch", "4", "--seq", "16", "-q",
+                 "-o", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal width
+    assert "meshes searched (2" in text and "dp=4" in text and "dp=2,tp=2" in text
+    assert "precision: bf16 mixed" in text and "fp32 master weights and AdamW states" in text
+    assert "MFU against the bf16 peak of h100-sxm" in text
+    saved = json.loads(out.read_text())
+    assert saved["model"]["dtype"] == "bf16" and saved["solver"]["param_dtype"] == "bfloat16"
+    searched = {a["mesh"] for a in saved["solver"]["alternatives"]}
+    assert searched == {"Mesh(dp=4)", "Mesh(dp=2, tp=2)"}
+    best = min((a for a in saved["solver"]["alternatives"] if a["status"] != "infeasible"), key=lambda a: a["step_s"])
+    assert math.isclose(saved["estimate"]["step_s"], best["step_s"], rel_tol=1e-12)  # the best one is saved
+    assert saved["schedule"]["mesh"]["shape"] == [int(x) for x in best["mesh"].split("(")[1].rstrip(")").replace(
+        "dp=", "").replace("tp=", "").split(", ")]
+
+
+def test_cli_single_mesh_fp32_on_cpu_and_bad_mesh(tmp_path, capsys):
+    import json
+
+    from treadle.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--mesh", "2x2", "--batch", "4", "--seq", "16", "-q",
+                 "-o", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "meshes searched" not in text and "precision: fp32" in text
+    saved = json.loads(out.read_text())
+    assert saved["model"]["dtype"] == "fp32" and saved["solver"]["param_dtype"] == "float32"
+    assert {a["mesh"] for a in saved["solver"]["alternatives"]} == {"Mesh(dp=2, tp=2)"}
+    assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--mesh", "3x3", "--batch", "4", "--seq", "16"]) == 2
+    assert "--mesh 3x3: 3x3 = 9 devices, but the cluster has 4" in capsys.readouterr().err.replace("\n", "")

@@ -508,7 +508,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
               "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
-              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device())}
+              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()),
+              "param_dtype": str(dtype).removeprefix("torch.")}
     context = {"inputs": example_inputs,
                "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
