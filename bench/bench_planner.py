@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -172,6 +173,9 @@ def bench_recipes(tiny: bool = False) -> list[dict]:
             solver_s = plan.estimated.step_s
             t1 = time.perf_counter()
             est = plan.estimate()
+            print(f"  {name}: planner {plan.cluster.mesh} {plan.roles}: {est.step_s * 1e3:.1f} ms, planned in "
+                  f"{plan.solver['planning_s']:.0f} s, priced in {time.perf_counter() - t1:.0f} s", file=sys.stderr,
+                  flush=True)
             case.append({"plan": "planner", "mesh": str(plan.cluster.mesh), "roles": plan.roles,
                          "step_s": est.step_s, "mfu": est.mfu, "peak_bytes": est.peak_bytes,
                          "solver_step_s": solver_s, "planning_s": plan.solver["planning_s"],
@@ -188,7 +192,13 @@ def bench_recipes(tiny: bool = False) -> list[dict]:
                 case.append({"plan": label, "mesh": str(sch.mesh), "error": f"{type(exc).__name__}: {exc}"})
                 continue
             t1 = time.perf_counter()
-            p = price(sch, inputs, _recipe_cluster(meshes, shape, names))
+            try:
+                p = price(sch, inputs, _recipe_cluster(meshes, shape, names))
+            except PlanError as exc:  # e.g. a batch the data-parallel axis does not divide
+                case.append({"plan": label, "mesh": str(sch.mesh), "error": str(exc)})
+                continue
+            print(f"  {name}: {label}: {p.step_s * 1e3:.1f} ms, priced in {time.perf_counter() - t1:.0f} s",
+                  file=sys.stderr, flush=True)
             case.append({"plan": label, "mesh": str(sch.mesh), "step_s": p.step_s, "mfu": p.mfu,
                          "peak_bytes": p.peak_bytes, "price_s": time.perf_counter() - t1,
                          "head_parallel": _head_parallel(sch)})

@@ -130,6 +130,33 @@ def test_pin_on_user_input_no_leaf_rule_and_uneven_size():
                    pins={"1.weight": {"tp": 0}})
 
 
+
+class FixedHeads(nn.Module):
+    """Splits into heads with sizes read from attributes that two names share (NOTE [fixed view sizes]: the
+    planner cannot tell which one to divide, so the view's head dims stay whole)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.n_heads = self.n_groups = 4
+        self.head_dim = self.group_dim = h // 4
+        self.fc = nn.Linear(h, h)
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.fc(x).view(b, t, self.n_heads, self.head_dim)
+        return self.proj(torch.relu(y).reshape(b, t, self.n_heads * self.head_dim))
+
+
+def test_pin_blocked_by_a_fixed_reshape_upstream_names_the_reshape():
+    with pytest.raises(PlanError) as info:
+        plan_model(FixedHeads(64), (_fake(4, 8, 64),), cluster=TP2, dp_axis=None, pins={"proj.weight": {"tp": 1}})
+    msg = str(info.value)
+    assert msg.startswith("pin 'proj.weight' (axis 'tp': Shard(1)) cannot hold: ")
+    assert "proj (linear, node linear_1) reads 'reshape' only as tp:S(2)" in msg
+    assert "the limit comes from fc (linear, node linear) -> <root> (view, node view)" in msg
+    assert "<root> (view, node view) reshapes to sizes [4, 8, 4, 16]" in msg and "fixed view sizes" in msg
+
 # ----------------------------------------------------------------------------- CLI: mesh search, precision
 def test_cli_searches_meshes_in_bf16_on_a_gpu_preset(tmp_path, capsys):
     import json

@@ -21,13 +21,14 @@ Pure functions of the captured graph and cost graph; nothing is solved here but 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 from ..cost.cluster import ClusterSpec
 from .capture import CapturedGraph, Node, TensorMeta
 from .cost_graph import CostGraph, Roles
 from .dims import R, dim_spec, placement_str, strategies, unknown_ops
 
+_RESHAPES = ("view", "reshape", "_unsafe_view", "expand")
 # (cluster, roles, cost graph or None, index of the op without a strategy or None, the builder's message)
 Attempt = tuple[ClusterSpec, Roles, "CostGraph | None", "int | None", str]
 
@@ -72,9 +73,9 @@ def _node_reason(graph: CapturedGraph, n: Node, roles: Roles, cluster: ClusterSp
     for pos, p in pinned:
         combos = [c for c in combos if tuple(o.ins[pos] for o in c) == rpins[p]]
         if not combos:
-            norule = n.op_name in unknown_ops([n])
-            return (f"{_where(n)} reads {p!r}, and {'it has no sharding rule (it runs replicated)' if norule else 'its dimension rule has no option'} "
-                    f"with {p!r} as {_layout(rpins[p], roles.tp)}")
+            why = ("it has no sharding rule (it runs replicated)" if n.op_name in unknown_ops([n])
+                   else "its dimension rule has no option")
+            return f"{_where(n)} reads {p!r}, and {why} with {p!r} as {_layout(rpins[p], roles.tp)}"
     for pos, p in pinned:
         pl = rpins[p]
         if any(x != R for x in pl) and not (is_leaf_param(p) and graph.param_modules.get(p) == n.module):
@@ -91,14 +92,10 @@ def _node_reason(graph: CapturedGraph, n: Node, roles: Roles, cluster: ClusterSp
                     f"and constants stay replicated on tensor axes (no op before it can take the layout)")
         if combos and isinstance(src.out, TensorMeta):
             bad = [c for c in combos if not _divides(src.out.shape, tuple(o.ins[pos] for o in c), sizes)]
-            if len(bad) == len(combos):
+            if len(bad) == len(combos):  # global shapes: a data-parallel split of the batch is not shown
                 return (f"{_where(n)} would read {src.name!r} of shape {tuple(src.out.shape)} as "
                         f"{_layout(tuple(o.ins[pos] for o in combos[0]), roles.tp)}, which does not divide over "
                         f"{dict(zip(roles.tp, sizes))}")
-    if n.op_name in ("view", "reshape", "_unsafe_view", "expand"):
-        return (f"{_where(n)} reshapes to constant sizes {n.args[1] if len(n.args) > 1 else '?'} that a module "
-                f"attribute or the model config fixes (NOTE [fixed view sizes] in cost_graph.py), so its output "
-                f"cannot be sharded")
     return f"{_where(n)} has no strategy that meets the pins and the runtime's sharding rules"
 
 
@@ -114,11 +111,11 @@ def _divides(shape: tuple[int, ...], pl: tuple[int, ...], sizes: tuple[int, ...]
 
 def _blocking_edge(cg: CostGraph) -> str | None:
     """Arc consistency over the layout-equality edges: the first edge whose propagation empties a unit's
-    strategy set, described as the producer/consumer pair that blocks; None when propagation finds no
-    empty set."""
+    strategy set, described as the producer/consumer pair that blocks and, when one of them was limited
+    by propagation, the op the limit comes from; None when propagation finds no empty set."""
     full = [{k for k, ok in enumerate(u.allowed) if ok} for u in cg.units]
     dom = [set(d) for d in full]
-    g = cg.graph
+    cause: dict[int, Any] = {}  # unit -> the edge that first shrank its strategy set
     by_unit: dict[int, list] = {}
     for e in cg.edges:
         by_unit.setdefault(e.u, []).append(e)
@@ -132,33 +129,75 @@ def _blocking_edge(cg: CostGraph) -> str | None:
             if keep == dom[mine]:
                 continue
             if not keep:
-                return _edge_text(cg, e, dom, full)
+                return _edge_text(cg, e, dom, full) + _origin_text(cg, mine, cause, full) + \
+                    _origin_text(cg, other, cause, full)
             dom[mine] = keep
+            cause.setdefault(mine, e)
             queue.extend(by_unit.get(mine, []))
     return None
 
 
+def _lay(vals, ks, axes) -> str:
+    got = sorted({_layout(vals[k], axes) for k in ks})
+    return " | ".join(got[:6]) + (f" | ... {len(got) - 6} more" if len(got) > 6 else "") if got else "nothing"
+
+
+def _ends(cg: CostGraph, e) -> tuple[Node | None, Node | None]:
+    names = {n.name: n for n in cg.graph.nodes}
+    src_name, _, dst_name = e.what.partition("->")
+    return names.get(src_name), names.get(dst_name)
+
+
+def _origin_text(cg: CostGraph, unit: int, cause: dict, full: list[set[int]]) -> str:
+    """Follow the edges that limited `unit` back to the edge where the limit starts: its two ops with the
+    layouts their own strategies allow there."""
+    x, hops, seen = unit, 0, {unit}
+    last = None
+    while x in cause:
+        nxt = cause[x].u if cause[x].v == x else cause[x].v
+        if nxt in seen:
+            break
+        last, x = cause[x], nxt
+        hops += 1
+        seen.add(x)
+    if last is None:
+        return ""
+    a, b = _ends(cg, last)
+    if a is None or b is None:
+        return f"; the limit comes from {last.what}, {hops} edge(s) away"
+    hint = next((f"; {_where(n)} reshapes to sizes {list(n.args[1])} that module attributes or the config fix, "
+                 f"so it cannot shard them (NOTE [fixed view sizes] in cost_graph.py)" for n in (a, b)
+                 if _fixed_view(cg, n)), "")
+    axes = cg.roles.tp
+    return (f"; the limit comes from {_where(a)} -> {_where(b)}, {hops} edge(s) away, where the first can publish "
+            f"{_lay(last.u_vals, full[last.u], axes)} and the second can read {_lay(last.v_vals, full[last.v], axes)}"
+            f"{hint}")
+
+
+def _fixed_view(cg: CostGraph, n: Node) -> bool:
+    """Whether reshape `n` has a size that the attribute resolver forbids sharding (NOTE [fixed view sizes])."""
+    sizes = n.args[1] if n.op_name in _RESHAPES and len(n.args) > 1 else None
+    if cg.attr_resolver is None or not isinstance(sizes, (list, tuple)):
+        return False
+    return any(isinstance(v, int) and v >= 0 and cg.attr_resolver(n.module, v) == "forbid" for v in sizes)
+
+
 def _edge_text(cg: CostGraph, e, dom: list[set[int]], full: list[set[int]]) -> str:
     g = cg.graph
-    names = {n.name: n for n in g.nodes}
-    src_name, _, dst_name = e.what.partition("->")
-    a, b = names.get(src_name), names.get(dst_name)
+    a, b = _ends(cg, e)
     axes = cg.roles.tp
-
-    def lay(vals, ks) -> str:
-        got = sorted({_layout(vals[k], axes) for k in ks})
-        return " | ".join(got[:6]) + (f" | ... {len(got) - 6} more" if len(got) > 6 else "") if got else "nothing"
-
     if a is None or b is None:  # a tied parameter
         return (f"{_where(g.nodes[cg.units[e.u].leader])} and {_where(g.nodes[cg.units[e.v].leader])} share "
                 f"{e.what.removeprefix('tied parameter ')!r} but read it in different layouts "
-                f"({lay(e.u_vals, dom[e.u])} vs {lay(e.v_vals, dom[e.v])})")
+                f"({_lay(e.u_vals, dom[e.u], axes)} vs {_lay(e.v_vals, dom[e.v], axes)})")
     never = not ({e.u_vals[k] for k in full[e.u]} & {e.v_vals[k] for k in full[e.v]})
     if never:
-        return (f"{_where(b)} reads {a.name!r} only as {lay(e.v_vals, full[e.v])}, which its producer {_where(a)} "
-                f"never publishes (it can publish {lay(e.u_vals, full[e.u])})")
-    return (f"{_where(b)} reads {a.name!r} only as {lay(e.v_vals, dom[e.v])}, and its producer {_where(a)} can "
-            f"publish only {lay(e.u_vals, dom[e.u])} given the layouts the pins force elsewhere")
+        hint = (f" (it reshapes to sizes {list(a.args[1])} that module attributes or the config fix: NOTE [fixed "
+                f"view sizes] in cost_graph.py)" if _fixed_view(cg, a) else "")
+        return (f"{_where(b)} reads {a.name!r} only as {_lay(e.v_vals, full[e.v], axes)}, which its producer "
+                f"{_where(a)}{hint} never publishes (it can publish {_lay(e.u_vals, full[e.u], axes)})")
+    return (f"{_where(b)} reads {a.name!r} only as {_lay(e.v_vals, dom[e.v], axes)}, and its producer {_where(a)} "
+            f"can publish only {_lay(e.u_vals, dom[e.u], axes)} given the layouts the pins force elsewhere")
 
 
 def attempt_reason(graph: CapturedGraph, attempt: Attempt, rpins: dict[str, tuple[int, ...]],
