@@ -102,9 +102,14 @@ def _recipes(name: str, world: int, dpn: int):
     names2 = ("dp", "tp") if dp > 1 else ("tp",)
     dpa = "dp" if dp > 1 else None
 
+    def vocab(sch, n: int) -> dict:
+        # Megatron pads the vocabulary to a multiple of the tp size; treadle cannot, so a vocabulary the tp size
+        # does not divide (GPT-2's 50257) keeps the embedding and head replicated
+        return {} if sch.model.config.vocab_size % n == 0 else {"vocab_parallel_head": False}
+
     def megatron(sac: bool):
         def apply(sch):
-            meg(sch, tp="tp", dp=dpa, sequence_parallel=True)
+            meg(sch, tp="tp", dp=dpa, sequence_parallel=True, **vocab(sch, tp))
             if sac:
                 _sac(sch, blocks_path(sch))
         return apply
@@ -114,7 +119,7 @@ def _recipes(name: str, world: int, dpn: int):
     t_dp = world // t_tp
 
     def titan_tp(sch):
-        meg(sch, tp="tp", dp="dp", zero3=True, sequence_parallel=True)
+        meg(sch, tp="tp", dp="dp", zero3=True, sequence_parallel=True, **vocab(sch, t_tp))
         _sac(sch, blocks_path(sch))
 
     def titan_fsdp(sch):
@@ -139,15 +144,18 @@ def _recipe_cluster(meshes: list[ClusterSpec], shape, names) -> ClusterSpec:
 
 
 def _head_parallel(sch) -> bool:
-    """Attention is head-parallel: the query projection is sharded over its output features (its heads):
-    a Linear q_proj on dim 0, or GPT-2's fused Conv1D c_attn on dim 1."""
+    """Attention is head-parallel: the query projection is sharded over its output features (its heads) and
+    its output enters attention sharded — a Linear q_proj on dim 0, or GPT-2's fused Conv1D c_attn on dim 1,
+    with no sync gathering that output back to Replicate at the projection."""
+    sharded, gathered = set(), set()
     for r in sch.records:
-        if r.op != "shard":
-            continue
         a = dict(r.args)
-        if (r.path.endswith("q_proj") and a.get("dim") == 0) or (r.path.endswith("attn.c_attn") and a.get("dim") == 1):
-            return True
-    return False
+        if r.op == "shard" and ((r.path.endswith("q_proj") and a.get("dim") == 0)
+                                or (r.path.endswith("attn.c_attn") and a.get("dim") == 1)):
+            sharded.add(r.path)
+        elif r.op == "sync" and (r.path.endswith("q_proj") or r.path.endswith("attn.c_attn")):
+            gathered.add(r.path)
+    return bool(sharded - gathered)
 
 
 def bench_recipes(tiny: bool = False) -> list[dict]:
