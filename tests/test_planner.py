@@ -325,17 +325,17 @@ def test_cli_plan_and_explain(tmp_path, capsys):
     from treadle.cli import main
 
     out = tmp_path / "plan.json"
-    rc = main(["plan", "tiny-llama", "--cluster", "2x2:a100", "--memory", "40GiB", "--batch", "4", "--seq", "16",
-               "-o", str(out)])
+    rc = main(["plan", "tiny-llama", "--cluster", "2x2:a100", "--mesh", "2x2", "--memory", "40GiB", "--batch", "4",
+               "--seq", "16", "-o", str(out)])
     assert rc == 0
     saved = json.loads(out.read_text())
-    assert saved["model"] == {"name": "tiny-llama", "batch": 4, "seq": 16, "dtype": "fp32"}
+    assert saved["model"] == {"name": "tiny-llama", "batch": 4, "seq": 16, "dtype": "bf16"}  # the GPU default
     assert saved["schedule"]["mesh"] == {"shape": [2, 2], "names": ["dp", "tp"]}
     capsys.readouterr()
     assert main(["explain", str(out), "--python"]) == 0
     text = capsys.readouterr().out
     assert "binding constraint" in text and "model.layers.0" in text
-    assert main(["plan", "tiny-llama", "--cluster", "2x2:a100", "--memory", "1KiB", "--batch", "4",
+    assert main(["plan", "tiny-llama", "--cluster", "2x2:a100", "--mesh", "2x2", "--memory", "1KiB", "--batch", "4",
                  "--seq", "16"]) == 2
     assert "smallest budget" in capsys.readouterr().err.replace("\n", "")
 

@@ -2,12 +2,18 @@
 
     treadle plan llama-3-8b --cluster 8x8:h100 --memory 80GiB --batch 32 --seq 4096 -o plan.json
     treadle explain plan.json [--trace step.json --html report.html --png fig]
+
+`plan` searches every logical mesh of the cluster whose inner axis stays inside a node (`search_clusters`:
+8x8 gives (64,), (32, 2), (16, 4), (8, 8)) and reports the best plan and the runner-up per mesh;
+``--mesh 8x8`` plans one mesh. The parameter dtype defaults by device (`default_dtype`): bf16 mixed
+precision on a GPU, fp32 on `cpu`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -46,7 +52,15 @@ def register(subparsers) -> None:
     p.add_argument("--memory", default=None, help="memory budget per device (e.g. 80GiB); default: the device's")
     p.add_argument("--batch", type=int, required=True, help="global batch size")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
-    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="parameter dtype (default fp32)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="parameter/compute dtype; default by device: bf16 mixed precision on GPUs (fp32 master "
+                        "weights and AdamW states counted in memory, MFU against the bf16 peak; fp16 where the "
+                        "device has no bf16), fp32 on cpu")
+    p.add_argument("--mesh", default=None, metavar="SHAPE",
+                   help="plan only this logical mesh, e.g. 8x8 (the physical nodes x devices), 16x4 or 64; "
+                        "default: search every mesh of up to --max-axes axes whose inner axis stays inside a node")
+    p.add_argument("--max-axes", type=int, default=2, choices=[1, 2, 3],
+                   help="most mesh axes in the search (default 2)")
     p.add_argument("--mode", default="joint", choices=["joint", "two_stage"])
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=AXIS:DIM",
                    help="pin a parameter layout on a mesh axis (repeatable)")
@@ -90,11 +104,14 @@ def _plan_cmd(args: argparse.Namespace) -> int:
 
     from ..cost.cluster import parse_cluster
     from ..models.zoo import load_model, named_model
-    from .explain import plan_table, summary_lines
+    from .explain import mesh_table, plan_table, summary_lines
     from .plan import plan_model
 
     console = Console(stderr=True)
     cluster = parse_cluster(args.cluster)
+    clusters = search_clusters(cluster, from_file=args.cluster.strip().endswith(".json"), mesh=args.mesh,
+                               max_axes=args.max_axes)
+    args.dtype = args.dtype or default_dtype(cluster)
     dtype = _DTYPES[args.dtype]
     budget = parse_bytes(args.memory) if args.memory else float(cluster.hardware().memory_bytes)
     pins: dict[str, dict[str, int | str]] = {}
@@ -106,12 +123,15 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     zero = None if args.zero == "auto" else args.zero == "on"
     with progress(f"planning {args.model}", quiet=is_quiet(args), console=console) as report:
         report("building the model (fake tensors)")
-        if ":" in args.model:
-            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True)
+        if ":" in args.model:  # the user function gets dtype= when it takes it
+            model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, dtype=dtype)
         else:
             model, inputs = named_model(args.model, batch=args.batch, seq=args.seq, fake=True, dtype=dtype)
         try:
-            plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget, mode=args.mode, pins=pins,
+            if len(clusters) > 1:
+                report(f"searching {len(clusters)} meshes: {', '.join(str(tuple(c.mesh.shape)) for c in clusters)}")
+            plan = plan_model(model, inputs, cluster=clusters if len(clusters) > 1 else clusters[0],
+                              memory_budget_bytes=budget, mode=args.mode, pins=pins,
                               dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
                               time_limit_s=args.time_limit,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
@@ -135,12 +155,70 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     else:
         out = Console()
         out.print(plan_table(plan))
+        if len(clusters) > 1:
+            out.print(mesh_table(plan))
         for line in summary_lines(plan):
             out.print(line)
         if args.output:
             out.print(f"plan written to {args.output}")
     _write_pictures(plan, args, Console(stderr=True) if args.json else out)
     return 0
+
+
+def default_dtype(cluster) -> str:
+    """The CLI's parameter dtype for `cluster`'s device: "fp32" on cpu, else "bf16" (mixed precision: the
+    planner counts fp32 master weights and AdamW states, `TrainSpec`), or "fp16" on a device without a
+    bf16 peak (V100)."""
+    if cluster.is_cpu():
+        return "fp32"
+    peaks = cluster.hardware().peak_flops_per_s
+    return "bf16" if "bfloat16" in peaks else "fp16" if "float16" in peaks else "fp32"
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(x < 1 for x in shape):
+        raise PlanError(f"cannot read mesh {text!r}; write sizes joined by 'x', e.g. 8x8, 16x4 or 64")
+    return shape
+
+
+def search_clusters(cluster, *, from_file: bool = False, mesh: str | None = None, max_axes: int = 2) -> list:
+    """The logical meshes `treadle plan` searches on a physical `cluster` (`parse_cluster`'s (nodes, devices)
+    mesh: axis 0 across nodes, axis 1 inside): every mesh of `treadle.cost.cluster.enumerate_meshes` with up to
+    `max_axes` axes whose innermost axis stays inside a node (the fast link on the inner axis) — 8x8 gives
+    (64,), (32, 2), (16, 4), (8, 8). `mesh` ("8x8", "16x4", "64") picks one: the physical shape gives `cluster`
+    itself (names "dp", "tp"). A cluster read from a file is planned on its own mesh only.
+    Raises PlanError for a mesh whose sizes do not multiply to the world size or that the cluster cannot form."""
+    from ..cost.cluster import axis_crosses_nodes, enumerate_meshes
+
+    if from_file or cluster.mesh.ndim != 2:
+        if mesh is not None and _parse_shape(mesh) != tuple(cluster.mesh.shape):
+            raise PlanError(f"--mesh {mesh}: a cluster file fixes its mesh {tuple(cluster.mesh.shape)}; "
+                            f"write a cluster spec like 8x8:h100 to choose another")
+        return [cluster]
+    nodes, dpn = cluster.mesh.shape
+    world = nodes * dpn
+    if mesh is not None:
+        shape = _parse_shape(mesh)
+        if shape == (nodes, dpn):
+            return [cluster]
+        if math.prod(shape) != world:
+            raise PlanError(f"--mesh {mesh}: {'x'.join(map(str, shape))} = {math.prod(shape)} devices, but the cluster "
+                            f"has {world} ({nodes} nodes x {dpn}); use sizes that multiply to {world}")
+        max_axes = max(max_axes, len(shape))
+    found = enumerate_meshes(nodes, dpn, intra=cluster.links[1], inter=cluster.links[0], device=cluster.device,
+                             max_ndim=max_axes)
+    if mesh is not None:
+        pick = [c for c in found if tuple(c.mesh.shape) == shape]
+        if not pick:
+            raise PlanError(f"--mesh {mesh}: not a mesh of {world} devices with every axis of size >= 2; "
+                            f"meshes: {sorted({'x'.join(map(str, c.mesh.shape)) for c in found})}")
+        return pick
+    out = [c for c in found if c.mesh.ndim == 1 or not axis_crosses_nodes(c.mesh.shape, c.mesh.ndim - 1, dpn)]
+    return out or [cluster]
 
 
 def _explain_cmd(args: argparse.Namespace) -> int:

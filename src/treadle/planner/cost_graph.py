@@ -118,6 +118,10 @@ class Unit:
     costs: list[StrategyCost]
     allowed: list[bool]
     module: str
+    # NOTE [billing by module]: followers may come from other modules than the leader (GPT-2's GELU after
+    # c_fc, LLaMA's rotary ops after q_proj); per strategy, the costs of each member's own module, kept only
+    # when the members span several modules (else `module` gets all of `costs`)
+    parts: list[dict[str, StrategyCost]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,8 +389,10 @@ class _Builder(NodeCosts):
         for n in canon_ops:
             s = self.node_strategies(n)
             if not s:
-                raise PlanError(f"op {n.name} ({n.op_name}) at {n.module or '<root>'} has no strategy that meets "
+                err = PlanError(f"op {n.name} ({n.op_name}) at {n.module or '<root>'} has no strategy that meets "
                                 f"the pins and the runtime's sharding rules on {self.roles}")
+                err.node_index = n.index  # for `pin_check` (which pin, and why)
+                raise err
             node_strats[n.index] = s
         # followers
         unit_of: dict[int, tuple[int, dict[int, int] | None]] = {}
@@ -414,17 +420,16 @@ class _Builder(NodeCosts):
             units.append(unit)
         # costs
         for unit in units:
+            mixed = len({self.nodes[i].module for i in unit.nodes}) > 1
+            if mixed:
+                unit.parts = [{} for _ in unit.strategies]
             for k, members in enumerate(unit.strategies):
                 total = unit.costs[k]
                 for i, (combo, pub) in members.items():
                     c = self.strategy_cost(self.nodes[i], combo, pub)
-                    total.compute_s += c.compute_s
-                    total.comm_s += c.comm_s
-                    total.fwd_s += c.fwd_s
-                    total.bwd_s += c.bwd_s
-                    total.dp_comm_s += c.dp_comm_s
-                    total.act_bytes += c.act_bytes
-                    total.static_bytes += c.static_bytes
+                    _add_cost(total, c)
+                    if mixed:
+                        _add_cost(unit.parts[k].setdefault(self.nodes[i].module, StrategyCost()), c)
         edges = self._edges(units, unit_of, node_strats)
         templates = self._templates(units, unit_of, node_strats)
         fixed = sum(n.out.nbytes / self.dp_div(n.index) for n in self.nodes
@@ -582,6 +587,16 @@ class _Builder(NodeCosts):
                                for _, pub in s]
             out[t] = TemplateInfo(t, blk.path, members, len(members), tunits, input_unit, input_bytes)
         return out
+
+
+def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
+    total.compute_s += c.compute_s
+    total.comm_s += c.comm_s
+    total.fwd_s += c.fwd_s
+    total.bwd_s += c.bwd_s
+    total.dp_comm_s += c.dp_comm_s
+    total.act_bytes += c.act_bytes
+    total.static_bytes += c.static_bytes
 
 
 def _has_bias(n: Node) -> bool:

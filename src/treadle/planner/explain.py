@@ -34,11 +34,59 @@ def plan_table(plan, *, top: int | None = None) -> Table:
     return t
 
 
+def mesh_table(plan) -> Table:
+    """One row per logical mesh the plan searched: its best role assignment and the runner-up, with the
+    solver's predicted step, MFU and peak (MFU scaled from the chosen plan's: same model FLOPs and world);
+    the chosen mesh is marked *. Built from `plan.solver["alternatives"]`."""
+    alts = plan.solver.get("alternatives") or []
+    by_mesh: dict[str, list[dict]] = {}
+    for a in alts:
+        by_mesh.setdefault(a.get("mesh", ""), []).append(a)
+    e = plan.estimated
+    unit = _mem_unit([a["peak_bytes"] for a in alts if a["status"] != "infeasible"])
+    t = Table("mesh", "best roles", "step ms", "MFU", f"peak {unit[0]}", "runner-up roles", "step ms",
+              title=f"meshes searched ({len(by_mesh)}; solver estimates, best first)")
+
+    def ok(a: dict) -> bool:
+        return a["status"] != "infeasible" and a["step_s"] > 0
+
+    ranked = sorted(by_mesh.items(), key=lambda kv: min((a["step_s"] for a in kv[1] if ok(a)), default=float("inf")))
+    for mesh, rows in ranked:
+        good = sorted((a for a in rows if ok(a)), key=lambda a: (a["step_s"], a["peak_bytes"]))
+        mark = "* " if mesh == str(plan.cluster.mesh) else ""
+        short = mesh.removeprefix("Mesh(").removesuffix(")").replace(" ", "")
+        if not good:
+            t.add_row(mark + short, "no plan fits the budget", "-", "-", "-", "", "")
+            continue
+        b = good[0]
+        mfu = e.mfu * e.step_s / b["step_s"] if e.step_s else 0.0
+        r = good[1] if len(good) > 1 else None
+        t.add_row(mark + short, b["roles"], f"{b['step_s'] * 1e3:.4g}", f"{mfu * 100:.1f}%",
+                  f"{b['peak_bytes'] / unit[1]:.2f}", r["roles"] if r else "-",
+                  f"{r['step_s'] * 1e3:.4g}" if r else "-")
+    return t
+
+
+def precision_line(plan) -> str | None:
+    """What the plan assumes about precision: the parameter dtype, master weights and the MFU peak."""
+    dt = plan.solver.get("param_dtype")
+    if not dt:
+        return None
+    dev = (plan.solver.get("device") or {}).get("name", plan.cluster.device_name)
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dt, dt)
+    if dt == "float32":
+        return f"precision: fp32 (parameters, gradients and AdamW states in fp32; MFU against the fp32 peak of {dev})"
+    return (f"precision: {short} mixed ({short} parameters, gradients and compute; fp32 master weights and AdamW "
+            f"states counted in memory; MFU against the {short} peak of {dev})")
+
+
 def summary_lines(plan) -> list[str]:
     e = plan.estimated
     s = plan.solver
     unit = _mem_unit([e.peak_bytes])
-    lines = [f"estimate: step {e.step_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f}, comm {e.comm_s * 1e3:.3f}, "
+    prec = precision_line(plan)
+    lines = [*([prec] if prec else []),
+             f"estimate: step {e.step_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f}, comm {e.comm_s * 1e3:.3f}, "
              f"recompute {e.recompute_s * 1e3:.3f}), peak {_fmt(e.peak_bytes, unit)}, MFU {e.mfu * 100:.1f}%",
              f"memory: static {_fmt(e.static_bytes, unit)} + activations {_fmt(e.activation_bytes, unit)} "
              f"+ recomputed block {_fmt(e.transient_bytes, unit)}",

@@ -467,6 +467,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     results: list[tuple[Solution, CostGraph]] = []
     t_build = t_solve = 0.0
     tried_roles = 0
+    unbuilt: list = []  # role assignments whose cost graph has an op without a strategy (`pin_check.Attempt`)
     for cl in clusters:
         mesh = cl.mesh
         if len(clusters) > 1 and dp_axis not in ("auto", None) and not set(
@@ -489,6 +490,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                                       attr_resolver=resolver)
             except PlanError as exc:
                 logger.info("%s skipped: %s", where, exc)
+                unbuilt.append((cl, roles, None, getattr(exc, "node_index", None), str(exc)))
                 continue
             t_build += time.perf_counter() - tb
             say(f"{where}: solve ({len(cg.units)} units)")
@@ -512,6 +514,9 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     feasible = [(s, c) for s, c in results if s.status != "infeasible"]
     if not feasible:
         smallest = _smallest_budget(results, time_limit_s)
+        if pins and smallest == math.inf:  # no plan even without the memory row: a pin cannot hold
+            _raise_pin_conflict(model, graph, pins, unbuilt + [(c.cluster, c.roles, c, None, "") for _, c in results],
+                                train=train, is_leaf_param=is_leaf_param, resolver=resolver, time_limit_s=time_limit_s)
         where = clusters[0] if len(clusters) == 1 else f"{len(clusters)} meshes"
         raise PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(memory_budget_bytes)} per "
                         f"device (constraint 'memory' binds for every role assignment tried: "
@@ -538,7 +543,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
               "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
-              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device())}
+              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()),
+              "param_dtype": str(dtype).removeprefix("torch.")}
     context = {"inputs": example_inputs,
                "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
@@ -550,6 +556,31 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                 _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model, _context=context)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
     return plan
+
+
+def _raise_pin_conflict(model: nn.Module, graph: CapturedGraph, pins: dict, attempts: list, *, train: TrainSpec,
+                        is_leaf_param: Callable[[str], bool], resolver, time_limit_s: float) -> None:
+    """Raise PlanError naming the pin that cannot hold and the op that blocks it (`pin_check`)."""
+    from .pin_check import pin_conflict
+
+    def probe(sub: dict, cl: ClusterSpec, roles: Roles):
+        rp = _pins_for(graph, sub, roles) or {}
+        try:
+            cg = build_cost_graph(graph, cl, roles, train=train, pins=rp,
+                                  shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)), attr_resolver=resolver)
+        except PlanError as exc:
+            return (cl, roles, None, getattr(exc, "node_index", None), str(exc))
+        free = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, minimise="memory")
+        return None if free.status != "infeasible" else (cl, roles, cg, None, "")
+
+    def module_type(path: str) -> str:
+        try:
+            return type(model.get_submodule(path) if path else model).__name__
+        except AttributeError:
+            return "?"
+
+    raise PlanError(pin_conflict(graph, pins, attempts, pins_for=lambda sub, roles: _pins_for(graph, sub, roles),
+                                 probe=probe, is_leaf_param=is_leaf_param, module_type=module_type))
 
 
 def _binding(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str) -> str:
@@ -593,36 +624,38 @@ def _fmt_bytes(x: float | None) -> str:
 
 
 def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
+    """Per-module rows of the chosen strategies. Each op is billed to its own module, also when it was merged
+    into another module's decision unit (NOTE [billing by module] in cost_graph.py)."""
     g = cg.graph
     rows: dict[str, PlanRow] = {}
     ck = {t: c for t, c in sol.ckpt.items()}
     for u, unit in enumerate(cg.units):
         k = sol.choice[u]
-        c = unit.costs[k]
-        path = unit.module or "<root>"
+        parts = unit.parts[k] if unit.parts is not None else {unit.module: unit.costs[k]}
         members = unit.strategies[k]
-        lead_combo, lead_pub = members[unit.leader]
-        layouts = []
-        for i, (combo, pub) in members.items():
+        layouts: dict[str, list[str]] = {}
+        out_l: dict[str, str] = {}
+        for i, (combo, pub) in members.items():  # leader first, then followers in graph order
             n = g.nodes[i]
             for pos, j in enumerate(n.inputs):
                 if g.nodes[j].kind == "param":
                     pl = tuple(o.ins[pos] for o in combo)
                     if any(p != R for p in pl):
-                        layouts.append(f"{g.nodes[j].param.rsplit('.', 1)[-1]}:" +
-                                       ",".join(placement_str(p) for p in pl))
-        out_l = ",".join(placement_str(p) for p in lead_pub) if lead_pub else "-"
-        rec = 0.0
-        if unit.template is not None and ck.get(unit.template):
-            rec = ck[unit.template] * c.fwd_s
-        row = rows.get(path)
-        if row is None:
-            row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
-        row.compute_s += unit.count * c.compute_s
-        row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
-        row.recompute_s += rec
-        row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
-        desc = " ".join(layouts + [f"out:{out_l}"])
-        if desc not in row.layout:
-            row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
+                        layouts.setdefault(n.module, []).append(f"{g.nodes[j].param.rsplit('.', 1)[-1]}:" +
+                                                                ",".join(placement_str(p) for p in pl))
+            if n.module not in out_l or n.module != unit.module:  # the leader's layout on its own row
+                out_l[n.module] = ",".join(placement_str(p) for p in pub) if pub else "-"
+        for module, c in parts.items():
+            path = module or "<root>"
+            rec = ck[unit.template] * c.fwd_s if unit.template is not None and ck.get(unit.template) else 0.0
+            row = rows.get(path)
+            if row is None:
+                row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
+            row.compute_s += unit.count * c.compute_s
+            row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
+            row.recompute_s += rec
+            row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
+            desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
+            if desc not in row.layout:
+                row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
     return list(rows.values())
