@@ -174,3 +174,39 @@ def test_price_uses_the_kernel_rates_of_its_device():
     plain = dataclasses.replace(hardware_preset("h100-sxm"), **ZERO)
     # every product at 1% of the peak instead of 70%: memory-bound on an H100 at this size, compute-bound then
     assert step_s(dataclasses.replace(plain, matmul_curve=((1.0, 0.01),))) > 3 * step_s(plain)
+
+
+# ------------------------------------------------------------------------------- NOTE [attention as a GPU runs it]
+class _Attn(torch.nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, d).pow(2).mean()
+
+
+def test_attention_with_dropout_is_rehearsed_as_the_fused_kernel_on_a_gpu_and_as_pytorchs_cpu_path_on_a_cpu():
+    import importlib
+
+    price_mod = importlib.import_module("treadle.planner.price")
+    mesh = Mesh((1,), ("x",))
+    x = {"x": torch.randn(2, 64, 32)}
+
+    def ops_and_saved(cluster):
+        torch.manual_seed(0)
+        sch = treadle.create_schedule(_Attn(), mesh=mesh)
+        reh = price_mod._rehearse(sch, x, cluster.rank_hardware(), None, gpu=not cluster.is_cpu())
+        p = price(treadle.create_schedule(_Attn(), mesh=mesh), x, cluster)
+        return {r.op.split(".")[1] for r in reh.records}, p.activation_bytes
+
+    gpu_ops, gpu_saved = ops_and_saved(_cluster(mesh))
+    cpu_ops, cpu_saved = ops_and_saved(ClusterSpec.uniform(mesh, "loopback", device=CPU_CORE))
+    assert "_scaled_dot_product_flash_attention_for_cpu" in gpu_ops and "bernoulli_" not in gpu_ops
+    assert "bernoulli_" in cpu_ops and "_scaled_dot_product_flash_attention_for_cpu" not in cpu_ops
+    scores = 2 * 4 * 64 * 64 * 4  # one (batch, heads, q, k) fp32 tensor: the math path saves such tensors
+    assert cpu_saved - gpu_saved >= scores

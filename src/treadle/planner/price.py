@@ -33,6 +33,8 @@ forward, half at its backward); the optimizer's ops ``10 n_tensors`` (per-tensor
 ``12 + 2 n_tensors`` (foreach, GPU) times `op_overhead_s`, plus `subclass_op_overhead_s` per op (loop) or per
 list op (foreach) on FSDP2's DTensor parameters.
 
+For a GPU device attention with dropout is rehearsed as the fused kernel a GPU runs (NOTE [attention as a GPU
+runs it] in `treadle.profile.fused_attention`); a CPU device keeps PyTorch's CPU kernels.
 Data-dependent scalars (``.item()``) read as 1 on fake tensors: pricing needs shapes, not values.
 Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a launched process group
 (it needs its own fake one): call it before ``init_process_group`` or in another process.
@@ -40,6 +42,7 @@ Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -58,6 +61,7 @@ from ..cost.cluster import ClusterSpec, RankDevice
 from ..cost.overlap import Collective, Segment, Timeline, ddp_buckets, simulate
 from ..errors import PlanError, ProfileError
 from ..mesh import Mesh
+from ..profile.fused_attention import GpuAttention
 from ..profile.profiler import default_loss, fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
@@ -239,7 +243,7 @@ class _Rehearsal:
     checkpoints: tuple[str, ...] = ()  # checkpointed module paths, deepest first
 
 
-def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
+def _rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> _Rehearsal:
     from ..runtime.build import build
     from ..schedule.core import load_schedule
 
@@ -268,20 +272,21 @@ def _rehearse(sch, example_inputs: dict, hw, loss_fn) -> _Rehearsal:
         built = build(sch2)
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
         inputs = _split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
-        records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group)
+        records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
     finally:
         dist.destroy_process_group()
     ckpts = tuple(sorted(sch2._state.checkpoints, key=lambda p: -p.count(".")))
     return _Rehearsal(records, coll, built, saved_in, mesh, dp, inputs, ckpts)
 
 
-def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group):
+def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
+    attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]
     try:
-        with _reparametrize_module(model, state, tie_weights=True), fake_mode, mode, \
+        with _reparametrize_module(model, state, tie_weights=True), attention, fake_mode, mode, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), torch.enable_grad():
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
@@ -502,7 +507,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     cluster = cluster.for_mesh(sch.mesh)
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
-    reh = _rehearse(sch, example_inputs, hw, loss_fn)
+    reh = _rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
     segs, seg_of = _segments(reh.records, hw.op_overhead_s, hw.checkpoint_op_s, hw.checkpoint_region_s,
                              reh.checkpoints)
     colls: list[Collective] = []

@@ -1,0 +1,37 @@
+"""NOTE [attention as a GPU runs it]: rehearsing a step on fake CPU tensors for a GPU device.
+
+PyTorch's CPU `scaled_dot_product_attention` takes its fused (flash) kernel only without dropout; with
+``dropout_p > 0`` it falls back to the math path, which materialises the (batch, heads, q, k) scores and
+probabilities and saves them and the dropout mask for backward. A GPU's flash / memory-efficient kernels run
+attention with dropout fused (the mask is regenerated from the RNG state in backward) and save only the
+inputs, the output and the log-sum-exp. `GpuAttention` is a TorchFunctionMode that calls the fused kernel
+the way a GPU would — the same call with ``dropout_p=0`` on the fake tensors (values do not matter there,
+FLOPs and saved bytes do) — so a rehearsal for a GPU prices attention's time and memory as the GPU runs it.
+Used by `treadle.price` when the rank's device is not a CPU; a CPU device keeps PyTorch's CPU behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+class GpuAttention(TorchFunctionMode):
+    """Scaled dot-product attention with dropout runs as the fused kernel (dropout folded in), as on a GPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _SDPA:
+            if len(args) > 4:  # (q, k, v, attn_mask, dropout_p, ...)
+                args = args[:4] + (0.0,) + args[5:]
+            else:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+__all__ = ["GpuAttention"]
