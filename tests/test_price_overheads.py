@@ -210,3 +210,15 @@ def test_attention_with_dropout_is_rehearsed_as_the_fused_kernel_on_a_gpu_and_as
     assert "bernoulli_" in cpu_ops and "_scaled_dot_product_flash_attention_for_cpu" not in cpu_ops
     scores = 2 * 4 * 64 * 64 * 4  # one (batch, heads, q, k) fp32 tensor: the math path saves such tensors
     assert cpu_saved - gpu_saved >= scores
+
+
+def test_capture_measures_attention_saved_bytes_as_the_planned_device_runs_it():
+    from treadle.planner.capture import capture
+
+    x = {"x": torch.randn(2, 64, 32)}
+    torch.manual_seed(0)
+    gpu = capture(_Attn(), (), x, gpu_attention=True)
+    cpu = capture(_Attn(), (), x)
+    assert gpu.saved is not None and cpu.saved is not None
+    scores = 2 * 4 * 64 * 64 * 4
+    assert sum(cpu.saved.values()) - sum(gpu.saved.values()) >= scores

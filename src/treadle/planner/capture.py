@@ -223,7 +223,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None):
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            reduce_repeats: bool = True, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> CapturedGraph:
+            reduce_repeats: bool = True, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            gpu_attention: bool = False) -> CapturedGraph:
     """Export `model(*args, **kwargs)` and return its forward graph with module paths and blocks.
 
     `args`/`kwargs` may be real or fake tensors (global shapes). With `reduce_repeats`, each
@@ -240,7 +241,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             real_param_modules[f"{mname}.{pname}" if mname else pname] = mname
     with _shortened_lists(model, reduce_repeats) as block_plan:
         ep = _export(model, tuple(args), kwargs, loss_fn)
-    saved_by_name, saved_error = _measure_saved(ep, args, kwargs)
+    saved_by_name, saved_error = _measure_saved(ep, args, kwargs, gpu_attention)
     graph = ep.graph_module.graph
     sig = ep.graph_signature
     param_of = {s.arg.name: s.target for s in sig.input_specs
@@ -325,12 +326,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                          saved, saved_error)
 
 
-def _measure_saved(ep, args: tuple, kwargs: dict) -> tuple[dict[str, int] | None, str]:
-    """NOTE [saved by autograd] in saved.py; (None, reason) when the exported module cannot run again."""
+def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[dict[str, int] | None, str]:
+    """NOTE [saved by autograd] in saved.py; (None, reason) when the exported module cannot run again. With
+    `gpu_attention`, attention saves what a GPU's fused kernel saves (NOTE [attention as a GPU runs it])."""
+    import contextlib
+
+    from ..profile.fused_attention import GpuAttention
     from .saved import saved_bytes_by_node
 
     try:
-        return saved_bytes_by_node(ep.module(), tuple(args), kwargs), ""
+        with GpuAttention() if gpu_attention else contextlib.nullcontext():
+            return saved_bytes_by_node(ep.module(), tuple(args), kwargs), ""
     except Exception as exc:  # any failure of the re-run: reported in the plan, per-op rules used instead
         logger.warning("capture: measuring saved activations failed (%s: %s); using per-op rules",
                        type(exc).__name__, exc)

@@ -454,14 +454,15 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         args, kwargs = tuple(example_inputs), {}
     else:
         args, kwargs = (), dict(example_inputs)
-    if graph is None:
-        say("capture")
-        graph = capture(model, args, kwargs, loss_fn=loss_fn)
-    t_capture = time.perf_counter() - t0
-    batch = _batch_size(args, kwargs)
     clusters = list(cluster) if isinstance(cluster, (list, tuple)) else [cluster]
     if not clusters:
         raise PlanError("plan_model: no cluster given")
+    if graph is None:
+        say("capture")
+        # attention saves what the devices' kernels save (NOTE [attention as a GPU runs it])
+        graph = capture(model, args, kwargs, loss_fn=loss_fn, gpu_attention=not any(c.is_cpu() for c in clusters))
+    t_capture = time.perf_counter() - t0
+    batch = _batch_size(args, kwargs)
     is_leaf_param, _ = runtime_capabilities(model)
     resolver = attr_resolver(model)
     results: list[tuple[Solution, CostGraph]] = []

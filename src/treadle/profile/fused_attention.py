@@ -7,7 +7,8 @@ attention with dropout fused (the mask is regenerated from the RNG state in back
 inputs, the output and the log-sum-exp. `GpuAttention` is a TorchFunctionMode that calls the fused kernel
 the way a GPU would — the same call with ``dropout_p=0`` on the fake tensors (values do not matter there,
 FLOPs and saved bytes do) — so a rehearsal for a GPU prices attention's time and memory as the GPU runs it.
-Used by `treadle.price` when the rank's device is not a CPU; a CPU device keeps PyTorch's CPU behaviour.
+Used by `treadle.price` when the rank's device is not a CPU, and by the planner's capture when it plans for
+GPUs only (`capture(gpu_attention=True)`); a CPU device keeps PyTorch's CPU behaviour.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default}  # the last: an exported graph's node
 
 
 class GpuAttention(TorchFunctionMode):
