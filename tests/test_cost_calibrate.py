@@ -71,3 +71,39 @@ def test_gloo_calibration_predicts_held_out_sizes_within_30_percent():
     errors = {h.nbytes: round(h.rel_error, 3) for h in cal.held_out}
     assert all(abs(e) <= 0.30 for e in errors.values()), f"held-out relative errors {errors}; {cal.to_json()}"
     assert 1e7 < cal.cluster.copy_bytes_per_s < 1e12
+
+
+def test_group_link_is_the_measured_one_else_the_slowest_hop_and_survives_json():
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.cost.collective_cost import flat_link
+    from treadle.cost.links import LinkSpec
+
+    mesh = Mesh((2, 2, 1), ("a", "b", "c"))
+    fast = LinkSpec(name="fast", latency_s=1e-6, bandwidth_bytes_per_s=1e11)
+    slow = LinkSpec(name="slow", latency_s=1e-5, bandwidth_bytes_per_s=1e10)
+    plain = ClusterSpec(mesh, (fast, slow, fast))
+    assert plain.group_link(("a", "b")) == flat_link([fast, slow])
+    assert plain.group_link(("b", "c")) == slow  # a size-1 axis adds no hop
+    measured = LinkSpec(name="world", latency_s=3e-6, bandwidth_bytes_per_s=5e10)
+    cl = ClusterSpec(mesh, (fast, slow, fast), group_links=((("a", "b"), measured),))
+    assert cl.group_link(("b", "a")) == measured and cl.group_link(("a", "b", "c")) == measured
+    back = ClusterSpec.from_json(cl.to_json())
+    assert back.group_link(("a", "b")) == measured
+    assert cl.with_ranks(cores_per_host=2).group_link(("a", "b")) == measured
+    with pytest.raises(Exception, match="z"):
+        ClusterSpec(mesh, (fast, slow, fast), group_links=((("a", "z"), measured),))
+
+
+def _calibrate_2x2(rank, world):
+    cal = calibrate_cluster(Mesh((2, 2), ("x", "y")), sizes_bytes=(1 << 12, 1 << 16, 1 << 20), held_out_bytes=(),
+                            rounds=3)
+    return cal.cluster
+
+
+@pytest.mark.slow
+def test_a_2d_calibration_measures_the_world_group_for_data_parallelism_over_both_axes():
+    cluster = testing.spawn(_calibrate_2x2, 4, timeout_s=240)[0]
+    ((axes, link),) = cluster.group_links
+    assert axes == ("x", "y") and link.bandwidth_bytes_per_s > 0 and link.latency_s >= 0
+    assert dict(link.op_scale).keys() >= {"all_reduce", "reduce_scatter"}
+    assert cluster.group_link(("x", "y")) == link

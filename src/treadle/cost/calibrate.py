@@ -15,6 +15,8 @@ Held-out sizes are measured in the same sweeps and reported next to the model's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import statistics
@@ -208,8 +210,9 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
     Calibration reports the model's error on them. The all-gather fits the link (alpha, beta, launch); each
     other collective of `ops` gets a time factor against its model on that link (`LinkSpec.op_scale`: gloo's
-    reduce-scatter, for one, is far slower than a ring). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
-    is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
+    reduce-scatter, for one, is far slower than a ring). With two or more axes the world group (every axis
+    flattened) is fitted the same way and kept as `ClusterSpec.group_links` (data parallelism over all ranks
+    runs on it). The local copy rate (`ClusterSpec.copy_bytes_per_s`) is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
     or when no axis has more than one rank."""
@@ -231,8 +234,10 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
     notes: list[str] = []
     flat_fit, launch = None, 0.0
+    flat_all: dict[str, list[float]] = {}
     if len(groups) >= 2:
-        flat_times = measure_collectives_s(["all_gather"], all_sizes, dist.group.WORLD, rounds=rounds)["all_gather"]
+        flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds)
+        flat_times = flat_all["all_gather"]
         flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)
     else:
@@ -247,11 +252,21 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
         links[f.axes[0]] = LinkSpec(name=plain.name, latency_s=latency,
                                     bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0,
                                     launch_s=launch, op_scale=scales)
+    group_links = ()
+    if flat_fit is not None:  # the world group, flattening every axis: e.g. data parallelism over all ranks
+        live = tuple(a for a, n in zip(mesh.names, mesh.shape) if n > 1)
+        latency = max(flat_fit.intercept_s - launch, 0.0) / (flat_fit.n_ranks - 1)
+        plain = LinkSpec(name=f"{name}-{'+'.join(live)}", latency_s=latency,
+                         bandwidth_bytes_per_s=flat_fit.bandwidth_bytes_per_s, efficiency=1.0, launch_s=launch)
+        scales = tuple((op, _scale(op, flat_fit.n_ranks, plain, all_sizes[:fitted], flat_all[op][:fitted]))
+                       for op in ops if op != "all_gather")
+        group_links = ((live, dataclasses.replace(plain, op_scale=scales)),)
     copy_rate = measure_copy_bytes_per_s(max(all_sizes), rounds=rounds)
     base = base or ClusterSpec.uniform(mesh, next(iter(links.values())), device="cpu")
     if base.mesh.shape != mesh.shape:
         raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names], copy_bytes_per_s=copy_rate)
+    cluster = dataclasses.replace(cluster, group_links=group_links)
     held_out = tuple(HeldOut(f.axes[0], size, t, _model_s(op, size, f.n_ranks, cluster.link(f.axes[0])), op)
                      for f, times in zip(fits, measured) for op in ops
                      for size, t in zip(all_sizes[fitted:], times[op][fitted:]))

@@ -68,9 +68,16 @@ class ClusterSpec:
     threads_per_rank: int = 1
     ranks_per_host: int | None = None
     cores_per_host: int | None = None
+    # links measured for process groups that flatten several axes ((axis names in mesh order), LinkSpec), e.g.
+    # DDP over every rank of a 2-D mesh; `group_link` falls back to `flat_link` of the axes' links without one
+    group_links: tuple[tuple[tuple[str, ...], LinkSpec], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "group_links", tuple((tuple(a), link) for a, link in self.group_links))
+        for axes, _ in self.group_links:
+            for a in axes:
+                self.mesh.axis_index(a)
         if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
             raise LayoutError(f"ClusterSpec: copy_bytes_per_s must be > 0 or None; got {self.copy_bytes_per_s}")
         for name in ("threads_per_rank", "ranks_per_host", "cores_per_host"):
@@ -102,6 +109,22 @@ class ClusterSpec:
                 raise LayoutError(f"mesh axis index {axis} out of range for {self.mesh}")
             return self.links[axis]
         return self.links[self.mesh.axis_index(axis)]
+
+    def group_link(self, axes: Sequence[str]) -> LinkSpec:
+        """The link of one process group over several mesh `axes` (flattened; e.g. data parallelism over all of
+        them): the measured `group_links` entry for those axes (size-1 axes ignored) when there is one, else
+        `flat_link` of their links (every ring step waits for its slowest hop)."""
+        from .collective_cost import flat_link
+
+        live = tuple(a for a in self.mesh.names if a in axes and self.mesh.size(a) > 1)
+        for a in axes:
+            self.mesh.axis_index(a)
+        if len(live) <= 1:
+            return self.link(live[0] if live else axes[0])
+        for key, link in self.group_links:
+            if key == live:
+                return link
+        return flat_link([self.link(a) for a in live])
 
     def hardware(self):  # -> treadle.profile.hardware.HardwareSpec
         """The device's HardwareSpec (resolves a preset name through treadle.profile.hardware)."""
@@ -158,7 +181,7 @@ class ClusterSpec:
                    cores_per_host: int | None = None) -> "ClusterSpec":
         """The same cluster with the rank placement of NOTE [rank device] stated."""
         return ClusterSpec(self.mesh, self.links, self.device, self.copy_bytes_per_s, threads_per_rank,
-                           ranks_per_host, cores_per_host)
+                           ranks_per_host, cores_per_host, self.group_links)
 
     def for_mesh(self, mesh: Mesh) -> "ClusterSpec":
         """This cluster seen through another logical `mesh` of the same world size (e.g. a schedule's): an
@@ -181,7 +204,7 @@ class ClusterSpec:
         """The same cluster with other links (e.g. calibrated ones) and, when given, another copy rate."""
         return ClusterSpec(self.mesh, tuple(links), self.device,
                            self.copy_bytes_per_s if copy_bytes_per_s is None else copy_bytes_per_s,
-                           self.threads_per_rank, self.ranks_per_host, self.cores_per_host)
+                           self.threads_per_rank, self.ranks_per_host, self.cores_per_host, self.group_links)
 
     def restrict(self, axes: Sequence[str]) -> "ClusterSpec":
         """The cluster over a subset of mesh axes (in the given order), keeping their links, the device and
@@ -225,7 +248,8 @@ class ClusterSpec:
         return {"mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
                 "links": [link.to_dict() for link in self.links], "device": dev,
                 "copy_bytes_per_s": self.copy_bytes_per_s, "threads_per_rank": self.threads_per_rank,
-                "ranks_per_host": self.ranks_per_host, "cores_per_host": self.cores_per_host}
+                "ranks_per_host": self.ranks_per_host, "cores_per_host": self.cores_per_host,
+                "group_links": [{"axes": list(a), "link": link.to_dict()} for a, link in self.group_links]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -239,7 +263,8 @@ class ClusterSpec:
             dev = HardwareSpec.from_json(json.dumps(dev["hardware"]))
         return cls(Mesh(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])),
                    tuple(LinkSpec.from_dict(x) for x in d["links"]), dev, d.get("copy_bytes_per_s"),
-                   d.get("threads_per_rank", 1), d.get("ranks_per_host"), d.get("cores_per_host"))
+                   d.get("threads_per_rank", 1), d.get("ranks_per_host"), d.get("cores_per_host"),
+                   tuple((tuple(g["axes"]), LinkSpec.from_dict(g["link"])) for g in d.get("group_links", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "ClusterSpec":

@@ -172,10 +172,8 @@ class NodeCosts:
 
     def dp_link(self, axes: tuple[str, ...]):  # -> LinkSpec
         """The link of the flattened group of data-parallel `axes` (the runtime's one process group over
-        them): the slowest hop (`treadle.cost.collective_cost.flat_link`), as `treadle.planner.price` does."""
-        from ..cost.collective_cost import flat_link
-
-        return flat_link([self.cluster.link(a) for a in axes])
+        them): the measured one or the slowest hop (`ClusterSpec.group_link`), as `treadle.planner.price` does."""
+        return self.cluster.group_link(axes)
 
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """Parameter, gradient and optimizer bytes of the local shard (1/zero_size under ZeRO-3); without

@@ -354,9 +354,9 @@ def _local_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _dp_link(cluster: ClusterSpec, axes: tuple[str, ...]):
-    """The link of the flattened group of `axes` (one process group over all of them): the slowest hop
-    (`treadle.cost.collective_cost.flat_link`)."""
-    return cc.flat_link([cluster.link(a) for a in axes])
+    """The link of the flattened group of `axes` (one process group over all of them): the measured one, or
+    the slowest hop (`ClusterSpec.group_link`)."""
+    return cluster.group_link(axes)
 
 
 def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Collective]:
