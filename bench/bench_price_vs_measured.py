@@ -255,6 +255,8 @@ def run_config(model_name: str, config: str, args) -> dict:
     device = CPU_CORE if args.nominal_cpu else calibrate_cpu(threads=1)
     cluster = ClusterSpec(Mesh(shape, names), links.links, device, links.copy_bytes_per_s, threads_per_rank=1,
                           ranks_per_host=world, cores_per_host=os.cpu_count())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"cluster_{config}.json").write_text(cluster.to_json())  # the calibrated cluster, to re-price
     print(f"\n{model_name} batch {args.batch} x seq {args.seq}, gloo {config} ({world} ranks); "
           f"{cluster.rank_device().source}", flush=True)
     scheds = schedules(model_name, shape, names, args.batch, args.seq, cluster, args.quick)
