@@ -147,7 +147,13 @@ _SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
 # the local tensor (``x.shape[0]``, ``-1``: right on shards) or read it from a module attribute
 # (``self.num_heads``: wrong on shards, silently). `AttrResolver(module_path, value)` says which: "ok" (no int
 # attribute of the module holds that value), ("attr", name) (exactly one does: `shard_attr` divides it at
-# build), or "forbid" (several do, or the model's config does: the shard cannot be expressed).
+# build), "config" (no attribute does, but the model's config does), or "forbid" (several attributes do).
+# A "config" size is taken as computed from the local tensor (HF attention reshapes with ``-1`` and
+# ``x.shape``, `repeat_kv` expands with the key's own head count) unless the same call also holds a ``-1`` at
+# another dim: a fixed head count read from the config there would make the ``-1`` absorb the shard (the
+# sequence silently divided), so that case is refused. A fixed size read from the config anywhere else
+# fails loudly on shards (numel mismatch in view / reshape, a non-1 dim in expand), never silently, except
+# an expand whose local size is 1, which the planner does not guard.
 AttrResolver = "Callable[[str, int], str | tuple[str, str]]"
 
 
@@ -168,7 +174,7 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
         if not isinstance(v, int) or v < 0:
             continue  # -1 or a symbolic size: computed from the local tensor
         r = resolver(node.module, v)
-        if r == "forbid":
+        if r == "forbid" or r == "config" and any(x == -1 for k, x in enumerate(sizes) if k != d):
             return None
         if isinstance(r, tuple):
             needs.append((r[1], axis))

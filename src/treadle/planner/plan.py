@@ -80,7 +80,7 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         cfg = getattr(mod, "config", None)
         in_cfg = cfg is not None and any(isinstance(v, int) and not isinstance(v, bool) and v == value
                                          for v in vars(cfg).values())
-        r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names or in_cfg else "ok")
+        r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names else "config" if in_cfg else "ok")
         cache[key] = r
         return r
 
