@@ -257,7 +257,10 @@ def _sdpa(node: Node, nodes: list[Node]) -> DimSpec | None:
     L = _Letters()
     b, h, s, d = L.many(q.shape)
     t, e = L.new(k.shape[2]), L.new(v.shape[3])
-    kh = h if k.shape[1] == q.shape[1] else L.new(k.shape[1])
+    # fewer key/value heads than query heads (``enable_gqa``): query head i reads kv head i // (H / K), so
+    # both head dims share one letter (sharded together, `_divisible` checks K on the local shape); a kv head
+    # dim replicated under sharded queries would pair each rank's queries with the wrong kv heads
+    kh = h
     kb = b if k.shape[0] == q.shape[0] else L.new(k.shape[0])
     ins: list = [(b, h, s, d), (kb, kh, t, d), (kb, kh, t, e)]
     for m in metas[3:]:  # attention mask / bias, broadcast against (b, h, s, t)
