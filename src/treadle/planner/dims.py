@@ -467,6 +467,11 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
         return DimSpec([xl], [xl], L.sizes, blocked={xl[_dim(a, rank)] for a in dims})
     L = _Letters()
     xl = L.many(x.shape)
+    k = split_blocks(node, nodes)
+    if k:  # NOTE [blocked split]: every piece is sharded like the fused dim, one letter for all
+        L.sizes[xl[d]] = x.shape[d] // k
+        outs = [xl if isinstance(o, TensorMeta) else None for o in outs_meta]
+        return DimSpec([xl] + [None] * (len(node.inputs) - 1), outs, L.sizes, partial_in=[(0,)])
     outs = []
     for o in outs_meta:
         if not isinstance(o, TensorMeta):
@@ -480,9 +485,72 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
     return DimSpec(ins, outs, L.sizes, blocked={xl[d]}, partial_in=[(0,)])
 
 
+# NOTE [blocked split]: a fused projection (GPT-2's q|k|v in one Conv1D) is split into k equal pieces along its
+# output dim. Sharding that dim plainly would give rank 0 all of q; sharding it as k interleaved blocks
+# (``shard(..., blocks=k)`` on the projection's weight and bias) gives every rank its part of q, of k and of v,
+# so each piece comes out ``Shard(d)``. The planner keeps the plain placement codes and gives them the blocked
+# meaning on the *chain* from the projection to the split: the split's input, back through single-user views
+# that keep the dim whole, to the linear / addmm that makes it. `block_chains` lists those nodes; the cost
+# graph refuses any layout change on them and a second tensor axis on the fused dim, and `to_schedule` emits
+# ``blocks=k`` for the parameters the chain's linear reads. The split's size (``self.split_size``) is divided
+# by ``shard_attr`` (NOTE [fixed view sizes] in cost_graph.py).
+_CHAIN_VIEWS = {"view", "reshape", "_unsafe_view", "alias", "contiguous", "clone", "_to_copy", "to"}
+_CHAIN_MAKERS = {"linear", "addmm", "mm"}
+
+
+def split_blocks(node: Node, nodes: list[Node]) -> int:
+    """k when `node` splits its input into k >= 2 equal pieces along the output dim of a linear that feeds it
+    through a block chain (NOTE [blocked split]); else 0."""
+    chain = block_chain(node, nodes)
+    return chain[1] if chain else 0
+
+
+def block_chain(node: Node, nodes: list[Node]) -> tuple[list[int], int] | None:
+    """(chain node indices from the split's input back to the linear, k) for a blocked split, else None."""
+    if node.op_name not in ("split", "split_with_sizes", "chunk") or not node.inputs:
+        return None
+    x = _meta(nodes[node.inputs[0]])
+    if x is None or not x.shape:
+        return None
+    rank = len(x.shape)
+    d = _dim(_arg(node, 2, "dim", 0), rank)
+    size = _arg(node, 1, "split_size" if node.op_name == "split" else "chunks", None)
+    if node.op_name == "chunk":
+        k = size if isinstance(size, int) and size >= 2 and x.shape[d] % size == 0 else 0
+    elif node.op_name == "split_with_sizes":
+        k = len(size) if isinstance(size, (list, tuple)) and len(set(size)) == 1 and len(size) >= 2 else 0
+    else:
+        k = x.shape[d] // size if isinstance(size, int) and size > 0 and x.shape[d] % size == 0 else 0
+    if k < 2 or d != rank - 1:
+        return None
+    chain: list[int] = []
+    j = node.inputs[0]
+    while True:
+        src = nodes[j]
+        m = _meta(src)
+        if src.kind != "op" or m is None or not m.shape or m.shape[-1] != x.shape[d] or len(src.users) != 1:
+            return None
+        chain.append(j)
+        if src.op_name in _CHAIN_MAKERS:
+            return chain, k
+        if src.op_name not in _CHAIN_VIEWS or not src.inputs:
+            return None
+        j = src.inputs[0]
+
+
 @register_dims("getitem")
 def _getitem(node: Node, nodes: list[Node]) -> DimSpec | None:
-    return None  # handled as a follower of its tuple producer (cost_graph)
+    """A piece of a split into equal pieces reads the layout of the split's (first) output: identity. Other
+    tuple producers publish their first output's layout only, so their pieces stay replicated."""
+    src = nodes[node.inputs[0]] if node.inputs else None
+    out = _meta(node)
+    if src is None or out is None or src.op_name not in ("split", "split_with_sizes", "chunk"):
+        return None
+    if not isinstance(src.out, tuple) or any(not isinstance(o, TensorMeta) or o.shape != out.shape for o in src.out):
+        return None
+    L = _Letters()
+    ol = L.many(out.shape)
+    return DimSpec([ol], [ol], L.sizes, partial_in=[(0,)])
 
 
 # ----------------------------------------------------------------------------- options
@@ -582,5 +650,5 @@ def product_placements(combo: tuple[AxisOption, ...], which: str, pos: int) -> t
     return tuple(getattr(o, which)[pos] for o in combo)
 
 
-__all__ = ["R", "P", "DimSpec", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
+__all__ = ["R", "P", "DimSpec", "block_chain", "split_blocks", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
            "unknown_ops", "placement_str", "replicate_option", "product_placements"]
