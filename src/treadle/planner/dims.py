@@ -441,16 +441,23 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
     rank = len(x.shape)
     if name in ("cat", "stack"):
         dim = _arg(node, 1, "dim", 0)
-        if name == "stack" or any(m is None or len(m.shape) != rank for m in metas):
+        # cat skips 1-d empty tensors (a KV cache's first update: ``cat([tensor([]), k], dim=-2)``): they hold
+        # no letters and stay replicated
+        empty = [m is not None and m.shape == (0,) for m in metas]
+        real = [m for m, e in zip(metas, empty) if not e]
+        if name == "stack" or not real or any(m is None or len(m.shape) != len(real[0].shape) for m in real):
             return None
+        x = real[0]
+        rank = len(x.shape)
         L = _Letters()
         xl = L.many(x.shape)
         d = _dim(dim, rank)
-        ins = [tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(m.shape)) for m in metas]
+        ins = [None if e else tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(m.shape))
+               for m, e in zip(metas, empty)]
         out = outs_meta[0]
         ol = tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(out.shape))
-        return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins for l in t if l not in xl} | {ol[d], xl[d]},
-                       partial_in=[tuple(range(len(metas)))])
+        return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins if t for l in t if l not in xl} | {ol[d], xl[d]},
+                       partial_in=[tuple(i for i, e in enumerate(empty) if not e)])
     if name in ("index", "index_put", "masked_select", "index_select", "gather", "scatter", "scatter_add",
                 "repeat", "repeat_interleave", "pad", "constant_pad_nd", "diff", "unbind"):
         return None  # shape changes that need more than one dim: replicate only
