@@ -14,6 +14,7 @@ from treadle.cost.cluster import ClusterSpec
 from treadle.errors import PlanError
 from treadle.mesh import Mesh
 from treadle.planner.plan import Plan, plan_model
+from treadle.testing import spawn
 from treadle.verify.verify import verify
 
 BATCH, SEQ = 4, 32
@@ -106,6 +107,21 @@ def test_gpt2_fused_qkv_is_sharded_in_three_blocks_and_verifies(use_cache):
         assert (att, "split_size") in attrs, attrs
     if not use_cache:
         _verify_all(plan, _gpt2(), inputs)
+    else:  # the cache each rank returns holds its own heads of the original's keys and values
+        for same, local, full in spawn(_cache_rank, 2, plan.to_json(), inputs, timeout_s=180):
+            assert same and local[1] * 2 == full[1], (local, full)
+
+
+def _cache_rank(rank: int, world: int, plan_json: str, inputs: dict) -> tuple[bool, tuple, tuple]:
+    from treadle.runtime.build import build
+
+    built = build(Plan.from_json(plan_json).schedule_for(_gpt2(use_cache=True)))
+    with torch.no_grad():
+        got = built(**inputs).past_key_values.layers[1]
+        ref = _gpt2(use_cache=True)(**inputs).past_key_values.layers[1]
+    same = all(torch.allclose(a, b.chunk(world, dim=1)[rank], atol=1e-5)
+               for a, b in ((got.keys, ref.keys), (got.values, ref.values)))
+    return same, tuple(got.keys.shape), tuple(ref.keys.shape)
 
 
 def test_plan_json_keeps_blocks():
