@@ -180,3 +180,24 @@ def test_config_head_count_with_a_minus_one_elsewhere_is_refused():
     plan = plan_model(model, (ids,), cluster=cl, dp_axis=None, pins={"q.weight": {"tp": 0}})
     syncs = [(d.path, d.args["to"]) for d in plan.decisions if d.op == "sync"]
     assert ("q", "R") in syncs, plan.decisions
+
+
+def test_sdpa_with_enable_gqa_shards_query_and_kv_heads_together(monkeypatch):
+    """SDPA's own grouped-query path (``enable_gqa``, no `repeat_kv`): query head i reads kv head i // (H / K), so
+    sharding the queries alone would pair a rank's queries with the wrong kv heads: refused; q and kv together
+    is a plan."""
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    model, inputs = _llama_like("llama", kv=4), lm_inputs(2, 8)
+    from treadle.planner.capture import capture
+
+    graph = capture(model, (), inputs)
+    sdpa = [n for n in graph.ops() if n.op_name == "scaled_dot_product_attention"]
+    assert sdpa and all(n.kwargs.get("enable_gqa") for n in sdpa)
+    cl = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="h100-sxm")
+    heads = {"*.q_proj.weight": {"tp": 0}, "*.o_proj.weight": {"tp": 1}}
+    with pytest.raises(PlanError, match="no plan|no strategy"):
+        plan_model(model, inputs, cluster=cl, dp_axis=None, graph=graph,
+                   pins={**heads, "*.k_proj.weight": {"tp": "R"}, "*.v_proj.weight": {"tp": "R"}})
+    plan = plan_model(model, inputs, cluster=cl, dp_axis=None, graph=graph,
+                      pins={**heads, "*.k_proj.weight": {"tp": 0}, "*.v_proj.weight": {"tp": 0}})
+    assert not [d for d in plan.decisions if d.op == "sync" and not d.path.endswith("o_proj")], plan.decisions

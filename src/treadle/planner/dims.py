@@ -539,7 +539,11 @@ def block_chain(node: Node, nodes: list[Node]) -> tuple[list[int], int] | None:
             return None
         chain.append(j)
         if src.op_name in _CHAIN_MAKERS:
-            return chain, k
+            # only a parameter's shard can carry the blocked meaning (``shard(..., blocks=k)``): every operand
+            # but the activation must be a parameter (an activation sharded plainly would be misread)
+            act = 1 if src.op_name == "addmm" else 0
+            ok = all(nodes[i].kind == "param" for pos, i in enumerate(src.inputs) if pos != act)
+            return (chain, k) if ok and len(src.inputs) >= 2 else None
         if src.op_name not in _CHAIN_VIEWS or not src.inputs:
             return None
         j = src.inputs[0]
