@@ -661,5 +661,5 @@ def product_placements(combo: tuple[AxisOption, ...], which: str, pos: int) -> t
     return tuple(getattr(o, which)[pos] for o in combo)
 
 
-__all__ = ["R", "P", "DimSpec", "block_chain", "split_blocks", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
-           "unknown_ops", "placement_str", "replicate_option", "product_placements"]
+__all__ = ["R", "P", "DimSpec", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
+           "unknown_ops", "placement_str", "replicate_option", "product_placements", "block_chain", "split_blocks"]

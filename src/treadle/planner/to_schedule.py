@@ -90,7 +90,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     pl = o.ins[pos]
                     if pl >= 0:
                         # the fused output dim of a blocked split's linear: k interleaved blocks
-                        k = chain_k.get(i, 1) if o.outs and o.outs[0] == len(n.out.shape) - 1 else 1
+                        k = chain_k[i] if i in chain_k and o.outs[0] == len(n.out.shape) - 1 else 1
                         for m in _members(cg, owner, i):
                             shards[(m, pname, pl, a, k)] = n.name
                     elif o.grad_partial[pos] and not leaf_param(src.param):
