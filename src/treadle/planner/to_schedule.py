@@ -106,7 +106,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
             for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
-            if n.op_name in ("dropout", "native_dropout") and n.module:
+            if (n.op_name in ("dropout", "native_dropout") or _sdpa_dropout(n)) and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
                         for m in _members(cg, n.module, i):
@@ -132,6 +132,16 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     if cg.roles.dp:
         out.append(Decision("data_parallel", "", {"axis": cg.roles.dp, "shard": cg.roles.zero}, str(cg.roles)))
     return out
+
+
+def _sdpa_dropout(n) -> bool:
+    """Attention with dropout inside (``dropout_p > 0``): on sharded heads each rank needs its own stream."""
+    if "scaled_dot_product" not in n.op_name:
+        return False
+    names = [a.name for a in getattr(getattr(n.target, "_schema", None), "arguments", [])]
+    pos = names.index("dropout_p") if "dropout_p" in names else None
+    p = n.args[pos] if pos is not None and len(n.args) > pos else n.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p > 0
 
 
 def _pl_str(p: int) -> str:
