@@ -154,7 +154,7 @@ _SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
 # sequence silently divided), so that case is refused. A fixed size read from the config anywhere else
 # fails loudly on shards (numel mismatch in view / reshape, a non-1 dim in expand), never silently, except
 # an expand whose local size is 1, which the planner does not guard.
-AttrResolver = "Callable[[str, int], str | tuple[str, str]]"
+AttrResolver = "Callable[[str, int, str | None], str | tuple[str, str]]"  # (module path, size, prefer=name part)
 
 
 def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, ...],
