@@ -51,7 +51,7 @@ from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
 from ..mesh import Mesh
 from .capture import CapturedGraph, Node, TensorMeta
-from .dims import P, R, AxisOption, dim_spec, strategies
+from .dims import P, R, AxisOption, block_chain, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
 
 logger = logging.getLogger(__name__)
@@ -174,13 +174,21 @@ _SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
 # the local tensor (``x.shape[0]``, ``-1``: right on shards) or read it from a module attribute
 # (``self.num_heads``: wrong on shards, silently). `AttrResolver(module_path, value)` says which: "ok" (no int
 # attribute of the module holds that value), ("attr", name) (exactly one does: `shard_attr` divides it at
-# build), or "forbid" (several do, or the model's config does: the shard cannot be expressed).
-AttrResolver = "Callable[[str, int], str | tuple[str, str]]"
+# build), "config" (no attribute does, but the model's config does), or "forbid" (several attributes do).
+# A "config" size is taken as computed from the local tensor (HF attention reshapes with ``-1`` and
+# ``x.shape``, `repeat_kv` expands with the key's own head count) unless the same call also holds a ``-1`` at
+# another dim: a fixed head count read from the config there would make the ``-1`` absorb the shard (the
+# sequence silently divided), so that case is refused. A fixed size read from the config anywhere else
+# fails loudly on shards (numel mismatch in view / reshape, a non-1 dim in expand), never silently, except
+# an expand whose local size is 1, which the planner does not guard.
+AttrResolver = "Callable[[str, int, str | None], str | tuple[str, str]]"  # (module path, size, prefer=name part)
 
 
 def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, ...],
                     resolver) -> list[tuple[str, str]] | None:
     """(attribute, axis) pairs a sharded reshape needs (NOTE [fixed view sizes]); None if not expressible."""
+    if node.op_name in ("split", "chunk", "split_with_sizes"):
+        return _split_attr_needs(node, combo, axes, resolver)
     if node.op_name not in _SHAPE_ARG_OPS or resolver is None or not combo or not isinstance(node.out, TensorMeta):
         return []
     sizes = node.args[1] if len(node.args) > 1 else None
@@ -195,11 +203,40 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
         if not isinstance(v, int) or v < 0:
             continue  # -1 or a symbolic size: computed from the local tensor
         r = resolver(node.module, v)
-        if r == "forbid":
+        if r == "forbid" or r == "config" and any(x == -1 for k, x in enumerate(sizes) if k != d):
             return None
         if isinstance(r, tuple):
             needs.append((r[1], axis))
     return needs
+
+
+def _split_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, ...],
+                      resolver) -> list[tuple[str, str]] | None:
+    """A blocked split (NOTE [blocked split] in dims.py) with its pieces sharded: the piece size must shrink
+    too. A size no attribute holds is computed (``chunk(3)``, ``x.shape[-1] // 3``); one attribute is divided
+    by ``shard_attr`` (several: the one named like ``split``); a size held only by the config, or by several
+    attributes none of them named so, is refused."""
+    if node.op_name != "split" or resolver is None or not combo:
+        return []
+    v = node.args[1] if len(node.args) > 1 else None
+    d = _split_dim(node)
+    needs = []
+    for axis, o in zip(axes, combo):
+        if o.letter is None or not o.outs or o.outs[0] != d or not isinstance(v, int):
+            continue
+        r = resolver(node.module, v, prefer="split")
+        if r in ("forbid", "config"):
+            return None
+        if isinstance(r, tuple):
+            needs.append((r[1], axis))
+    return needs
+
+
+def _split_dim(node: Node) -> int:
+    meta = node.fake_args[0] if node.fake_args else None
+    rank = meta.dim() if isinstance(meta, torch.Tensor) else 0
+    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return d % rank if rank else 0
 
 
 def exit_module(graph: CapturedGraph, node: Node) -> str | None:
@@ -312,9 +349,12 @@ class _Builder(NodeCosts):
         out: list = []
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
+        fused = self.chain_k.get(n.index) and len(n.out.shape) - 1  # NOTE [blocked split] in dims.py
         for combo in combos:
             if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
                 continue
+            if fused and sum(1 for o in combo if o.outs[0] == fused) > 1:
+                continue  # interleaved blocks over two axes: the runtime splits blocks on one axis only
             if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
                 continue
             raw = tuple(o.outs[0] for o in combo) if combo else ()
@@ -323,7 +363,7 @@ class _Builder(NodeCosts):
             affine_partial = P in raw and self._leaves(n) and n.module in self.biased_modules
             if (not is_output or all(p == R for p in raw)) and not affine_partial:
                 out.append((combo, raw))
-            if exitable and any(p != R for p in raw):
+            if exitable and any(p != R for p in raw) and not (fused and fused in raw):
                 out.append((combo, tuple(R for _ in raw)))
         return out
 
@@ -378,6 +418,7 @@ class _Builder(NodeCosts):
         # canonical op nodes in order
         canon_ops = [n for n in self.nodes if n.kind == "op" and self.canonical(n.index) == n.index]
         self.exit_of = {n.index: exit_module(self.g, n) for n in canon_ops}
+        self.chain_k = block_chains(self.nodes, canon_ops)
         self.biased_modules = {n.module for n in canon_ops if _has_bias(n)}
         self.param_owner: dict[str, int] = {}
         for n in canon_ops:
@@ -599,9 +640,20 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.static_bytes += c.static_bytes
 
 
+def block_chains(nodes: list[Node], ops) -> dict[int, int]:
+    """Node -> k for every node on a blocked split's chain (NOTE [blocked split] in dims.py)."""
+    out: dict[int, int] = {}
+    for n in ops:
+        chain = block_chain(n, nodes)
+        if chain:
+            for j in chain[0]:
+                out[j] = chain[1]
+    return out
+
+
 def _has_bias(n: Node) -> bool:
     return (n.op_name == "linear" and len(n.inputs) > 2) or n.op_name in ("addmm", "baddbmm")
 
 
 __all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "build_cost_graph",
-           "exit_module", "view_attr_needs"]
+           "exit_module", "view_attr_needs", "block_chains"]

@@ -257,7 +257,10 @@ def _sdpa(node: Node, nodes: list[Node]) -> DimSpec | None:
     L = _Letters()
     b, h, s, d = L.many(q.shape)
     t, e = L.new(k.shape[2]), L.new(v.shape[3])
-    kh = h if k.shape[1] == q.shape[1] else L.new(k.shape[1])
+    # fewer key/value heads than query heads (``enable_gqa``): query head i reads kv head i // (H / K), so
+    # both head dims share one letter (sharded together, `_divisible` checks K on the local shape); a kv head
+    # dim replicated under sharded queries would pair each rank's queries with the wrong kv heads
+    kh = h
     kb = b if k.shape[0] == q.shape[0] else L.new(k.shape[0])
     ins: list = [(b, h, s, d), (kb, kh, t, d), (kb, kh, t, e)]
     for m in metas[3:]:  # attention mask / bias, broadcast against (b, h, s, t)
@@ -438,16 +441,23 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
     rank = len(x.shape)
     if name in ("cat", "stack"):
         dim = _arg(node, 1, "dim", 0)
-        if name == "stack" or any(m is None or len(m.shape) != rank for m in metas):
+        # cat skips 1-d empty tensors (a KV cache's first update: ``cat([tensor([]), k], dim=-2)``): they hold
+        # no letters and stay replicated
+        empty = [m is not None and m.shape == (0,) for m in metas]
+        real = [m for m, e in zip(metas, empty) if not e]
+        if name == "stack" or not real or any(m is None or len(m.shape) != len(real[0].shape) for m in real):
             return None
+        x = real[0]
+        rank = len(x.shape)
         L = _Letters()
         xl = L.many(x.shape)
         d = _dim(dim, rank)
-        ins = [tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(m.shape)) for m in metas]
+        ins = [None if e else tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(m.shape))
+               for m, e in zip(metas, empty)]
         out = outs_meta[0]
         ol = tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(out.shape))
-        return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins for l in t if l not in xl} | {ol[d], xl[d]},
-                       partial_in=[tuple(range(len(metas)))])
+        return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins if t for l in t if l not in xl} | {ol[d], xl[d]},
+                       partial_in=[tuple(i for i, e in enumerate(empty) if not e)])
     if name in ("index", "index_put", "masked_select", "index_select", "gather", "scatter", "scatter_add",
                 "repeat", "repeat_interleave", "pad", "constant_pad_nd", "diff", "unbind"):
         return None  # shape changes that need more than one dim: replicate only
@@ -464,6 +474,11 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
         return DimSpec([xl], [xl], L.sizes, blocked={xl[_dim(a, rank)] for a in dims})
     L = _Letters()
     xl = L.many(x.shape)
+    k = split_blocks(node, nodes)
+    if k:  # NOTE [blocked split]: every piece is sharded like the fused dim, one letter for all
+        L.sizes[xl[d]] = x.shape[d] // k
+        outs = [xl if isinstance(o, TensorMeta) else None for o in outs_meta]
+        return DimSpec([xl] + [None] * (len(node.inputs) - 1), outs, L.sizes, partial_in=[(0,)])
     outs = []
     for o in outs_meta:
         if not isinstance(o, TensorMeta):
@@ -477,9 +492,76 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
     return DimSpec(ins, outs, L.sizes, blocked={xl[d]}, partial_in=[(0,)])
 
 
+# NOTE [blocked split]: a fused projection (GPT-2's q|k|v in one Conv1D) is split into k equal pieces along its
+# output dim. Sharding that dim plainly would give rank 0 all of q; sharding it as k interleaved blocks
+# (``shard(..., blocks=k)`` on the projection's weight and bias) gives every rank its part of q, of k and of v,
+# so each piece comes out ``Shard(d)``. The planner keeps the plain placement codes and gives them the blocked
+# meaning on the *chain* from the projection to the split: the split's input, back through single-user views
+# that keep the dim whole, to the linear / addmm that makes it. `block_chains` lists those nodes; the cost
+# graph refuses any layout change on them and a second tensor axis on the fused dim, and `to_schedule` emits
+# ``blocks=k`` for the parameters the chain's linear reads. The split's size (``self.split_size``) is divided
+# by ``shard_attr`` (NOTE [fixed view sizes] in cost_graph.py).
+_CHAIN_VIEWS = {"view", "reshape", "_unsafe_view", "alias", "contiguous", "clone", "_to_copy", "to"}
+_CHAIN_MAKERS = {"linear", "addmm", "mm"}
+
+
+def split_blocks(node: Node, nodes: list[Node]) -> int:
+    """k when `node` splits its input into k >= 2 equal pieces along the output dim of a linear that feeds it
+    through a block chain (NOTE [blocked split]); else 0."""
+    chain = block_chain(node, nodes)
+    return chain[1] if chain else 0
+
+
+def block_chain(node: Node, nodes: list[Node]) -> tuple[list[int], int] | None:
+    """(chain node indices from the split's input back to the linear, k) for a blocked split, else None."""
+    if node.op_name not in ("split", "split_with_sizes", "chunk") or not node.inputs:
+        return None
+    x = _meta(nodes[node.inputs[0]])
+    if x is None or not x.shape:
+        return None
+    rank = len(x.shape)
+    d = _dim(_arg(node, 2, "dim", 0), rank)
+    size = _arg(node, 1, "split_size" if node.op_name == "split" else "chunks", None)
+    if node.op_name == "chunk":
+        k = size if isinstance(size, int) and size >= 2 and x.shape[d] % size == 0 else 0
+    elif node.op_name == "split_with_sizes":
+        k = len(size) if isinstance(size, (list, tuple)) and len(set(size)) == 1 and len(size) >= 2 else 0
+    else:
+        k = x.shape[d] // size if isinstance(size, int) and size > 0 and x.shape[d] % size == 0 else 0
+    if k < 2 or d != rank - 1:
+        return None
+    chain: list[int] = []
+    j = node.inputs[0]
+    while True:
+        src = nodes[j]
+        m = _meta(src)
+        if src.kind != "op" or m is None or not m.shape or m.shape[-1] != x.shape[d] or len(src.users) != 1:
+            return None
+        chain.append(j)
+        if src.op_name in _CHAIN_MAKERS:
+            # only a parameter's shard can carry the blocked meaning (``shard(..., blocks=k)``): every operand
+            # but the activation must be a parameter (an activation sharded plainly would be misread)
+            act = 1 if src.op_name == "addmm" else 0
+            ok = all(nodes[i].kind == "param" for pos, i in enumerate(src.inputs) if pos != act)
+            return (chain, k) if ok and len(src.inputs) >= 2 else None
+        if src.op_name not in _CHAIN_VIEWS or not src.inputs:
+            return None
+        j = src.inputs[0]
+
+
 @register_dims("getitem")
 def _getitem(node: Node, nodes: list[Node]) -> DimSpec | None:
-    return None  # handled as a follower of its tuple producer (cost_graph)
+    """A piece of a split into equal pieces reads the layout of the split's (first) output: identity. Other
+    tuple producers publish their first output's layout only, so their pieces stay replicated."""
+    src = nodes[node.inputs[0]] if node.inputs else None
+    out = _meta(node)
+    if src is None or out is None or src.op_name not in ("split", "split_with_sizes", "chunk"):
+        return None
+    if not isinstance(src.out, tuple) or any(not isinstance(o, TensorMeta) or o.shape != out.shape for o in src.out):
+        return None
+    L = _Letters()
+    ol = L.many(out.shape)
+    return DimSpec([ol], [ol], L.sizes, partial_in=[(0,)])
 
 
 # ----------------------------------------------------------------------------- options
@@ -580,4 +662,4 @@ def product_placements(combo: tuple[AxisOption, ...], which: str, pos: int) -> t
 
 
 __all__ = ["R", "P", "DimSpec", "AxisOption", "register_dims", "dim_spec", "axis_options", "strategies",
-           "unknown_ops", "placement_str", "replicate_option", "product_placements"]
+           "unknown_ops", "placement_str", "replicate_option", "product_placements", "block_chain", "split_blocks"]

@@ -61,8 +61,8 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
     """NOTE [fixed view sizes] in cost_graph.py: which int attribute of a module holds a reshape size."""
     cache: dict[tuple[str, int], Any] = {}
 
-    def resolve(path: str, value: int):
-        key = (path, value)
+    def resolve(path: str, value: int, prefer: str | None = None):
+        key = (path, value, prefer)
         if key in cache:
             return cache[key]
         try:
@@ -80,7 +80,9 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         cfg = getattr(mod, "config", None)
         in_cfg = cfg is not None and any(isinstance(v, int) and not isinstance(v, bool) and v == value
                                          for v in vars(cfg).values())
-        r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names or in_cfg else "ok")
+        if len(names) > 1 and prefer:  # a split's size: the attribute named for it (GPT-2's split_size)
+            names = [k for k in names if prefer in k] or names
+        r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names else "config" if in_cfg else "ok")
         cache[key] = r
         return r
 

@@ -68,12 +68,13 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     """The module-level decisions of a solution, in a stable order (shards, syncs, grads, rng, ckpt, dp)."""
     g = cg.graph
     axes = cg.roles.tp
-    shards: dict[tuple[str, str, int, str], str] = {}
+    shards: dict[tuple[str, str, int, str, int], str] = {}
     syncs: dict[tuple[str, str], dict] = {}
     grads: dict[tuple[str, str], set[str]] = {}
     rngs: dict[tuple[str, str], str] = {}
     attrs: dict[tuple[str, str, str], str] = {}
-    from .cost_graph import view_attr_needs
+    from .cost_graph import block_chains, view_attr_needs
+    chain_k = block_chains(g.nodes, g.ops())  # NOTE [blocked split] in dims.py
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
         for i, (combo, pub) in members.items():
@@ -88,8 +89,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                 for a, o in zip(axes, combo):
                     pl = o.ins[pos]
                     if pl >= 0:
+                        # the fused output dim of a blocked split's linear: k interleaved blocks
+                        k = chain_k[i] if i in chain_k and o.outs[0] == len(n.out.shape) - 1 else 1
                         for m in _members(cg, owner, i):
-                            shards[(m, pname, pl, a)] = n.name
+                            shards[(m, pname, pl, a, k)] = n.name
                     elif o.grad_partial[pos] and not leaf_param(src.param):
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
@@ -103,15 +106,16 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
             for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
-            if n.op_name in ("dropout", "native_dropout") and n.module:
+            if (n.op_name in ("dropout", "native_dropout") or _sdpa_dropout(n)) and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
                         for m in _members(cg, n.module, i):
                             rngs[(m, a)] = n.name
     out: list[Decision] = []
     # a dim split over several axes is sharded in mesh-axis order (the order slicing and layouts agree on)
-    for (m, pname, dim, a), why in sorted(shards.items(), key=lambda kv: (*kv[0][:3], axes.index(kv[0][3]))):
-        out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
+    for (m, pname, dim, a, k), why in sorted(shards.items(), key=lambda kv: (*kv[0][:3], axes.index(kv[0][3]))):
+        out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a, **({"blocks": k} if k > 1 else {})},
+                            why))
     for (m, a), d in sorted(syncs.items()):
         out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
     for (m, name, a), why in sorted(attrs.items()):
@@ -143,6 +147,16 @@ def data_parallel_args(roles) -> dict:
     return args
 
 
+def _sdpa_dropout(n) -> bool:
+    """Attention with dropout inside (``dropout_p > 0``): on sharded heads each rank needs its own stream."""
+    if "scaled_dot_product" not in n.op_name:
+        return False
+    names = [a.name for a in getattr(getattr(n.target, "_schema", None), "arguments", [])]
+    pos = names.index("dropout_p") if "dropout_p" in names else None
+    p = n.args[pos] if pos is not None and len(n.args) > pos else n.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p > 0
+
+
 def _pl_str(p: int) -> str:
     return "R" if p == R else "P" if p == P else f"S{p}"
 
@@ -156,12 +170,14 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
 
     A sync at a leaf the runtime shards (Linear, Conv1D, Embedding) derives its collective from the
     leaf's layout; elsewhere the source layout is given (``from_``)."""
-    shard_groups: dict[tuple[str, int, str], list[str]] = {}
+    shard_groups: dict[tuple[str, int, str, int], list[str]] = {}
     for d in decisions:
         if d.op == "shard":
-            shard_groups.setdefault((d.path, d.args["dim"], d.args["axis"]), []).append(d.args["names"])
-    for (path, dim, axis), names in shard_groups.items():
-        sch[path].shard(names if len(names) > 1 else names[0], dim=dim, axis=axis)
+            key = (d.path, d.args["dim"], d.args["axis"], int(d.args.get("blocks", 1)))
+            shard_groups.setdefault(key, []).append(d.args["names"])
+    for (path, dim, axis, blocks), names in shard_groups.items():
+        sch[path].shard(names if len(names) > 1 else names[0], dim=dim, axis=axis,
+                        **({"blocks": blocks} if blocks > 1 else {}))
     for d in decisions:
         if d.op == "sync":
             kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
