@@ -126,6 +126,29 @@ class CostGraph:
     dp_latency_s: float = 0.0  # NOTE [bucketed data parallel]
     dp_overlap: bool = False  # reductions hide behind compute
     dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute they hide behind
+    vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss]
+
+
+@dataclass(frozen=True, slots=True)
+class VocabCE:
+    """A cross-entropy node the runtime can run vocab-parallel (NOTE [vocab-parallel loss]): the loss function
+    `loss` (causal: labels shifted) of the model's output embedding `head`, replaced by
+    `treadle.runtime.losses.VocabParallelLoss` when the node's class letter `letter` is sharded."""
+
+    node: int
+    letter: int
+    head: str
+    causal: bool
+    chain: tuple[int, ...] = ()  # the loss function's ops between the head and the cross-entropy (cast, view)
+
+
+# NOTE [vocab-parallel loss]: the logits (N, V) may stay sharded over the vocab on one tensor axis only when the
+# model's loss is its ``loss_function`` applied to its output embedding (NOTE [loss head] in capture.py): the
+# schedule then sets ``loss_function`` to `VocabParallelLoss`, which needs three all-reduces of (N,) fp32
+# per-row scalars (max, sum of exp, target logit) in forward and none in backward (the gradient is local).
+# The cross-entropy node is offered that option (`dims.DimSpec.vocab_letters`) only when its logits come from the
+# head through ops outside every module (the loss function's own ops: cast, view) and its value is the
+# graph's output; on the other tensor axes it stays replicated (the loss reads whole rows and global labels).
 
 
 @dataclass(slots=True)
@@ -284,11 +307,15 @@ class _Builder(NodeCosts):
         out: list = []
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
+        vocab = spec.vocab_letters if spec is not None else set()
         for combo in combos:
             if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
                 continue
-            if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
-                continue
+            if vocab and any(o.letter in vocab for o in combo) and (n.index not in self.vocab_ce or any(
+                    o.letter not in vocab and any(p != R for p in o.ins + o.outs) for o in combo)):
+                continue  # NOTE [vocab-parallel loss]
+            if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None and n.index not in self.loss_chain:
+                continue  # (the loss function's own view is replaced with the loss: NOTE [vocab-parallel loss])
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
             # module's exit, so a Partial value leaving a module that holds such an op must be reduced there
@@ -357,6 +384,8 @@ class _Builder(NodeCosts):
                 if self.nodes[j].kind == "param":
                     self.param_owner.setdefault(self.nodes[j].param, n.index)
         self.flop_cache = {n.index: self._flops(n) for n in canon_ops}
+        self.vocab_ce = self._find_vocab_ce()
+        self.loss_chain = {j for v in self.vocab_ce.values() for j in v.chain}
         node_strats: dict[int, list] = {}
         for n in canon_ops:
             s = self.node_strategies(n)
@@ -410,11 +439,35 @@ class _Builder(NodeCosts):
             f, b = self.flop_cache[n.index]
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
-                       unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops)
+                       unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
+                       vocab_ce=dict(self.vocab_ce))
         self._dp_terms(cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg
+
+    def _find_vocab_ce(self) -> dict[int, VocabCE]:
+        """NOTE [vocab-parallel loss]: the cross-entropy nodes whose class dim may stay sharded."""
+        head = self.g.loss_head
+        if head is None or not self.tp_axes:
+            return {}
+        out: dict[int, VocabCE] = {}
+        for n in self.nodes:
+            if n.kind != "op" or n.op_name != "cross_entropy_loss" or n.index not in self.g.outputs:
+                continue
+            if (_ce_arg(n, 2, "weight", None) is not None or _ce_arg(n, 3, "reduction", 1) != 1
+                    or _ce_arg(n, 4, "ignore_index", -100) != -100 or _ce_arg(n, 5, "label_smoothing", 0.0) != 0.0):
+                continue  # class weights, a sum, another ignore index or smoothing: not what VocabParallelLoss does
+            j, chain = n.inputs[0], []
+            while self.nodes[j].kind == "op" and self.nodes[j].module == "" and len(self.nodes[j].inputs) == 1:
+                chain.append(j)
+                j = self.nodes[j].inputs[0]
+            if self.nodes[j].kind != "op" or self.nodes[j].module != head.head:
+                continue
+            spec = dim_spec(n, self.nodes)
+            if spec is not None and spec.vocab_letters:
+                out[n.index] = VocabCE(n.index, min(spec.vocab_letters), head.head, head.causal, tuple(chain))
+        return out
 
     def _dp_terms(self, cg: CostGraph) -> None:
         """NOTE [bucketed data parallel]: the latency constant, the overlap flag and window."""
@@ -538,9 +591,14 @@ class _Builder(NodeCosts):
         return out
 
 
+def _ce_arg(n: Node, pos: int, name: str, default):
+    return n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
+
+
 def _has_bias(n: Node) -> bool:
     return (n.op_name == "linear" and len(n.inputs) > 2) or n.op_name in ("addmm", "baddbmm")
 
 
-__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "build_cost_graph",
+__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "VocabCE",
+           "build_cost_graph",
            "exit_module", "view_attr_needs"]

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One schedule primitive as data: `op` in {"shard", "sync", "shard_attr", "reduce_grads", "fork_rng",
-    "checkpoint", "data_parallel"}, the module `path`, and its arguments; `why` names the graph node(s) behind it."""
+    "checkpoint", "data_parallel", "set_attr"}, the module `path`, and its arguments; `why` names the graph
+    node(s) behind it. A ``set_attr`` value is a `treadle.schedule.log.Ref` as data: ``ref`` and ``kwargs``."""
 
     op: str
     path: str
@@ -73,6 +74,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     grads: dict[tuple[str, str], set[str]] = {}
     rngs: dict[tuple[str, str], str] = {}
     attrs: dict[tuple[str, str, str], str] = {}
+    losses: list[Decision] = []
     from .cost_graph import view_attr_needs
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
@@ -103,6 +105,12 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
             for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
+            vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in cost_graph.py
+            for a, o in zip(axes, combo):
+                if vce is not None and o.letter == vce.letter:
+                    losses.append(Decision("set_attr", "", {"name": "loss_function", "ref": _VOCAB_LOSS,
+                                                            "kwargs": {"axis": a, "causal": vce.causal}},
+                                           f"vocab-parallel cross-entropy {n.name} of {vce.head}"))
             if n.op_name in ("dropout", "native_dropout") and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
@@ -121,6 +129,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                             "replicated parameter, sharded data"))
     for (m, a), why in sorted(rngs.items()):
         out.append(Decision("fork_rng", m, {"axis": a}, why))
+    out += losses
     for t, c in sorted(ckpt.items()):
         info = cg.templates[t]
         for m in _spread(info.members, c):
@@ -128,6 +137,9 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     if cg.roles.dp:
         out.append(Decision("data_parallel", "", {"axis": cg.roles.dp, "shard": cg.roles.zero}, str(cg.roles)))
     return out
+
+
+_VOCAB_LOSS = "treadle.runtime.losses:VocabParallelLoss"
 
 
 def _pl_str(p: int) -> str:
@@ -163,6 +175,10 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].shard_attr(d.args["name"], axis=d.args["axis"])
         elif d.op == "checkpoint":
             sch[d.path].checkpoint()
+        elif d.op == "set_attr":
+            from ..schedule.log import Ref
+
+            sch[d.path].set_attr(d.args["name"], Ref(d.args["ref"], **d.args["kwargs"]))
         elif d.op == "data_parallel":
             sch.data_parallel(axis=d.args["axis"], shard=d.args["shard"])
     return sch
