@@ -151,6 +151,19 @@ class VocabCE:
 # graph's output; on the other tensor axes it stays replicated (the loss reads whole rows and global labels).
 
 
+# NOTE [sequence parallel]: besides its raw layout and Replicate, a module's single exit may publish a (B, T, E)
+# activation split on its batch or sequence dim over a tensor axis: a pending sum by a reduce-scatter (the
+# row-parallel linear of Megatron's sequence parallelism), a replicated value by a local slice (forward free,
+# an all-gather of the gradient in backward; `treadle.cost.convert`). Norms, dropout and residual adds then
+# work on the shard, their replicated parameters' gradients reduced (`reduce_grads`), and a norm's exit
+# gathers its output back (all-gather forward, a local split of the complete gradient in backward; the
+# column-parallel consumer sums its input gradient, as without sequence parallelism). Such shards are made
+# only inside the repeated blocks or where a value enters them from outside, never at an embedding's output:
+# the model's code around its embedding (positions, masks) reads the embedding's batch and sequence sizes,
+# which the graph does not show. A reshape with a
+# literal batch or sequence size never sees such a shard (`_fixed_row_view`): that size may be the global one.
+
+
 @dataclass(slots=True)
 class TemplateInfo:
     """A repeated block template: `count` real blocks, its units, and the unit/bytes of its input."""
@@ -314,6 +327,8 @@ class _Builder(NodeCosts):
             if vocab and any(o.letter in vocab for o in combo) and (n.index not in self.vocab_ce or any(
                     o.letter not in vocab and any(p != R for p in o.ins + o.outs) for o in combo)):
                 continue  # NOTE [vocab-parallel loss]
+            if self._fixed_row_view(n, combo):
+                continue  # NOTE [sequence parallel]
             if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None and n.index not in self.loss_chain:
                 continue  # (the loss function's own view is replaced with the loss: NOTE [vocab-parallel loss])
             raw = tuple(o.outs[0] for o in combo) if combo else ()
@@ -324,7 +339,49 @@ class _Builder(NodeCosts):
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw):
                 out.append((combo, tuple(R for _ in raw)))
+            if exitable:
+                out += [(combo, pub) for pub in self._row_publishes(n, raw)]
         return out
+
+    def _row_publishes(self, n: Node, raw: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """NOTE [sequence parallel]: Shard(batch or sequence dim) layouts a module may publish besides its raw
+        layout and Replicate (from a pending sum by a reduce-scatter, from Replicate by a local slice): inside the
+        repeated blocks, or where a value enters them from outside (not an embedding's output)."""
+        meta = n.out
+        if (not isinstance(meta, TensorMeta) or len(meta.shape) != 3 or not meta.dtype.is_floating_point
+                or not self.carry[n.index] or not self.tp_axes):
+            return []
+        entry = (n.block is None and n.op_name != "embedding" and bool(n.users)
+                 and all(self.nodes[u].block is not None for u in n.users))
+        if n.block is None and not entry:
+            return []
+        shape = list(self.local_dp_shape(n.index, meta.shape))
+        for p, size in zip(raw, self.tp_sizes):
+            if p >= 0:
+                shape[p] //= size
+        out = []
+        for k, (p, size) in enumerate(zip(raw, self.tp_sizes)):
+            if p == P or p == R:
+                for d in (0, 1):
+                    if d not in raw and shape[d] % size == 0 and shape[d] >= size:
+                        out.append(raw[:k] + (d,) + raw[k + 1:])
+        return out
+
+    def _fixed_row_view(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
+        """A reshape with a literal size on a batch or sequence dim of a (B, T, E) activation split on a tensor
+        axis: eager code may compute that size from another tensor (the global sequence length), so the shard
+        cannot be expressed safely (NOTE [sequence parallel])."""
+        if n.op_name not in _SHAPE_ARG_OPS or not n.inputs:
+            return False
+        x = self.nodes[n.inputs[0]].out
+        sizes = n.args[1] if len(n.args) > 1 else None
+        if not isinstance(x, TensorMeta) or len(x.shape) != 3 or not isinstance(sizes, (list, tuple)):
+            return False
+        for o in combo:
+            d = o.outs[0] if o.outs else R
+            if o.ins[0] in (0, 1) and 0 <= d < len(sizes) and isinstance(sizes[d], int) and sizes[d] > 0:
+                return True
+        return False
 
     def _leaves(self, n: Node) -> bool:
         """Whether some user of `n` runs outside n's innermost module."""
