@@ -329,7 +329,7 @@ class _Builder(NodeCosts):
                 continue  # NOTE [vocab-parallel loss]
             if self._fixed_row_view(n, combo):
                 continue  # NOTE [sequence parallel]
-            if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None and n.index not in self.loss_chain:
+            if n.index not in self.loss_chain and view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
                 continue  # (the loss function's own view is replaced with the loss: NOTE [vocab-parallel loss])
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the

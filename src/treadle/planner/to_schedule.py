@@ -102,7 +102,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     if r != p:
                         for m in _members(cg, q, i):
                             syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name}
-            for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
+            in_loss = any(i in v.chain for v in cg.vocab_ce.values())  # replaced with the loss function
+            for name, a in ([] if in_loss else view_attr_needs(n, combo, axes, cg.attr_resolver) or []):
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
             vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in cost_graph.py
