@@ -158,9 +158,11 @@ class VocabCE:
 # work on the shard, their replicated parameters' gradients reduced (`reduce_grads`), and a norm's exit
 # gathers its output back (all-gather forward, a local split of the complete gradient in backward; the
 # column-parallel consumer sums its input gradient, as without sequence parallelism). Such shards are made
-# only inside the repeated blocks or where a value enters them from outside, never at an embedding's output:
-# the model's code around its embedding (positions, masks) reads the embedding's batch and sequence sizes,
-# which the graph does not show. A reshape with a
+# at module exits only inside the repeated blocks; where the residual stream enters the blocks it is sliced at
+# the first block's input (``sync("fwd_pre", to=Shard(1))`` on that block, as the Megatron recipe does for
+# LLaMA; `entry_block`), never at an embedding's exit: the model's code between its embedding and its blocks
+# (positions, masks) reads the embedding's batch and sequence sizes, which the graph does not show. The slice
+# takes the block's first positional input, which must be the value entering it. A reshape with a
 # literal batch or sequence size never sees such a shard (`_fixed_row_view`): that size may be the global one.
 
 
@@ -211,6 +213,17 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
     return needs
 
 
+def entry_block(graph: CapturedGraph, node: Node) -> str | None:
+    """The path of the repeated block instance that every user of `node` (itself outside the blocks) runs in,
+    or None: where the residual stream enters the blocks (NOTE [sequence parallel])."""
+    if node.block is not None or not node.users:
+        return None
+    blocks = {graph.nodes[u].block for u in node.users}
+    if len(blocks) != 1 or None in blocks:
+        return None
+    return graph.blocks[blocks.pop()].path
+
+
 def exit_module(graph: CapturedGraph, node: Node) -> str | None:
     """The innermost module that `node` is the single exit of (all users outside it), or None."""
     q = node.module
@@ -221,9 +234,19 @@ def exit_module(graph: CapturedGraph, node: Node) -> str | None:
         if m == q or m.startswith(q + "."):
             return None
     exits = [n for n in graph.nodes if n.kind == "op" and (n.module == q or n.module.startswith(q + "."))
+             and not _noop_cast(graph, n)
              and any(not (graph.nodes[u].module == q or graph.nodes[u].module.startswith(q + "."))
                      for u in n.users)]
     return q if len(exits) == 1 else None
+
+
+def _noop_cast(graph: CapturedGraph, n: Node) -> bool:
+    """A cast to the dtype its input has (``x.to(torch.float32)`` of a float32 `x`, as an RMSNorm does): eager
+    returns `x` itself, so a user outside the module (the residual add) reads the module's input, not an exit."""
+    if n.op_name not in ("to", "type_as") or not n.inputs or not isinstance(n.out, TensorMeta):
+        return False
+    x = graph.nodes[n.inputs[0]].out
+    return isinstance(x, TensorMeta) and x == n.out
 
 
 def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *,
@@ -339,21 +362,21 @@ class _Builder(NodeCosts):
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw):
                 out.append((combo, tuple(R for _ in raw)))
-            if exitable:
-                out += [(combo, pub) for pub in self._row_publishes(n, raw)]
+            out += [(combo, pub) for pub in self._row_publishes(n, raw, exitable)]
         return out
 
-    def _row_publishes(self, n: Node, raw: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """NOTE [sequence parallel]: Shard(batch or sequence dim) layouts a module may publish besides its raw
-        layout and Replicate (from a pending sum by a reduce-scatter, from Replicate by a local slice): inside the
-        repeated blocks, or where a value enters them from outside (not an embedding's output)."""
+    def _row_publishes(self, n: Node, raw: tuple[int, ...], exitable: bool) -> list[tuple[int, ...]]:
+        """NOTE [sequence parallel]: Shard(batch or sequence dim) layouts `n` may publish besides its raw layout
+        and Replicate: at a module's exit inside the repeated blocks (a reduce-scatter of a pending sum, a local
+        slice of a replicated value), or a local slice at the input of the block a value enters."""
         meta = n.out
         if (not isinstance(meta, TensorMeta) or len(meta.shape) != 3 or not meta.dtype.is_floating_point
                 or not self.carry[n.index] or not self.tp_axes):
             return []
-        entry = (n.block is None and n.op_name != "embedding" and bool(n.users)
-                 and all(self.nodes[u].block is not None for u in n.users))
-        if n.block is None and not entry:
+        if n.block is None:
+            if entry_block(self.g, n) is None or any(p != R for p in raw):
+                return []
+        elif not exitable:
             return []
         shape = list(self.local_dp_shape(n.index, meta.shape))
         for p, size in zip(raw, self.tp_sizes):
@@ -657,5 +680,5 @@ def _has_bias(n: Node) -> bool:
 
 
 __all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "VocabCE",
-           "build_cost_graph",
+           "build_cost_graph", "entry_block",
            "exit_module", "view_attr_needs"]

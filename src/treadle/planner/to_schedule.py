@@ -75,7 +75,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     rngs: dict[tuple[str, str], str] = {}
     attrs: dict[tuple[str, str, str], str] = {}
     losses: list[Decision] = []
-    from .cost_graph import view_attr_needs
+    entries: dict[tuple[str, str], dict] = {}
+    from .cost_graph import entry_block, exit_module, view_attr_needs
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
         for i, (combo, pub) in members.items():
@@ -95,8 +96,12 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     elif o.grad_partial[pos] and not leaf_param(src.param):
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
-            if raw != pub:
-                from .cost_graph import exit_module
+            blk = entry_block(g, n) if raw != pub else None
+            if blk is not None and all(r == R for r in raw):  # NOTE [sequence parallel] in cost_graph.py
+                for a, p in zip(axes, pub):
+                    if p != R:
+                        entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
+            elif raw != pub:
                 q = exit_module(g, n)
                 for a, r, p in zip(axes, raw, pub):
                     if r != p:
@@ -123,6 +128,9 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
     for (m, a), d in sorted(syncs.items()):
         out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
+    for (m, a), d in sorted(entries.items()):
+        out.append(Decision("sync", m, {"mode": "fwd_pre", "to": d["to"], "from_": "R", "axis": a},
+                            f"{d['node']} enters the blocks"))
     for (m, name, a), why in sorted(attrs.items()):
         out.append(Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}"))
     for (m, a), names in sorted(grads.items()):
