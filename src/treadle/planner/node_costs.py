@@ -125,6 +125,8 @@ class NodeCosts:
         c.bwd_s = bwd
         # conversion at publish
         cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
+        if not self.rg[i]:
+            cb = 0.0  # no gradient flows back through it: a local slice of such a value is free both ways
         c.comm_s += cf + cb
         c.fwd_s += cf
         # a vocab-parallel loss (NOTE [vocab-parallel loss] in cost_graph.py): three all-reduces of (N,) fp32
