@@ -1,7 +1,9 @@
 """Turn a solved cost graph into plan *decisions* (plain data) and decisions into a treadle Schedule.
 
 Decisions are module-level: parameter shards (``shard``), layout changes at a module's exit
-(``sync("fwd_post", to=...)``), gradient reductions of replicated parameters that see sharded data
+(``sync("fwd_post", to=...)``) or, for the sequence slice where the residual stream enters the repeated
+blocks, at the first block's input (``sync("fwd_pre", to=Shard(d))``), the vocab-parallel loss
+(``set_attr("loss_function", Ref(...))``), gradient reductions of replicated parameters that see sharded data
 (``reduce_grads``), per-rank random streams for sharded dropout (``fork_rng``), checkpointed blocks
 (``checkpoint``, spread evenly over a template's blocks) and the data-parallel axis (``data_parallel``).
 Each decision carries the graph nodes that justify it (`why`), so `Plan.explain` can answer "why".
