@@ -129,7 +129,7 @@ class NodeCosts:
             cb = 0.0  # no gradient flows back through it: a local slice of such a value is free both ways
         c.comm_s += cf + cb
         c.fwd_s += cf
-        # a vocab-parallel loss (NOTE [vocab-parallel loss] in cost_graph.py): three all-reduces of (N,) fp32
+        # a vocab-parallel loss (NOTE [vocab-parallel loss] in extra_layouts.py): three all-reduces of (N,) fp32
         # per-row scalars in forward, none in backward
         vce = self.vocab_ce.get(i)
         if vce is not None:

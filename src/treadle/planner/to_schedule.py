@@ -99,7 +99,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
             blk = entry_block(g, n) if raw != pub else None
-            if blk is not None and all(r == R for r in raw):  # NOTE [sequence parallel] in cost_graph.py
+            if blk is not None and all(r == R for r in raw):  # NOTE [sequence parallel] in extra_layouts.py
                 for a, p in zip(axes, pub):
                     if p != R:
                         entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
@@ -113,7 +113,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
             for name, a in ([] if in_loss else view_attr_needs(n, combo, axes, cg.attr_resolver) or []):
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
-            vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in cost_graph.py
+            vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in extra_layouts.py
             for a, o in zip(axes, combo):
                 if vce is not None and o.letter == vce.letter:
                     losses.append(Decision("set_attr", "", {"name": "loss_function", "ref": _VOCAB_LOSS,
