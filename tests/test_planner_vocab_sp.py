@@ -191,3 +191,18 @@ def test_llama_sequence_parallel_and_vocab_loss_on_2x2_verify():
     report = treadle.verify(plan.schedule_for(llama(n_layer=4, kv=4)), inp, timeout_s=300, raise_on_mismatch=False)
     assert report.error is None and report.ok, report.summary()
     assert any(c.kind == "param_grad" and c.name == "lm_head.weight" for c in report.checks)
+
+
+def test_a_slice_at_a_replicated_leaf_states_its_source_layout():
+    """A Linear the plan leaves whole has no rule-derived output layout: its slice names from_=Replicate()."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from treadle.planner.to_schedule import Decision, apply_decisions
+
+    model = gpt2()
+    sch = treadle.create_schedule(model, mesh=Mesh((2,), ("tp",)))
+    _, is_leaf = runtime_capabilities(model)
+    d = Decision("sync", "transformer.h.0.attn.c_proj", {"mode": "fwd_post", "to": "S1", "from_": "R", "axis": "tp"})
+    apply_decisions(sch, [d], leaf_module=is_leaf)
+    (spec,) = sch._state.syncs
+    assert (spec.mode, spec.to, spec.from_) == ("fwd_post", (("tp", Shard(1)),), (("tp", Replicate()),))

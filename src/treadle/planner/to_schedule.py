@@ -165,7 +165,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     """Apply decisions to a Schedule (``treadle.create_schedule(model, mesh=...)``) and return it.
 
     A sync at a leaf the runtime shards (Linear, Conv1D, Embedding) derives its collective from the
-    leaf's layout; elsewhere the source layout is given (``from_``)."""
+    leaf's layout; elsewhere, and for a slice of a replicated output, the source layout is given (``from_``)."""
     shard_groups: dict[tuple[str, int, str], list[str]] = {}
     for d in decisions:
         if d.op == "shard":
@@ -175,7 +175,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     for d in decisions:
         if d.op == "sync":
             kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
-            if not leaf_module(d.path):
+            if not leaf_module(d.path) or d.args["from_"] == "R":  # a replicated leaf has no rule-derived layout
                 kw["from_"] = _placement(d.args["from_"])
             sch[d.path].sync(d.args["mode"], **kw)
         elif d.op == "reduce_grads":
