@@ -206,3 +206,19 @@ def test_a_slice_at_a_replicated_leaf_states_its_source_layout():
     apply_decisions(sch, [d], leaf_module=is_leaf)
     (spec,) = sch._state.syncs
     assert (spec.mode, spec.to, spec.from_) == ("fwd_post", (("tp", Shard(1)),), (("tp", Replicate()),))
+
+
+@pytest.mark.slow
+def test_gpt2_on_two_tensor_axes_with_row_shards_verifies():
+    """Both axes of a 2x2 mesh tensor-parallel: row shards on one axis and feature shards on the other change
+    together at one module's exit, converted in one typed sync from the whole source layout."""
+    model, inp = gpt2(n_layer=4), inputs(seq=64)
+    plan = plan_model(model, inp, cluster=cluster((2, 2), ("a", "b")), dp_axis=None)
+    syncs = [d for d in plan.decisions if d.op == "sync"]
+    assert any(d.args["to"] in ("S0", "S1") for d in syncs)  # a row shard
+    whole = [d for d in syncs if "layout" in d.args]
+    assert whole and all(set(d.args["layout"]["from"]) == {"a", "b"} for d in whole)
+    sch = plan.schedule_for(gpt2(n_layer=4))
+    assert len([s for s in sch._state.syncs if s.path == whole[0].path and s.mode == "fwd_post"]) == 1
+    report = treadle.verify(sch, inp, timeout_s=300, raise_on_mismatch=False)
+    assert report.error is None and report.ok, report.summary()

@@ -105,10 +105,15 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                         entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
             elif raw != pub:
                 q = exit_module(g, n)
+                # several axes change at one exit: each sync also carries the whole layout, so build converts
+                # them in one step from the true source (one axis's from_ alone would call the others Replicate)
+                whole = ({"from": {a: _pl_str(r) for a, r in zip(axes, raw)},
+                          "to": {a: _pl_str(p) for a, p in zip(axes, pub)}}
+                         if sum(r != p for r, p in zip(raw, pub)) > 1 else None)
                 for a, r, p in zip(axes, raw, pub):
                     if r != p:
                         for m in _members(cg, q, i):
-                            syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name}
+                            syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name, "layout": whole}
             in_loss = any(i in v.chain for v in cg.vocab_ce.values())  # replaced with the loss function
             for name, a in ([] if in_loss else view_attr_needs(n, combo, axes, cg.attr_resolver) or []):
                 for m in _members(cg, n.module, i):
@@ -129,7 +134,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     for (m, pname, dim, a), why in sorted(shards.items(), key=lambda kv: (*kv[0][:3], axes.index(kv[0][3]))):
         out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a}, why))
     for (m, a), d in sorted(syncs.items()):
-        out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
+        args = {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}
+        if d["layout"] is not None:
+            args["layout"] = d["layout"]
+        out.append(Decision("sync", m, args, d["node"]))
     for (m, a), d in sorted(entries.items()):
         out.append(Decision("sync", m, {"mode": "fwd_pre", "to": d["to"], "from_": "R", "axis": a},
                             f"{d['node']} enters the blocks"))
@@ -172,8 +180,15 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             shard_groups.setdefault((d.path, d.args["dim"], d.args["axis"]), []).append(d.args["names"])
     for (path, dim, axis), names in shard_groups.items():
         sch[path].shard(names if len(names) > 1 else names[0], dim=dim, axis=axis)
+    whole_done: set[tuple[str, str]] = set()
     for d in decisions:
-        if d.op == "sync":
+        if d.op == "sync" and "layout" in d.args:  # one typed sync over every mesh axis (others Replicate)
+            if (d.path, d.args["mode"]) not in whole_done:
+                whole_done.add((d.path, d.args["mode"]))
+                lay = d.args["layout"]
+                sch[d.path].sync(d.args["mode"], to=[_placement(lay["to"].get(ax, "R")) for ax in sch.mesh.names],
+                                 from_=[_placement(lay["from"].get(ax, "R")) for ax in sch.mesh.names])
+        elif d.op == "sync":
             kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
             if not leaf_module(d.path) or d.args["from_"] == "R":  # a replicated leaf has no rule-derived layout
                 kw["from_"] = _placement(d.args["from_"])
