@@ -127,6 +127,7 @@ class CapturedGraph:
     outputs: list[int] = field(default_factory=list)  # nodes the model returns
     saved: dict[int, int] | None = None  # node -> bytes autograd saves of its storages (NOTE [saved by autograd])
     saved_error: str = ""  # why `saved` is None (then the cost graph falls back to per-op rules, and says so)
+    loss_head: "LossHead | None" = None  # the model's loss went through its `loss_function` (NOTE [loss head])
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -141,6 +142,67 @@ class CapturedGraph:
         """How many real executions one captured node stands for (1 outside repeated blocks)."""
         b = self.nodes[index].block
         return 1 if b is None else self.blocks[b].weight
+
+
+# NOTE [loss head]: a Hugging Face model computes its training loss by ``self.loss_function(logits, labels, ...)``
+# on the output of its output embedding (``get_output_embeddings()``). When capture sees exactly that call, on
+# exactly that tensor, with a loss whose meaning `treadle.runtime.losses.VocabParallelLoss` reproduces (HF's
+# causal-LM or masked-LM cross-entropy), the planner may replace the loss by the vocab-parallel one and keep
+# the logits sharded over the vocab. A model that computes its loss inline (BERT's masked LM) records nothing.
+_VOCAB_LOSSES = {"ForCausalLMLoss": True, "ForMaskedLMLoss": False}  # loss function name -> causal (shifted labels)
+
+
+@dataclass(frozen=True, slots=True)
+class LossHead:
+    """The model's loss is `loss` (a cross-entropy, `causal`: labels shifted left) of the output of module
+    `head` (its output embedding), called once through the model's ``loss_function`` attribute."""
+
+    head: str
+    loss: str
+    causal: bool
+
+
+@contextlib.contextmanager
+def _watch_loss(model: nn.Module, found: list) -> Iterator[None]:
+    """NOTE [loss head]: during the export, record whether ``model.loss_function`` is called on the output of
+    the output embedding; appends a `LossHead` to `found` when it is, exactly once. Restores the model."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    lf = getattr(model, "loss_function", None) if isinstance(head, nn.Module) else None
+    name = getattr(lf, "__name__", "")
+    if lf is None or name not in _VOCAB_LOSSES or getattr(lf, "__module__", "") != "transformers.loss.loss_utils":
+        yield
+        return
+    head_path = next((p for p, m in model.named_modules() if m is head), None)
+    outs: list = []
+    calls: list[bool] = []
+
+    def record(mod, args, out):
+        outs.append(out)
+
+    def watched(logits, labels, *args, **kwargs):
+        calls.append(bool(outs) and logits is outs[-1])
+        return lf(logits, labels, *args, **kwargs)
+
+    had = "_loss_function" in vars(model)
+    old = vars(model).get("_loss_function")
+    handle = head.register_forward_hook(record)
+    try:
+        model.loss_function = watched
+    except AttributeError:  # no setter: leave the model alone
+        handle.remove()
+        yield
+        return
+    try:
+        yield
+    finally:
+        handle.remove()
+        if had:
+            model._loss_function = old
+        else:
+            vars(model).pop("_loss_function", None)
+    if head_path is not None and calls == [True] and len(outs) == 1:
+        found.append(LossHead(head_path, name, _VOCAB_LOSSES[name]))
 
 
 # ----------------------------------------------------------------------------- repeated-block reduction
@@ -239,7 +301,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     for mname, mod in model.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):
             real_param_modules[f"{mname}.{pname}" if mname else pname] = mname
-    with _shortened_lists(model, reduce_repeats) as block_plan:
+    heads: list[LossHead] = []
+    with _shortened_lists(model, reduce_repeats) as block_plan, _watch_loss(model, heads):
         ep = _export(model, tuple(args), kwargs, loss_fn)
     saved_by_name, saved_error = _measure_saved(ep, args, kwargs, gpu_attention)
     graph = ep.graph_module.graph
@@ -323,7 +386,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if saved_by_name is not None:
         saved = {index_of[k]: v for k, v in saved_by_name.items() if k in index_of}
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
-                         saved, saved_error)
+                         saved, saved_error, heads[0] if heads else None)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[dict[str, int] | None, str]:

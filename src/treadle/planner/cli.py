@@ -263,7 +263,7 @@ def plan_python(plan) -> list[str]:
         if d.op == "shard":
             lines.append(f"sch[{d.path!r}].shard({a['names']!r}, dim={a['dim']}, axis={a['axis']!r})")
         elif d.op == "sync":
-            lines.append(f"sch[{d.path!r}].sync('fwd_post', to={_pl(a['to'])}, axis={a['axis']!r})"
+            lines.append(f"sch[{d.path!r}].sync({a.get('mode', 'fwd_post')!r}, to={_pl(a['to'])}, axis={a['axis']!r})"
                          f"  # from {a['from_']}")
         elif d.op == "reduce_grads":
             lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
@@ -277,6 +277,9 @@ def plan_python(plan) -> list[str]:
             extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
             axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
             lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
+        elif d.op == "set_attr":
+            kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
+            lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")
     return lines
 
 

@@ -52,6 +52,7 @@ from ..errors import PlanError
 from ..mesh import Mesh
 from .capture import CapturedGraph, Node, TensorMeta
 from .dims import P, R, AxisOption, block_chain, dim_spec, strategies
+from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, VocabCE, entry_block, noop_cast
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class CostGraph:
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     dp_overlap: bool = False  # reductions hide behind compute
     dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute they hide behind
+    vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss] in extra_layouts.py
 
 
 @dataclass(slots=True)
@@ -168,7 +170,6 @@ class TemplateInfo:
     input_bytes: list[float]  # per strategy of input_unit: bytes kept by a checkpointed block
 
 
-_SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
 
 # NOTE [fixed view sizes]: a reshape in the graph shows concrete sizes, but eager code may compute a size from
 # the local tensor (``x.shape[0]``, ``-1``: right on shards) or read it from a module attribute
@@ -249,6 +250,7 @@ def exit_module(graph: CapturedGraph, node: Node) -> str | None:
         if m == q or m.startswith(q + "."):
             return None
     exits = [n for n in graph.nodes if n.kind == "op" and (n.module == q or n.module.startswith(q + "."))
+             and not noop_cast(graph, n)
              and any(not (graph.nodes[u].module == q or graph.nodes[u].module.startswith(q + "."))
                      for u in n.users)]
     return q if len(exits) == 1 else None
@@ -272,7 +274,7 @@ def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *
     return cg
 
 
-class _Builder(NodeCosts):
+class _Builder(NodeCosts, ExtraLayouts):
     def __init__(self, graph, cluster, roles, train, pins, shardable, dtype_compute):
         self.g = graph
         self.nodes = graph.nodes
@@ -350,13 +352,19 @@ class _Builder(NodeCosts):
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
         fused = self.chain_k.get(n.index) and len(n.out.shape) - 1  # NOTE [blocked split] in dims.py
+        vocab = spec.vocab_letters if spec is not None else set()
         for combo in combos:
             if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
                 continue
             if fused and sum(1 for o in combo if o.outs[0] == fused) > 1:
                 continue  # interleaved blocks over two axes: the runtime splits blocks on one axis only
-            if view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
-                continue
+            if vocab and any(o.letter in vocab for o in combo) and (n.index not in self.vocab_ce or any(
+                    o.letter not in vocab and any(p != R for p in o.ins + o.outs) for o in combo)):
+                continue  # NOTE [vocab-parallel loss]
+            if self._fixed_row_view(n, combo):
+                continue  # NOTE [sequence parallel]
+            if n.index not in self.loss_chain and view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
+                continue  # (the loss function's own view is replaced with the loss: NOTE [vocab-parallel loss])
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
             # module's exit, so a Partial value leaving a module that holds such an op must be reduced there
@@ -365,6 +373,7 @@ class _Builder(NodeCosts):
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw) and not (fused and fused in raw):
                 out.append((combo, tuple(R for _ in raw)))
+            out += [(combo, pub) for pub in self._row_publishes(n, raw, exitable)]
         return out
 
     def _leaves(self, n: Node) -> bool:
@@ -426,6 +435,8 @@ class _Builder(NodeCosts):
                 if self.nodes[j].kind == "param":
                     self.param_owner.setdefault(self.nodes[j].param, n.index)
         self.flop_cache = {n.index: self._flops(n) for n in canon_ops}
+        self.vocab_ce = self._find_vocab_ce()
+        self.loss_chain = {j for v in self.vocab_ce.values() for j in v.chain}
         node_strats: dict[int, list] = {}
         for n in canon_ops:
             s = self.node_strategies(n)
@@ -480,7 +491,8 @@ class _Builder(NodeCosts):
             f, b = self.flop_cache[n.index]
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
-                       unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops)
+                       unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
+                       vocab_ce=dict(self.vocab_ce))
         self._dp_terms(cg)
         self._host_terms(cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
@@ -655,5 +667,5 @@ def _has_bias(n: Node) -> bool:
     return (n.op_name == "linear" and len(n.inputs) > 2) or n.op_name in ("addmm", "baddbmm")
 
 
-__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "build_cost_graph",
-           "exit_module", "view_attr_needs", "block_chains"]
+__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "VocabCE",
+           "build_cost_graph", "entry_block", "exit_module", "view_attr_needs", "block_chains"]

@@ -44,7 +44,9 @@ class DimSpec:
 
     `blocked`: letters never sharded (normalised, sliced, concatenated, gathered dims). `sum_letters`:
     contracted letters whose sharding yields a Partial output. `partial_in`: groups of input positions
-    that may be Partial together (the op is linear in them), giving a Partial output.
+    that may be Partial together (the op is linear in them), giving a Partial output. `vocab_letters`: class
+    letters of a cross-entropy that a vocab-parallel loss may shard, leaving a complete (Replicate) output;
+    the cost graph keeps that option only where the runtime can replace the loss (NOTE [loss head] in capture).
     """
 
     ins: list[tuple[int, ...] | None]
@@ -53,6 +55,7 @@ class DimSpec:
     blocked: set[int] = field(default_factory=set)
     sum_letters: set[int] = field(default_factory=set)
     partial_in: list[tuple[int, ...]] = field(default_factory=list)
+    vocab_letters: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,8 +354,9 @@ def _cross_entropy(node: Node, nodes: list[Node]) -> DimSpec | None:
     ins: list = [(nl, c), (nl,)] + [None] * (len(node.inputs) - 2)
     if reduction == 0:  # 'none': per-row losses keep the row dim
         return DimSpec(ins, [(nl,)], L.sizes, blocked={c})
-    # a mean over rows is a sum of row shards divided by the (global) count: row shards give Partial
-    return DimSpec(ins, [()], L.sizes, blocked={c}, sum_letters={nl})
+    # a mean over rows is a sum of row shards divided by the (global) count: row shards give Partial; the
+    # class dim only by a vocab-parallel loss (complete output, a few all-reduces of per-row scalars)
+    return DimSpec(ins, [()], L.sizes, blocked={c}, sum_letters={nl}, vocab_letters={c})
 
 
 @register_dims("transpose", "t", "permute", "numpy_T", "swapaxes")
@@ -627,6 +631,12 @@ def axis_options(node: Node, nodes: list[Node], spec: DimSpec | None, size: int,
             continue
         grad_partial = tuple(t is not None and letter not in t and letter in letters_out for t in spec.ins)
         opts.append(AxisOption(letter, ins, outs, True, grad_partial))
+    for letter in sorted(spec.vocab_letters):  # one axis only: the vocab-parallel loss reduces over one group
+        local = spec.sizes[letter]
+        if letter in used or local < size or local % size:
+            continue
+        ins = tuple(R if t is None or letter not in t else t.index(letter) for t in spec.ins)
+        opts.append(AxisOption(letter, ins, tuple(R for _ in spec.outs), True, tuple(False for _ in spec.ins)))
     for group in spec.partial_in:
         ins = tuple(P if i in group else R for i in range(len(spec.ins)))
         outs = tuple(P if o is not None else R for o in spec.outs)

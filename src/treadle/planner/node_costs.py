@@ -144,8 +144,20 @@ class NodeCosts:
         c.bwd_s = bwd
         # conversion at publish
         cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
+        if not self.rg[i]:
+            cb = 0.0  # no gradient flows back through it: a local slice of such a value is free both ways
         c.comm_s += cf + cb
         c.fwd_s += cf
+        # a vocab-parallel loss (NOTE [vocab-parallel loss] in extra_layouts.py): three all-reduces of (N,) fp32
+        # per-row scalars in forward, none in backward
+        vce = self.vocab_ce.get(i)
+        if vce is not None:
+            rows = self.local_dp_shape(n.inputs[0], self.nodes[n.inputs[0]].out.shape)[0]
+            for k, o in enumerate(combo):
+                if o.letter == vce.letter:
+                    t = 3 * all_reduce_time_s(rows * 4, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
+                    c.comm_s += t
+                    c.fwd_s += t
         # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient
         for pos, j in enumerate(n.inputs):
             src = self.nodes[j]

@@ -89,22 +89,38 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
     return resolve
 
 
-def _shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_tp: int):
+def tied_leaf_holders(model: nn.Module) -> dict[str, set[str]]:
+    """Parameter name -> the paths of every leaf module the runtime can shard (`has_leaf_rule`) that holds that
+    very parameter object under any name: a tied output embedding computes with the input embedding's shard."""
+    from ..runtime.leaf_rules import has_leaf_rule
+
+    paths: dict[int, set[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        if has_leaf_rule(m):
+            for _, p in m.named_parameters(recurse=False):
+                paths.setdefault(id(p), set()).add(mname)
+    return {name: paths.get(id(p), set()) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_tp: int,
+                  holders: dict[str, set[str]] | None = None):
     """Per parameter: every placement over the tensor axes with each tensor dim on at most one axis
-    (the runtime's leaf rules reject a dim split over several axes), for leaf parameters only."""
-    cache: dict[str, set] = {}
+    (the runtime's leaf rules reject a dim split over several axes), for leaf parameters only, where the
+    consuming module is the owner or another leaf holding the same parameter (`tied_leaf_holders`)."""
+    cache: dict[tuple[str, str], set] = {}
+    holders = holders or {}
 
     def fn(param: str, module: str) -> set:
-        if param in cache:
-            return cache[param]
+        if (param, module) in cache:
+            return cache[(param, module)]
         out: set = set()
-        if is_leaf_param(param) and graph.param_modules.get(param) == module:
+        if is_leaf_param(param) and (graph.param_modules.get(param) == module or module in holders.get(param, ())):
             nd = len(graph.params[param].shape)
             for combo in itertools.product([R] + list(range(nd)), repeat=n_tp):
                 dims = [d for d in combo if d >= 0]
                 if dims and len(dims) == len(set(dims)):
                     out.add(tuple(combo))
-        cache[param] = out
+        cache[(param, module)] = out
         return out
 
     return fn
@@ -466,6 +482,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     t_capture = time.perf_counter() - t0
     batch = _batch_size(args, kwargs)
     is_leaf_param, _ = runtime_capabilities(model)
+    holders = tied_leaf_holders(model)
     resolver = attr_resolver(model)
     results: list[tuple[Solution, CostGraph]] = []
     t_build = t_solve = 0.0
@@ -489,7 +506,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
             tb = time.perf_counter()
             try:
                 cg = build_cost_graph(graph, cl, roles, train=train, pins=rpins,
-                                      shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp)),
+                                      shardable=_shardable_fn(graph, is_leaf_param, len(roles.tp), holders),
                                       attr_resolver=resolver)
             except PlanError as exc:
                 logger.info("%s skipped: %s", where, exc)

@@ -1,7 +1,9 @@
 """Turn a solved cost graph into plan *decisions* (plain data) and decisions into a treadle Schedule.
 
 Decisions are module-level: parameter shards (``shard``), layout changes at a module's exit
-(``sync("fwd_post", to=...)``), gradient reductions of replicated parameters that see sharded data
+(``sync("fwd_post", to=...)``) or, for the sequence slice where the residual stream enters the repeated
+blocks, at the first block's input (``sync("fwd_pre", to=Shard(d))``), the vocab-parallel loss
+(``set_attr("loss_function", Ref(...))``), gradient reductions of replicated parameters that see sharded data
 (``reduce_grads``), per-rank random streams for sharded dropout (``fork_rng``), checkpointed blocks
 (``checkpoint``, spread evenly over a template's blocks) and the data-parallel axis (``data_parallel``).
 Each decision carries the graph nodes that justify it (`why`), so `Plan.explain` can answer "why".
@@ -24,7 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One schedule primitive as data: `op` in {"shard", "sync", "shard_attr", "reduce_grads", "fork_rng",
-    "checkpoint", "data_parallel"}, the module `path`, and its arguments; `why` names the graph node(s) behind it."""
+    "checkpoint", "data_parallel", "set_attr"}, the module `path`, and its arguments; `why` names the graph
+    node(s) behind it. A ``set_attr`` value is a `treadle.schedule.log.Ref` as data: ``ref`` and ``kwargs``."""
 
     op: str
     path: str
@@ -73,7 +76,9 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     grads: dict[tuple[str, str], set[str]] = {}
     rngs: dict[tuple[str, str], str] = {}
     attrs: dict[tuple[str, str, str], str] = {}
-    from .cost_graph import block_chains, view_attr_needs
+    losses: list[Decision] = []
+    entries: dict[tuple[str, str], dict] = {}
+    from .cost_graph import block_chains, entry_block, exit_module, view_attr_needs
     chain_k = block_chains(g.nodes, g.ops())  # NOTE [blocked split] in dims.py
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
@@ -96,16 +101,32 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     elif o.grad_partial[pos] and not leaf_param(src.param):
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
-            if raw != pub:
-                from .cost_graph import exit_module
+            blk = entry_block(g, n) if raw != pub else None
+            if blk is not None and all(r == R for r in raw):  # NOTE [sequence parallel] in extra_layouts.py
+                for a, p in zip(axes, pub):
+                    if p != R:
+                        entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
+            elif raw != pub:
                 q = exit_module(g, n)
+                # several axes change at one exit: each sync also carries the whole layout, so build converts
+                # them in one step from the true source (one axis's from_ alone would call the others Replicate)
+                whole = ({"from": {a: _pl_str(r) for a, r in zip(axes, raw)},
+                          "to": {a: _pl_str(p) for a, p in zip(axes, pub)}}
+                         if sum(r != p for r, p in zip(raw, pub)) > 1 else None)
                 for a, r, p in zip(axes, raw, pub):
                     if r != p:
                         for m in _members(cg, q, i):
-                            syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name}
-            for name, a in view_attr_needs(n, combo, axes, cg.attr_resolver) or []:
+                            syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name, "layout": whole}
+            in_loss = any(i in v.chain for v in cg.vocab_ce.values())  # replaced with the loss function
+            for name, a in ([] if in_loss else view_attr_needs(n, combo, axes, cg.attr_resolver) or []):
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
+            vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in extra_layouts.py
+            for a, o in zip(axes, combo):
+                if vce is not None and o.letter == vce.letter:
+                    losses.append(Decision("set_attr", "", {"name": "loss_function", "ref": _VOCAB_LOSS,
+                                                            "kwargs": {"axis": a, "causal": vce.causal}},
+                                           f"vocab-parallel cross-entropy {n.name} of {vce.head}"))
             if (n.op_name in ("dropout", "native_dropout") or _sdpa_dropout(n)) and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
@@ -117,7 +138,13 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a, **({"blocks": k} if k > 1 else {})},
                             why))
     for (m, a), d in sorted(syncs.items()):
-        out.append(Decision("sync", m, {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}, d["node"]))
+        args = {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}
+        if d["layout"] is not None:
+            args["layout"] = d["layout"]
+        out.append(Decision("sync", m, args, d["node"]))
+    for (m, a), d in sorted(entries.items()):
+        out.append(Decision("sync", m, {"mode": "fwd_pre", "to": d["to"], "from_": "R", "axis": a},
+                            f"{d['node']} enters the blocks"))
     for (m, name, a), why in sorted(attrs.items()):
         out.append(Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}"))
     for (m, a), names in sorted(grads.items()):
@@ -125,6 +152,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                             "replicated parameter, sharded data"))
     for (m, a), why in sorted(rngs.items()):
         out.append(Decision("fork_rng", m, {"axis": a}, why))
+    out += losses
     for t, c in sorted(ckpt.items()):
         info = cg.templates[t]
         for m in _spread(info.members, c):
@@ -157,6 +185,9 @@ def _sdpa_dropout(n) -> bool:
     return isinstance(p, (int, float)) and p > 0
 
 
+_VOCAB_LOSS = "treadle.runtime.losses:VocabParallelLoss"
+
+
 def _pl_str(p: int) -> str:
     return "R" if p == R else "P" if p == P else f"S{p}"
 
@@ -169,7 +200,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     """Apply decisions to a Schedule (``treadle.create_schedule(model, mesh=...)``) and return it.
 
     A sync at a leaf the runtime shards (Linear, Conv1D, Embedding) derives its collective from the
-    leaf's layout; elsewhere the source layout is given (``from_``)."""
+    leaf's layout; elsewhere, and for a slice of a replicated output, the source layout is given (``from_``)."""
     shard_groups: dict[tuple[str, int, str, int], list[str]] = {}
     for d in decisions:
         if d.op == "shard":
@@ -178,10 +209,17 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     for (path, dim, axis, blocks), names in shard_groups.items():
         sch[path].shard(names if len(names) > 1 else names[0], dim=dim, axis=axis,
                         **({"blocks": blocks} if blocks > 1 else {}))
+    whole_done: set[tuple[str, str]] = set()
     for d in decisions:
-        if d.op == "sync":
+        if d.op == "sync" and "layout" in d.args:  # one typed sync over every mesh axis (others Replicate)
+            if (d.path, d.args["mode"]) not in whole_done:
+                whole_done.add((d.path, d.args["mode"]))
+                lay = d.args["layout"]
+                sch[d.path].sync(d.args["mode"], to=[_placement(lay["to"].get(ax, "R")) for ax in sch.mesh.names],
+                                 from_=[_placement(lay["from"].get(ax, "R")) for ax in sch.mesh.names])
+        elif d.op == "sync":
             kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
-            if not leaf_module(d.path):
+            if not leaf_module(d.path) or d.args["from_"] == "R":  # a replicated leaf has no rule-derived layout
                 kw["from_"] = _placement(d.args["from_"])
             sch[d.path].sync(d.args["mode"], **kw)
         elif d.op == "reduce_grads":
@@ -192,6 +230,10 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].shard_attr(d.args["name"], axis=d.args["axis"])
         elif d.op == "checkpoint":
             sch[d.path].checkpoint()
+        elif d.op == "set_attr":
+            from ..schedule.log import Ref
+
+            sch[d.path].set_attr(d.args["name"], Ref(d.args["ref"], **d.args["kwargs"]))
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
     return sch

@@ -170,8 +170,11 @@ def _collectives(plan, dp: str | None, zero: bool) -> dict[str, list[str]]:
         if d.op == "sync":
             src = str(a.get("from_", "?"))
             kind = _FROM.get(src, "all-gather" if src.startswith("S") else "conversion")
+            if src == "P" and str(a.get("to", "")).startswith("S"):
+                kind = "reduce-scatter"
             pretty = f"S({src[1:]})" if src.startswith("S") else src
-            out.setdefault(d.path, []).append(f"{kind} over {a.get('axis')} ({pretty} -> {a.get('to')} at the exit; "
+            where = "at the input" if a.get("mode") == "fwd_pre" else "at the exit"
+            out.setdefault(d.path, []).append(f"{kind} over {a.get('axis')} ({pretty} -> {a.get('to')} {where}; "
                                               f"its adjoint in backward)")
         elif d.op == "reduce_grads":
             out.setdefault(d.path, []).append(f"gradient all-reduce over {a.get('axis')} of {a.get('names')}")
