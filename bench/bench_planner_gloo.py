@@ -43,7 +43,7 @@ def planner_rows(res: dict) -> dict:
                        "best_hand_ms": best["measured_s"] * 1e3, "ratio": free["measured_s"] / best["measured_s"]}
     tight = rows.get("planner, 60% budget")
     if tight is not None and free is not None:
-        budget = 0.6 * free["predicted_mem_bytes"]
+        budget = 0.6 * free["predicted_mem_bytes"]  # the budget the planner was given (priced peak)
         fits = [r for r in hand if r["measured_mem_bytes"] <= budget]
         entry = {"budget_mib": budget / 2**20, "planner_ms": tight["measured_s"] * 1e3,
                  "planner_mem_mib": tight["measured_mem_bytes"] / 2**20,

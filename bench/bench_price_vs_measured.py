@@ -6,7 +6,7 @@ batch 8 x seq 32, fewer schedules and steps). Configurations: 4 ranks on a 2x2 m
 1-D mesh, 2 ranks. Schedules per configuration (>= 10 without --quick): DDP, DDP + checkpoint, FSDP2,
 Megatron TP, TP + checkpoint, TP x DP (DDP), TP x DP + checkpoint, TP x FSDP2, TP + sequence parallel,
 on 2x2 also DDP and FSDP2 over all four ranks and HSDP, and the planner's plan without and with a memory
-budget (60% of its unconstrained peak).
+budget (60% of its unconstrained priced peak; ``plan_model(price_top=4)``).
 
 Method. The links of each mesh are calibrated first on the running process group
 (`treadle.cost.calibrate.calibrate_cluster`), the CPU per core by `calibrate_cpu(threads=1)` (explicit:
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PRICE_TOP = 4  # plan_model's final choice by price among the best plans of the 4 best role assignments
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -120,11 +121,12 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
             add("TP + SP + ckpt", lambda s: meg(s, tp=ax, sequence_parallel=True, checkpoint_fraction=1.0))
     model, inputs = make_model(model_name, batch, seq)
     try:
-        free = plan_model(model, inputs, cluster=cluster)
+        free = plan_model(model, inputs, cluster=cluster, price_top=PRICE_TOP)
         out.append(("planner", free.schedule.to_json()))
         if not quick:
             model, inputs = make_model(model_name, batch, seq)
-            tight = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimated.peak_bytes)
+            tight = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimate().peak_bytes,
+                               price_top=PRICE_TOP)
             out.append(("planner, 60% budget", tight.schedule.to_json()))
     except TreadleError as exc:
         print(f"    planner: {exc}")

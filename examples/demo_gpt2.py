@@ -64,10 +64,11 @@ def main() -> None:
     print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, under a memory budget")
     cluster = parse_cluster("2x2:cpu")  # 4 ranks on this host; `treadle calibrate` measures real links
     model = gpt2()
-    free = plan_model(model, inputs, cluster=cluster)
-    budget = 0.6 * free.estimated.peak_bytes
-    plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget)
-    print(f"  unconstrained peak {free.estimated.peak_bytes / 2**20:.1f} MiB/device; budget {budget / 2**20:.1f} MiB")
+    # price_top=4: the best plans of the 4 best role assignments are priced as built; the fastest that fits wins
+    free = plan_model(model, inputs, cluster=cluster, price_top=4)
+    budget = 0.6 * free.estimate().peak_bytes
+    plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget, price_top=4)
+    print(f"  unconstrained peak {free.estimate().peak_bytes / 2**20:.1f} MiB/device; budget {budget / 2**20:.1f} MiB")
     print("\n".join("  " + line for line in plan.explain().splitlines()))
     show(plan.schedule)
     planned_s = check_and_train(plan.schedule, inputs)

@@ -108,3 +108,26 @@ def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
     assert terms["comm_s"] == pytest.approx(other + exposed)
     sol = ilp.solve(cg, budget_bytes=None)
     assert sol.step_s == pytest.approx(step) and sol.terms["comm_s"] == pytest.approx(terms["comm_s"])
+
+
+def test_final_choice_by_price_keeps_the_fastest_priced_plan_that_fits():
+    """NOTE [final choice by price]: the best plans of the K best role assignments are priced; the fastest whose
+    priced peak fits the budget wins, and the plan carries that price."""
+    from treadle.cost.cluster import parse_cluster
+    from treadle.models.zoo import named_model
+    from treadle.planner.plan import plan_model
+
+    cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=2)
+    model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
+    solver = plan_model(model, inputs, cluster=cluster)
+    graph = solver._context["kwargs"]["graph"]
+    chosen = plan_model(model, inputs, cluster=cluster, graph=graph, price_top=3)
+    rows = chosen.solver["priced"]
+    assert 1 <= len(rows) <= 3 and chosen.price is not None
+    assert chosen.estimate().step_s == pytest.approx(min(r["step_s"] for r in rows))
+    assert chosen.estimate().step_s <= solver.estimate().step_s + 1e-12
+    budget = chosen.estimate().peak_bytes  # the free winner still fits (its priced peak), others may not
+    tight = plan_model(model, inputs, cluster=cluster, graph=graph, price_top=3, memory_budget_bytes=budget)
+    fitting = [r for r in tight.solver["priced"] if r["peak_bytes"] <= budget]
+    assert fitting and tight.estimate().peak_bytes <= budget
+    assert tight.estimate().step_s == pytest.approx(min(r["step_s"] for r in fitting))

@@ -69,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--zero", choices=["auto", "on", "off"], default="auto", help="ZeRO-3 over the dp axis")
     p.add_argument("--forbid-axis", action="append", default=[], help="keep every op replicated on this axis")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
+    p.add_argument("--price-top", type=int, default=0, metavar="K",
+                   help="price the best plans of the K best role assignments with treadle.price and keep the "
+                        "fastest that fits (slower planning; 0: the solver's choice)")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _picture_flags(p)
@@ -133,7 +136,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             plan = plan_model(model, inputs, cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=budget, mode=args.mode, pins=pins,
                               dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
-                              time_limit_s=args.time_limit,
+                              time_limit_s=args.time_limit, price_top=args.price_top,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},
                               progress=lambda msg: report(msg))

@@ -436,7 +436,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0, model_spec: dict | None = None,
                graph: CapturedGraph | None = None, checkpoint: Literal["auto", "all", "none"] = "auto",
                progress: Callable[[str], None] | None = None,
-               loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int = 0) -> Plan:
     """Plan `model` on `cluster` under `memory_budget_bytes` per device (None: unlimited).
 
     `example_inputs`: keyword arguments (a dict, e.g. from `treadle.models.zoo.named_model`) or positional
@@ -451,6 +451,10 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     best plan wins. `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none".
     `loss_fn(output)`: the training loss, as in verify / train / profile (default: ``.loss`` when the model
     returns one, else the mean square of its first floating output; `treadle.runtime.losses.default_loss`).
+    `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
+    solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
+    the fastest whose priced peak fits the budget wins; 0 keeps the solver's choice (a price rehearses a step
+    on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
@@ -542,7 +546,14 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                         f"device (constraint 'memory' binds for every role assignment tried: "
                         f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
                         f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
-    sol, cg = min(feasible, key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    feasible.sort(key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
+    sol, cg = feasible[0]
+    priced: list[dict] = []
+    chosen_price = None
+    if price_top > 0 and kwargs and not args:
+        say("price the best role assignments")
+        sol, cg, chosen_price, priced = _choose_by_price(model, kwargs, feasible[:price_top], is_leaf_param,
+                                                         memory_budget_bytes, loss_fn)
     if memory_budget_bytes is not None and sol.peak_bytes > memory_budget_bytes:  # NOTE [exact budget] in ilp.py
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
                         f"budget {_fmt_bytes(memory_budget_bytes)} by {sol.peak_bytes - memory_budget_bytes:.0f} B; "
@@ -563,7 +574,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
               "capture_s": t_capture, "cost_graph_s": t_build, "solve_s": t_solve,
               "planning_s": time.perf_counter() - t0, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
-              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()),
+              "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,
               "param_dtype": str(dtype).removeprefix("torch.")}
     context = {"inputs": example_inputs,
                "kwargs": dict(cluster=clusters if len(clusters) > 1 else clusters[0],
@@ -573,9 +584,43 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                               model_spec=model_spec, graph=graph, checkpoint=checkpoint,
                               partial_schedule=partial_schedule, loss_fn=loss_fn)}
     plan = Plan(model_spec, cluster, str(cg.roles), mode, memory_budget_bytes, decisions, est,
-                _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), _model=model, _context=context)
+                _rows(cg, sol), binding, solver, unknown_ops(graph.nodes), price=chosen_price, _model=model,
+                _context=context)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
     return plan
+
+
+def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
+                     is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn):
+    """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
+    Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
+    priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best, with its price).
+    Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes}])."""
+    import copy
+
+    from ..schedule.core import create_schedule
+    from .price import price
+
+    rows, best = [], None
+    for sol, cg in candidates:
+        m = copy.deepcopy(model)
+        _, is_leaf_module = runtime_capabilities(m)
+        decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
+        sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)
+        try:
+            p = price(sch, inputs, cg.cluster, loss_fn=loss_fn)
+        except PlanError as exc:
+            logger.info("price of %s failed: %s", cg.roles, exc)
+            continue
+        rows.append({"mesh": str(cg.cluster.mesh), "roles": str(cg.roles), "solver_step_s": sol.step_s,
+                     "step_s": p.step_s, "peak_bytes": p.peak_bytes})
+        fits = budget is None or p.peak_bytes <= budget
+        if fits and (best is None or p.step_s < best[2].step_s):
+            best = (sol, cg, p)
+    if best is None:  # no candidate fits by its price: the solver's own choice (its memory model binds)
+        sol, cg = candidates[0]
+        return sol, cg, None, rows
+    return best[0], best[1], best[2].to_dict(), rows
 
 
 def _raise_pin_conflict(model: nn.Module, graph: CapturedGraph, pins: dict, attempts: list, *, train: TrainSpec,
