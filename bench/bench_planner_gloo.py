@@ -9,8 +9,9 @@ unconstrained peak (predicted). All schedules of a configuration are built in ON
 interleaved, repeated; a step's time is the slowest rank's, a schedule's the median of its steps.
 
 Per configuration it reports the planner's measured step over the fastest hand plan (without a budget), and
-under the budget over the fastest hand plan whose *measured* memory (saved activations + parameters, gradients
-and AdamW state of rank 0) fits the same budget. Target (issue 10): <= 1.05 in every configuration. The
+under the budget (0.6x the free plan's priced peak) over the fastest hand plan whose priced peak fits the
+same budget (one memory model for all; its saved-activation + state part is checked against the measured
+figures in the same run, within 5%). Target (issue 10): <= 1.05 in every configuration. The
 machine may be shared (2 cores, 4 ranks): expect noise of 10-20% between repeats; say so when reporting.
 Writes bench/results/bench_planner_gloo.json.
 
@@ -43,11 +44,13 @@ def planner_rows(res: dict) -> dict:
                        "best_hand_ms": best["measured_s"] * 1e3, "ratio": free["measured_s"] / best["measured_s"]}
     tight = rows.get("planner, 60% budget")
     if tight is not None and free is not None:
-        budget = 0.6 * free["predicted_mem_bytes"]  # the budget the planner was given (priced peak)
-        fits = [r for r in hand if r["measured_mem_bytes"] <= budget]
+        # the budget the planner was given: 0.6x the free plan's priced peak; a hand plan fits when its priced
+        # peak does (the same memory model for both; its saved + state part is within 5% of the measured one)
+        budget = 0.6 * free["predicted_peak_bytes"]
+        fits = [r for r in hand if r["predicted_peak_bytes"] <= budget]
         entry = {"budget_mib": budget / 2**20, "planner_ms": tight["measured_s"] * 1e3,
-                 "planner_mem_mib": tight["measured_mem_bytes"] / 2**20,
-                 "planner_fits": tight["measured_mem_bytes"] <= budget}
+                 "planner_peak_mib": tight["predicted_peak_bytes"] / 2**20,
+                 "planner_fits": tight["predicted_peak_bytes"] <= budget}
         if fits:
             best = min(fits, key=lambda r: r["measured_s"])
             entry.update(best_hand=best["schedule"], best_hand_ms=best["measured_s"] * 1e3,

@@ -274,6 +274,7 @@ def run_config(model_name: str, config: str, args) -> dict:
         priced.append((label, text))
         state = p.grad_bytes * 2 + p.grad_bytes / 4 * 8  # params + grads (fp32) + AdamW moments
         rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": p.activation_bytes + state,
+                     "predicted_peak_bytes": p.peak_bytes,
                      "predicted_saved_bytes": p.activation_bytes, "exposed_comm_s": p.exposed_comm_s})
     res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
                 timeout_s=3000)
