@@ -62,7 +62,8 @@ def main() -> None:
     hand_s = check_and_train(sch, inputs)
 
     print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, under a memory budget")
-    cluster = parse_cluster("2x2:cpu")  # 4 ranks on this host; `treadle calibrate` measures real links
+    # 4 ranks, one thread each, sharing this host's cores; `treadle calibrate` measures real links and the CPU
+    cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=os.cpu_count())
     model = gpt2()
     # price_top=4: the best plans of the 4 best role assignments are priced as built; the fastest that fits wins
     free = plan_model(model, inputs, cluster=cluster, price_top=4)
