@@ -18,7 +18,9 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import Mesh  # noqa: E402
-from treadle.cost.cluster import parse_cluster  # noqa: E402
+import treadle.testing  # noqa: E402
+from treadle.cost.cluster import ClusterSpec  # noqa: E402
+from treadle.profile.hardware import calibrate_cpu  # noqa: E402
 from treadle.models import megatron  # noqa: E402
 from treadle.planner import plan_model  # noqa: E402
 
@@ -50,6 +52,13 @@ def check_and_train(sch: treadle.Schedule, inputs: dict) -> float:
     return step_s
 
 
+def calibrate_links(rank: int, world: int) -> ClusterSpec:
+    from treadle.cost.calibrate import calibrate_cluster
+
+    torch.set_num_threads(1)
+    return calibrate_cluster(Mesh((2, 2), ("dp", "tp")), rounds=5).cluster
+
+
 def main() -> None:
     ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids}
@@ -62,8 +71,12 @@ def main() -> None:
     hand_s = check_and_train(sch, inputs)
 
     print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, under a memory budget")
-    # 4 ranks, one thread each, sharing this host's cores; `treadle calibrate` measures real links and the CPU
-    cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=os.cpu_count())
+    # the cluster, measured explicitly (no hidden state): the gloo links of this 2x2 mesh on 4 processes and
+    # one CPU core, then 4 single-thread ranks sharing this host's cores (`treadle calibrate` does the same)
+    links = treadle.testing.spawn(calibrate_links, 4, timeout_s=300)[0]
+    cluster = ClusterSpec(mesh, links.links, calibrate_cpu(), links.copy_bytes_per_s,
+                          group_links=links.group_links).with_ranks(threads_per_rank=1, cores_per_host=os.cpu_count())
+    print(f"  calibrated: {cluster}")
     model = gpt2()
     # price_top=4: the best plans of the 4 best role assignments are priced as built; the fastest that fits wins
     free = plan_model(model, inputs, cluster=cluster, price_top=4)
