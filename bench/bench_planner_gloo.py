@@ -20,7 +20,6 @@ Writes bench/results/bench_planner_gloo.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -60,19 +59,7 @@ def planner_rows(res: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer schedules, seq 32, 2 steps x 2 repeats")
-    ap.add_argument("--models", nargs="*", default=["gpt2", "llama"])
-    ap.add_argument("--configs", nargs="*", default=["2x2", "4", "2"])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--nominal-cpu", action="store_true", help="use the nominal CPU_CORE instead of calibrating")
-    args = ap.parse_args()
-    args.seq = args.seq or (32 if args.quick else 64)
-    args.steps = args.steps or (2 if args.quick else 3)
-    args.repeats = args.repeats or (2 if args.quick else 3)
+    args = pvm.parse_args(__doc__.splitlines()[0])
     table = []
     for m in args.models:
         for c in args.configs:

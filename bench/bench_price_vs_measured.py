@@ -303,8 +303,9 @@ def run_config(model_name: str, config: str, args) -> dict:
             "spearman": rho, "time_ratio_spread": spread}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """The command line both gloo benches take (this one and bench_planner_gloo.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="fewer schedules, seq 32, 2 steps x 2 repeats")
     ap.add_argument("--models", nargs="*", default=["gpt2", "llama"])
     ap.add_argument("--configs", nargs="*", default=["2x2", "4", "2"])
@@ -317,6 +318,11 @@ def main() -> None:
     args.seq = args.seq or (32 if args.quick else 64)
     args.steps = args.steps or (2 if args.quick else 3)
     args.repeats = args.repeats or (2 if args.quick else 3)
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
     out = [run_config(m, c, args) for m in args.models for c in args.configs]
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "bench_price_vs_measured.json"

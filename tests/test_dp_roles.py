@@ -22,30 +22,9 @@ from treadle.planner.plan import enumerate_roles, plan_model
 from treadle.planner.price import fsdp_units, price
 from treadle.verify.verify import verify
 
+from test_price import Net  # the same 3-block MLP the price rules are checked on
 from tiny_models import tiny_gpt2, tiny_llama
 
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 16, n: int = 3):
-        super().__init__()
-        self.inp = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return x.pow(2).mean()
 
 
 def _two_by_two() -> treadle.Schedule:
