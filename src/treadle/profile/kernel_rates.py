@@ -45,8 +45,6 @@ def attention_efficiency(peak_flops_per_s: float, *, reps: int = 5) -> float:
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     f = flops_mod.forward_flops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v),
                                 {"is_causal": True}, (out,))
-    if not f:
-        f = 4 * 2 * 4 * 64 * 64 * 32  # two (64 x 32) x (32 x 64) products per head
     return max(1e-3, min(1.0, f / t / peak_flops_per_s))
 
 
