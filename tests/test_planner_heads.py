@@ -20,12 +20,12 @@ from treadle.verify.verify import verify
 BATCH, SEQ = 4, 32
 
 
-def _llama_like(kind: str, *, kv: int, use_cache: bool = False):
-    """hidden 128, 8 query heads, `kv` key/value heads, 2 layers, vocab 256."""
+def _llama_like(kind: str, *, kv: int, use_cache: bool = False, heads: int = 8):
+    """hidden 128, `heads` query heads, `kv` key/value heads, 2 layers, vocab 256."""
     import transformers as T
 
     torch.manual_seed(0)
-    common = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=8, num_key_value_heads=kv,
+    common = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=heads, num_key_value_heads=kv,
                   intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0, use_cache=use_cache)
     cls, cfg = {"llama": (T.LlamaForCausalLM, T.LlamaConfig), "mistral": (T.MistralForCausalLM, T.MistralConfig),
@@ -90,6 +90,20 @@ def test_gqa_plan_shards_q_and_kv_heads_and_verifies(kind, use_cache):
         syncs = {r.path for r in plan.schedule.records if r.op == "sync" and r.path.startswith(att)}
         assert syncs == {f"{att}.o_proj"}, syncs  # no gather of q, k or v: the heads stay local
     _verify_all(plan, _llama_like(kind, kv=4, use_cache=use_cache), inputs)
+
+
+@pytest.mark.slow
+def test_kv_groups_equal_to_kv_heads_do_not_shard_the_group_count():
+    """4 query heads, 2 kv heads: `repeat_kv` expands (b, 2, n_rep=2, s, d), the kv heads and the group count
+    equal (Llama-2-70B: 8 and 8). Sharding the kv heads must leave ``num_key_value_groups`` whole (dividing it
+    would broadcast one kv head over the local q heads: SDPA's slow path), and the plan verifies."""
+    inputs = lm_inputs(BATCH, SEQ)
+    plan = _tp_plan(_llama_like("llama", kv=2, heads=4), inputs, 2)
+    shards = _shards(plan)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert shards.get((f"model.layers.0.self_attn.{proj}", "weight")) == (0, 1), shards
+    assert not [r for r in plan.schedule.records if r.op == "shard_attr"], plan.schedule.records
+    _verify_all(plan, _llama_like("llama", kv=2, heads=4), inputs)
 
 
 @pytest.mark.slow

@@ -203,12 +203,31 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
         v = sizes[d]
         if not isinstance(v, int) or v < 0:
             continue  # -1 or a symbolic size: computed from the local tensor
+        if _broadcast_twin(node, sizes, d):
+            continue
         r = resolver(node.module, v)
         if r == "forbid" or r == "config" and any(x == -1 for k, x in enumerate(sizes) if k != d):
             return None
         if isinstance(r, tuple):
             needs.append((r[1], axis))
     return needs
+
+
+def _broadcast_twin(node: Node, sizes, d: int) -> bool:
+    """An ``expand`` whose sharded dim `d` is not broadcast (its input size is not 1) while another dim of the
+    same call, broadcast from 1, takes the same size: the attribute holding that size sizes the broadcast dim
+    (a broadcast size cannot be read from the input tensor; a non-broadcast one can, and must be on shards).
+    HF `repeat_kv` when the kv groups equal the kv heads (Llama-2-70B: 8 and 8): ``expand(b, 8, n_rep=8, s, d)``
+    with the kv heads sharded must not divide ``num_key_value_groups``. Were the sharded dim read from the same
+    attribute too, the expand fails loudly on shards (a non-singleton size mismatch), never silently."""
+    if node.op_name != "expand" or not node.fake_args or not isinstance(node.fake_args[0], torch.Tensor):
+        return False
+    src = node.fake_args[0].shape
+    lead = len(sizes) - len(src)  # expand may prepend dims
+    in_size = (lambda k: src[k - lead] if k >= lead else 1)
+    if in_size(d) == 1:
+        return False
+    return any(k != d and x == sizes[d] and in_size(k) == 1 for k, x in enumerate(sizes))
 
 
 def _split_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, ...],
