@@ -15,7 +15,8 @@ Method. The links of each mesh are calibrated first on the running process group
 Every schedule is priced (`treadle.price`) in this process, then all schedules of a configuration are
 measured in ONE process group: built once each (same seed), then ``--repeats`` rounds, each running every
 schedule for ``--steps`` steps (after one warm-up) in an order that alternates between rounds; a step's
-time is the slowest rank's; a schedule's time the median over all its steps. Memory measured on rank 0:
+time is the slowest rank's; a schedule's time the median over all its steps (two schedules with identical
+JSON — the planner's is often DDP's — are one program: their samples are pooled and the row says so). Memory measured on rank 0:
 saved-for-backward bytes (``saved_tensors_hooks``, storages once, parameters excluded) plus parameter,
 gradient and optimizer-state bytes of the rank (local shards); predicted: `Price.activation_bytes` +
 parameters + gradients + AdamW state of the price. Prints predicted vs measured time and memory, their
@@ -143,7 +144,7 @@ def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple):
     from treadle.mesh import Mesh
 
     torch.set_num_threads(1)
-    return calibrate_cluster(Mesh(shape, names), rounds=5).cluster
+    return calibrate_cluster(Mesh(shape, names), rounds=15).cluster
 
 
 def _saved_bytes(model, inputs) -> int:
@@ -279,8 +280,15 @@ def run_config(model_name: str, config: str, args) -> dict:
     res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
                 timeout_s=3000)
     r0 = res[0]
+    # a schedule identical to another (the planner's often is DDP's) is the same program: its samples are pooled
+    text_of = dict(priced)
+    same = {label: next(other for other, t in priced if t == text_of[label]) for label, _ in priced}
+    pooled = {label: [x for other, _ in priced if same[other] == same[label] for x in r0["times"][other]]
+              for label, _ in priced}
     for row in rows:
-        ts = r0["times"][row["schedule"]]
+        ts = pooled[row["schedule"]]
+        if same[row["schedule"]] != row["schedule"]:
+            row["same_as"] = same[row["schedule"]]
         m = r0["mem"][row["schedule"]]
         row["measured_s"] = statistics.median(ts)
         row["measured_mem_bytes"] = m["saved_bytes"] + m["state_bytes"]
@@ -295,7 +303,7 @@ def run_config(model_name: str, config: str, args) -> dict:
     for r in sorted(rows, key=lambda r: r["measured_s"]):
         print(f"  {r['schedule']:22} {r['predicted_s'] * 1e3:9.2f} {r['measured_s'] * 1e3:9.2f} "
               f"{r['time_ratio']:9.2f} {r['predicted_mem_bytes'] / 2**20:9.2f} {r['measured_mem_bytes'] / 2**20:9.2f} "
-              f"{r['mem_ratio']:9.3f}")
+              f"{r['mem_ratio']:9.3f}" + (f"  (same schedule as {r['same_as']}: samples pooled)" if "same_as" in r else ""))
     print(f"  Spearman(predicted, measured time) = {rho:.2f}; time ratio max/min = {spread:.2f}; "
           f"memory ratio {min(r['mem_ratio'] for r in rows):.3f}..{max(r['mem_ratio'] for r in rows):.3f}",
           flush=True)

@@ -1,7 +1,8 @@
 """treadle's main demo, the whole story on a stock Hugging Face GPT-2 and a 2 x 2 CPU mesh (4 gloo processes):
 
 1. a hand-written schedule: the Megatron recipe (tensor parallel on "tp") plus data parallel on "dp";
-2. the planner: given the mesh's cluster spec and a memory budget it writes a schedule itself, and explains it;
+2. the planner: given the measured cluster and the hand schedule's memory (its priced peak) as the budget, it
+   writes a schedule itself and explains it;
 each schedule is verified against the original model (outputs, every gradient, an optimizer step) and trained.
 
 Run: `make demo` (or `python examples/demo_gpt2.py` in the set-up venv).
@@ -56,7 +57,7 @@ def calibrate_links(rank: int, world: int) -> ClusterSpec:
     from treadle.cost.calibrate import calibrate_cluster
 
     torch.set_num_threads(1)
-    return calibrate_cluster(Mesh((2, 2), ("dp", "tp")), rounds=5).cluster
+    return calibrate_cluster(Mesh((2, 2), ("dp", "tp")), rounds=15).cluster
 
 
 def main() -> None:
@@ -64,25 +65,26 @@ def main() -> None:
     inputs = {"input_ids": ids, "labels": ids}
     mesh = Mesh((2, 2), ("dp", "tp"))
 
-    print(f"1. hand-written: Megatron tensor parallel on 'tp' + data parallel on 'dp', {mesh}")
-    sch = treadle.create_schedule(gpt2(), mesh=mesh)
-    megatron(sch, tp="tp", dp="dp", checkpoint_fraction=0.5)
-    show(sch)
-    hand_s = check_and_train(sch, inputs)
-
-    print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, under a memory budget")
     # the cluster, measured explicitly (no hidden state): the gloo links of this 2x2 mesh on 4 processes and
     # one CPU core, then 4 single-thread ranks sharing this host's cores (`treadle calibrate` does the same)
     links = treadle.testing.spawn(calibrate_links, 4, timeout_s=300)[0]
     cluster = ClusterSpec(mesh, links.links, calibrate_cpu(), links.copy_bytes_per_s,
                           group_links=links.group_links).with_ranks(threads_per_rank=1, cores_per_host=os.cpu_count())
-    print(f"  calibrated: {cluster}")
-    model = gpt2()
+    print(f"calibrated: {cluster}\n")
+
+    print(f"1. hand-written: Megatron tensor parallel on 'tp' + data parallel on 'dp', {mesh}")
+    sch = treadle.create_schedule(gpt2(), mesh=mesh)
+    megatron(sch, tp="tp", dp="dp", checkpoint_fraction=0.5)
+    show(sch)
+    hand = treadle.price(sch, inputs, cluster)  # the same cost model the planner uses, on the schedule as built
+    print(f"  priced: {hand.step_s * 1e3:.0f} ms per step, peak {hand.peak_bytes / 2**20:.1f} MiB per device")
+    hand_s = check_and_train(sch, inputs)
+
+    print("\n2. planned: the ILP picks every layout and which blocks to checkpoint, in the hand schedule's memory")
+    budget = hand.peak_bytes  # the same memory per device as the hand-written schedule: is it as fast?
     # price_top=4: the best plans of the 4 best role assignments are priced as built; the fastest that fits wins
-    free = plan_model(model, inputs, cluster=cluster, price_top=4)
-    budget = 0.6 * free.estimate().peak_bytes
-    plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=budget, price_top=4)
-    print(f"  unconstrained peak {free.estimate().peak_bytes / 2**20:.1f} MiB/device; budget {budget / 2**20:.1f} MiB")
+    plan = plan_model(gpt2(), inputs, cluster=cluster, memory_budget_bytes=budget, price_top=4)
+    print(f"  budget {budget / 2**20:.1f} MiB per device (the hand schedule's priced peak)")
     print("\n".join("  " + line for line in plan.explain().splitlines()))
     show(plan.schedule)
     planned_s = check_and_train(plan.schedule, inputs)

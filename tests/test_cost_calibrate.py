@@ -71,6 +71,8 @@ def test_gloo_calibration_predicts_held_out_sizes_within_30_percent():
     errors = {h.nbytes: round(h.rel_error, 3) for h in cal.held_out}
     assert all(abs(e) <= 0.30 for e in errors.values()), f"held-out relative errors {errors}; {cal.to_json()}"
     assert 1e7 < cal.cluster.copy_bytes_per_s < 1e12
+    # NOTE [in-step collectives]: the protocol is recorded with the fit
+    assert any("collectives timed after 2.0 ms of compute on every rank (in-step)" in n for n in cal.notes), cal.notes
 
 
 def test_group_link_is_the_measured_one_else_the_slowest_hop_and_survives_json():

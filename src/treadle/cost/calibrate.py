@@ -9,7 +9,8 @@ latency_s``; on a mesh of two or more axes the flattened group of all axes is ti
 software stack) from the per-step latency. On a 1-D mesh the launch cost is 0 and the whole intercept is
 latency. Reduce-scatter, all-reduce and all-to-all are timed in the same sweeps and get a time factor each
 against their model on the fitted link (`LinkSpec.op_scale`). Timing (`measure_collectives_s`): a warm-up
-sweep, then interleaved sweeps over all sizes, medians of the slowest rank's time (robust to a busy host).
+sweep, then interleaved sweeps over all sizes, medians of the slowest rank's time (robust to a busy host),
+each call after a short compute as a step issues it (NOTE [in-step collectives]).
 Held-out sizes are measured in the same sweeps and reported next to the model's prediction.
 """
 
@@ -40,6 +41,15 @@ logger = logging.getLogger(__name__)
 # linear regime (memory bandwidth falls with buffer size past the caches), which alpha-beta cannot follow.
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 2 << 20, 8 << 20)
 DEFAULT_HELD_OUT_BYTES = (16 << 10, 256 << 10, 4 << 20)
+DEFAULT_LEAD_COMPUTE_S = 2e-3  # NOTE [in-step collectives]: about one block's forward of the tiny models here
+
+# NOTE [in-step collectives]. A training step issues each collective after some compute: the ranks arrive
+# apart (their compute drifts; ranks sharing cores are time-sliced) and gloo's threads have gone to sleep.
+# Timed right after a barrier (ranks aligned, threads awake) a small gloo all-reduce on 2 ranks of this 2-core
+# host took ~0.9 ms; after ~3 ms of compute, ~4 ms more than the compute alone. A model fitted on the first
+# under-prices every blocking collective of a step (tensor parallelism issues tens of them), so the default
+# protocol computes first: each sample is ``max over ranks (compute + collective) - mean over ranks (compute)``,
+# the wait for the last rank and the wake-up included, as the step pays them.
 
 
 @dataclass(frozen=True)
@@ -114,38 +124,69 @@ def _collective_call(op: str, nbytes: int, n: int, group):
     raise LayoutError(f"calibrate: unknown collective {op!r}; known: {list(COLLECTIVES)}")
 
 
+def _busy(seconds: float):
+    """A zero-argument call that computes (single-threaded 64x64 matmuls) for about `seconds` on this rank."""
+    if seconds <= 0:
+        return lambda: None
+    a = torch.randn(64, 64)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per = max((time.perf_counter() - t0) / 20, 1e-7)
+    reps = max(1, round(seconds / per))
+
+    def run():
+        for _ in range(reps):
+            a @ a
+    return run
+
+
 def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
-                          rounds: int = 15) -> dict[str, list[float]]:
+                          rounds: int = 15, lead_compute_s: float = 0.0) -> dict[str, list[float]]:
     """Median seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
     convention) on every rank of `group`.
 
     Collective: every rank of the world calls it, each with its own group of one partition (an axis' groups
     run at once). Protocol: one warm-up sweep, then `rounds` sweeps over every (op, size), interleaved so
     drift of a busy host hits all alike; a sample is one call after a barrier, timed as the slowest rank's
-    (all-reduce MAX); the median over rounds shrugs off the spikes of a busy host. Raises LayoutError when
-    a size does not split into float32 chunks over the group."""
+    (all-reduce MAX); the median over rounds shrugs off the spikes of a busy host.
+
+    ``lead_compute_s > 0`` times the collective as a training step issues it (NOTE [in-step collectives]):
+    each rank first computes for about that long, then calls the collective; the sample is the slowest
+    rank's time for both minus the ranks' mean time for the compute alone (timed in the same sweeps). Raises
+    LayoutError when a size does not split into float32 chunks over the group."""
     n = dist.get_world_size(group)
     for nbytes in sizes_bytes:
         if nbytes <= 0 or nbytes % (4 * n):
             raise LayoutError(f"measure_collectives_s: {nbytes} bytes do not split into float32 chunks over {n} "
                               f"ranks; use a positive multiple of {4 * n}")
     calls = [(op, k, _collective_call(op, s, n, group)) for op in ops for k, s in enumerate(sizes_bytes)]
+    busy = _busy(lead_compute_s)
+    lead: list[float] = []
 
     def sample(fn) -> float:
         dist.barrier()
         t0 = time.perf_counter()
+        busy()
+        t1 = time.perf_counter()
         fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
-        return dt.item()
+        t2 = time.perf_counter()
+        dt = torch.tensor([t2 - t0, t1 - t0], dtype=torch.float64)
+        dist.all_reduce(dt[:1], op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
+        dist.all_reduce(dt[1:], op=dist.ReduceOp.SUM)
+        lead.append(dt[1].item() / dist.get_world_size())
+        return dt[0].item()
 
     for _, _, fn in calls:
         sample(fn)
+    lead.clear()
     samples: dict[tuple[str, int], list[float]] = {(op, k): [] for op, k, _ in calls}
     for _ in range(rounds):
         for op, k, fn in calls:
             samples[(op, k)].append(sample(fn))
-    return {op: [statistics.median(samples[(op, k)]) for k in range(len(sizes_bytes))] for op in ops}
+    lead_s = statistics.median(lead) if lead_compute_s > 0 else 0.0
+    return {op: [max(statistics.median(samples[(op, k)]) - lead_s, 1e-7) for k in range(len(sizes_bytes))]
+            for op in ops}
 
 
 def measure_copy_bytes_per_s(nbytes: int, *, rounds: int = 15) -> float:
@@ -204,7 +245,7 @@ def _solve_launch(fits: Sequence[AxisFit], flat: AxisFit) -> float:
 def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
-                      name: str = "gloo") -> Calibration:
+                      name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S) -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
@@ -212,7 +253,9 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     other collective of `ops` gets a time factor against its model on that link (`LinkSpec.op_scale`: gloo's
     reduce-scatter, for one, is far slower than a ring). With two or more axes the world group (every axis
     flattened) is fitted the same way and kept as `ClusterSpec.group_links` (data parallelism over all ranks
-    runs on it). The local copy rate (`ClusterSpec.copy_bytes_per_s`) is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
+    runs on it). Collectives are timed after `lead_compute_s` of compute on every rank, as a step issues them
+    (NOTE [in-step collectives]; 0: right after a barrier). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
+    is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
     or when no axis has more than one rank."""
@@ -227,16 +270,18 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     groups = [((axis,), n, mesh.group(axis)) for axis, n in zip(mesh.names, mesh.shape) if n > 1]
     fits, measured = [], []
     for axes, n, group in groups:
-        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds)
+        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s)
         measured.append(times)
         fits.append(fit_axis(axes, n, all_sizes[:fitted], times["all_gather"][:fitted]))
         logger.info("calibrate %s: n=%d, intercept %.1f us, %.2f GB/s", "+".join(axes), n,
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
-    notes: list[str] = []
+    notes: list[str] = [f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
+                         if lead_compute_s > 0 else "collectives timed right after a barrier"]
     flat_fit, launch = None, 0.0
     flat_all: dict[str, list[float]] = {}
     if len(groups) >= 2:
-        flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds)
+        flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds,
+                                         lead_compute_s=lead_compute_s)
         flat_times = flat_all["all_gather"]
         flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)

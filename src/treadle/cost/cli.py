@@ -19,7 +19,7 @@ from rich.table import Table
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..viz.progress import add_quiet_flag, is_quiet, progress
-from .calibrate import Calibration, calibrate_cluster
+from .calibrate import DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
 from .cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
     return Mesh(shape, tuple(names) if names else default_axis_names(len(shape)))
 
 
-def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int) -> str:
-    return calibrate_cluster(Mesh(shape, names), rounds=rounds).to_json()
+def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int,
+                    lead_compute_s: float) -> str:
+    return calibrate_cluster(Mesh(shape, names), rounds=rounds, lead_compute_s=lead_compute_s).to_json()
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -93,7 +94,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     mesh = _parse_mesh(args.mesh, args.names)
     with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
-        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds,
+        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, args.lead_ms / 1e3,
                      timeout_s=args.timeout)[0]
     data = json.loads(text)
     cluster = ClusterSpec.from_dict(data["cluster"])
@@ -137,6 +138,9 @@ def register(subparsers) -> None:
     c.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 (4 ranks) or 2 (default 2x2)")
     c.add_argument("--names", nargs="+", help="axis names (default dp tp for two axes)")
     c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (median; default 15)")
+    c.add_argument("--lead-ms", type=float, default=DEFAULT_LEAD_COMPUTE_S * 1e3,
+                   help="compute before each timed collective, as a step issues it (NOTE [in-step collectives]; "
+                        "0: right after a barrier; default %(default)s)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
     c.add_argument("--cpu", action="store_true",

@@ -318,7 +318,7 @@ _CPU_POINTWISE_S = {"tanh": 4.8e-9, "exp": 1.8e-9, "log": 2.2e-9, "sigmoid": 1.3
 CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
                         hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=15e-6,
                         subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
-                        fsdp_unit_s=1.5e-3, fsdp_param_s=20e-6, optimizer_foreach=False,
+                        fsdp_unit_s=2e-3, fsdp_param_s=100e-6, optimizer_foreach=False,
                         matmul_curve=((6.6e4, 0.2), (5.2e5, 0.65), (4.2e6, 0.9), (3.4e7, 0.95)),
                         attention_efficiency=0.4, elementwise_s_per_elem=_CPU_POINTWISE_S,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")

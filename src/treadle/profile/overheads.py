@@ -13,10 +13,13 @@ the caller set it (`calibrate_cpu` sets 1).
   `torch.utils.checkpoint` (non-reentrant) minus without, minus one forward of the block (the recomputation
   `treadle.price` already prices), fitted as ``region + ops(k) * op`` over k in (2, 12); ops(k) counted.
 - `fsdp_unit_s`, `fsdp_param_s`: fwd+bwd of U units of m tiny Linear layers each under FSDP2 `fully_shard`
-  on a 1-rank mesh minus without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6).
+  on a 2-rank mesh minus without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6). Two ranks, not
+  one: on one rank FSDP2 shards nothing and its hooks take shortcuts (measured here: 1.0 ms per unit and
+  31 us per parameter on one rank, 1.9 ms and 120 us on two), while every data-parallel run has two or more.
 
 The DTensor and FSDP2 probes need a process group of their own: they run only when torch.distributed is not
-initialised (a fake 1-rank group is created and destroyed); otherwise they return None for those fields.
+initialised (a fake group — collectives return at once, nothing is sent — is created and destroyed);
+otherwise they return None for those fields.
 """
 
 from __future__ import annotations
@@ -129,9 +132,9 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | No
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        mesh = init_device_mesh("cpu", (1,))
+        mesh = init_device_mesh("cpu", (2,))
         a, b = torch.ones(1), torch.ones(1)
         da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
         plain = best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=200)
