@@ -103,6 +103,12 @@ def summary_lines(plan) -> list[str]:
             f"{a.get('mesh', '')} {a['roles']}: {a['status']}" +
             (f" {a['step_s'] * 1e3:.2f} ms {_fmt(a['peak_bytes'], unit)}" if a["status"] != "infeasible" else "")
             for a in alts[:8]) + (f"; ... {len(alts) - 8} more" if len(alts) > 8 else ""))
+    priced = s.get("priced") or []
+    if priced:  # NOTE [final choice by price] in plan.py
+        lines.append("final choice by price: " + "; ".join(
+            f"{r['roles']}: {r['step_s'] * 1e3:.2f} ms {_fmt(r['peak_bytes'], unit)}"
+            + (f" (re-solved {r['resolves']}x: priced over the budget)" if r.get("resolves") else "")
+            for r in priced))
     if plan.unknown_ops:
         lines.append("ops without a sharding rule (run replicated): " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(plan.unknown_ops.items())))

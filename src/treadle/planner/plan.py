@@ -453,7 +453,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     returns one, else the mean square of its first floating output; `treadle.runtime.losses.default_loss`).
     `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
-    the fastest whose priced peak fits the budget wins; 0 keeps the solver's choice (a price rehearses a step
+    the fastest whose priced peak fits the budget wins (one priced over the budget is re-solved with the
+    overshoot taken off the solver's budget, twice at most); 0 keeps the solver's choice (a price rehearses a step
     on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
@@ -488,6 +489,19 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     is_leaf_param, _ = runtime_capabilities(model)
     holders = tied_leaf_holders(model)
     resolver = attr_resolver(model)
+    if mode not in ("joint", "two_stage"):
+        raise PlanError(f"unknown planning mode {mode!r}; use 'joint' or 'two_stage'")
+
+    def solve_for(cg: CostGraph, budget: float | None) -> Solution:
+        """The best plan of one role assignment under `budget` (the planning mode, pins and checkpoint policy)."""
+        min_ck = _min_ckpt(cg, ckpt_paths) if ckpt_paths else {}
+        if checkpoint == "all":
+            min_ck = {t: info.count for t, info in cg.templates.items()}
+        if mode == "joint":
+            return solve(cg, budget_bytes=budget, time_limit_s=time_limit_s, min_ckpt=min_ck,
+                         checkpoint=checkpoint != "none")
+        return _two_stage(cg, budget, time_limit_s)
+
     results: list[tuple[Solution, CostGraph]] = []
     t_build = t_solve = 0.0
     tried_roles = 0
@@ -519,16 +533,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
             t_build += time.perf_counter() - tb
             say(f"{where}: solve ({len(cg.units)} units)")
             ts = time.perf_counter()
-            min_ck = _min_ckpt(cg, ckpt_paths) if ckpt_paths else {}
-            if checkpoint == "all":
-                min_ck = {t: info.count for t, info in cg.templates.items()}
-            if mode == "joint":
-                sol = solve(cg, budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, min_ckpt=min_ck,
-                            checkpoint=checkpoint != "none")
-            elif mode == "two_stage":
-                sol = _two_stage(cg, memory_budget_bytes, time_limit_s)
-            else:
-                raise PlanError(f"unknown planning mode {mode!r}; use 'joint' or 'two_stage'")
+            sol = solve_for(cg, memory_budget_bytes)
             t_solve += time.perf_counter() - ts
             logger.info("%s: %s step %.4g s peak %.4g GiB", where, sol.status, sol.step_s, sol.peak_bytes / GiB)
             results.append((sol, cg))
@@ -553,7 +558,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     if price_top > 0 and kwargs and not args:
         say("price the best role assignments")
         sol, cg, chosen_price, priced = _choose_by_price(model, kwargs, feasible[:price_top], is_leaf_param,
-                                                         memory_budget_bytes, loss_fn)
+                                                         memory_budget_bytes, loss_fn, solve_for)
     if memory_budget_bytes is not None and sol.peak_bytes > memory_budget_bytes:  # NOTE [exact budget] in ilp.py
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
                         f"budget {_fmt_bytes(memory_budget_bytes)} by {sol.peak_bytes - memory_budget_bytes:.0f} B; "
@@ -590,30 +595,55 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     return plan
 
 
+PRICE_RESOLVES = 2  # NOTE [final choice by price]: re-solves of a candidate whose priced peak is over the budget
+
+
 def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
-                     is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn):
+                     is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn,
+                     solve_for: Callable[[CostGraph, float | None], Solution] | None = None):
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
     priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best, with its price).
-    Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes}])."""
-    import copy
-
-    from ..schedule.core import create_schedule
+    A candidate priced over the budget is solved again (`solve_for`, at most PRICE_RESOLVES times) with the
+    solver's budget lowered by the overshoot — ``solver peak - (priced peak - budget)`` — so the memory the
+    linear model misses on that role assignment is taken off its budget; a re-solve that is infeasible ends it.
+    Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .price import price
 
-    rows, best = [], None
-    for sol, cg in candidates:
+    def price_of(sol: Solution, cg: CostGraph):
+        import copy
+
+        from ..schedule.core import create_schedule
+
         m = copy.deepcopy(model)
         _, is_leaf_module = runtime_capabilities(m)
         decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
         sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)
+        return price(sch, inputs, cg.cluster, loss_fn=loss_fn)
+
+    rows, best = [], None
+    for sol, cg in candidates:
         try:
-            p = price(sch, inputs, cg.cluster, loss_fn=loss_fn)
+            p = price_of(sol, cg)
         except PlanError as exc:
             logger.info("price of %s failed: %s", cg.roles, exc)
             continue
+        resolves = 0
+        while (budget is not None and solve_for is not None and p.peak_bytes > budget
+               and resolves < PRICE_RESOLVES):
+            tighter = sol.peak_bytes - (p.peak_bytes - budget)
+            again = solve_for(cg, tighter) if tighter > 0 else None
+            resolves += 1
+            if again is None or again.status == "infeasible":
+                break
+            try:
+                p_again = price_of(again, cg)
+            except PlanError as exc:
+                logger.info("price of %s (re-solved) failed: %s", cg.roles, exc)
+                break
+            sol, p = again, p_again
         rows.append({"mesh": str(cg.cluster.mesh), "roles": str(cg.roles), "solver_step_s": sol.step_s,
-                     "step_s": p.step_s, "peak_bytes": p.peak_bytes})
+                     "step_s": p.step_s, "peak_bytes": p.peak_bytes, "resolves": resolves})
         fits = budget is None or p.peak_bytes <= budget
         if fits and (best is None or p.step_s < best[2].step_s):
             best = (sol, cg, p)
