@@ -8,9 +8,9 @@ Megatron TP, TP + checkpoint, TP x DP (DDP), TP x DP + checkpoint, TP x FSDP2, T
 on 2x2 also DDP and FSDP2 over all four ranks and HSDP, and the planner's plan without and with a memory
 budget (60% of its unconstrained priced peak; ``plan_model(price_top=4)``).
 
-Method. The links of each mesh are calibrated first on the running process group
-(`treadle.cost.calibrate.calibrate_cluster`), the CPU per core by `calibrate_cpu(threads=1)` (explicit:
-``--nominal-cpu`` keeps the nominal `CPU_CORE`), and the cluster states the rank placement explicitly:
+Method. The CPU per core is calibrated first by `calibrate_cpu(threads=1)` (explicit: ``--nominal-cpu`` keeps
+the nominal `CPU_CORE`), then the links of each mesh, the world group's link and FSDP2's host costs on the
+running process group (`treadle.cost.calibrate.calibrate_cluster`, collectives timed in-step), and the cluster states the rank placement explicitly:
 1 thread per rank, `os.cpu_count()` cores shared by all ranks of the host (recorded in the output).
 Every schedule is priced (`treadle.price`) in this process, then all schedules of a configuration are
 measured in ONE process group: built once each (same seed), then ``--repeats`` rounds, each running every
@@ -139,12 +139,14 @@ def _blocks(model_name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- ranks
-def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple):
+def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple, device):
     from treadle.cost.calibrate import calibrate_cluster
+    from treadle.cost.cluster import ClusterSpec
     from treadle.mesh import Mesh
 
     torch.set_num_threads(1)
-    return calibrate_cluster(Mesh(shape, names), rounds=15).cluster
+    mesh = Mesh(shape, names)
+    return calibrate_cluster(mesh, rounds=15, base=ClusterSpec.uniform(mesh, "loopback", device=device)).cluster
 
 
 def _saved_bytes(model, inputs) -> int:
@@ -254,10 +256,10 @@ def run_config(model_name: str, config: str, args) -> dict:
     world = 1
     for s in shape:
         world *= s
-    links = spawn(_calibrate_rank, world, shape, names, timeout_s=600)[0]
     device = CPU_CORE if args.nominal_cpu else calibrate_cpu(threads=1)
-    cluster = ClusterSpec(Mesh(shape, names), links.links, device, links.copy_bytes_per_s, threads_per_rank=1,
-                          ranks_per_host=world, cores_per_host=os.cpu_count())
+    # links, world-group link and FSDP2's host costs measured on the launched group, on top of `device`
+    cluster = spawn(_calibrate_rank, world, shape, names, device, timeout_s=600)[0].with_ranks(
+        threads_per_rank=1, ranks_per_host=world, cores_per_host=os.cpu_count())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"cluster_{config}.json").write_text(cluster.to_json())  # the calibrated cluster, to re-price
     print(f"\n{model_name} batch {args.batch} x seq {args.seq}, gloo {config} ({world} ranks); "

@@ -53,11 +53,12 @@ def check_and_train(sch: treadle.Schedule, inputs: dict) -> float:
     return step_s
 
 
-def calibrate_links(rank: int, world: int) -> ClusterSpec:
+def calibrate_links(rank: int, world: int, device) -> ClusterSpec:
     from treadle.cost.calibrate import calibrate_cluster
 
     torch.set_num_threads(1)
-    return calibrate_cluster(Mesh((2, 2), ("dp", "tp")), rounds=15).cluster
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    return calibrate_cluster(mesh, rounds=15, base=ClusterSpec.uniform(mesh, "loopback", device=device)).cluster
 
 
 def main() -> None:
@@ -65,11 +66,11 @@ def main() -> None:
     inputs = {"input_ids": ids, "labels": ids}
     mesh = Mesh((2, 2), ("dp", "tp"))
 
-    # the cluster, measured explicitly (no hidden state): the gloo links of this 2x2 mesh on 4 processes and
-    # one CPU core, then 4 single-thread ranks sharing this host's cores (`treadle calibrate` does the same)
-    links = treadle.testing.spawn(calibrate_links, 4, timeout_s=300)[0]
-    cluster = ClusterSpec(mesh, links.links, calibrate_cpu(), links.copy_bytes_per_s,
-                          group_links=links.group_links).with_ranks(threads_per_rank=1, cores_per_host=os.cpu_count())
+    # the cluster, measured explicitly (no hidden state): one CPU core, then the gloo links of this 2x2 mesh and
+    # FSDP2's host costs on 4 processes; 4 single-thread ranks share this host's cores (`treadle calibrate
+    # --cpu` does the same)
+    cluster = treadle.testing.spawn(calibrate_links, 4, calibrate_cpu(), timeout_s=300)[0].with_ranks(
+        threads_per_rank=1, cores_per_host=os.cpu_count())
     print(f"calibrated: {cluster}\n")
 
     print(f"1. hand-written: Megatron tensor parallel on 'tp' + data parallel on 'dp', {mesh}")

@@ -73,6 +73,15 @@ def test_gloo_calibration_predicts_held_out_sizes_within_30_percent():
     assert 1e7 < cal.cluster.copy_bytes_per_s < 1e12
     # NOTE [in-step collectives]: the protocol is recorded with the fit
     assert any("collectives timed after 2.0 ms of compute on every rank (in-step)" in n for n in cal.notes), cal.notes
+    # FSDP2's host costs measured on the launched group replace the base device's (the nominal cpu preset here)
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.profile.hardware import CPU_CORE
+
+    hw = cal.cluster.hardware()
+    assert "FSDP2 host costs measured on 2 gloo ranks" in hw.source and hw.fsdp_unit_s > 0, hw
+    assert hw.op_overhead_s == CPU_CORE.op_overhead_s  # the rest of the device is the base's
+    back = ClusterSpec.from_json(cal.cluster.to_json()).hardware()
+    assert (back.fsdp_unit_s, back.fsdp_param_s) == (hw.fsdp_unit_s, hw.fsdp_param_s)
 
 
 def test_group_link_is_the_measured_one_else_the_slowest_hop_and_survives_json():

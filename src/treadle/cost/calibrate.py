@@ -245,7 +245,8 @@ def _solve_launch(fits: Sequence[AxisFit], flat: AxisFit) -> float:
 def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
-                      name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S) -> Calibration:
+                      name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S,
+                      host_overheads: bool = True) -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
@@ -255,7 +256,11 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     flattened) is fitted the same way and kept as `ClusterSpec.group_links` (data parallelism over all ranks
     runs on it). Collectives are timed after `lead_compute_s` of compute on every rank, as a step issues them
     (NOTE [in-step collectives]; 0: right after a barrier). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
-    is measured too. Axes of size 1 keep `base`'s link. Returns a Calibration
+    is measured too, and with `host_overheads` FSDP2's host cost per unit and per parameter on the world group
+    (`treadle.profile.overheads.fsdp_overheads_s`, the ranks' mean; a fake group misses gloo's issue and
+    completion path), written into the returned cluster's device (`base`'s device, e.g. `calibrate_cpu()`'s,
+    with `fsdp_unit_s` / `fsdp_param_s` replaced and its source saying so). Axes of size 1 keep `base`'s link.
+    Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
     or when no axis has more than one rank."""
@@ -312,10 +317,30 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
         raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names], copy_bytes_per_s=copy_rate)
     cluster = dataclasses.replace(cluster, group_links=group_links)
+    if host_overheads:
+        cluster = dataclasses.replace(cluster, device=_with_group_fsdp_overheads(cluster, rounds))
+        notes.append(f"FSDP2 host costs measured on the world group of {mesh.world_size} ranks")
     held_out = tuple(HeldOut(f.axes[0], size, t, _model_s(op, size, f.n_ranks, cluster.link(f.axes[0])), op)
                      for f, times in zip(fits, measured) for op in ops
                      for size, t in zip(all_sizes[fitted:], times[op][fitted:]))
     return Calibration(cluster, tuple(fits), flat_fit, launch, held_out, tuple(notes))
+
+
+def _with_group_fsdp_overheads(cluster: ClusterSpec, rounds: int):
+    """`cluster`'s HardwareSpec with FSDP2's per-unit and per-parameter host seconds measured on the world group
+    (the ranks' mean). Collective over the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..profile.overheads import fsdp_overheads_s
+
+    world = dist.get_world_size()
+    unit_s, param_s = fsdp_overheads_s(init_device_mesh("cpu", (world,)), reps=max(5, min(rounds, 9)))
+    mean = torch.tensor([unit_s, param_s], dtype=torch.float64)
+    dist.all_reduce(mean)
+    unit_s, param_s = (mean / world).tolist()
+    hw = cluster.hardware()
+    return dataclasses.replace(hw, fsdp_unit_s=max(unit_s, 0.0), fsdp_param_s=max(param_s, 0.0),
+                               source=f"{hw.source}; FSDP2 host costs measured on {world} gloo ranks")
 
 
 _MODELS = {"all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s,

@@ -68,8 +68,10 @@ def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
 
 
 def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int,
-                    lead_compute_s: float) -> str:
-    return calibrate_cluster(Mesh(shape, names), rounds=rounds, lead_compute_s=lead_compute_s).to_json()
+                    lead_compute_s: float, device) -> str:
+    mesh = Mesh(shape, names)
+    base = ClusterSpec.uniform(mesh, "loopback", device=device)
+    return calibrate_cluster(mesh, rounds=rounds, lead_compute_s=lead_compute_s, base=base).to_json()
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -93,18 +95,21 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from ..testing import spawn
 
     mesh = _parse_mesh(args.mesh, args.names)
-    with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
-        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, args.lead_ms / 1e3,
-                     timeout_s=args.timeout)[0]
-    data = json.loads(text)
-    cluster = ClusterSpec.from_dict(data["cluster"])
+    device = "cpu"
     if args.cpu:  # one core of this machine, measured now (explicit: it lands in the file, nothing is cached)
-        import os
-
         from ..profile.hardware import calibrate_cpu
 
-        cluster = ClusterSpec(cluster.mesh, cluster.links, calibrate_cpu(threads=1), cluster.copy_bytes_per_s,
-                              threads_per_rank=1, ranks_per_host=cluster.world_size, cores_per_host=os.cpu_count())
+        device = calibrate_cpu(threads=1)
+    with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
+        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, args.lead_ms / 1e3,
+                     device, timeout_s=args.timeout)[0]
+    data = json.loads(text)
+    cluster = ClusterSpec.from_dict(data["cluster"])
+    if args.cpu:  # the ranks' placement: one thread each, all on this host's cores
+        import os
+
+        cluster = cluster.with_ranks(threads_per_rank=1, ranks_per_host=cluster.world_size,
+                                     cores_per_host=os.cpu_count())
         data["cluster"] = cluster.to_dict()
         text = json.dumps(data)
     if args.output:

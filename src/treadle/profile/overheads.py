@@ -19,7 +19,10 @@ the caller set it (`calibrate_cpu` sets 1).
 
 The DTensor and FSDP2 probes need a process group of their own: they run only when torch.distributed is not
 initialised (a fake group — collectives return at once, nothing is sent — is created and destroyed);
-otherwise they return None for those fields.
+otherwise they return None for those fields. A fake group misses what the launched one costs the calling
+thread (gloo's issue and completion path: ~2.6-3.8 ms per unit measured on 2-4 gloo ranks of this host,
+against 1-1.9 ms on the fake group), so `treadle.cost.calibrate.calibrate_cluster` measures the FSDP2 figures
+again with `fsdp_overheads_s` on the launched group.
 """
 
 from __future__ import annotations
@@ -121,6 +124,32 @@ def checkpoint_overheads_s(*, reps: int = 7) -> tuple[float, float]:
     return _fit_line(x0, y0, x1, y1)
 
 
+def fsdp_overheads_s(mesh, *, reps: int = 7) -> tuple[float, float]:
+    """(per FSDP2 unit, per parameter of a unit) host seconds of one forward+backward on `mesh` (a 1-D
+    DeviceMesh of a running process group: a fake one, or the launched gloo group, whose collectives the
+    calling thread issues and waits on without spending CPU time). U units of m tiny Linear layers each under
+    `fully_shard`, minus the same without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6)."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = 4
+    points = []
+    for m in (1, 6):
+        def make(wrap: bool) -> Callable[[], None]:
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(m)]) for _ in range(units)])
+            if wrap:
+                for unit in model:
+                    fully_shard(unit, mesh=mesh)
+            x = torch.randn(2, 4)
+            return lambda: model(x).sum().backward()
+
+        extra = best_thread_time_s(make(True), reps=reps, inner=5) - best_thread_time_s(make(False), reps=reps,
+                                                                                      inner=5)
+        points.append((2 * m, extra / units))  # per unit: fixed + 2m parameters
+    (x0, y0), (x1, y1) = points
+    return _fit_line(x0, y0, x1, y1)
+
+
 def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | None:
     """(subclass op, FSDP2 unit, FSDP2 parameter), or None when torch.distributed is already initialised."""
     import torch.distributed as dist
@@ -128,37 +157,20 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | No
     if not dist.is_available() or dist.is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        a, b = torch.ones(1), torch.ones(1)
+        a, b = torch.ones(2), torch.ones(2)
         da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
         plain = best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=200)
         sub = max(0.0, best_thread_time_s(lambda: torch.add(da, db), reps=reps, inner=200) - plain)
-        units = 4
-        points = []
-        for m in (1, 6):
-            def make(wrap: bool) -> Callable[[], None]:
-                torch.manual_seed(0)
-                model = nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(m)]) for _ in range(units)])
-                if wrap:
-                    for unit in model:
-                        fully_shard(unit, mesh=mesh)
-                x = torch.randn(2, 4)
-                return lambda: model(x).sum().backward()
-
-            extra = best_thread_time_s(make(True), reps=reps, inner=5) - best_thread_time_s(make(False), reps=reps,
-                                                                                          inner=5)
-            points.append((2 * m, extra / units))  # per unit: fixed + 2m parameters
-        (x0, y0), (x1, y1) = points
-        unit_s, param_s = _fit_line(x0, y0, x1, y1)
+        unit_s, param_s = fsdp_overheads_s(mesh, reps=reps)
         return sub, unit_s, param_s
     finally:
         dist.destroy_process_group()
 
 
-__all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "distributed_overheads_s"]
+__all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "distributed_overheads_s", "fsdp_overheads_s"]
