@@ -133,25 +133,31 @@ def test_final_choice_by_price_keeps_the_fastest_priced_plan_that_fits():
     assert tight.estimate().step_s == pytest.approx(min(r["step_s"] for r in fitting))
 
 
-def test_a_candidate_priced_over_the_budget_is_re_solved_with_the_overshoot_taken_off():
-    """NOTE [final choice by price]: the solver's linear memory model can miss a few percent; a candidate whose
-    priced peak is over the budget is solved again with ``solver peak - overshoot`` as its budget, so the plan
-    returned fits by its price (the schedule as built), not only by the solver's estimate."""
+def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_difference():
+    """NOTE [final choice by price]: the solver's linear memory model can miss by a few percent either way. A
+    candidate priced over the budget is solved again with ``solver peak - overshoot`` as its budget, so the
+    plan returned fits by its price (the schedule as built); one priced well under it is solved again with the
+    slack added, so it does not checkpoint (or shard) more than the budget needs — and is never slower."""
     cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=2)
     model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
     free = plan_model(model, inputs, cluster=cluster)
     graph = free._context["kwargs"]["graph"]
-    overshoots = 0
-    for fraction in (0.5, 0.8, 0.9):
+    seen = set()
+    for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
         budget = fraction * free.estimate().peak_bytes
         solver = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget)
         assert solver.estimated.peak_bytes <= budget
-        if solver.estimate().peak_bytes <= budget:
-            continue
-        overshoots += 1  # the solver's plan fits by its own estimate, not by its price
+        as_built = solver.estimate()
+        if 0 <= budget - as_built.peak_bytes <= 0.02 * budget:
+            continue  # the solver's plan fits with little to spare: nothing to correct
         priced = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget, price_top=1)
         (row,) = priced.solver["priced"]
         assert row["resolves"] >= 1, row
         assert priced.price is not None and priced.estimate().peak_bytes <= budget, (row, budget)
-        assert priced.estimated.peak_bytes < solver.estimated.peak_bytes  # the solver was given less
-    assert overshoots, "no budget made the solver's plan overshoot by its price: the test exercises nothing"
+        if as_built.peak_bytes > budget:  # the solver's plan fits by its own estimate, not as built
+            seen.add("over")
+            assert priced.estimated.peak_bytes < solver.estimated.peak_bytes  # the solver was given less
+        else:  # memory to spare as built: the re-solved plan may use it, and is never slower by its price
+            seen.add("under")
+            assert priced.estimate().step_s <= as_built.step_s + 1e-12, (priced.estimate(), as_built)
+    assert seen == {"over", "under"}, f"only {seen} exercised"

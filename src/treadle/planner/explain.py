@@ -107,7 +107,7 @@ def summary_lines(plan) -> list[str]:
     if priced:  # NOTE [final choice by price] in plan.py
         lines.append("final choice by price: " + "; ".join(
             f"{r['roles']}: {r['step_s'] * 1e3:.2f} ms {_fmt(r['peak_bytes'], unit)}"
-            + (f" (re-solved {r['resolves']}x: priced over the budget)" if r.get("resolves") else "")
+            + (f" (re-solved {r['resolves']}x: its priced peak missed the budget)" if r.get("resolves") else "")
             for r in priced))
     if plan.unknown_ops:
         lines.append("ops without a sharding rule (run replicated): " +

@@ -453,9 +453,9 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     returns one, else the mean square of its first floating output; `treadle.runtime.losses.default_loss`).
     `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
-    the fastest whose priced peak fits the budget wins (one priced over the budget is re-solved with the
-    overshoot taken off the solver's budget, twice at most); 0 keeps the solver's choice (a price rehearses a step
-    on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
+    the fastest whose priced peak fits the budget wins (one whose priced peak misses the budget is re-solved
+    with the solver's budget corrected by the difference, twice at most); 0 keeps the solver's choice (a price
+    rehearses a step on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
@@ -559,7 +559,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         say("price the best role assignments")
         sol, cg, chosen_price, priced = _choose_by_price(model, kwargs, feasible[:price_top], is_leaf_param,
                                                          memory_budget_bytes, loss_fn, solve_for)
-    if memory_budget_bytes is not None and sol.peak_bytes > memory_budget_bytes:  # NOTE [exact budget] in ilp.py
+    # NOTE [exact budget] in ilp.py: the plan's memory as built (its price) when priced, else the solver's
+    if memory_budget_bytes is not None and chosen_price is None and sol.peak_bytes > memory_budget_bytes:
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
                         f"budget {_fmt_bytes(memory_budget_bytes)} by {sol.peak_bytes - memory_budget_bytes:.0f} B; "
                         f"this is a solver tolerance problem, please report it")
@@ -595,7 +596,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     return plan
 
 
-PRICE_RESOLVES = 2  # NOTE [final choice by price]: re-solves of a candidate whose priced peak is over the budget
+PRICE_RESOLVES = 2  # NOTE [final choice by price]: re-solves of a candidate whose priced peak misses the budget
+PRICE_SLACK = 0.02  # a priced peak this close under the budget (fraction of it) is not re-solved
 
 
 def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
@@ -604,9 +606,12 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
     priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best, with its price).
-    A candidate priced over the budget is solved again (`solve_for`, at most PRICE_RESOLVES times) with the
-    solver's budget lowered by the overshoot — ``solver peak - (priced peak - budget)`` — so the memory the
-    linear model misses on that role assignment is taken off its budget; a re-solve that is infeasible ends it.
+    A candidate whose priced peak misses the budget — over it, or under it by more than PRICE_SLACK — is solved
+    again (`solve_for`, at most PRICE_RESOLVES times) with the solver's budget moved by the difference,
+    ``solver peak + (budget - priced peak)``: the linear memory model's error on that role assignment, measured
+    by the price, corrects its budget (over: less memory, so the plan fits as built; under: more, so it
+    checkpoints no more than the budget needs). Each re-solve is priced; the fastest that fits is the
+    candidate's plan. An infeasible re-solve or the same plan again ends it.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .price import price
 
@@ -628,13 +633,14 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
         except PlanError as exc:
             logger.info("price of %s failed: %s", cg.roles, exc)
             continue
-        resolves = 0
-        while (budget is not None and solve_for is not None and p.peak_bytes > budget
-               and resolves < PRICE_RESOLVES):
-            tighter = sol.peak_bytes - (p.peak_bytes - budget)
-            again = solve_for(cg, tighter) if tighter > 0 else None
-            resolves += 1
-            if again is None or again.status == "infeasible":
+        tried = [(sol, p)]
+        while budget is not None and solve_for is not None and len(tried) <= PRICE_RESOLVES:
+            slack = budget - p.peak_bytes  # the price's memory error on this role assignment, as budget
+            if 0 <= slack <= PRICE_SLACK * budget:
+                break  # fits with little to spare: nothing to gain
+            target = sol.peak_bytes + slack
+            again = solve_for(cg, target) if target > 0 else None
+            if again is None or again.status == "infeasible" or (again.choice, again.ckpt) == (sol.choice, sol.ckpt):
                 break
             try:
                 p_again = price_of(again, cg)
@@ -642,8 +648,11 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
                 logger.info("price of %s (re-solved) failed: %s", cg.roles, exc)
                 break
             sol, p = again, p_again
+            tried.append((sol, p))
+        fitting = [(s_, p_) for s_, p_ in tried if budget is None or p_.peak_bytes <= budget]
+        sol, p = min(fitting, key=lambda sp: sp[1].step_s) if fitting else tried[-1]
         rows.append({"mesh": str(cg.cluster.mesh), "roles": str(cg.roles), "solver_step_s": sol.step_s,
-                     "step_s": p.step_s, "peak_bytes": p.peak_bytes, "resolves": resolves})
+                     "step_s": p.step_s, "peak_bytes": p.peak_bytes, "resolves": len(tried) - 1})
         fits = budget is None or p.peak_bytes <= budget
         if fits and (best is None or p.step_s < best[2].step_s):
             best = (sol, cg, p)
