@@ -104,8 +104,12 @@ def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero
         check_heads(b.path, cfg.num_attention_heads, n)
         check_heads(b.path, cfg.num_key_value_heads, n, "key/value heads")
         if sp:  # gather at the module input: attention reshapes its output with the input's sequence length
-            b["self_attn"].sync("fwd_pre", **SP_IN, axis=tp)
-            b["mlp"].sync("fwd_pre", **SP_IN, axis=tp)
+            for mod in ("self_attn", "mlp"):
+                b[mod].sync("fwd_pre", **SP_IN, axis=tp)
+                # the gather's backward reduce-scatters the summed partial gradients of its column-parallel
+                # readers (q, k, v; gate, up), as Megatron-LM's sequence parallelism does, instead of an
+                # all-reduce then a split (half the traffic)
+                b[mod].sync("bwd_post", to=Shard(1), axis=tp)
         for proj in ("q_proj", "k_proj", "v_proj"):
             _column(b[f"self_attn.{proj}"], tp)
         b["self_attn"].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities

@@ -31,7 +31,8 @@ every parameter replicated on the tensor axes). What is exposed is
 
     E = max(0, dp_latency_s + sum dp_comm_s - W)
 
-with W the compute the reductions can hide behind — backward compute for DDP, all compute for ZeRO-3 —
+with W what the reductions can hide behind — backward compute for DDP; for ZeRO-3 all compute and the
+tensor-parallel communication compute waits for (another axis's channel: `ilp.dp_window_s`) —
 when the rank's device overlaps communication (`ClusterSpec.rank_device().overlap`), else W = 0. The ILP
 states E with two linear rows (`ilp.add_dp_exposure`); `ilp.evaluate` computes it directly.
 
@@ -669,6 +670,8 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.dp_comm_s += c.dp_comm_s
     total.act_bytes += c.act_bytes
     total.static_bytes += c.static_bytes
+    for key, t in c.grad_sums.items():  # one tensor's gradient sum, whichever member needs it
+        total.grad_sums[key] = max(total.grad_sums.get(key, 0.0), t)
 
 
 def block_chains(nodes: list[Node], ops) -> dict[int, int]:

@@ -23,8 +23,10 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
                                                                                 (memory)
          q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
          E >= dp_latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0  (dp_exposure)
+         y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
 
-    where the objective counts E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
+    where the objective counts each y[g] (count x seconds of a shared all-reduce, NOTE [shared
+    input-gradient sum] in node_costs.py) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
     cost_graph.py) besides compute and comm;
 
 `add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
@@ -141,16 +143,63 @@ def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
     return s
 
 
-def add_dp_exposure(m: _Model, cg: CostGraph, s) -> None:
+def grad_sum_keys(cg: CostGraph) -> dict[tuple[int, int, int], float]:
+    """NOTE [shared input-gradient sum] in node_costs.py: (input node, tensor axis, count) -> seconds of one
+    execution's all-reduce, over every strategy that needs it."""
+    out: dict[tuple[int, int, int], float] = {}
+    for unit in cg.units:
+        for c in unit.costs:
+            for (j, k), t in c.grad_sums.items():
+                key = (j, k, unit.count)
+                out[key] = max(out.get(key, 0.0), t)
+    return out
+
+
+def chosen_grad_sums_s(cg: CostGraph, choice: list[int]) -> float:
+    """Seconds of the input-gradient sums a choice needs, each distinct one once (times its count)."""
+    keys: dict[tuple[int, int, int], float] = {}
+    for u, unit in enumerate(cg.units):
+        for (j, k), t in unit.costs[choice[u]].grad_sums.items():
+            key = (j, k, unit.count)
+            keys[key] = max(keys.get(key, 0.0), t)
+    return math.fsum(n * t for (_, _, n), t in keys.items())
+
+
+def add_grad_sums(m: _Model, cg: CostGraph, s) -> dict[int, float]:
+    """y[key] >= s[u,k] for every strategy that needs the gradient sum `key`; y costs count x seconds
+    (family grad_sum). Returns {y variable: count x seconds} for the data-parallel window."""
+    keys = grad_sum_keys(cg)
+    ys = {key: m.var(ub=1.0, cost=key[2] * t * _SECONDS) for key, t in keys.items()}
+    out = {y: key[2] * keys[key] for key, y in ys.items()}
+    for u, unit in enumerate(cg.units):
+        for k, c in enumerate(unit.costs):
+            for (j, a) in c.grad_sums:
+                m.row({ys[(j, a, unit.count)]: 1.0, s[u, k]: -1.0}, 0.0, math.inf, "grad_sum")
+    return out
+
+
+def dp_window_s(cg: CostGraph, c) -> float:
+    """What one strategy adds to the window data-parallel syncs hide behind (NOTE [bucketed data parallel]):
+    its backward compute for DDP; for ZeRO-3 its compute and its tensor-parallel communication, since FSDP2's
+    gathers and reduce-scatters run on the data-parallel axis's own channel while compute waits for a
+    blocking collective on another axis (`treadle.cost.overlap`: one channel per axis)."""
+    return c.bwd_s if cg.dp_window == "bwd" else c.compute_s + c.comm_s
+
+
+def add_dp_exposure(m: _Model, cg: CostGraph, s, grad_sums: dict[int, float] | None = None) -> None:
     """E >= dp_latency + sum dp_comm - W, E >= 0, E in the objective (NOTE [bucketed data parallel] in
-    cost_graph.py; family dp_exposure)."""
+    cost_graph.py; family dp_exposure). `grad_sums` ({variable: seconds}, `add_grad_sums`) widen a ZeRO-3
+    window like the rest of the tensor-parallel communication."""
     if not any(c.dp_comm_s for unit in cg.units for c in unit.costs) and not cg.dp_latency_s:
         return
     e = m.var(ub=math.inf, cost=_SECONDS)
     row: dict[int, float] = {e: _SECONDS}
+    if cg.dp_overlap and cg.dp_window == "all":
+        for y, t in (grad_sums or {}).items():
+            row[y] = row.get(y, 0.0) + t * _SECONDS
     for u, unit in enumerate(cg.units):
         for k, c in enumerate(unit.costs):
-            w = (c.bwd_s if cg.dp_window == "bwd" else c.compute_s) if cg.dp_overlap else 0.0
+            w = dp_window_s(cg, c) if cg.dp_overlap else 0.0
             x = unit.count * (c.dp_comm_s - w) * _SECONDS
             if x:
                 row[s[u, k]] = row.get(s[u, k], 0.0) - x
@@ -327,7 +376,7 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
-    add_dp_exposure(m, cg, s)
+    add_dp_exposure(m, cg, s, add_grad_sums(m, cg, s))
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
@@ -369,7 +418,7 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         compute += unit.count * c.compute_s
         comm += unit.count * c.comm_s
         dp_comm += unit.count * c.dp_comm_s
-        window += unit.count * (c.bwd_s if cg.dp_window == "bwd" else c.compute_s)
+        window += unit.count * dp_window_s(cg, c)
         static += unit.count * c.static_bytes
         if unit.template is None:
             act_out += c.act_bytes
@@ -385,6 +434,10 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
+    sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
+    comm += sums
+    if cg.dp_window == "all":
+        window += sums
     if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
         comm += max(0.0, cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0))
     compute += cg.host_s

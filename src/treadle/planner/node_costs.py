@@ -16,7 +16,7 @@ only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,12 @@ class StrategyCost:
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
+    # NOTE [shared input-gradient sum]: Megatron's "f" (the backward all-reduce of a replicated input read by
+    # column-parallel ops) by (input node, tensor-axis index) -> seconds per execution. Not in `comm_s`: the
+    # runtime sums the partial gradients of every column-parallel leaf reading the very same tensor (q, k and v;
+    # gate and up) and reduces them once (`treadle.runtime.build.Builder.shared_grad_all_reduce`), so the ILP
+    # charges each key once whichever consumers need it (`ilp.add_grad_sums`).
+    grad_sums: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 def _tensor_axes_divisor(pl: tuple[int, ...], sizes: tuple[int, ...]) -> int:
@@ -167,8 +173,9 @@ class NodeCosts:
             pl = tuple(o.ins[pos] for o in combo)
             nbytes = m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
             for k, o in enumerate(combo):
-                if o.grad_partial[pos]:
-                    c.comm_s += all_reduce_time_s(nbytes, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
+                if o.grad_partial[pos]:  # NOTE [shared input-gradient sum]
+                    c.grad_sums[(self.canonical(j), k)] = all_reduce_time_s(nbytes, self.tp_sizes[k],
+                                                                           self.cluster.link(self.tp_axes[k]))
         # parameters owned by this node (first consumer): static memory and gradient reduction
         for pos, j in enumerate(n.inputs):
             src = self.nodes[j]

@@ -733,6 +733,7 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     g = cg.graph
     rows: dict[str, PlanRow] = {}
     ck = {t: c for t, c in sol.ckpt.items()}
+    billed: set[tuple[int, int, int]] = set()  # NOTE [shared input-gradient sum]: each one once, to its first user
     for u, unit in enumerate(cg.units):
         k = sol.choice[u]
         parts = unit.parts[k] if unit.parts is not None else {unit.module: unit.costs[k]}
@@ -757,6 +758,10 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
                 row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
             row.compute_s += unit.count * c.compute_s
             row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
+            for (j, a), t in c.grad_sums.items():
+                if (j, a, unit.count) not in billed:
+                    billed.add((j, a, unit.count))
+                    row.comm_s += unit.count * t
             row.recompute_s += rec
             row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
             desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])

@@ -61,7 +61,7 @@ from ..cost.cluster import ClusterSpec, RankDevice
 from ..cost.overlap import Collective, Segment, Timeline, ddp_buckets, simulate
 from ..errors import PlanError, ProfileError
 from ..mesh import Mesh
-from ..profile.fused_attention import GpuAttention
+from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import default_loss, fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
@@ -285,6 +285,8 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]
+    if gpu:  # and in what a checkpoint recomputes
+        handles += attach_in_recompute(named, lambda: rec.in_backward)
     try:
         with _reparametrize_module(model, state, tie_weights=True), attention, fake_mode, mode, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), torch.enable_grad():

@@ -36,4 +36,36 @@ class GpuAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-__all__ = ["GpuAttention"]
+def attach_in_recompute(named_modules, in_backward) -> list:
+    """Forward hooks that run the modules a checkpoint recomputes in backward under `GpuAttention` as well:
+    the autograd engine does not carry a TorchFunctionMode into backward, so without them a recomputed
+    attention with dropout took the CPU's math path — different ops from the forward (a selective
+    checkpoint then fails: "encountered during backward but not found in storage") and other FLOPs and
+    bytes. `named_modules`: (path, module) pairs; `in_backward()`: whether backward is running. Returns the
+    hook handles (remove them after the step)."""
+    state = {"depth": 0, "mode": None}
+
+    def pre(mod, args) -> None:
+        if not in_backward():
+            return
+        if state["depth"] == 0:
+            state["mode"] = GpuAttention()
+            state["mode"].__enter__()
+        state["depth"] += 1
+
+    def post(mod, args, out) -> None:
+        if state["depth"] == 0:
+            return
+        state["depth"] -= 1
+        if state["depth"] == 0:
+            state["mode"].__exit__(None, None, None)
+            state["mode"] = None
+
+    handles = []
+    for _, m in named_modules:
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    return handles
+
+
+__all__ = ["GpuAttention", "attach_in_recompute"]

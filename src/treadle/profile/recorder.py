@@ -38,6 +38,9 @@ from .roofline import op_time_s
 
 logger = logging.getLogger(__name__)
 
+_aten = torch.ops.aten
+# factories that allocate without writing (a caching allocator hands out a block; no kernel runs)
+_UNINITIALISED = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided}
 _seq_nr = torch._C._autograd._get_sequence_nr  # next autograd sequence number on this thread
 _NO_SEQ = 2**63  # "no forward end yet"
 
@@ -222,7 +225,8 @@ class StepRecorder:
         if rule.kind != "view":
             if rule.kind != "factory":
                 rec.read_bytes = sum(_logical_bytes(t) for t in ins)
-            rec.write_bytes = sum(t.numel() * t.element_size() for t in outs)
+            if getattr(func, "_overloadpacket", None) not in _UNINITIALISED:  # they only allocate: no bytes moved
+                rec.write_bytes = sum(t.numel() * t.element_size() for t in outs)
         for t in outs:
             self._track(t, rec)
         rec.live_after_bytes = self.live_bytes

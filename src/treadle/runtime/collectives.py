@@ -50,10 +50,13 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if n == 1:
         return x
     dim = dim % x.dim()
-    xt = x.movedim(dim, 0).contiguous()
+    # NOTE [contiguous gathers]: the result is contiguous, as DTensor's Shard(d) -> Replicate is (gather on dim 0,
+    # then one concatenation along d). A strided view of a (n*s, ...) buffer would make every consumer that
+    # flattens it (each Linear reading it: q, k and v) copy it again and save its own copy for backward.
+    xt = x.contiguous()
     out = torch.empty((n * xt.shape[0], *xt.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_base(out, xt, group=group)
-    return out.movedim(0, dim)
+    return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -61,10 +64,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if n == 1:
         return x
     dim = _check_divisible(x, dim, n, "reduce_scatter")
-    xt = x.movedim(dim, 0).contiguous()
+    # rank i's chunk of `dim` first, as one contiguous (n * rows, ...) input (NOTE [contiguous gathers])
+    xt = x.contiguous() if dim == 0 else torch.cat(x.chunk(n, dim=dim), dim=0)
     out = torch.empty((xt.shape[0] // n, *xt.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_base(out, xt, group=group)
-    return out.movedim(0, dim)
+    return out
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
