@@ -454,7 +454,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
     the fastest whose priced peak fits the budget wins (one whose priced peak misses the budget is re-solved
-    with the solver's budget corrected by the difference, twice at most); 0 keeps the solver's choice (a price
+    with the solver's budget corrected by the difference, 4 times at most); 0 keeps the solver's choice (a price
     rehearses a step on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
@@ -596,8 +596,48 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     return plan
 
 
-PRICE_RESOLVES = 2  # NOTE [final choice by price]: re-solves of a candidate whose priced peak misses the budget
+PRICE_RESOLVES = 4  # NOTE [final choice by price]: re-solves of a candidate whose priced peak misses the budget
 PRICE_SLACK = 0.02  # a priced peak this close under the budget (fraction of it) is not re-solved
+
+
+def _resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for, price_of) -> list:
+    """[(solution, price)] of one role assignment, re-solved until its priced peak is within PRICE_SLACK under
+    `budget` (NOTE [final choice by price]). The solver's budget moves by the price's error,
+    ``solver peak + (budget - priced peak)``; once a solver budget whose plan fits (lo) and one whose plan does
+    not (hi) are known, a proposal outside (lo, hi) bisects it instead. Plans seen before are not priced again."""
+    key = lambda s_: (tuple(s_.choice), tuple(sorted(s_.ckpt.items())))  # noqa: E731
+    seen = {key(sol): p}
+    tried = [(sol, p)]
+    lo, hi, target = -math.inf, math.inf, budget
+    for _ in range(PRICE_RESOLVES):
+        if p.peak_bytes <= budget:
+            lo = max(lo, target)
+        else:
+            hi = min(hi, target)
+        slack = budget - p.peak_bytes
+        if 0 <= slack <= PRICE_SLACK * budget:
+            break
+        proposal = sol.peak_bytes + slack
+        if not lo < proposal < hi:
+            if math.isinf(lo) or math.isinf(hi) or hi - lo <= PRICE_SLACK * budget:
+                break
+            proposal = (lo + hi) / 2
+        target = proposal
+        again = solve_for(cg, target) if target > 0 else None
+        if again is None or again.status == "infeasible":
+            break
+        if key(again) in seen:
+            sol, p = again, seen[key(again)]
+            continue
+        try:
+            p = price_of(again, cg)
+        except PlanError as exc:
+            logger.info("price of %s (re-solved) failed: %s", cg.roles, exc)
+            break
+        sol = again
+        seen[key(sol)] = p
+        tried.append((sol, p))
+    return tried
 
 
 def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
@@ -610,8 +650,9 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
     again (`solve_for`, at most PRICE_RESOLVES times) with the solver's budget moved by the difference,
     ``solver peak + (budget - priced peak)``: the linear memory model's error on that role assignment, measured
     by the price, corrects its budget (over: less memory, so the plan fits as built; under: more, so it
-    checkpoints no more than the budget needs). Each re-solve is priced; the fastest that fits is the
-    candidate's plan. An infeasible re-solve or the same plan again ends it.
+    checkpoints no more than the budget needs), bisecting between a solver budget that fit and one that did not
+    once both are known (`_resolve_by_price`). Each new plan is priced; the fastest that fits is the
+    candidate's plan. An infeasible re-solve ends it.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .price import price
 
@@ -634,21 +675,8 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
             logger.info("price of %s failed: %s", cg.roles, exc)
             continue
         tried = [(sol, p)]
-        while budget is not None and solve_for is not None and len(tried) <= PRICE_RESOLVES:
-            slack = budget - p.peak_bytes  # the price's memory error on this role assignment, as budget
-            if 0 <= slack <= PRICE_SLACK * budget:
-                break  # fits with little to spare: nothing to gain
-            target = sol.peak_bytes + slack
-            again = solve_for(cg, target) if target > 0 else None
-            if again is None or again.status == "infeasible" or (again.choice, again.ckpt) == (sol.choice, sol.ckpt):
-                break
-            try:
-                p_again = price_of(again, cg)
-            except PlanError as exc:
-                logger.info("price of %s (re-solved) failed: %s", cg.roles, exc)
-                break
-            sol, p = again, p_again
-            tried.append((sol, p))
+        if budget is not None and solve_for is not None:
+            tried = _resolve_by_price(sol, p, cg, budget, solve_for, price_of)
         fitting = [(s_, p_) for s_, p_ in tried if budget is None or p_.peak_bytes <= budget]
         sol, p = min(fitting, key=lambda sp: sp[1].step_s) if fitting else tried[-1]
         rows.append({"mesh": str(cg.cluster.mesh), "roles": str(cg.roles), "solver_step_s": sol.step_s,
