@@ -254,10 +254,10 @@ def _mesh_text(m: str) -> str:
 def print_table(rows: list[dict]) -> None:
     print("\nEach plan of the recipes table, carried onto a shrunken model of the same architecture and verified "
           "on gloo CPU ranks in fp32 (max abs errors vs the single-process original; 'carried' below each row)")
-    print(f"{'model':11} {'plan':44} {'big mesh':16} {'shrunken config':30} {'small mesh':12} {'fwd err':>9} "
+    print(f"{'model':11} {'plan':46} {'big mesh':16} {'shrunken config':30} {'small mesh':12} {'fwd err':>9} "
           f"{'grad err':>9} {'pass':>6}")
     for r in rows:
-        head = f"{r['model']:11} {r['plan'][:44]:44} {_mesh_text(r.get('mesh', '')):16}"
+        head = f"{r['model']:11} {r['plan'][:46]:46} {_mesh_text(r.get('mesh', '')):16}"
         if "skipped" in r:
             print(f"{head} n/a: {r['skipped'][:120]}")
             continue

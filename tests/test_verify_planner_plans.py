@@ -20,12 +20,12 @@ import verify_planner_plans as V  # noqa: E402
 
 
 def _llama_collision():
-    """4 blocks, 16 query heads, 4 kv heads: num_key_value_groups == num_key_value_heads == 4."""
+    """4 blocks, 16 query heads of 8, 4 kv heads: num_key_value_groups == num_key_value_heads == 4."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=16, num_key_value_heads=4,
-                      intermediate_size=896, vocab_size=256, max_position_embeddings=64, bos_token_id=0,
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=16, num_key_value_heads=4,
+                      intermediate_size=448, vocab_size=256, max_position_embeddings=64, bos_token_id=0,
                       eos_token_id=0, pad_token_id=0, loss_type="ForCausalLM")
     return LlamaForCausalLM(cfg)
 
@@ -61,10 +61,11 @@ def test_planned_2x2_llama_with_colliding_kv_groups_is_carried_and_verifies():
     big = _llama_collision()
     cl = ClusterSpec.uniform(Mesh((2, 2), ("dp", "tp")), "nvlink4", device="h100-sxm")
     plan = plan_model(big, lm_inputs(4, 16), cluster=cl, dp_axis="dp", checkpoint="none",
-                      pins={"*.q_proj.weight": {"tp": 0}})  # head-parallel attention on the tensor axis
+                      pins={"*.q_proj.weight": {"tp": 0}, "*.o_proj.weight": {"tp": 1}})  # head-parallel attention
     sch = plan.schedule
     big_block0 = [r.to_python() for r in sch.records if r.path.startswith("model.layers.0.")]
-    assert "sch['model.layers.0.self_attn.q_proj'].shard('weight', dim=0, axis='tp')" in big_block0
+    for proj, dim in (("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("o_proj", 1)):  # q and kv heads together
+        assert f"sch['model.layers.0.self_attn.{proj}'].shard('weight', dim={dim}, axis='tp')" in big_block0
 
     row = V.verify_carried(sch, big, timeout_s=240)
     assert "error" not in row, row.get("error")
