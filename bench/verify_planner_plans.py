@@ -24,10 +24,15 @@ process otherwise), token-id inputs (no input gradient exists; the embedding out
 A row the table lists as n/a (the recipe does not apply, or the batch does not divide over its data-parallel
 axes) is listed with the reason and not verified.
 
+``--stress`` adds, for each LLaMA row, the same schedule verified at 2 kv heads per tensor rank with an attention
+mask (right padding), which sends Hugging Face attention through ``repeat_kv(key, num_key_value_groups)``
+instead of SDPA's ``enable_gqa``: a ``shard_attr`` on the wrong attribute shows there, where one kv head per rank
+(SDPA broadcasting it over the rank's query heads) hides it.
+
 Prints a table and writes bench/results/verify_planner_plans.json. ``--tiny`` runs it on the recipes table's
 tiny cases (``bench_planner.py recipes --tiny``); ``--cases`` picks models; ``--plans`` picks rows by substring.
 
-    .venv/bin/python bench/verify_planner_plans.py [--tiny] [--cases llama-2-70b,gpt2-xl] [--plans planner]
+    .venv/bin/python bench/verify_planner_plans.py [--tiny] [--stress] [--cases llama-2-70b,gpt2-xl] [--plans planner]
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ BLOCKS = 2
 SEQ = 16
 HEAD_HIDDEN = 128  # shrunken LLaMA hidden size
 GPT2_HEAD_DIM = 8
+# --stress (LLaMA rows): 2 kv heads per tensor rank (the table's meshes give 1 or 2) and an attention mask, so
+# Hugging Face expands kv heads with `repeat_kv(key, num_key_value_groups)` instead of SDPA's enable_gqa
+STRESS = {"kv_per_rank": 2, "pad": 2}
+STRESS_TEXT = "2 kv heads per tensor rank, attention_mask hiding the last 2 tokens of each row (repeat_kv path)"
 
 
 # ----------------------------------------------------------------------------- shrinking
@@ -80,17 +89,20 @@ def shrunken_mesh(mesh: Mesh, dp_axes: tuple[str, ...], max_ranks: int = MAX_RAN
     return Mesh(tuple(sizes[a] for a in mesh.names), tuple(mesh.names))
 
 
-def shrunken_config(big_config, tp: int) -> tuple[Any, str]:
+def shrunken_config(big_config, tp: int, *, kv_per_rank: int | None = None) -> tuple[Any, str]:
     """(config, short description) of a 2-block model of the same architecture as `big_config` whose sizes keep
-    the divisibility of the large one over tensor size `tp` (see the module doc). Raises ValueError for a family
-    without a rule."""
+    the divisibility of the large one over tensor size `tp` (see the module doc). `kv_per_rank` (LLaMA) fixes the
+    kv heads at `kv_per_rank` x `tp` instead. Raises ValueError for a family without a rule."""
     cfg = type(big_config)(**big_config.to_dict())
     kind = big_config.model_type
     base = max(tp, 2)
     if kind == "llama":
         q, kv = big_config.num_attention_heads, big_config.num_key_value_heads
         groups = q // kv
-        if groups == kv:  # Llama-2-70B: repeat_kv's group count equals the kv head count; keep the collision
+        if kv_per_rank is not None:
+            kv_s = tp * kv_per_rank
+            q_s = kv_s * kv_s if groups == kv else groups * kv_s
+        elif groups == kv:  # Llama-2-70B: repeat_kv's group count equals the kv head count; keep the collision
             kv_s, q_s = base, base * base
         else:
             kv_s = base if base != groups else 2 * base
@@ -118,9 +130,9 @@ def shrunken_config(big_config, tp: int) -> tuple[Any, str]:
     raise ValueError(f"no shrink rule for model_type {kind!r}; rules: llama, gpt2")
 
 
-def shrunken_model(big_model, tp: int, *, seed: int = 0):
+def shrunken_model(big_model, tp: int, *, seed: int = 0, kv_per_rank: int | None = None):
     """(model in fp32 with random weights, config description) of `shrunken_config`."""
-    cfg, desc = shrunken_config(big_model.config, tp)
+    cfg, desc = shrunken_config(big_model.config, tp, kv_per_rank=kv_per_rank)
     cfg._attn_implementation = big_model.config._attn_implementation
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
@@ -133,9 +145,16 @@ def shrunken_model(big_model, tp: int, *, seed: int = 0):
     return model, desc
 
 
-def lm_inputs(vocab: int, batch: int, seq: int = SEQ, seed: int = 0) -> dict[str, torch.Tensor]:
+def lm_inputs(vocab: int, batch: int, seq: int = SEQ, seed: int = 0, *, pad: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids and labels; `pad` > 0 adds an attention mask hiding the last `pad` tokens of every row (right
+    padding: no query row is fully masked), which sends Hugging Face attention through its masked path."""
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "labels": ids.clone()}
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if pad:
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[:, seq - pad:] = 0
+        out["attention_mask"] = mask
+    return out
 
 
 # ----------------------------------------------------------------------------- one row
@@ -148,18 +167,20 @@ def _errors(report) -> tuple[float, float]:
     return worst(("loss", "output")), worst(("output_grad", "input_grad", "param_grad"))
 
 
-def verify_carried(sch, big_model, *, timeout_s: float = 900.0) -> dict:
-    """Carry `sch` (a schedule of `big_model`, unbuilt) onto its shrunken model and mesh and verify it.
-    Returns the row's figures (the error, if carrying or verifying fails, under ``error``)."""
+def verify_carried(sch, big_model, *, timeout_s: float = 900.0, kv_per_rank: int | None = None,
+                   pad: int = 0) -> dict:
+    """Carry `sch` (a schedule of `big_model`, unbuilt) onto its shrunken model and mesh and verify it
+    (`kv_per_rank`, `pad`: the stress variant, see `STRESS`). Returns the row's figures (the error, if
+    carrying or verifying fails, under ``error``)."""
     from treadle.verify.shrink import carry_schedule
     from treadle.verify.verify import verify
 
     dp_axes = data_parallel_axes(sch)
     mesh = shrunken_mesh(sch.mesh, dp_axes)
     tp = math.prod(mesh.size(a) for a in mesh.names if a not in dp_axes)
-    model, desc = shrunken_model(big_model, tp)
+    model, desc = shrunken_model(big_model, tp, kv_per_rank=kv_per_rank)
     dp_n = math.prod(mesh.size(a) for a in dp_axes) if dp_axes else 1
-    inputs = lm_inputs(model.config.vocab_size, max(2, dp_n))
+    inputs = lm_inputs(model.config.vocab_size, max(2, dp_n), pad=pad)
     row: dict[str, Any] = {"small_config": desc, "small_mesh": str(mesh), "small_batch": max(2, dp_n),
                            "small_seq": SEQ, "dtype": "float32"}
     try:
@@ -224,7 +245,7 @@ def big_schedules(name: str, ctext: str, batch: int, seq: int):
         yield label, sch, fresh, None
 
 
-def run(cases, plans: list[str] | None, timeout_s: float) -> list[dict]:
+def run(cases, plans: list[str] | None, timeout_s: float, stress: bool = False) -> list[dict]:
     rows = []
     for name, ctext, batch, seq in cases:
         for label, sch, model, reason in big_schedules(name, ctext, batch, seq):
@@ -238,12 +259,16 @@ def run(cases, plans: list[str] | None, timeout_s: float) -> list[dict]:
                 rows.append(row)
                 continue
             row["mesh"] = str(sch.mesh)
-            t0 = time.perf_counter()
-            row.update(verify_carried(sch, model, timeout_s=timeout_s))
-            status = "ok" if row.get("ok") else "FAILED"
-            print(f"  {name}: {label}: {status} ({time.perf_counter() - t0:.0f} s)"
-                  + (f": {row['error'][:200]}" if "error" in row else ""), file=sys.stderr, flush=True)
-            rows.append(row)
+            variants = [(row, {})]
+            if stress and model.config.model_type == "llama":
+                variants.append(({**row, "plan": f"{label} [stress]", "stress": STRESS_TEXT}, STRESS))
+            for r, kw in variants:
+                t0 = time.perf_counter()
+                r.update(verify_carried(sch, model, timeout_s=timeout_s, **kw))
+                status = "ok" if r.get("ok") else "FAILED"
+                print(f"  {name}: {r['plan']}: {status} ({time.perf_counter() - t0:.0f} s)"
+                      + (f": {r['error'][:200]}" if "error" in r else ""), file=sys.stderr, flush=True)
+                rows.append(r)
     return rows
 
 
@@ -278,6 +303,8 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="comma-separated model names of the cases to run (default: all)")
     ap.add_argument("--plans", default="", help="comma-separated substrings of the rows to verify (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per verification (default 900)")
+    ap.add_argument("--stress", action="store_true", help="also verify each LLaMA row at 2 kv heads per rank with "
+                    "a padding mask (Hugging Face's repeat_kv path instead of SDPA's enable_gqa)")
     args = ap.parse_args()
     cases = TINY_CASES if args.tiny else RECIPE_CASES
     if args.cases:
@@ -289,7 +316,7 @@ def main() -> None:
         cases = tuple(c for c in cases if c[0] in want)
     plans = [p.strip() for p in args.plans.split(",") if p.strip()] or None
     t0 = time.perf_counter()
-    rows = run(cases, plans, args.timeout)
+    rows = run(cases, plans, args.timeout, args.stress)
     print_table(rows)
     verified = [r for r in rows if "skipped" not in r]
     print(f"\n{sum(1 for r in verified if r.get('ok'))} of {len(verified)} verified schedules pass "
