@@ -261,7 +261,7 @@ def run(cases, plans: list[str] | None, timeout_s: float, stress: bool = False) 
             row["mesh"] = str(sch.mesh)
             variants = [(row, {})]
             if stress and model.config.model_type == "llama":
-                variants.append(({**row, "plan": f"{label} [stress]", "stress": STRESS_TEXT}, STRESS))
+                variants.append(({**row, "plan": f"stress: {label}", "stress": STRESS_TEXT}, STRESS))
             for r, kw in variants:
                 t0 = time.perf_counter()
                 r.update(verify_carried(sch, model, timeout_s=timeout_s, **kw))
@@ -286,8 +286,8 @@ def print_table(rows: list[dict]) -> None:
         if "skipped" in r:
             print(f"{head} n/a: {r['skipped'][:120]}")
             continue
-        fwd = f"{r['fwd_max_abs']:.2e}" if "fwd_max_abs" in r else "-"
-        grad = f"{r['grad_max_abs']:.2e}" if "grad_max_abs" in r else "-"
+        fwd = f"{r['fwd_max_abs']:.2e}" if not math.isnan(r.get("fwd_max_abs", math.nan)) else "-"
+        grad = f"{r['grad_max_abs']:.2e}" if not math.isnan(r.get("grad_max_abs", math.nan)) else "-"
         status = "yes" if r.get("ok") else "NO"
         print(f"{head} {r['small_config'][:30]:30} {_mesh_text(r['small_mesh']):12} {fwd:>9} {grad:>9} {status:>6}")
         if "carried" in r:
