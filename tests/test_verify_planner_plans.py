@@ -43,6 +43,10 @@ def test_shrunken_mesh_and_config_rules():
     cfg, desc = V.shrunken_config(big70, 4)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (16, 4, 128)
     assert cfg.num_attention_heads // cfg.num_key_value_heads == cfg.num_key_value_heads  # the collision kept
+    cfg, _ = V.shrunken_config(big70, 4, kv_per_rank=2)  # --stress: 2 kv heads per rank, the collision kept
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 8)
+    mask = V.lm_inputs(256, 2, pad=2)["attention_mask"]
+    assert mask.tolist() == [[1] * 14 + [0] * 2] * 2
     big8 = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        vocab_size=128256)
     cfg, desc = V.shrunken_config(big8, 4)
