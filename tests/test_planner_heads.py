@@ -215,3 +215,25 @@ def test_sdpa_with_enable_gqa_shards_query_and_kv_heads_together(monkeypatch):
     plan = plan_model(model, inputs, cluster=cl, dp_axis=None, graph=graph,
                       pins={**heads, "*.k_proj.weight": {"tp": 0}, "*.v_proj.weight": {"tp": 0}})
     assert not [d for d in plan.decisions if d.op == "sync" and not d.path.endswith("o_proj")], plan.decisions
+
+
+@pytest.mark.slow
+def test_an_attribute_equal_to_another_dim_of_the_view_is_never_divided():
+    """hidden 64 over 8 heads: head_dim == heads == 8, one size for two dims of attention's reshapes and the
+    ``head_dim`` attribute. Dividing ``head_dim`` on shards would regroup the heads silently: the planner must
+    not (an attribute whose value sizes two dims of one call is never divided, NOTE [fixed view sizes]), and
+    its head-parallel plan verifies against the original."""
+    import transformers as T
+
+    def model():
+        torch.manual_seed(0)
+        return T.LlamaForCausalLM(T.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=8,
+            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, use_cache=False))
+
+    inputs = lm_inputs(BATCH, SEQ)
+    plan = _tp_plan(model(), inputs, 2)
+    assert not [r for r in plan.schedule.records if r.op == "shard_attr"], plan.schedule.to_python()
+    assert _shards(plan).get(("model.layers.0.self_attn.q_proj", "weight")) == (0, 1)  # head-parallel
+    _verify_all(plan, model(), inputs)

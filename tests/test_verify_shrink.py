@@ -32,7 +32,8 @@ def test_megatron_llama_carries_block_0_and_the_last_block_and_everything_outsid
     out = carry_schedule(big, tiny_llama(2), mesh=MESH)
     assert out.source_blocks == (0, 3) and out.n_big == 4
     assert out.kinds == 2  # block 0 also slices the sequence at its input (sequence parallelism)
-    assert out.per_block == {"shard": 7, "sync": 5, "fork_rng": 1, "reduce_grads": 2}
+    # 7 syncs: the 5 of Megatron SP plus the backward reduce-scatter of its 2 sequence gathers
+    assert out.per_block == {"shard": 7, "sync": 7, "fork_rng": 1, "reduce_grads": 2}
     assert out.shared == {"shard": 2, "sync": 2, "set_attr": 1, "reduce_grads": 1, "data_parallel": 1}
     # exactly the large schedule's records of blocks 0 and 3 (renumbered 0 and 1) and the shared ones, in order
     want = [t.replace("model.layers.3.", "model.layers.1.") for t in _text(big)

@@ -182,7 +182,10 @@ class TemplateInfo:
 # another dim: a fixed head count read from the config there would make the ``-1`` absorb the shard (the
 # sequence silently divided), so that case is refused. A fixed size read from the config anywhere else
 # fails loudly on shards (numel mismatch in view / reshape, a non-1 dim in expand), never silently, except
-# an expand whose local size is 1, which the planner does not guard.
+# an expand whose local size is 1, which the planner does not guard. An attribute whose value sizes two or
+# more dims of the call (``view(b, 16, 16, 16)`` with seq == heads == head_dim) cannot be told apart: the
+# sharding is refused rather than dividing an attribute that may size another dim (`_broadcast_twin` settles
+# the one case that can be: an expand's broadcast dim).
 AttrResolver = "Callable[[str, int, str | None], str | tuple[str, str]]"  # (module path, size, prefer=name part)
 
 
@@ -209,6 +212,8 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
         r = resolver(node.module, v)
         if r == "forbid" or r == "config" and any(x == -1 for k, x in enumerate(sizes) if k != d):
             return None
+        if isinstance(r, tuple) and sum(x == v for x in sizes) > 1:
+            return None  # the attribute may size another dim of the same value (seq == head_dim): refused
         if isinstance(r, tuple):
             needs.append((r[1], axis))
     return needs
