@@ -143,7 +143,7 @@ def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_d
     free = plan_model(model, inputs, cluster=cluster)
     graph = free._context["kwargs"]["graph"]
     seen = set()
-    for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
+    for fraction in (0.5, 0.6, 0.9):
         budget = fraction * free.estimate().peak_bytes
         solver = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget)
         assert solver.estimated.peak_bytes <= budget
