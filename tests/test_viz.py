@@ -141,11 +141,12 @@ def assert_trace_matches_price(doc: dict, p: dict) -> None:
     timed = [c for c in p["collectives"] if c["end_s"] > c["start_s"]]
     assert len(comm) == len(timed)
     assert sum(e["dur"] for _, e in comm) == pytest.approx(p["comm_s"] * 1e6, rel=0.01, abs=1e-3)
-    got = sorted((t, e["args"]["kind"], e["args"]["nbytes"], round(e["ts"]), round(e["ts"] + e["dur"]))
-                 for t, e in comm)
-    want = sorted(("comm " + c["axis"].replace(",", "+"), c["kind"], c["nbytes"], round(c["start_s"] * 1e6),
-                   round(c["end_s"] * 1e6)) for c in timed)
-    assert got == want
+    got = sorted((t, e["args"]["kind"], e["args"]["nbytes"], e["ts"], e["ts"] + e["dur"]) for t, e in comm)
+    want = sorted(("comm " + c["axis"].replace(",", "+"), c["kind"], c["nbytes"], c["start_s"] * 1e6,
+                   c["end_s"] * 1e6) for c in timed)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):  # same slice; times in microseconds agree to 1 us (float rounding of the trace)
+        assert g[:3] == w[:3] and abs(g[3] - w[3]) <= 1 and abs(g[4] - w[4]) <= 1, (g, w)
     segs = [s for s in p["segments"] if s["compute_s"] > 0]
     assert len([e for e in comp if e["cat"] != WAIT]) == len(segs)
 
