@@ -11,15 +11,7 @@ from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import _shardable_fn, runtime_capabilities
 
-
-class _MLP(torch.nn.Module):
-    def __init__(self, d: int = 64):
-        super().__init__()
-        self.up = torch.nn.Linear(d, 4 * d)
-        self.down = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x))).pow(2).mean()
+from test_price_plan import _MLP  # noqa: E402  (the same two-layer MLP)
 
 
 def test_zero3_sync_hides_behind_compute_and_tensor_parallel_waits():

@@ -237,3 +237,27 @@ def test_an_attribute_equal_to_another_dim_of_the_view_is_never_divided():
     assert not [r for r in plan.schedule.records if r.op == "shard_attr"], plan.schedule.to_python()
     assert _shards(plan).get(("model.layers.0.self_attn.q_proj", "weight")) == (0, 1)  # head-parallel
     _verify_all(plan, model(), inputs)
+
+
+def test_attribute_rules_for_sizes_a_reshape_repeats():
+    """NOTE [fixed view sizes], unit level: a sharded dim whose size an attribute holds needs ``shard_attr`` —
+    unless the same size also sizes another dim of the call. An expand whose twin dim is broadcast from 1
+    leaves the attribute to that dim (`repeat_kv`: kv heads == groups); a reshape cannot tell: refused."""
+    from types import SimpleNamespace
+
+    from treadle.planner.capture import TensorMeta
+    from treadle.planner.cost_graph import view_attr_needs
+    from treadle.planner.dims import AxisOption
+
+    def node(op, src_shape, sizes):
+        return SimpleNamespace(op_name=op, args=[None, list(sizes)], module="attn", out=TensorMeta(tuple(sizes),
+                               torch.float32), fake_args=[torch.empty(src_shape, device="meta")])
+
+    shard = lambda d: (AxisOption(0, (d,), (d,), True, (False,)),)  # noqa: E731  (output dim d on the axis)
+    attr = lambda module, v, prefer=None: ("attr", "n") if v == 8 else "ok"  # noqa: E731  (attribute n = 8)
+    # one dim of size 8: the attribute is divided on shards; 8 at two dims: which one n sizes is unknown, refused
+    assert view_attr_needs(node("view", (2, 32), (2, 8, 4)), shard(1), ("tp",), attr) == [("n", "tp")]
+    assert view_attr_needs(node("view", (2, 64), (2, 8, 8)), shard(1), ("tp",), attr) is None
+    # repeat_kv: (b, kv=8, 1, s, d) expanded to (b, 8, n_rep=8, s, d), the kv dim sharded: n sizes the broadcast dim
+    kv = node("expand", (2, 8, 1, 4, 16), (2, 8, 8, 4, 16))
+    assert view_attr_needs(kv, shard(1), ("tp",), attr) == []

@@ -171,11 +171,13 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
         t1 = time.perf_counter()
         fn()
         t2 = time.perf_counter()
-        dt = torch.tensor([t2 - t0, t1 - t0], dtype=torch.float64)
-        dist.all_reduce(dt[:1], op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
-        dist.all_reduce(dt[1:], op=dist.ReduceOp.SUM)
-        lead.append(dt[1].item() / dist.get_world_size())
-        return dt[0].item()
+        total = torch.tensor([t2 - t0], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)  # the collective is done when its slowest rank is
+        if lead_compute_s > 0:
+            own = torch.tensor([t1 - t0], dtype=torch.float64)
+            dist.all_reduce(own)
+            lead.append(own.item() / dist.get_world_size())
+        return total.item()
 
     for _, _, fn in calls:
         sample(fn)
