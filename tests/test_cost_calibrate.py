@@ -1,10 +1,15 @@
 """Calibration: the fit on synthetic data, the launch/latency split, and a live gloo fit on held-out sizes."""
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
 from treadle import testing
-from treadle.cost.calibrate import AxisFit, _solve_launch, calibrate_cluster, fit_axis, measure_collectives_s
+from treadle.cost.calibrate import (AxisFit, _same_channel, _solve_launch, calibrate_cluster, fit_axis,
+                                    measure_collectives_s)
+from treadle.cost.cluster import ClusterSpec
+from treadle.cost.links import LinkSpec
 from treadle.errors import LayoutError, MeshError
 from treadle.mesh import Mesh
 
@@ -113,14 +118,32 @@ def test_group_link_is_the_measured_one_else_the_slowest_hop_and_survives_json()
 
 
 def _calibrate_2x2(rank, world):
-    cal = calibrate_cluster(Mesh((2, 2), ("x", "y")), sizes_bytes=(1 << 12, 1 << 16, 1 << 20), held_out_bytes=(),
-                            rounds=3)
-    return cal.cluster
+    mesh = Mesh((2, 2), ("x", "y"))
+    cal = calibrate_cluster(mesh, sizes_bytes=(1 << 12, 1 << 16, 1 << 20), held_out_bytes=(), rounds=3,
+                            base=ClusterSpec.uniform(mesh, "loopback"), host_overheads=False)
+    return cal
+
+
+def test_axes_that_the_base_cluster_gives_one_link_are_one_channel():
+    mesh = Mesh((2, 2, 2), ("a", "b", "c"))
+    groups = [(("a",), 2, None), (("b",), 2, None), (("c",), 2, None)]
+    assert _same_channel(groups, ClusterSpec.uniform(mesh, "loopback")) == [[0, 1, 2]]
+    fast = LinkSpec(name="fast", latency_s=1e-6, bandwidth_bytes_per_s=1e11)
+    slow = LinkSpec(name="slow", latency_s=1e-5, bandwidth_bytes_per_s=1e10)
+    assert _same_channel(groups, ClusterSpec(mesh, (fast, slow, fast))) == [[0, 2]]
+    assert _same_channel(groups, ClusterSpec(mesh, (fast, slow, dataclasses.replace(slow, latency_s=2e-5)))) == []
+    assert _same_channel(groups, None) == []  # nothing stated: every axis fitted alone
+    assert _same_channel([(("a",), 2, None), (("b",), 4, None)], ClusterSpec.uniform(Mesh((2, 4), ("a", "b")), "loopback")) == []
 
 
 @pytest.mark.slow
 def test_a_2d_calibration_measures_the_world_group_for_data_parallelism_over_both_axes():
-    cluster = testing.spawn(_calibrate_2x2, 4, timeout_s=240)[0]
+    cal = testing.spawn(_calibrate_2x2, 4, timeout_s=240)[0]
+    cluster = cal.cluster
+    # both axes are loopback in the base: one channel, fitted once on pooled timings
+    assert cluster.link("x") == dataclasses.replace(cluster.link("y"), name=cluster.link("x").name)
+    assert cal.fits[0].times_s == cal.fits[1].times_s
+    assert any("pooled" in n for n in cal.notes)
     ((axes, link),) = cluster.group_links
     assert axes == ("x", "y") and link.bandwidth_bytes_per_s > 0 and link.latency_s >= 0
     assert dict(link.op_scale).keys() >= {"all_reduce", "reduce_scatter"}

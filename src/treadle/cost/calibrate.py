@@ -261,7 +261,9 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     is measured too, and with `host_overheads` FSDP2's host cost per unit and per parameter on the world group
     (`treadle.profile.overheads.fsdp_overheads_s`, the ranks' mean; a fake group misses gloo's issue and
     completion path), written into the returned cluster's device (`base`'s device, e.g. `calibrate_cpu()`'s,
-    with `fsdp_unit_s` / `fsdp_param_s` replaced and its source saying so). Axes of size 1 keep `base`'s link.
+    with `fsdp_unit_s` / `fsdp_param_s` replaced and its source saying so). Axes of size 1 keep `base`'s link;
+    axes that `base` gives one link and one size are one channel, fitted once on their pooled timings (NOTE
+    [one channel, one link] at `_same_channel`).
     Returns a Calibration
     whose `.cluster` is `base` (default: the mesh on device "cpu") with the fitted links. Raises MeshError
     when torch.distributed is not initialised or the world does not match the mesh; LayoutError on bad sizes
@@ -271,6 +273,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                         f"launched job of {mesh.world_size} ranks (torchrun or treadle.testing.spawn)")
     if all(n == 1 for n in mesh.shape):
         raise LayoutError(f"calibrate_cluster: every axis of {mesh} has size 1; there is no link to measure")
+    if base is not None and (base.mesh.shape != mesh.shape or base.mesh.names != mesh.names):
+        raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     mesh.bind()
     all_sizes = list(sizes_bytes) + list(held_out_bytes)
     fitted = len(sizes_bytes)
@@ -284,6 +288,14 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
     notes: list[str] = [f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
                          if lead_compute_s > 0 else "collectives timed right after a barrier"]
+    for members in _same_channel(groups, base):
+        pooled = {op: [statistics.fmean(measured[i][op][k] for i in members) for k in range(len(all_sizes))]
+                  for op in ops}
+        for i in members:
+            measured[i] = pooled
+            fits[i] = fit_axis(groups[i][0], groups[i][1], all_sizes[:fitted], pooled["all_gather"][:fitted])
+        notes.append(f"axes {', '.join(groups[i][0][0] for i in members)} share the link "
+                     f"{base.link(groups[members[0]][0][0]).name!r} in the base cluster: their timings are pooled")
     flat_fit, launch = None, 0.0
     flat_all: dict[str, list[float]] = {}
     if len(groups) >= 2:
@@ -315,8 +327,6 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
         group_links = ((live, dataclasses.replace(plain, op_scale=scales)),)
     copy_rate = measure_copy_bytes_per_s(max(all_sizes), rounds=rounds)
     base = base or ClusterSpec.uniform(mesh, next(iter(links.values())), device="cpu")
-    if base.mesh.shape != mesh.shape:
-        raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names], copy_bytes_per_s=copy_rate)
     cluster = dataclasses.replace(cluster, group_links=group_links)
     if host_overheads:
@@ -326,6 +336,20 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                      for f, times in zip(fits, measured) for op in ops
                      for size, t in zip(all_sizes[fitted:], times[op][fitted:]))
     return Calibration(cluster, tuple(fits), flat_fit, launch, held_out, tuple(notes))
+
+
+def _same_channel(groups: list, base: ClusterSpec | None) -> list[list[int]]:
+    """NOTE [one channel, one link]: indices of the measured axes (size > 1) that `base` states are one channel
+    (the same LinkSpec and the same number of ranks, e.g. both axes of ``ClusterSpec.uniform(mesh,
+    "loopback")`` on one host), in groups of two or more. Fitted apart, run-to-run noise makes one look faster
+    than the other, and the planner would pick layouts for a difference the hardware does not have; their
+    timings are averaged and fitted once. Without `base`, nothing is stated and every axis is fitted alone."""
+    if base is None:
+        return []
+    by: dict[tuple, list[int]] = {}
+    for i, (axes, n, _) in enumerate(groups):
+        by.setdefault((base.link(axes[0]), n), []).append(i)
+    return [m for m in by.values() if len(m) > 1]
 
 
 def _with_group_fsdp_overheads(cluster: ClusterSpec, rounds: int):
