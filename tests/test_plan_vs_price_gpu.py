@@ -73,3 +73,28 @@ def test_input_gradient_of_column_parallel_consumers_is_summed_once():
     assert sol.terms["comm_s"] == pytest.approx(per_unit + one_sum)
     step, _, terms = ilp.evaluate(cg, sol.choice, {})
     assert sol.step_s == pytest.approx(step) and terms["comm_s"] == pytest.approx(sol.terms["comm_s"])
+
+
+def test_ddp_buckets_hide_behind_backward_compute_and_backward_tensor_parallel_waits():
+    """DDP's buckets run on the data-parallel axis's channel during the backward; a blocking tensor-parallel
+    collective of the backward (here the one input-gradient sum of q, k and v) stalls compute but not that
+    channel (`treadle.cost.overlap`), so the window is the backward's compute and its tensor-parallel
+    communication: E = max(0, latency + dp - (bwd compute + bwd tp comm + gradient sums))."""
+    torch.manual_seed(0)
+    model, x = _QKV(d=256), torch.randn(8, 256)
+    cl = parse_cluster("2x2:h100")  # dp over InfiniBand, tp over NVLink
+    g = capture(model, (x,))
+    pins = {"q.weight": (0,), "k.weight": (0,), "v.weight": (0,), "o.weight": (1,)}
+    cg = build_cost_graph(g, cl, Roles("dp", False, ("tp",)), pins=pins,
+                          shardable=_shardable_fn(g, runtime_capabilities(model)[0], 1))
+    assert cg.dp_window == "bwd" and cg.dp_overlap
+    sol = ilp.solve(cg, budget_bytes=None)
+    costs = [(u.count, u.costs[sol.choice[i]]) for i, u in enumerate(cg.units)]
+    sums = ilp.chosen_grad_sums_s(cg, sol.choice)
+    window = sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums
+    dp = sum(n * c.dp_comm_s for n, c in costs)
+    tp = sum(n * c.comm_s for n, c in costs) + sums
+    assert sums > 0 and cg.dp_latency_s + dp > window - sums  # without the sums in the window, more is exposed
+    step, _, terms = ilp.evaluate(cg, sol.choice, {})
+    assert terms["comm_s"] == pytest.approx(tp + max(0.0, cg.dp_latency_s + dp - window))
+    assert sol.step_s == pytest.approx(step)

@@ -101,7 +101,10 @@ def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # < 1 MiB: one bucket
     assert cg.dp_latency_s == pytest.approx(all_reduce_time_s(0.0, 2, link))
     dp = sum(u.count * u.costs[0].dp_comm_s for u in cg.units)
-    assert dp == pytest.approx(all_reduce_time_s(grad_bytes, 2, link) - all_reduce_time_s(0.0, 2, link))
+    # bandwidth, plus each full bucket's latency charged per gradient byte
+    per_bucket = all_reduce_time_s(0.0, 2, link)
+    assert dp == pytest.approx(all_reduce_time_s(grad_bytes, 2, link) - per_bucket
+                               + per_bucket * grad_bytes / (25 * 2**20))
     bwd = sum(u.count * u.costs[0].bwd_s for u in cg.units)
     other = sum(u.count * u.costs[0].comm_s for u in cg.units)
     exposed = max(0.0, cg.dp_latency_s + dp - (bwd if overlap else 0.0))

@@ -25,14 +25,16 @@ follower's choice is forced by the equality edge anyway.
 NOTE [bucketed data parallel]: the runtime reduces data-parallel gradients in buckets (DDP: 1 MiB first,
 then 25 MiB) or per unit (FSDP2: every block and the root: a forward gather, a backward gather — none for
 the root — and a reduce-scatter), overlapped with compute (`treadle.cost.overlap`). Per parameter the
-cost graph keeps only the bandwidth part of its sync (`StrategyCost.dp_comm_s`); the latency part is one
-constant per role assignment, `CostGraph.dp_latency_s` (buckets counted from the gradient bytes with
-every parameter replicated on the tensor axes). What is exposed is
+cost graph keeps the bandwidth part of its sync (`StrategyCost.dp_comm_s`); the latency part is a
+constant per role assignment, `CostGraph.dp_latency_s` — ZeRO-3: every unit's collectives; DDP: the first
+bucket's (and half the last's), each full bucket's latency being charged to the parameters in proportion to
+their local gradient bytes (a tensor-parallel shard fills fewer buckets). What is exposed is
 
     E = max(0, dp_latency_s + sum dp_comm_s - W)
 
-with W what the reductions can hide behind — backward compute for DDP; for ZeRO-3 all compute and the
-tensor-parallel communication compute waits for (another axis's channel: `ilp.dp_window_s`) —
+with W what the reductions can hide behind — for DDP the backward: its compute and the tensor-parallel
+communication it waits for (the input-gradient sums included); for ZeRO-3 all compute and all that
+tensor-parallel communication (another axis's channel: `ilp.dp_window_s`, as `treadle.cost.overlap` runs it) —
 when the rank's device overlaps communication (`ClusterSpec.rank_device().overlap`), else W = 0. The ILP
 states E with two linear rows (`ilp.add_dp_exposure`); `ilp.evaluate` computes it directly.
 
@@ -154,7 +156,7 @@ class CostGraph:
     host_s: float = 0.0  # host overheads fixed by the role (NOTE [framework overheads]): FSDP2 units, foreach lists
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     dp_overlap: bool = False  # reductions hide behind compute
-    dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute they hide behind
+    dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute and tensor-parallel comm they hide behind
     vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss] in extra_layouts.py
 
 
@@ -529,7 +531,7 @@ class _Builder(NodeCosts, ExtraLayouts):
         if not self.roles.dp or self.dp_size == 1:
             return
         from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-        from ..cost.overlap import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+        from ..cost.overlap import DDP_FIRST_BUCKET_BYTES
 
         link = self.dp_link(self.roles.dp)
         n = self.dp_size
@@ -545,11 +547,12 @@ class _Builder(NodeCosts, ExtraLayouts):
                                + all_gather_time_s(0.0, zn, zlink) + per_unit)
             cg.dp_window = "all"
         else:
+            # the first (small) bucket's latency and, when the gradients overflow it, on average half a bucket's
+            # for the last one, which they rarely fill; the full ones are charged per gradient byte (`param_sync_s`)
             grad_bytes = sum(m.nbytes * (self.count(j) if self.nodes[j].block is not None else 1)
                              for j, m in ((n_.index, n_.out) for n_ in self.nodes if n_.kind == "param")
                              if self.canonical(j) == j)
-            buckets = 1 + max(0, -(-(grad_bytes - DDP_FIRST_BUCKET_BYTES) // DDP_BUCKET_BYTES))
-            cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
+            cg.dp_latency_s = (1.0 if grad_bytes <= DDP_FIRST_BUCKET_BYTES else 1.5) * all_reduce_time_s(0.0, n, link)
             cg.dp_window = "bwd"
 
     def _host_terms(self, cg: CostGraph) -> None:
@@ -672,6 +675,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.comm_s += c.comm_s
     total.fwd_s += c.fwd_s
     total.bwd_s += c.bwd_s
+    total.bwd_comm_s += c.bwd_comm_s
     total.dp_comm_s += c.dp_comm_s
     total.act_bytes += c.act_bytes
     total.static_bytes += c.static_bytes

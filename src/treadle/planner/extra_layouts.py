@@ -46,7 +46,9 @@ class VocabCE:
 # at module exits only inside the repeated blocks; where the residual stream enters the blocks it is sliced at
 # the first block's input (``sync("fwd_pre", to=Shard(1))`` on that block, as the Megatron recipe does for
 # LLaMA; `entry_block`), never at an embedding's exit: the model's code between its embedding and its blocks
-# (positions, masks) reads the embedding's batch and sequence sizes, which the graph does not show. The slice
+# (positions, masks) reads the embedding's batch and sequence sizes, which the graph does not show. A pending
+# sum there (a vocab-parallel embedding) is all-reduced at its module's exit first, then sliced (two syncs; a
+# reduce-scatter at the exit would show the code in between a sliced sequence; `_conversion`). The slice
 # takes the block's first positional input, which must be the value entering it. A reshape with a
 # literal batch or sequence size never sees such a shard (`_fixed_row_view`): that size may be the global one.
 
@@ -106,8 +108,8 @@ class ExtraLayouts:
                 or not self.carry[n.index] or not self.tp_axes):
             return []
         if n.block is None:
-            if entry_block(self.g, n) is None or any(p != R for p in raw):
-                return []
+            if entry_block(self.g, n) is None or any(p not in (R, P) for p in raw):
+                return []  # a pending sum (a vocab-parallel embedding's) is reduced at the exit, then sliced
         elif not exitable:
             return []
         shape = list(self.local_dp_shape(n.index, meta.shape))

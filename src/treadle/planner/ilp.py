@@ -180,21 +180,23 @@ def add_grad_sums(m: _Model, cg: CostGraph, s) -> dict[int, float]:
 
 def dp_window_s(cg: CostGraph, c) -> float:
     """What one strategy adds to the window data-parallel syncs hide behind (NOTE [bucketed data parallel]):
-    its backward compute for DDP; for ZeRO-3 its compute and its tensor-parallel communication, since FSDP2's
-    gathers and reduce-scatters run on the data-parallel axis's own channel while compute waits for a
-    blocking collective on another axis (`treadle.cost.overlap`: one channel per axis)."""
-    return c.bwd_s if cg.dp_window == "bwd" else c.compute_s + c.comm_s
+    for DDP its backward compute and backward tensor-parallel communication; for ZeRO-3 its compute and all
+    its tensor-parallel communication. The data-parallel collectives run on the data-parallel axes' own
+    channel, so they go on while compute waits for a blocking collective on a tensor axis
+    (`treadle.cost.overlap`: one channel per axis). The input-gradient sums (backward tensor-parallel
+    communication too) widen either window: `add_dp_exposure`, `evaluate`."""
+    return c.bwd_s + c.bwd_comm_s if cg.dp_window == "bwd" else c.compute_s + c.comm_s
 
 
 def add_dp_exposure(m: _Model, cg: CostGraph, s, grad_sums: dict[int, float] | None = None) -> None:
     """E >= dp_latency + sum dp_comm - W, E >= 0, E in the objective (NOTE [bucketed data parallel] in
-    cost_graph.py; family dp_exposure). `grad_sums` ({variable: seconds}, `add_grad_sums`) widen a ZeRO-3
+    cost_graph.py; family dp_exposure). `grad_sums` ({variable: seconds}, `add_grad_sums`) widen the
     window like the rest of the tensor-parallel communication."""
     if not any(c.dp_comm_s for unit in cg.units for c in unit.costs) and not cg.dp_latency_s:
         return
     e = m.var(ub=math.inf, cost=_SECONDS)
     row: dict[int, float] = {e: _SECONDS}
-    if cg.dp_overlap and cg.dp_window == "all":
+    if cg.dp_overlap:
         for y, t in (grad_sums or {}).items():
             row[y] = row.get(y, 0.0) + t * _SECONDS
     for u, unit in enumerate(cg.units):
@@ -204,6 +206,35 @@ def add_dp_exposure(m: _Model, cg: CostGraph, s, grad_sums: dict[int, float] | N
             if x:
                 row[s[u, k]] = row.get(s[u, k], 0.0) - x
     m.row(row, cg.dp_latency_s * _SECONDS, math.inf, "dp_exposure")
+    head = head_units(cg)
+    if head and cg.dp_window == "bwd" and cg.dp_overlap:  # NOTE [the last bucket]
+        row = {e: _SECONDS}
+        for u in head:
+            for k, c in enumerate(cg.units[u].costs):
+                x = cg.units[u].count * (c.dp_comm_s - dp_window_s(cg, c)) * _SECONDS
+                if x:
+                    row[s[u, k]] = row.get(s[u, k], 0.0) - x
+        m.row(row, 0.0, math.inf, "dp_exposure_head")
+
+
+# NOTE [the last bucket]: DDP reduces a bucket once the backward has produced its gradients, so a parameter's
+# reduction hides only behind the backward still to run after it: nothing for the parameters of the ops that
+# run before the repeated blocks (the embedding, whose gradient is the backward's last). The aggregate window
+# of `add_dp_exposure` lets a replicated embedding's all-reduce (a GiB for a 128k vocabulary in bf16) hide
+# behind the blocks' backward; `treadle.price` (and the runtime) expose it. A second lower bound on E states
+# the head alone: E >= sum over the head's units (dp_comm - window). ZeRO-3 reduce-scatters its root unit
+# (embedding, head, final norm) at the end too, but also gathers it at the start; its window stays aggregate.
+
+
+def head_units(cg: CostGraph) -> list[int]:
+    """The units of the ops that run before the first repeated block, outside every block (forward order:
+    the graph's node order); empty for a graph without repeated blocks (NOTE [the last bucket])."""
+    nodes = cg.graph.nodes
+    first = min((n.index for n in nodes if n.kind == "op" and n.block is not None), default=None)
+    if first is None:
+        return []
+    return [u for u, unit in enumerate(cg.units)
+            if all(nodes[i].kind == "op" and nodes[i].block is None and i < first for i in unit.nodes)]
 
 
 def add_one_strategy(m: _Model, cg: CostGraph, s) -> None:
@@ -436,10 +467,14 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
             transient = max(transient, A)
     sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
     comm += sums
-    if cg.dp_window == "all":
-        window += sums
+    window += sums  # backward tensor-parallel communication: in both windows (`dp_window_s`)
     if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
-        comm += max(0.0, cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0))
+        exposed = cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0)
+        if cg.dp_window == "bwd" and cg.dp_overlap:  # NOTE [the last bucket]
+            exposed = max(exposed, sum(cg.units[u].count * (cg.units[u].costs[choice[u]].dp_comm_s
+                                                            - dp_window_s(cg, cg.units[u].costs[choice[u]]))
+                                       for u in head_units(cg)))
+        comm += max(0.0, exposed)
     compute += cg.host_s
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from ..cost.overlap import DDP_BUCKET_BYTES
 from ..cost.convert import plan_conversion
 from ..cost.layout import Layout
 from ..errors import ProfileError
@@ -50,6 +51,7 @@ class StrategyCost:
     comm_s: float = 0.0
     fwd_s: float = 0.0  # forward compute + forward comm (what recomputation repeats)
     bwd_s: float = 0.0  # backward compute (the window data-parallel reductions overlap with)
+    bwd_comm_s: float = 0.0  # tensor-parallel communication of the backward (blocking, on the tensor axes)
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
@@ -103,9 +105,21 @@ class NodeCosts:
             return 0.0, 0.0
         meta = self.nodes[i].out
         shape = self.local_dp_shape(i, meta.shape)
-        plan = plan_conversion(Layout([_code_str(p) for p in raw]), Layout([_code_str(p) for p in pub]),
-                               global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
-        return plan.time_s, plan.backward_time_s
+
+        def conv(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
+            if a == b:
+                return 0.0, 0.0
+            plan = plan_conversion(Layout([_code_str(p) for p in a]), Layout([_code_str(p) for p in b]),
+                                   global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
+            return plan.time_s, plan.backward_time_s
+
+        if self.nodes[i].block is None and P in raw and any(p >= 0 for p in pub):
+            # NOTE [sequence parallel] in extra_layouts.py: a pending sum entering the blocks sharded is reduced
+            # at its module's exit, then sliced at the first block's input (two syncs, as build runs them)
+            mid = tuple(R if r == P else r for r in raw)
+            (f1, b1), (f2, b2) = conv(raw, mid), conv(mid, pub)
+            return f1 + f2, b1 + b2
+        return conv(raw, pub)
 
     def strategy_cost(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> StrategyCost:
         c = StrategyCost()
@@ -154,6 +168,7 @@ class NodeCosts:
             cb = 0.0  # no gradient flows back through it: a local slice of such a value is free both ways
         c.comm_s += cf + cb
         c.fwd_s += cf
+        c.bwd_comm_s += cb
         # a vocab-parallel loss (NOTE [vocab-parallel loss] in extra_layouts.py): three all-reduces of (N,) fp32
         # per-row scalars in forward, none in backward
         vce = self.vocab_ce.get(i)
@@ -237,9 +252,10 @@ class NodeCosts:
                 + self.hw.fsdp_param_s)
 
     def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """The bandwidth part of this parameter's data-parallel sync: DDP's all-reduce, or ZeRO-3's two
-        all-gathers and one reduce-scatter (NOTE [bucketed data parallel] in cost_graph.py: the runtime
-        moves gradients in buckets / units, so the per-message latency is priced once per bucket there).
+        """This parameter's part of the data-parallel sync: DDP's all-reduce (bandwidth, plus the per-bucket
+        latency in proportion to its local gradient bytes: a tensor-parallel shard fills fewer buckets), or
+        ZeRO-3's two all-gathers and one reduce-scatter, bandwidth only (NOTE [bucketed data parallel] in
+        cost_graph.py: the runtime moves gradients in buckets / units; ZeRO-3's per-unit latency is a constant).
         Several dp axes: one flattened group (`dp_link`). ZeRO-3 gathers and reduce-scatters over the shard
         axes; HSDP adds an all-reduce of the 1/zero_size shard over the replicate axes; without reshard after
         forward there is one gather, not two."""
@@ -257,7 +273,11 @@ class NodeCosts:
             if self.roles.replicate:
                 out += bw(all_reduce_time_s, nbytes / zn, self.dp_size // zn, self.dp_link(self.roles.replicate))
             return out
-        return bw(all_reduce_time_s, nbytes, self.dp_size, self.dp_link(self.roles.dp))
+        # DDP: each full bucket pays one all-reduce latency, so a parameter pays it per bucket's worth of its
+        # local gradient bytes (the first bucket's latency is the constant `CostGraph.dp_latency_s`)
+        link = self.dp_link(self.roles.dp)
+        per_bucket = all_reduce_time_s(0.0, self.dp_size, link)
+        return bw(all_reduce_time_s, nbytes, self.dp_size, link) + per_bucket * nbytes / DDP_BUCKET_BYTES
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
         """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by

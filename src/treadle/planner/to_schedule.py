@@ -102,9 +102,15 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
             blk = entry_block(g, n) if raw != pub else None
-            if blk is not None and all(r == R for r in raw):  # NOTE [sequence parallel] in extra_layouts.py
-                for a, p in zip(axes, pub):
-                    if p != R:
+            if blk is not None and all(r in (R, P) for r in raw) and any(p >= 0 for p in pub):
+                # NOTE [sequence parallel] in extra_layouts.py: a pending sum is reduced at its module's exit,
+                # then the value is sliced at the input of the block it enters
+                q = exit_module(g, n)
+                for a, r, p in zip(axes, raw, pub):
+                    if r == P:
+                        for m in _members(cg, q, i):
+                            syncs[(m, a)] = {"to": "R", "from_": "P", "node": n.name, "layout": None}
+                    if p >= 0:
                         entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
             elif raw != pub:
                 q = exit_module(g, n)
