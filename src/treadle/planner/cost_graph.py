@@ -531,7 +531,7 @@ class _Builder(NodeCosts, ExtraLayouts):
         if not self.roles.dp or self.dp_size == 1:
             return
         from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-        from ..cost.overlap import DDP_FIRST_BUCKET_BYTES
+        from ..cost.overlap import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 
         link = self.dp_link(self.roles.dp)
         n = self.dp_size
@@ -547,12 +547,19 @@ class _Builder(NodeCosts, ExtraLayouts):
                                + all_gather_time_s(0.0, zn, zlink) + per_unit)
             cg.dp_window = "all"
         else:
-            # the first (small) bucket's latency and, when the gradients overflow it, on average half a bucket's
-            # for the last one, which they rarely fill; the full ones are charged per gradient byte (`param_sync_s`)
+            # buckets = 1 + ceil((G - first) / full) for G gradient bytes; `param_sync_s` charges G / full of
+            # them per byte, and this constant the rest: the first bucket's, and on average half of the last
+            # (partial) one's — with G from the replicated parameters, exact (two buckets) below two buckets
             grad_bytes = sum(m.nbytes * (self.count(j) if self.nodes[j].block is not None else 1)
                              for j, m in ((n_.index, n_.out) for n_ in self.nodes if n_.kind == "param")
                              if self.canonical(j) == j)
-            cg.dp_latency_s = (1.0 if grad_bytes <= DDP_FIRST_BUCKET_BYTES else 1.5) * all_reduce_time_s(0.0, n, link)
+            if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
+                buckets = 1.0
+            elif grad_bytes <= DDP_FIRST_BUCKET_BYTES + DDP_BUCKET_BYTES:
+                buckets = max(1.0, 2.0 - grad_bytes / DDP_BUCKET_BYTES)
+            else:
+                buckets = 1.5
+            cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
             cg.dp_window = "bwd"
 
     def _host_terms(self, cg: CostGraph) -> None:
