@@ -171,7 +171,11 @@ def test_gpt2_sequence_parallel_plan_builds_and_verifies():
     assert row in ("S0", "S1")
     assert ("transformer.h.0", "fwd_pre", "R", row) in syncs  # the slice, free in forward
     assert ("transformer.h.0.mlp.c_proj", "fwd_post", "P", row) in syncs  # reduce-scatter instead of all-reduce
-    assert ("transformer.h.0.ln_2", "fwd_post", row, "R") in syncs  # all-gather before the column-parallel c_fc
+    # all-gather at the input of the column-parallel c_fc, whose partial input gradient is reduce-scattered
+    # (NOTE [gather with a reduce-scatter backward]): no all-reduce of that gradient, no gather at ln_2's exit
+    assert {("transformer.h.0.mlp.c_fc", "fwd_pre", row, "R"), ("transformer.h.0.mlp.c_fc", "bwd_post", "P", row),
+            ("transformer.h.0.attn.c_attn", "fwd_pre", row, "R")} <= syncs
+    assert not {s for s in syncs if s[0] in ("transformer.h.0.ln_1", "transformer.h.0.ln_2")}
     # gathered at the final norm's exit or at the exit of the module around it (the same cost)
     assert {("transformer.ln_f", "fwd_post", row, "R"), ("transformer", "fwd_post", row, "R")} & syncs
     grads = {d.path for d in plan.decisions if d.op == "reduce_grads"}
@@ -192,7 +196,11 @@ def test_llama_sequence_parallel_and_vocab_loss_on_2x2_verify():
     (row,) = {to for path, mode, frm, to in syncs if path == "model.layers.0" and mode == "fwd_pre"}
     assert row in ("S0", "S1")  # sequence or batch rows (see the GPT-2 test)
     assert {("model.layers.0", "fwd_pre", "R", row), ("model.layers.0.self_attn.o_proj", "fwd_post", "P", row),
-            ("model.layers.0.input_layernorm", "fwd_post", row, "R"), ("model.norm", "fwd_post", row, "R")} <= syncs
+            ("model.norm", "fwd_post", row, "R")} <= syncs
+    # q, k, v (gate, up) read the gathered input of self_attn (mlp): gathered there, the summed partial gradient
+    # reduce-scattered back to the row shard (NOTE [gather with a reduce-scatter backward])
+    for m in ("model.layers.0.self_attn", "model.layers.0.mlp"):
+        assert {(m, "fwd_pre", row, "R"), (m, "bwd_post", "P", row)} <= syncs
     assert [d.args["kwargs"] for d in plan.decisions if d.op == "set_attr"] == [{"axis": "tp", "causal": True}]
     report = treadle.verify(plan.schedule_for(llama(n_layer=4, kv=4)), inp, timeout_s=300, raise_on_mismatch=False)
     assert report.error is None and report.ok, report.summary()

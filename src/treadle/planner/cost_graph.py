@@ -57,6 +57,7 @@ from .capture import CapturedGraph, Node, TensorMeta
 from .dims import P, R, AxisOption, block_chain, dim_spec, strategies
 from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, VocabCE, entry_block, noop_cast
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
+from .sp_gather import find_sp_gathers
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class CostGraph:
     dp_overlap: bool = False  # reductions hide behind compute
     dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute and tensor-parallel comm they hide behind
     vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss] in extra_layouts.py
+    sp_gathers: list = field(default_factory=list)  # NOTE [gather with a reduce-scatter backward] in sp_gather.py
 
 
 @dataclass(slots=True)
@@ -520,6 +522,7 @@ class _Builder(NodeCosts, ExtraLayouts):
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
                        vocab_ce=dict(self.vocab_ce))
+        cg.sp_gathers = find_sp_gathers(self, units, unit_of)
         self._dp_terms(cg)
         self._host_terms(cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),

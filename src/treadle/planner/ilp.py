@@ -49,6 +49,7 @@ from scipy.sparse import coo_matrix
 
 from ..errors import PlanError
 from .cost_graph import CostGraph
+from .sp_gather import active as sp_active
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,25 @@ def add_grad_sums(m: _Model, cg: CostGraph, s) -> dict[int, float]:
         for k, c in enumerate(unit.costs):
             for (j, a) in c.grad_sums:
                 m.row({ys[(j, a, unit.count)]: 1.0, s[u, k]: -1.0}, 0.0, math.inf, "grad_sum")
+    add_sp_gathers(m, cg, s, ys)
     return out
+
+
+def add_sp_gathers(m: _Model, cg: CostGraph, s, ys: dict) -> None:
+    """NOTE [gather with a reduce-scatter backward] in sp_gather.py: z <= the gradient sum it replaces, z <= the
+    gather strategies, z <= each reader's pending-sum strategies, z <= 1 - each other node's pending-sum
+    strategies; z credits count x (all-reduce - reduce-scatter) seconds (family sp_gather)."""
+    for g in cg.sp_gathers:
+        y = ys.get((g.j, g.k, g.count))
+        if y is None:
+            continue
+        z = m.var(ub=1.0, cost=-g.count * g.saving_s * _SECONDS)
+        m.row({z: 1.0, y: -1.0}, -math.inf, 0.0, "sp_gather")
+        m.row({z: 1.0, **{s[g.unit, k]: -1.0 for k in g.gathers}}, -math.inf, 0.0, "sp_gather")
+        for u, ok in g.readers:
+            m.row({z: 1.0, **{s[u, k]: -1.0 for k in ok}}, -math.inf, 0.0, "sp_gather")
+        for u, bad in g.inner:
+            m.row({z: 1.0, **{s[u, k]: 1.0 for k in bad}}, -math.inf, 1.0, "sp_gather")
 
 
 def dp_window_s(cg: CostGraph, c) -> float:
@@ -466,7 +485,7 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         if c > 0:
             transient = max(transient, A)
     sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
-    comm += sums
+    comm += sums - sum(g.count * g.saving_s for g in sp_active(cg, choice))  # NOTE [gather with a reduce-scatter backward]
     window += sums  # backward tensor-parallel communication: in both windows (`dp_window_s`)
     if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
         exposed = cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0)

@@ -79,7 +79,11 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     losses: list[Decision] = []
     entries: dict[tuple[str, str], dict] = {}
     from .cost_graph import block_chains, entry_block, exit_module, view_attr_needs
+    from .sp_gather import active
     chain_k = block_chains(g.nodes, g.ops())  # NOTE [blocked split] in dims.py
+    # NOTE [gather with a reduce-scatter backward] in sp_gather.py: gathered at the consumer module's input
+    sp_in = {(sg.j, axes[sg.k]): sg for sg in active(cg, choice)}
+    inputs: dict[tuple[str, str], dict] = {}
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
         for i, (combo, pub) in members.items():
@@ -120,7 +124,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                           "to": {a: _pl_str(p) for a, p in zip(axes, pub)}}
                          if sum(r != p for r, p in zip(raw, pub)) > 1 else None)
                 for a, r, p in zip(axes, raw, pub):
-                    if r != p:
+                    if r != p and (i, a) in sp_in:
+                        for m in _members(cg, sp_in[(i, a)].module, i):
+                            inputs[(m, a)] = {"dim": _pl_str(r), "node": n.name}
+                    elif r != p:
                         for m in _members(cg, q, i):
                             syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name, "layout": whole}
             in_loss = any(i in v.chain for v in cg.vocab_ce.values())  # replaced with the loss function
@@ -148,6 +155,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         if d["layout"] is not None:
             args["layout"] = d["layout"]
         out.append(Decision("sync", m, args, d["node"]))
+    for (m, a), d in sorted(inputs.items()):
+        why = f"{d['node']} gathered here; its gradient reduce-scattered"
+        out.append(Decision("sync", m, {"mode": "fwd_pre", "to": "R", "from_": d["dim"], "axis": a}, why))
+        out.append(Decision("sync", m, {"mode": "bwd_post", "to": d["dim"], "from_": "P", "axis": a}, why))
     for (m, a), d in sorted(entries.items()):
         out.append(Decision("sync", m, {"mode": "fwd_pre", "to": d["to"], "from_": "R", "axis": a},
                             f"{d['node']} enters the blocks"))
@@ -225,7 +236,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
                                  from_=[_placement(lay["from"].get(ax, "R")) for ax in sch.mesh.names])
         elif d.op == "sync":
             kw = {"to": _placement(d.args["to"]), "axis": d.args["axis"]}
-            if not leaf_module(d.path) or d.args["from_"] == "R":  # a replicated leaf has no rule-derived layout
+            if (not leaf_module(d.path) or d.args["from_"] == "R"  # a replicated leaf has no rule-derived layout
+                    or d.args["mode"] != "fwd_post"):  # an input's layout is never derived
                 kw["from_"] = _placement(d.args["from_"])
             sch[d.path].sync(d.args["mode"], **kw)
         elif d.op == "reduce_grads":

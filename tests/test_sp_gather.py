@@ -1,0 +1,56 @@
+"""NOTE [gather with a reduce-scatter backward] (planner/sp_gather.py): which gathers qualify, the credit the ILP
+gives them against a hand computation, and that `evaluate` agrees with the solver. The emitted form is verified
+numerically in test_planner_vocab_sp.py (GPT-2 and LLaMA on gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.cost.collective_cost import all_reduce_time_s, reduce_scatter_time_s
+from treadle.planner import ilp
+from treadle.planner.capture import capture
+from treadle.planner.cost_graph import Roles
+from treadle.planner.sp_gather import active, consumer_module
+
+from test_planner_vocab_sp import _cost_graph, cluster, inputs, llama  # noqa: E402
+
+
+def _exit(g, module: str) -> int:
+    """The last node of `module` read outside it (its output; an RMSNorm's no-op cast of its input is too)."""
+    return max(n.index for n in g.nodes if n.kind == "op" and n.module == module
+               and any(not g.nodes[u].module.startswith(module) for u in n.users))
+
+
+def test_the_consumer_module_reads_no_other_value_with_a_gradient_from_outside():
+    g = capture(llama(n_layer=4, kv=4), (), inputs(seq=64))
+    norm1, norm2 = _exit(g, "model.layers.0.input_layernorm"), _exit(g, "model.layers.0.post_attention_layernorm")
+    real = {n.index for n in g.nodes if n.kind == "op"}  # every op output "needs a gradient" below
+
+    def no_tables(i: int) -> bool:  # the rotary tables and the mask need none
+        return i in real and "rotary" not in g.nodes[i].module and g.nodes[i].module != "model"
+
+    assert consumer_module(g, norm1, no_tables) == "model.layers.0.self_attn"
+    assert consumer_module(g, norm2, no_tables) == "model.layers.0.mlp"
+    # were the rotary tables differentiable, self_attn would read two such values: j may not be its input
+    assert consumer_module(g, norm1, lambda i: i in real) is None
+    assert consumer_module(g, norm2, lambda i: i in real) == "model.layers.0.mlp"
+    # a value read inside its own producer's module, or outside the blocks, has none
+    assert consumer_module(g, _exit(g, "model.embed_tokens"), lambda i: True) is None
+
+
+def test_the_credit_is_all_reduce_minus_reduce_scatter_of_the_gathered_gradient():
+    g, cg = _cost_graph(llama(n_layer=4, kv=4), inputs(seq=64), cluster(), Roles((), False, ("tp",)))
+    sol = ilp.solve(cg, budget_bytes=None)
+    act = active(cg, sol.choice)
+    assert {(g.nodes[a.j].module, a.module) for a in act} == {
+        ("model.layers.0.input_layernorm", "model.layers.0.self_attn"),
+        ("model.layers.0.post_attention_layernorm", "model.layers.0.mlp")}
+    link, nbytes = cluster().link("tp"), 8 * 64 * 128 * 4  # (B, T, E) fp32, whole on the tensor axis
+    for a in act:
+        assert a.saving_s == pytest.approx(all_reduce_time_s(nbytes, 2, link) - reduce_scatter_time_s(nbytes, 2, link))
+        assert a.count == 4 and a.dim in (0, 1)  # four real blocks; the row split the plan chose
+    step, _, terms = ilp.evaluate(cg, sol.choice, {})
+    assert sol.step_s == pytest.approx(step)
+    cg.sp_gathers = []  # the same choice without the credit
+    step0, _, terms0 = ilp.evaluate(cg, sol.choice, {})
+    assert terms0["comm_s"] - terms["comm_s"] == pytest.approx(sum(a.count * a.saving_s for a in act))
