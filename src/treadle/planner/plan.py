@@ -454,7 +454,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
     the fastest whose priced peak fits the budget wins (one whose priced peak misses the budget is re-solved
-    with the solver's budget corrected by the difference, 4 times at most); 0 keeps the solver's choice (a price
+    with the solver's budget corrected by the difference, 4 times at most; when none of them fits, the other
+    role assignments are priced in turn, and PlanError says when none fits as built); 0 keeps the solver's choice (a price
     rehearses a step on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
@@ -559,6 +560,20 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         say("price the best role assignments")
         sol, cg, chosen_price, priced = _choose_by_price(model, kwargs, feasible[:price_top], is_leaf_param,
                                                          memory_budget_bytes, loss_fn, solve_for)
+        # none of the K fits as built: the next role assignments, one at a time, until one does
+        for extra in feasible[price_top:] if memory_budget_bytes is not None and chosen_price is None else []:
+            s2, c2, p2, rows2 = _choose_by_price(model, kwargs, [extra], is_leaf_param, memory_budget_bytes,
+                                                 loss_fn, solve_for)
+            priced += rows2
+            if p2 is not None:
+                sol, cg, chosen_price = s2, c2, p2
+                break
+        if memory_budget_bytes is not None and chosen_price is None and priced:
+            low = min(priced, key=lambda r: r["peak_bytes"])
+            raise PlanError(f"plan_model: no plan fits {_fmt_bytes(memory_budget_bytes)} per device as built: every "
+                            f"role assignment's plan, priced (`treadle.price`) and re-solved, needs more; the smallest "
+                            f"is {_fmt_bytes(low['peak_bytes'])} ({low['roles']} on {low['mesh']}) — raise the budget "
+                            f"to at least that, or add devices")
     # NOTE [exact budget] in ilp.py: the plan's memory as built (its price) when priced, else the solver's
     if memory_budget_bytes is not None and chosen_price is None and sol.peak_bytes > memory_budget_bytes:
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
@@ -604,28 +619,35 @@ def _resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for,
     """[(solution, price)] of one role assignment, re-solved until its priced peak is within PRICE_SLACK under
     `budget` (NOTE [final choice by price]). The solver's budget moves by the price's error,
     ``solver peak + (budget - priced peak)``; once a solver budget whose plan fits (lo) and one whose plan does
-    not (hi) are known, a proposal outside (lo, hi) bisects it instead. Plans seen before are not priced again."""
+    not (hi) are known, a proposal outside (lo, hi) bisects it instead; an infeasible solver budget (floor)
+    stands in for lo until one fits. Plans seen before are not priced again."""
     key = lambda s_: (tuple(s_.choice), tuple(sorted(s_.ckpt.items())))  # noqa: E731
     seen = {key(sol): p}
     tried = [(sol, p)]
-    lo, hi, target = -math.inf, math.inf, budget
+    lo, hi, floor, target = -math.inf, math.inf, 0.0, budget  # floor: the largest solver budget found infeasible
     for _ in range(PRICE_RESOLVES):
-        if p.peak_bytes <= budget:
-            lo = max(lo, target)
-        else:
-            hi = min(hi, target)
+        if target is not None:  # (None: the last proposal was infeasible; `p` is still the older plan's)
+            if p.peak_bytes <= budget:
+                lo = max(lo, target)
+            else:
+                hi = min(hi, target)
         slack = budget - p.peak_bytes
         if 0 <= slack <= PRICE_SLACK * budget:
             break
         proposal = sol.peak_bytes + slack
-        if not lo < proposal < hi:
-            if math.isinf(lo) or math.isinf(hi) or hi - lo <= PRICE_SLACK * budget:
+        below = lo if not math.isinf(lo) else floor
+        if not max(lo, floor) < proposal < hi:
+            if (math.isinf(lo) and not floor) or math.isinf(hi) or hi - below <= PRICE_SLACK * budget:
                 break
-            proposal = (lo + hi) / 2
+            proposal = (below + hi) / 2
         target = proposal
         again = solve_for(cg, target) if target > 0 else None
+        logger.debug("re-solve %s at solver budget %.0f B (priced %.0f B against %.0f B): %s", cg.roles, target,
+                     p.peak_bytes, budget, "infeasible" if again is None or again.status == "infeasible"
+                     else f"solver peak {again.peak_bytes:.0f} B")
         if again is None or again.status == "infeasible":
-            break
+            floor, target = max(floor, proposal), None  # too small for the solver: bisect above it
+            continue
         if key(again) in seen:
             sol, p = again, seen[key(again)]
             continue
@@ -645,14 +667,15 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
                      solve_for: Callable[[CostGraph, float | None], Solution] | None = None):
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
-    priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best, with its price).
+    priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best and no price; `plan_model`
+    then prices the other role assignments, and raises PlanError when none fits).
     A candidate whose priced peak misses the budget — over it, or under it by more than PRICE_SLACK — is solved
     again (`solve_for`, at most PRICE_RESOLVES times) with the solver's budget moved by the difference,
     ``solver peak + (budget - priced peak)``: the linear memory model's error on that role assignment, measured
     by the price, corrects its budget (over: less memory, so the plan fits as built; under: more, so it
     checkpoints no more than the budget needs), bisecting between a solver budget that fit and one that did not
-    once both are known (`_resolve_by_price`). Each new plan is priced; the fastest that fits is the
-    candidate's plan. An infeasible re-solve ends it.
+    once both are known (`_resolve_by_price`; a solver budget found infeasible bounds the bisection from below).
+    Each new plan is priced; the fastest that fits is the candidate's plan.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .price import price
 
