@@ -236,3 +236,24 @@ def test_gpt2_on_two_tensor_axes_with_row_shards_verifies():
     assert len([s for s in sch._state.syncs if s.path == whole[0].path and s.mode == "fwd_post"]) == 1
     report = treadle.verify(sch, inp, timeout_s=300, raise_on_mismatch=False)
     assert report.error is None and report.ok, report.summary()
+
+
+def test_a_pin_on_either_name_of_a_tied_embedding_binds_it():
+    """GPT-2's head and embedding share one weight, which the captured graph reads as ``lm_head.weight``: a pin
+    written on ``transformer.wte.weight`` binds it too (it once bound nothing, silently), and two pins that
+    disagree on the tied weight are refused."""
+    from treadle.errors import PlanError
+    from treadle.planner.plan import tied_pins
+
+    model, inp = gpt2(), inputs()
+    assert tied_pins(model, {"transformer.wte.weight": {"tp": 0}})["lm_head.weight"] == {"tp": 0}
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        plan = plan_model(model, inp, cluster=cluster(), dp_axis=None, pins={name: {"tp": "R"}})
+        assert not [d for d in plan.decisions if d.op == "shard" and d.args["names"] == "weight"
+                    and d.path in ("lm_head", "transformer.wte")]
+        plan = plan_model(model, inp, cluster=cluster(), dp_axis=None, pins={name: {"tp": 0}})
+        assert [d for d in plan.decisions if d.op == "shard" and d.path in ("lm_head", "transformer.wte")
+                and d.args["dim"] == 0]
+    with pytest.raises(PlanError, match=r"tied parameter .* different placements"):
+        plan_model(model, inp, cluster=cluster(), dp_axis=None,
+                   pins={"transformer.wte.weight": {"tp": 0}, "lm_head.weight": {"tp": "R"}})

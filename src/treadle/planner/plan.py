@@ -346,6 +346,35 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     return out
 
 
+def tied_pins(model: nn.Module, pins: dict[str, dict[str, int | str]],
+              graph: CapturedGraph | None = None) -> dict[str, dict[str, int | str]]:
+    """`pins` plus, for a tied parameter one of whose names a pin matches, the same pin on its other names (those
+    `graph` holds, when given): the captured graph reads a tied parameter under one of them (GPT-2's embedding
+    and head both read ``lm_head.weight``), so a pin on another name would bind nothing. Raises PlanError when
+    two pins give one tied parameter different placements."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    out = dict(pins)
+    for names in (g for g in groups.values() if len(g) > 1):
+        hits = {pat: per for pat, per in pins.items() if any(fnmatch.fnmatchcase(n, pat) for n in names)}
+        if not hits:
+            continue
+        placements = {tuple(sorted(per.items(), key=str)) for per in hits.values()}
+        if len(placements) > 1:
+            raise PlanError(f"pins {sorted(hits)} give the tied parameter {names} different placements "
+                            f"{[dict(p) for p in placements]}; pin it once")
+        per = next(iter(hits.values()))
+        for n in names:
+            if graph is None or n in graph.params:
+                out.setdefault(n, dict(per))
+        if graph is not None:  # a pattern bound only through a tied twin: the twin's pin stands for it
+            for pat in hits:
+                if not any(fnmatch.fnmatchcase(gp, pat) for gp in graph.params):
+                    out.pop(pat, None)
+    return out
+
+
 def _pins_for(graph: CapturedGraph, pins: dict[str, dict[str, int | str]], roles: Roles) -> dict | None:
     """Pins as {captured param: placement per tensor axis}; None when a pin cannot hold under `roles`."""
     out: dict[str, tuple[int, ...]] = {}
@@ -486,6 +515,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
         # attention saves what the devices' kernels save (NOTE [attention as a GPU runs it])
         graph = capture(model, args, kwargs, loss_fn=loss_fn, gpu_attention=not any(c.is_cpu() for c in clusters))
     t_capture = time.perf_counter() - t0
+    pins = tied_pins(model, pins, graph)
     batch = _batch_size(args, kwargs)
     is_leaf_param, _ = runtime_capabilities(model)
     holders = tied_leaf_holders(model)

@@ -69,7 +69,7 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
         if a not in axes:
             raise PlanError(f"plan_model: dp_axis {a!r} is not a mesh axis; use 'auto', None, one of {axes} "
                             f"or a tuple of them")
-    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}  # tied: every name
     for pattern, per_axis in (pins or {}).items():
         if not isinstance(per_axis, dict):
             raise PlanError(f"pin {pattern!r}: expected {{axis: dim or 'R'}}, got {per_axis!r}")
