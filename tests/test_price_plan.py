@@ -113,16 +113,19 @@ def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
     assert sol.step_s == pytest.approx(step) and sol.terms["comm_s"] == pytest.approx(terms["comm_s"])
 
 
-def test_final_choice_by_price_keeps_the_fastest_priced_plan_that_fits():
-    """NOTE [final choice by price]: the best plans of the K best role assignments are priced; the fastest whose
-    priced peak fits the budget wins, and the plan carries that price."""
-    from treadle.cost.cluster import parse_cluster
-    from treadle.models.zoo import named_model
-    from treadle.planner.plan import plan_model
-
+@pytest.fixture(scope="module")
+def gpt2_2x2_cpu():
+    """(cluster, model, inputs, unconstrained plan) of GPT-2 (batch 8, seq 32) on a 2x2 CPU cluster, planned
+    once for the two tests below (they re-plan with its graph, as before; neither changes it)."""
     cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=2)
     model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
-    solver = plan_model(model, inputs, cluster=cluster)
+    return cluster, model, inputs, plan_model(model, inputs, cluster=cluster)
+
+
+def test_final_choice_by_price_keeps_the_fastest_priced_plan_that_fits(gpt2_2x2_cpu):
+    """NOTE [final choice by price]: the best plans of the K best role assignments are priced; the fastest whose
+    priced peak fits the budget wins, and the plan carries that price."""
+    cluster, model, inputs, solver = gpt2_2x2_cpu
     graph = solver._context["kwargs"]["graph"]
     chosen = plan_model(model, inputs, cluster=cluster, graph=graph, price_top=3)
     rows = chosen.solver["priced"]
@@ -136,15 +139,13 @@ def test_final_choice_by_price_keeps_the_fastest_priced_plan_that_fits():
     assert tight.estimate().step_s == pytest.approx(min(r["step_s"] for r in fitting))
 
 
-def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_difference():
+def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_difference(gpt2_2x2_cpu):
     """NOTE [final choice by price]: the solver's linear memory model can miss by a few percent either way. A
     candidate priced over the budget is solved again with ``solver peak - overshoot`` as its budget, so the
     plan returned fits by its price (the schedule as built); one priced well under it is solved again with the
     slack added, so it does not checkpoint (or shard) more than the budget needs — and is never slower. When no
     re-solve of that role assignment fits as built, the next role assignments are priced until one does."""
-    cluster = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=2)
-    model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
-    free = plan_model(model, inputs, cluster=cluster)
+    cluster, model, inputs, free = gpt2_2x2_cpu
     graph = free._context["kwargs"]["graph"]
     seen = set()
     for fraction in (0.5, 0.6, 0.9):
