@@ -201,6 +201,8 @@ def test_llama_sequence_parallel_and_vocab_loss_on_2x2_verify():
     # reduce-scattered back to the row shard (NOTE [gather with a reduce-scatter backward])
     for m in ("model.layers.0.self_attn", "model.layers.0.mlp"):
         assert {(m, "fwd_pre", row, "R"), (m, "bwd_post", "P", row)} <= syncs
+    # the vocab-split embedding's pending sum is all-reduced at its exit, then sliced at the first block
+    assert ("model.embed_tokens", "fwd_post", "P", "R") in syncs
     assert [d.args["kwargs"] for d in plan.decisions if d.op == "set_attr"] == [{"axis": "tp", "causal": True}]
     report = treadle.verify(plan.schedule_for(llama(n_layer=4, kv=4)), inp, timeout_s=300, raise_on_mismatch=False)
     assert report.error is None and report.ok, report.summary()
