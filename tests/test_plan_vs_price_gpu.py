@@ -98,3 +98,33 @@ def test_ddp_buckets_hide_behind_backward_compute_and_backward_tensor_parallel_w
     step, _, terms = ilp.evaluate(cg, sol.choice, {})
     assert terms["comm_s"] == pytest.approx(tp + max(0.0, cg.dp_latency_s + dp - window))
     assert sol.step_s == pytest.approx(step)
+
+
+def test_the_embeddings_bucket_cannot_hide_behind_the_blocks_backward():
+    """NOTE [the last bucket] in ilp.py: DDP reduces the embedding's gradient last, after every block's backward,
+    so its all-reduce is exposed even when the step's aggregate window would hide all the data-parallel sync.
+    A 32k-vocab embedding beside four small blocks: E = max(0, aggregate, embedding's sync - its own window)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=4, intermediate_size=128, vocab_size=32000,
+                                         max_position_embeddings=512, use_cache=False, tie_word_embeddings=False))
+    ids = torch.randint(0, 32000, (8, 512))
+    g = capture(model, (), {"input_ids": ids, "labels": ids})
+    cg = build_cost_graph(g, parse_cluster("2x1:h100"), Roles(("dp",), False, ()))
+    assert cg.dp_window == "bwd" and cg.dp_overlap
+    head = ilp.head_units(cg)
+    assert [g.nodes[cg.units[u].leader].module for u in head if cg.units[u].costs[0].dp_comm_s] == ["model.embed_tokens"]
+    choice = [0] * len(cg.units)
+    costs = [(u.count, u.costs[0]) for u in cg.units]
+    sums = ilp.chosen_grad_sums_s(cg, choice)
+    dp = sum(n * c.dp_comm_s for n, c in costs)
+    aggregate = cg.dp_latency_s + dp - (sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums)
+    embedding = sum(cg.units[u].count * (cg.units[u].costs[0].dp_comm_s - ilp.dp_window_s(cg, cg.units[u].costs[0]))
+                    for u in head)
+    assert embedding > max(0.0, aggregate)  # the aggregate window would hide it all
+    step, _, terms = ilp.evaluate(cg, choice, {})
+    assert terms["comm_s"] == pytest.approx(sum(n * c.comm_s for n, c in costs) + sums + embedding)
+    sol = ilp.solve(cg, budget_bytes=None)
+    assert sol.step_s == pytest.approx(step)  # the ILP states the same bound

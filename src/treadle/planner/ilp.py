@@ -485,7 +485,8 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         if c > 0:
             transient = max(transient, A)
     sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
-    comm += sums - sum(g.count * g.saving_s for g in sp_active(cg, choice))  # NOTE [gather with a reduce-scatter backward]
+    # NOTE [gather with a reduce-scatter backward] in sp_gather.py: the credit of each gather the choice realises
+    comm += sums - sum(g.count * g.saving_s for g in sp_active(cg, choice))
     window += sums  # backward tensor-parallel communication: in both windows (`dp_window_s`)
     if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
         exposed = cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0)

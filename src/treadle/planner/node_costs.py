@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-from ..cost.overlap import DDP_BUCKET_BYTES
 from ..cost.convert import plan_conversion
 from ..cost.layout import Layout
+from ..cost.overlap import DDP_BUCKET_BYTES
 from ..errors import ProfileError
 from ..profile import flops as flops_mod
 from ..profile.roofline import matmul_efficiency, op_time_s

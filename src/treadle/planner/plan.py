@@ -484,8 +484,9 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
     the fastest whose priced peak fits the budget wins (one whose priced peak misses the budget is re-solved
     with the solver's budget corrected by the difference, 4 times at most; when none of them fits, the other
-    role assignments are priced in turn, and PlanError says when none fits as built); 0 keeps the solver's choice (a price
-    rehearses a step on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs keyword `example_inputs`.
+    role assignments are priced in turn, and PlanError says when none fits as built); 0 keeps the solver's
+    choice (a price rehearses a step on fake tensors: ~1 s for a small model, ~10-40 s for a 8-70B one). Needs
+    keyword `example_inputs`.
     Raises PlanError when no plan meets the budget (stating the smallest budget that any plan meets),
     when a pin matches nothing, or when the mesh's axes cannot take the batch.
     """
@@ -600,10 +601,10 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                 break
         if memory_budget_bytes is not None and chosen_price is None and priced:
             low = min(priced, key=lambda r: r["peak_bytes"])
-            raise PlanError(f"plan_model: no plan fits {_fmt_bytes(memory_budget_bytes)} per device as built: every "
-                            f"role assignment's plan, priced (`treadle.price`) and re-solved, needs more; the smallest "
-                            f"is {_fmt_bytes(low['peak_bytes'])} ({low['roles']} on {low['mesh']}) — raise the budget "
-                            f"to at least that, or add devices")
+            raise PlanError(f"plan_model: no plan fits {_fmt_bytes(memory_budget_bytes)} per device as built: "
+                            f"every role assignment's plan, priced (`treadle.price`) and re-solved, needs more; the "
+                            f"smallest is {_fmt_bytes(low['peak_bytes'])} ({low['roles']} on {low['mesh']}) — raise "
+                            f"the budget to at least that, or add devices")
     # NOTE [exact budget] in ilp.py: the plan's memory as built (its price) when priced, else the solver's
     if memory_budget_bytes is not None and chosen_price is None and sol.peak_bytes > memory_budget_bytes:
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
