@@ -92,7 +92,7 @@ def test_rank_hardware_scales_every_overhead_by_the_cores_a_rank_gets():
     hw = cl.rank_hardware()
     for k in ZERO:
         assert getattr(hw, k) == pytest.approx(getattr(CPU_CORE, k) * 2), k  # half a core each
-    assert hw.optimizer_foreach is False
+    assert hw.optimizer_foreach is True  # NOTE [foreach optimizer]: the runtime's AdamW on CPU too
 
 
 def test_cost_graph_charges_checkpointed_blocks_and_fsdp_units_like_price():
@@ -121,7 +121,7 @@ def test_hardware_spec_overheads_round_trip_and_are_validated(tmp_path):
     path = tmp_path / "cpu.json"
     CPU_CORE.save(path)
     back = HardwareSpec.load(path)
-    assert back == CPU_CORE and back.optimizer_foreach is False
+    assert back == CPU_CORE and back.optimizer_foreach is True
     with pytest.raises(ProfileError, match="fsdp_unit_s must be >= 0"):
         dataclasses.replace(CPU_CORE, fsdp_unit_s=-1.0)
 

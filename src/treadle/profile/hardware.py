@@ -64,8 +64,10 @@ class HardwareSpec:
     #   checkpoint_op_s          per recomputed op (saved-tensor hooks and holders around it),
     #   fsdp_unit_s              per FSDP2 unit per step (its forward/backward hooks, gather and reduce bookkeeping),
     #   fsdp_param_s             per parameter of an FSDP2 unit per step (copy-in/out views, DTensor wrapping).
-    # `optimizer_foreach`: AdamW runs its multi-tensor (foreach) kernels, ~12 ops per step, as PyTorch does by
-    # default for CUDA tensors; False: one op sequence per parameter tensor (PyTorch's default on CPU).
+    # `optimizer_foreach`: AdamW runs its multi-tensor (foreach) kernels, ~12 ops per step, as treadle's runtime
+    # makes it on every device (NOTE [foreach optimizer] in `treadle.runtime.optimizer`) and PyTorch does by
+    # default for CUDA tensors; False: one op sequence per parameter tensor (PyTorch's default on CPU, for an
+    # optimizer made elsewhere).
     subclass_op_overhead_s: float = 0.0
     checkpoint_region_s: float = 0.0
     checkpoint_op_s: float = 0.0
@@ -292,7 +294,7 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         mem = 16 * GIB
     note = f"; nominal {sorted(nominal)}" if nominal else ""
     spec = HardwareSpec(name="cpu", peak_flops_per_s=peaks, hbm_bytes_per_s=bw, memory_bytes=int(mem),
-                        compute_efficiency=1.0, memory_efficiency=1.0, optimizer_foreach=False,
+                        compute_efficiency=1.0, memory_efficiency=1.0, optimizer_foreach=True,
                         **framework, **nominal,
                         source=f"calibrated on {threads} thread(s) of {_machine_key()} at "
                                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}{note}")
@@ -308,7 +310,7 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 # [framework overheads]) are PyTorch 2.13 eager on a 2.5 GHz EPYC core as `treadle.profile.overheads` measured
 # them, rounded: DTensor dispatch ~30 us an op, non-reentrant checkpoint ~0.3 ms a region + ~0.1 ms a recomputed
 # op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step; ~15 us per op of a training step (module calls and
-# autograd included). AdamW runs per tensor (no foreach on CPU). Kernel rates (NOTE [kernel rates]) as
+# autograd included). AdamW runs in the foreach form, as the runtime makes it. Kernel rates (NOTE [kernel rates]) as
 # `treadle.profile.kernel_rates` measured them there, rounded: square fp32 products of n = 32 / 64 / 128 / 256
 # reach 20 / 65 / 90 / 95% of the peak, CPU flash attention 40%, and transcendental pointwise kernels cost
 # 1.3-5 ns an element. A fixed constant, so a plan never depends on where it was made.
@@ -318,7 +320,7 @@ _CPU_POINTWISE_S = {"tanh": 4.8e-9, "exp": 1.8e-9, "log": 2.2e-9, "sigmoid": 1.3
 CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
                         hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=15e-6,
                         subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
-                        fsdp_unit_s=2e-3, fsdp_param_s=100e-6, optimizer_foreach=False,
+                        fsdp_unit_s=2e-3, fsdp_param_s=100e-6, optimizer_foreach=True,
                         matmul_curve=((6.6e4, 0.2), (5.2e5, 0.65), (4.2e6, 0.9), (3.4e7, 0.95)),
                         attention_efficiency=0.4, elementwise_s_per_elem=_CPU_POINTWISE_S,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..mesh import Mesh
+from ..runtime.optimizer import adamw
 from .config import RunConfig
 from .layout import ParamLayout, unwrap
 
@@ -27,15 +28,13 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 def make_optimizer(model: nn.Module, layouts: dict[str, ParamLayout], cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (parameters of global rank >= 2), fp32 states. Parameters
-    whose global shape is a vector (biases, norms) get no decay. `foreach=False` when plain tensors and
-    DTensors mix (the foreach kernels take one kind)."""
+    whose global shape is a vector (biases, norms) get no decay. The foreach form unless plain tensors and
+    DTensors mix (NOTE [foreach optimizer] in `treadle.runtime.optimizer`)."""
     named = list(unwrap(model).named_parameters())
     decay = [p for n, p in named if len(layouts[n].global_shape) >= 2]
     no_decay = [p for n, p in named if len(layouts[n].global_shape) < 2]
-    kinds = {isinstance(p, DTensor) for _, p in named}
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False if len(kinds) > 1 else None)
+    return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
 def init_optimizer_state(opt: torch.optim.AdamW) -> None:

@@ -22,6 +22,7 @@ from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..testing import spawn
 from .batch import check_batch, split_batch
 from .losses import call_loss, default_loss
+from .optimizer import adamw
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     if dp is not None:
         inputs = split_batch(inputs, dp.size(mesh), dp.local_index(mesh), axis=dp.label(), where="train")
     loss_fn = p["loss_fn"] or default_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])
+    opt = adamw(model.parameters(), lr=p["lr"])  # NOTE [foreach optimizer]
     losses, times = [], []
     for _ in range(p["steps"]):
         t0 = time.perf_counter()
