@@ -148,13 +148,15 @@ def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_d
     cluster, model, inputs, free = gpt2_2x2_cpu
     graph = free._context["kwargs"]["graph"]
     seen = set()
-    for fraction in (0.5, 0.6, 0.9):
+    for fraction in (0.5, 0.7, 0.9):
         budget = fraction * free.estimate().peak_bytes
         solver = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget)
         assert solver.estimated.peak_bytes <= budget
         as_built = solver.estimate()
         if 0 <= budget - as_built.peak_bytes <= 0.02 * budget:
             continue  # the solver's plan fits with little to spare: nothing to correct
+        if solver.estimated.peak_bytes <= as_built.peak_bytes <= budget:
+            continue  # fits as built, and the solver left budget unused: the corrected budget is below it
         priced = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget, price_top=1)
         row = priced.solver["priced"][0]  # (more rows: none of this role assignment's plans fit as built)
         assert row["resolves"] >= 1, row

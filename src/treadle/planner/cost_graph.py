@@ -689,6 +689,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.dp_comm_s += c.dp_comm_s
     total.act_bytes += c.act_bytes
     total.static_bytes += c.static_bytes
+    total.grad_bytes += c.grad_bytes
     for key, t in c.grad_sums.items():  # one tensor's gradient sum, whichever member needs it
         total.grad_sums[key] = max(total.grad_sums.get(key, 0.0), t)
 

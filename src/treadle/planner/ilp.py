@@ -372,6 +372,77 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
     return terms, cg.fixed_static_bytes * _BYTES
 
 
+# NOTE [the backward's end]: `memory_expression` is the peak at the start of the backward, every saved activation
+# alive. Under DDP the local gradients are tensors of their own beside its flat buckets (static memory counts one
+# copy: the buckets), made as the backward runs while the saved activations are freed; with the blocks
+# checkpointed the peak moves to the last block the backward reaches (the first in forward), recomputed while
+# the gradients of everything after it exist. `treadle.price` showed it on the demo's GPT-2 (dp x tp, 4 of 4
+# blocks checkpointed): the solver's 11.25 MiB against 13.24 MiB priced, the peak in block 0's backward.
+# A second row states that point:
+#     static + fixed + act_head + A_t0 + c_t0 In_t0 + sum_{u not head} count'_u grad_u  <=  budget
+# with the head the units that run before the first block (their gradients come last: `head_units`), t0 the
+# template of the first block (block 0 keeps its saved A, or recomputes it), c_t0 In_t0 the inputs of its
+# checkpointed blocks (a non-reentrant checkpoint's frame keeps its block's input until the backward ends, as
+# the price saw) and count' = count - 1 on t0's units (block 0's own gradients are still being made). Without DDP the gradients are the static
+# copy and this point is never above the first row; ZeRO-3 reduce-scatters each unit's gradients as it ends.
+
+
+def separate_grads(cg: CostGraph) -> bool:
+    """DDP over more than one rank: gradients exist beside the buckets (NOTE [the backward's end])."""
+    return bool(cg.roles.dp) and not cg.roles.zero and math.prod(cg.cluster.mesh.size(a) for a in cg.roles.dp) > 1
+
+
+def first_template(cg: CostGraph) -> int | None:
+    """The template of the first repeated block in forward order (None without blocks)."""
+    if not cg.templates:
+        return None
+    return min(cg.templates, key=lambda t: min(i for u in cg.templates[t].units for i in cg.units[u].nodes))
+
+
+def backward_end_expression(m: _Model, cg: CostGraph, v: _Vars) -> tuple[dict[int, float], float] | None:
+    """The memory at the backward's end (NOTE [the backward's end]) as (terms, constant) in GiB, or None when
+    it cannot exceed `memory_expression` (no DDP, no blocks)."""
+    t0 = first_template(cg)
+    if t0 is None or not separate_grads(cg):
+        return None
+    terms: dict[int, float] = {}
+
+    def add(j: int, x: float) -> None:
+        if x:
+            terms[j] = terms.get(j, 0.0) + x
+
+    head = set(head_units(cg))
+    first = set(cg.templates[t0].units)
+    for u, unit in enumerate(cg.units):
+        grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
+        for k, c in enumerate(unit.costs):
+            add(v.s[u, k], (unit.count * c.static_bytes + grads_count * c.grad_bytes
+                            + (c.act_bytes if u in head or u in first else 0.0)) * _BYTES)
+    for b, zi in enumerate(v.zI.get(t0, ())):  # c_t0 In_t0: every checkpointed block's input
+        add(zi, float(2 ** b))
+    return terms, cg.fixed_static_bytes * _BYTES
+
+
+def backward_end_bytes(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> float:
+    """`backward_end_expression` of one choice, in bytes (0 when it does not apply)."""
+    t0 = first_template(cg)
+    if t0 is None or not separate_grads(cg):
+        return 0.0
+    head = set(head_units(cg))
+    info = cg.templates[t0]
+    first = set(info.units)
+    total = cg.fixed_static_bytes
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[choice[u]]
+        grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
+        total += unit.count * c.static_bytes + grads_count * c.grad_bytes
+        if u in head or u in first:
+            total += c.act_bytes
+    if info.input_unit is not None:
+        total += ckpt.get(t0, 0) * info.input_bytes[choice[info.input_unit]]
+    return total
+
+
 def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
     """Peak <= budget. `terms` and `const` come in the ILP's scaled unit (NOTE [row scaling]); this one row is
     stated in bytes, so HiGHS's absolute feasibility tolerance (1e-7) is far below a byte (NOTE [exact
@@ -430,12 +501,22 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
+    rows = [(terms, const)]
+    end = backward_end_expression(m, cg, v) if memory != "static" else None  # NOTE [the backward's end]
+    if end is not None:
+        rows.append(end)
     if minimise == "memory":
         m.c = [0.0] * len(m.c)
-        for j, x in terms.items():
-            m.c[j] += x
+        if len(rows) == 1:
+            for j, x in terms.items():
+                m.c[j] += x
+        else:  # the larger of the two points: P >= each row (same constant)
+            P = m.var(ub=math.inf, cost=1.0)
+            for t_, _c in rows:
+                m.row({P: 1.0, **{j: -x for j, x in t_.items()}}, 0.0, math.inf, "peak")
     if budget_bytes is not None:
-        add_memory(m, terms, const, budget_bytes)
+        for t_, c_ in rows:
+            add_memory(m, t_, c_, budget_bytes)
     res = m.solve(time_limit_s, rel_gap)
     solve_s = time.perf_counter() - t0
     n_vars, n_cons = len(m.c), len(m.clb)
@@ -498,6 +579,10 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     compute += cg.host_s
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
+    end = backward_end_bytes(cg, choice, ckpt)  # NOTE [the backward's end]
+    if end > peak:
+        transient += end - peak
+        peak = end
     return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,
                         "static_bytes": static, "activation_bytes": act_out + act_blocks,
                         "transient_bytes": transient, "fixed_bytes": cg.fixed_static_bytes}

@@ -55,6 +55,7 @@ class StrategyCost:
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
+    grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in ilp.py)
     # NOTE [shared input-gradient sum]: Megatron's "f" (the backward all-reduce of a replicated input read by
     # column-parallel ops) by (input node, tensor-axis index) -> seconds per execution. Not in `comm_s`: the
     # runtime sums the partial gradients of every column-parallel leaf reading the very same tensor (q, k and v;
@@ -198,6 +199,7 @@ class NodeCosts:
                 continue
             pl = tuple(o.ins[pos] for o in combo)
             c.static_bytes += self.param_static_bytes(src.out, pl)
+            c.grad_bytes += src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) * src.out.dtype.itemsize
             c.dp_comm_s += self.param_sync_s(src.out, pl)
             c.compute_s += self.optimizer_s(src.out, pl) + self.zero_copies_s(src.out, pl)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
