@@ -54,3 +54,23 @@ def test_the_credit_is_all_reduce_minus_reduce_scatter_of_the_gathered_gradient(
     cg.sp_gathers = []  # the same choice without the credit
     step0, _, terms0 = ilp.evaluate(cg, sol.choice, {})
     assert terms0["comm_s"] - terms["comm_s"] == pytest.approx(sum(a.count * a.saving_s for a in act))
+
+
+def test_explain_rows_carry_the_credit_where_the_gradient_sum_was_billed():
+    """`Plan.rows` bill each realised gather's credit to the row its input-gradient sum went to, so the rows'
+    communication adds up to the solver's (no data parallelism here: nothing else in the total)."""
+    from treadle.planner.plan import _rows
+
+    g, cg = _cost_graph(llama(n_layer=4, kv=4), inputs(seq=64), cluster(), Roles((), False, ("tp",)))
+    sol = ilp.solve(cg, budget_bytes=None)
+    act = active(cg, sol.choice)
+    assert act
+    rows = _rows(cg, sol)
+    assert sum(r.comm_s for r in rows) == pytest.approx(sol.terms["comm_s"])
+    by_path = {r.path: r for r in rows}
+    assert all(r.comm_s >= 0 for r in rows), {r.path: r.comm_s for r in rows if r.comm_s < 0}
+    cg.sp_gathers = []  # without the credit the same rows carry the full all-reduces
+    rows0 = {r.path: r for r in _rows(cg, sol)}
+    moved = {p: rows0[p].comm_s - by_path[p].comm_s for p in by_path if rows0[p].comm_s != by_path[p].comm_s}
+    assert sum(moved.values()) == pytest.approx(sum(a.count * a.saving_s for a in act))
+    assert all(p.startswith(("model.layers.0.self_attn", "model.layers.0.mlp")) for p in moved), moved

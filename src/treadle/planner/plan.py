@@ -34,6 +34,7 @@ from .checkpoint_dp import ChainBlock, solve_chain
 from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
 from .dims import R, placement_str, unknown_ops
 from .ilp import Solution, evaluate, solve
+from .sp_gather import active as sp_active
 from .to_schedule import Decision, apply_decisions, decisions_from_solution
 from .validate import validate_plan_args
 
@@ -815,7 +816,7 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     g = cg.graph
     rows: dict[str, PlanRow] = {}
     ck = {t: c for t, c in sol.ckpt.items()}
-    billed: set[tuple[int, int, int]] = set()  # NOTE [shared input-gradient sum]: each one once, to its first user
+    billed: dict[tuple[int, int, int], str] = {}  # NOTE [shared input-gradient sum]: each once, to its first user
     for u, unit in enumerate(cg.units):
         k = sol.choice[u]
         parts = unit.parts[k] if unit.parts is not None else {unit.module: unit.costs[k]}
@@ -842,11 +843,17 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
             row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
             for (j, a), t in c.grad_sums.items():
                 if (j, a, unit.count) not in billed:
-                    billed.add((j, a, unit.count))
+                    billed[(j, a, unit.count)] = path
                     row.comm_s += unit.count * t
             row.recompute_s += rec
             row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
             desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
             if desc not in row.layout:
                 row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
+    # NOTE [gather with a reduce-scatter backward]: a realised gather reduce-scatters the input-gradient sum its
+    # readers would all-reduce: the credit goes to the row that sum was billed to
+    for gather in sp_active(cg, sol.choice):
+        path = billed.get((gather.j, gather.k, gather.count))
+        if path is not None:
+            rows[path].comm_s -= gather.count * gather.saving_s
     return list(rows.values())
