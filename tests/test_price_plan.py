@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -186,3 +188,40 @@ def test_no_plan_that_fits_as_built_is_an_error_naming_the_smallest(monkeypatch)
     with pytest.raises(PlanError, match=r"no plan fits .* as built: .* the smallest is .* \(.* on Mesh"):
         plan_model(model, inputs, cluster=cluster, dp_axis=("dp", "tp"), memory_budget_bytes=64 * 2**20,
                    price_top=1)
+
+
+def test_an_infeasible_re_solve_bounds_the_bisection_from_below():
+    """NOTE [final choice by price]: when the corrected solver budget is too small for any plan, that budget is
+    a floor: the next proposal bisects between it and the smallest budget known to miss, instead of giving up or
+    proposing the same infeasible budget again."""
+    from types import SimpleNamespace
+
+    from treadle.planner.ilp import Solution
+    from treadle.planner.plan import _resolve_by_price
+
+    budget, gap, smallest = 1000.0, 300.0, 900.0  # every plan prices 300 B over the solver; none under 900 B fits
+
+    def plan_at(peak: float) -> Solution:
+        return Solution([int(peak)], {}, 1.0 / peak, peak, "optimal", 0.0, 0.0)
+
+    targets = []
+
+    def solve_for(cg, target):
+        targets.append(target)
+        if target < smallest:
+            return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
+        return plan_at(target - 5.0)  # the solver uses its budget, up to a byte step
+
+    price_of = lambda sol, cg: SimpleNamespace(peak_bytes=sol.peak_bytes + gap)  # noqa: E731
+    first = plan_at(990.0)
+    tried = _resolve_by_price(first, price_of(first, None), SimpleNamespace(roles="dp"), budget, solve_for, price_of)
+    # first proposal: 990 - 290 = 700 B, infeasible (the floor); then the midpoint of (700, 1000) = 850 B, also
+    # infeasible (the floor rises); then (850 + 1000) / 2 = 925 B, whose plan (920 B) prices 1220 B, over (the
+    # ceiling); its correction 920 - 220 = 700 B lies below the floor, so the midpoint of (850, 925) instead
+    assert targets[0] == pytest.approx(990.0 + (budget - 1290.0)), targets
+    assert targets[1] == pytest.approx((targets[0] + budget) / 2)
+    assert all(t > targets[0] for t in targets[1:])  # never below the floor again
+    assert len(targets) <= 4, targets
+    assert targets == [700, 850, 925, 887.5], targets
+    assert all(p.peak_bytes > budget for _, p in tried)  # nothing fits here: plan_model then tries other roles
+    assert len(tried) == 1 + sum(t >= smallest for t in targets)
