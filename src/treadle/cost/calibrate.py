@@ -291,9 +291,10 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     for members in _same_channel(groups, base):
         pooled = {op: [statistics.fmean(measured[i][op][k] for i in members) for k in range(len(all_sizes))]
                   for op in ops}
-        for i in members:
+        one = fit_axis(groups[members[0]][0], groups[members[0]][1], all_sizes[:fitted], pooled["all_gather"][:fitted])
+        for i in members:  # one fit, shared (fitted apart, LAPACK's last bits may differ with memory alignment)
             measured[i] = pooled
-            fits[i] = fit_axis(groups[i][0], groups[i][1], all_sizes[:fitted], pooled["all_gather"][:fitted])
+            fits[i] = dataclasses.replace(one, axes=groups[i][0])
         notes.append(f"axes {', '.join(groups[i][0][0] for i in members)} share the link "
                      f"{base.link(groups[members[0]][0][0]).name!r} in the base cluster: their timings are pooled")
     flat_fit, launch = None, 0.0
