@@ -180,7 +180,10 @@ class NodeCosts:
                     t = 3 * all_reduce_time_s(rows * 4, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
                     c.comm_s += t
                     c.fwd_s += t
-        # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient
+        # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient; this
+        # op's parameters (a norm's weight and bias) are summed in one flat all-reduce (NOTE [one all-reduce per
+        # module] in runtime/build.py), keyed by the first of them
+        params: dict[int, tuple[int, float]] = {}  # tensor-axis index -> (first parameter node, bytes)
         for pos, j in enumerate(n.inputs):
             src = self.nodes[j]
             m = src.out
@@ -189,9 +192,17 @@ class NodeCosts:
             pl = tuple(o.ins[pos] for o in combo)
             nbytes = m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
             for k, o in enumerate(combo):
-                if o.grad_partial[pos]:  # NOTE [shared input-gradient sum]
+                if not o.grad_partial[pos]:  # NOTE [shared input-gradient sum]
+                    continue
+                if src.kind == "param":
+                    first, total = params.get(k, (j, 0.0))
+                    params[k] = (first, total + nbytes)
+                else:
                     c.grad_sums[(self.canonical(j), k)] = all_reduce_time_s(nbytes, self.tp_sizes[k],
                                                                            self.cluster.link(self.tp_axes[k]))
+        for k, (j, nbytes) in params.items():
+            c.grad_sums[(self.canonical(j), k)] = all_reduce_time_s(nbytes, self.tp_sizes[k],
+                                                                   self.cluster.link(self.tp_axes[k]))
         # parameters owned by this node (first consumer): static memory and gradient reduction
         for pos, j in enumerate(n.inputs):
             src = self.nodes[j]

@@ -486,6 +486,9 @@ class _Builder:
             setattr(m, name, getattr(m, name) // self.sizes[axis])
 
     def install_reduce_grads(self) -> None:
+        # NOTE [one all-reduce per module]: a module's replicated parameters that see sharded data (a sequence-
+        # parallel norm's weight and bias) get their gradients from one backward node; they are summed over the
+        # axis in one flat all-reduce, not one each (as Megatron-LM coalesces its sequence-parallel norm grads).
         for path, axis, names in self.st.reduce_grads:
             m = self.module(path)
             g = self.group(axis)
@@ -493,9 +496,9 @@ class _Builder:
             def make(orig, m=m, g=g, names=names):
                 def forward(*a, **k):
                     saved = {n: m._parameters[n] for n in names}
-                    try:
-                        for n, p in saved.items():
-                            m._parameters[n] = C.grad_all_reduce(p, g)
+                    try:  # NOTE [one all-reduce per module]
+                        for n, p in zip(saved, C.grad_all_reduce_many(list(saved.values()), g)):
+                            m._parameters[n] = p
                         return orig(*a, **k)
                     finally:
                         m._parameters.update(saved)

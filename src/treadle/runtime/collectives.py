@@ -184,6 +184,38 @@ def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return on_grad(x, lambda g: _all_reduce(g, group))
 
 
+class _GradAllReduceMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = list(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for idx in by_dtype.values():  # one flat all-reduce per dtype
+            flat = _all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                out[i] = part.view_as(grads[i])
+        return (None, *out)
+
+
+def grad_all_reduce_many(xs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """`grad_all_reduce` of several tensors whose gradients one backward node produces together (a norm's weight
+    and bias): identity forward; backward sums their gradients over `group` in one flat all-reduce per dtype,
+    once all of them are computed. Tensors that need no gradient pass through."""
+    need = [i for i, x in enumerate(xs) if x.requires_grad]
+    out = list(xs)
+    if need:
+        for i, y in zip(need, _GradAllReduceMany.apply(group, *(xs[i] for i in need))):
+            out[i] = y
+    return out
+
+
 def all_gather(x: torch.Tensor, dim: int, group, *,
                grad: Literal["split", "reduce_scatter"] = "split") -> torch.Tensor:
     """Concatenate the shards of `dim` over `group` in rank order (Shard(dim) -> Replicate).
