@@ -291,7 +291,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     for members in _same_channel(groups, base):
         pooled = {op: [statistics.fmean(measured[i][op][k] for i in members) for k in range(len(all_sizes))]
                   for op in ops}
-        one = fit_axis(groups[members[0]][0], groups[members[0]][1], all_sizes[:fitted], pooled["all_gather"][:fitted])
+        lead = groups[members[0]]
+        one = fit_axis(lead[0], lead[1], all_sizes[:fitted], pooled["all_gather"][:fitted])
         for i in members:  # one fit, shared (fitted apart, LAPACK's last bits may differ with memory alignment)
             measured[i] = pooled
             fits[i] = dataclasses.replace(one, axes=groups[i][0])

@@ -377,14 +377,14 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
 # copy: the buckets), made as the backward runs while the saved activations are freed; with the blocks
 # checkpointed the peak moves to the last block the backward reaches (the first in forward), recomputed while
 # the gradients of everything after it exist. `treadle.price` showed it on the demo's GPT-2 (dp x tp, 4 of 4
-# blocks checkpointed): the solver's 11.25 MiB against 13.24 MiB priced, the peak in block 0's backward.
-# A second row states that point:
-#     static + fixed + act_head + A_t0 + c_t0 In_t0 + sum_{u not head} count'_u grad_u  <=  budget
+# blocks checkpointed): the solver's 11.25 MiB against 11.48 MiB priced after this row, 13.24 MiB before
+# NOTE [checkpoint and the KV cache], the peak in block 0's backward. A second row states that point:
+#     static + fixed + act_head + A_t0 + q_t0 In_t0 + sum_{u not head} count'_u grad_u  <=  budget
 # with the head the units that run before the first block (their gradients come last: `head_units`), t0 the
-# template of the first block (block 0 keeps its saved A, or recomputes it), c_t0 In_t0 the inputs of its
-# checkpointed blocks (a non-reentrant checkpoint's frame keeps its block's input until the backward ends, as
-# the price saw) and count' = count - 1 on t0's units (block 0's own gradients are still being made). Without DDP the gradients are the static
-# copy and this point is never above the first row; ZeRO-3 reduce-scatters each unit's gradients as it ends.
+# template of the first block (block 0 keeps its saved A, or its input In while it recomputes A; q_t0 = 1 when
+# any block of t0 is checkpointed, and block 0 then is: `to_schedule._spread`) and count' = count - 1 on t0's
+# units (block 0's own gradients are still being made). Without DDP the gradients are the static copy and
+# this point is never above the first row; ZeRO-3 reduce-scatters each unit's gradients as its unit ends.
 
 
 def separate_grads(cg: CostGraph) -> bool:
@@ -399,6 +399,15 @@ def first_template(cg: CostGraph) -> int | None:
     return min(cg.templates, key=lambda t: min(i for u in cg.templates[t].units for i in cg.units[u].nodes))
 
 
+def _end_unit_bytes(cg: CostGraph, u: int, c, head: set[int], first: set[int]) -> float:
+    """One unit's bytes in the backward-end row (NOTE [the backward's end]): its static bytes, the gradients
+    that exist by then, and its saved activations when it is a head unit or a unit of block 0."""
+    unit = cg.units[u]
+    grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
+    act = c.act_bytes if u in head or u in first else 0.0
+    return unit.count * c.static_bytes + grads_count * c.grad_bytes + act
+
+
 def backward_end_expression(m: _Model, cg: CostGraph, v: _Vars) -> tuple[dict[int, float], float] | None:
     """The memory at the backward's end (NOTE [the backward's end]) as (terms, constant) in GiB, or None when
     it cannot exceed `memory_expression` (no DDP, no blocks)."""
@@ -406,20 +415,18 @@ def backward_end_expression(m: _Model, cg: CostGraph, v: _Vars) -> tuple[dict[in
     if t0 is None or not separate_grads(cg):
         return None
     terms: dict[int, float] = {}
-
-    def add(j: int, x: float) -> None:
-        if x:
-            terms[j] = terms.get(j, 0.0) + x
-
-    head = set(head_units(cg))
-    first = set(cg.templates[t0].units)
+    head, first = set(head_units(cg)), set(cg.templates[t0].units)
     for u, unit in enumerate(cg.units):
-        grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
         for k, c in enumerate(unit.costs):
-            add(v.s[u, k], (unit.count * c.static_bytes + grads_count * c.grad_bytes
-                            + (c.act_bytes if u in head or u in first else 0.0)) * _BYTES)
-    for b, zi in enumerate(v.zI.get(t0, ())):  # c_t0 In_t0: every checkpointed block's input
-        add(zi, float(2 ** b))
+            x = _end_unit_bytes(cg, u, c, head, first) * _BYTES
+            if x:
+                terms[v.s[u, k]] = terms.get(v.s[u, k], 0.0) + x
+    _, _, In = _block_exprs(cg, v.s, t0)
+    if In:  # q_t0 In_t0: block 0's input, kept while it is recomputed
+        ub = max(cg.templates[t0].input_bytes) * _BYTES
+        z = m.var(ub=ub)
+        _mccormick(m, z, v.q[t0], In, ub)
+        terms[z] = 1.0
     return terms, cg.fixed_static_bytes * _BYTES
 
 
@@ -428,18 +435,12 @@ def backward_end_bytes(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -
     t0 = first_template(cg)
     if t0 is None or not separate_grads(cg):
         return 0.0
-    head = set(head_units(cg))
     info = cg.templates[t0]
-    first = set(info.units)
-    total = cg.fixed_static_bytes
-    for u, unit in enumerate(cg.units):
-        c = unit.costs[choice[u]]
-        grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
-        total += unit.count * c.static_bytes + grads_count * c.grad_bytes
-        if u in head or u in first:
-            total += c.act_bytes
-    if info.input_unit is not None:
-        total += ckpt.get(t0, 0) * info.input_bytes[choice[info.input_unit]]
+    head, first = set(head_units(cg)), set(info.units)
+    total = cg.fixed_static_bytes + sum(_end_unit_bytes(cg, u, unit.costs[choice[u]], head, first)
+                                        for u, unit in enumerate(cg.units))
+    if ckpt.get(t0, 0) > 0 and info.input_unit is not None:
+        total += info.input_bytes[choice[info.input_unit]]
     return total
 
 
