@@ -222,3 +222,20 @@ def test_capture_measures_attention_saved_bytes_as_the_planned_device_runs_it():
     assert gpu.saved is not None and cpu.saved is not None
     scores = 2 * 4 * 64 * 64 * 4
     assert sum(cpu.saved.values()) - sum(gpu.saved.values()) >= scores
+
+
+def test_optimizer_moves_the_eight_passes_of_adamw():
+    """NOTE [AdamW traffic]: 6p + 14s bytes per element (80 B in fp32), priced at the device's bandwidth; the
+    planner's per-parameter cost moves the same bytes."""
+    from treadle.planner.price import adamw_bytes_per_elem
+
+    assert adamw_bytes_per_elem(4, 8) == 80
+    assert adamw_bytes_per_elem(2, 8) == 68  # bf16 parameters and gradients, fp32 moments
+    mesh = Mesh((2,), ("dp",))
+    sch, x = _sch(mesh, dp="dp")
+    # memory-bound by far: a slow memory, a fast ALU, no dispatch overhead
+    hw = dataclasses.replace(hardware_preset("h100-sxm"), **ZERO, hbm_bytes_per_s=1e9)
+    cl = ClusterSpec.uniform(mesh, "nvlink4", device=hw)
+    (seg,) = [s for s in price(sch, x, cl).segments if s["phase"] == "optim"]
+    elems = sum(p.numel() for p in Net(d=16, n=3).parameters())
+    assert seg["compute_s"] == pytest.approx(elems * 80 / (1e9 * hw.memory_efficiency), rel=1e-3)

@@ -128,6 +128,7 @@ class CapturedGraph:
     saved: dict[int, int] | None = None  # node -> bytes autograd saves of its storages (NOTE [saved by autograd])
     saved_error: str = ""  # why `saved` is None (then the cost graph falls back to per-op rules, and says so)
     loss_head: "LossHead | None" = None  # the model's loss went through its `loss_function` (NOTE [loss head])
+    buffer_bytes: int = 0  # the model's buffers, all of them (DDP broadcasts them every forward: NOTE [DDP buffers])
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -385,8 +386,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     saved = None
     if saved_by_name is not None:
         saved = {index_of[k]: v for k, v in saved_by_name.items() if k in index_of}
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
-                         saved, saved_error, heads[0] if heads else None)
+                         saved, saved_error, heads[0] if heads else None, buffer_bytes)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[dict[str, int] | None, str]:

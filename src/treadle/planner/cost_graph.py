@@ -154,6 +154,7 @@ class CostGraph:
     attr_resolver: Any = None
     model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
     dp_latency_s: float = 0.0  # NOTE [bucketed data parallel]
+    dp_buffer_s: float = 0.0  # DDP's broadcast of the buffers every forward, never hidden (NOTE [DDP buffers])
     host_s: float = 0.0  # host overheads fixed by the role (NOTE [framework overheads]): FSDP2 units, foreach lists
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     dp_overlap: bool = False  # reductions hide behind compute
@@ -564,6 +565,10 @@ class _Builder(NodeCosts, ExtraLayouts):
                 buckets = 1.5
             cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
             cg.dp_window = "bwd"
+            if self.g.buffer_bytes:  # NOTE [DDP buffers] in treadle.planner.price: one broadcast per forward
+                from ..cost.collective_cost import broadcast_time_s
+
+                cg.dp_buffer_s = broadcast_time_s(self.g.buffer_bytes, n, link)
 
     def _host_terms(self, cg: CostGraph) -> None:
         """NOTE [framework overheads] (treadle.profile.hardware), as `treadle.planner.price` charges them: a

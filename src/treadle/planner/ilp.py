@@ -578,6 +578,7 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
                                        for u in head_units(cg)))
         comm += max(0.0, exposed)
     compute += cg.host_s
+    comm += cg.dp_buffer_s  # NOTE [DDP buffers] in treadle.planner.price: a constant of the role
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
     end = backward_end_bytes(cg, choice, ckpt)  # NOTE [the backward's end]

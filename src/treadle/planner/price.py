@@ -79,6 +79,26 @@ _ADAMW_FOREACH_OPS = 12
 _ADAMW_FOREACH_OPS_PER_PARAM = 2
 
 
+# NOTE [AdamW traffic]: torch.optim.AdamW (PyTorch 2.13, no amsgrad, not `fused`) makes eight elementwise
+# passes over every parameter element, in the loop form and the foreach form alike; each pass reads and writes
+# memory of its own (p: a parameter's or gradient's element size, s: one moment's):
+#     p.mul_(1 - lr * wd)                 read p, write p         2p
+#     m.lerp_(g, 1 - beta1)               read m, g, write m      2s + p
+#     v.mul_(beta2)                       read v, write v         2s
+#     v.addcmul_(g, g, 1 - beta2)         read v, g, write v      2s + p
+#     d = v.sqrt()                        read v, write d         2s
+#     d.div_(bias_correction2 ** 0.5)     read d, write d         2s
+#     d.add_(eps)                         read d, write d         2s
+#     p.addcdiv_(m, d, -step_size)        read p, m, d, write p   2p + 2s
+# = 6p + 14s bytes per element: 80 B for fp32 parameters and moments, ~2.9x the 28 B of one fused pass (read
+# p, g, m, v; write p, m, v), which the price charged before. Measured on one core (GPT-2 of the benches,
+# 0.96 M parameters): 5.9-8.4 ms per step, priced 3.6-3.8 ms with 28 B and ~8.5 ms with 80 B.
+def adamw_bytes_per_elem(param_itemsize: int, optimizer_bytes_per_elem: int) -> float:
+    """Bytes AdamW's step moves per parameter element (NOTE [AdamW traffic]); `optimizer_bytes_per_elem` is both
+    moments' (8 for fp32 AdamW)."""
+    return 6 * param_itemsize + 14 * optimizer_bytes_per_elem / 2
+
+
 def adamw_ops(n_tensors: int, foreach: bool) -> tuple[int, int]:
     """(dispatched ops, of which on whole lists) of one AdamW step over `n_tensors` parameter tensors: a DTensor
     parameter pays `subclass_op_overhead_s` once per op of the loop, or once per list op in foreach form."""
@@ -385,7 +405,22 @@ def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Col
         after = max(ready_of[x] for x in bucket)
         out.append(Collective("all_reduce", axis, nbytes, _coll_time_s("all_reduce", nbytes, n, link),
                               segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp"))
+    buffer_bytes = ddp_buffer_bytes(reh.model)
+    if buffer_bytes:  # NOTE [DDP buffers]: before the forward's first op, waited on at once
+        first = next((i for i, s in enumerate(segs) if s.phase == "fwd"), 0)
+        out.append(Collective("broadcast", axis, buffer_bytes, _coll_time_s("broadcast", buffer_bytes, n, link),
+                              segs[first].module if segs else "", "fwd", first - 1, blocking=True, source="ddp"))
     return out
+
+
+# NOTE [DDP buffers]: DistributedDataParallel (broadcast_buffers=True, as `build` makes it) broadcasts the
+# module's buffers from rank 0 at the start of every forward — one coalesced broadcast over the data-parallel
+# group, on the critical path (the forward needs them). A model with buffers (LLaMA's rotary `inv_freq`, a
+# BatchNorm's running statistics) pays one collective's latency per step; one without (GPT-2) pays nothing.
+# `treadle.price` and the planner's cost graph (`CostGraph.dp_latency_s`) both charge it.
+def ddp_buffer_bytes(model: nn.Module) -> int:
+    """Bytes DDP broadcasts every forward: all of the model's buffers (NOTE [DDP buffers])."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
@@ -528,13 +563,13 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
             extra = _ddp(reh, segs, cluster)
         dp_kind = str(dp)
         colls += extra
-    # the optimizer step: elementwise over the local parameters (AdamW: reads p, g, m, v; writes p, m, v)
+    # the optimizer step: elementwise over the local parameters, eight passes (NOTE [AdamW traffic])
     n_opt = len(segs)
     opt_s = 0.0
     local = _local_params(reh.model)
     for _, p in local:
         elems = p.numel() / zero_n
-        moved = elems * (3 * p.element_size() + 2 * optimizer_bytes_per_elem)
+        moved = elems * adamw_bytes_per_elem(p.element_size(), optimizer_bytes_per_elem)
         opt_s += op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), hw, p.dtype)
     n_ops, n_list_ops = adamw_ops(len(local), hw.optimizer_foreach)
     opt_s += n_ops * hw.op_overhead_s
