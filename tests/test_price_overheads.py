@@ -74,8 +74,8 @@ def test_optimizer_dispatches_per_tensor_or_per_list_and_dtensor_parameters_pay_
     def optim_s(**kw) -> float:
         sch, x = _sch(mesh, dp="dp", shard=kw.pop("shard", False))
         cl = _cluster(mesh, **kw)
-        cl = ClusterSpec(cl.mesh, cl.links, dataclasses.replace(cl.device, optimizer_foreach=foreach),
-                         cl.copy_bytes_per_s)
+        cl = ClusterSpec(cl.mesh, cl.links, dataclasses.replace(cl.device, optimizer_foreach=foreach,
+                                                                 optimizer_fused=False), cl.copy_bytes_per_s)
         (seg,) = [s for s in price(sch, x, cl).segments if s["phase"] == "optim"]
         return seg["compute_s"]
 
@@ -93,6 +93,7 @@ def test_rank_hardware_scales_every_overhead_by_the_cores_a_rank_gets():
     for k in ZERO:
         assert getattr(hw, k) == pytest.approx(getattr(CPU_CORE, k) * 2), k  # half a core each
     assert hw.optimizer_foreach is True  # NOTE [foreach optimizer]: the runtime's AdamW on CPU too
+    assert hw.optimizer_fused is True  # NOTE [fused optimizer]: and fused where it can
 
 
 def test_cost_graph_charges_checkpointed_blocks_and_fsdp_units_like_price():
@@ -224,18 +225,36 @@ def test_capture_measures_attention_saved_bytes_as_the_planned_device_runs_it():
     assert sum(cpu.saved.values()) - sum(gpu.saved.values()) >= scores
 
 
-def test_optimizer_moves_the_eight_passes_of_adamw():
-    """NOTE [AdamW traffic]: 6p + 14s bytes per element (80 B in fp32), priced at the device's bandwidth; the
-    planner's per-parameter cost moves the same bytes."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_moves_one_pass_fused_or_eight_passes(fused):
+    """NOTE [AdamW traffic]: fused 3p + 4s bytes per element (28 B in fp32), else 6p + 14s (80 B), priced at the
+    device's bandwidth."""
     from treadle.planner.price import adamw_bytes_per_elem
 
-    assert adamw_bytes_per_elem(4, 8) == 80
-    assert adamw_bytes_per_elem(2, 8) == 68  # bf16 parameters and gradients, fp32 moments
+    assert adamw_bytes_per_elem(4, 8) == 80 and adamw_bytes_per_elem(4, 8, fused=True) == 28
+    assert adamw_bytes_per_elem(2, 8) == 68 and adamw_bytes_per_elem(2, 8, fused=True) == 22  # bf16 p and g
     mesh = Mesh((2,), ("dp",))
     sch, x = _sch(mesh, dp="dp")
     # memory-bound by far: a slow memory, a fast ALU, no dispatch overhead
-    hw = dataclasses.replace(hardware_preset("h100-sxm"), **ZERO, hbm_bytes_per_s=1e9)
+    hw = dataclasses.replace(hardware_preset("h100-sxm"), **ZERO, hbm_bytes_per_s=1e9, optimizer_fused=fused)
     cl = ClusterSpec.uniform(mesh, "nvlink4", device=hw)
     (seg,) = [s for s in price(sch, x, cl).segments if s["phase"] == "optim"]
     elems = sum(p.numel() for p in Net(d=16, n=3).parameters())
-    assert seg["compute_s"] == pytest.approx(elems * 80 / (1e9 * hw.memory_efficiency), rel=1e-3)
+    per = 28 if fused else 80
+    assert seg["compute_s"] == pytest.approx(elems * per / (1e9 * hw.memory_efficiency), rel=1e-3)
+
+
+def test_fused_optimizer_dispatches_two_list_ops_and_one_per_tensor():
+    n = sum(1 for _ in Net(d=16, n=3).parameters())
+    assert adamw_ops(n, True, fused=True) == (2 + n, 2)
+    mesh = Mesh((2,), ("dp",))
+
+    def optim_s(**kw) -> float:
+        sch, x = _sch(mesh, dp="dp", shard=kw.pop("shard", False))
+        cl = _cluster(mesh, **kw)
+        assert cl.device.optimizer_fused  # the presets say what the runtime runs
+        (seg,) = [s for s in price(sch, x, cl).segments if s["phase"] == "optim"]
+        return seg["compute_s"]
+
+    assert optim_s(op_overhead_s=1e-5) - optim_s() == pytest.approx((2 + n) * 1e-5)
+    assert optim_s(shard=True, subclass_op_overhead_s=1e-4) - optim_s(shard=True) == pytest.approx(2 * 1e-4)

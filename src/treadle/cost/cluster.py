@@ -172,6 +172,7 @@ class ClusterSpec:
         return HardwareSpec(name=d.name, peak_flops_per_s=d.peak_flops_per_s, hbm_bytes_per_s=d.hbm_bytes_per_s,
                             memory_bytes=hw.memory_bytes, compute_efficiency=hw.compute_efficiency,
                             memory_efficiency=hw.memory_efficiency, optimizer_foreach=hw.optimizer_foreach,
+                            optimizer_fused=hw.optimizer_fused,
                             matmul_curve=hw.matmul_curve, attention_efficiency=hw.attention_efficiency,
                             elementwise_s_per_elem={k: v / (d.cores_per_rank or 1.0)
                                                     for k, v in hw.elementwise_s_per_elem.items()},

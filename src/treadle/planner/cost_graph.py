@@ -574,7 +574,7 @@ class _Builder(NodeCosts, ExtraLayouts):
         """NOTE [framework overheads] (treadle.profile.hardware), as `treadle.planner.price` charges them: a
         checkpointed block costs `checkpoint_region_s` + its ops x `checkpoint_op_s`; under ZeRO-3 each FSDP2 unit
         (every block, and the root) `fsdp_unit_s` per step; a foreach optimizer its per-step list ops."""
-        from .price import _ADAMW_FOREACH_OPS
+        from .price import _ADAMW_FOREACH_OPS, _ADAMW_FUSED_OPS
 
         hw = self.hw
         for t, info in cg.templates.items():
@@ -583,8 +583,9 @@ class _Builder(NodeCosts, ExtraLayouts):
         zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
         if zero:
             cg.host_s += (sum(info.count for info in cg.templates.values()) + 1) * hw.fsdp_unit_s
-        if hw.optimizer_foreach:
-            cg.host_s += _ADAMW_FOREACH_OPS * (hw.op_overhead_s + (hw.subclass_op_overhead_s if zero else 0.0))
+        if hw.optimizer_fused or hw.optimizer_foreach:
+            n_list = _ADAMW_FUSED_OPS if hw.optimizer_fused else _ADAMW_FOREACH_OPS
+            cg.host_s += n_list * (hw.op_overhead_s + (hw.subclass_op_overhead_s if zero else 0.0))
 
     def _template(self, i: int) -> int | None:
         b = self.nodes[i].block

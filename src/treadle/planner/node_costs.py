@@ -239,13 +239,17 @@ class NodeCosts:
     def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
         """AdamW's step on this parameter's local shard, as `treadle.planner.price` prices it (elementwise,
         roofline, one dispatch overhead per kernel)."""
-        from .price import _ADAMW_FLOPS_PER_ELEM, _ADAMW_FOREACH_OPS_PER_PARAM, _ADAMW_OPS, adamw_bytes_per_elem
+        from .price import (_ADAMW_FLOPS_PER_ELEM, _ADAMW_FOREACH_OPS_PER_PARAM, _ADAMW_FUSED_OPS_PER_PARAM,
+                            _ADAMW_OPS, adamw_bytes_per_elem)
 
         zero = self.roles.zero and self.zero_size > 1
         elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.zero_size if zero else 1)
-        moved = elems * adamw_bytes_per_elem(meta.dtype.itemsize, self.train.optimizer_bytes_per_elem)
-        # per-tensor dispatches (the foreach form's per-step list ops are a constant of the role, CostGraph.host_s)
-        if self.hw.optimizer_foreach:
+        moved = elems * adamw_bytes_per_elem(meta.dtype.itemsize, self.train.optimizer_bytes_per_elem,
+                                             self.hw.optimizer_fused)
+        # per-tensor dispatches (the fused and foreach forms' list ops are a constant of the role, CostGraph.host_s)
+        if self.hw.optimizer_fused:
+            host = _ADAMW_FUSED_OPS_PER_PARAM * self.hw.op_overhead_s
+        elif self.hw.optimizer_foreach:
             host = _ADAMW_FOREACH_OPS_PER_PARAM * self.hw.op_overhead_s
         else:
             host = _ADAMW_OPS * (self.hw.op_overhead_s + (self.hw.subclass_op_overhead_s if zero else 0.0))

@@ -77,6 +77,11 @@ _ADAMW_FLOPS_PER_ELEM = 12
 _ADAMW_OPS = 10
 _ADAMW_FOREACH_OPS = 12
 _ADAMW_FOREACH_OPS_PER_PARAM = 2
+# the fused kernel (NOTE [fused optimizer] in treadle.runtime.optimizer): the step counters' foreach add and
+# `_fused_adamw_` over the list, which loops over the tensors in C++ (measured on one core: ~8 us per tensor,
+# ~one dispatch's worth)
+_ADAMW_FUSED_OPS = 2
+_ADAMW_FUSED_OPS_PER_PARAM = 1
 
 
 # NOTE [AdamW traffic]: torch.optim.AdamW (PyTorch 2.13, no amsgrad, not `fused`) makes eight elementwise
@@ -91,17 +96,25 @@ _ADAMW_FOREACH_OPS_PER_PARAM = 2
 #     d.add_(eps)                         read d, write d         2s
 #     p.addcdiv_(m, d, -step_size)        read p, m, d, write p   2p + 2s
 # = 6p + 14s bytes per element: 80 B for fp32 parameters and moments, ~2.9x the 28 B of one fused pass (read
-# p, g, m, v; write p, m, v), which the price charged before. Measured on one core (GPT-2 of the benches,
-# 0.96 M parameters): 5.9-8.4 ms per step, priced 3.6-3.8 ms with 28 B and ~8.5 ms with 80 B.
-def adamw_bytes_per_elem(param_itemsize: int, optimizer_bytes_per_elem: int) -> float:
-    """Bytes AdamW's step moves per parameter element (NOTE [AdamW traffic]); `optimizer_bytes_per_elem` is both
-    moments' (8 for fp32 AdamW)."""
+# p, g, m, v; write p, m, v). Measured on one core (GPT-2 of the benches, 0.96 M parameters): 5.9-8.4 ms per
+# step in the foreach form, priced 3.6-3.8 ms with 28 B and ~8.5 ms with 80 B. The runtime now runs the fused
+# kernel wherever it can (NOTE [fused optimizer]; 1.8-3.3 ms), and `HardwareSpec.optimizer_fused` says which
+# form the price charges.
+# The fused kernel makes one pass: read p, g, m, v; write p, m, v = 3p + 4s (28 B in fp32).
+def adamw_bytes_per_elem(param_itemsize: int, optimizer_bytes_per_elem: int, fused: bool = False) -> float:
+    """Bytes AdamW's step moves per parameter element (NOTE [AdamW traffic]): one pass when `fused`, eight
+    otherwise; `optimizer_bytes_per_elem` is both moments' (8 for fp32 AdamW)."""
+    if fused:
+        return 3 * param_itemsize + 4 * optimizer_bytes_per_elem / 2
     return 6 * param_itemsize + 14 * optimizer_bytes_per_elem / 2
 
 
-def adamw_ops(n_tensors: int, foreach: bool) -> tuple[int, int]:
+def adamw_ops(n_tensors: int, foreach: bool, fused: bool = False) -> tuple[int, int]:
     """(dispatched ops, of which on whole lists) of one AdamW step over `n_tensors` parameter tensors: a DTensor
-    parameter pays `subclass_op_overhead_s` once per op of the loop, or once per list op in foreach form."""
+    parameter pays `subclass_op_overhead_s` once per op of the loop, or once per list op in the foreach and
+    fused forms."""
+    if fused:
+        return _ADAMW_FUSED_OPS + _ADAMW_FUSED_OPS_PER_PARAM * n_tensors, _ADAMW_FUSED_OPS
     if foreach:
         return _ADAMW_FOREACH_OPS + _ADAMW_FOREACH_OPS_PER_PARAM * n_tensors, _ADAMW_FOREACH_OPS
     return _ADAMW_OPS * n_tensors, _ADAMW_OPS * n_tensors
@@ -563,15 +576,15 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
             extra = _ddp(reh, segs, cluster)
         dp_kind = str(dp)
         colls += extra
-    # the optimizer step: elementwise over the local parameters, eight passes (NOTE [AdamW traffic])
+    # the optimizer step: elementwise over the local parameters, one pass fused or eight (NOTE [AdamW traffic])
     n_opt = len(segs)
     opt_s = 0.0
     local = _local_params(reh.model)
     for _, p in local:
         elems = p.numel() / zero_n
-        moved = elems * adamw_bytes_per_elem(p.element_size(), optimizer_bytes_per_elem)
+        moved = elems * adamw_bytes_per_elem(p.element_size(), optimizer_bytes_per_elem, hw.optimizer_fused)
         opt_s += op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), hw, p.dtype)
-    n_ops, n_list_ops = adamw_ops(len(local), hw.optimizer_foreach)
+    n_ops, n_list_ops = adamw_ops(len(local), hw.optimizer_foreach, hw.optimizer_fused)
     opt_s += n_ops * hw.op_overhead_s
     if zero_n > 1:  # FSDP2's parameters are DTensors: every optimizer op dispatches through DTensor
         opt_s += n_list_ops * hw.subclass_op_overhead_s

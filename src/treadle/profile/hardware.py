@@ -74,6 +74,11 @@ class HardwareSpec:
     fsdp_unit_s: float = 0.0
     fsdp_param_s: float = 0.0
     optimizer_foreach: bool = True
+    # `optimizer_fused`: AdamW runs its fused kernel (one pass per element, ~2 list ops plus ~1 dispatch per
+    # tensor), as treadle's runtime makes it whenever it can (NOTE [fused optimizer] in
+    # `treadle.runtime.optimizer`), and as Megatron-LM (Apex FusedAdam) and torchtitan (fused AdamW) do on
+    # GPUs; False: the foreach form or the loop, per `optimizer_foreach`.
+    optimizer_fused: bool = True
     # NOTE [kernel rates]: what kernels of a kind really reach, where a single efficiency is too coarse (all
     # optional; empty = `compute_efficiency` for every kernel):
     #   matmul_curve        ((FLOPs of one matrix product, fraction of the dtype's peak it reaches), ...) sorted by
@@ -128,7 +133,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         known = {"name", "peak_flops_per_s", "hbm_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "optimizer_foreach", "matmul_curve", "attention_efficiency",
+                 "memory_efficiency", "optimizer_foreach", "optimizer_fused", "matmul_curve", "attention_efficiency",
                  "elementwise_s_per_elem", "source", *_OVERHEADS}
         unknown = set(d) - known
         if unknown:
