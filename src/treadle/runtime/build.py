@@ -219,14 +219,22 @@ def checkpointed_forward(m: nn.Module, orig: Callable, path: str) -> Callable:
                 kind = type(m).__name__
                 if kind not in _warned_cache:
                     _warned_cache.add(kind)
-                    logger.warning("checkpoint %s: %s writes the KV cache, which the recompute would write again; "
-                                   "in training it gets %s (as Hugging Face's gradient checkpointing does)", path,
-                                   kind, ", ".join(f"{n}=False" if n == "use_cache" else f"{n}=None"
-                                                   for n in dict.fromkeys(dropped)))
+                    if _first_rank():  # every rank does the same: one line per job, not one per rank
+                        logger.warning("checkpoint %s: %s writes the KV cache, which the recompute would write again; "
+                                       "in training it gets %s (as Hugging Face's gradient checkpointing does)",
+                                       path, kind, ", ".join(f"{n}=False" if n == "use_cache" else f"{n}=None"
+                                                             for n in dict.fromkeys(dropped)))
                 a, k = bound.args, bound.kwargs
         return checkpoint(orig, *a, use_reentrant=False, **k)
 
     return forward
+
+
+def _first_rank() -> bool:
+    """True outside torch.distributed or on its rank 0."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 # ------------------------------------------------------------------------------------------- build
