@@ -192,7 +192,7 @@ def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, 
         if dp is not None:
             n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
             inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
-        opt = adamw(m.parameters(), lr=1e-5)  # as treadle.train makes it (NOTE [foreach optimizer])
+        opt = adamw(m.parameters(), lr=1e-5)  # as treadle.train makes it (NOTE [fused optimizer])
         saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)
         opt.step()
         opt.zero_grad(set_to_none=True)

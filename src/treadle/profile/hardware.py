@@ -64,10 +64,10 @@ class HardwareSpec:
     #   checkpoint_op_s          per recomputed op (saved-tensor hooks and holders around it),
     #   fsdp_unit_s              per FSDP2 unit per step (its forward/backward hooks, gather and reduce bookkeeping),
     #   fsdp_param_s             per parameter of an FSDP2 unit per step (copy-in/out views, DTensor wrapping).
-    # `optimizer_foreach`: AdamW runs its multi-tensor (foreach) kernels, ~12 ops per step, as treadle's runtime
-    # makes it on every device (NOTE [foreach optimizer] in `treadle.runtime.optimizer`) and PyTorch does by
-    # default for CUDA tensors; False: one op sequence per parameter tensor (PyTorch's default on CPU, for an
-    # optimizer made elsewhere).
+    # `optimizer_foreach` (when not `optimizer_fused`): AdamW runs its multi-tensor (foreach) kernels, ~12 ops
+    # per step, as treadle's runtime makes it where the fused kernel cannot run (NOTE [foreach optimizer] in
+    # `treadle.runtime.optimizer`) and PyTorch does by default for CUDA tensors; False: one op sequence per
+    # parameter tensor (PyTorch's default on CPU, for an optimizer made elsewhere).
     subclass_op_overhead_s: float = 0.0
     checkpoint_region_s: float = 0.0
     checkpoint_op_s: float = 0.0

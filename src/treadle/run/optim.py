@@ -28,8 +28,8 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 def make_optimizer(model: nn.Module, layouts: dict[str, ParamLayout], cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (parameters of global rank >= 2), fp32 states. Parameters
-    whose global shape is a vector (biases, norms) get no decay. The foreach form unless plain tensors and
-    DTensors mix (NOTE [foreach optimizer] in `treadle.runtime.optimizer`)."""
+    whose global shape is a vector (biases, norms) get no decay. The fused kernel, or the foreach form, unless
+    plain tensors and DTensors mix (NOTE [fused optimizer] in `treadle.runtime.optimizer`)."""
     named = list(unwrap(model).named_parameters())
     decay = [p for n, p in named if len(layouts[n].global_shape) >= 2]
     no_decay = [p for n, p in named if len(layouts[n].global_shape) < 2]
@@ -39,11 +39,13 @@ def make_optimizer(model: nn.Module, layouts: dict[str, ParamLayout], cfg: RunCo
 
 def init_optimizer_state(opt: torch.optim.AdamW) -> None:
     """Create AdamW's state (step 0, zero moments) for every parameter, as its first step would, so that a
-    checkpoint can be loaded into it."""
+    checkpoint can be loaded into it: the step counter on the parameter's device for the fused kernel (NOTE
+    [fused optimizer]), on the CPU otherwise, as `torch.optim.AdamW` places it."""
     for group in opt.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             if p not in opt.state or not opt.state[p]:
-                opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 

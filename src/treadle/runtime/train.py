@@ -47,7 +47,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     if dp is not None:
         inputs = split_batch(inputs, dp.size(mesh), dp.local_index(mesh), axis=dp.label(), where="train")
     loss_fn = p["loss_fn"] or default_loss
-    opt = adamw(model.parameters(), lr=p["lr"])  # NOTE [foreach optimizer]
+    opt = adamw(model.parameters(), lr=p["lr"])  # NOTE [fused optimizer]
     losses, times = [], []
     for _ in range(p["steps"]):
         t0 = time.perf_counter()
