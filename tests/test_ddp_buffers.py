@@ -13,7 +13,8 @@ from treadle.cost import collective_cost as cc
 from treadle.cost.cluster import ClusterSpec
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.price import ddp_buffer_bytes, price
+from treadle.planner.price import price
+from treadle.profile.memory import buffer_bytes
 
 
 class Scaled(nn.Module):
@@ -48,10 +49,10 @@ def test_price_charges_one_blocking_broadcast_of_every_buffer_per_step(buffers):
     p = price(sch, {"x": x}, cl)
     casts = [c for c in p.collectives if c["kind"] == "broadcast"]
     if not buffers:
-        assert casts == [] and ddp_buffer_bytes(model) == 0
+        assert casts == [] and buffer_bytes(model) == 0
         return
     (bc,) = casts
-    assert bc["nbytes"] == ddp_buffer_bytes(model) == (16 + 4) * 4  # every buffer, read or not, as DDP does
+    assert bc["nbytes"] == buffer_bytes(model) == (16 + 4) * 4  # every buffer, read or not, as DDP does
     assert bc["source"] == "ddp" and bc["phase"] == "fwd" and bc["blocking"]
     assert bc["time_s"] == pytest.approx(cc.broadcast_time_s(80, 2, cl.link("dp")))
     assert bc["start_s"] == pytest.approx(0.0)  # before the forward's first op

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import PlanError
+from ..profile.memory import buffer_bytes
 from ..runtime.losses import default_loss
 
 logger = logging.getLogger(__name__)
@@ -386,9 +387,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     saved = None
     if saved_by_name is not None:
         saved = {index_of[k]: v for k, v in saved_by_name.items() if k in index_of}
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
-                         saved, saved_error, heads[0] if heads else None, buffer_bytes)
+                         saved, saved_error, heads[0] if heads else None, buffer_bytes(model))
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[dict[str, int] | None, str]:

@@ -62,6 +62,7 @@ from ..cost.overlap import Collective, Segment, Timeline, ddp_buckets, simulate
 from ..errors import PlanError, ProfileError
 from ..mesh import Mesh
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
+from ..profile.memory import buffer_bytes
 from ..profile.profiler import default_loss, fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
@@ -418,10 +419,10 @@ def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Col
         after = max(ready_of[x] for x in bucket)
         out.append(Collective("all_reduce", axis, nbytes, _coll_time_s("all_reduce", nbytes, n, link),
                               segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp"))
-    buffer_bytes = ddp_buffer_bytes(reh.model)
-    if buffer_bytes:  # NOTE [DDP buffers]: before the forward's first op, waited on at once
+    cast = buffer_bytes(reh.model)  # NOTE [DDP buffers]: every buffer, before the forward's first op, waited on
+    if cast:
         first = next((i for i, s in enumerate(segs) if s.phase == "fwd"), 0)
-        out.append(Collective("broadcast", axis, buffer_bytes, _coll_time_s("broadcast", buffer_bytes, n, link),
+        out.append(Collective("broadcast", axis, cast, _coll_time_s("broadcast", cast, n, link),
                               segs[first].module if segs else "", "fwd", first - 1, blocking=True, source="ddp"))
     return out
 
@@ -430,10 +431,8 @@ def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Col
 # module's buffers from rank 0 at the start of every forward — one coalesced broadcast over the data-parallel
 # group, on the critical path (the forward needs them). A model with buffers (LLaMA's rotary `inv_freq`, a
 # BatchNorm's running statistics) pays one collective's latency per step; one without (GPT-2) pays nothing.
-# `treadle.price` and the planner's cost graph (`CostGraph.dp_latency_s`) both charge it.
-def ddp_buffer_bytes(model: nn.Module) -> int:
-    """Bytes DDP broadcasts every forward: all of the model's buffers (NOTE [DDP buffers])."""
-    return sum(b.numel() * b.element_size() for b in model.buffers())
+# `treadle.price` (`_ddp`) and the planner's cost graph (`CostGraph.dp_buffer_s`) both charge it, for the bytes
+# of `treadle.profile.memory.buffer_bytes`.
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
@@ -602,7 +601,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
         grad_b += elems * p.element_size()
         opt_b += elems * (optimizer_bytes_per_elem + (4 if master_copy and p.dtype != torch.float32 else 0))
     frozen_b = sum(p.numel() * p.element_size() for p in reh.model.parameters() if not p.requires_grad)
-    buffer_b = sum(b.numel() * b.element_size() for b in reh.model.buffers())
+    buffer_b = buffer_bytes(reh.model)
     input_b = sum(t.numel() * t.element_size() for t in _tensors(reh.inputs))
     bucket_b = grad_b if dp_kind.startswith("ddp") else 0.0  # DDP's flat bucket buffers hold a copy of the grads
     static = param_b + frozen_b + opt_b + buffer_b + input_b + bucket_b

@@ -25,6 +25,11 @@ def parameter_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
+def buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every buffer of `model` (persistent or not, as `Module.buffers()` lists them, each once)."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 def gradient_bytes(p: torch.Tensor) -> int:
     return parameter_bytes(p) if p.requires_grad else 0
 
