@@ -130,6 +130,13 @@ class CapturedGraph:
     saved_error: str = ""  # why `saved` is None (then the cost graph falls back to per-op rules, and says so)
     loss_head: "LossHead | None" = None  # the model's loss went through its `loss_function` (NOTE [loss head])
     buffer_bytes: int = 0  # the model's buffers, all of them (DDP broadcasts them every forward: NOTE [DDP buffers])
+    # ATen ops each node dispatches, forward and backward (NOTE [ops per node] in saved.py); None: not measured
+    # (the cost graph then charges one op per node each way)
+    fwd_ops: dict[int, int] | None = None
+    bwd_ops: dict[int, int] | None = None
+    # FSDP2 units `build` wraps besides the root: every entry of every nn.ModuleList of the real model
+    # (`treadle.planner.price.fsdp_units`), whether or not capture found them repeated (a 2-entry list is not)
+    fsdp_block_units: int = 0
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -299,6 +306,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     """
     kwargs = dict(kwargs or {})
     n_real_params = sum(p.numel() for p in model.parameters())
+    n_block_units = len(_fsdp_block_units(model))  # before the lists are shortened
     real_param_modules = {}
     for mname, mod in model.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):
@@ -306,7 +314,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     heads: list[LossHead] = []
     with _shortened_lists(model, reduce_repeats) as block_plan, _watch_loss(model, heads):
         ep = _export(model, tuple(args), kwargs, loss_fn)
-    saved_by_name, saved_error = _measure_saved(ep, args, kwargs, gpu_attention)
+    measured, saved_error = _measure_saved(ep, args, kwargs, gpu_attention)
     graph = ep.graph_module.graph
     sig = ep.graph_signature
     param_of = {s.arg.name: s.target for s in sig.input_specs
@@ -384,24 +392,44 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     logger.info("captured %s: %d nodes, %d ops, %d block instances in %d templates", type(model).__name__,
                 len(nodes), sum(1 for n in nodes if n.kind == "op"), len(blocks),
                 len({b.template for b in blocks}))
-    saved = None
-    if saved_by_name is not None:
-        saved = {index_of[k]: v for k, v in saved_by_name.items() if k in index_of}
+    saved = fwd_ops = bwd_ops = None
+    if measured is not None:
+        saved = {index_of[k]: v for k, v in measured.saved.items() if k in index_of}
+        fwd_ops = {index_of[k]: v for k, v in measured.fwd_ops.items() if k in index_of}
+        if measured.bwd_ops is not None:
+            bwd_ops = {index_of[k]: v for k, v in measured.bwd_ops.items() if k in index_of}
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
-                         saved, saved_error, heads[0] if heads else None, buffer_bytes(model))
+                         saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
+                         n_block_units)
 
 
-def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[dict[str, int] | None, str]:
-    """NOTE [saved by autograd] in saved.py; (None, reason) when the exported module cannot run again. With
-    `gpu_attention`, attention saves what a GPU's fused kernel saves (NOTE [attention as a GPU runs it])."""
+def _fsdp_block_units(model: nn.Module) -> set[str]:
+    """The FSDP2 units other than the root that own trainable parameters, each parameter going to the first unit
+    holding it, as `treadle.planner.price` assigns them (a unit without parameters costs nothing there)."""
+    from .price import _within as within
+    from .price import fsdp_units
+
+    units = fsdp_units(model)
+    owning = set()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            owner = name.rpartition(".")[0]
+            owning.add(next(u for u in units if within(owner, u)))
+    return owning - {""}
+
+
+def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:
+    """NOTE [saved by autograd] and NOTE [ops per node] in saved.py: a `saved.NodeMeasure`, or (None, reason)
+    when the exported module cannot run again. With `gpu_attention`, attention saves what a GPU's fused kernel
+    saves (NOTE [attention as a GPU runs it])."""
     import contextlib
 
     from ..profile.fused_attention import GpuAttention
-    from .saved import saved_bytes_by_node
+    from .saved import measure_by_node
 
     try:
         with GpuAttention() if gpu_attention else contextlib.nullcontext():
-            return saved_bytes_by_node(ep.module(), tuple(args), kwargs), ""
+            return measure_by_node(ep.module(), tuple(args), kwargs), ""
     except Exception as exc:  # any failure of the re-run: reported in the plan, per-op rules used instead
         logger.warning("capture: measuring saved activations failed (%s: %s); using per-op rules",
                        type(exc).__name__, exc)

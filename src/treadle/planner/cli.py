@@ -69,9 +69,10 @@ def register(subparsers) -> None:
     p.add_argument("--zero", choices=["auto", "on", "off"], default="auto", help="ZeRO-3 over the dp axis")
     p.add_argument("--forbid-axis", action="append", default=[], help="keep every op replicated on this axis")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
-    p.add_argument("--price-top", type=int, default=0, metavar="K",
+    p.add_argument("--price-top", type=int, default=None, metavar="K",
                    help="price the best plans of the K best role assignments with treadle.price and keep the "
-                        "fastest that fits (slower planning; 0: the solver's choice)")
+                        "fastest that fits as built (slower planning; 0: the solver's choice; default 1 with a "
+                        "memory budget, else 0)")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _picture_flags(p)

@@ -329,6 +329,7 @@ class _Builder(NodeCosts, ExtraLayouts):
                                 f"parameters look like {sorted(graph.params)[:3]}")
         self.unknown_flops: dict[str, int] = {}
         self.dtype_compute = dtype_compute
+        self._grad_bytes: float | None = None  # NodeCosts.replicated_grad_bytes
         self.attr_resolver = None
 
     # ------------------------------------------------------------------ per-node facts
@@ -541,7 +542,7 @@ class _Builder(NodeCosts, ExtraLayouts):
         n = self.dp_size
         cg.dp_overlap = self.cluster.rank_device().overlap
         if self.roles.zero:
-            units = sum(info.count for info in cg.templates.values())
+            units = self.fsdp_unit_count() - 1  # the blocks; the root is the last term
             zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
             gathers = 2 if self.roles.reshard_after_forward else 1  # a block's backward gather (not the root's)
             per_unit = reduce_scatter_time_s(0.0, zn, zlink)
@@ -554,9 +555,7 @@ class _Builder(NodeCosts, ExtraLayouts):
             # buckets = 1 + ceil((G - first) / full) for G gradient bytes; `param_sync_s` charges G / full of
             # them per byte, and this constant the rest: the first bucket's, and on average half of the last
             # (partial) one's — with G from the replicated parameters, exact (two buckets) below two buckets
-            grad_bytes = sum(m.nbytes * (self.count(j) if self.nodes[j].block is not None else 1)
-                             for j, m in ((n_.index, n_.out) for n_ in self.nodes if n_.kind == "param")
-                             if self.canonical(j) == j)
+            grad_bytes = self.replicated_grad_bytes()
             if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
                 buckets = 1.0
             elif grad_bytes <= DDP_FIRST_BUCKET_BYTES + DDP_BUCKET_BYTES:
@@ -578,11 +577,11 @@ class _Builder(NodeCosts, ExtraLayouts):
 
         hw = self.hw
         for t, info in cg.templates.items():
-            ops = sum(len(cg.units[u].nodes) for u in info.units)
+            ops = sum(self.op_counts(i)[0] for u in info.units for i in cg.units[u].nodes)  # NOTE [ops per node]
             cg.ckpt_host_s[t] = hw.checkpoint_region_s + ops * hw.checkpoint_op_s
         zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
         if zero:
-            cg.host_s += (sum(info.count for info in cg.templates.values()) + 1) * hw.fsdp_unit_s
+            cg.host_s += self.fsdp_unit_count() * hw.fsdp_unit_s
         if hw.optimizer_fused or hw.optimizer_foreach:
             n_list = _ADAMW_FUSED_OPS if hw.optimizer_fused else _ADAMW_FOREACH_OPS
             cg.host_s += n_list * (hw.op_overhead_s + (hw.subclass_op_overhead_s if zero else 0.0))

@@ -122,6 +122,13 @@ class NodeCosts:
             return f1 + f2, b1 + b2
         return conv(raw, pub)
 
+    def op_counts(self, i: int) -> tuple[int, int]:
+        """ATen ops node `i` dispatches in forward and in backward (NOTE [ops per node] in saved.py): as counted at
+        capture, or one each way when the capture could not count them."""
+        fwd = self.g.fwd_ops.get(i, 0) if self.g.fwd_ops is not None else 1
+        bwd = self.g.bwd_ops.get(i, 0) if self.g.bwd_ops is not None else 1
+        return fwd, bwd
+
     def strategy_cost(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> StrategyCost:
         c = StrategyCost()
         i = n.index
@@ -148,16 +155,19 @@ class NodeCosts:
                     out_elems += m.numel / local
         dtype = self.dtype_compute or _dtype_of(n)
         kind = self._kind(n)
-        # each op also costs the device's dispatch overhead, once forward and once in backward (as `price`);
+        # each op the node dispatches also costs the device's dispatch overhead, forward and backward, as
+        # `price` charges it (NOTE [ops per node] in saved.py: counted at capture; one each way when not);
         # kernel rates by kind (NOTE [kernel rates]): a backward matmul is priced at its forward product's size
+        n_fwd, n_bwd = self.op_counts(i)
         fwd = (op_time_s(int(f_flops / work), int(moved), self.hw, dtype, kind=kind, op=n.op_name,
-                         elems=int(out_elems)) + self.hw.op_overhead_s)
+                         elems=int(out_elems)) + n_fwd * self.hw.op_overhead_s)
         if kind == "matmul" and f_flops and b_flops:
             eff = matmul_efficiency(f_flops / work, self.hw)
             b_compute = b_flops / work / (self.hw.peak_for(dtype) * eff)
-            bwd = max(b_compute, op_time_s(0, int(2 * moved), self.hw, dtype)) + self.hw.op_overhead_s
+            bwd = max(b_compute, op_time_s(0, int(2 * moved), self.hw, dtype)) + n_bwd * self.hw.op_overhead_s
         else:
-            bwd = op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype, kind=kind) + self.hw.op_overhead_s
+            bwd = (op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype, kind=kind)
+                   + n_bwd * self.hw.op_overhead_s)
         if not self.rg[i]:
             bwd = 0.0
         c.compute_s = fwd + bwd
@@ -280,21 +290,47 @@ class NodeCosts:
             return 0.0
         nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
 
-        def bw(fn, b: float, n: int, link) -> float:
-            return fn(b, n, link) - fn(0.0, n, link)
+        def bw(fn, b: float, n: int, link, ref: float) -> float:
+            # NOTE [bandwidth per byte]: the runtime moves a parameter's gradient inside a bucket or a unit of
+            # `ref` bytes, so a byte costs the slope of that collective, not of one the size of this parameter
+            # alone: an all-reduce takes the cheaper of tree and ring *for the bucket* (a tree's slope is
+            # 2 log2(n) bytes per byte against the ring's 2 (n-1)/n; summing per-parameter costs charged GPT-2
+            # tiny's one DDP bucket on 4 ranks 2.1x its bandwidth). `ref` from the replicated model's gradients.
+            ref = max(ref, b, 1.0)
+            return (fn(ref, n, link) - fn(0.0, n, link)) * b / ref
 
+        total = self.replicated_grad_bytes()
         if self.roles.zero:
             zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
             gathers = 2 if self.roles.reshard_after_forward else 1
-            out = gathers * bw(all_gather_time_s, nbytes, zn, zlink) + bw(reduce_scatter_time_s, nbytes, zn, zlink)
+            unit = total / max(1, self.fsdp_unit_count())  # a unit's gathered bytes, on average
+            out = (gathers * bw(all_gather_time_s, nbytes, zn, zlink, unit)
+                   + bw(reduce_scatter_time_s, nbytes, zn, zlink, unit))
             if self.roles.replicate:
-                out += bw(all_reduce_time_s, nbytes / zn, self.dp_size // zn, self.dp_link(self.roles.replicate))
+                out += bw(all_reduce_time_s, nbytes / zn, self.dp_size // zn, self.dp_link(self.roles.replicate),
+                          unit / zn)
             return out
         # DDP: each full bucket pays one all-reduce latency, so a parameter pays it per bucket's worth of its
         # local gradient bytes (the first bucket's latency is the constant `CostGraph.dp_latency_s`)
         link = self.dp_link(self.roles.dp)
         per_bucket = all_reduce_time_s(0.0, self.dp_size, link)
-        return bw(all_reduce_time_s, nbytes, self.dp_size, link) + per_bucket * nbytes / DDP_BUCKET_BYTES
+        return (bw(all_reduce_time_s, nbytes, self.dp_size, link, min(total, DDP_BUCKET_BYTES))
+                + per_bucket * nbytes / DDP_BUCKET_BYTES)
+
+    def replicated_grad_bytes(self) -> float:
+        """Gradient bytes of every parameter the model reads (all blocks), unsharded; a tied parameter once (the
+        graph reads it under one name, its other name's placeholder has no users)."""
+        if self._grad_bytes is None:
+            self._grad_bytes = float(sum(
+                n.out.nbytes * (self.count(n.index) if n.block is not None else 1) for n in self.nodes
+                if n.kind == "param" and n.users and isinstance(n.out, TensorMeta)
+                and self.canonical(n.index) == n.index))
+        return self._grad_bytes
+
+    def fsdp_unit_count(self) -> int:
+        """FSDP2 units as `build` wraps them: every entry of every ModuleList (`CapturedGraph.fsdp_block_units`;
+        the repeated blocks when the graph does not say) and the root."""
+        return 1 + (self.g.fsdp_block_units or sum(b.weight for b in self.g.blocks))
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
         """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by

@@ -206,6 +206,22 @@ register_flops(aten.matmul, kind="matmul",
     lambda a, kw, o, nd: _matmul(a[0], a[1]))
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor) -> int:
+    """`aten._grouped_mm` (mixture-of-experts experts as one kernel): every group multiplies its rows by its own
+    weight, so the FLOPs are those of one product over all rows. (M, K) x (G, K, N) with row offsets -> (M, N);
+    (G, M, K) x (G, K, N) -> (G, M, N); (M, K_total) x (K_total, N) with offsets along K -> (G, M, N), each group
+    contracting its own slice of K."""
+    if a.dim() == 2 and b.dim() == 2:
+        return _mm(a.shape[0], a.shape[1], b.shape[1])
+    rows = math.prod(a.shape[:-1]) if a.dim() == 3 or b.dim() == 3 else a.shape[0]
+    return _mm(rows, a.shape[-1], b.shape[-1])
+
+
+register_flops(aten._grouped_mm, kind="matmul",
+               backward=lambda a, kw, o, nd: (nd(0) + nd(1)) * _grouped_mm(a[0], a[1]))(
+    lambda a, kw, o, nd: _grouped_mm(a[0], a[1]))
+
+
 # ------------------------------------------------------------------------------------------------ convolution
 
 def _conv(x_shape: Sequence[int], w_shape: Sequence[int], out_shape: Sequence[int], transposed: bool) -> int:
@@ -337,4 +353,8 @@ register_zero(
     kind="reduction")
 register_zero(
     aten.where, aten.min.other, aten.__and__, aten.__or__, aten.bitwise_and, aten.bitwise_or, aten.gelu,
-    aten.gelu_backward, aten.silu, aten.silu_backward, aten.relu, aten.threshold_backward, kind="pointwise")
+    aten.gelu_backward, aten.silu, aten.silu_backward, aten.relu, aten.threshold_backward,
+    aten.floor_divide, aten.floor_divide_, kind="pointwise")
+# data-dependent routing (mixture-of-experts: which tokens go to which expert): priced by the bytes they move
+register_zero(aten.nonzero, aten.nonzero_static, aten.argwhere, aten.masked_select, aten.bincount, aten.histc,
+              aten.unique_consecutive, aten._unique2, aten.searchsorted, aten.bucketize, kind="memory")

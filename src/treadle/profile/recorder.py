@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import ProfileError
+from . import fake_gaps
 from .flops import backward_flops, forward_flops, rule_for
 from .hardware import HardwareSpec
 from .records import OpRecord
@@ -198,7 +199,7 @@ class StepRecorder:
             raise err from None
         live_before = self.live_bytes
         try:
-            out = func(*args, **kwargs)
+            out = fake_gaps.call(func, args, kwargs)
         except Exception:
             self.failed_at = (self.op_name(func), module, phase)
             raise
