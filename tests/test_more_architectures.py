@@ -109,3 +109,48 @@ def test_kernel_schedule_on_gemma_refuses_its_norm_before_tracing_and_runs_witho
     fused = [r for r in sch.records if r.op == "fuse"]
     assert len(fused) == 2 and geglu_tanh  # GeGLU (tanh) in each MLP, found by what the activation computes
     assert treadle.verify(sch, inputs).ok
+
+
+def _other(name):
+    """Tiny configs of decoder, encoder and encoder-decoder families the recipes were not written for."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "gpt-neox":  # fused q|k|v interleaved per head, rotary on part of the head, parallel residual
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                    intermediate_size=128, vocab_size=VOCAB,
+                                                    max_position_embeddings=64, **ids))
+    if name == "phi3":  # fused q|k|v with grouped kv heads, fused gate|up
+        return T.Phi3ForCausalLM(T.Phi3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                                              max_position_embeddings=64, **ids))
+    if name == "falcon":  # multi-query attention (one kv head), parallel attention and MLP
+        return T.FalconForCausalLM(T.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                  vocab_size=VOCAB, **ids))
+    if name == "bart":  # encoder-decoder with cross-attention and learned positions
+        return T.BartForConditionalGeneration(T.BartConfig(
+            encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, **ids))
+    raise KeyError(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt-neox", "phi3", "falcon", "bart"])
+def test_planner_under_a_budget_fits_as_built_prices_close_and_verifies(name):
+    """Under 0.6x the free plan's peak, the plan returned fits as built (priced by default), the solver's step
+    for it is within 15% of its price (ops counted per node: NOTE [ops per node]), and it verifies on 4 ranks."""
+    from treadle.cost.cluster import parse_cluster
+    from treadle.planner import plan_model
+
+    inputs = lm_inputs(8, 16)
+    cluster = parse_cluster("2x2:cpu")
+    free = plan_model(_other(name), inputs, cluster=cluster)
+    assert free.estimated.step_s == pytest.approx(free.estimate().step_s, rel=0.15)
+    budget = 0.6 * free.estimate().peak_bytes
+    plan = plan_model(_other(name), inputs, cluster=cluster, memory_budget_bytes=budget)
+    assert plan.price is not None and plan.estimate().peak_bytes <= budget
+    assert plan.estimated.step_s == pytest.approx(plan.estimate().step_s, rel=0.15)
+    report = treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300)
+    assert report.ok

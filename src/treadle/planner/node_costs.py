@@ -3,7 +3,8 @@
 Compute: roofline time (`treadle.profile.roofline.op_time_s`) of the local shard, FLOPs from
 `treadle.profile.flops` (backward FLOPs only for inputs that need a gradient), bytes moved by the local
 tensors (views move none; backward moves twice the forward bytes, an approximation), plus the device's
-per-op dispatch overhead and the optimizer step on the parameters a node owns. Communication: the
+dispatch overhead for every ATen op the node dispatches forward and backward (counted at capture: NOTE [ops
+per node] in saved.py) and the optimizer step on the parameters a node owns. Communication: the
 conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward and adjoint), Megatron's
 backward all-reduce for a replicated input of an op sharded on a tensor axis, and the data-parallel
 reduction of the gradients of the parameters the node owns (all-reduce; ZeRO-3: two all-gathers and one
