@@ -134,9 +134,12 @@ def _plan_auto(model: nn.Module, cfg: RunConfig, world: int) -> str:
     device = "h100" if torch.cuda.is_available() else "cpu"
     cluster = parse_cluster(cfg.cluster or (f"{nodes}x{per_node}:{device}" if nodes > 1 else f"{world}:{device}"))
     ids = torch.zeros((cfg.batch, cfg.seq), dtype=torch.int64)
+    # price_top=0: `treadle.price` rehearses on a fake process group of its own and cannot run inside this
+    # launched one, so the budget binds the solver's memory model here (plan with `treadle plan` beforehand to
+    # have it checked as built)
     plan = plan_model(model, model_inputs(model, ids), cluster=cluster, memory_budget_bytes=cfg.memory_budget_bytes,
-                      model_spec={"name": cfg.model, "batch": cfg.batch, "seq": cfg.seq})
-    logger.info("planned (solver estimate): %s", plan.estimated)  # price() needs no live process group
+                      model_spec={"name": cfg.model, "batch": cfg.batch, "seq": cfg.seq}, price_top=0)
+    logger.info("planned (solver estimate): %s", plan.estimated)
     return plan.schedule.to_json()
 
 
