@@ -243,7 +243,9 @@ def bench_time() -> list[dict]:
         t0 = time.perf_counter()
         model, inputs = _build(name, batch, seq)
         t_model = time.perf_counter() - t0
-        plan = plan_model(model, inputs, cluster=cl, memory_budget_bytes=80 * GiB)
+        # the solver's own time (price_top=0): a budget is otherwise checked by pricing the plan as built, which
+        # the recipes table times separately
+        plan = plan_model(model, inputs, cluster=cl, memory_budget_bytes=80 * GiB, price_top=0)
         s = plan.solver
         rows.append({"model": name, "cluster": cluster_text, "batch": batch, "seq": seq,
                      "build_fake_model_s": t_model, "capture_s": s["capture_s"], "cost_graph_s": s["cost_graph_s"],
@@ -304,14 +306,15 @@ def bench_quality(do_joint: bool) -> tuple[list[dict], list[dict]]:
                     for ck in ("none", "all"):
                         try:
                             p = plan_model(model, inputs, cluster=cl, memory_budget_bytes=budget, graph=graph,
-                                           checkpoint=ck, **kw)
+                                           checkpoint=ck, price_top=0, **kw)  # solver against solver
                             hand.append((f"{label}{' + ckpt' if ck == 'all' else ''}", p.estimated.step_s,
                                          p.estimated.peak_bytes))
                         except PlanError:
                             hand.append((f"{label}{' + ckpt' if ck == 'all' else ''}", math.inf, math.inf))
                 t0 = time.perf_counter()
                 try:
-                    auto = plan_model(model, inputs, cluster=meshes, memory_budget_bytes=budget, graph=graph)
+                    auto = plan_model(model, inputs, cluster=meshes, memory_budget_bytes=budget, graph=graph,
+                                      price_top=0)
                     auto_s, auto_desc = auto.estimated.step_s, f"{auto.cluster.mesh} {auto.roles}"
                     ck = sum(auto.solver["checkpoints"].values())
                     auto_desc += f", ckpt {ck}" if ck else ""
@@ -329,7 +332,7 @@ def bench_quality(do_joint: bool) -> tuple[list[dict], list[dict]]:
                     two = None
                     try:
                         two = plan_model(model, inputs, cluster=cl, memory_budget_bytes=budget, graph=graph,
-                                         mode="two_stage")
+                                         mode="two_stage", price_top=0)
                     except PlanError:
                         pass
                     jrows.append({"model": mname, "cluster": cname, "budget_gib": budget_gib, "mesh": str(cl.mesh),
