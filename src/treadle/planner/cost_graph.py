@@ -330,6 +330,12 @@ class _Builder(NodeCosts, ExtraLayouts):
         self.unknown_flops: dict[str, int] = {}
         self.dtype_compute = dtype_compute
         self._grad_bytes: float | None = None  # NodeCosts.replicated_grad_bytes
+        # block -> its last node whose ops save a tensor (NOTE [recompute stops early] in saved.py)
+        self.last_packer: dict[int, int] = {}
+        for b, blk in enumerate(graph.blocks):
+            saving = [i for i in blk.nodes if graph.packers and i in graph.packers]
+            if saving:
+                self.last_packer[b] = max(saving)
         self.attr_resolver = None
 
     # ------------------------------------------------------------------ per-node facts
@@ -577,7 +583,8 @@ class _Builder(NodeCosts, ExtraLayouts):
 
         hw = self.hw
         for t, info in cg.templates.items():
-            ops = sum(self.op_counts(i)[0] for u in info.units for i in cg.units[u].nodes)  # NOTE [ops per node]
+            ops = sum(self.op_counts(i)[0] for u in info.units for i in cg.units[u].nodes  # NOTE [ops per node]
+                      if self.recomputed(i) != "none")  # NOTE [recompute stops early]
             cg.ckpt_host_s[t] = hw.checkpoint_region_s + ops * hw.checkpoint_op_s
         zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
         if zero:
@@ -689,6 +696,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.compute_s += c.compute_s
     total.comm_s += c.comm_s
     total.fwd_s += c.fwd_s
+    total.rec_s += c.rec_s
     total.bwd_s += c.bwd_s
     total.bwd_comm_s += c.bwd_comm_s
     total.dp_comm_s += c.dp_comm_s

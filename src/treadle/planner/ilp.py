@@ -11,7 +11,7 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
                T >= 0                 the largest recomputed block             (transient)
 
     A_t  = sum_{u in t,k} act[u,k] s[u,k]      saved bytes of one block of t
-    F_t  = sum_{u in t,k} fwd[u,k] s[u,k]      forward seconds of one block (what recomputation repeats)
+    F_t  = sum_{u in t,k} rec[u,k] s[u,k]      seconds one block's recompute repeats (to its last saving op)
     In_t = sum_k in_bytes[k] s[input unit,k]   bytes a checkpointed block keeps (its input)
     c_t  = sum_b 2^b y[t,b] <= L_t                                              (ckpt_count)
 
@@ -283,8 +283,8 @@ def _block_exprs(cg: CostGraph, s, t: int):
         for k, c in enumerate(unit.costs):
             if c.act_bytes:
                 A[s[u, k]] = A.get(s[u, k], 0.0) + c.act_bytes * _BYTES
-            if c.fwd_s:
-                F[s[u, k]] = F.get(s[u, k], 0.0) + c.fwd_s * _SECONDS
+            if c.rec_s:  # what the recompute runs again (NOTE [recompute stops early] in saved.py)
+                F[s[u, k]] = F.get(s[u, k], 0.0) + c.rec_s * _SECONDS
     In: dict[int, float] = {}
     if info.input_unit is not None:
         for k, b in enumerate(info.input_bytes):
@@ -303,7 +303,7 @@ def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dic
         L = info.count
         A, F, In = _block_exprs(cg, s, t)
         Amax = max(_upper(cg, info.units, "act_bytes") * _BYTES, 1e-9)
-        Fmax = max(_upper(cg, info.units, "fwd_s") * _SECONDS, 1e-9)
+        Fmax = max(_upper(cg, info.units, "rec_s") * _SECONDS, 1e-9)
         Imax = max(info.input_bytes, default=0.0) * _BYTES or 1e-9
         nb = max(1, math.ceil(math.log2(L + 1)))
         host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS  # NOTE [framework overheads]: per checkpointed block
@@ -559,7 +559,7 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     transient = 0.0
     for t, info in cg.templates.items():
         A = sum(cg.units[u].costs[choice[u]].act_bytes for u in info.units)
-        F = sum(cg.units[u].costs[choice[u]].fwd_s for u in info.units)
+        F = sum(cg.units[u].costs[choice[u]].rec_s for u in info.units)
         In = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
         c = ckpt.get(t, 0)
         recompute += c * (F + cg.ckpt_host_s.get(t, 0.0))

@@ -50,7 +50,8 @@ class StrategyCost:
 
     compute_s: float = 0.0
     comm_s: float = 0.0
-    fwd_s: float = 0.0  # forward compute + forward comm (what recomputation repeats)
+    fwd_s: float = 0.0  # forward compute + forward comm
+    rec_s: float = 0.0  # of which a checkpointed block's recompute repeats (NOTE [recompute stops early] in saved.py)
     bwd_s: float = 0.0  # backward compute (the window data-parallel reductions overlap with)
     bwd_comm_s: float = 0.0  # tensor-parallel communication of the backward (blocking, on the tensor axes)
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
@@ -123,6 +124,15 @@ class NodeCosts:
             return f1 + f2, b1 + b2
         return conv(raw, pub)
 
+    def recomputed(self, i: int) -> str:
+        """How much of node `i` a checkpointed block's recompute runs again (NOTE [recompute stops early] in
+        saved.py): "all" up to the block's last node whose ops save a tensor, "compute" for that node (its exit
+        conversion comes after), "none" after it. Outside blocks, or without the measurement: "all"."""
+        last = self.last_packer.get(self.nodes[i].block) if self.g.packers is not None else None
+        if last is None:
+            return "all"
+        return "all" if i < last else "compute" if i == last else "none"
+
     def op_counts(self, i: int) -> tuple[int, int]:
         """ATen ops node `i` dispatches in forward and in backward (NOTE [ops per node] in saved.py): as counted at
         capture, or one each way when the capture could not count them."""
@@ -174,12 +184,16 @@ class NodeCosts:
         c.compute_s = fwd + bwd
         c.fwd_s = fwd
         c.bwd_s = bwd
+        rec = self.recomputed(i)  # "all", "compute" (the node runs, its exit conversion does not) or "none"
+        c.rec_s = fwd if rec != "none" else 0.0
         # conversion at publish
         cf, cb = self._conversion(i, tuple(o.outs[0] for o in combo), pub) if combo else (0.0, 0.0)
         if not self.rg[i]:
             cb = 0.0  # no gradient flows back through it: a local slice of such a value is free both ways
         c.comm_s += cf + cb
         c.fwd_s += cf
+        if rec == "all":
+            c.rec_s += cf
         c.bwd_comm_s += cb
         # a vocab-parallel loss (NOTE [vocab-parallel loss] in extra_layouts.py): three all-reduces of (N,) fp32
         # per-row scalars in forward, none in backward
@@ -191,6 +205,8 @@ class NodeCosts:
                     t = 3 * all_reduce_time_s(rows * 4, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
                     c.comm_s += t
                     c.fwd_s += t
+                    if rec == "all":
+                        c.rec_s += t
         # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient; this
         # op's parameters (a norm's weight and bias) are summed in one flat all-reduce (NOTE [one all-reduce per
         # module] in runtime/build.py), keyed by the first of them

@@ -433,7 +433,7 @@ def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solu
     for t in tids:
         info = cg.templates[t]
         A = sum(cg.units[u].costs[sol.choice[u]].act_bytes for u in info.units)
-        F = sum(cg.units[u].costs[sol.choice[u]].fwd_s for u in info.units)
+        F = sum(cg.units[u].costs[sol.choice[u]].rec_s for u in info.units)
         In = info.input_bytes[sol.choice[info.input_unit]] if info.input_unit is not None else 0.0
         blocks.append(ChainBlock(info.count, A, In, F))
     base = peak - sum(b.count * b.act_bytes for b in blocks)  # everything but the blocks' activations
@@ -839,7 +839,7 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
                 out_l[n.module] = ",".join(placement_str(p) for p in pub) if pub else "-"
         for module, c in parts.items():
             path = module or "<root>"
-            rec = ck[unit.template] * c.fwd_s if unit.template is not None and ck.get(unit.template) else 0.0
+            rec = ck[unit.template] * c.rec_s if unit.template is not None and ck.get(unit.template) else 0.0
             row = rows.get(path)
             if row is None:
                 row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
