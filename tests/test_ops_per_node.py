@@ -149,7 +149,8 @@ def test_a_checkpointed_block_is_recomputed_up_to_its_last_op_that_saves_a_tenso
     after = [graph.nodes[i].op_name for i in blk.nodes if i > last]
     assert after and "add" in after  # the residual add (and the output's views) are not recomputed
     # no per-op host costs: the price charges them per op the eager recompute dispatches (55 per block here,
-    # checkpointing's detaches of the saved tensors included), the planner per captured forward op (40)
+    # checkpointing's detaches of the saved activations included), the planner per captured forward op up to the
+    # last saving one plus a detach per saved activation (40 + 20): the roofline and the region cost compared here
     device = dataclasses.replace(CPU_CORE, checkpoint_op_s=0.0, op_overhead_s=0.0)
     cl = ClusterSpec.uniform(Mesh((2,), ("tp",)), "loopback", device=device)
     pins = {"*.mlp.c_fc.weight": {"tp": 1}, "*.mlp.c_proj.weight": {"tp": 0}}

@@ -139,6 +139,7 @@ class CapturedGraph:
     fsdp_block_units: int = 0
     # nodes whose ops save a tensor for backward (NOTE [recompute stops early] in saved.py); None: not measured
     packers: frozenset[int] | None = None
+    packs: dict[int, int] | None = None  # activations each node's ops save (the recompute detaches each again)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -394,16 +395,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     logger.info("captured %s: %d nodes, %d ops, %d block instances in %d templates", type(model).__name__,
                 len(nodes), sum(1 for n in nodes if n.kind == "op"), len(blocks),
                 len({b.template for b in blocks}))
-    saved = fwd_ops = bwd_ops = packers = None
+    saved = fwd_ops = bwd_ops = packers = packs = None
     if measured is not None:
         packers = frozenset(index_of[k] for k in measured.packers if k in index_of)
+        packs = {index_of[k]: v for k, v in measured.packs.items() if k in index_of}
         saved = {index_of[k]: v for k, v in measured.saved.items() if k in index_of}
         fwd_ops = {index_of[k]: v for k, v in measured.fwd_ops.items() if k in index_of}
         if measured.bwd_ops is not None:
             bwd_ops = {index_of[k]: v for k, v in measured.bwd_ops.items() if k in index_of}
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
                          saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
-                         n_block_units, packers)
+                         n_block_units, packers, packs)
 
 
 def _fsdp_block_units(model: nn.Module) -> set[str]:

@@ -583,9 +583,12 @@ class _Builder(NodeCosts, ExtraLayouts):
 
         hw = self.hw
         for t, info in cg.templates.items():
-            ops = sum(self.op_counts(i)[0] for u in info.units for i in cg.units[u].nodes  # NOTE [ops per node]
-                      if self.recomputed(i) != "none")  # NOTE [recompute stops early]
-            cg.ckpt_host_s[t] = hw.checkpoint_region_s + ops * hw.checkpoint_op_s
+            nodes = [i for u in info.units for i in cg.units[u].nodes]
+            ops = sum(self.op_counts(i)[0] for i in nodes if self.recomputed(i) != "none")  # NOTE [ops per node]
+            # NOTE [recompute stops early]: and a detach of every activation the block saves again
+            detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
+            cg.ckpt_host_s[t] = (hw.checkpoint_region_s + (ops + detaches) * hw.checkpoint_op_s
+                                 + detaches * hw.op_overhead_s)
         zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
         if zero:
             cg.host_s += self.fsdp_unit_count() * hw.fsdp_unit_s
