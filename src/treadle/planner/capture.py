@@ -411,16 +411,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
 def _fsdp_block_units(model: nn.Module) -> set[str]:
     """The FSDP2 units other than the root that own trainable parameters, each parameter going to the first unit
     holding it, as `treadle.planner.price` assigns them (a unit without parameters costs nothing there)."""
-    from .price import _within as within
-    from .price import fsdp_units
+    from .price import fsdp_param_units
 
-    units = fsdp_units(model)
-    owning = set()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            owner = name.rpartition(".")[0]
-            owning.add(next(u for u in units if within(owner, u)))
-    return owning - {""}
+    return set(fsdp_param_units(model)) - {""}
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:

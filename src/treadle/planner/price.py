@@ -444,6 +444,13 @@ def fsdp_units(model: nn.Module) -> list[str]:
     return units + [""]
 
 
+def fsdp_param_units(model: nn.Module, units: list[str] | None = None) -> list[str]:
+    """The FSDP2 unit (of `fsdp_units`) of each trainable parameter, in `named_parameters` order: the first unit
+    holding its module (the root "" comes last)."""
+    units = fsdp_units(model) if units is None else units
+    return [next(u for u in units if _within(name.rpartition(".")[0], u)) for name, _ in _local_params(model)]
+
+
 def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[list[Collective], float]:
     """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak.
 
@@ -456,10 +463,10 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
     rep_axes = dp.replicate_axes
     units = fsdp_units(reh.model)
     unit_bytes: dict[str, float] = {u: 0.0 for u in units}
-    for name, p in _local_params(reh.model):
-        owner = name.rpartition(".")[0]
-        unit = next(u for u in units if _within(owner, u))  # deepest first: the root "" comes last
+    unit_params: dict[str, int] = {u: 0 for u in units}
+    for (name, p), unit in zip(_local_params(reh.model), fsdp_param_units(reh.model, units)):
         unit_bytes[unit] += p.numel() * p.element_size()
+        unit_params[unit] += 1
 
     def unit_of(module: str) -> str:
         return next(u for u in units if _within(module, u))
@@ -514,9 +521,6 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
         gathered = sum(unit_bytes.values())
     # FSDP2's hooks per unit per step (NOTE [framework overheads]): half where its forward starts, half where
     # its backward starts
-    unit_params: dict[str, int] = {u: 0 for u in units}
-    for name, _ in _local_params(reh.model):
-        unit_params[unit_of(name.rpartition(".")[0])] += 1
     hw = cluster.rank_hardware()
     for u in units:
         if not unit_bytes[u]:

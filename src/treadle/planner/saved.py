@@ -10,7 +10,7 @@ activations and are not counted. The result is exact for the captured shapes: wh
 backward formula keeps, a same-dtype ``.to`` that returns its input, a ``mul`` whose partner needs no
 gradient — all follow from the real autograd formulas.
 
-`saved_bytes_by_node` returns {node name: global bytes saved}; the cost graph divides a node's figure by
+`measure_by_node(...).saved` is {node name: global bytes saved}; the cost graph divides a node's figure by
 its output's shards (node_costs.saved_bytes).
 
 NOTE [ops per node]: the same run counts the ATen ops each node dispatches, forward and backward, because every
@@ -50,12 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..profile import fake_gaps
+from ..profile.recorder import METADATA_QUERIES
 
 logger = logging.getLogger(__name__)
-
-
-# not ops the device runs (the price's recorder skips them too)
-_METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 
 
 class _Produced(TorchDispatchMode):
@@ -69,7 +66,7 @@ class _Produced(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = fake_gaps.call(func, args, kwargs or {})
-        if func not in _METADATA_QUERIES:
+        if func not in METADATA_QUERIES:
             self.run.count()
         self.run.note(out)
         return out
@@ -138,12 +135,12 @@ class _Run(torch.fx.Interpreter):
             self.current = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.current is not None and not self.backward:
-            self.packers.add(self.current)  # NOTE [recompute stops early]: this node's op saves something
-            if id(t.untyped_storage()) not in self.skip:  # an activation, not a parameter or an input
-                self.packs[self.current] = self.packs.get(self.current, 0) + 1
         st = t.untyped_storage()
         key = id(st)
+        if self.current is not None and not self.backward:
+            self.packers.add(self.current)  # NOTE [recompute stops early]: this node's op saves something
+            if key not in self.skip:  # an activation, not a parameter or an input
+                self.packs[self.current] = self.packs.get(self.current, 0) + 1
         if key in self.packed:
             return t
         who = self.producer.get(key)
@@ -165,17 +162,13 @@ class NodeMeasure:
     packs: dict[str, int] = field(default_factory=dict)  # activations each node's ops save (same NOTE)
 
 
-def saved_bytes_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict[str, int]:
-    """Run `gm` (an exported program's module) forward on fake copies of its parameters and of `args` /
-    `kwargs` (the model's inputs, real or fake) and return {node name: bytes autograd saved of the storages
-    that node produced} (NOTE [saved by autograd]). Raises whatever the forward raises."""
-    return measure_by_node(gm, args, kwargs, backward=False).saved
-
-
 def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, backward: bool = True) -> NodeMeasure:
-    """`saved_bytes_by_node`, plus the ops each node dispatches (NOTE [ops per node]): the forward's, and with
-    `backward` the backward's of the loss (the graph's output: its scalar floating leaves summed). Raises
-    whatever the forward raises; a backward that fails is logged and gives ``bwd_ops=None``."""
+    """Run `gm` (an exported program's module) forward on fake copies of its parameters and of `args` /
+    `kwargs` (the model's inputs, real or fake) and measure per node: the bytes autograd saved of the storages
+    the node produced (NOTE [saved by autograd]), the ops it dispatches (NOTE [ops per node]: the forward's, and
+    with `backward` the backward's of the loss, the graph's scalar floating outputs summed) and what it saves
+    (NOTE [recompute stops early]). Raises whatever the forward raises; a backward that fails is logged and
+    gives ``bwd_ops=None``."""
     from ..profile.profiler import _fake_inputs, _fake_state
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)

@@ -246,7 +246,8 @@ class StepRecorder:
 
 
 # Fake tensors answer `.device`/`.layout` through the dispatcher; real tensors do not. Not ops of the model.
-_METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+# not ops a device runs: never recorded (nor counted by the planner's capture, NOTE [ops per node])
+METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 
 
 class Dispatch(TorchDispatchMode):
@@ -258,6 +259,6 @@ class Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.recorder.paused or func in _METADATA_QUERIES:
+        if self.recorder.paused or func in METADATA_QUERIES:
             return func(*args, **kwargs)
         return self.recorder.record(func, args, kwargs)
