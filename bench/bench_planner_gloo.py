@@ -35,12 +35,13 @@ def planner_rows(res: dict) -> dict:
     """The planner's two plans against the hand plans of one configuration (`pvm.run_config`'s result)."""
     rows = {r["schedule"]: r for r in res["rows"]}
     hand = [r for name, r in rows.items() if not name.startswith("planner")]
-    out = {"model": res["model"], "config": res["config"]}
+    out = {"model": res["model"], "config": res["config"], "price_targets": res.get("targets")}
     free = rows.get("planner")
     if free is not None and hand:
         best = min(hand, key=lambda r: r["measured_s"])
         out["free"] = {"planner_ms": free["measured_s"] * 1e3, "best_hand": best["schedule"],
-                       "best_hand_ms": best["measured_s"] * 1e3, "ratio": free["measured_s"] / best["measured_s"]}
+                       "best_hand_ms": best["measured_s"] * 1e3, "ratio": free["measured_s"] / best["measured_s"],
+                       "noise": _noise(free, best)}
     tight = rows.get("planner, 60% budget")
     if tight is not None and free is not None:
         # the budget the planner was given: 0.6x the free plan's priced peak; a hand plan fits when its priced
@@ -53,9 +54,23 @@ def planner_rows(res: dict) -> dict:
         if fits:
             best = min(fits, key=lambda r: r["measured_s"])
             entry.update(best_hand=best["schedule"], best_hand_ms=best["measured_s"] * 1e3,
-                         ratio=tight["measured_s"] / best["measured_s"])
+                         ratio=tight["measured_s"] / best["measured_s"], noise=_noise(tight, best))
         out["budget"] = entry
     return out
+
+
+def _noise(a: dict, b: dict) -> float:
+    """The relative 95% half-width of a ratio of two measured medians (NOTE [measurement precision] in
+    bench_price_vs_measured): 0 when both rows are one program (samples pooled), else the two added."""
+    if a.get("same_as", a["schedule"]) == b.get("same_as", b["schedule"]):
+        return 0.0
+    return a["measured_rel_ci95"] + b["measured_rel_ci95"]
+
+
+def _verdict(ratio: float, noise: float) -> str:
+    if ratio <= 1.05:
+        return "PASS"
+    return "within noise" if ratio <= 1.05 + noise else "FAIL"
 
 
 def main() -> None:
@@ -64,15 +79,22 @@ def main() -> None:
     for m in args.models:
         for c in args.configs:
             table.append(planner_rows(pvm.run_config(m, c, args)))
-    print(f"\n{'model':6} {'config':6} {'planner ms':>10} {'best hand plan':22} {'hand ms':>8} {'ratio':>6}   "
-          f"{'budget MiB':>10} {'planner ms':>10} {'fits':>5} {'best hand that fits':22} {'hand ms':>8} {'ratio':>6}")
+    print(f"\n{'model':6} {'config':6} {'planner ms':>10} {'best hand plan':22} {'hand ms':>8} {'ratio':>6} "
+          f"{'+-':>4}   {'budget MiB':>10} {'planner ms':>10} {'fits':>5} {'best hand that fits':22} {'hand ms':>8} "
+          f"{'ratio':>6} {'+-':>4}")
     for t in table:
         f, b = t.get("free", {}), t.get("budget", {})
         print(f"{t['model']:6} {t['config']:6} {f.get('planner_ms', float('nan')):10.1f} {f.get('best_hand', '-'):22} "
-              f"{f.get('best_hand_ms', float('nan')):8.1f} {f.get('ratio', float('nan')):6.2f}   "
+              f"{f.get('best_hand_ms', float('nan')):8.1f} {f.get('ratio', float('nan')):6.2f} "
+              f"{f.get('noise', float('nan')):4.2f}   "
               f"{b.get('budget_mib', float('nan')):10.2f} {b.get('planner_ms', float('nan')):10.1f} "
               f"{str(b.get('planner_fits', '-')):>5} {b.get('best_hand', '-'):22} {b.get('best_hand_ms', float('nan')):8.1f} "
-              f"{b.get('ratio', float('nan')):6.2f}")
+              f"{b.get('ratio', float('nan')):6.2f} {b.get('noise', float('nan')):4.2f}")
+    checks = [(f"{t['model']} {t['config']} {kind}", t[kind]) for t in table for kind in ("free", "budget")
+              if "ratio" in t.get(kind, {})]
+    print("target (planner <= 1.05 x the fastest hand plan that fits): "
+          + "; ".join(f"{name} {_verdict(e['ratio'], e['noise'])}" for name, e in checks))
+
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "bench_planner_gloo.json"
     path.write_text(json.dumps(table, indent=1))
