@@ -9,7 +9,8 @@ latency_s``; on a mesh of two or more axes the flattened group of all axes is ti
 software stack) from the per-step latency. On a 1-D mesh the launch cost is 0 and the whole intercept is
 latency. Reduce-scatter, all-reduce and all-to-all are timed in the same sweeps and get a time factor each
 against their model on the fitted link (`LinkSpec.op_scale`). Timing (`measure_collectives_s`): a warm-up
-sweep, then interleaved sweeps over all sizes, medians of the slowest rank's time (robust to a busy host),
+sweep, then interleaved sweeps over all sizes, the mean or the median of the slowest rank's time (NOTE [a step
+pays the mean]),
 each call after a short compute as a step issues it (NOTE [in-step collectives]).
 Held-out sizes are measured in the same sweeps and reported next to the model's prediction.
 """
@@ -20,6 +21,7 @@ import dataclasses
 
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -69,7 +71,8 @@ class HeldOut:
 
 @dataclass(frozen=True)
 class AxisFit:
-    """Fit of one group: sizes (gathered bytes), median times (s), the intercept and bandwidth found."""
+    """Fit of one group: sizes (gathered bytes), times (s; the calibration's statistic), the intercept and
+    bandwidth found."""
 
     axes: tuple[str, ...]
     n_ranks: int
@@ -142,19 +145,24 @@ def _busy(seconds: float):
 
 
 def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
-                          rounds: int = 15, lead_compute_s: float = 0.0) -> dict[str, list[float]]:
-    """Median seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
-    convention) on every rank of `group`.
+                          rounds: int = 15, lead_compute_s: float = 0.0,
+                          statistic: str = "median") -> dict[str, list[float]]:
+    """Seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
+    convention) on every rank of `group`: the median over rounds, or with ``statistic="mean"`` the mean
+    (NOTE [a step pays the mean]).
 
     Collective: every rank of the world calls it, each with its own group of one partition (an axis' groups
     run at once). Protocol: one warm-up sweep, then `rounds` sweeps over every (op, size), interleaved so
     drift of a busy host hits all alike; a sample is one call after a barrier, timed as the slowest rank's
-    (all-reduce MAX); the median over rounds shrugs off the spikes of a busy host.
+    (all-reduce MAX); the mean leaves out the largest and the smallest sample (one stall of a busy host
+    does not become the figure).
 
     ``lead_compute_s > 0`` times the collective as a training step issues it (NOTE [in-step collectives]):
     each rank first computes for about that long, then calls the collective; the sample is the slowest
     rank's time for both minus the ranks' mean time for the compute alone (timed in the same sweeps). Raises
-    LayoutError when a size does not split into float32 chunks over the group."""
+    LayoutError when a size does not split into float32 chunks over the group or for an unknown statistic."""
+    if statistic not in _STATISTICS:
+        raise LayoutError(f"measure_collectives_s: statistic {statistic!r}; use one of {sorted(_STATISTICS)}")
     n = dist.get_world_size(group)
     for nbytes in sizes_bytes:
         if nbytes <= 0 or nbytes % (4 * n):
@@ -186,9 +194,32 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
     for _ in range(rounds):
         for op, k, fn in calls:
             samples[(op, k)].append(sample(fn))
-    lead_s = statistics.median(lead) if lead_compute_s > 0 else 0.0
-    return {op: [max(statistics.median(samples[(op, k)]) - lead_s, 1e-7) for k in range(len(sizes_bytes))]
+    stat = _STATISTICS[statistic]
+    lead_s = stat(lead) if lead_compute_s > 0 else 0.0
+    return {op: [max(stat(samples[(op, k)]) - lead_s, 1e-7) for k in range(len(sizes_bytes))]
             for op in ops}
+
+
+# NOTE [a step pays the mean]: a step's time is the sum of its collectives' times, so where a rank waits for
+# a collective with its core idle, the step pays their mean, not their median. On a shared host a small gloo
+# collective's time is skewed: on 2 ranks of this 2-vCPU host a 256 KiB all-reduce after 2 ms of compute
+# took 1.7-2.3 ms at the median and 2.5-2.6 ms on average (a tenth of the calls take several ms more), and
+# inside a tensor-parallel LLaMA step its 21 all-reduces averaged 2.8 ms: a link fitted on medians priced
+# them at 1.4 ms, and 2-rank tensor-parallel schedules measured 1.8-2.2x their price against 1.3-1.6x for
+# DDP. Where ranks share cores, a waiting rank lends its core to another rank that computes, and a
+# collective's long tail (a peer that was descheduled) overlaps that compute: the step does not pay it in
+# full. `calibrate_cluster(statistic="auto")` therefore takes the mean (of each (op, size)'s samples without
+# their largest and smallest one) when every rank of the job can have a core of its own on this host
+# (world size <= `os.cpu_count()`), else the median, and says which in its notes. Measured side by side on
+# the same steps (bench/bench_calibration_statistic.py; time ratio max/min, median -> mean): 2 ranks 1.40 ->
+# 1.19 and 1.52 -> 1.34 (and 1.43 -> 1.38, 1.33 -> 1.23 in a second run), 2x2 1.56 -> 1.79 and 1.49 -> 1.68
+# (1.58 -> 1.82), 1-D 4 ranks 1.26 -> 1.40 and 1.51 -> 1.40.
+def _trimmed_mean(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    return statistics.fmean(xs[1:-1] if len(xs) > 2 else xs)
+
+
+_STATISTICS = {"mean": _trimmed_mean, "median": statistics.median}
 
 
 def measure_copy_bytes_per_s(nbytes: int, *, rounds: int = 15) -> float:
@@ -248,7 +279,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
                       name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S,
-                      host_overheads: bool = True) -> Calibration:
+                      host_overheads: bool = True, statistic: str = "auto") -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
@@ -257,7 +288,9 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     reduce-scatter, for one, is far slower than a ring). With two or more axes the world group (every axis
     flattened) is fitted the same way and kept as `ClusterSpec.group_links` (data parallelism over all ranks
     runs on it). Collectives are timed after `lead_compute_s` of compute on every rank, as a step issues them
-    (NOTE [in-step collectives]; 0: right after a barrier). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
+    (NOTE [in-step collectives]; 0: right after a barrier); each time is the mean or the median of its rounds
+    (`statistic`: "mean", "median", or "auto": the mean when every rank can have a core of its own on this
+    host, else the median; NOTE [a step pays the mean]). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
     is measured too, and with `host_overheads` FSDP2's host cost per unit and per parameter on the world group
     (`treadle.profile.overheads.fsdp_overheads_s`, the ranks' mean; a fake group misses gloo's issue and
     completion path), written into the returned cluster's device (`base`'s device, e.g. `calibrate_cpu()`'s,
@@ -276,18 +309,30 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     if base is not None and (base.mesh.shape != mesh.shape or base.mesh.names != mesh.names):
         raise LayoutError(f"calibrate_cluster: base cluster {base} does not describe {mesh}")
     mesh.bind()
+    why = ""
+    if statistic == "auto":  # NOTE [a step pays the mean]
+        cores = os.cpu_count() or 1
+        own = mesh.world_size <= cores
+        statistic = "mean" if own else "median"
+        why = (f" ({mesh.world_size} ranks on {cores} cores: "
+               + ("each rank has a core of its own, a wait leaves it idle)" if own else
+                  "ranks share cores, a waiting rank lends its core)"))
+    if statistic not in _STATISTICS:
+        raise LayoutError(f"calibrate_cluster: statistic {statistic!r}; use 'auto' or one of {sorted(_STATISTICS)}")
     all_sizes = list(sizes_bytes) + list(held_out_bytes)
     fitted = len(sizes_bytes)
     groups = [((axis,), n, mesh.group(axis)) for axis, n in zip(mesh.names, mesh.shape) if n > 1]
     fits, measured = [], []
     for axes, n, group in groups:
-        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s)
+        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s,
+                                      statistic=statistic)
         measured.append(times)
         fits.append(fit_axis(axes, n, all_sizes[:fitted], times["all_gather"][:fitted]))
         logger.info("calibrate %s: n=%d, intercept %.1f us, %.2f GB/s", "+".join(axes), n,
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
-    notes: list[str] = [f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
-                         if lead_compute_s > 0 else "collectives timed right after a barrier"]
+    notes: list[str] = [(f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
+                          if lead_compute_s > 0 else "collectives timed right after a barrier")
+                         + f"; the {statistic} of {rounds} rounds{why}"]
     for members in _same_channel(groups, base):
         pooled = {op: [statistics.fmean(measured[i][op][k] for i in members) for k in range(len(all_sizes))]
                   for op in ops}
@@ -302,7 +347,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     flat_all: dict[str, list[float]] = {}
     if len(groups) >= 2:
         flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds,
-                                         lead_compute_s=lead_compute_s)
+                                         lead_compute_s=lead_compute_s, statistic=statistic)
         flat_times = flat_all["all_gather"]
         flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)

@@ -142,7 +142,7 @@ def register(subparsers) -> None:
     c = subparsers.add_parser("calibrate", help="measure alpha/beta per mesh axis on gloo ranks of this host")
     c.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 (4 ranks) or 2 (default 2x2)")
     c.add_argument("--names", nargs="+", help="axis names (default dp tp for two axes)")
-    c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (median; default 15)")
+    c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (their mean: NOTE [a step pays the mean]; default 15)")
     c.add_argument("--lead-ms", type=float, default=DEFAULT_LEAD_COMPUTE_S * 1e3,
                    help="compute before each timed collective, as a step issues it (NOTE [in-step collectives]; "
                         "0: right after a barrier; default %(default)s)")
