@@ -146,7 +146,7 @@ def _busy(seconds: float):
 
 def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
                           rounds: int = 15, lead_compute_s: float = 0.0,
-                          statistic: str = "median") -> dict[str, list[float]]:
+                          statistic: str = "median", chain: int = 1) -> dict[str, list[float]]:
     """Seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
     convention) on every rank of `group`: the median over rounds, or with ``statistic="mean"`` the mean
     (NOTE [a step pays the mean]).
@@ -159,8 +159,13 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
 
     ``lead_compute_s > 0`` times the collective as a training step issues it (NOTE [in-step collectives]):
     each rank first computes for about that long, then calls the collective; the sample is the slowest
-    rank's time for both minus the ranks' mean time for the compute alone (timed in the same sweeps). Raises
-    LayoutError when a size does not split into float32 chunks over the group or for an unknown statistic."""
+    rank's time for both minus the ranks' mean time for the compute alone (timed in the same sweeps).
+
+    ``chain > 1`` times a collective as a step pays it (NOTE [collectives in a chain]): a sample is `chain`
+    (compute, collective) pairs back to back with no barrier between them, timed as the slowest rank's,
+    minus the ranks' mean time for the same `chain` computes alone (timed right after, in the same sample),
+    divided by `chain`. Raises LayoutError when a size does not split into float32 chunks over the group, for
+    an unknown statistic or a `chain` below 1."""
     if statistic not in _STATISTICS:
         raise LayoutError(f"measure_collectives_s: statistic {statistic!r}; use one of {sorted(_STATISTICS)}")
     n = dist.get_world_size(group)
@@ -168,11 +173,15 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
         if nbytes <= 0 or nbytes % (4 * n):
             raise LayoutError(f"measure_collectives_s: {nbytes} bytes do not split into float32 chunks over {n} "
                               f"ranks; use a positive multiple of {4 * n}")
+    if chain < 1:
+        raise LayoutError(f"measure_collectives_s: chain must be >= 1; got {chain}")
     calls = [(op, k, _collective_call(op, s, n, group)) for op in ops for k, s in enumerate(sizes_bytes)]
     busy = _busy(lead_compute_s)
     lead: list[float] = []
 
     def sample(fn) -> float:
+        if chain > 1:
+            return _chain_sample(fn, busy, chain)
         dist.barrier()
         t0 = time.perf_counter()
         busy()
@@ -195,9 +204,43 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
         for op, k, fn in calls:
             samples[(op, k)].append(sample(fn))
     stat = _STATISTICS[statistic]
-    lead_s = stat(lead) if lead_compute_s > 0 else 0.0
+    lead_s = stat(lead) if lead_compute_s > 0 and chain == 1 else 0.0
     return {op: [max(stat(samples[(op, k)]) - lead_s, 1e-7) for k in range(len(sizes_bytes))]
             for op in ops}
+
+
+def _chain_sample(fn, busy, chain: int) -> float:
+    """One sample of NOTE [collectives in a chain]: seconds per collective of `chain` (busy, fn) pairs, the
+    slowest rank's chain minus the ranks' mean time for `chain` busy calls alone. Collective over the world."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(chain):
+        busy()
+        fn()
+    t1 = time.perf_counter()
+    dist.barrier()
+    t2 = time.perf_counter()
+    for _ in range(chain):
+        busy()
+    t3 = time.perf_counter()
+    slowest = torch.tensor([t1 - t0], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    alone = torch.tensor([t3 - t2], dtype=torch.float64)
+    dist.all_reduce(alone)
+    return (slowest.item() - alone.item() / dist.get_world_size()) / chain
+
+
+# NOTE [collectives in a chain]: a step issues its blocking collectives one after another with compute
+# between them and no barrier: the ranks a collective synchronises drift apart again only over the compute
+# that follows, a rank that waits lends its core to one that computes (ranks sharing cores), and the other
+# groups of the axis (the two tp pairs of a 2x2 mesh) run on their own. A sample that starts every collective
+# from a world barrier charges each one the whole world's drift over the lead compute and none of the lending.
+# Measured inside real steps on this 2-vCPU host (GPT-2 of the benches, 2x2 mesh, 4 gloo ranks; the mean time
+# a rank spends inside each collective, against the link fitted on barrier-started samples): tensor parallel's
+# 128 KiB all-reduces 2.2-2.3 ms against 3.24 priced; sequence parallel's all-gathers 1.8-2.6 against 3.16,
+# reduce-scatters 2.5-2.7 against 4.82 (that fit's reduce-scatter factor was 1.53), its all-reduces with short
+# leads 1.3 against 3.05. A chain of `chain` (compute, collective) pairs timed end to end, minus the same
+# computes alone, divided by `chain`, is what each collective adds to a step.
 
 
 # NOTE [a step pays the mean]: a step's time is the sum of its collectives' times, so where a rank waits for
@@ -211,7 +254,7 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
 # full. `calibrate_cluster(statistic="auto")` therefore takes the mean (of each (op, size)'s samples without
 # their largest and smallest one) when every rank of the job can have a core of its own on this host
 # (world size <= `os.cpu_count()`), else the median, and says which in its notes. Measured side by side on
-# the same steps (bench/bench_calibration_statistic.py; time ratio max/min, median -> mean): 2 ranks 1.40 ->
+# the same steps (bench/bench_calibration.py --compare statistic; time ratio max/min, median -> mean): 2 ranks 1.40 ->
 # 1.19 and 1.52 -> 1.34 (and 1.43 -> 1.38, 1.33 -> 1.23 in a second run), 2x2 1.56 -> 1.79 and 1.49 -> 1.68
 # (1.58 -> 1.82), 1-D 4 ranks 1.26 -> 1.40 and 1.51 -> 1.40.
 def _trimmed_mean(xs: Sequence[float]) -> float:
@@ -279,7 +322,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
                       name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S,
-                      host_overheads: bool = True, statistic: str = "auto") -> Calibration:
+                      host_overheads: bool = True, statistic: str = "auto", chain: int = 1) -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
@@ -325,7 +368,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     fits, measured = [], []
     for axes, n, group in groups:
         times = measure_collectives_s(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s,
-                                      statistic=statistic)
+                                      statistic=statistic, chain=chain)
         measured.append(times)
         fits.append(fit_axis(axes, n, all_sizes[:fitted], times["all_gather"][:fitted]))
         logger.info("calibrate %s: n=%d, intercept %.1f us, %.2f GB/s", "+".join(axes), n,
@@ -347,7 +390,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     flat_all: dict[str, list[float]] = {}
     if len(groups) >= 2:
         flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds,
-                                         lead_compute_s=lead_compute_s, statistic=statistic)
+                                         lead_compute_s=lead_compute_s, statistic=statistic, chain=chain)
         flat_times = flat_all["all_gather"]
         flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)
