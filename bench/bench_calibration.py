@@ -1,7 +1,8 @@
 """Which calibration prices a step right: two calibrations of the same links, side by side on the same measured
 steps. ``--compare statistic``: each collective's samples summarised by their median against their mean (NOTE
 [a step pays the mean] in `treadle.cost.calibrate`); ``--compare chain`` (default): every sample started from a
-world barrier against chains of (compute, collective) pairs timed end to end (NOTE [collectives in a chain]).
+world barrier against chains of (compute, collective) pairs timed end to end (NOTE [collectives in a chain]);
+``--compare skew``: one chain calibration priced with and without its drift term (NOTE [lead-dependent skew]).
 
 Per configuration (models and schedules of `bench_price_vs_measured.py`: GPT-2 and a tiny LLaMA with grouped-query
 attention, batch 8 x seq 64, hand plans and the planner's two plans): the CPU is calibrated once
@@ -11,7 +12,7 @@ protocol: interleaved rounds, slowest rank, median step, with its 95% bootstrap 
 both clusters. Prints measured vs predicted per variant and issue 9's targets for each; writes
 bench/results/bench_calibration_<compare>.json.
 
-    .venv/bin/python bench/bench_calibration.py [--compare chain|statistic] [--models gpt2 llama] [--configs 2x2 4 2]
+    .venv/bin/python bench/bench_calibration.py [--compare chain|skew|statistic] [--models gpt2 llama] [--configs 2x2 4 2]
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_price_vs_measured as pvm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# variant name -> calibrate_cluster keyword arguments, per comparison
+# variant name -> (calibrate_cluster keyword arguments, whether the links keep their measured drift), per
+# comparison; variants with the same arguments share one calibration (``--compare skew``: the same links with
+# and without NOTE [lead-dependent skew], so the comparison carries no calibration noise)
 VARIANTS = {
-    "statistic": {"median": {"statistic": "median", "chain": 1}, "mean": {"statistic": "mean", "chain": 1}},
-    "chain": {"barrier": {"chain": 1}, "chain": {"chain": 8}},
+    "statistic": {"median": ({"statistic": "median", "chain": 1}, True),
+                  "mean": ({"statistic": "mean", "chain": 1}, True)},
+    "chain": {"barrier": ({"chain": 1}, True), "chain": ({"chain": 8}, True)},
+    "skew": {"no skew": ({"chain": 8}, False), "skew": ({"chain": 8}, True)},
 }
 
 
@@ -45,8 +50,22 @@ def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple, device, v
     torch.set_num_threads(1)
     mesh = Mesh(shape, names)
     base = ClusterSpec.uniform(mesh, "loopback", device=device)
-    return {name: calibrate_cluster(mesh, rounds=15, base=base, **kw).cluster.to_json()
-            for name, kw in variants.items()}
+    done: dict[str, str] = {}
+    for kw, _ in variants.values():
+        key = json.dumps(kw, sort_keys=True)
+        if key not in done:
+            done[key] = calibrate_cluster(mesh, rounds=15, base=base, **kw).cluster.to_json()
+    return {name: done[json.dumps(kw, sort_keys=True)] for name, (kw, _) in variants.items()}
+
+
+def _without_skew(cluster):
+    """The same cluster with every link's drift removed (skew_s = 0)."""
+    import dataclasses
+
+    plain = [dataclasses.replace(cluster.link(a), skew_s=0.0, skew_lead_s=0.0) for a in cluster.mesh.names]
+    groups = tuple((axes, dataclasses.replace(link, skew_s=0.0, skew_lead_s=0.0))
+                   for axes, link in cluster.group_links)
+    return dataclasses.replace(cluster.with_links(plain), group_links=groups)
 
 
 def run_config(model_name: str, config: str, args) -> dict:
@@ -66,6 +85,10 @@ def run_config(model_name: str, config: str, args) -> dict:
     clusters = {v: ClusterSpec.from_json(texts[v]).with_ranks(threads_per_rank=1, ranks_per_host=world,
                                                               cores_per_host=os.cpu_count())
                 for v in names_v}
+    clusters = {v: c if variants[v][1] else _without_skew(c) for v, c in clusters.items()}
+    for v, c in clusters.items():
+        print(f"  {v}: " + "; ".join(f"{a} {c.link(a)} skew {c.link(a).skew_s * 1e3:.2f} ms after "
+                                     f"{c.link(a).skew_lead_s * 1e3:.2f} ms" for a in c.mesh.names), flush=True)
     scheds = pvm.schedules(model_name, shape, names, args.batch, args.seq, clusters[names_v[-1]], False)
     res = spawn(pvm._measure_rank, world, model_name, args.batch, args.seq, scheds, args.steps, args.repeats,
                 timeout_s=3000)[0]

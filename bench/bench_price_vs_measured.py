@@ -10,7 +10,8 @@ budget (60% of its unconstrained priced peak; ``plan_model(price_top=4)``).
 
 Method. The CPU per core is calibrated first by `calibrate_cpu(threads=1)` (explicit: ``--nominal-cpu`` keeps
 the nominal `CPU_CORE`), then the links of each mesh, the world group's link and FSDP2's host costs on the
-running process group (`treadle.cost.calibrate.calibrate_cluster`, collectives timed in-step), and the cluster states the rank placement explicitly:
+running process group (`treadle.cost.calibrate.calibrate_cluster`, collectives timed in-step, in chains, with
+their drift: NOTE [collectives in a chain], NOTE [lead-dependent skew]), and the cluster states the rank placement explicitly:
 1 thread per rank, `os.cpu_count()` cores shared by all ranks of the host (recorded in the output).
 Every schedule is priced (`treadle.price`) in this process, then all schedules of a configuration are
 measured in ONE process group: built once each (same seed), then ``--repeats`` rounds (default 8), each

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 2 << 20, 8 << 20)
 DEFAULT_HELD_OUT_BYTES = (16 << 10, 256 << 10, 4 << 20)
 DEFAULT_LEAD_COMPUTE_S = 2e-3  # NOTE [in-step collectives]: about one block's forward of the tiny models here
+DEFAULT_CHAIN = 8  # NOTE [collectives in a chain]: (compute, collective) pairs per sample
 
 # NOTE [in-step collectives]. A training step issues each collective after some compute: the ranks arrive
 # apart (their compute drifts; ranks sharing cores are time-sliced) and gloo's threads have gone to sleep.
@@ -144,9 +145,26 @@ def _busy(seconds: float):
     return run
 
 
+@dataclass(frozen=True)
+class CollectiveTimes:
+    """What `time_collectives` measured: `times_s[op][k]` seconds of `op` at the k-th size, and
+    `lead_wall_s` the wall seconds the lead compute took on each rank (the ranks' mean; 0 without one)."""
+
+    times_s: dict[str, list[float]]
+    lead_wall_s: float
+
+
 def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
                           rounds: int = 15, lead_compute_s: float = 0.0,
                           statistic: str = "median", chain: int = 1) -> dict[str, list[float]]:
+    """`time_collectives(...).times_s` (same arguments)."""
+    return time_collectives(ops, sizes_bytes, group, rounds=rounds, lead_compute_s=lead_compute_s,
+                            statistic=statistic, chain=chain).times_s
+
+
+def time_collectives(ops: Sequence[str], sizes_bytes: Sequence[int], group: dist.ProcessGroup, *,
+                     rounds: int = 15, lead_compute_s: float = 0.0,
+                     statistic: str = "median", chain: int = 1) -> CollectiveTimes:
     """Seconds of each collective in `ops` at each of `sizes_bytes` (float32; collective_cost's byte
     convention) on every rank of `group`: the median over rounds, or with ``statistic="mean"`` the mean
     (NOTE [a step pays the mean]).
@@ -181,7 +199,9 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
 
     def sample(fn) -> float:
         if chain > 1:
-            return _chain_sample(fn, busy, chain)
+            per_call_s, busy_s = _chain_sample(fn, busy, chain)
+            lead.append(busy_s)
+            return per_call_s
         dist.barrier()
         t0 = time.perf_counter()
         busy()
@@ -204,14 +224,16 @@ def measure_collectives_s(ops: Sequence[str], sizes_bytes: Sequence[int], group:
         for op, k, fn in calls:
             samples[(op, k)].append(sample(fn))
     stat = _STATISTICS[statistic]
-    lead_s = stat(lead) if lead_compute_s > 0 and chain == 1 else 0.0
-    return {op: [max(stat(samples[(op, k)]) - lead_s, 1e-7) for k in range(len(sizes_bytes))]
-            for op in ops}
+    lead_s = stat(lead) if lead_compute_s > 0 else 0.0
+    drop = lead_s if chain == 1 else 0.0  # a chain sample has its computes taken out already
+    return CollectiveTimes({op: [max(stat(samples[(op, k)]) - drop, 1e-7) for k in range(len(sizes_bytes))]
+                            for op in ops}, lead_s)
 
 
-def _chain_sample(fn, busy, chain: int) -> float:
-    """One sample of NOTE [collectives in a chain]: seconds per collective of `chain` (busy, fn) pairs, the
-    slowest rank's chain minus the ranks' mean time for `chain` busy calls alone. Collective over the world."""
+def _chain_sample(fn, busy, chain: int) -> tuple[float, float]:
+    """One sample of NOTE [collectives in a chain]: (seconds per collective of `chain` (busy, fn) pairs, the
+    slowest rank's chain minus the ranks' mean time for `chain` busy calls alone; the ranks' mean seconds of
+    one busy call alone). Collective over the world."""
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(chain):
@@ -227,7 +249,8 @@ def _chain_sample(fn, busy, chain: int) -> float:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     alone = torch.tensor([t3 - t2], dtype=torch.float64)
     dist.all_reduce(alone)
-    return (slowest.item() - alone.item() / dist.get_world_size()) / chain
+    busy_s = alone.item() / dist.get_world_size() / chain
+    return slowest.item() / chain - busy_s, busy_s
 
 
 # NOTE [collectives in a chain]: a step issues its blocking collectives one after another with compute
@@ -322,7 +345,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                       held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
                       name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S,
-                      host_overheads: bool = True, statistic: str = "auto", chain: int = 1) -> Calibration:
+                      host_overheads: bool = True, statistic: str = "auto",
+                      chain: int = DEFAULT_CHAIN) -> Calibration:
     """Time and fit every axis of `mesh` (size > 1) on the running process groups; all ranks return the same.
 
     `sizes_bytes` are fitted; `held_out_bytes` are measured in the same sweeps but not fitted, and the
@@ -331,7 +355,10 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     reduce-scatter, for one, is far slower than a ring). With two or more axes the world group (every axis
     flattened) is fitted the same way and kept as `ClusterSpec.group_links` (data parallelism over all ranks
     runs on it). Collectives are timed after `lead_compute_s` of compute on every rank, as a step issues them
-    (NOTE [in-step collectives]; 0: right after a barrier); each time is the mean or the median of its rounds
+    (NOTE [in-step collectives]; 0: right after a barrier), in chains of `chain` (compute, collective) pairs
+    with no barrier between them (NOTE [collectives in a chain]; 1: each call alone after a barrier); with a
+    chain and a lead the chains are timed once more without the lead, and the difference is each link's drift
+    (`LinkSpec.skew_s` after `skew_lead_s`: NOTE [lead-dependent skew]); each time is the mean or the median of its rounds
     (`statistic`: "mean", "median", or "auto": the mean when every rank can have a core of its own on this
     host, else the median; NOTE [a step pays the mean]). The local copy rate (`ClusterSpec.copy_bytes_per_s`)
     is measured too, and with `host_overheads` FSDP2's host cost per unit and per parameter on the world group
@@ -365,39 +392,59 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
     all_sizes = list(sizes_bytes) + list(held_out_bytes)
     fitted = len(sizes_bytes)
     groups = [((axis,), n, mesh.group(axis)) for axis, n in zip(mesh.names, mesh.shape) if n > 1]
-    fits, measured = [], []
+    fits, measured, skews = [], [], []
+    skewed = chain > 1 and lead_compute_s > 0  # NOTE [lead-dependent skew]: chains without a lead too
+
+    def timed(group) -> tuple[dict[str, list[float]], tuple[float, float]]:
+        long = time_collectives(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s,
+                                statistic=statistic, chain=chain)
+        if not skewed:
+            return long.times_s, (0.0, 0.0)
+        short = time_collectives(ops, all_sizes, group, rounds=rounds, lead_compute_s=0.0, statistic=statistic,
+                                 chain=chain)
+        return long.times_s, (_skew_s(long.times_s, short.times_s, fitted), long.lead_wall_s)
+
     for axes, n, group in groups:
-        times = measure_collectives_s(ops, all_sizes, group, rounds=rounds, lead_compute_s=lead_compute_s,
-                                      statistic=statistic, chain=chain)
+        times, skew = timed(group)
         measured.append(times)
+        skews.append(skew)
         fits.append(fit_axis(axes, n, all_sizes[:fitted], times["all_gather"][:fitted]))
         logger.info("calibrate %s: n=%d, intercept %.1f us, %.2f GB/s", "+".join(axes), n,
                     fits[-1].intercept_s * 1e6, fits[-1].bandwidth_bytes_per_s / 1e9)
-    notes: list[str] = [(f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
-                          if lead_compute_s > 0 else "collectives timed right after a barrier")
-                         + f"; the {statistic} of {rounds} rounds{why}"]
+    if chain > 1:
+        protocol = (f"collectives timed in chains of {chain} (compute, collective) pairs, "
+                    + (f"{lead_compute_s * 1e3:.1f} ms of compute before each (in-step)" if lead_compute_s > 0
+                       else "back to back"))
+    else:
+        protocol = (f"collectives timed after {lead_compute_s * 1e3:.1f} ms of compute on every rank (in-step)"
+                    if lead_compute_s > 0 else "collectives timed right after a barrier")
+    notes: list[str] = [protocol + f"; the {statistic} of {rounds} rounds{why}"]
+    if skewed:
+        notes.append("drift (skew_s) measured as the chains with that lead minus chains without compute")
     for members in _same_channel(groups, base):
         pooled = {op: [statistics.fmean(measured[i][op][k] for i in members) for k in range(len(all_sizes))]
                   for op in ops}
         lead = groups[members[0]]
         one = fit_axis(lead[0], lead[1], all_sizes[:fitted], pooled["all_gather"][:fitted])
+        skew = (statistics.fmean(skews[i][0] for i in members), statistics.fmean(skews[i][1] for i in members))
         for i in members:  # one fit, shared (fitted apart, LAPACK's last bits may differ with memory alignment)
             measured[i] = pooled
             fits[i] = dataclasses.replace(one, axes=groups[i][0])
+            skews[i] = skew
         notes.append(f"axes {', '.join(groups[i][0][0] for i in members)} share the link "
                      f"{base.link(groups[members[0]][0][0]).name!r} in the base cluster: their timings are pooled")
     flat_fit, launch = None, 0.0
     flat_all: dict[str, list[float]] = {}
+    flat_skew = (0.0, 0.0)
     if len(groups) >= 2:
-        flat_all = measure_collectives_s(ops, all_sizes, dist.group.WORLD, rounds=rounds,
-                                         lead_compute_s=lead_compute_s, statistic=statistic, chain=chain)
+        flat_all, flat_skew = timed(dist.group.WORLD)
         flat_times = flat_all["all_gather"]
         flat_fit = fit_axis(tuple(mesh.names), mesh.world_size, all_sizes[:fitted], flat_times[:fitted])
         launch = _solve_launch(fits, flat_fit)
     else:
         notes.append("one axis of size > 1: launch cost not separable from latency; launch_s = 0")
     links = {}
-    for f, times in zip(fits, measured):
+    for f, times, (skew_s, skew_lead_s) in zip(fits, measured, skews):
         latency = max(f.intercept_s - launch, 0.0) / (f.n_ranks - 1)
         plain = LinkSpec(name=f"{name}-{f.axes[0]}", latency_s=latency,
                          bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0, launch_s=launch)
@@ -405,7 +452,7 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                        for op in ops if op != "all_gather")
         links[f.axes[0]] = LinkSpec(name=plain.name, latency_s=latency,
                                     bandwidth_bytes_per_s=f.bandwidth_bytes_per_s, efficiency=1.0,
-                                    launch_s=launch, op_scale=scales)
+                                    launch_s=launch, op_scale=scales, skew_s=skew_s, skew_lead_s=skew_lead_s)
     group_links = ()
     if flat_fit is not None:  # the world group, flattening every axis: e.g. data parallelism over all ranks
         live = tuple(a for a, n in zip(mesh.names, mesh.shape) if n > 1)
@@ -414,7 +461,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                          bandwidth_bytes_per_s=flat_fit.bandwidth_bytes_per_s, efficiency=1.0, launch_s=launch)
         scales = tuple((op, _scale(op, flat_fit.n_ranks, plain, all_sizes[:fitted], flat_all[op][:fitted]))
                        for op in ops if op != "all_gather")
-        group_links = ((live, dataclasses.replace(plain, op_scale=scales)),)
+        group_links = ((live, dataclasses.replace(plain, op_scale=scales, skew_s=flat_skew[0],
+                                                  skew_lead_s=flat_skew[1])),)
     copy_rate = measure_copy_bytes_per_s(max(all_sizes), rounds=rounds)
     base = base or ClusterSpec.uniform(mesh, next(iter(links.values())), device="cpu")
     cluster = base.with_links([links.get(a, base.link(a)) for a in mesh.names], copy_bytes_per_s=copy_rate)
@@ -426,6 +474,27 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                      for f, times in zip(fits, measured) for op in ops
                      for size, t in zip(all_sizes[fitted:], times[op][fitted:]))
     return Calibration(cluster, tuple(fits), flat_fit, launch, held_out, tuple(notes))
+
+
+# NOTE [lead-dependent skew]: a blocking collective waits for the last rank of its group to arrive, and the
+# ranks drift apart over the compute since they last synchronised (time-sliced ranks sharing cores, a rank's
+# gloo threads gone to sleep, the host's other work), so the same collective costs more after a long compute
+# than right after another collective. Inside real steps on this 2-vCPU host (GPT-2 of the benches, 2x2 mesh,
+# sequence parallelism): all-reduces issued 0.1-0.3 ms after the previous collective averaged 1.3 ms, those
+# after 1-5 ms of compute 2.2-3.3 ms; chains of 8 timed on the tp axis: 1.6-2.0 ms without compute between
+# the calls, 3.5 ms after 3 ms of compute, for 16 KiB to 1 MiB alike. Calibration therefore times the chains
+# twice, with the lead compute and without it: the link is fitted on the first (what the cost functions
+# price: a collective after a long compute, as tensor parallelism issues them), and `LinkSpec.skew_s` is the
+# median over collectives and sizes of the difference, reached after `skew_lead_s` (the lead's wall time on
+# the loaded host). `treadle.price`'s timeline gives a blocking collective issued after a shorter lead back
+# the undrifted part, linearly (`LinkSpec.short_lead_saving_s`); the planner's cost graph, which has no
+# timeline, keeps the full price (conservative for back-to-back collectives, e.g. sequence parallelism).
+def _skew_s(long: dict[str, list[float]], short: dict[str, list[float]], fitted: int) -> float:
+    """NOTE [lead-dependent skew]: the median over collectives and fitted sizes of (with lead - without),
+    clipped to [0, the smallest time with the lead]."""
+    pairs = [(long[op][k], short[op][k]) for op in long for k in range(fitted)]
+    diff = statistics.median(a - b for a, b in pairs)
+    return min(max(diff, 0.0), min(a for a, _ in pairs))
 
 
 def _same_channel(groups: list, base: ClusterSpec | None) -> list[list[int]]:

@@ -19,7 +19,7 @@ from rich.table import Table
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..viz.progress import add_quiet_flag, is_quiet, progress
-from .calibrate import DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
+from .calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
 from .cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,10 @@ def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
 
 
 def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int,
-                    lead_compute_s: float, device) -> str:
+                    lead_compute_s: float, device, chain: int = DEFAULT_CHAIN) -> str:
     mesh = Mesh(shape, names)
     base = ClusterSpec.uniform(mesh, "loopback", device=device)
-    return calibrate_cluster(mesh, rounds=rounds, lead_compute_s=lead_compute_s, base=base).to_json()
+    return calibrate_cluster(mesh, rounds=rounds, lead_compute_s=lead_compute_s, base=base, chain=chain).to_json()
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -102,7 +102,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         device = calibrate_cpu(threads=1)
     with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
         text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, args.lead_ms / 1e3,
-                     device, timeout_s=args.timeout)[0]
+                     device, args.chain, timeout_s=args.timeout)[0]
     data = json.loads(text)
     cluster = ClusterSpec.from_dict(data["cluster"])
     if args.cpu:  # the ranks' placement: one thread each, all on this host's cores
@@ -146,6 +146,10 @@ def register(subparsers) -> None:
     c.add_argument("--lead-ms", type=float, default=DEFAULT_LEAD_COMPUTE_S * 1e3,
                    help="compute before each timed collective, as a step issues it (NOTE [in-step collectives]; "
                         "0: right after a barrier; default %(default)s)")
+    c.add_argument("--chain", type=int, default=DEFAULT_CHAIN,
+                   help="(compute, collective) pairs timed back to back per sample, as a step pays them, and the "
+                        "links' drift measured (NOTE [collectives in a chain]; 1: each call alone after a barrier; "
+                        "default %(default)s)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
     c.add_argument("--cpu", action="store_true",

@@ -26,8 +26,13 @@ class LinkSpec:
     `op_scale` holds measured deviations of single collectives from their textbook algorithm, as pairs
     (collective name, time factor), e.g. ``(("reduce_scatter", 1.7),)`` where a backend implements
     reduce-scatter worse than a ring (gloo); calibration fills it, presets leave it empty (factor 1).
-    Raises LayoutError on a negative latency or launch cost, a non-positive bandwidth, an efficiency
-    outside (0, 1], or a non-positive scale.
+    `skew_s` is the part of each call's time that is the ranks' drift apart over `skew_lead_s` seconds of
+    compute since their group last synchronised (NOTE [lead-dependent skew] in `treadle.cost.calibrate`): the
+    cost functions price a call after at least that much compute, as calibration timed it; a blocking call
+    issued sooner after the previous one pays ``skew_s * lead / skew_lead_s`` of it (`treadle.cost.overlap`).
+    Default 0 (no drift: presets, GPUs). Raises LayoutError on a negative latency, launch cost, skew or skew
+    lead, a skew without a positive lead, a non-positive bandwidth, an efficiency outside (0, 1], or a
+    non-positive scale.
     """
 
     name: str = "custom"
@@ -36,12 +41,15 @@ class LinkSpec:
     efficiency: float = 1.0
     launch_s: float = 0.0
     op_scale: tuple[tuple[str, float], ...] = ()
+    skew_s: float = 0.0
+    skew_lead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0 or not 0 < self.efficiency <= 1
-                or self.launch_s < 0):
-            raise LayoutError(f"LinkSpec needs latency_s >= 0, launch_s >= 0, bandwidth_bytes_per_s > 0 and "
-                              f"0 < efficiency <= 1; got {self!r}")
+                or self.launch_s < 0 or self.skew_s < 0 or self.skew_lead_s < 0
+                or (self.skew_s > 0 and self.skew_lead_s <= 0)):
+            raise LayoutError(f"LinkSpec needs latency_s >= 0, launch_s >= 0, bandwidth_bytes_per_s > 0, "
+                              f"0 < efficiency <= 1, skew_s >= 0 and skew_lead_s > 0 where skew_s > 0; got {self!r}")
         object.__setattr__(self, "op_scale", tuple(sorted((str(k), float(v)) for k, v in self.op_scale)))
         if any(v <= 0 for _, v in self.op_scale):
             raise LayoutError(f"LinkSpec op_scale factors must be > 0; got {self.op_scale}")
@@ -52,6 +60,14 @@ class LinkSpec:
             if k == op:
                 return v
         return 1.0
+
+    def short_lead_saving_s(self, lead_s: float) -> float:
+        """Seconds a call issued `lead_s` seconds of compute after its group last synchronised pays less than
+        the cost functions' price (which assumes a lead of at least `skew_lead_s`): the undrifted part of
+        `skew_s`, ``skew_s * (1 - lead_s / skew_lead_s)`` for a shorter lead, else 0."""
+        if self.skew_s <= 0 or lead_s >= self.skew_lead_s:
+            return 0.0
+        return self.skew_s * (1.0 - max(lead_s, 0.0) / self.skew_lead_s)
 
     def __str__(self) -> str:
         return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.bandwidth_bytes_per_s / GB:.0f} GB/s)"

@@ -22,6 +22,11 @@ With ``t_c`` the collective's alpha-beta time and ``free[axis]`` when its channe
 A collective may also wait for another one issued before it (``follows``: HSDP's all-reduce of a gradient
 shard starts once its reduce-scatter ends): ``start_c = max(..., end_follows)``.
 
+A blocking collective issued soon after the previous one pays less of its link's drift (NOTE [lead-dependent
+skew] in `treadle.cost.calibrate`): with ``lead = issue time - sync`` (``sync``: when the rank last left a
+blocking collective, 0 at the step's start) its time is ``t_c - skew_s * max(0, 1 - lead / skew_lead_s)``
+(`LinkSpec.short_lead_saving_s`; ``skew_s = 0`` on links without measured drift, e.g. every GPU preset).
+
 Each wait is split exactly among the collectives waited on, in order of their end times, so the
 per-collective ``exposed_s`` sum to the step's exposed communication. With ``overlap=False`` (a device
 whose ranks have no core to spare for communication threads, e.g. gloo ranks sharing CPU cores) every
@@ -37,6 +42,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .links import LinkSpec
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
@@ -69,6 +78,7 @@ class Collective:
     needed_before: int | None = None
     source: str = "tp"
     follows: "Collective | None" = None  # starts once this one ends (HSDP: all-reduce after reduce-scatter)
+    link: "LinkSpec | None" = None  # its link, for the short-lead saving of a blocking call (None: no saving)
     start_s: float = 0.0
     end_s: float = 0.0
     exposed_s: float = 0.0
@@ -111,16 +121,20 @@ def simulate(segments: list[Segment], collectives: list[Collective], *, overlap:
             waits.setdefault(n if c.needed_before is None else c.needed_before, []).append(c)
     free: dict[str, float] = {}
     now = 0.0
+    sync = 0.0  # when the rank last left a blocking collective (its group's ranks were together then)
     starts: list[float] = []
 
     def issue(after: int) -> None:
-        nonlocal now
+        nonlocal now, sync
         for c in issued.get(after, []):
+            if c.blocking and c.link is not None:  # NOTE [lead-dependent skew]
+                c.time_s = max(c.time_s - c.link.short_lead_saving_s(now - sync), 0.0)
             c.start_s = max(now, free.get(c.axis, 0.0), c.follows.end_s if c.follows is not None else 0.0)
             c.end_s = c.start_s + c.time_s
             free[c.axis] = c.end_s
             if c.blocking:
                 _wait([c])
+                sync = now
 
     def _wait(cs: list[Collective]) -> None:
         nonlocal now

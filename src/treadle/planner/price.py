@@ -418,12 +418,14 @@ def _ddp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Col
         nbytes = sum(size_of[x] for x in bucket)
         after = max(ready_of[x] for x in bucket)
         out.append(Collective("all_reduce", axis, nbytes, _coll_time_s("all_reduce", nbytes, n, link),
-                              segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp"))
+                              segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp",
+                              link=link))
     cast = buffer_bytes(reh.model)  # NOTE [DDP buffers]: every buffer, before the forward's first op, waited on
     if cast:
         first = next((i for i, s in enumerate(segs) if s.phase == "fwd"), 0)
         out.append(Collective("broadcast", axis, cast, _coll_time_s("broadcast", cast, n, link),
-                              segs[first].module if segs else "", "fwd", first - 1, blocking=True, source="ddp"))
+                              segs[first].module if segs else "", "fwd", first - 1, blocking=True, source="ddp",
+                              link=link))
     return out
 
 
@@ -486,13 +488,13 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
     fwd_order = sorted((u for u in first_fwd if u and unit_bytes[u]), key=first_fwd.get)
     if unit_bytes[""]:
         out.append(Collective("all_gather", axis, unit_bytes[""], _coll_time_s("all_gather", unit_bytes[""], n, link),
-                              "", "fwd", -1, blocking=False, needed_before=0, source="fsdp"))
+                              "", "fwd", -1, blocking=False, needed_before=0, source="fsdp", link=link))
     prev_start = 0
     for u in fwd_order:  # gathered one unit ahead: issued when the previous unit starts
         need = first_fwd[u]
         issue = min(prev_start, need) - 1
         out.append(Collective("all_gather", axis, unit_bytes[u], _coll_time_s("all_gather", unit_bytes[u], n, link),
-                              u, "fwd", issue, blocking=False, needed_before=need, source="fsdp"))
+                              u, "fwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
         prev_start = need
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
@@ -501,20 +503,21 @@ def _fsdp(reh: _Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[l
         need = first_bwd[u]
         issue = min(prev_start, need) - 1
         out.append(Collective("all_gather", axis, unit_bytes[u], _coll_time_s("all_gather", unit_bytes[u], n, link),
-                              u, "bwd", issue, blocking=False, needed_before=need, source="fsdp"))
+                              u, "bwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
         prev_start = need
     for u in units:
         if not unit_bytes[u]:
             continue
         after = last_bwd.get(u, len(segs) - 1)
         rs = Collective("reduce_scatter", axis, unit_bytes[u], _coll_time_s("reduce_scatter", unit_bytes[u], n, link),
-                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp")
+                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp", link=link)
         out.append(rs)
         if rep_axes:
             shard_bytes = unit_bytes[u] / n
             t = _coll_time_s("all_reduce", shard_bytes, dp.replicate_size(reh.mesh), _dp_link(cluster, rep_axes))
             out.append(Collective("all_reduce", ",".join(rep_axes), shard_bytes, t, u or "", "bwd", after,
-                                  blocking=False, needed_before=None, source="fsdp", follows=rs))
+                                  blocking=False, needed_before=None, source="fsdp", follows=rs,
+                                  link=_dp_link(cluster, rep_axes)))
     if dp.reshard_after_forward:
         gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
     else:
@@ -567,7 +570,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
         t = _coll_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
-        colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source="tp"))
+        colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source="tp",
+                                link=cluster.link(axis)))
     dp_kind, gathered = "none", 0.0
     zero_n = 1  # ranks an FSDP2 shard group spans: parameters, gradients and optimizer state are 1/zero_n
     dp = reh.data_parallel
