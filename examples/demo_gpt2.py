@@ -70,7 +70,7 @@ def main() -> None:
     # the cluster, measured explicitly (no hidden state): one CPU core, then the gloo links of this 2x2 mesh and
     # FSDP2's host costs on 4 processes; 4 single-thread ranks share this host's cores (`treadle calibrate
     # --cpu` does the same)
-    cluster = treadle.testing.spawn(calibrate_links, 4, calibrate_cpu(), timeout_s=300)[0].with_ranks(
+    cluster = treadle.testing.spawn(calibrate_links, 4, calibrate_cpu(), timeout_s=600)[0].with_ranks(
         threads_per_rank=1, cores_per_host=os.cpu_count())
     print(f"calibrated: {cluster}\n")
 

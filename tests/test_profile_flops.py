@@ -183,17 +183,20 @@ def test_formulas_on_an_exported_graph_match_flop_counter(name):
 
 
 def test_calibrate_cpu_takes_the_median_of_repeated_overhead_measurements(monkeypatch):
-    """NOTE [calibration repeats]: one disturbed measurement of the per-op or checkpoint overheads (a busy
-    sibling vCPU) does not become the device's figure."""
+    """NOTE [calibration repeats]: disturbed measurements of the per-op or checkpoint overheads (a busy sibling
+    vCPU) do not become the device's figure, and the two probes are interleaved."""
     from treadle.profile import overheads as ov
     from treadle.profile.hardware import _OVERHEAD_REPEATS, calibrate_cpu
 
-    assert _OVERHEAD_REPEATS >= 3
-    ops = iter([8e-6, 30e-6, 9e-6, 10e-6, 7e-6])  # one outlier
-    fits = iter([(3e-4, 25e-6), (3e-4, 62e-6), (9e-4, 24e-6), (3.1e-4, 26e-6), (2.9e-4, 23e-6)])
-    monkeypatch.setattr(ov, "op_overhead_s", lambda reps: next(ops))
-    monkeypatch.setattr(ov, "checkpoint_overheads_s", lambda reps: next(fits))
+    assert _OVERHEAD_REPEATS == 11
+    calls = []
+    ops = iter([8e-6, 30e-6, 9e-6, 10e-6, 7e-6, 9e-6, 8e-6, 40e-6, 9e-6, 10e-6, 9e-6])  # two outliers
+    fits = iter([(3e-4, 25e-6), (3e-4, 62e-6), (9e-4, 24e-6), (3.1e-4, 26e-6), (2.9e-4, 23e-6), (3e-4, 25e-6),
+                 (3.2e-4, 27e-6), (2.8e-4, 90e-6), (3e-4, 24e-6), (3.1e-4, 25e-6), (3e-4, 26e-6)])
+    monkeypatch.setattr(ov, "op_overhead_s", lambda reps: (calls.append("op"), next(ops))[1])
+    monkeypatch.setattr(ov, "checkpoint_overheads_s", lambda reps: (calls.append("ckpt"), next(fits))[1])
     monkeypatch.setattr(ov, "distributed_overheads_s", lambda reps: None)
     spec = calibrate_cpu(matmul_n=64, copy_bytes=2**16, reps=1, kernels=False)
+    assert calls == ["op", "ckpt"] * 11
     assert spec.op_overhead_s == pytest.approx(9e-6)
     assert spec.checkpoint_region_s == pytest.approx(3e-4) and spec.checkpoint_op_s == pytest.approx(25e-6)

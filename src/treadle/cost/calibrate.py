@@ -400,8 +400,8 @@ def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_
                                 statistic=statistic, chain=chain)
         if not skewed:
             return long.times_s, (0.0, 0.0)
-        short = time_collectives(ops, all_sizes, group, rounds=rounds, lead_compute_s=0.0, statistic=statistic,
-                                 chain=chain)
+        short = time_collectives(ops, all_sizes[:fitted], group, rounds=rounds, lead_compute_s=0.0,
+                                 statistic=statistic, chain=chain)  # the fitted sizes are what _skew_s reads
         return long.times_s, (_skew_s(long.times_s, short.times_s, fitted), long.lead_wall_s)
 
     for axes, n, group in groups:

@@ -254,8 +254,12 @@ def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
 # NOTE [calibration repeats]: the per-op and checkpoint overheads are differences of small CPU times, and one
 # best-of-`reps` measurement of them moved 2x between two calibrations minutes apart on a shared 2-vCPU host
 # (op 8.3 vs 14.7 us, recomputed op 27 vs 62 us): a sibling vCPU's load slows even the thread's own CPU time.
-# `calibrate_cpu` takes the median of _OVERHEAD_REPEATS independent measurements of each (~1 s more).
-_OVERHEAD_REPEATS = 5
+# `calibrate_cpu` takes the median of _OVERHEAD_REPEATS independent measurements of each, the two probes
+# interleaved so that a slow minute of the host slows both alike. Five repeats were not enough: four
+# calibrations in a row on a quiet host read 9.8-18.3 us per recomputed op and 4.6-6.6 us per op, and a bench
+# calibration read 29.9 us (LLaMA's 4-rank "DDP + ckpt" then measured 0.88x its price against 1.05x for DDP);
+# eleven interleaved repeats read 12.8-15.1 us and 4.6-4.8 us in four calibrations (~5 s in all).
+_OVERHEAD_REPEATS = 11
 
 
 def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1,
@@ -287,14 +291,17 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
-        framework = {"op_overhead_s": statistics.median(ov.op_overhead_s(reps=reps)
-                                                        for _ in range(_OVERHEAD_REPEATS))}
+        per_op, fits = [], []
+        for _ in range(_OVERHEAD_REPEATS):  # NOTE [calibration repeats]: interleaved
+            per_op.append(ov.op_overhead_s(reps=reps))
+            if overheads:
+                fits.append(ov.checkpoint_overheads_s(reps=reps))
+        framework = {"op_overhead_s": statistics.median(per_op)}
         if kernels:
             framework["matmul_curve"] = kr.matmul_curve(peaks["float32"], reps=reps)
             framework["attention_efficiency"] = kr.attention_efficiency(peaks["float32"], reps=reps)
             framework["elementwise_s_per_elem"] = kr.elementwise_s_per_elem(reps=reps)
         if overheads:
-            fits = [ov.checkpoint_overheads_s(reps=reps) for _ in range(_OVERHEAD_REPEATS)]
             framework["checkpoint_region_s"] = statistics.median(f[0] for f in fits)
             framework["checkpoint_op_s"] = statistics.median(f[1] for f in fits)
             dist_ov = ov.distributed_overheads_s(reps=reps)
