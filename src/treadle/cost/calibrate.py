@@ -8,10 +8,12 @@ latency_s``; on a mesh of two or more axes the flattened group of all axes is ti
 ``launch_s + (N-1) * max(latency_s)`` separates the per-call launch cost (shared by all groups: it is the
 software stack) from the per-step latency. On a 1-D mesh the launch cost is 0 and the whole intercept is
 latency. Reduce-scatter, all-reduce and all-to-all are timed in the same sweeps and get a time factor each
-against their model on the fitted link (`LinkSpec.op_scale`). Timing (`measure_collectives_s`): a warm-up
+against their model on the fitted link (`LinkSpec.op_scale`). Timing (`time_collectives`): a warm-up
 sweep, then interleaved sweeps over all sizes, the mean or the median of the slowest rank's time (NOTE [a step
-pays the mean]),
-each call after a short compute as a step issues it (NOTE [in-step collectives]).
+pays the mean]), each call after a short compute as a step issues it (NOTE [in-step collectives]), in chains of
+(compute, collective) pairs with no barrier between them, as a step pays them (NOTE [collectives in a chain]);
+the chains timed again without the compute give each link's drift (`LinkSpec.skew_s`: NOTE [lead-dependent
+skew]).
 Held-out sizes are measured in the same sweeps and reported next to the model's prediction.
 """
 

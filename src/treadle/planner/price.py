@@ -10,7 +10,8 @@ backward, recompute) is priced by the roofline of the rank's device, autograd's 
 counted by ``saved_tensors_hooks`` (the profiler's figure: one source of truth), and every collective
 the built model issues (tensor parallel, sequence parallel, vocab-parallel loss, ``reduce_grads``) is
 seen as a ``c10d`` op with its process group (hence its mesh axis) and bytes, priced by the alpha-beta
-formulas of `treadle.cost.collective_cost` and placed on the critical path.
+formulas of `treadle.cost.collective_cost` and placed on the critical path; one issued soon after the
+previous blocking collective pays less of its link's measured drift (NOTE [lead-dependent skew]).
 
 Data parallelism is not run but priced the way the runtime executes it (NOTE [overlap model] in
 `treadle.cost.overlap`): DDP reduces gradient buckets (`ddp_buckets`) as soon as their last gradient
