@@ -133,3 +133,25 @@ def test_a_chain_calibration_records_its_protocol_and_the_drift():
     assert any("drift (skew_s) measured" in n for n in cal.notes), cal.notes
     back = ClusterSpec.from_json(cal.cluster.to_json()).link("x")
     assert (back.skew_s, back.skew_lead_s) == (link.skew_s, link.skew_lead_s)
+
+
+def test_the_lead_compute_takes_about_the_cpu_time_asked():
+    # the lead was a third of what was asked when its rate came from one cold timing (NOTE [in-step collectives])
+    import torch
+
+    from treadle.cost.calibrate import _busy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = _busy(4e-3)
+        run()
+        took = []
+        for _ in range(5):
+            t0 = time.thread_time()
+            run()
+            took.append(time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(before)
+    assert 2e-3 <= sorted(took)[2] <= 16e-3, took
+    assert _busy(0.0)() is None
