@@ -125,14 +125,8 @@ def run_config(model_name: str, config: str, args) -> dict:
 
 
 def main() -> None:
-    import argparse
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--compare", choices=sorted(VARIANTS), default="chain")
-    known, rest = pre.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    args = pvm.parse_args(__doc__.splitlines()[0])
-    args.compare = known.compare
+    args = pvm.parse_args(__doc__.splitlines()[0], lambda ap: ap.add_argument(
+        "--compare", choices=sorted(VARIANTS), default="chain", help="which two calibrations (default chain)"))
     out = [run_config(m, c, args) for m in args.models for c in args.configs]
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"bench_calibration_{args.compare}.json"

@@ -36,9 +36,6 @@ def _rank(rank: int, world: int, model_name: str, texts: list, steps: int) -> di
     import torch.distributed as dist
 
     import treadle.runtime.collectives as C
-    from treadle.runtime.build import build
-    from treadle.runtime.optimizer import adamw
-    from treadle.schedule.core import load_schedule
 
     torch.set_num_threads(1)
     calls: list[tuple[str, int, float, float]] = []  # (kind, bytes, lead s, time s)
@@ -63,14 +60,7 @@ def _rank(rank: int, world: int, model_name: str, texts: list, steps: int) -> di
     C.dist = wrapped
     out = {}
     for label, text in texts:
-        model, inputs = pvm.make_model(model_name, 8, 64)
-        sch = load_schedule(model, text)
-        dp = sch._state.data_parallel
-        m = build(sch)
-        if dp is not None:
-            n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
-            inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
-        opt = adamw(m.parameters(), lr=1e-5)
+        m, inputs, opt = pvm.build_rank(model_name, 8, 64, text)
         for _ in range(2):
             m(**inputs).loss.backward()
             opt.step()

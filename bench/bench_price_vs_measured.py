@@ -177,25 +177,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, scheds: list, steps: int,
-                  repeats: int):
-    import torch.distributed as dist
-
+def build_rank(model_name: str, batch: int, seq: int, text: str):
+    """This rank's (built model, its share of the inputs, AdamW) for a schedule's JSON; inside a launched group."""
     from treadle.runtime.build import build
     from treadle.runtime.optimizer import adamw
     from treadle.schedule.core import load_schedule
 
+    model, inputs = make_model(model_name, batch, seq)
+    sch = load_schedule(model, text)
+    dp = sch._state.data_parallel
+    m = build(sch)
+    if dp is not None:
+        n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
+        inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
+    return m, inputs, adamw(m.parameters(), lr=1e-5)  # as treadle.train makes it (NOTE [fused optimizer])
+
+
+def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, scheds: list, steps: int,
+                  repeats: int):
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     built = []
     for label, text in scheds:
-        model, inputs = make_model(model_name, batch, seq)
-        sch = load_schedule(model, text)
-        dp = sch._state.data_parallel
-        m = build(sch)
-        if dp is not None:
-            n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
-            inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
-        opt = adamw(m.parameters(), lr=1e-5)  # as treadle.train makes it (NOTE [fused optimizer])
+        m, inputs, opt = build_rank(model_name, batch, seq, text)
         saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -350,9 +355,12 @@ def median_rel_ci95(samples: list[float], resamples: int = 400, seed: int = 0) -
     return max(med - lo, hi - med) / med
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    """The command line both gloo benches take (this one and bench_planner_gloo.py)."""
+def parse_args(description: str, extra=None) -> argparse.Namespace:
+    """The command line the gloo benches take (this one, bench_planner_gloo.py, bench_calibration.py);
+    `extra(parser)` adds a bench's own options."""
     ap = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--quick", action="store_true", help="fewer schedules, seq 32, 2 steps x 2 repeats")
     ap.add_argument("--models", nargs="*", default=["gpt2", "llama"])
     ap.add_argument("--configs", nargs="*", default=["2x2", "4", "2"])

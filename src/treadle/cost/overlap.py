@@ -125,7 +125,7 @@ def simulate(segments: list[Segment], collectives: list[Collective], *, overlap:
     starts: list[float] = []
 
     def issue(after: int) -> None:
-        nonlocal now, sync
+        nonlocal sync
         for c in issued.get(after, []):
             if c.blocking and c.link is not None:  # NOTE [lead-dependent skew]
                 c.time_s = max(c.time_s - c.link.short_lead_saving_s(now - sync), 0.0)
