@@ -128,7 +128,8 @@ def _multi_input(rank, world):
     built = treadle.build(sch)
     got_pos = built(x, y, scale=2.0)
     got_kw = built(x, y=y, scale=2.0)
-    return torch.equal(got_pos, ref), torch.allclose(got_kw, ref)
+    # a split batch may take another matmul kernel than the whole one (rounding differs in the last bit)
+    return torch.allclose(got_pos, ref, rtol=1e-6, atol=1e-6), torch.allclose(got_kw, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_sync_keeps_every_positional_and_keyword_input():
