@@ -52,7 +52,8 @@ from ..errors import LayoutError
 from ..mesh import Mesh
 from . import collective_cost as cc
 from .cluster import ClusterSpec
-from .layout import PART, REPL, Layout
+from ..placement import P, R
+from .layout import Layout
 from .links import LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
     lb = total_bytes // math.prod(mesh_shape[a] for _, axes in order for a in axes)
     axes_of = dict(order)
     ndim = len(shape)
-    partial = [i for i, c in enumerate(codes) if c == PART]
+    partial = [i for i, c in enumerate(codes) if c == P]
     cps = copy_s_per_byte
 
     def gather_copy(dim: int, in_bytes: float, out_bytes: float) -> float:
@@ -273,8 +274,8 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
 
     for i, c in enumerate(codes):
         n, link = mesh_shape[i], links[i]
-        if c == PART:
-            nc = codes[:i] + (REPL,) + codes[i + 1:]
+        if c == P:
+            nc = codes[:i] + (R,) + codes[i + 1:]
             yield (nc, order), ("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link) + lb * cps,
                                 0.0, lb)
             for d in range(ndim):
@@ -284,7 +285,7 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
                            ("reduce_scatter", (i,), d, None, lb, cc.reduce_scatter_time_s(lb, n, link) + cb * cps,
                             cc.all_gather_time_s(lb, n, link) + cb * cps, cb))
-        elif c == REPL:
+        elif c == R:
             for d in range(ndim):
                 if local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
@@ -292,14 +293,14 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
                            ("split", (i,), d, None, lb, cb * cps,
                             cc.all_gather_time_s(lb, n, link) + gather_copy(d, lb / n, lb) * cps, cb))
-            nc = codes[:i] + (PART,) + codes[i + 1:]
+            nc = codes[:i] + (P,) + codes[i + 1:]
             yield (nc, order), ("to_partial", (i,), None, None, lb, lb * cps, 0.0, lb)
         else:
             d_axes = axes_of[c]
             if d_axes[-1] != i:
                 continue  # only the innermost axis of a dim moves on its own (NOTE [shard order])
             rest = d_axes[:-1]
-            nc = codes[:i] + (REPL,) + codes[i + 1:]
+            nc = codes[:i] + (R,) + codes[i + 1:]
             cb = gather_copy(c, lb, lb * n)
             yield ((nc, _set_order(order, c, rest)),
                    ("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link) + cb * cps,
@@ -316,7 +317,7 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
             for group in itertools.combinations(partial, k):
                 n = math.prod(mesh_shape[a] for a in group)
                 link = cc.flat_link([links[a] for a in group])
-                nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
+                nc = tuple(R if a in group else x for a, x in enumerate(codes))
                 yield (nc, order), ("all_reduce", group, None, None, lb,
                                     cc.all_reduce_time_s(lb, n, link) + lb * cps, 0.0, lb)
                 for d in range(ndim):
@@ -331,7 +332,7 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
             group = d_axes[-k:]
             n = math.prod(mesh_shape[a] for a in group)
             link = cc.flat_link([links[a] for a in group])
-            nc = tuple(REPL if a in group else x for a, x in enumerate(codes))
+            nc = tuple(R if a in group else x for a, x in enumerate(codes))
             # a group not in ascending axis order gathers in rank order, then permutes its blocks (one copy)
             cb = gather_copy(d, lb, lb * n) + (0.0 if list(group) == sorted(group) else lb * n)
             yield ((nc, _set_order(order, d, d_axes[:-k])),

@@ -20,51 +20,13 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError
 from ..mesh import Mesh
+from ..placement import P, R, code_of, placement_of, placement_str
 
-# Internal code of one axis' placement: REPL, PART or a tensor dim >= 0 (Shard(dim)).
-REPL = -1
-PART = -2
-
-
-def _code(p: Placement | str, axis: int) -> int:
-    if isinstance(p, str):
-        return _parse_token(p, axis)
-    if isinstance(p, Shard):
-        if type(p) is not Shard:
-            raise LayoutError(f"Layout axis {axis}: {p!r} is not supported (plain Shard(dim) only)")
-        if p.dim < 0:
-            raise LayoutError(f"Layout axis {axis}: Shard dim must be >= 0 (layouts do not know the rank); got {p!r}")
-        return p.dim
-    if isinstance(p, Replicate):
-        return REPL
-    if isinstance(p, Partial):
-        if p.reduce_op != "sum":
-            raise LayoutError(f"Layout axis {axis}: only Partial('sum') is supported; got {p!r}")
-        return PART
-    raise LayoutError(f"Layout axis {axis}: expected Shard(dim), Replicate() or Partial(); got {p!r}")
-
-
-def _parse_token(tok: str, axis: int) -> int:
-    t = tok.strip().upper().replace("(", "").replace(")", "")
-    if t in ("R", "REPLICATE"):
-        return REPL
-    if t in ("P", "PARTIAL", "PSUM", "PARTIALSUM"):
-        return PART
-    if t.startswith("S") and t[1:].isdigit():
-        return int(t[1:])
-    raise LayoutError(f"Layout axis {axis}: cannot parse {tok!r}; use R, P or S<dim> (e.g. 'S0')")
-
-
-def _placement(code: int) -> Placement:
-    return Replicate() if code == REPL else Partial() if code == PART else Shard(code)
-
-
-def _code_str(code: int) -> str:
-    return "R" if code == REPL else "P" if code == PART else f"S({code})"
+# Internal code of one axis' placement (treadle.placement): R, P or a tensor dim >= 0 (Shard(dim)).
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -77,14 +39,14 @@ class Layout:
     those holding Shard(dim).
     """
 
-    codes: tuple[int, ...]  # per mesh axis: REPL, PART or the sharded tensor dim
+    codes: tuple[int, ...]  # per mesh axis: R, P or the sharded tensor dim
     order: tuple[tuple[int, tuple[int, ...]], ...]  # (dim, axes outer->inner) for every sharded dim, by dim
 
     def __init__(self, placements: Sequence[Placement | str] | str,
                  shard_order: Mapping[int, Sequence[int]] | None = None):
         if isinstance(placements, str):
             placements = [t for t in placements.replace(",", " ").split() if t]
-        codes = tuple(_code(p, i) for i, p in enumerate(placements))
+        codes = tuple(code_of(p, i) for i, p in enumerate(placements))
         if not codes:
             raise LayoutError("Layout needs one placement per mesh axis; got none")
         object.__setattr__(self, "codes", codes)
@@ -98,9 +60,15 @@ class Layout:
         return obj
 
     @classmethod
+    def from_codes(cls, codes: Sequence[int]) -> "Layout":
+        """From placement codes (`treadle.placement`: R, P or a dim per mesh axis), default shard order."""
+        codes = tuple(codes)
+        return cls._from_codes(codes, _canonical_order(codes, {}))
+
+    @classmethod
     def replicate(cls, mesh_ndim: int) -> "Layout":
         """All-replicated layout on a mesh of `mesh_ndim` axes."""
-        return cls._from_codes((REPL,) * mesh_ndim, ())
+        return cls._from_codes((R,) * mesh_ndim, ())
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
@@ -120,7 +88,7 @@ class Layout:
     # ------------------------------------------------------------------------------------------ views
     @property
     def placements(self) -> tuple[Placement, ...]:
-        return tuple(_placement(c) for c in self.codes)
+        return tuple(placement_of(c) for c in self.codes)
 
     @property
     def mesh_ndim(self) -> int:
@@ -139,7 +107,7 @@ class Layout:
 
     @property
     def partial_axes(self) -> tuple[int, ...]:
-        return tuple(i for i, c in enumerate(self.codes) if c == PART)
+        return tuple(i for i, c in enumerate(self.codes) if c == P)
 
     @property
     def sharded_dims(self) -> tuple[int, ...]:
@@ -147,7 +115,7 @@ class Layout:
 
     @property
     def is_replicated(self) -> bool:
-        return all(c == REPL for c in self.codes)
+        return all(c == R for c in self.codes)
 
     @property
     def has_default_order(self) -> bool:
@@ -160,7 +128,7 @@ class Layout:
         return f"Layout({body})"
 
     def __str__(self) -> str:
-        s = "(" + ", ".join(_code_str(c) for c in self.codes) + ")"
+        s = "(" + ", ".join(placement_str(c) for c in self.codes) + ")"
         for d, axes in self.order:
             if list(axes) != sorted(axes):
                 s += f"@{d}:" + ">".join(map(str, axes))
@@ -168,7 +136,7 @@ class Layout:
 
     def to_json(self) -> dict:
         """Plain data: ``{"placements": ["S0", "R"], "shard_order": {"0": [1, 0]}}``."""
-        return {"placements": ["R" if c == REPL else "P" if c == PART else f"S{c}" for c in self.codes],
+        return {"placements": [placement_str(c, token=True) for c in self.codes],
                 "shard_order": {str(d): list(a) for d, a in self.order if list(a) != sorted(a)}}
 
     @classmethod
@@ -205,7 +173,7 @@ def _canonical_order(codes: tuple[int, ...], given: Mapping[int, Sequence[int]]
             by_dim.setdefault(c, []).append(axis)
     for d, axes in given.items():
         if d not in by_dim or sorted(axes) != by_dim[d]:
-            raise LayoutError(f"Layout {tuple(_code_str(c) for c in codes)}: shard_order for dim {d} names mesh "
+            raise LayoutError(f"Layout {tuple(placement_str(c) for c in codes)}: shard_order for dim {d} names mesh "
                               f"axes {tuple(axes)}, but the axes holding Shard({d}) are {tuple(by_dim.get(d, []))}")
     return tuple((d, tuple(given[d]) if d in given else tuple(axes)) for d, axes in sorted(by_dim.items()))
 
@@ -246,7 +214,7 @@ def enumerate_layouts(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
                       shard_orders: bool = False) -> Iterator[Layout]:
     """Every layout of a `tensor_ndim`-d tensor on a `mesh_ndim`-axis mesh: per axis R, S(0..ndim-1) and P
     (when `partial`); with `shard_orders`, every order of axes sharding one dim too (default order first)."""
-    choices = [REPL, *range(tensor_ndim)] + ([PART] if partial else [])
+    choices = [R, *range(tensor_ndim)] + ([P] if partial else [])
     for codes in itertools.product(choices, repeat=mesh_ndim):
         base = Layout._from_codes(codes, _canonical_order(codes, {}))
         yield base

@@ -20,20 +20,11 @@ import sys
 import torch
 
 from ..errors import PlanError
+from ..units import parse_bytes
 from ..viz.progress import add_quiet_flag, is_quiet, progress
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_bytes(text: str) -> float:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1e9' -> 1e9. Raises PlanError on anything else."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlanError(f"cannot read memory size {text!r}; write e.g. 80GiB, 80GB or 8.5e10 (bytes)")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 def _parse_pin(text: str) -> tuple[str, str, str]:

@@ -54,7 +54,8 @@ from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
 from ..mesh import Mesh
 from .capture import CapturedGraph, Node, TensorMeta
-from .dims import P, R, AxisOption, block_chain, dim_spec, strategies
+from ..placement import P, R
+from .dims import AxisOption, block_chain, dim_spec, strategies
 from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, VocabCE, entry_block, noop_cast
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
 from .sp_gather import find_sp_gathers

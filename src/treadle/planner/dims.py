@@ -14,7 +14,7 @@ size n (NOTE [one-axis options]):
 - *Partial through*: ops linear in some inputs (add, views, casts, mul by a replicated tensor, matmul in
   one operand) take those inputs ``Partial`` and give a ``Partial`` output.
 
-Placements are encoded as ints: ``R`` (-1) Replicate, ``P`` (-2) Partial (sum), ``d >= 0`` Shard(d).
+Placements are the codes of `treadle.placement`: ``R`` (-1) Replicate, ``P`` (-2) Partial (sum), ``d >= 0`` Shard(d).
 Rules are registered per op name with `register_dims` (duplicates rejected). An op with no rule gets
 replicate-only options and is listed by `unknown_ops`.
 """
@@ -26,16 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import PlanError
+from ..placement import P, R
 from .capture import Node, TensorMeta
 
 logger = logging.getLogger(__name__)
-
-R = -1  # Replicate()
-P = -2  # Partial() (sum)
-
-
-def placement_str(p: int) -> str:
-    return "R" if p == R else "P" if p == P else f"S({p})"
 
 
 @dataclass(slots=True)

@@ -8,13 +8,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-GiB = 2**30
-
-
-def _mem_unit(values) -> tuple[str, float]:
-    """GiB when any value reaches 0.1 GiB, else MiB."""
-    return ("GiB", GiB) if max(values, default=0.0) >= GiB / 10 else ("MiB", 2**20)
-
+from ..units import bytes_unit as _mem_unit
 
 def _fmt(x: float, unit: tuple[str, float]) -> str:
     return f"{x / unit[1]:.3f} {unit[0]}"

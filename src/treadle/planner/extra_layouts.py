@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .capture import CapturedGraph, Node, TensorMeta
-from .dims import P, R, AxisOption, dim_spec
+from ..placement import P, R
+from .dims import AxisOption, dim_spec
 
 _SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
 

@@ -29,7 +29,8 @@ from ..errors import ProfileError
 from ..profile import flops as flops_mod
 from ..profile.roofline import matmul_efficiency, op_time_s
 from .capture import Node, TensorMeta
-from .dims import P, R, AxisOption
+from ..placement import P, R
+from .dims import AxisOption
 
 # Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
 _SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "rsqrt", "tanh", "sigmoid", "exp",
@@ -112,7 +113,7 @@ class NodeCosts:
         def conv(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
             if a == b:
                 return 0.0, 0.0
-            plan = plan_conversion(Layout([_code_str(p) for p in a]), Layout([_code_str(p) for p in b]),
+            plan = plan_conversion(Layout.from_codes(a), Layout.from_codes(b),
                                    global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
             return plan.time_s, plan.backward_time_s
 
@@ -405,6 +406,3 @@ def _dtype_of(n: Node) -> torch.dtype:
     dt = m.dtype if isinstance(m, TensorMeta) else torch.float32
     return dt if dt.is_floating_point else torch.float32
 
-
-def _code_str(p: int) -> str:
-    return "R" if p == R else "P" if p == P else f"S{p}"

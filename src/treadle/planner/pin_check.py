@@ -26,7 +26,8 @@ from typing import Any, Callable
 from ..cost.cluster import ClusterSpec
 from .capture import CapturedGraph, Node, TensorMeta
 from .cost_graph import CostGraph, Roles
-from .dims import R, dim_spec, placement_str, strategies, unknown_ops
+from ..placement import R, placement_str
+from .dims import dim_spec, strategies, unknown_ops
 
 _RESHAPES = ("view", "reshape", "_unsafe_view", "expand")
 # (cluster, roles, cost graph or None, index of the op without a strategy or None, the builder's message)

@@ -32,7 +32,9 @@ from ..profile.roofline import mfu as mfu_of
 from .capture import CapturedGraph, capture
 from .checkpoint_dp import ChainBlock, solve_chain
 from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
-from .dims import R, placement_str, unknown_ops
+from ..placement import R, placement_str
+from ..units import GiB, fmt_bytes_exact as _fmt_bytes
+from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .sp_gather import active as sp_active
 from .to_schedule import Decision, apply_decisions, decisions_from_solution
@@ -41,7 +43,6 @@ from .validate import validate_plan_args
 logger = logging.getLogger(__name__)
 
 Mode = Literal["joint", "two_stage"]
-GiB = 2**30
 
 
 # ----------------------------------------------------------------------------- runtime capabilities
@@ -802,16 +803,6 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
         if isinstance(v, torch.Tensor) and v.dim() >= 1:
             return int(v.shape[0])
     return None
-
-
-def _fmt_bytes(x: float | None) -> str:
-    if x is None:
-        return "unlimited"
-    if x == math.inf:
-        return "inf"
-    if abs(x) >= GiB / 10:
-        return f"{x / GiB:.3f} GiB ({int(x)} B)"
-    return f"{x / 2**20:.3f} MiB ({int(x)} B)"
 
 
 def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:

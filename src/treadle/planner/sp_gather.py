@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .capture import CapturedGraph, TensorMeta
-from .dims import R
+from ..placement import R
 
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten"}
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-
 from .cost_graph import CostGraph
-from .dims import R, P
+from ..placement import P, R, placement_of as _placement
+from ..placement import placement_str
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +205,7 @@ _VOCAB_LOSS = "treadle.runtime.losses:VocabParallelLoss"
 
 
 def _pl_str(p: int) -> str:
-    return "R" if p == R else "P" if p == P else f"S{p}"
-
-
-def _placement(s: str):
-    return Replicate() if s == "R" else Partial() if s == "P" else Shard(int(s[1:]))
+    return placement_str(p, token=True)
 
 
 def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[str], bool]"):

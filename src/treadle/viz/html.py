@@ -11,8 +11,9 @@ from __future__ import annotations
 from html import escape
 from typing import Sequence
 
+from ..units import bytes_unit, fmt_ms
 from .costs import layout_tokens, plan_axes
-from .svg import (MEMORY_COLOURS, PHASE_COLOURS, bytes_unit, fmt_s, gantt, mesh_picture, stacked_area,
+from .svg import (MEMORY_COLOURS, PHASE_COLOURS, gantt, mesh_picture, stacked_area,
                   stacked_bar, stream_colour)
 from .timeline import COMPUTE, Timeline, timeline_from_plan
 
@@ -104,7 +105,7 @@ def _alternatives(plan) -> str:
     alts = s.get("alternatives") or []
     unit = bytes_unit([a.get("peak_bytes", 0.0) for a in alts if a.get("status") != "infeasible"] + [1.0])
     rows = [[escape(a.get("mesh", "")), escape(a["roles"]), escape(a["status"]),
-             fmt_s(a["step_s"]) if a["status"] != "infeasible" else "-",
+             fmt_ms(a["step_s"]) if a["status"] != "infeasible" else "-",
              f"{a['peak_bytes'] / unit[1]:.3f}" if a["status"] != "infeasible" else "-"] for a in alts]
     ck = s.get("checkpoints") or {}
     html = f"<p><b>binding constraint:</b> {escape(plan.binding)}</p>"
@@ -129,8 +130,8 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
     summary = _table(["", ""], [
         ["model", escape(str(plan.model))], ["cluster", escape(str(plan.cluster))],
         ["roles", escape(plan.roles)], ["mode", escape(plan.mode)],
-        ["step", f"{fmt_s(e.step_s)} (compute {fmt_s(e.compute_s)}, exposed comm {fmt_s(e.comm_s)}, "
-                 f"recompute {fmt_s(e.recompute_s)})"],
+        ["step", f"{fmt_ms(e.step_s)} (compute {fmt_ms(e.compute_s)}, exposed comm {fmt_ms(e.comm_s)}, "
+                 f"recompute {fmt_ms(e.recompute_s)})"],
         ["peak memory", f"{e.peak_bytes / unit[1]:.3f} {unit[0]} per device (static {e.static_bytes / unit[1]:.3f}, "
                         f"activations {e.activation_bytes / unit[1]:.3f}, "
                         f"{'transient' if plan.price is not None else 'recomputed block'} "
@@ -178,8 +179,8 @@ def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> s
     summary = _table(["", ""], [
         ["schedule", escape(title or tl.title)], ["data parallel", escape(str(p.get("data_parallel")))],
         ["device", escape(str(dev.get("name", "")) if isinstance(dev, dict) else str(dev))],
-        ["step", f"{fmt_s(p['step_s'])} (compute {fmt_s(p['compute_s'])}, recompute {fmt_s(p['recompute_s'])}, "
-                 f"comm {fmt_s(p['comm_s'])} of which exposed {fmt_s(p['exposed_comm_s'])})"],
+        ["step", f"{fmt_ms(p['step_s'])} (compute {fmt_ms(p['compute_s'])}, recompute {fmt_ms(p['recompute_s'])}, "
+                 f"comm {fmt_ms(p['comm_s'])} of which exposed {fmt_ms(p['exposed_comm_s'])})"],
         ["peak memory", f"{p['peak_bytes'] / unit[1]:.3f} {unit[0]} per device (static "
                         f"{p['static_bytes'] / unit[1]:.3f}, activations {p['activation_bytes'] / unit[1]:.3f}, "
                         f"transient {p['transient_bytes'] / unit[1]:.3f})"],
@@ -234,7 +235,7 @@ def profile_memory_chart(prof) -> str:
 def profile_html(prof, *, depth: int = 2) -> str:
     """The report of a `treadle.profile.ModelProfile`: totals, per-module figures down to `depth`, and the
     memory over the step (from the op records)."""
-    from ..profile.table import fmt_bytes, fmt_count, fmt_flops, fmt_time
+    from ..units import fmt_bytes, fmt_count, fmt_flops, fmt_time
 
     total_s = prof.step_time_s or 1e-12
     summary = _table(["", ""], [

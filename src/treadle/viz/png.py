@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from .html import breakdown_parts, profile_memory_points
-from .svg import MEMORY_COLOURS, PHASE_COLOURS, bytes_unit, stream_colour
+from ..units import bytes_unit
+from .svg import MEMORY_COLOURS, PHASE_COLOURS, stream_colour
 from .timeline import COMPUTE, Timeline
 
 

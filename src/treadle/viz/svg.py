@@ -11,6 +11,7 @@ import math
 from html import escape
 from typing import Sequence
 
+from ..units import bytes_unit, fmt_ms
 from .timeline import COMPUTE, Timeline
 
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
@@ -20,7 +21,6 @@ PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#59a14f", "recompute": "#e15
 MEMORY_COLOURS = {"static": "#9c755f", "other": "#bab0ac", "activations": "#4e79a7", "recomputed block": "#e15759",
                   "parameters": "#9c755f", "gradients": "#edc948", "optimizer states": "#b07aa1",
                   "buffers + inputs": "#bab0ac"}
-GiB = 2**30
 
 
 def stream_colour(name: str, streams: Sequence[str]) -> str:
@@ -28,16 +28,6 @@ def stream_colour(name: str, streams: Sequence[str]) -> str:
     comm = [s for s in streams if s != COMPUTE]
     i = comm.index(name) if name in comm else len(comm)
     return COMM_PALETTE[i % len(COMM_PALETTE)]
-
-
-def bytes_unit(values: Sequence[float]) -> tuple[str, float]:
-    """('GiB', 2**30) when any value reaches 0.1 GiB, else ('MiB', 2**20)."""
-    return ("GiB", GiB) if max(values, default=0.0) >= GiB / 10 else ("MiB", 2**20)
-
-
-def fmt_s(x: float) -> str:
-    """Seconds as ms (or s when >= 10 s)."""
-    return f"{x:.2f} s" if x >= 10 else f"{x * 1e3:.3f} ms"
 
 
 def _ticks(hi: float, n: int = 5) -> list[float]:
@@ -127,9 +117,9 @@ def stacked_bar(parts: Sequence[tuple[str, str, float]], *, width: int = 780, ki
     for label, colour, v in parts:
         dx = w * max(v, 0.0) / total
         out.append(f'<rect data-part="{escape(label)}" data-seconds="{v:.9g}" x="{x:.2f}" y="6" width="{dx:.2f}" '
-                   f'height="26" fill="{colour}"><title>{escape(label)}: {fmt_s(v)} ({v / total:.1%})</title></rect>')
+                   f'height="26" fill="{colour}"><title>{escape(label)}: {fmt_ms(v)} ({v / total:.1%})</title></rect>')
         x += dx
-    out.append(_legend([(f"{lb}: {fmt_s(v)} ({v / total:.1%})", c, "area") for lb, c, v in parts], left, 40))
+    out.append(_legend([(f"{lb}: {fmt_ms(v)} ({v / total:.1%})", c, "area") for lb, c, v in parts], left, 40))
     out.append("</svg>")
     return "".join(out)
 
@@ -151,7 +141,7 @@ def gantt(tl: Timeline, *, width: int = 780, row_h: int = 22) -> str:
         y = top + row_h * row[s.track] + 2
         out.append(f'<rect x="{X(s.start_s):.2f}" y="{y}" width="{max(X(s.end_s) - X(s.start_s), 0.3):.2f}" '
                    f'height="{row_h - 4}" fill="{colour}"><title>{escape(s.name)} ({s.phase}): '
-                   f'{fmt_s(s.duration_s)}</title></rect>')
+                   f'{fmt_ms(s.duration_s)}</title></rect>')
     fx = X(tl.forward_end_s)
     y_end = top + row_h * len(tl.tracks)
     out.append(f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{top}" y2="{y_end}" stroke="#333" stroke-dasharray="3,3"/>'
