@@ -144,9 +144,9 @@ MISUSES = {
     "sync op with a non-integer dim": (lambda: _sch()["a"].sync("fwd_post", op="all_gather", dim="0", axis="tp"),
                                        ScheduleError, "dim must be an integer tensor dim, got '0'"),
     # ---- losses and batches
-    "no loss in the output": (lambda: treadle.runtime.losses.default_loss((torch.ones(2, dtype=torch.long),)),
+    "no loss in the output": (lambda: treadle.loss.default_loss((torch.ones(2, dtype=torch.long),)),
                               TreadleError, "has no .loss and no floating tensor; pass loss_fn="),
-    "loss_fn returns a vector": (lambda: treadle.runtime.losses.call_loss(lambda o: o, torch.ones(3), "verify"),
+    "loss_fn returns a vector": (lambda: treadle.loss.call_loss(lambda o: o, torch.ones(3), "verify"),
                                  TreadleError, "verify: loss_fn must return a scalar tensor, got shape (3,)"),
     "verify batch smaller than dp": (_verify_small_batch, TreadleError,
                                      "verify: the global batch 1 is smaller than the data-parallel size 2 (mesh axis 'dp')"),

@@ -1,5 +1,5 @@
 """One loss convention: the planner captures the same training loss that verify / train / profile use
-(`loss_fn=`, default `treadle.runtime.losses.default_loss`), so its activations and backward are the ones a
+(`loss_fn=`, default `treadle.loss.default_loss`), so its activations and backward are the ones a
 real step has."""
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class _TupleOut(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
-    def forward(self, x):  # no floating output: no default loss (treadle.runtime.losses.default_loss)
+    def forward(self, x):  # no floating output: no default loss (treadle.loss.default_loss)
         return (self.lin(x).argmax(-1), x.long())
 
 

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..errors import PlanError
 from ..profile.memory import buffer_bytes
-from ..runtime.losses import default_loss
+from ..loss import default_loss
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def _shortened_lists(model: nn.Module, enabled: bool) -> Iterator[dict[str, tupl
 
 class _Returning(nn.Module):
     """Wraps a model so export sees one tensor out: the training loss, by the same convention as profile /
-    verify / train (`loss_fn(output)`, default `treadle.runtime.losses.default_loss`: ``.loss`` when the model
+    verify / train (`loss_fn(output)`, default `treadle.loss.default_loss`: ``.loss`` when the model
     returns one, else the mean square of its first floating output)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None = None):
@@ -304,7 +304,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     `args`/`kwargs` may be real or fake tensors (global shapes). With `reduce_repeats`, each
     ``nn.ModuleList`` of >= 3 entries is captured as its shortest prefix holding two instances of each
     distinct entry structure; `CapturedGraph.blocks` says how many real blocks each instance stands for.
-    The captured output is the training loss, `loss_fn(output)` (default: `runtime.losses.default_loss`).
+    The captured output is the training loss, `loss_fn(output)` (default: `treadle.loss.default_loss`).
     The model is restored before returning. Raises PlanError when export fails.
     """
     kwargs = dict(kwargs or {})

@@ -481,7 +481,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     `cluster` may be a list (e.g. `treadle.cost.cluster.enumerate_meshes`): every mesh is searched and the
     best plan wins. `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none".
     `loss_fn(output)`: the training loss, as in verify / train / profile (default: ``.loss`` when the model
-    returns one, else the mean square of its first floating output; `treadle.runtime.losses.default_loss`).
+    returns one, else the mean square of its first floating output; `treadle.loss.default_loss`).
     `price_top`: NOTE [final choice by price] — the best plans of the `price_top` best role assignments (by the
     solver's step time) are each priced (`treadle.price`: the schedule as built, every term of the runtime) and
     the fastest whose priced peak fits the budget wins (one whose priced peak misses the budget is re-solved

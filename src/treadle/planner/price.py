@@ -64,7 +64,8 @@ from ..errors import PlanError, ProfileError
 from ..mesh import Mesh
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.memory import buffer_bytes
-from ..profile.profiler import default_loss, fake_step_recorder
+from ..loss import default_loss
+from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder, _tensors
 from ..profile.roofline import mfu as mfu_of
 from ..profile.roofline import op_time_s

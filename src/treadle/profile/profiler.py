@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
 
 from ..errors import ProfileError, TreadleError
-from ..runtime.losses import default_loss  # the one loss convention (re-exported)
+from ..loss import default_loss  # the one loss convention (re-exported)
 from .blocks import expand, find_block_runs, shortened
 from .hardware import HardwareSpec, hardware_preset
 from .memory import OPTIMIZERS, gradient_bytes, optimizer_state_bytes, parameter_bytes
@@ -226,7 +226,7 @@ def profile(model: nn.Module, example_inputs: Any, *, hardware: HardwareSpec | s
     `example_inputs` (a tuple of positional arguments, a dict of keyword arguments, or one tensor).
 
     hardware: a HardwareSpec or a preset name ("h100-sxm", "cpu", ...) used for per-op roofline times and MFU.
-    loss_fn: output -> scalar loss; default `treadle.runtime.losses.default_loss` (the output's `.loss`, e.g. HF
+    loss_fn: output -> scalar loss; default `treadle.loss.default_loss` (the output's `.loss`, e.g. HF
         models given labels, else the mean square of the first floating output), as verify and train use.
     optimizer / master_weights: optimizer state counted in memory (see `treadle.profile.memory`).
     reuse_blocks: profile identical repeated blocks once (NOTE [block reuse]); totals are identical.

@@ -21,7 +21,7 @@ from ..mesh import Mesh
 from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..testing import spawn
 from .batch import check_batch, split_batch
-from .losses import call_loss, default_loss
+from ..loss import call_loss, default_loss
 from .optimizer import adamw
 
 
@@ -65,7 +65,7 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
     """Train `sch` for `steps` AdamW steps on `example_inputs` (keyword arguments of forward, global batch) on
     the mesh's world of gloo ranks. Returns a TrainResult.
 
-    `loss_fn(output)` defaults to `treadle.runtime.losses.default_loss` (``output.loss``, e.g. a Hugging Face
+    `loss_fn(output)` defaults to `treadle.loss.default_loss` (``output.loss``, e.g. a Hugging Face
     model given ``labels``, else the mean square of the first floating output), as in verify and profile.
     The schedule must not have been built; it is sent to the ranks as JSON with its original model.
     Raises TreadleError before spawning when the batch does not split over the data-parallel axis."""

@@ -26,7 +26,7 @@ from ..errors import TreadleError, VerifyError
 from ..mesh import Mesh
 from ..schedule.core import Schedule, load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
-from ..runtime.losses import call_loss
+from ..loss import call_loss, default_loss
 from ..testing import root_cause, spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
@@ -165,12 +165,6 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
-def _default_loss(out: Any) -> torch.Tensor:
-    from ..runtime.losses import default_loss
-
-    return default_loss(out)
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
@@ -298,7 +292,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     """
     if sch._state.built:
         raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     original = sch._state.original if sch._state.original is not None else sch._state.model
     reference = original
     if any(p.is_meta for p in original.parameters()):
