@@ -70,7 +70,7 @@ def _without_skew(cluster):
 
 def run_config(model_name: str, config: str, args) -> dict:
     from treadle.cost.cluster import ClusterSpec
-    from treadle.planner.price import price
+    from treadle.pricing import price
     from treadle.profile.hardware import calibrate_cpu
     from treadle.schedule.core import load_schedule
     from treadle.testing import spawn

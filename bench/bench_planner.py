@@ -161,7 +161,7 @@ def _head_parallel(sch) -> bool:
 def bench_recipes(tiny: bool = False) -> list[dict]:
     from treadle.cost.cluster import parse_cluster
     from treadle.planner.cli import search_clusters
-    from treadle.planner.price import price
+    from treadle.pricing import price
     from treadle.schedule.core import create_schedule
 
     budget = 80 * GiB

@@ -255,7 +255,7 @@ def run_config(model_name: str, config: str, args) -> dict:
     from treadle.cost.cluster import ClusterSpec
     from treadle.errors import TreadleError
     from treadle.mesh import Mesh
-    from treadle.planner.price import price
+    from treadle.pricing import price
     from treadle.profile.hardware import CPU_CORE, calibrate_cpu
     from treadle.schedule.core import load_schedule
     from treadle.testing import spawn

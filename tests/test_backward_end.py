@@ -9,6 +9,7 @@ from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import plan_model
+from treadle.forms.data import plan as dp_plan
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +43,17 @@ def test_the_backward_end_is_priced_under_ddp_only_and_bounds_the_peak(ddp_graph
     (t0,) = ddp.templates
     L = ddp.templates[t0].count
     choice = [0] * len(ddp.units)
-    assert ilp.backward_end_bytes(zero, [0] * len(zero.units), {t0: L}) == 0.0  # ZeRO-3: gradients sharded
+    assert dp_plan.peak_bytes(zero, [0] * len(zero.units), {t0: L}) == 0.0  # ZeRO-3: gradients sharded
     grads = sum(u.count * u.costs[0].grad_bytes for u in ddp.units)
     assert grads > 0 and all(c.grad_bytes <= c.static_bytes for u in ddp.units for c in u.costs)
     for c in (0, 1, L):
-        end = ilp.backward_end_bytes(ddp, choice, {t0: c})
+        end = dp_plan.peak_bytes(ddp, choice, {t0: c})
         assert end == pytest.approx(_by_hand(ddp, choice, {t0: c}))
         _, peak, terms = ilp.evaluate(ddp, choice, {t0: c})
         assert peak >= end
     # every block checkpointed: the first row is static + every input + the largest block; the end is higher
     _, peak, terms = ilp.evaluate(ddp, choice, {t0: L})
-    assert peak == pytest.approx(ilp.backward_end_bytes(ddp, choice, {t0: L}))
+    assert peak == pytest.approx(dp_plan.peak_bytes(ddp, choice, {t0: L}))
     assert terms["transient_bytes"] == pytest.approx(peak - terms["static_bytes"] - terms["activation_bytes"]
                                                      - terms["fixed_bytes"])
 
@@ -66,22 +67,22 @@ def test_the_solver_keeps_the_backward_end_within_the_budget(ddp_graph, monkeypa
     low = ilp.solve(cg, budget_bytes=None, minimise="memory")
     _, peak, _ = ilp.evaluate(cg, low.choice, low.ckpt)
     assert low.peak_bytes == pytest.approx(peak)
-    assert ilp.backward_end_bytes(cg, low.choice, low.ckpt) <= low.peak_bytes
+    assert dp_plan.peak_bytes(cg, low.choice, low.ckpt) <= low.peak_bytes
     # a budget between the two points of the all-checkpointed plan: its backward end does not fit, so the solver
     # must find another plan (or none), never return one whose end is over
     choice = low.choice
-    end = ilp.backward_end_bytes(cg, choice, {t0: L})
+    end = dp_plan.peak_bytes(cg, choice, {t0: L})
     for budget in (low.peak_bytes, (low.peak_bytes + end) / 2, end * 1.05):
         sol = ilp.solve(cg, budget_bytes=budget)
         if sol.status != "infeasible":
-            assert ilp.backward_end_bytes(cg, sol.choice, sol.ckpt) <= budget
+            assert dp_plan.peak_bytes(cg, sol.choice, sol.ckpt) <= budget
             assert sol.peak_bytes <= budget
     # plan_model's plan with every block checkpointed: the solver's peak (the backward's end) is nearer its price
     # than the first row alone, and not above it
     plan = plan_model(model, inputs, cluster=cluster, graph=graph, dp_axis="dp", zero=False, checkpoint="all")
     priced = plan.estimate().peak_bytes
     with_end = plan.estimated.peak_bytes
-    monkeypatch.setattr(ilp, "separate_grads", lambda cg: False)
+    monkeypatch.setattr(dp_plan, "separate_grads", lambda cg: False)
     before = plan_model(model, inputs, cluster=cluster, graph=graph, dp_axis="dp", zero=False, checkpoint="all")
     assert before.decisions == plan.decisions  # no budget: the same plan, only its peak is counted differently
     first_row = before.estimated.peak_bytes

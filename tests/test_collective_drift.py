@@ -18,7 +18,7 @@ from treadle.cost.links import LinkSpec
 from treadle.cost.overlap import Collective, Segment, simulate
 from treadle.errors import LayoutError
 from treadle.models.zoo import named_model
-from treadle.planner.price import price
+from treadle.pricing import price
 
 MS = 1e-3
 DRIFT = LinkSpec(name="drift", latency_s=1e-4, bandwidth_bytes_per_s=1e9, skew_s=1 * MS, skew_lead_s=2 * MS)

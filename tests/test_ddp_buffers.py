@@ -1,4 +1,4 @@
-"""NOTE [DDP buffers] in treadle.planner.price: DDP broadcasts the model's buffers at the start of every forward;
+"""NOTE [DDP buffers] in treadle.forms.data.facts: DDP broadcasts the model's buffers at the start of every forward;
 `price` and the planner's cost graph charge that broadcast, on the critical path, once per step."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from treadle.cost import collective_cost as cc
 from treadle.cost.cluster import ClusterSpec
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.price import price
+from treadle.pricing import price
 from treadle.profile.memory import buffer_bytes
+from treadle.forms.data.plan import terms as dp_terms
 
 
 class Scaled(nn.Module):
@@ -65,11 +66,11 @@ def test_cost_graph_charges_the_same_broadcast_under_ddp_only():
     assert g.buffer_bytes == 80
     cl = _cluster()
     ddp = build_cost_graph(g, cl, Roles(("dp",), False, (), ()))
-    assert ddp.dp_buffer_s == pytest.approx(cc.broadcast_time_s(80, 2, cl.link("dp")))
+    assert dp_terms(ddp).buffer_s == pytest.approx(cc.broadcast_time_s(80, 2, cl.link("dp")))
     zero = build_cost_graph(g, cl, Roles(("dp",), True, (), ()))
-    assert zero.dp_buffer_s == 0.0  # FSDP2 broadcasts nothing per step
+    assert dp_terms(zero).buffer_s == 0.0  # FSDP2 broadcasts nothing per step
     none = build_cost_graph(capture(Scaled(buffers=False), (x,)), cl, Roles(("dp",), False, (), ()))
-    assert none.dp_buffer_s == 0.0
+    assert dp_terms(none).buffer_s == 0.0
 
 
 def test_plan_estimate_includes_the_broadcast_and_equals_the_price():

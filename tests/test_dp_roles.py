@@ -19,8 +19,10 @@ from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import enumerate_roles, plan_model
-from treadle.planner.price import fsdp_units, price
+from treadle.pricing import price
+from treadle.forms.data.facts import fsdp_units
 from treadle.verify.verify import verify
+from treadle.forms.data.plan import terms as dp_terms
 
 from test_price import Net  # the same 3-block MLP the price rules are checked on
 from tiny_models import tiny_gpt2, tiny_llama
@@ -247,14 +249,14 @@ def test_cost_graph_prices_hsdp_and_multi_axis_ddp_by_hand():
     cg, dp, _ = dp_sum(Roles(("dp", "tp"), False, ()))
     assert dp == pytest.approx(bw(cc.all_reduce_time_s, nbytes, 4, flat)  # + full buckets' latency per byte
                                + cc.all_reduce_time_s(0.0, 4, flat) * nbytes / (25 * 2**20))
-    assert cg.dp_latency_s == pytest.approx(cc.all_reduce_time_s(0.0, 4, flat))  # one bucket
+    assert dp_terms(cg).latency_s == pytest.approx(cc.all_reduce_time_s(0.0, 4, flat))  # one bucket
     cg, dp, static_hsdp = dp_sum(Roles(("dp", "tp"), True, (), replicate=("dp",)))
     assert dp == pytest.approx(2 * bw(cc.all_gather_time_s, nbytes, 2, link_tp)
                                + bw(cc.reduce_scatter_time_s, nbytes, 2, link_tp)
                                + bw(cc.all_reduce_time_s, nbytes / 2, 2, link_dp))
     root = (cc.all_gather_time_s(0.0, 2, link_tp) + cc.reduce_scatter_time_s(0.0, 2, link_tp)
             + cc.all_reduce_time_s(0.0, 2, link_dp))
-    assert cg.dp_latency_s == pytest.approx(root)  # no repeated blocks: the root unit only
+    assert dp_terms(cg).latency_s == pytest.approx(root)  # no repeated blocks: the root unit only
     # parameters + gradients + AdamW state (8 B) of the 1/2 shard
     assert static_hsdp == pytest.approx(nbytes / 4 / 2 * (2 * 4 + 8))
     _, dp, static_keep = dp_sum(Roles(("dp", "tp"), True, (), reshard_after_forward=False))
@@ -310,7 +312,8 @@ def test_planner_finds_pure_dp_over_a_2x2_mesh_and_emits_the_new_form():
 
 
 def test_planner_roles_become_the_data_parallel_call_they_price():
-    from treadle.planner.to_schedule import Decision, apply_decisions, data_parallel_args
+    from treadle.forms.data.plan import data_parallel_args
+    from treadle.planner.to_schedule import Decision, apply_decisions
 
     cases = {Roles(("dp", "tp"), False, ()): {"axis": ["dp", "tp"], "shard": False},
              Roles("dp", True, ("tp",)): {"axis": "dp", "shard": True},

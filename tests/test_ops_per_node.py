@@ -18,6 +18,7 @@ from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.ilp import evaluate
 from treadle.planner.plan import plan_model
 from treadle.profile.hardware import CPU_CORE
+from treadle.forms.data.plan import terms as dp_terms
 
 from tiny_models import MODELS, lm_inputs
 
@@ -102,12 +103,12 @@ def test_ddp_bucket_costs_its_own_all_reduce_not_the_sum_of_per_parameter_ones()
     cg = build_cost_graph(graph, cl, Roles(("dp", "tp"), False, ()))
     choice = [0] * len(cg.units)  # replicated parameters
     total = sum(p.numel() * p.element_size() for p in MODELS["gpt2"]().parameters())  # tied: once
-    assert cg.dp_latency_s > 0
+    assert dp_terms(cg).latency_s > 0
     dp_comm = sum(u.count * u.costs[choice[k]].dp_comm_s for k, u in enumerate(cg.units))
     link = cl.group_link(("dp", "tp"))
     one_bucket = all_reduce_time_s(total, 4, link)
     per_bucket_latency = all_reduce_time_s(0.0, 4, link) * total / (25 * 2**20)  # the (tiny) full-bucket share
-    assert cg.dp_latency_s + dp_comm == pytest.approx(one_bucket + per_bucket_latency, rel=1e-6)
+    assert dp_terms(cg).latency_s + dp_comm == pytest.approx(one_bucket + per_bucket_latency, rel=1e-6)
     _, _, terms = evaluate(cg, choice, {})
     hand = treadle.create_schedule(MODELS["gpt2"](), mesh=cl.mesh)
     hand.data_parallel(axis=("dp", "tp"))
@@ -120,7 +121,7 @@ def test_fsdp_units_are_the_model_lists_entries_even_when_not_captured_as_repeat
     as an FSDP2 unit: the cost graph's per-unit latency and host cost follow the model, as `price` does."""
     inputs = lm_inputs()
     graph = capture(MODELS["gpt2"](2), (), inputs)
-    assert not graph.blocks and graph.fsdp_block_units == 2
+    assert not graph.blocks and graph.facts["data"]["block_units"] == 2
     cl = parse_cluster("2x2:cpu")
     cg = build_cost_graph(graph, cl, Roles("dp", True, ()))
     hw = cl.rank_hardware()

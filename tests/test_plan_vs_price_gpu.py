@@ -10,6 +10,8 @@ from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import _shardable_fn, runtime_capabilities
+from treadle.forms.data.plan import terms as dp_terms
+from treadle.forms.data.plan import dp_window_s
 
 from test_price_plan import _MLP  # noqa: E402  (the same two-layer MLP)
 
@@ -32,8 +34,8 @@ def test_zero3_sync_hides_behind_compute_and_tensor_parallel_waits():
     tp = sum(n * c.comm_s for n, c in costs)
     dp = sum(n * c.dp_comm_s for n, c in costs)
     step, _, terms = ilp.evaluate(cg, choice, {})
-    assert tp > 0 and cg.dp_latency_s + dp > compute  # the window's tp part decides what is exposed
-    exposed = max(0.0, cg.dp_latency_s + dp - (compute + tp))
+    assert tp > 0 and dp_terms(cg).latency_s + dp > compute  # the window's tp part decides what is exposed
+    exposed = max(0.0, dp_terms(cg).latency_s + dp - (compute + tp))
     assert terms["comm_s"] == pytest.approx(tp + exposed)
     assert sol.step_s == pytest.approx(step)
 
@@ -87,16 +89,16 @@ def test_ddp_buckets_hide_behind_backward_compute_and_backward_tensor_parallel_w
     pins = {"q.weight": (0,), "k.weight": (0,), "v.weight": (0,), "o.weight": (1,)}
     cg = build_cost_graph(g, cl, Roles("dp", False, ("tp",)), pins=pins,
                           shardable=_shardable_fn(g, runtime_capabilities(model)[0], 1))
-    assert cg.dp_window == "bwd" and cg.dp_overlap
+    assert dp_terms(cg).window == "bwd" and dp_terms(cg).overlap
     sol = ilp.solve(cg, budget_bytes=None)
     costs = [(u.count, u.costs[sol.choice[i]]) for i, u in enumerate(cg.units)]
     sums = ilp.chosen_grad_sums_s(cg, sol.choice)
     window = sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums
     dp = sum(n * c.dp_comm_s for n, c in costs)
     tp = sum(n * c.comm_s for n, c in costs) + sums
-    assert sums > 0 and cg.dp_latency_s + dp > window - sums  # without the sums in the window, more is exposed
+    assert sums > 0 and dp_terms(cg).latency_s + dp > window - sums  # without the sums in the window, more is exposed
     step, _, terms = ilp.evaluate(cg, sol.choice, {})
-    assert terms["comm_s"] == pytest.approx(tp + max(0.0, cg.dp_latency_s + dp - window))
+    assert terms["comm_s"] == pytest.approx(tp + max(0.0, dp_terms(cg).latency_s + dp - window))
     assert sol.step_s == pytest.approx(step)
 
 
@@ -113,20 +115,20 @@ def test_the_embeddings_bucket_cannot_hide_behind_the_blocks_backward():
     ids = torch.randint(0, 32000, (8, 512))
     g = capture(model, (), {"input_ids": ids, "labels": ids})
     cg = build_cost_graph(g, parse_cluster("2x1:h100"), Roles(("dp",), False, ()))
-    assert cg.dp_window == "bwd" and cg.dp_overlap
+    assert dp_terms(cg).window == "bwd" and dp_terms(cg).overlap
     head = ilp.head_units(cg)
     assert [g.nodes[cg.units[u].leader].module for u in head if cg.units[u].costs[0].dp_comm_s] == ["model.embed_tokens"]
     choice = [0] * len(cg.units)
     costs = [(u.count, u.costs[0]) for u in cg.units]
     sums = ilp.chosen_grad_sums_s(cg, choice)
     dp = sum(n * c.dp_comm_s for n, c in costs)
-    aggregate = cg.dp_latency_s + dp - (sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums)
-    embedding = sum(cg.units[u].count * (cg.units[u].costs[0].dp_comm_s - ilp.dp_window_s(cg, cg.units[u].costs[0]))
+    aggregate = dp_terms(cg).latency_s + dp - (sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums)
+    embedding = sum(cg.units[u].count * (cg.units[u].costs[0].dp_comm_s - dp_window_s(cg, cg.units[u].costs[0]))
                     for u in head)
     assert embedding > max(0.0, aggregate)  # the aggregate window would hide it all
     step, _, terms = ilp.evaluate(cg, choice, {})
-    assert cg.dp_buffer_s > 0  # LLaMA's rotary buffers: DDP broadcasts them every forward (NOTE [DDP buffers])
+    assert dp_terms(cg).buffer_s > 0  # LLaMA's rotary buffers: DDP broadcasts them every forward (NOTE [DDP buffers])
     assert terms["comm_s"] == pytest.approx(sum(n * c.comm_s for n, c in costs) + sums + embedding
-                                            + cg.dp_buffer_s)
+                                            + dp_terms(cg).buffer_s)
     sol = ilp.solve(cg, budget_bytes=None)
     assert sol.step_s == pytest.approx(step)  # the ILP states the same bound

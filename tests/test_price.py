@@ -12,10 +12,11 @@ import treadle
 from treadle import Mesh, Replicate
 from treadle.cost import collective_cost as cc
 from treadle.cost.cluster import ClusterSpec, parse_cluster
-from treadle.cost.overlap import Collective, Segment, ddp_buckets, simulate
+from treadle.cost.overlap import Collective, Segment, simulate
+from treadle.forms.data.facts import ddp_buckets, fsdp_units
 from treadle.errors import LayoutError, PlanError
 from treadle.models.zoo import named_model
-from treadle.planner.price import fsdp_units, price
+from treadle.pricing import price
 
 MiB = 2**20
 

@@ -18,7 +18,7 @@ import treadle
 from treadle import Mesh, testing
 from treadle.cost.cluster import ClusterSpec
 from treadle.models.zoo import named_model
-from treadle.planner.price import price
+from treadle.pricing import price
 
 
 def _rank_collectives(rank: int, world: int):

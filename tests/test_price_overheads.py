@@ -14,7 +14,8 @@ from treadle.cost.cluster import ClusterSpec
 from treadle.errors import ProfileError
 from treadle.profile import overheads as ov
 from treadle.profile.hardware import CPU_CORE, HardwareSpec, hardware_preset
-from treadle.planner.price import adamw_ops, price
+from treadle.pricing import price
+from treadle.runtime.optimizer import adamw_ops
 
 from test_price import Net
 
@@ -199,14 +200,14 @@ class _Attn(torch.nn.Module):
 def test_attention_with_dropout_is_rehearsed_as_the_fused_kernel_on_a_gpu_and_as_pytorchs_cpu_path_on_a_cpu():
     import importlib
 
-    price_mod = importlib.import_module("treadle.planner.price")
+    price_mod = importlib.import_module("treadle.pricing")
     mesh = Mesh((1,), ("x",))
     x = {"x": torch.randn(2, 64, 32)}
 
     def ops_and_saved(cluster):
         torch.manual_seed(0)
         sch = treadle.create_schedule(_Attn(), mesh=mesh)
-        reh = price_mod._rehearse(sch, x, cluster.rank_hardware(), None, gpu=not cluster.is_cpu())
+        reh = price_mod.rehearse(sch, x, cluster.rank_hardware(), None, gpu=not cluster.is_cpu())
         p = price(treadle.create_schedule(_Attn(), mesh=mesh), x, cluster)
         return {r.op.split(".")[1] for r in reh.records}, p.activation_bytes
 
@@ -234,7 +235,7 @@ def test_capture_measures_attention_saved_bytes_as_the_planned_device_runs_it():
 def test_optimizer_moves_one_pass_fused_or_eight_passes(fused):
     """NOTE [AdamW traffic]: fused 3p + 4s bytes per element (28 B in fp32), else 6p + 14s (80 B), priced at the
     device's bandwidth."""
-    from treadle.planner.price import adamw_bytes_per_elem
+    from treadle.runtime.optimizer import adamw_bytes_per_elem
 
     assert adamw_bytes_per_elem(4, 8) == 80 and adamw_bytes_per_elem(4, 8, fused=True) == 28
     assert adamw_bytes_per_elem(2, 8) == 68 and adamw_bytes_per_elem(2, 8, fused=True) == 22  # bf16 p and g

@@ -13,7 +13,8 @@ from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
 from treadle.planner import ilp
 from treadle.planner.plan import Plan, plan_model
-from treadle.planner.price import price
+from treadle.pricing import price
+from treadle.forms.data.plan import terms as dp_terms
 
 
 def _gpt2():
@@ -101,7 +102,7 @@ def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
     step, _, terms = ilp.evaluate(cg, choice, {})
     link = cl.link("dp")
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # < 1 MiB: one bucket
-    assert cg.dp_latency_s == pytest.approx(all_reduce_time_s(0.0, 2, link))
+    assert dp_terms(cg).latency_s == pytest.approx(all_reduce_time_s(0.0, 2, link))
     dp = sum(u.count * u.costs[0].dp_comm_s for u in cg.units)
     # bandwidth, plus each full bucket's latency charged per gradient byte
     per_bucket = all_reduce_time_s(0.0, 2, link)
@@ -109,7 +110,7 @@ def test_ilp_prices_data_parallel_sync_bucketed_and_overlapped(device, overlap):
                                + per_bucket * grad_bytes / (25 * 2**20))
     bwd = sum(u.count * u.costs[0].bwd_s for u in cg.units)
     other = sum(u.count * u.costs[0].comm_s for u in cg.units)
-    exposed = max(0.0, cg.dp_latency_s + dp - (bwd if overlap else 0.0))
+    exposed = max(0.0, dp_terms(cg).latency_s + dp - (bwd if overlap else 0.0))
     assert terms["comm_s"] == pytest.approx(other + exposed)
     sol = ilp.solve(cg, budget_bytes=None)
     assert sol.step_s == pytest.approx(step) and sol.terms["comm_s"] == pytest.approx(terms["comm_s"])
@@ -190,7 +191,7 @@ def test_no_plan_that_fits_as_built_is_an_error_naming_the_smallest(monkeypatch)
     import dataclasses
     import importlib
 
-    price_mod = importlib.import_module("treadle.planner.price")  # (the package re-exports the function)
+    price_mod = importlib.import_module("treadle.pricing")  # (the package re-exports the function)
     real = price_mod.price
     # every schedule as built needs 100x the memory the solver thinks
     monkeypatch.setattr(price_mod, "price", lambda *a, **k: dataclasses.replace(

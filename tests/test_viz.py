@@ -177,7 +177,7 @@ def test_trace_of_a_hand_written_schedule_priced_by_treadle_price(tmp_path) -> N
     from treadle import Mesh
     from treadle.cost.cluster import ClusterSpec
     from treadle.models.zoo import named_model
-    from treadle.planner.price import price
+    from treadle.pricing import price
     from treadle.viz import timeline_from_price
 
     model, inputs = named_model("tiny-gpt2", batch=32, seq=128, dropout=False)

@@ -73,7 +73,7 @@ def test_figures_of_a_priced_schedule_add_up_to_its_step() -> None:
     from treadle import Mesh
     from treadle.cost.cluster import ClusterSpec
     from treadle.models.zoo import named_model
-    from treadle.planner.price import price
+    from treadle.pricing import price
     from treadle.viz import timeline_from_price
 
     model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)

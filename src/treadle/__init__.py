@@ -13,21 +13,14 @@ from .schedule.log import Ref, register_ref
 from .verify import VerifyReport, verify
 from . import graph as _graph  # noqa: E402,F401  (registers the graph layer with the schedule's graph primitives)
 
+
 try:  # model-specific op forms and decompositions for patterns (need transformers)
     from .models import kernels as _kernels  # noqa: F401
 except ImportError:  # pragma: no cover - transformers is a dependency
     pass
 
-
-
-def price(sch: Schedule, example_inputs: dict, cluster, **kwargs):
-    """Predicted step time, peak memory and MFU of any schedule on a cluster (`treadle.planner.price.price`;
-    the planner is imported on first use)."""
-    from .planner.price import price as _price
-
-    return _price(sch, example_inputs, cluster, **kwargs)
-
-
+from .pricing import price  # noqa: E402  (one price for every schedule)
+from . import forms  # noqa: E402,F401  (the parallel forms register themselves with the core layers)
 from . import models  # noqa: E402  (ready-made schedules: treadle.models.megatron, ...; after the core)
 
 __all__ = [

@@ -108,6 +108,16 @@ def broadcast_time_s(nbytes: float, n_ranks: int, link: LinkSpec) -> float:
     return link.launch_s + min(tree_s, scatter_s + _steps_s(n_ranks - 1, nbytes / n_ranks, link))
 
 
+def collective_time_s(kind: str, nbytes: float, n_ranks: int, link: LinkSpec) -> float:
+    """The time of one collective by its kind ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+    "broadcast"); 0 on one rank."""
+    if n_ranks <= 1:
+        return 0.0
+    fn = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s,
+          "all_to_all": all_to_all_time_s, "broadcast": broadcast_time_s}[kind]
+    return fn(nbytes, n_ranks, link)
+
+
 def send_recv_time_s(nbytes: float, link: LinkSpec) -> float:
     """One point-to-point message of `nbytes`."""
     _check(nbytes, 2, "send_recv_time_s")

@@ -1,4 +1,4 @@
-"""When communication overlaps compute: DDP's gradient buckets and a one-step timeline. Pure functions.
+"""When communication overlaps compute: a one-step timeline of compute segments and collectives. Pure functions.
 
 NOTE [overlap model]. A training step on one rank is a sequence of compute *segments* (module, phase,
 seconds) run back to back, and a set of collectives. Each collective runs on the channel of its mesh
@@ -32,10 +32,8 @@ per-collective ``exposed_s`` sum to the step's exposed communication. With ``ove
 whose ranks have no core to spare for communication threads, e.g. gloo ranks sharing CPU cores) every
 collective is blocking at its issue point: ``step_s = compute_s + sum t_c``.
 
-`ddp_buckets` groups gradients as `torch.nn.parallel.DistributedDataParallel` does after its first
-iteration (the reducer's rebuild, `torch/csrc/distributed/c10d/reducer.cpp`): parameters in the order
-their gradients become ready, one dtype per bucket, a bucket closed once it holds at least its limit —
-1 MiB for the first (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB (``bucket_cap_mb``) for the rest.
+How data parallelism fills the timeline (DDP's buckets, FSDP2's gathers) is the data-parallel form's
+(`treadle.forms.data`).
 """
 
 from __future__ import annotations
@@ -46,10 +44,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .links import LinkSpec
-
-DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
-DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
-
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -156,27 +150,4 @@ def simulate(segments: list[Segment], collectives: list[Collective], *, overlap:
     return Timeline(starts, collectives, now, compute, comm, exposed, max(0.0, comm - exposed))
 
 
-def ddp_buckets(grads: list[tuple[str, int, str]], *, first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
-                bucket_bytes: int = DDP_BUCKET_BYTES) -> list[list[str]]:
-    """Bucket gradients as DDP's reducer does (module doc). `grads`: (name, bytes, dtype) in the order the
-    gradients become ready. Returns buckets in the order they are reduced; each holds one dtype."""
-    out: list[list[str]] = []
-    open_: dict[str, tuple[list[str], int]] = {}
-    limit_used: dict[str, int] = {}
-    for name, nbytes, dtype in grads:
-        names, size = open_.get(dtype, ([], 0))
-        names.append(name)
-        size += nbytes
-        limit = first_bucket_bytes if limit_used.get(dtype, 0) == 0 else bucket_bytes
-        if size >= limit:
-            out.append(names)
-            limit_used[dtype] = limit_used.get(dtype, 0) + 1
-            open_.pop(dtype, None)
-        else:
-            open_[dtype] = (names, size)
-    out.extend(names for names, _ in open_.values())
-    return out
-
-
-__all__ = ["Segment", "Collective", "Timeline", "simulate", "ddp_buckets", "DDP_FIRST_BUCKET_BYTES",
-           "DDP_BUCKET_BYTES"]
+__all__ = ["Segment", "Collective", "Timeline", "simulate"]

@@ -11,7 +11,7 @@ counts) or `checkpoint_dp` (two-stage) -> `to_schedule` (decisions -> primitives
 from .capture import CapturedGraph, capture
 from .cost_graph import Roles, TrainSpec
 from .plan import Estimate, Plan, enumerate_roles, plan_model
-from .price import Price, PriceRow, price
+from ..pricing import Price, PriceRow, price
 from .to_schedule import Decision
 
 __all__ = ["capture", "CapturedGraph", "plan_model", "Plan", "Estimate", "Decision", "Roles", "TrainSpec",

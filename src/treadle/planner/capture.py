@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import PlanError
-from ..profile.memory import buffer_bytes
+from ..form import forms
 from ..loss import default_loss
+from ..profile.memory import buffer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,9 @@ class CapturedGraph:
     # (the cost graph then charges one op per node each way)
     fwd_ops: dict[int, int] | None = None
     bwd_ops: dict[int, int] | None = None
-    # FSDP2 units `build` wraps besides the root: every entry of every nn.ModuleList of the real model
-    # (`treadle.planner.price.fsdp_units`), whether or not capture found them repeated (a 2-entry list is not)
-    fsdp_block_units: int = 0
+    # what each parallel form noted of the real model before capture shortened its lists (`Form.capture_facts`;
+    # data parallelism: the FSDP2 units build wraps besides the root), by form name
+    facts: dict[str, Any] = field(default_factory=dict)
     # nodes whose ops save a tensor for backward (NOTE [recompute stops early] in saved.py); None: not measured
     packers: frozenset[int] | None = None
     packs: dict[int, int] | None = None  # activations each node's ops save (the recompute detaches each again)
@@ -309,7 +310,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     """
     kwargs = dict(kwargs or {})
     n_real_params = sum(p.numel() for p in model.parameters())
-    n_block_units = len(_fsdp_block_units(model))  # before the lists are shortened
+    facts = {f.name: x for f in forms() if (x := f.capture_facts(model)) is not None}  # before lists are shortened
     real_param_modules = {}
     for mname, mod in model.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):
@@ -405,15 +406,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             bwd_ops = {index_of[k]: v for k, v in measured.bwd_ops.items() if k in index_of}
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
                          saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
-                         n_block_units, packers, packs)
-
-
-def _fsdp_block_units(model: nn.Module) -> set[str]:
-    """The FSDP2 units other than the root that own trainable parameters, each parameter going to the first unit
-    holding it, as `treadle.planner.price` assigns them (a unit without parameters costs nothing there)."""
-    from .price import fsdp_param_units
-
-    return set(fsdp_param_units(model)) - {""}
+                         facts, packers, packs)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:

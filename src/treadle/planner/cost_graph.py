@@ -22,21 +22,7 @@ NOTE [followers]: a node whose only variable input is one unit, and that has exa
 strategy of that unit, is merged into it (its costs add to the leader's strategy). This is exact: the
 follower's choice is forced by the equality edge anyway.
 
-NOTE [bucketed data parallel]: the runtime reduces data-parallel gradients in buckets (DDP: 1 MiB first,
-then 25 MiB) or per unit (FSDP2: every block and the root: a forward gather, a backward gather — none for
-the root — and a reduce-scatter), overlapped with compute (`treadle.cost.overlap`). Per parameter the
-cost graph keeps the bandwidth part of its sync (`StrategyCost.dp_comm_s`); the latency part is a
-constant per role assignment, `CostGraph.dp_latency_s` — ZeRO-3: every unit's collectives; DDP: the first
-bucket's (and half the last's), each full bucket's latency being charged to the parameters in proportion to
-their local gradient bytes (a tensor-parallel shard fills fewer buckets). What is exposed is
-
-    E = max(0, dp_latency_s + sum dp_comm_s - W)
-
-with W what the reductions can hide behind — for DDP the backward: its compute and the tensor-parallel
-communication it waits for (the input-gradient sums included); for ZeRO-3 all compute and all that
-tensor-parallel communication (another axis's channel: `ilp.dp_window_s`, as `treadle.cost.overlap` runs it) —
-when the rank's device overlaps communication (`ClusterSpec.rank_device().overlap`), else W = 0. The ILP
-states E with two linear rows (`ilp.add_dp_exposure`); `ilp.evaluate` computes it directly.
+NOTE [bucketed data parallel] (the data-parallel form's terms): `treadle.forms.data.plan`.
 
 Costs per strategy (per execution, per device, seconds and bytes) are computed in `node_costs.py`.
 """
@@ -52,7 +38,9 @@ import torch
 
 from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
+from ..form import forms
 from ..mesh import Mesh
+from ..runtime.optimizer import adamw_fixed_s
 from .capture import CapturedGraph, Node, TensorMeta
 from ..placement import P, R
 from .dims import AxisOption, block_chain, dim_spec, strategies
@@ -90,12 +78,7 @@ class Roles:
         return tuple(a for a in self.dp if a not in self.replicate) if self.zero else ()
 
     def __str__(self) -> str:
-        parts = []
-        if self.dp:
-            how = (f" (HSDP: shard {','.join(self.shard_axes)}, replicate {','.join(self.replicate)})" if self.replicate
-                   else " (ZeRO-3)" if self.zero else "")
-            keep = "" if self.reshard_after_forward or not self.zero else ", no reshard after forward"
-            parts.append(f"data-parallel {','.join(self.dp)}{how}{keep}")
+        parts = [label for f in forms() if (label := f.role_label(self))]  # the axes the forms take
         if self.tp:
             parts.append(f"tensor {','.join(self.tp)}")
         if self.off:
@@ -154,12 +137,9 @@ class CostGraph:
     fixed_static_bytes: float = 0.0  # memory that no decision changes (buffers, user inputs)
     attr_resolver: Any = None
     model_flops: float = 0.0  # forward + backward FLOPs of one step, whole model (for MFU)
-    dp_latency_s: float = 0.0  # NOTE [bucketed data parallel]
-    dp_buffer_s: float = 0.0  # DDP's broadcast of the buffers every forward, never hidden (NOTE [DDP buffers])
     host_s: float = 0.0  # host overheads fixed by the role (NOTE [framework overheads]): FSDP2 units, foreach lists
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
-    dp_overlap: bool = False  # reductions hide behind compute
-    dp_window: str = "bwd"  # "bwd" (DDP) or "all" (ZeRO-3): the compute and tensor-parallel comm they hide behind
+    form_terms: dict[str, Any] = field(default_factory=dict)  # a parallel form's constants of the role, by form name
     vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss] in extra_layouts.py
     sp_gathers: list = field(default_factory=list)  # NOTE [gather with a reduce-scatter backward] in sp_gather.py
 
@@ -319,7 +299,11 @@ class _Builder(NodeCosts, ExtraLayouts):
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
         self.dp_size = math.prod(mesh.size(a) for a in roles.dp)  # replicas: the batch divisor
-        self.zero_size = math.prod(mesh.size(a) for a in roles.shard_axes)  # ranks one ZeRO-3 shard group spans
+        # how parameters live (the data-parallel form's `prepare` sets them under ZeRO-3): split over
+        # `param_divisor` ranks, tensor subclasses in the optimizer step, kept gathered from forward to backward
+        self.param_divisor = 1
+        self.param_subclass = False
+        self.gathered_kept = False
         # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
         # a layout change is its collectives), so the copy rate is left out on purpose
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
@@ -462,6 +446,8 @@ class _Builder(NodeCosts, ExtraLayouts):
     def build(self) -> CostGraph:
         self._batch()
         self._mark_saved()
+        for f in forms():
+            f.prepare(self)
         # canonical op nodes in order
         canon_ops = [n for n in self.nodes if n.kind == "op" and self.canonical(n.index) == n.index]
         self.exit_of = {n.index: exit_module(self.g, n) for n in canon_ops}
@@ -532,56 +518,17 @@ class _Builder(NodeCosts, ExtraLayouts):
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
                        vocab_ce=dict(self.vocab_ce))
         cg.sp_gathers = find_sp_gathers(self, units, unit_of)
-        self._dp_terms(cg)
         self._host_terms(cg)
+        for f in forms():  # each form's constants of the role (data parallelism: NOTE [bucketed data parallel])
+            f.graph_terms(self, cg)
         logger.debug("cost graph %s: %d units (%d strategies), %d edges, %d templates", self.roles, len(units),
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg
 
-    def _dp_terms(self, cg: CostGraph) -> None:
-        """NOTE [bucketed data parallel]: the latency constant, the overlap flag and window."""
-        if not self.roles.dp or self.dp_size == 1:
-            return
-        from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-        from ..cost.overlap import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
-
-        link = self.dp_link(self.roles.dp)
-        n = self.dp_size
-        cg.dp_overlap = self.cluster.rank_device().overlap
-        if self.roles.zero:
-            units = self.fsdp_unit_count() - 1  # the blocks; the root is the last term
-            zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
-            gathers = 2 if self.roles.reshard_after_forward else 1  # a block's backward gather (not the root's)
-            per_unit = reduce_scatter_time_s(0.0, zn, zlink)
-            if self.roles.replicate:  # HSDP: the shard's all-reduce over the replicate axes
-                per_unit += all_reduce_time_s(0.0, self.dp_size // zn, self.dp_link(self.roles.replicate))
-            cg.dp_latency_s = (units * (gathers * all_gather_time_s(0.0, zn, zlink) + per_unit)
-                               + all_gather_time_s(0.0, zn, zlink) + per_unit)
-            cg.dp_window = "all"
-        else:
-            # buckets = 1 + ceil((G - first) / full) for G gradient bytes; `param_sync_s` charges G / full of
-            # them per byte, and this constant the rest: the first bucket's, and on average half of the last
-            # (partial) one's — with G from the replicated parameters, exact (two buckets) below two buckets
-            grad_bytes = self.replicated_grad_bytes()
-            if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
-                buckets = 1.0
-            elif grad_bytes <= DDP_FIRST_BUCKET_BYTES + DDP_BUCKET_BYTES:
-                buckets = max(1.0, 2.0 - grad_bytes / DDP_BUCKET_BYTES)
-            else:
-                buckets = 1.5
-            cg.dp_latency_s = buckets * all_reduce_time_s(0.0, n, link)
-            cg.dp_window = "bwd"
-            if self.g.buffer_bytes:  # NOTE [DDP buffers] in treadle.planner.price: one broadcast per forward
-                from ..cost.collective_cost import broadcast_time_s
-
-                cg.dp_buffer_s = broadcast_time_s(self.g.buffer_bytes, n, link)
-
     def _host_terms(self, cg: CostGraph) -> None:
-        """NOTE [framework overheads] (treadle.profile.hardware), as `treadle.planner.price` charges them: a
-        checkpointed block costs `checkpoint_region_s` + its ops x `checkpoint_op_s`; under ZeRO-3 each FSDP2 unit
-        (every block, and the root) `fsdp_unit_s` per step; a foreach optimizer its per-step list ops."""
-        from .price import _ADAMW_FOREACH_OPS, _ADAMW_FUSED_OPS
-
+        """NOTE [framework overheads] (treadle.profile.hardware), as the price charges them: a checkpointed block
+        costs `checkpoint_region_s` + its ops x `checkpoint_op_s`; the optimizer its per-step list ops
+        (`treadle.runtime.optimizer.adamw_fixed_s`). (FSDP2's units: the data-parallel form's terms.)"""
         hw = self.hw
         for t, info in cg.templates.items():
             nodes = [i for u in info.units for i in cg.units[u].nodes]
@@ -590,12 +537,7 @@ class _Builder(NodeCosts, ExtraLayouts):
             detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
             cg.ckpt_host_s[t] = (hw.checkpoint_region_s + (ops + detaches) * hw.checkpoint_op_s
                                  + detaches * hw.op_overhead_s)
-        zero = bool(self.roles.dp) and self.roles.zero and self.zero_size > 1
-        if zero:
-            cg.host_s += self.fsdp_unit_count() * hw.fsdp_unit_s
-        if hw.optimizer_fused or hw.optimizer_foreach:
-            n_list = _ADAMW_FUSED_OPS if hw.optimizer_fused else _ADAMW_FOREACH_OPS
-            cg.host_s += n_list * (hw.op_overhead_s + (hw.subclass_op_overhead_s if zero else 0.0))
+        cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
 
     def _template(self, i: int) -> int | None:
         b = self.nodes[i].block

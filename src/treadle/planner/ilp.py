@@ -22,12 +22,13 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          static(s) + fixed + act_outside(s) + sum_t (L_t A_t - sum_b 2^b zA + sum_b 2^b zI) + T <= budget
                                                                                 (memory)
          q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
-         E >= dp_latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0  (dp_exposure)
+         each parallel form's families (`treadle.form.Form.ilp_rows`; data parallelism:
+         E >= latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0   dp_exposure)
          y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
 
     where the objective counts each y[g] (count x seconds of a shared all-reduce, NOTE [shared
     input-gradient sum] in node_costs.py) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
-    cost_graph.py) besides compute and comm;
+    `treadle.forms.data.plan`) besides compute and comm;
 
 `add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
 choices of a tiny cost graph with the same cost formulas and is the test oracle. The memory at the peak
@@ -48,6 +49,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from ..errors import PlanError
+from ..form import forms
 from .cost_graph import CostGraph
 from .sp_gather import active as sp_active
 
@@ -168,7 +170,8 @@ def chosen_grad_sums_s(cg: CostGraph, choice: list[int]) -> float:
 
 def add_grad_sums(m: _Model, cg: CostGraph, s) -> dict[int, float]:
     """y[key] >= s[u,k] for every strategy that needs the gradient sum `key`; y costs count x seconds
-    (family grad_sum). Returns {y variable: count x seconds} for the data-parallel window."""
+    (family grad_sum). Returns {y variable: count x seconds}: ``shared["grad_sums"]`` of the forms' rows (the
+    data-parallel window)."""
     keys = grad_sum_keys(cg)
     ys = {key: m.var(ub=1.0, cost=key[2] * t * _SECONDS) for key, t in keys.items()}
     out = {y: key[2] * keys[key] for key, y in ys.items()}
@@ -195,54 +198,6 @@ def add_sp_gathers(m: _Model, cg: CostGraph, s, ys: dict) -> None:
             m.row({z: 1.0, **{s[u, k]: -1.0 for k in ok}}, -math.inf, 0.0, "sp_gather")
         for u, bad in g.inner:
             m.row({z: 1.0, **{s[u, k]: 1.0 for k in bad}}, -math.inf, 1.0, "sp_gather")
-
-
-def dp_window_s(cg: CostGraph, c) -> float:
-    """What one strategy adds to the window data-parallel syncs hide behind (NOTE [bucketed data parallel]):
-    for DDP its backward compute and backward tensor-parallel communication; for ZeRO-3 its compute and all
-    its tensor-parallel communication. The data-parallel collectives run on the data-parallel axes' own
-    channel, so they go on while compute waits for a blocking collective on a tensor axis
-    (`treadle.cost.overlap`: one channel per axis). The input-gradient sums (backward tensor-parallel
-    communication too) widen either window: `add_dp_exposure`, `evaluate`."""
-    return c.bwd_s + c.bwd_comm_s if cg.dp_window == "bwd" else c.compute_s + c.comm_s
-
-
-def add_dp_exposure(m: _Model, cg: CostGraph, s, grad_sums: dict[int, float] | None = None) -> None:
-    """E >= dp_latency + sum dp_comm - W, E >= 0, E in the objective (NOTE [bucketed data parallel] in
-    cost_graph.py; family dp_exposure). `grad_sums` ({variable: seconds}, `add_grad_sums`) widen the
-    window like the rest of the tensor-parallel communication."""
-    if not any(c.dp_comm_s for unit in cg.units for c in unit.costs) and not cg.dp_latency_s:
-        return
-    e = m.var(ub=math.inf, cost=_SECONDS)
-    row: dict[int, float] = {e: _SECONDS}
-    if cg.dp_overlap:
-        for y, t in (grad_sums or {}).items():
-            row[y] = row.get(y, 0.0) + t * _SECONDS
-    for u, unit in enumerate(cg.units):
-        for k, c in enumerate(unit.costs):
-            w = dp_window_s(cg, c) if cg.dp_overlap else 0.0
-            x = unit.count * (c.dp_comm_s - w) * _SECONDS
-            if x:
-                row[s[u, k]] = row.get(s[u, k], 0.0) - x
-    m.row(row, cg.dp_latency_s * _SECONDS, math.inf, "dp_exposure")
-    head = head_units(cg)
-    if head and cg.dp_window == "bwd" and cg.dp_overlap:  # NOTE [the last bucket]
-        row = {e: _SECONDS}
-        for u in head:
-            for k, c in enumerate(cg.units[u].costs):
-                x = cg.units[u].count * (c.dp_comm_s - dp_window_s(cg, c)) * _SECONDS
-                if x:
-                    row[s[u, k]] = row.get(s[u, k], 0.0) - x
-        m.row(row, 0.0, math.inf, "dp_exposure_head")
-
-
-# NOTE [the last bucket]: DDP reduces a bucket once the backward has produced its gradients, so a parameter's
-# reduction hides only behind the backward still to run after it: nothing for the parameters of the ops that
-# run before the repeated blocks (the embedding, whose gradient is the backward's last). The aggregate window
-# of `add_dp_exposure` lets a replicated embedding's all-reduce (a GiB for a 128k vocabulary in bf16) hide
-# behind the blocks' backward; `treadle.price` (and the runtime) expose it. A second lower bound on E states
-# the head alone: E >= sum over the head's units (dp_comm - window). ZeRO-3 reduce-scatters its root unit
-# (embedding, head, final norm) at the end too, but also gathers it at the start; its window stays aggregate.
 
 
 def head_units(cg: CostGraph) -> list[int]:
@@ -372,76 +327,11 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
     return terms, cg.fixed_static_bytes * _BYTES
 
 
-# NOTE [the backward's end]: `memory_expression` is the peak at the start of the backward, every saved activation
-# alive. Under DDP the local gradients are tensors of their own beside its flat buckets (static memory counts one
-# copy: the buckets), made as the backward runs while the saved activations are freed; with the blocks
-# checkpointed the peak moves to the last block the backward reaches (the first in forward), recomputed while
-# the gradients of everything after it exist. `treadle.price` showed it on the demo's GPT-2 (dp x tp, 4 of 4
-# blocks checkpointed): the solver's 11.25 MiB against 11.48 MiB priced after this row, 13.24 MiB before
-# NOTE [checkpoint and the KV cache], the peak in block 0's backward. A second row states that point:
-#     static + fixed + act_head + A_t0 + q_t0 In_t0 + sum_{u not head} count'_u grad_u  <=  budget
-# with the head the units that run before the first block (their gradients come last: `head_units`), t0 the
-# template of the first block (block 0 keeps its saved A, or its input In while it recomputes A; q_t0 = 1 when
-# any block of t0 is checkpointed, and block 0 then is: `to_schedule._spread`) and count' = count - 1 on t0's
-# units (block 0's own gradients are still being made). Without DDP the gradients are the static copy and
-# this point is never above the first row; ZeRO-3 reduce-scatters each unit's gradients as its unit ends.
-
-
-def separate_grads(cg: CostGraph) -> bool:
-    """DDP over more than one rank: gradients exist beside the buckets (NOTE [the backward's end])."""
-    return bool(cg.roles.dp) and not cg.roles.zero and math.prod(cg.cluster.mesh.size(a) for a in cg.roles.dp) > 1
-
-
 def first_template(cg: CostGraph) -> int | None:
     """The template of the first repeated block in forward order (None without blocks)."""
     if not cg.templates:
         return None
     return min(cg.templates, key=lambda t: min(i for u in cg.templates[t].units for i in cg.units[u].nodes))
-
-
-def _end_unit_bytes(cg: CostGraph, u: int, c, head: set[int], first: set[int]) -> float:
-    """One unit's bytes in the backward-end row (NOTE [the backward's end]): its static bytes, the gradients
-    that exist by then, and its saved activations when it is a head unit or a unit of block 0."""
-    unit = cg.units[u]
-    grads_count = 0 if u in head else unit.count - (1 if u in first else 0)
-    act = c.act_bytes if u in head or u in first else 0.0
-    return unit.count * c.static_bytes + grads_count * c.grad_bytes + act
-
-
-def backward_end_expression(m: _Model, cg: CostGraph, v: _Vars) -> tuple[dict[int, float], float] | None:
-    """The memory at the backward's end (NOTE [the backward's end]) as (terms, constant) in GiB, or None when
-    it cannot exceed `memory_expression` (no DDP, no blocks)."""
-    t0 = first_template(cg)
-    if t0 is None or not separate_grads(cg):
-        return None
-    terms: dict[int, float] = {}
-    head, first = set(head_units(cg)), set(cg.templates[t0].units)
-    for u, unit in enumerate(cg.units):
-        for k, c in enumerate(unit.costs):
-            x = _end_unit_bytes(cg, u, c, head, first) * _BYTES
-            if x:
-                terms[v.s[u, k]] = terms.get(v.s[u, k], 0.0) + x
-    _, _, In = _block_exprs(cg, v.s, t0)
-    if In:  # q_t0 In_t0: block 0's input, kept while it is recomputed
-        ub = max(cg.templates[t0].input_bytes) * _BYTES
-        z = m.var(ub=ub)
-        _mccormick(m, z, v.q[t0], In, ub)
-        terms[z] = 1.0
-    return terms, cg.fixed_static_bytes * _BYTES
-
-
-def backward_end_bytes(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> float:
-    """`backward_end_expression` of one choice, in bytes (0 when it does not apply)."""
-    t0 = first_template(cg)
-    if t0 is None or not separate_grads(cg):
-        return 0.0
-    info = cg.templates[t0]
-    head, first = set(head_units(cg)), set(info.units)
-    total = cg.fixed_static_bytes + sum(_end_unit_bytes(cg, u, unit.costs[choice[u]], head, first)
-                                        for u, unit in enumerate(cg.units))
-    if ckpt.get(t0, 0) > 0 and info.input_unit is not None:
-        total += info.input_bytes[choice[info.input_unit]]
-    return total
 
 
 def add_memory(m: _Model, terms: dict[int, float], const: float, budget_bytes: float) -> None:
@@ -498,14 +388,16 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
-    add_dp_exposure(m, cg, s, add_grad_sums(m, cg, s))
+    shared = {"grad_sums": add_grad_sums(m, cg, s)}
+    for f in forms():  # each form's constraint families (data parallelism: dp_exposure)
+        f.ilp_rows(m, cg, s, shared)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
     rows = [(terms, const)]
-    end = backward_end_expression(m, cg, v) if memory != "static" else None  # NOTE [the backward's end]
-    if end is not None:
-        rows.append(end)
+    if memory != "static":  # further points of the step (data parallelism: NOTE [the backward's end])
+        for f in forms():
+            rows += f.memory_rows(m, cg, v)
     if minimise == "memory":
         m.c = [0.0] * len(m.c)
         if len(rows) == 1:
@@ -544,13 +436,10 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     and memory constraint, in the same units. Also the split of the step time and memory by term."""
     compute = comm = 0.0
     static = act_out = 0.0
-    dp_comm = window = 0.0
     for u, unit in enumerate(cg.units):
         c = unit.costs[choice[u]]
         compute += unit.count * c.compute_s
         comm += unit.count * c.comm_s
-        dp_comm += unit.count * c.dp_comm_s
-        window += unit.count * dp_window_s(cg, c)
         static += unit.count * c.static_bytes
         if unit.template is None:
             act_out += c.act_bytes
@@ -569,19 +458,13 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
     sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
     # NOTE [gather with a reduce-scatter backward] in sp_gather.py: the credit of each gather the choice realises
     comm += sums - sum(g.count * g.saving_s for g in sp_active(cg, choice))
-    window += sums  # backward tensor-parallel communication: in both windows (`dp_window_s`)
-    if dp_comm or cg.dp_latency_s:  # NOTE [bucketed data parallel]
-        exposed = cg.dp_latency_s + dp_comm - (window if cg.dp_overlap else 0.0)
-        if cg.dp_window == "bwd" and cg.dp_overlap:  # NOTE [the last bucket]
-            exposed = max(exposed, sum(cg.units[u].count * (cg.units[u].costs[choice[u]].dp_comm_s
-                                                            - dp_window_s(cg, cg.units[u].costs[choice[u]]))
-                                       for u in head_units(cg)))
-        comm += max(0.0, exposed)
-    compute += cg.host_s
-    comm += cg.dp_buffer_s  # NOTE [DDP buffers] in treadle.planner.price: a constant of the role
+    acc = {"compute_s": compute, "comm_s": comm, "grad_sums_s": sums}
+    for f in forms():  # each form's terms (data parallelism: the exposed reductions, DDP's buffers)
+        f.evaluate(cg, choice, acc)
+    compute, comm = acc["compute_s"] + cg.host_s, acc["comm_s"]
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
-    end = backward_end_bytes(cg, choice, ckpt)  # NOTE [the backward's end]
+    end = max((f.peak_bytes(cg, choice, ckpt) for f in forms()), default=0.0)  # NOTE [the backward's end]
     if end > peak:
         transient += end - peak
         peak = end

@@ -6,10 +6,9 @@ tensors (views move none; backward moves twice the forward bytes, an approximati
 dispatch overhead for every ATen op the node dispatches forward and backward (counted at capture: NOTE [ops
 per node] in saved.py) and the optimizer step on the parameters a node owns. Communication: the
 conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward and adjoint), Megatron's
-backward all-reduce for a replicated input of an op sharded on a tensor axis, and the data-parallel
-reduction of the gradients of the parameters the node owns (all-reduce; ZeRO-3: two all-gathers and one
-reduce-scatter), bandwidth part only, kept apart (`dp_comm_s`) for the overlap of NOTE [bucketed data
-parallel] in cost_graph.py. Memory: parameter + gradient + optimizer state of owned parameters divided by their
+backward all-reduce for a replicated input of an op sharded on a tensor axis, and each parallel form's terms
+(`treadle.form.Form.node_cost`, `param_cost`: the data-parallel reduction of the gradients of the parameters
+the node owns, kept apart in `dp_comm_s` for the overlap of NOTE [bucketed data parallel]). Memory: parameter + gradient + optimizer state of owned parameters divided by their
 shards (and by the dp axis under ZeRO-3), and saved activations: the bytes autograd really saves of each
 node's storages, measured at capture (NOTE [saved by autograd] in saved.py), divided like the node's output;
 only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules below decide.
@@ -21,13 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from ..cost.collective_cost import all_reduce_time_s
 from ..cost.convert import plan_conversion
 from ..cost.layout import Layout
-from ..cost.overlap import DDP_BUCKET_BYTES
 from ..errors import ProfileError
+from ..form import forms
 from ..profile import flops as flops_mod
 from ..profile.roofline import matmul_efficiency, op_time_s
+from ..runtime.optimizer import adamw_tensor_s
 from .capture import Node, TensorMeta
 from ..placement import P, R
 from .dims import AxisOption
@@ -239,101 +239,32 @@ class NodeCosts:
             pl = tuple(o.ins[pos] for o in combo)
             c.static_bytes += self.param_static_bytes(src.out, pl)
             c.grad_bytes += src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) * src.out.dtype.itemsize
-            c.dp_comm_s += self.param_sync_s(src.out, pl)
-            c.compute_s += self.optimizer_s(src.out, pl) + self.zero_copies_s(src.out, pl)
+            c.compute_s += self.optimizer_s(src.out, pl)
+            for f in forms():  # each form's terms of a parameter (data parallelism: its gradient sync, copies)
+                f.param_cost(self, src.out, pl, c)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
 
-    def dp_link(self, axes: tuple[str, ...]):  # -> LinkSpec
-        """The link of the flattened group of data-parallel `axes` (the runtime's one process group over
-        them): the measured one or the slowest hop (`ClusterSpec.group_link`), as `treadle.planner.price` does."""
-        return self.cluster.group_link(axes)
-
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """Parameter, gradient and optimizer bytes of the local shard (1/zero_size under ZeRO-3); without
-        reshard after forward, plus the gathered parameter, kept from forward to backward."""
+        """Parameter, gradient and optimizer bytes of the local shard (1/`param_divisor` of it under ZeRO-3);
+        with `gathered_kept` (no reshard after forward), plus the gathered parameter, kept from forward to
+        backward (the price: all units gathered at the end of forward)."""
         local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
         full = local
-        if self.roles.zero:
-            local /= self.zero_size
+        local /= self.param_divisor
         per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
         if self.train.master_copy and meta.dtype != torch.float32:
             per += 4
-        # the gathered copy FSDP2 keeps beside the shard (price: `gathered`, all units at the end of forward)
-        kept = full * meta.dtype.itemsize if self.roles.zero and not self.roles.reshard_after_forward else 0.0
+        kept = full * meta.dtype.itemsize if self.gathered_kept else 0.0
         return local * per + kept
 
     def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """AdamW's step on this parameter's local shard, as `treadle.planner.price` prices it (elementwise,
-        roofline, one dispatch overhead per kernel)."""
-        from .price import (_ADAMW_FLOPS_PER_ELEM, _ADAMW_FOREACH_OPS_PER_PARAM, _ADAMW_FUSED_OPS_PER_PARAM,
-                            _ADAMW_OPS, adamw_bytes_per_elem)
-
-        zero = self.roles.zero and self.zero_size > 1
-        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (self.zero_size if zero else 1)
-        moved = elems * adamw_bytes_per_elem(meta.dtype.itemsize, self.train.optimizer_bytes_per_elem,
-                                             self.hw.optimizer_fused)
-        # per-tensor dispatches (the fused and foreach forms' list ops are a constant of the role, CostGraph.host_s)
-        if self.hw.optimizer_fused:
-            host = _ADAMW_FUSED_OPS_PER_PARAM * self.hw.op_overhead_s
-        elif self.hw.optimizer_foreach:
-            host = _ADAMW_FOREACH_OPS_PER_PARAM * self.hw.op_overhead_s
-        else:
-            host = _ADAMW_OPS * (self.hw.op_overhead_s + (self.hw.subclass_op_overhead_s if zero else 0.0))
-        return op_time_s(int(_ADAMW_FLOPS_PER_ELEM * elems), int(moved), self.hw, meta.dtype) + host
-
-    def zero_copies_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """FSDP2's local copies around its collectives (ZeRO-3 only): each all-gather copies the shard in and
-        the gathered parameter out, the reduce-scatter the gradient in and its shard out — 2 (full + shard)
-        bytes moved per collective, two gathers (one without reshard after forward) and one reduce-scatter
-        (`treadle.planner.price` the same) — plus FSDP2's per-parameter host cost `fsdp_param_s` (NOTE
-        [framework overheads])."""
-        if not self.roles.zero or self.zero_size == 1:
-            return 0.0
-        full = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
-        n_coll = 3 if self.roles.reshard_after_forward else 2
-        return (n_coll * op_time_s(0, int(2 * (full + full / self.zero_size)), self.hw, meta.dtype)
-                + self.hw.fsdp_param_s)
-
-    def param_sync_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """This parameter's part of the data-parallel sync: DDP's all-reduce (bandwidth, plus the per-bucket
-        latency in proportion to its local gradient bytes: a tensor-parallel shard fills fewer buckets), or
-        ZeRO-3's two all-gathers and one reduce-scatter, bandwidth only (NOTE [bucketed data parallel] in
-        cost_graph.py: the runtime moves gradients in buckets / units; ZeRO-3's per-unit latency is a constant).
-        Several dp axes: one flattened group (`dp_link`). ZeRO-3 gathers and reduce-scatters over the shard
-        axes; HSDP adds an all-reduce of the 1/zero_size shard over the replicate axes; without reshard after
-        forward there is one gather, not two."""
-        if not self.roles.dp or self.dp_size == 1:
-            return 0.0
-        nbytes = meta.numel * meta.dtype.itemsize / _tensor_axes_divisor(pl, self.tp_sizes)
-
-        def bw(fn, b: float, n: int, link, ref: float) -> float:
-            # NOTE [bandwidth per byte]: the runtime moves a parameter's gradient inside a bucket or a unit of
-            # `ref` bytes, so a byte costs the slope of that collective, not of one the size of this parameter
-            # alone: an all-reduce takes the cheaper of tree and ring *for the bucket* (a tree's slope is
-            # 2 log2(n) bytes per byte against the ring's 2 (n-1)/n; summing per-parameter costs charged GPT-2
-            # tiny's one DDP bucket on 4 ranks 2.1x its bandwidth). `ref` from the replicated model's gradients.
-            ref = max(ref, b, 1.0)
-            return (fn(ref, n, link) - fn(0.0, n, link)) * b / ref
-
-        total = self.replicated_grad_bytes()
-        if self.roles.zero:
-            zn, zlink = self.zero_size, self.dp_link(self.roles.shard_axes)
-            gathers = 2 if self.roles.reshard_after_forward else 1
-            unit = total / max(1, self.fsdp_unit_count())  # a unit's gathered bytes, on average
-            out = (gathers * bw(all_gather_time_s, nbytes, zn, zlink, unit)
-                   + bw(reduce_scatter_time_s, nbytes, zn, zlink, unit))
-            if self.roles.replicate:
-                out += bw(all_reduce_time_s, nbytes / zn, self.dp_size // zn, self.dp_link(self.roles.replicate),
-                          unit / zn)
-            return out
-        # DDP: each full bucket pays one all-reduce latency, so a parameter pays it per bucket's worth of its
-        # local gradient bytes (the first bucket's latency is the constant `CostGraph.dp_latency_s`)
-        link = self.dp_link(self.roles.dp)
-        per_bucket = all_reduce_time_s(0.0, self.dp_size, link)
-        return (bw(all_reduce_time_s, nbytes, self.dp_size, link, min(total, DDP_BUCKET_BYTES))
-                + per_bucket * nbytes / DDP_BUCKET_BYTES)
+        """AdamW's step on this parameter's local shard: `treadle.runtime.optimizer.adamw_tensor_s`, the price's
+        own term (the list ops are the role's constant `CostGraph.host_s`)."""
+        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / self.param_divisor
+        return adamw_tensor_s(elems, meta.dtype, self.train.optimizer_bytes_per_elem, self.hw,
+                              subclass=self.param_subclass)
 
     def replicated_grad_bytes(self) -> float:
         """Gradient bytes of every parameter the model reads (all blocks), unsharded; a tied parameter once (the
@@ -344,11 +275,6 @@ class NodeCosts:
                 if n.kind == "param" and n.users and isinstance(n.out, TensorMeta)
                 and self.canonical(n.index) == n.index))
         return self._grad_bytes
-
-    def fsdp_unit_count(self) -> int:
-        """FSDP2 units as `build` wraps them: every entry of every ModuleList (`CapturedGraph.fsdp_block_units`;
-        the repeated blocks when the graph does not say) and the root."""
-        return 1 + (self.g.fsdp_block_units or sum(b.weight for b in self.g.blocks))
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
         """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by

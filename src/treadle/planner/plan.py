@@ -27,7 +27,9 @@ from torch import nn
 
 from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
+from ..form import forms
 from ..mesh import Mesh
+from ..pricing.result import Estimate
 from ..profile.roofline import mfu as mfu_of
 from .capture import CapturedGraph, capture
 from .checkpoint_dp import ChainBlock, solve_chain
@@ -130,26 +132,6 @@ def _shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_
 
 # ----------------------------------------------------------------------------- plan data
 @dataclass(slots=True)
-class Estimate:
-    """Predicted per-device figures: seconds, bytes, and model FLOPs utilisation (0..1)."""
-
-    step_s: float
-    peak_bytes: float
-    mfu: float
-    compute_s: float
-    comm_s: float
-    recompute_s: float
-    static_bytes: float
-    activation_bytes: float
-    transient_bytes: float
-
-    def __str__(self) -> str:
-        return (f"step {self.step_s * 1e3:.2f} ms (compute {self.compute_s * 1e3:.2f}, comm {self.comm_s * 1e3:.2f}, "
-                f"recompute {self.recompute_s * 1e3:.2f}), peak {self.peak_bytes / GiB:.2f} GiB, "
-                f"MFU {self.mfu * 100:.1f}%")
-
-
-@dataclass(slots=True)
 class PlanRow:
     """One module of the explanation (costs over all real blocks it stands for)."""
 
@@ -177,7 +159,7 @@ class Plan:
     binding: str
     solver: dict
     unknown_ops: dict[str, int] = field(default_factory=dict)
-    price: dict | None = None  # `treadle.planner.price.Price.to_dict()` of the schedule, once `estimate()` ran
+    price: dict | None = None  # `treadle.pricing.Price.to_dict()` of the schedule, once `estimate()` ran
     _model: Any = None  # nn.Module given to plan_model (not serialised)
     _schedule: Any = None
     _context: Any = None  # plan_model's inputs and arguments, for what_if (not serialised)
@@ -214,13 +196,13 @@ class Plan:
 
     def estimate(self) -> Estimate:
         """Predicted step time, peak memory and MFU per device: the price of `schedule`
-        (`treadle.planner.price.price`, one price for every schedule), computed on first call and kept in
+        (`treadle.pricing.price`, one price for every schedule), computed on first call and kept in
         `price`. `estimated` stays the solver's own figure (its memory model is what the budget binds).
         A plan loaded from JSON without a stored price, or made from positional inputs, returns `estimated`.
         Raises PlanError when the schedule was built already (price an unbuilt schedule)."""
         if self.price is None and self._model is not None and self._context is not None \
                 and isinstance(self._context["inputs"], dict):
-            from .price import price
+            from ..pricing import price
 
             self.price = price(self.schedule, self._context["inputs"], self.cluster,
                                loss_fn=self._context["kwargs"].get("loss_fn")).to_dict()
@@ -307,45 +289,39 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
                     forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
                     replicate: tuple[str, ...] | None = None) -> list[Roles]:
-    """Every role assignment: data parallelism on any subset of the live axes (`dp_axis` "auto"; None: on
-    none; an axis or a tuple: on exactly those) whose sizes' product divides the batch, as DDP, ZeRO-3 over
-    all of them or HSDP (ZeRO-3 over some, replicated over the others; `replicate` fixes which, None
-    searches), the other live axes tensor-parallel; forbidden and size-1 axes are off. `zero`: None (DDP
-    and ZeRO-3 / HSDP), False (DDP only), True (ZeRO-3 / HSDP only). `reshard_after_forward`: the FSDP2
-    flag of the ZeRO-3 roles (None: both). Raises PlanError for a data-parallel axis that is not live."""
+    """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
+    (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
+    batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
+    `replicate` fixing HSDP's replicate axes or None searching, `zero` None (both) / False (DDP) / True (ZeRO-3
+    / HSDP), `reshard_after_forward` the FSDP2 flag or None (both)); the live axes no form takes are
+    tensor-parallel; forbidden and size-1 axes are off. Raises PlanError for a data-parallel axis that is not
+    live."""
     for a in forbid_axes:
         mesh.axis_index(a)
-    live = [a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes]
+    live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
-    if dp_axis == "auto":
-        dps = [c for k in range(len(live) + 1) for c in itertools.combinations(live, k)]
-    elif dp_axis is None:
-        dps = [()]
-    else:
-        want = (dp_axis,) if isinstance(dp_axis, str) else tuple(dp_axis)
-        for a in want:
-            if a not in live:
-                raise PlanError(f"data-parallel axis {a!r} is not a live mesh axis of {mesh}; live axes: {live}")
-        dps = [tuple(a for a in mesh.names if a in want)]
-    reshards = [True, False] if reshard_after_forward is None else [bool(reshard_after_forward)]
+    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate)
+    options: list[dict] = [{}]
+    for f in forms():
+        mine = f.role_options(mesh, live, batch=batch, request=request)
+        if mine is not None:
+            options = [{**o, **m} for o in options for m in mine]
     out = []
-    for dp in dps:
-        if dp and batch is not None and batch % math.prod(mesh.size(a) for a in dp):
-            continue
-        tp = tuple(a for a in live if a not in dp)
-        if not dp:
-            out.append(Roles((), False, tp, off))
-            continue
-        if zero is not True:
-            out.append(Roles(dp, False, tp, off))
-        if zero is False:
-            continue
-        reps = ([tuple(a for a, bit in zip(dp, bits) if bit) for bits in itertools.product((0, 1), repeat=len(dp))
-                 if not all(bits)] if replicate is None else [tuple(a for a in dp if a in replicate)])
-        for rep in sorted(reps, key=len):
-            for keep in reshards:
-                out.append(Roles(dp, True, tp, off, replicate=rep, reshard_after_forward=keep))
+    for opt in options:
+        taken = set(opt.get("dp", ()))
+        out.append(Roles(tp=tuple(a for a in live if a not in taken), off=off,
+                         **{"dp": (), "zero": False, **opt}))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _RoleRequest:
+    """What `enumerate_roles` was asked (each form reads its own part)."""
+
+    dp_axis: Any
+    zero: bool | None
+    reshard_after_forward: bool | None
+    replicate: tuple[str, ...] | None
 
 
 def tied_pins(model: nn.Module, pins: dict[str, dict[str, int | str]],
@@ -714,7 +690,7 @@ def _choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solu
     once both are known (`_resolve_by_price`; a solver budget found infeasible bounds the bisection from below).
     Each new plan is priced; the fastest that fits is the candidate's plan.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
-    from .price import price
+    from ..pricing import price
 
     def price_of(sol: Solution, cg: CostGraph):
         import copy

@@ -32,7 +32,7 @@ def _price_cmd(args: argparse.Namespace) -> int:
     from ..cost.cluster import parse_cluster
     from ..models.zoo import named_model
     from ..schedule.core import load_schedule
-    from .price import price
+    from ..pricing import price
 
     console = Console()
     try:

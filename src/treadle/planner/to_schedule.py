@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
+from ..form import forms
 from .cost_graph import CostGraph
 from ..placement import P, R, placement_of as _placement
 from ..placement import placement_str
@@ -173,22 +174,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
         info = cg.templates[t]
         for m in _spread(info.members, c):
             out.append(Decision("checkpoint", m, {}, f"{c} of {info.count} blocks like {info.path}"))
-    if cg.roles.dp:
-        out.append(Decision("data_parallel", "", data_parallel_args(cg.roles), str(cg.roles)))
+    # each parallel form's decisions, by rank (data parallelism: data_parallel, last)
+    out += [d for _, _, d in sorted((x for f in forms() for x in f.decisions(cg, choice, ckpt, None)),
+                                    key=lambda x: (x[0], x[1]))]
     return out
-
-
-def data_parallel_args(roles) -> dict:
-    """`Schedule.data_parallel` keyword arguments for `roles` (a cost_graph.Roles with dp axes): one axis as
-    a name, several as a list; ZeRO-3 names its shard axes, HSDP adds `replicate`, and
-    ``reshard_after_forward=False`` only when set."""
-    axes = list(roles.shard_axes if roles.zero else roles.dp)
-    args: dict = {"axis": axes[0] if len(axes) == 1 else axes, "shard": roles.zero}
-    if roles.replicate:
-        args["replicate"] = roles.replicate[0] if len(roles.replicate) == 1 else list(roles.replicate)
-    if roles.zero and not roles.reshard_after_forward:
-        args["reshard_after_forward"] = False
-    return args
 
 
 def _sdpa_dropout(n) -> bool:

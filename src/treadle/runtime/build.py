@@ -34,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 ANNOTATIONS_ATTR = "_treadle_annotations"
 
-# Build steps contributed by other layers (graph rewrites, pipelines). Each is called with the builder at its
-# phase: "pre_shard" (before parameters are sliced: graph rewrites), "post_hooks" (after syncs, checkpoints and
-# RNG wrappers are installed), "wrap" (instead of data-parallel wrapping: may return the model to hand back,
-# e.g. a pipeline stage runner, or None to fall through).
+# Build steps contributed by other layers and by the parallel forms (graph rewrites, pipelines, data
+# parallelism). Each is called with the builder at its phase: "pre_shard" (before parameters are sliced: graph
+# rewrites), "post_hooks" (after syncs, checkpoints and RNG wrappers are installed), "wrap" (the last step: may
+# return the model to hand back — a pipeline stage runner, the DDP / FSDP2 wrapper of `treadle.forms.data` —
+# or None to fall through; the first that returns one wins).
 _EXTENSIONS: dict[str, list[Callable[["_Builder"], Any]]] = {"pre_shard": [], "post_hooks": [], "wrap": []}
 
 
@@ -239,12 +240,18 @@ def _first_rank() -> bool:
 
 # ------------------------------------------------------------------------------------------- build
 class _Builder:
-    def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None):
+    def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None,
+                 wrap: bool = True):
         self.sch = sch
         self.mp_policy = mp_policy
-        self.st = sch._state
+        self.wrap = wrap
+        self.v = sch.view()
+        # build's own copies of the parameter tables: re-keyed as parameters are replaced (`rebind`)
+        self.param_shards: dict[int, tuple[ParamShard, ...]] = dict(self.v.param_shards)
+        self.annotations: dict[int, dict[str, Any]] = {k: dict(t) for k, t in self.v.annotations.items()}
+        self.scratch: dict[str, Any] = {}  # what one build step hands a later one (a pipeline's captured graph)
         self.mesh = sch.mesh.bind()
-        self.model = self.st.model
+        self.model = self.v.model
         self.init_fn = init_fn
         self.coords = {ax: self.mesh.local_rank(ax) for ax in self.mesh.names}
         self.sizes = dict(zip(self.mesh.names, self.mesh.shape))
@@ -271,24 +278,25 @@ class _Builder:
                     out.setdefault(id(p), []).append((m, name, path))
         return out
 
+    def rebind(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """`new` replaces parameter `old` in the model: the records of `old` follow it, here and in the schedule."""
+        for table in (self.param_shards, self.annotations):
+            if id(old) in table:
+                table[id(new)] = table.pop(id(old))
+        self.sch.rebind_param(old, new)
+
     def check_params_present(self, owners) -> None:
-        for pid in list(self.st.param_shards) + list(self.st.annotations):
+        for pid in list(self.param_shards) + list(self.annotations):
             if pid not in owners:
                 raise BuildError("build: a sharded or annotated parameter is no longer in the model "
                                  "(its module was replaced after the primitive); apply shard/annotate after replace")
 
     def materialize(self, owners) -> None:
         """Give meta parameters real values (`materialize`); the schedule's records follow the new objects."""
-
-        def moved(old: nn.Parameter, new: nn.Parameter) -> None:
-            for table in (self.st.param_shards, self.st.annotations):
-                if id(old) in table:
-                    table[id(new)] = table.pop(id(old))
-
-        materialize(self.model, self.init_fn, self.mesh.device, on_new=moved)
+        materialize(self.model, self.init_fn, self.mesh.device, on_new=self.rebind)
 
     def slice_params(self, owners) -> None:
-        for pid, shards in list(self.st.param_shards.items()):
+        for pid, shards in list(self.param_shards.items()):
             holders = owners[pid]
             p = holders[0][0]._parameters[holders[0][1]]
             local = local_slice(p.detach(), shards, self.coords, self.sizes).clone().contiguous()
@@ -296,19 +304,17 @@ class _Builder:
             new.global_shape = tuple(p.shape)  # Slapo's orig_shape: the whole parameter's shape
             for m, name, _ in holders:
                 m._parameters[name] = new
-            if pid in self.st.annotations:
-                self.st.annotations[id(new)] = self.st.annotations.pop(pid)
-            self.st.param_shards[id(new)] = self.st.param_shards.pop(pid)  # records follow the live object
+            self.rebind(p, new)  # records follow the live object
             logger.debug("shard %s: %s -> %s", holders[0][2] + "." + holders[0][1], tuple(p.shape), tuple(local.shape))
         owners2 = self.owners()
-        for pid, tags in self.st.annotations.items():
+        for pid, tags in self.annotations.items():
             if pid in owners2:
                 m, name, _ = owners2[pid][0]
                 setattr(m._parameters[name], ANNOTATIONS_ATTR, dict(tags))
 
     def plan_leaves(self, owners) -> None:
         by_module: dict[str, dict[str, list[ParamShard]]] = {}
-        for pid, shards in self.st.param_shards.items():
+        for pid, shards in self.param_shards.items():
             for m, name, path in owners[pid]:
                 by_module.setdefault(path, {})[name] = shards
         ruled = {path for path in by_module if has_leaf_rule(self.module(path))}
@@ -330,7 +336,7 @@ class _Builder:
 
     # ---------------------------------------------------------------- hooks
     def syncs_of(self, path: str, mode: str) -> list[SyncSpec]:
-        return [s for s in self.st.syncs if s.path == path and s.mode == mode]
+        return [s for s in self.v.syncs if s.path == path and s.mode == mode]
 
     def transform(self, idx: int, spec: SyncSpec, where: str, *,
                   fused_gather: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -386,9 +392,9 @@ class _Builder:
         of a pending sum nobody reduces, the row-parallel bias, the local forward (NOTE [explicit replaces
         derived] in `sync_plan`)."""
         types = {p: type(m).__name__ for p, m in self.model.named_modules()}
-        self.syncs = plan_syncs(self.st.syncs, self.leaf, types)
-        index = {id(s): i for i, s in enumerate(self.st.syncs)}
-        paths = list(dict.fromkeys([s.path for s in self.st.syncs] + list(self.leaf)))
+        self.syncs = plan_syncs(self.v.syncs, self.leaf, types)
+        index = {id(s): i for i, s in enumerate(self.v.syncs)}
+        paths = list(dict.fromkeys([s.path for s in self.v.syncs] + list(self.leaf)))
         for path in paths:
             m = self.module(path)
             plan = self.leaf.get(path)
@@ -482,14 +488,14 @@ class _Builder:
         m.register_forward_hook(lambda mod, a, out: add(out))
 
     def install_attrs(self) -> None:
-        for path, name, value in self.st.attrs:
+        for path, name, value in self.v.attrs:
             m = self.module(path)
             if isinstance(value, Ref):
                 value = value.resolve()
             if hasattr(value, "bind"):
                 value = value.bind(self.mesh)
             setattr(m, name, value)
-        for path, name, axis in self.st.shard_attrs:
+        for path, name, axis in self.v.shard_attrs:
             m = self.module(path)
             setattr(m, name, getattr(m, name) // self.sizes[axis])
 
@@ -497,7 +503,7 @@ class _Builder:
         # NOTE [one all-reduce per module]: a module's replicated parameters that see sharded data (a sequence-
         # parallel norm's weight and bias) get their gradients from one backward node; they are summed over the
         # axis in one flat all-reduce, not one each (as Megatron-LM coalesces its sequence-parallel norm grads).
-        for path, axis, names in self.st.reduce_grads:
+        for path, axis, names in self.v.reduce_grads:
             m = self.module(path)
             g = self.group(axis)
 
@@ -517,7 +523,7 @@ class _Builder:
 
     def install_fork_rng(self) -> None:
         devices = [torch.cuda.current_device()] if self.mesh.device.type == "cuda" else []
-        for path, axis in self.st.fork_rngs:
+        for path, axis in self.v.fork_rngs:
             m = self.module(path)
             coord = self.coords[axis]
 
@@ -534,42 +540,12 @@ class _Builder:
             _wrap_forward(m, make)
 
     def install_checkpoints(self) -> None:
-        for path in self.st.checkpoints:
+        for path in self.v.checkpoints:
             m = self.module(path)
             _wrap_forward(m, lambda orig, m=m, path=path: checkpointed_forward(m, orig, path))
 
-    def data_parallel(self) -> nn.Module:
-        """Wrap for the recorded data parallelism (treadle.schedule.data_parallel): DDP on the flattened group
-        of its axes; FSDP2 `fully_shard` (every ModuleList entry, then the root) on the flattened shard axes,
-        or on a 2-D (replicate, shard) mesh for HSDP."""
-        dp = self.st.data_parallel
-        if dp is None:
-            return self.model
-        if not dp.shard:
-            if dp.size(self.mesh) == 1:
-                return self.model
-            group = self.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(self.mesh, dp.axes).get_group()
-            return nn.parallel.DistributedDataParallel(self.model, process_group=group)
-        from torch.distributed.fsdp import fully_shard
-
-        sub = dp_device_mesh(self.mesh, dp.shard_axes)
-        if dp.replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
-            from torch.distributed.device_mesh import DeviceMesh
-
-            sub = DeviceMesh._concatenate([dp_device_mesh(self.mesh, dp.replicate_axes), sub])
-        kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
-        if self.mp_policy is not None:
-            kw["mp_policy"] = self.mp_policy
-        for path, m in list(self.model.named_modules()):
-            if isinstance(m, nn.ModuleList):
-                for child in m:
-                    fully_shard(child, mesh=sub, **kw)
-        fully_shard(self.model, mesh=sub, **kw)
-        logger.info("data parallel: %s", dp)
-        return self.model
-
     def run(self) -> nn.Module:
-        if self.st.built:
+        if self.v.built:
             raise BuildError("build: this schedule was already built")
         owners = self.owners()
         self.check_params_present(owners)
@@ -591,16 +567,16 @@ class _Builder:
         self.install_checkpoints()
         for ext in _EXTENSIONS["post_hooks"]:
             ext(self)
-        self.st.built = True
+        self.sch.mark_built()
         out = None
-        for ext in _EXTENSIONS["wrap"]:
+        for ext in _EXTENSIONS["wrap"] if self.wrap else ():
             out = ext(self)
             if out is not None:
                 break
         if out is None:
-            out = self.data_parallel()
+            out = self.model
         logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",
-                    len(self.st.param_shards), len(self.st.syncs), len(self.st.checkpoints), self.mesh)
+                    len(self.param_shards), len(self.v.syncs), len(self.v.checkpoints), self.mesh)
         return out
 
 
@@ -616,16 +592,8 @@ def _shares_dim(changed: list[str], src: dict[str, Placement], dst: dict[str, Pl
     return False
 
 
-def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
-    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order): the axis's own sub-mesh
-    for one axis, else the flattened sub-mesh named by the axes joined with "_" (made once per mesh)."""
-    dm = mesh.device_mesh
-    if len(axes) == 1:
-        return dm[axes[0]]
-    return dm[tuple(axes)]._flatten("_".join(axes))
-
-
-def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None) -> nn.Module:
+def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None,
+          wrap: bool = True) -> nn.Module:
     """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
 
     Every parameter of the result carries ``global_shape`` (the whole tensor's shape; Slapo's ``orig_shape``).
@@ -634,9 +602,12 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its
     DDP wrapper under ``data_parallel(shard=False)``. The schedule's model is changed in place.
     `mp_policy`: an FSDP2 MixedPrecisionPolicy for ``data_parallel(shard=True)`` (ignored otherwise).
+    ``wrap=False`` returns the rank's model without the wrappers of the "wrap" build steps (the data-parallel
+    form's DDP / FSDP2, a pipeline's stage runner): what the price rehearses.
     Raises BuildError / MeshError naming the path, parameter and axis at fault.
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
     from . import conv_rules, graph_steps  # noqa: F401  (register conv rules and graph/pipeline build steps)
-    return _Builder(Schedule(sch._state, "", sch._state.model), init_fn, mp_policy).run()  # always from the root
+    root = sch if not sch.path else sch.root()
+    return _Builder(root, init_fn, mp_policy, wrap).run()  # always from the root

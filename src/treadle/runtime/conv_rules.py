@@ -86,9 +86,9 @@ def _slice_running_stats(builder) -> None:
     """Before parameters are sliced: a BatchNorm2d with channel-split parameters keeps only its channels'
     running statistics (the same split as its weight)."""
     for path, m in builder.model.named_modules():
-        if type(m) is not nn.BatchNorm2d or m.weight is None or id(m.weight) not in builder.st.param_shards:
+        if type(m) is not nn.BatchNorm2d or m.weight is None or id(m.weight) not in builder.param_shards:
             continue
-        shards = builder.st.param_shards[id(m.weight)]
+        shards = builder.param_shards[id(m.weight)]
         for name in _BN_BUFFERS:
             buf = getattr(m, name, None)
             if buf is not None:

@@ -38,7 +38,6 @@ class GradAllReduce(nn.Module):
 
 
 def _sync_decomposed(builder) -> None:
-    st = builder.st
     for gpath, gm in list(builder.model.named_modules()):
         if not isinstance(gm, fx.GraphModule):
             continue
@@ -50,13 +49,13 @@ def _sync_decomposed(builder) -> None:
             leaf = builder.module(path)
             out_dim, in_dim = decomposition_dims(leaf)
             axes = []
-            for s in st.param_shards.get(id(leaf.weight), []):
+            for s in builder.param_shards.get(id(leaf.weight), []):
                 if s.dim == out_dim:
                     axes.append(s.axis)
                 elif s.dim == in_dim:
                     raise BuildError(f"build: {path!r} was decomposed but its weight is split on its input dim over "
                                      f"axis {s.axis!r} (row parallel); decompose only column-parallel leaves")
-            for s in st.syncs:
+            for s in builder.v.syncs:
                 reduces = s.mode == "bwd_post" and (s.op == "all_reduce" and s.axis in axes or s.op is None and all(
                     ax in axes for ax, _ in s.to))
                 if s.path == path and not reduces:
@@ -93,7 +92,7 @@ class SavePolicy:
 def _selective(builder) -> None:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    for path, save in builder.st.extras.get("selective", []):
+    for path, save in builder.v.extras.get("selective", []):
         m = builder.module(path)
         policy = SavePolicy(resolve_ops(save, f"sch[{path!r}]"))
         ctx = functools.partial(create_selective_checkpoint_contexts, policy)

@@ -266,14 +266,17 @@ def stage_leaves(model: nn.Module, container: str) -> list[str]:
 
 
 def _capture_root(builder) -> None:
-    cfg = builder.st.extras.get("pipeline")
+    cfg = builder.v.extras.get("pipeline")
     if cfg is None:
         return
+    if builder.v.data_parallel is not None:
+        raise BuildError(f"pipeline: data_parallel ({builder.v.data_parallel}) together with a pipeline "
+                         f"is not supported yet; use pp with tensor parallelism only")
     from ..graph.capture import capture_export, record_leaf_outputs
     from ..schedule.graph_primitives import make_inputs
 
     model = builder.model
-    cuts = builder.st.extras["pipeline_cuts"]
+    cuts = builder.v.extras["pipeline_cuts"]
     container = cuts[0].rpartition(".")[0]
     leaves = stage_leaves(model, container)
     full = make_inputs(cfg["example_inputs"])
@@ -282,8 +285,8 @@ def _capture_root(builder) -> None:
     names = [k for k, v in mb.items() if torch.is_tensor(v)]
     constants = {k: v for k, v in mb.items() if not torch.is_tensor(v)}
     # capture runs the leaves on global shapes: undo shard_attr's division (already applied by build) meanwhile
-    saved = [(builder.module(p), a, getattr(builder.module(p), a)) for p, a, _ in builder.st.shard_attrs]
-    for (mod, a, v), (_, _, axis) in zip(saved, builder.st.shard_attrs):
+    saved = [(builder.module(p), a, getattr(builder.module(p), a)) for p, a, _ in builder.v.shard_attrs]
+    for (mod, a, v), (_, _, axis) in zip(saved, builder.v.shard_attrs):
         setattr(mod, a, v * builder.sizes[axis])
     try:
         eager = record_leaf_outputs(model, leaves, mb)
@@ -292,21 +295,18 @@ def _capture_root(builder) -> None:
     finally:
         for mod, a, v in saved:
             setattr(mod, a, v)
-    builder.st.extras["_pipeline_graph"] = (gm, names, constants)
+    builder.scratch["_pipeline_graph"] = (gm, names, constants)
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
 
 def _wrap_pipeline(builder) -> PipelineModel | None:
-    cfg = builder.st.extras.get("pipeline")
+    cfg = builder.v.extras.get("pipeline")
     if cfg is None:
         return None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    if builder.st.data_parallel is not None:
-        raise BuildError(f"pipeline: data_parallel ({builder.st.data_parallel}) together with a pipeline "
-                         f"is not supported yet; use pp with tensor parallelism only")
-    gm, names, constants = builder.st.extras["_pipeline_graph"]
-    cuts = builder.st.extras["pipeline_cuts"]
+    gm, names, constants = builder.scratch["_pipeline_graph"]
+    cuts = builder.v.extras["pipeline_cuts"]
     stages, loss_gm, stage0_inputs = split_stages(gm, cut_paths=cuts, input_names=names, target=cfg["target"])
     axis = cfg["axis"]
     pp = builder.sizes[axis]

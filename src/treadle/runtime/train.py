@@ -42,7 +42,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
     sch = load_schedule(p["model"], p["schedule"], mesh, **p["load_args"])
     model = build(sch)
-    dp = sch._state.data_parallel
+    dp = sch.view().data_parallel
     inputs = p["inputs"]
     if dp is not None:
         inputs = split_batch(inputs, dp.size(mesh), dp.local_index(mesh), axis=dp.label(), where="train")
@@ -69,14 +69,14 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
     model given ``labels``, else the mean square of the first floating output), as in verify and profile.
     The schedule must not have been built; it is sent to the ranks as JSON with its original model.
     Raises TreadleError before spawning when the batch does not split over the data-parallel axis."""
-    st = sch._state
+    st = sch.view()
     if st.built:
         raise TreadleError("train: this schedule was already built; train an unbuilt schedule")
     if not isinstance(example_inputs, dict):
         raise TreadleError("train: example_inputs must be a dict of keyword arguments of forward")
     if st.data_parallel is not None:
         check_batch(example_inputs, st.data_parallel.size(sch.mesh), axis=st.data_parallel.label(), where="train")
-    model: nn.Module = st.original if st.original is not None else st.model
+    model: nn.Module = st.reference
     buf = io.BytesIO()
     torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
                     inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed), buf)

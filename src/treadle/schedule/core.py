@@ -27,8 +27,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
-from .data_parallel import DataParallel, make_data_parallel
+from .data_parallel import make_data_parallel
 from .log import Record, Ref, records_from_json, records_to_json, ref_targets
+from .state import ParamShard, SyncSpec, _State
+from .view import ScheduleView
 
 logger = logging.getLogger(__name__)
 
@@ -46,62 +48,6 @@ SYNC_OPS: dict[str, tuple[str, ...]] = {
 # (``inner=h``: dim is (outer x h) flattened, each rank keeps its h/n of every outer entry, e.g. ALiBi's
 # batch x heads)
 _SYNC_OPTIONS: dict[str, tuple[str, ...]] = {"all_gather": ("grad",), "split": ("inner",)}
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """One mesh axis's split of one parameter: tensor dim `dim` over `axis`, in `blocks` interleaved parts.
-
-    ``blocks=3`` says the dim is a concatenation of three equal parts (a fused q|k|v projection): each
-    part is split over the axis, so rank r keeps (q_r, k_r, v_r).
-    """
-
-    dim: int
-    axis: str
-    blocks: int = 1
-
-
-@dataclass(frozen=True)
-class SyncSpec:
-    """A layout change at a module boundary, recorded by `sync`."""
-
-    path: str
-    mode: str
-    axis: str | None
-    op: str | None = None
-    kwargs: tuple = ()  # sorted (key, value) pairs for the op: dim, split_dim, concat_dim, grad
-    to: tuple | None = None  # typed form: target placement per named axis ((axis, Placement), ...)
-    from_: tuple | None = None  # typed form: source placement per named axis, when it cannot be derived
-    arg: int | str = 0  # fwd_pre / bwd_post: which input (position or name)
-    out: int = 0  # fwd_post: which output of a tuple / ModelOutput
-
-    def kw(self) -> dict:
-        return dict(self.kwargs)
-
-
-@dataclass
-class _State:
-    """Everything the primitives of one schedule have recorded (shared by all its sub-schedules)."""
-
-    model: nn.Module
-    mesh: Mesh
-    records: list[Record] = field(default_factory=list)
-    param_shards: dict[int, list[ParamShard]] = field(default_factory=dict)  # id(param) -> splits, in order
-    syncs: list[SyncSpec] = field(default_factory=list)
-    checkpoints: list[str] = field(default_factory=list)
-    fork_rngs: list[tuple[str, str]] = field(default_factory=list)  # (path, axis)
-    reduce_grads: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)  # (path, axis, names)
-    annotations: dict[int, dict[str, Any]] = field(default_factory=dict)  # id(param) -> tags
-    attrs: list[tuple[str, str, Any]] = field(default_factory=list)  # (path, name, value)
-    shard_attrs: list[tuple[str, str, str]] = field(default_factory=list)  # (path, name, axis)
-    data_parallel: DataParallel | None = None  # axes, FSDP2 shard axes (treadle.schedule.data_parallel)
-    built: bool = False
-    original: nn.Module | None = None  # a copy of the model taken before its first `replace` (verify's reference)
-    extras: dict[str, Any] = field(default_factory=dict)  # state of graph-level primitives and pipelines
-
-    def snapshot(self) -> None:
-        if self.original is None and not any(p.is_meta for p in self.model.parameters()):
-            self.original = copy.deepcopy(self.model)
 
 
 def _join(prefix: str, path: str) -> str:
@@ -140,6 +86,31 @@ class Schedule(_GraphPrimitives):
     def records(self) -> list[Record]:
         """The log: every primitive applied so far, in order."""
         return list(self._state.records)
+
+    def root(self) -> "Schedule":
+        """The schedule of the whole model this sub-schedule belongs to."""
+        return Schedule(self._state, "", self._state.model)
+
+    def view(self) -> ScheduleView:
+        """A read-only snapshot of everything the schedule recorded (`treadle.schedule.view.ScheduleView`):
+        what build, the price, verify and treadle.run read."""
+        return ScheduleView.of(self._state)
+
+    # ------------------------------------------------------------------ what build tells the schedule
+    def mark_built(self) -> None:
+        """Called by `treadle.build` once it has turned this schedule's model into the distributed one: every
+        primitive after it is refused. Raises ScheduleError when the schedule was built already."""
+        if self._state.built:
+            raise ScheduleError("build: this schedule was already built")
+        self._state.built = True
+
+    def rebind_param(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """Called by `treadle.build` when it replaces parameter `old` of the model by `new` (its local shard, a
+        materialised meta parameter): what was recorded for `old` now belongs to `new`."""
+        st = self._state
+        for table in (st.param_shards, st.annotations):
+            if id(old) in table:
+                table[id(new)] = table.pop(id(old))
 
     def __repr__(self) -> str:
         return f"Schedule({self.path or '<root>'!r}, {type(self.mod).__name__}, {self.mesh})"

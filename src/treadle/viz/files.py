@@ -35,7 +35,7 @@ def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = No
 
 def write_price_pictures(price, *, trace: str | None = None, html: str | None = None, png: str | None = None,
                          title: str = "", world_size: int | None = None) -> list[str]:
-    """Write the step of a `treadle.planner.price.Price` (or its to_dict()) as a Chrome trace, an HTML page
+    """Write the step of a `treadle.pricing.Price` (or its to_dict()) as a Chrome trace, an HTML page
     and PNG figures (as `write_plan_pictures`). Returns the paths written."""
     from .price_timeline import timeline_from_price
 

@@ -168,7 +168,7 @@ _PRICE_MEMORY_NOTE = ('<p class="note">per device (every device of the mesh hold
 
 
 def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> str:
-    """A `treadle.planner.price.Price` (or its to_dict()) as one HTML page: summary, step-time breakdown with
+    """A `treadle.pricing.Price` (or its to_dict()) as one HTML page: summary, step-time breakdown with
     the timeline, memory over the step. `timeline` defaults to `timeline_from_price(price)`."""
     from .price_timeline import timeline_from_price
 

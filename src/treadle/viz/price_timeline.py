@@ -1,4 +1,4 @@
-"""The timeline of a step exactly as `treadle.planner.price` models it (NOTE [overlap model] in
+"""The timeline of a step exactly as `treadle.pricing` models it (NOTE [overlap model] in
 `treadle.cost.overlap`): no attribution, no re-layout — the price's own segments and collectives.
 
     tl = timeline_from_price(price(sch, inputs, cluster))     # a Price, or its to_dict() (plan.price)
@@ -37,7 +37,7 @@ def _as_dict(price: Any) -> dict:
         return price
     if hasattr(price, "to_dict"):
         return price.to_dict()
-    raise TypeError(f"timeline_from_price needs a treadle.planner.price.Price or its to_dict(), got "
+    raise TypeError(f"timeline_from_price needs a treadle.pricing.Price or its to_dict(), got "
                     f"{type(price).__name__}")
 
 
@@ -72,7 +72,7 @@ def timeline_from_price(price: Any, *, title: str | None = None, world_size: int
     segs = p.get("segments")
     if not segs:
         raise ValueError("timeline_from_price: the price holds no 'segments' (write it with "
-                         "treadle.planner.price.price(...).to_dict())")
+                         "treadle.pricing.price(...).to_dict())")
     spans: list[Span] = []
     fwd_end = 0.0
     bwd_end = 0.0

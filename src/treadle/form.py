@@ -1,0 +1,153 @@
+"""What a parallel form is to the core layers: the faces a form may have, and the one registry of forms.
+
+A parallel form (tensor parallelism, sequence parallelism, the vocab-parallel loss, data parallelism; pipeline
+and expert parallelism next) is one package under `treadle/forms/` that owns everything about itself: the
+recipe steps that state it, what `build` installs for it, the planner's options and cost terms, the price's
+hooks and its labels. It subclasses `Form`, overriding only the faces it has, and `treadle/forms/__init__.py`
+registers every form here, in a fixed order (`register_form`).
+
+The core layers (schedule, runtime, pricing, planner) never import a form: at each extension point they ask
+`forms()` and call that face of every form, in registration order. A face's default does nothing, so a form
+that has no say at a point costs nothing there. The extension points, grouped by the layer that calls them
+(each docstring below names its caller):
+
+- capture (`treadle.planner.capture`): `capture_facts` — facts of the model a form's costs need later;
+- roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `role_label`;
+- cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `node_cost`,
+  `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
+- ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
+  families, and the same terms computed directly for a choice;
+- decisions (`treadle.planner.to_schedule`): `decisions` — the primitives that state the chosen form;
+- price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step.
+
+What the runtime installs for a form is registered with `treadle.runtime.build.register_build_extension`
+by the form's package, beside its `register_form`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import TreadleError
+
+# A face's arguments are the calling layer's own objects (its builder, model, cost graph or rehearsal): typed
+# `Any` here so that this module, at the bottom of the tree, imports none of them.
+
+
+@dataclass(slots=True)
+class PriceTerms:
+    """What a form adds to one priced step (`Form.price_step`): collectives (`treadle.cost.overlap.Collective`)
+    on the step's timeline; `gathered_bytes` held at the peak (FSDP2's gathered units); `grad_copies`: copies of
+    the local gradients held for the whole step (DDP's flat buckets: 1); `param_divisor`: the ranks one
+    parameter, its gradient and its
+    optimizer state are split over (ZeRO-3); `subclass_params`: the parameters are tensor subclasses (DTensor)
+    in the optimizer step; `label`: how the step names the form ("ddp over dp", ...)."""
+
+    collectives: list = field(default_factory=list)
+    gathered_bytes: float = 0.0
+    grad_copies: int = 0
+    param_divisor: int = 1
+    subclass_params: bool = False
+    label: str | None = None
+
+
+class Form:
+    """One parallel form's faces; every face's default does nothing (see the module doc for the callers)."""
+
+    name: str = ""
+
+    # ------------------------------------------------------------------ capture and roles
+    def capture_facts(self, model: Any) -> Any:
+        """Facts of the model the form's costs need (`CapturedGraph.facts[name]`); None: none."""
+        return None
+
+    def role_options(self, mesh: Any, live: tuple[str, ...], *, batch: int | None, request: Any) -> list[dict] | None:
+        """Role assignments this form can make of the `live` axes, as keyword arguments of
+        `treadle.planner.roles.Roles` (the axes it takes; the tensor axes are the rest); None: no say."""
+        return None
+
+    def role_label(self, roles: Any) -> str | None:
+        """This form's part of a role assignment's description ("data-parallel dp (ZeRO-3)"); None: absent."""
+        return None
+
+    # ------------------------------------------------------------------ cost graph
+    def prepare(self, b: Any) -> None:
+        """Before strategies are enumerated: find what the form's options need in the graph (`b`: the cost
+        graph builder)."""
+
+    def keep_strategy(self, b: Any, n: Any, combo: tuple) -> bool:
+        """Whether node `n` may run `combo` (one option per tensor axis) as far as this form is concerned."""
+        return True
+
+    def extra_publishes(self, b: Any, n: Any, raw: tuple, exitable: bool) -> list[tuple]:
+        """Layouts `n` may publish besides its raw layout and Replicate (placement codes per tensor axis)."""
+        return []
+
+    def node_cost(self, b: Any, n: Any, combo: tuple, pub: tuple, cost: Any, rec: str) -> None:
+        """Add this form's communication of node `n` under (`combo`, `pub`) to `cost` (a StrategyCost); `rec`
+        says how much of the node a checkpointed block's recompute runs again ("all", "compute", "none")."""
+
+    def param_cost(self, b: Any, meta: Any, pl: tuple, cost: Any) -> None:
+        """Add this form's terms for one parameter (`meta`, placement codes `pl` on the tensor axes), owned by
+        the node being priced, to `cost`."""
+
+    def graph_terms(self, b: Any, cg: Any) -> None:
+        """Terms that are constant for a role assignment, set on the finished cost graph `cg`."""
+
+    # ------------------------------------------------------------------ ILP and evaluation
+    def ilp_rows(self, m: Any, cg: Any, s: Any, shared: dict) -> None:
+        """Add this form's variables and constraint families to the MILP `m` (`s[u, k]`: strategy variables);
+        `shared` carries what one form's rows hand to another's (documented where it is set)."""
+
+    def evaluate(self, cg: Any, choice: list[int], acc: dict) -> None:
+        """Add this form's terms of a choice to `acc` (compute_s, comm_s, window_s, ...), as `ilp_rows` states
+        them (`treadle.planner.ilp.evaluate`)."""
+
+    def memory_rows(self, m: Any, cg: Any, v: Any) -> list[tuple[dict, float]]:
+        """Further points of the step whose memory must fit the budget, as (terms, constant) rows."""
+        return []
+
+    def peak_bytes(self, cg: Any, choice: list[int], ckpt: dict) -> float:
+        """The largest of `memory_rows` for a choice, in bytes (0: none)."""
+        return 0.0
+
+    # ------------------------------------------------------------------ schedule
+    def decisions(self, cg: Any, choice: list[int], ckpt: dict, ctx: Any) -> list[tuple[int, Any, Any]]:
+        """The primitives stating this form in a solution, as (rank, sort key, Decision): decisions are emitted
+        by rank (`treadle.planner.to_schedule.DECISION_RANKS`), then key."""
+        return []
+
+    # ------------------------------------------------------------------ price
+    def price_step(self, ctx: Any) -> PriceTerms | None:
+        """The form's part of a rehearsed step (`treadle.pricing`); None: nothing."""
+        return None
+
+
+_FORMS: dict[str, Form] = {}
+
+
+def register_form(form: Form) -> Form:
+    """Register a parallel form (called once per form, by `treadle/forms/__init__.py`). The registration order
+    is the order the core layers call the forms in. Raises TreadleError for a second form of one name."""
+    if not form.name:
+        raise TreadleError(f"register_form: {type(form).__name__} has no name")
+    if form.name in _FORMS:
+        raise TreadleError(f"register_form: a form named {form.name!r} is already registered "
+                           f"({type(_FORMS[form.name]).__name__})")
+    _FORMS[form.name] = form
+    return form
+
+
+def forms() -> Iterator[Form]:
+    """Every registered form, in registration order."""
+    return iter(tuple(_FORMS.values()))
+
+
+def get_form(name: str) -> Form:
+    """The form registered as `name`. Raises TreadleError listing the registered forms."""
+    try:
+        return _FORMS[name]
+    except KeyError:
+        raise TreadleError(f"no parallel form {name!r}; registered: {list(_FORMS)}") from None

@@ -1,0 +1,97 @@
+"""What the runtime does for data parallelism, stated once: the DDP buckets and buffer broadcast, the FSDP2 units,
+and the host-side and copy costs of FSDP2. `build` wraps by these facts (`runtime.py`), the price rehearses them
+(`price.py`) and the planner's cost graph charges them (`plan.py`).
+
+NOTE [DDP buckets]: `ddp_buckets` groups gradients as `torch.nn.parallel.DistributedDataParallel` does after its
+first iteration (the reducer's rebuild, `torch/csrc/distributed/c10d/reducer.cpp`): parameters in the order their
+gradients become ready, one dtype per bucket, a bucket closed once it holds at least its limit — 1 MiB for the
+first (``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB (``bucket_cap_mb``) for the rest.
+
+NOTE [DDP buffers]: DistributedDataParallel (broadcast_buffers=True, as `build` makes it) broadcasts the
+module's buffers from rank 0 at the start of every forward — one coalesced broadcast over the data-parallel
+group, on the critical path (the forward needs them). A model with buffers (LLaMA's rotary `inv_freq`, a
+BatchNorm's running statistics) pays one collective's latency per step; one without (GPT-2) pays nothing.
+The price and the planner's cost graph both charge `buffer_broadcast_s` for the bytes of
+`treadle.profile.memory.buffer_bytes`.
+
+NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList``, then on the root
+(`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per step
+FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
+`treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient
+in and the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...cost import collective_cost as cc
+from ...profile.roofline import op_time_s
+from ...runtime.optimizer import trainable_params
+
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
+
+
+def ddp_buckets(grads: list[tuple[str, int, str]], *, first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                bucket_bytes: int = DDP_BUCKET_BYTES) -> list[list[str]]:
+    """Bucket gradients as DDP's reducer does (NOTE [DDP buckets]). `grads`: (name, bytes, dtype) in the order the
+    gradients become ready. Returns buckets in the order they are reduced; each holds one dtype."""
+    out: list[list[str]] = []
+    open_: dict[str, tuple[list[str], int]] = {}
+    limit_used: dict[str, int] = {}
+    for name, nbytes, dtype in grads:
+        names, size = open_.get(dtype, ([], 0))
+        names.append(name)
+        size += nbytes
+        limit = first_bucket_bytes if limit_used.get(dtype, 0) == 0 else bucket_bytes
+        if size >= limit:
+            out.append(names)
+            limit_used[dtype] = limit_used.get(dtype, 0) + 1
+            open_.pop(dtype, None)
+        else:
+            open_[dtype] = (names, size)
+    out.extend(names for names, _ in open_.values())
+    return out
+
+
+
+def buffer_broadcast_s(buffer_bytes: float, n: int, link: Any) -> float:
+    """DDP's broadcast of the model's buffers at the start of every forward (NOTE [DDP buffers]); 0 without
+    buffers."""
+    return cc.broadcast_time_s(buffer_bytes, n, link) if buffer_bytes and n > 1 else 0.0
+
+
+def within(path: str, prefix: str) -> bool:
+    """`path` is the module `prefix` or inside it ("" holds everything)."""
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def fsdp_units(model: nn.Module) -> list[str]:
+    """FSDP2 units as `build` wraps them (NOTE [FSDP2 units]): every entry of every ModuleList, then the root."""
+    units = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList):
+            units += [f"{path}.{i}" if path else str(i) for i in range(len(m))]
+    return units + [""]
+
+
+def fsdp_param_units(model: nn.Module, units: list[str] | None = None) -> list[str]:
+    """The FSDP2 unit (of `fsdp_units`) of each trainable parameter, in `named_parameters` order: the first unit
+    holding its module (the root "" comes last)."""
+    units = fsdp_units(model) if units is None else units
+    return [next(u for u in units if within(name.rpartition(".")[0], u)) for name, _ in trainable_params(model)]
+
+
+def fsdp_host_s(n_units: int, n_params: int, hw: Any) -> float:
+    """FSDP2's host cost per step of `n_units` units holding `n_params` parameters (NOTE [FSDP2 units])."""
+    return n_units * hw.fsdp_unit_s + n_params * hw.fsdp_param_s
+
+
+def fsdp_copy_s(full_bytes: float, n: int, hw: Any, dtype: torch.dtype = torch.float32) -> float:
+    """FSDP2's local copies around one collective of a `full_bytes` unit over `n` ranks: 2 (full + shard) bytes
+    moved, at the device's memory rate (NOTE [FSDP2 units])."""
+    return op_time_s(0, int(2 * (full_bytes + full_bytes / n)), hw, dtype)

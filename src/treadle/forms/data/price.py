@@ -1,0 +1,157 @@
+"""Data parallelism in a priced step: DDP's bucketed all-reduces and buffer broadcast, FSDP2's prefetched gathers,
+reduce-scatters, host costs and copies, HSDP's all-reduce of the shards (the module doc of `treadle.pricing`),
+each by the facts of `facts.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...cost.cluster import ClusterSpec
+from ...cost.collective_cost import collective_time_s
+from ...cost.overlap import Collective, Segment
+from ...form import PriceTerms
+from ...pricing import Rehearsal, StepContext
+from ...profile.memory import buffer_bytes
+from ...runtime.optimizer import trainable_params
+from .facts import (buffer_broadcast_s, ddp_buckets, fsdp_copy_s, fsdp_host_s, fsdp_param_units, fsdp_units,
+                    within)
+
+
+def price_step(ctx: StepContext) -> PriceTerms | None:
+    """The data-parallel part of a rehearsed step (None without data parallelism over more than one rank)."""
+    reh = ctx.reh
+    dp = reh.view.data_parallel
+    if dp is None or dp.size(reh.mesh) <= 1:
+        return None
+    if dp.shard:
+        colls, gathered = _fsdp(reh, ctx.segments, ctx.cluster)
+        return PriceTerms(colls, gathered_bytes=gathered, param_divisor=dp.shard_size(reh.mesh),
+                          subclass_params=dp.shard_size(reh.mesh) > 1, label=str(dp))
+    return PriceTerms(_ddp(reh, ctx.segments, ctx.cluster), grad_copies=1, label=str(dp))
+
+
+def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Collective]:
+    """DDP's bucketed all-reduces over the flattened group of every data-parallel axis (prod of their sizes
+    ranks, `ClusterSpec.group_link`), each issued when the bucket's last gradient is ready."""
+    dp = reh.view.data_parallel
+    axis, n, link = dp.label(), dp.size(reh.mesh), cluster.group_link(dp.axes)
+    bwd_last: dict[str, int] = {}
+    for i, s in enumerate(segs):
+        if s.phase == "bwd":
+            bwd_last[s.module] = i
+    last_bwd = max(bwd_last.values(), default=len(segs) - 1)
+    grads = []
+    for order, (name, p) in enumerate(reversed(trainable_params(reh.model))):
+        owner = name.rpartition(".")[0]
+        ready = bwd_last.get(owner, last_bwd)
+        grads.append((ready, order, name, p.numel() * p.element_size(), str(p.dtype)))
+    grads.sort()
+    ready_of = {g[2]: g[0] for g in grads}
+    size_of = {g[2]: g[3] for g in grads}
+    out = []
+    for bucket in ddp_buckets([(g[2], g[3], g[4]) for g in grads]):
+        nbytes = sum(size_of[x] for x in bucket)
+        after = max(ready_of[x] for x in bucket)
+        out.append(Collective("all_reduce", axis, nbytes, collective_time_s("all_reduce", nbytes, n, link),
+                              segs[after].module, "bwd", after, blocking=False, needed_before=None, source="ddp",
+                              link=link))
+    cast = buffer_bytes(reh.model)  # NOTE [DDP buffers]: every buffer, before the forward's first op, waited on
+    if cast:
+        first = next((i for i, s in enumerate(segs) if s.phase == "fwd"), 0)
+        out.append(Collective("broadcast", axis, cast, buffer_broadcast_s(cast, n, link),
+                              segs[first].module if segs else "", "fwd", first - 1, blocking=True, source="ddp",
+                              link=link))
+    return out
+
+
+def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[list[Collective], float]:
+    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak.
+
+    Gathers and reduce-scatters run over the flattened group of the shard axes (n = prod of their sizes,
+    `ClusterSpec.group_link`). HSDP adds, per unit, an all-reduce of the reduced shard (unit bytes / n) over the
+    replicate axes, after its reduce-scatter. ``reshard_after_forward=False``: no backward gathers, and every
+    unit stays gathered from its forward to its backward (gathered bytes at peak: all units)."""
+    dp = reh.view.data_parallel
+    axis, n, link = ",".join(dp.shard_axes), dp.shard_size(reh.mesh), cluster.group_link(dp.shard_axes)
+    rep_axes = dp.replicate_axes
+    units = fsdp_units(reh.model)
+    unit_bytes: dict[str, float] = {u: 0.0 for u in units}
+    unit_params: dict[str, int] = {u: 0 for u in units}
+    for (name, p), unit in zip(trainable_params(reh.model), fsdp_param_units(reh.model, units)):
+        unit_bytes[unit] += p.numel() * p.element_size()
+        unit_params[unit] += 1
+
+    def unit_of(module: str) -> str:
+        return next(u for u in units if within(module, u))
+
+    first_fwd: dict[str, int] = {}
+    first_bwd: dict[str, int] = {}
+    last_bwd: dict[str, int] = {}
+    for i, s in enumerate(segs):
+        u = unit_of(s.module)
+        if s.phase == "fwd":
+            first_fwd.setdefault(u, i)
+        elif s.phase in ("bwd", "recompute"):
+            first_bwd.setdefault(u, i)
+            last_bwd[u] = i
+    end_fwd = max((i for i, s in enumerate(segs) if s.phase == "fwd"), default=-1)
+    out: list[Collective] = []
+    fwd_order = sorted((u for u in first_fwd if u and unit_bytes[u]), key=first_fwd.get)
+    if unit_bytes[""]:
+        out.append(Collective("all_gather", axis, unit_bytes[""], collective_time_s("all_gather", unit_bytes[""], n, link),
+                              "", "fwd", -1, blocking=False, needed_before=0, source="fsdp", link=link))
+    prev_start = 0
+    for u in fwd_order:  # gathered one unit ahead: issued when the previous unit starts
+        need = first_fwd[u]
+        issue = min(prev_start, need) - 1
+        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
+                              u, "fwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
+        prev_start = need
+    bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
+                       key=first_bwd.get)
+    prev_start = end_fwd + 1
+    for u in bwd_order:
+        need = first_bwd[u]
+        issue = min(prev_start, need) - 1
+        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
+                              u, "bwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
+        prev_start = need
+    for u in units:
+        if not unit_bytes[u]:
+            continue
+        after = last_bwd.get(u, len(segs) - 1)
+        rs = Collective("reduce_scatter", axis, unit_bytes[u], collective_time_s("reduce_scatter", unit_bytes[u], n, link),
+                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp", link=link)
+        out.append(rs)
+        if rep_axes:
+            shard_bytes = unit_bytes[u] / n
+            t = collective_time_s("all_reduce", shard_bytes, dp.replicate_size(reh.mesh), cluster.group_link(rep_axes))
+            out.append(Collective("all_reduce", ",".join(rep_axes), shard_bytes, t, u or "", "bwd", after,
+                                  blocking=False, needed_before=None, source="fsdp", follows=rs,
+                                  link=cluster.group_link(rep_axes)))
+    if dp.reshard_after_forward:
+        gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+    else:
+        gathered = sum(unit_bytes.values())
+    # FSDP2's hooks per unit per step (NOTE [FSDP2 units]): half where its forward starts, half where its
+    # backward starts
+    hw = cluster.rank_hardware()
+    for u in units:
+        if not unit_bytes[u]:
+            continue
+        host_s = fsdp_host_s(1, unit_params[u], hw)
+        for where in (first_fwd.get(u), first_bwd.get(u)):
+            if where is not None:
+                segs[where] = dataclasses.replace(segs[where], compute_s=segs[where].compute_s + host_s / 2)
+    # FSDP2's copies around each collective (copy-in of the shard / gradient, copy-out of the gathered
+    # parameter / reduced shard): 2 (full + shard) bytes moved, on the compute stream where it runs
+    for c in out:
+        if c.kind == "all_reduce":  # HSDP's all-reduce works on the reduce-scatter's output in place
+            continue
+        where = c.needed_before if c.kind == "all_gather" else c.issue_after
+        if where is not None and 0 <= where < len(segs):
+            cp = fsdp_copy_s(c.nbytes, n, hw)
+            segs[where] = dataclasses.replace(segs[where], compute_s=segs[where].compute_s + cp)
+    return out, gathered
+
+

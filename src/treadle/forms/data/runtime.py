@@ -1,0 +1,53 @@
+"""What `build` installs for data parallelism (the "wrap" build step): DDP on the flattened group of the data-parallel
+axes, or FSDP2 `fully_shard` on its units (NOTE [FSDP2 units] in `facts.py`) over the flattened shard axes —
+on a 2-D (replicate, shard) mesh for HSDP."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from .facts import fsdp_units
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_data_parallel(builder) -> nn.Module | None:
+    """The "wrap" build step of the recorded data parallelism (`treadle.schedule.data_parallel`): DDP on the
+    flattened group of its axes; FSDP2 `fully_shard` (every ModuleList entry, then the root) on the flattened
+    shard axes, or on a 2-D (replicate, shard) mesh for HSDP. None (nothing to wrap) without data parallelism
+    over more than one rank."""
+    dp = builder.v.data_parallel
+    if dp is None:
+        return None
+    if not dp.shard:
+        if dp.size(builder.mesh) == 1:
+            return None
+        group = builder.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(builder.mesh, dp.axes).get_group()
+        return nn.parallel.DistributedDataParallel(builder.model, process_group=group)
+    from torch.distributed.fsdp import fully_shard
+
+    sub = dp_device_mesh(builder.mesh, dp.shard_axes)
+    if dp.replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        sub = DeviceMesh._concatenate([dp_device_mesh(builder.mesh, dp.replicate_axes), sub])
+    kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
+    if builder.mp_policy is not None:
+        kw["mp_policy"] = builder.mp_policy
+    for path in fsdp_units(builder.model)[:-1]:  # every ModuleList entry, then the root
+        fully_shard(builder.model.get_submodule(path), mesh=sub, **kw)
+    fully_shard(builder.model, mesh=sub, **kw)
+    logger.info("data parallel: %s", dp)
+    return builder.model
+
+
+def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
+    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order): the axis's own sub-mesh
+    for one axis, else the flattened sub-mesh named by the axes joined with "_" (made once per mesh)."""
+    dm = mesh.device_mesh
+    if len(axes) == 1:
+        return dm[axes[0]]
+    return dm[tuple(axes)]._flatten("_".join(axes))

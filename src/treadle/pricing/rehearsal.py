@@ -1,0 +1,182 @@
+"""Rehearsal: one rank's training step built on a fake process group and recorded on fake tensors, the ground
+truth `treadle.pricing` prices (NOTE [pricing by rehearsal] in its module doc)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ..errors import PlanError, ProfileError
+from ..loss import default_loss
+from ..mesh import Mesh
+from ..profile.fused_attention import GpuAttention, attach_in_recompute
+from ..profile.profiler import fake_step_recorder
+from ..profile.recorder import Dispatch, StepRecorder
+from ..schedule.view import ScheduleView
+
+# c10d op name -> (collective kind, how its bytes are read: "sum" of a tensor list, "out" first tensor, "in" 2nd)
+_C10D = {"allreduce_": ("all_reduce", "list"), "allreduce_coalesced_": ("all_reduce", "list"),
+         "_allgather_base_": ("all_gather", "first"), "allgather_into_tensor_coalesced_": ("all_gather", "first"),
+         "allgather_": ("all_gather", "nested"), "_reduce_scatter_base_": ("reduce_scatter", "second"),
+         "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "second"),
+         "reduce_scatter_": ("reduce_scatter", "nested"), "alltoall_base_": ("all_to_all", "second"),
+         "alltoall_": ("all_to_all", "list"), "broadcast_": ("broadcast", "list")}
+
+
+class _PriceDispatch(Dispatch):
+    """The profiler's dispatch, plus: c10d collectives noted (not priced as ops) and `.item()` read as 1."""
+
+    def __init__(self, recorder: StepRecorder, axis_of_group: dict[str, str]) -> None:
+        super().__init__(recorder)
+        self.axis_of_group = axis_of_group
+        self.collectives: list[tuple[int, str, str, str, str, float]] = []  # (n records, module, phase, kind, axis, bytes)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        ns = getattr(func, "namespace", "")
+        if ns == "c10d" and not self.recorder.paused:
+            self._note(func, args)
+            return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _note(self, func: Any, args: tuple) -> None:
+        name = func._overloadpacket.__name__
+        if name not in _C10D:
+            raise PlanError(f"price: the built model issues collective c10d.{name}, which has no cost formula; "
+                            f"known: {sorted(_C10D)}")
+        kind, how = _C10D[name]
+        group = None
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    group = dist.ProcessGroup.unbox(a)
+                    break
+                except RuntimeError:
+                    continue
+        axis = self.axis_of_group.get(group.group_name if group is not None else "", None)
+        if axis is None:
+            raise PlanError(f"price: a {kind} runs on a process group that is no single mesh axis")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        nested = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], (list, tuple))]
+        if how == "list":
+            nbytes = sum(t.numel() * t.element_size() for t in lists[0])
+        elif how == "first":
+            nbytes = tensors[0].numel() * tensors[0].element_size()
+        elif how == "second":
+            nbytes = tensors[1].numel() * tensors[1].element_size()
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in nested[0][0])
+        module, phase = self.recorder.where()
+        self.collectives.append((len(self.recorder.records), module, phase, kind, axis, float(nbytes)))
+
+
+def split_batch(inputs: dict, dp: int) -> dict:
+    """Rank 0's part of a global batch split over `dp` data-parallel replicas (dim 0 of every tensor)."""
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and dp > 1:
+            if v.shape[0] % dp:
+                raise PlanError(f"price: input {k!r} has batch {v.shape[0]}, not divisible by the data-parallel "
+                                f"axis of size {dp}; use a batch divisible by {dp}")
+            v = v[: v.shape[0] // dp]
+        out[k] = v
+    return out
+
+
+@dataclass(slots=True)
+class Rehearsal:
+    """One rank's step as rehearsed: the profiler's op records, the collectives the built model issued
+    ((records before it, module, phase, kind, axis, bytes)), the rank's built model (unwrapped: no
+    data-parallel or pipeline wrapper), the bytes of inputs autograd saved, the mesh, what the replayed schedule
+    recorded (`view`), this rank's inputs, and the checkpointed module paths, deepest first."""
+
+    records: list
+    collectives: list
+    model: nn.Module
+    saved_input_bytes: int
+    mesh: Mesh
+    view: ScheduleView
+    inputs: dict
+    checkpoints: tuple[str, ...] = ()
+
+
+def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Rehearsal:
+    """Replay `sch` on a copy of its model, build rank 0 on a fake process group and record one training step
+    on fake tensors (module doc of `treadle.pricing`). Raises PlanError for a pipeline, a built schedule, a
+    log that cannot be replayed, a batch the data-parallel axes do not divide, or a running process group."""
+    from ..runtime.build import build
+    from ..schedule.core import load_schedule
+
+    if dist.is_available() and dist.is_initialized():
+        raise PlanError("price: torch.distributed is already initialised in this process; price a schedule "
+                        "before init_process_group (it builds rank 0 on its own fake process group)")
+    v = sch.view()
+    if v.ops() & {"pipeline", "cut_pipeline_stage"}:
+        raise PlanError("price: pipeline schedules are not priced (pipeline / cut_pipeline_stage in the log)")
+    if v.built:
+        raise PlanError("price: this schedule was already built; price an unbuilt schedule")
+    original = v.reference
+    try:
+        text = sch.to_json()
+    except Exception as exc:  # a primitive argument that is no data (a lambda): the log cannot be replayed
+        raise PlanError(f"price: the schedule cannot be replayed from its log ({exc})") from exc
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    mesh0 = sch.mesh
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh0.world_size)
+    try:
+        model = copy.deepcopy(original)
+        mesh = Mesh(mesh0.shape, mesh0.names)
+        sch2 = load_schedule(model, text, mesh)
+        v2 = sch2.view()
+        dp = v2.data_parallel
+        built = build(sch2, wrap=False)  # data parallelism is priced, not run (module doc)
+        axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
+        inputs = split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
+        records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
+    finally:
+        dist.destroy_process_group()
+    ckpts = tuple(sorted(v2.checkpoints, key=lambda p: -p.count(".")))
+    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts)
+
+
+def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False):
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
+    mode = _PriceDispatch(rec, axis_of_group)
+    handles = rec.attach(named)
+    attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]
+    if gpu:  # and in what a checkpoint recomputes
+        handles += attach_in_recompute(named, lambda: rec.in_backward)
+    try:
+        with _reparametrize_module(model, state, tie_weights=True), attention, fake_mode, mode, \
+                torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), torch.enable_grad():
+            out = model(*args, **kwargs)
+            loss = (loss_fn or default_loss)(out)
+            del out
+            rec.start_backward()
+            loss.backward()
+            del loss
+    except (PlanError, ProfileError):
+        raise
+    except Exception as exc:  # an op error inside autograd comes back wrapped
+        err = rec.error
+        raise PlanError(f"price: the rehearsed step failed: {err or f'{type(exc).__name__}: {exc}'}") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    return rec.records, mode.collectives, rec.saved_input_bytes
+
+

@@ -1,0 +1,182 @@
+"""`price(sch, example_inputs, cluster)`: the step of a rehearsed schedule priced — compute segments, every
+collective on its axis's channel, each parallel form's part, the optimizer, the timeline and the memory."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cost.cluster import ClusterSpec
+from ..cost.collective_cost import collective_time_s
+from ..cost.overlap import Collective, Segment, Timeline, simulate
+from ..errors import PlanError
+from ..form import forms
+from ..profile.memory import buffer_bytes
+from ..profile.recorder import _tensors
+from ..profile.roofline import mfu as mfu_of
+from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
+from .rehearsal import Rehearsal, rehearse
+from .result import Price, PriceRow
+
+logger = logging.getLogger(__name__)
+
+_PHASE = {"forward": "fwd", "backward": "bwd", "recompute": "recompute"}
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What a form's `price_step` sees: the rehearsal (`reh`: the rank's model, mesh, the replayed schedule's
+    view), the step's compute `segments` in order (a form may add host work to one; its index is where a
+    collective is issued or needed), the cluster and the rank's device spec `hw`."""
+
+    reh: Rehearsal
+    segments: list[Segment]
+    cluster: ClusterSpec
+    hw: object
+
+
+def within(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def segments(records, op_overhead_s: float = 0.0, checkpoint_op_s: float = 0.0,
+              checkpoint_region_s: float = 0.0, regions: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
+    """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's
+    per-op overhead (a recomputed op also `checkpoint_op_s`, and each checkpointed region of `regions` (module
+    paths) `checkpoint_region_s` once, at its first recomputed op: NOTE [framework overheads]); returns
+    segments and, per record, its segment."""
+    segs: list[Segment] = []
+    seg_of: list[int] = []
+    acc = 0.0
+    key = None
+    seen: set[str] = set()
+    for r in records:
+        k = (r.module, _PHASE.get(r.phase, r.phase))
+        if k != key:
+            if key is not None:
+                segs.append(Segment(key[0], key[1], acc))
+            key, acc = k, 0.0
+        acc += r.time_s + op_overhead_s
+        if r.phase == "recompute":
+            acc += checkpoint_op_s
+            region = next((p for p in regions if within(r.module, p)), None)
+            if region is not None and region not in seen:
+                seen.add(region)
+                acc += checkpoint_region_s
+        seg_of.append(len(segs))
+    if key is not None:
+        segs.append(Segment(key[0], key[1], acc))
+    return segs, seg_of
+
+
+def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_per_elem: int = 8,
+          master_copy: bool = True, loss_fn=None) -> Price:
+    """Price one training step of `sch` (an unbuilt Schedule) on `cluster` (see `treadle.pricing`).
+
+    `example_inputs`: keyword arguments of forward, global batch (the data-parallel axis splits dim 0).
+    `optimizer_bytes_per_elem` (AdamW: 8) and `master_copy` (fp32 copy of lower-precision parameters)
+    as in the planner's `TrainSpec`. `loss_fn(output)` defaults to `treadle.loss.default_loss`.
+    `cluster` is seen through the schedule's mesh (`ClusterSpec.for_mesh`: same world size).
+    Raises PlanError for a schedule that cannot be rehearsed (pipeline, already built, a batch the
+    data-parallel axis does not divide, a mesh mismatch, inside a running process group).
+    """
+    if not isinstance(example_inputs, dict):
+        raise PlanError("price: example_inputs must be a dict of keyword arguments of forward")
+    if cluster.world_size != sch.mesh.world_size:
+        raise PlanError(f"price: the schedule is written for {sch.mesh} ({sch.mesh.world_size} ranks) but the "
+                        f"cluster has {cluster.world_size} ranks ({cluster.mesh}); give a cluster of that size")
+    cluster = cluster.for_mesh(sch.mesh)
+    device = cluster.rank_device()
+    hw = cluster.rank_hardware()
+    reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
+    segs, seg_of = segments(reh.records, hw.op_overhead_s, hw.checkpoint_op_s, hw.checkpoint_region_s,
+                            reh.checkpoints)
+    colls: list[Collective] = []
+    for n_before, module, phase, kind, axis, nbytes in reh.collectives:
+        after = seg_of[n_before - 1] if n_before > 0 else -1
+        t = collective_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
+        colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source="tp",
+                                link=cluster.link(axis)))
+    # each parallel form's part of the step (data parallelism: DDP's buckets, FSDP2's gathers and copies)
+    ctx = StepContext(reh, segs, cluster, hw)
+    terms = [t for f in forms() if (t := f.price_step(ctx)) is not None]
+    for t in terms:
+        colls += t.collectives
+    gathered = math.fsum(t.gathered_bytes for t in terms)
+    zero_n = math.prod(t.param_divisor for t in terms)  # ranks parameters, gradients and optimizer state split over
+    subclass = any(t.subclass_params for t in terms)
+    dp_kind = next((t.label for t in terms if t.label), "none")
+    # the optimizer step: elementwise over the local parameters, one pass fused or eight (NOTE [AdamW traffic])
+    n_opt = len(segs)
+    local = trainable_params(reh.model)
+    opt_s = math.fsum(adamw_tensor_s(p.numel() / zero_n, p.dtype, optimizer_bytes_per_elem, hw, subclass=subclass)
+                      for _, p in local) + adamw_fixed_s(hw, subclass=subclass)
+    segs.append(Segment("", "optim", opt_s))
+    for c in colls:
+        if not c.blocking and c.needed_before is None:
+            c.needed_before = n_opt  # gradients are reduced before the optimizer steps
+    tl: Timeline = simulate(segs, colls, overlap=device.overlap)
+    # ---- memory
+    param_b = grad_b = opt_b = 0.0
+    for _, p in local:
+        elems = p.numel() / zero_n
+        param_b += elems * p.element_size()
+        grad_b += elems * p.element_size()
+        opt_b += elems * (optimizer_bytes_per_elem + (4 if master_copy and p.dtype != torch.float32 else 0))
+    frozen_b = sum(p.numel() * p.element_size() for p in reh.model.parameters() if not p.requires_grad)
+    buffer_b = buffer_bytes(reh.model)
+    input_b = sum(t.numel() * t.element_size() for t in _tensors(reh.inputs))
+    copies_b = sum(t.grad_copies for t in terms) * grad_b  # DDP's flat bucket buffers hold a copy of the grads
+    static = param_b + frozen_b + opt_b + buffer_b + input_b + copies_b
+    saved = float(sum(r.saved_bytes for r in reh.records if r.phase == "forward"))
+    peak_live = max((r.live_after_bytes for r in reh.records), default=0)
+    if zero_n > 1:
+        peak_live -= grad_b * (zero_n - 1)  # the recorded full gradients are reduce-scattered to 1/zero_n
+    transient = max(0.0, peak_live - saved) + gathered
+    # ---- time split
+    compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer
+    recompute = math.fsum(s.compute_s for s in segs if s.phase == "recompute")
+    flops = float(sum(r.flops for r in reh.records if r.phase in ("forward", "backward")))
+    dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)
+    mfu = mfu_of(int(flops), tl.step_s, hw, dtype) if tl.step_s > 0 else 0.0
+    rows = _rows(segs, reh.records, tl)
+    seg_flops = [0.0] * len(segs)
+    seg_bytes = [0.0] * len(segs)
+    seg_ops = [0] * len(segs)
+    for r, i in zip(reh.records, seg_of):
+        seg_flops[i] += r.flops
+        seg_bytes[i] += r.read_bytes + r.write_bytes
+        seg_ops[i] += 1
+    seg_dicts = [{"module": s.module, "phase": s.phase, "start_s": st, "compute_s": s.compute_s,
+                  "flops": seg_flops[i] if i < n_opt else None, "bytes": seg_bytes[i] if i < n_opt else None,
+                  "ops": seg_ops[i] if i < n_opt else None}
+                 for i, (s, st) in enumerate(zip(segs, tl.segment_start_s))]
+    coll_dicts = [{"kind": c.kind, "axis": c.axis, "nbytes": c.nbytes, "time_s": c.time_s, "module": c.module,
+                   "phase": c.phase, "source": c.source, "blocking": c.blocking, "start_s": c.start_s,
+                   "end_s": c.end_s, "exposed_s": c.exposed_s} for c in tl.collectives]
+    out = Price(tl.step_s, compute, recompute, tl.comm_s, tl.exposed_comm_s, tl.overlapped_comm_s,
+                static + saved + transient, static, saved, transient, grad_b, mfu, flops, device, dp_kind,
+                rows, seg_dicts, coll_dicts)
+    logger.info("price %s: %s", sch.mesh, out)
+    return out
+
+
+def _rows(segs: list[Segment], records, tl: Timeline) -> list[PriceRow]:
+    rows: dict[tuple[str, str], PriceRow] = {}
+    for s in segs:
+        r = rows.setdefault((s.module, s.phase), PriceRow(s.module, s.phase))
+        r.compute_s += s.compute_s
+    for rec in records:
+        if rec.phase == "forward" and rec.saved_bytes:
+            rows.setdefault((rec.module, "fwd"), PriceRow(rec.module, "fwd")).saved_bytes += rec.saved_bytes
+    for c in tl.collectives:
+        r = rows.setdefault((c.module, c.phase), PriceRow(c.module, c.phase))
+        per = r.comm_s.setdefault(c.axis, {})
+        per[c.kind] = per.get(c.kind, 0.0) + c.time_s
+        r.exposed_comm_s += c.exposed_s
+    return list(rows.values())
+
+
