@@ -15,6 +15,7 @@ from treadle.mesh import Mesh
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import Plan, _shardable_fn, plan_model, runtime_capabilities, tied_leaf_holders
+from treadle.forms.vocab.plan import terms as vocab_terms
 
 VOCAB, BATCH, SEQ = 1024, 8, 32
 # a slow link and a CPU device: compute matters and a gathered (N, V) logit tensor is expensive
@@ -66,7 +67,7 @@ def gpt2_graph():
 def test_vocab_parallel_loss_is_priced_by_hand(gpt2_graph):
     g, cg = gpt2_graph
     assert (g.loss_head.head, g.loss_head.causal) == ("lm_head", True)  # HF's loss_function on lm_head's output
-    (ce,) = cg.vocab_ce.values()
+    (ce,) = vocab_terms(cg).values()
     unit = next(u for u in cg.units if u.leader == ce.node)
     (k,) = [k for k, s in enumerate(unit.strategies) if s[ce.node][0][0].letter == ce.letter]
     rows = BATCH * 64

@@ -77,8 +77,9 @@ class Form:
         """Before strategies are enumerated: find what the form's options need in the graph (`b`: the cost
         graph builder)."""
 
-    def keep_strategy(self, b: Any, n: Any, combo: tuple) -> bool:
-        """Whether node `n` may run `combo` (one option per tensor axis) as far as this form is concerned."""
+    def keep_strategy(self, b: Any, n: Any, spec: Any, combo: tuple) -> bool:
+        """Whether node `n` (its dimension spec `spec`, or None) may run `combo` (one option per tensor axis) as
+        far as this form is concerned."""
         return True
 
     def extra_publishes(self, b: Any, n: Any, raw: tuple, exitable: bool) -> list[tuple]:

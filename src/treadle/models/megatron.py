@@ -14,7 +14,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..errors import ScheduleError
 from ..schedule.core import Schedule
-from .common import blocks_path, check_heads, finish, has_children, vocab_parallel
+from ..forms.vocab import vocab_parallel
+from .common import blocks_path, check_heads, finish, has_children
 
 SP_IN = dict(to=Replicate(), from_=Shard(1))  # gather the sequence before a column-parallel linear
 

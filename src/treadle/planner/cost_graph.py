@@ -44,7 +44,7 @@ from ..runtime.optimizer import adamw_fixed_s
 from .capture import CapturedGraph, Node, TensorMeta
 from ..placement import P, R
 from .dims import AxisOption, block_chain, dim_spec, strategies
-from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, VocabCE, entry_block, noop_cast
+from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, entry_block, noop_cast
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
 from .sp_gather import find_sp_gathers
 
@@ -140,7 +140,7 @@ class CostGraph:
     host_s: float = 0.0  # host overheads fixed by the role (NOTE [framework overheads]): FSDP2 units, foreach lists
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     form_terms: dict[str, Any] = field(default_factory=dict)  # a parallel form's constants of the role, by form name
-    vocab_ce: dict[int, "VocabCE"] = field(default_factory=dict)  # NOTE [vocab-parallel loss] in extra_layouts.py
+    replaced: frozenset[int] = frozenset()  # nodes a form replaces at build (the vocab-parallel loss's chain)
     sp_gathers: list = field(default_factory=list)  # NOTE [gather with a reduce-scatter backward] in sp_gather.py
 
 
@@ -374,19 +374,17 @@ class _Builder(NodeCosts, ExtraLayouts):
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
         fused = self.chain_k.get(n.index) and len(n.out.shape) - 1  # NOTE [blocked split] in dims.py
-        vocab = spec.vocab_letters if spec is not None else set()
         for combo in combos:
             if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
                 continue
             if fused and sum(1 for o in combo if o.outs[0] == fused) > 1:
                 continue  # interleaved blocks over two axes: the runtime splits blocks on one axis only
-            if vocab and any(o.letter in vocab for o in combo) and (n.index not in self.vocab_ce or any(
-                    o.letter not in vocab and any(p != R for p in o.ins + o.outs) for o in combo)):
-                continue  # NOTE [vocab-parallel loss]
+            if not all(f.keep_strategy(self, n, spec, combo) for f in forms()):
+                continue  # a form cannot run it (the vocab-parallel loss: only on its cross-entropy)
             if self._fixed_row_view(n, combo):
                 continue  # NOTE [sequence parallel]
-            if n.index not in self.loss_chain and view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
-                continue  # (the loss function's own view is replaced with the loss: NOTE [vocab-parallel loss])
+            if n.index not in self.replaced and view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
+                continue  # (a node a form replaces at build, e.g. by the loss function, keeps no view of its own)
             raw = tuple(o.outs[0] for o in combo) if combo else ()
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
             # module's exit, so a Partial value leaving a module that holds such an op must be reduced there
@@ -446,6 +444,7 @@ class _Builder(NodeCosts, ExtraLayouts):
     def build(self) -> CostGraph:
         self._batch()
         self._mark_saved()
+        self.replaced: set[int] = set()  # nodes a form replaces at build (the loss function's ops)
         for f in forms():
             f.prepare(self)
         # canonical op nodes in order
@@ -459,8 +458,6 @@ class _Builder(NodeCosts, ExtraLayouts):
                 if self.nodes[j].kind == "param":
                     self.param_owner.setdefault(self.nodes[j].param, n.index)
         self.flop_cache = {n.index: self._flops(n) for n in canon_ops}
-        self.vocab_ce = self._find_vocab_ce()
-        self.loss_chain = {j for v in self.vocab_ce.values() for j in v.chain}
         node_strats: dict[int, list] = {}
         for n in canon_ops:
             s = self.node_strategies(n)
@@ -516,7 +513,7 @@ class _Builder(NodeCosts, ExtraLayouts):
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
-                       vocab_ce=dict(self.vocab_ce))
+                       replaced=frozenset(self.replaced))
         cg.sp_gathers = find_sp_gathers(self, units, unit_of)
         self._host_terms(cg)
         for f in forms():  # each form's constants of the role (data parallelism: NOTE [bucketed data parallel])
@@ -668,5 +665,5 @@ def _has_bias(n: Node) -> bool:
     return (n.op_name == "linear" and len(n.inputs) > 2) or n.op_name in ("addmm", "baddbmm")
 
 
-__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo", "VocabCE",
+__all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo",
            "build_cost_graph", "entry_block", "exit_module", "view_attr_needs", "block_chains"]

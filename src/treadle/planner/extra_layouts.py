@@ -1,40 +1,16 @@
-"""Layouts beyond the dimension algebra that the runtime can still execute: the vocab-parallel loss
-(NOTE [vocab-parallel loss]) and sequence-parallel row shards (NOTE [sequence parallel]). A mixin of the
+"""Layouts beyond the dimension algebra that the runtime can still execute: sequence-parallel row shards (NOTE
+[sequence parallel]). A mixin of the
 cost-graph builder (`cost_graph._Builder`, which provides the attributes its methods read) plus the plain
 functions it shares with `to_schedule`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .capture import CapturedGraph, Node, TensorMeta
 from ..placement import P, R
-from .dims import AxisOption, dim_spec
+from .dims import AxisOption
 
 _SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}
-
-
-@dataclass(frozen=True, slots=True)
-class VocabCE:
-    """A cross-entropy node the runtime can run vocab-parallel (NOTE [vocab-parallel loss]): the loss function
-    `loss` (causal: labels shifted) of the model's output embedding `head`, replaced by
-    `treadle.runtime.losses.VocabParallelLoss` when the node's class letter `letter` is sharded."""
-
-    node: int
-    letter: int
-    head: str
-    causal: bool
-    chain: tuple[int, ...] = ()  # the loss function's ops between the head and the cross-entropy (cast, view)
-
-
-# NOTE [vocab-parallel loss]: the logits (N, V) may stay sharded over the vocab on one tensor axis only when the
-# model's loss is its ``loss_function`` applied to its output embedding (NOTE [loss head] in capture.py): the
-# schedule then sets ``loss_function`` to `VocabParallelLoss`, which needs three all-reduces of (N,) fp32
-# per-row scalars (max, sum of exp, target logit) in forward and none in backward (the gradient is local).
-# The cross-entropy node is offered that option (`dims.DimSpec.vocab_letters`) only when its logits come from the
-# head through ops outside every module (the loss function's own ops: cast, view) and its value is the
-# graph's output; on the other tensor axes it stays replicated (the loss reads whole rows and global labels).
 
 
 # NOTE [sequence parallel]: besides its raw layout and Replicate, a module's single exit may publish a (B, T, E)
@@ -76,29 +52,6 @@ def noop_cast(graph: CapturedGraph, n: Node) -> bool:
 
 class ExtraLayouts:
     """Methods of `cost_graph._Builder` for the layouts of this module."""
-
-    def _find_vocab_ce(self) -> dict[int, VocabCE]:
-        """NOTE [vocab-parallel loss]: the cross-entropy nodes whose class dim may stay sharded."""
-        head = self.g.loss_head
-        if head is None or not self.tp_axes:
-            return {}
-        out: dict[int, VocabCE] = {}
-        for n in self.nodes:
-            if n.kind != "op" or n.op_name != "cross_entropy_loss" or n.index not in self.g.outputs:
-                continue
-            if (_ce_arg(n, 2, "weight", None) is not None or _ce_arg(n, 3, "reduction", 1) != 1
-                    or _ce_arg(n, 4, "ignore_index", -100) != -100 or _ce_arg(n, 5, "label_smoothing", 0.0) != 0.0):
-                continue  # class weights, a sum, another ignore index or smoothing: not what VocabParallelLoss does
-            j, chain = n.inputs[0], []
-            while self.nodes[j].kind == "op" and self.nodes[j].module == "" and len(self.nodes[j].inputs) == 1:
-                chain.append(j)
-                j = self.nodes[j].inputs[0]
-            if self.nodes[j].kind != "op" or self.nodes[j].module != head.head:
-                continue
-            spec = dim_spec(n, self.nodes)
-            if spec is not None and spec.vocab_letters:
-                out[n.index] = VocabCE(n.index, min(spec.vocab_letters), head.head, head.causal, tuple(chain))
-        return out
 
     def _row_publishes(self, n: Node, raw: tuple[int, ...], exitable: bool) -> list[tuple[int, ...]]:
         """NOTE [sequence parallel]: Shard(batch or sequence dim) layouts `n` may publish besides its raw layout
@@ -142,8 +95,4 @@ class ExtraLayouts:
         return False
 
 
-def _ce_arg(n: Node, pos: int, name: str, default):
-    return n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
-
-
-__all__ = ["VocabCE", "ExtraLayouts", "entry_block", "noop_cast"]
+__all__ = ["ExtraLayouts", "entry_block", "noop_cast"]

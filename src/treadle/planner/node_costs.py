@@ -196,18 +196,8 @@ class NodeCosts:
         if rec == "all":
             c.rec_s += cf
         c.bwd_comm_s += cb
-        # a vocab-parallel loss (NOTE [vocab-parallel loss] in extra_layouts.py): three all-reduces of (N,) fp32
-        # per-row scalars in forward, none in backward
-        vce = self.vocab_ce.get(i)
-        if vce is not None:
-            rows = self.local_dp_shape(n.inputs[0], self.nodes[n.inputs[0]].out.shape)[0]
-            for k, o in enumerate(combo):
-                if o.letter == vce.letter:
-                    t = 3 * all_reduce_time_s(rows * 4, self.tp_sizes[k], self.cluster.link(self.tp_axes[k]))
-                    c.comm_s += t
-                    c.fwd_s += t
-                    if rec == "all":
-                        c.rec_s += t
+        for f in forms():  # each form's communication of this node (the vocab-parallel loss's all-reduces)
+            f.node_cost(self, n, combo, pub, c, rec)
         # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient; this
         # op's parameters (a norm's weight and bias) are summed in one flat all-reduce (NOTE [one all-reduce per
         # module] in runtime/build.py), keyed by the first of them

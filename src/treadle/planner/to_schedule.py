@@ -46,6 +46,11 @@ class Decision:
         return f'sch["{self.path}"].{self.op}({args})'
 
 
+# Where decisions stand in a plan: the layouts (shards, syncs, shard_attr, reduce_grads, fork_rng), then each
+# form's own at its rank (`treadle.form.Form.decisions`), the checkpoints, and data parallelism last.
+DECISION_RANKS = {"layouts": 10, "loss": 75, "checkpoint": 80, "data_parallel": 90}
+
+
 def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
     """Real module paths that one canonical module path stands for (every block of its template)."""
     n = cg.graph.nodes[node_index]
@@ -76,7 +81,6 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     grads: dict[tuple[str, str], set[str]] = {}
     rngs: dict[tuple[str, str], str] = {}
     attrs: dict[tuple[str, str, str], str] = {}
-    losses: list[Decision] = []
     entries: dict[tuple[str, str], dict] = {}
     from .cost_graph import block_chains, entry_block, exit_module, view_attr_needs
     from .sp_gather import active
@@ -130,16 +134,10 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     elif r != p:
                         for m in _members(cg, q, i):
                             syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name, "layout": whole}
-            in_loss = any(i in v.chain for v in cg.vocab_ce.values())  # replaced with the loss function
+            in_loss = i in cg.replaced  # replaced at build (by the loss function): no view of its own
             for name, a in ([] if in_loss else view_attr_needs(n, combo, axes, cg.attr_resolver) or []):
                 for m in _members(cg, n.module, i):
                     attrs[(m, name, a)] = n.name
-            vce = cg.vocab_ce.get(i)  # NOTE [vocab-parallel loss] in extra_layouts.py
-            for a, o in zip(axes, combo):
-                if vce is not None and o.letter == vce.letter:
-                    losses.append(Decision("set_attr", "", {"name": "loss_function", "ref": _VOCAB_LOSS,
-                                                            "kwargs": {"axis": a, "causal": vce.causal}},
-                                           f"vocab-parallel cross-entropy {n.name} of {vce.head}"))
             if (n.op_name in ("dropout", "native_dropout") or _sdpa_dropout(n)) and n.module:
                 for a, o in zip(axes, combo):
                     if o.work_split:
@@ -169,15 +167,16 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                             "replicated parameter, sharded data"))
     for (m, a), why in sorted(rngs.items()):
         out.append(Decision("fork_rng", m, {"axis": a}, why))
-    out += losses
+    ranked = [(DECISION_RANKS["layouts"], "", d) for d in out]
     for t, c in sorted(ckpt.items()):
         info = cg.templates[t]
         for m in _spread(info.members, c):
-            out.append(Decision("checkpoint", m, {}, f"{c} of {info.count} blocks like {info.path}"))
-    # each parallel form's decisions, by rank (data parallelism: data_parallel, last)
-    out += [d for _, _, d in sorted((x for f in forms() for x in f.decisions(cg, choice, ckpt, None)),
-                                    key=lambda x: (x[0], x[1]))]
-    return out
+            ranked.append((DECISION_RANKS["checkpoint"], "", Decision("checkpoint", m, {},
+                                                                      f"{c} of {info.count} blocks like {info.path}")))
+    # each parallel form's decisions, placed by rank (the vocab-parallel loss after the layouts, data parallelism
+    # last); a stable sort keeps each rank's own order
+    ranked += [x for f in forms() for x in f.decisions(cg, choice, ckpt, None)]
+    return [d for _, _, d in sorted(ranked, key=lambda x: (x[0], x[1]))]
 
 
 def _sdpa_dropout(n) -> bool:
@@ -188,9 +187,6 @@ def _sdpa_dropout(n) -> bool:
     pos = names.index("dropout_p") if "dropout_p" in names else None
     p = n.args[pos] if pos is not None and len(n.args) > pos else n.kwargs.get("dropout_p", 0.0)
     return isinstance(p, (int, float)) and p > 0
-
-
-_VOCAB_LOSS = "treadle.runtime.losses:VocabParallelLoss"
 
 
 def _pl_str(p: int) -> str:

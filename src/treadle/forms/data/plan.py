@@ -30,11 +30,11 @@ from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.ilp import _BYTES, _SECONDS, _block_exprs, _mccormick, first_template, head_units
 from ...planner.node_costs import _tensor_axes_divisor
-from ...planner.to_schedule import Decision
+from ...planner.to_schedule import DECISION_RANKS, Decision
 from .facts import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, buffer_broadcast_s, fsdp_copy_s, fsdp_host_s,
                     fsdp_param_units)
 
-DECISION_RANK = 90  # the data_parallel decision comes last (`treadle.planner.to_schedule.DECISION_RANKS`)
+DECISION_RANK = DECISION_RANKS["data_parallel"]
 
 
 @dataclass(slots=True)
