@@ -1,4 +1,4 @@
-"""NOTE [gather with a reduce-scatter backward] (planner/sp_gather.py): which gathers qualify, the credit the ILP
+"""NOTE [gather with a reduce-scatter backward] (treadle/forms/sequence/gather.py): which gathers qualify, the credit the ILP
 gives them against a hand computation, and that `evaluate` agrees with the solver. The emitted form is verified
 numerically in test_planner_vocab_sp.py (GPT-2 and LLaMA on gloo ranks)."""
 
@@ -10,7 +10,7 @@ from treadle.cost.collective_cost import all_reduce_time_s, reduce_scatter_time_
 from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles
-from treadle.planner.sp_gather import active, consumer_module
+from treadle.forms.sequence.gather import active, consumer_module
 
 from test_planner_vocab_sp import _cost_graph, cluster, inputs, llama  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_the_credit_is_all_reduce_minus_reduce_scatter_of_the_gathered_gradient(
         assert a.count == 4 and a.dim in (0, 1)  # four real blocks; the row split the plan chose
     step, _, terms = ilp.evaluate(cg, sol.choice, {})
     assert sol.step_s == pytest.approx(step)
-    cg.sp_gathers = []  # the same choice without the credit
+    cg.form_terms.pop("sequence")  # the same choice without the credit
     step0, _, terms0 = ilp.evaluate(cg, sol.choice, {})
     assert terms0["comm_s"] - terms["comm_s"] == pytest.approx(sum(a.count * a.saving_s for a in act))
 
@@ -69,7 +69,7 @@ def test_explain_rows_carry_the_credit_where_the_gradient_sum_was_billed():
     assert sum(r.comm_s for r in rows) == pytest.approx(sol.terms["comm_s"])
     by_path = {r.path: r for r in rows}
     assert all(r.comm_s >= 0 for r in rows), {r.path: r.comm_s for r in rows if r.comm_s < 0}
-    cg.sp_gathers = []  # without the credit the same rows carry the full all-reduces
+    cg.form_terms.pop("sequence")  # without the credit the same rows carry the full all-reduces
     rows0 = {r.path: r for r in _rows(cg, sol)}
     moved = {p: rows0[p].comm_s - by_path[p].comm_s for p in by_path if rows0[p].comm_s != by_path[p].comm_s}
     assert sum(moved.values()) == pytest.approx(sum(a.count * a.saving_s for a in act))

@@ -13,11 +13,12 @@ that has no say at a point costs nothing there. The extension points, grouped by
 
 - capture (`treadle.planner.capture`): `capture_facts` — facts of the model a form's costs need later;
 - roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `role_label`;
-- cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `node_cost`,
-  `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
+- cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
+  `node_cost`, `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
 - ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
   families, and the same terms computed directly for a choice;
-- decisions (`treadle.planner.to_schedule`): `decisions` — the primitives that state the chosen form;
+- decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
+  form; explanation (`treadle.planner.plan`): `adjust_rows`;
 - price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step.
 
 What the runtime installs for a form is registered with `treadle.runtime.build.register_build_extension`
@@ -86,6 +87,11 @@ class Form:
         """Layouts `n` may publish besides its raw layout and Replicate (placement codes per tensor axis)."""
         return []
 
+    def conversion(self, b: Any, i: int, raw: tuple, pub: tuple) -> tuple[float, float] | None:
+        """(forward, backward) seconds of node `i`'s change of layout from `raw` to `pub` when this form changes it
+        its own way; None: the core's cheapest conversion. The first form that answers is used."""
+        return None
+
     def node_cost(self, b: Any, n: Any, combo: tuple, pub: tuple, cost: Any, rec: str) -> None:
         """Add this form's communication of node `n` under (`combo`, `pub`) to `cost` (a StrategyCost); `rec`
         says how much of the node a checkpointed block's recompute runs again ("all", "compute", "none")."""
@@ -115,12 +121,21 @@ class Form:
         return 0.0
 
     # ------------------------------------------------------------------ schedule
+    def decide_node(self, ctx: Any, i: int, n: Any, combo: tuple, raw: tuple, pub: tuple) -> set[str]:
+        """State node `i`'s chosen strategy in the decision buckets of `ctx` (`treadle.planner.to_schedule`);
+        returns the tensor axes whose change of layout from `raw` to `pub` this form stated (the core then
+        states none for them)."""
+        return set()
+
     def decisions(self, cg: Any, choice: list[int], ckpt: dict, ctx: Any) -> list[tuple[int, Any, Any]]:
         """The primitives stating this form in a solution, as (rank, sort key, Decision): decisions are emitted
         by rank (`treadle.planner.to_schedule.DECISION_RANKS`), then key."""
         return []
 
     # ------------------------------------------------------------------ price
+    def adjust_rows(self, cg: Any, choice: list[int], rows: dict, billed: dict) -> None:
+        """Correct the per-module rows of a plan's explanation (`treadle.planner.plan`) for this form's terms."""
+
     def price_step(self, ctx: Any) -> PriceTerms | None:
         """The form's part of a rehearsed step (`treadle.pricing`); None: nothing."""
         return None

@@ -44,9 +44,7 @@ from ..runtime.optimizer import adamw_fixed_s
 from .capture import CapturedGraph, Node, TensorMeta
 from ..placement import P, R
 from .dims import AxisOption, block_chain, dim_spec, strategies
-from .extra_layouts import _SHAPE_ARG_OPS, ExtraLayouts, entry_block, noop_cast
 from .node_costs import NodeCosts, StrategyCost, _tensor_axes_divisor
-from .sp_gather import find_sp_gathers
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +139,6 @@ class CostGraph:
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     form_terms: dict[str, Any] = field(default_factory=dict)  # a parallel form's constants of the role, by form name
     replaced: frozenset[int] = frozenset()  # nodes a form replaces at build (the vocab-parallel loss's chain)
-    sp_gathers: list = field(default_factory=list)  # NOTE [gather with a reduce-scatter backward] in sp_gather.py
 
 
 @dataclass(slots=True)
@@ -156,6 +153,18 @@ class TemplateInfo:
     input_unit: int | None
     input_bytes: list[float]  # per strategy of input_unit: bytes kept by a checkpointed block
 
+
+
+SHAPE_ARG_OPS = {"view", "reshape", "_unsafe_view", "expand"}  # ops whose second argument is the output's sizes
+
+
+def noop_cast(graph: CapturedGraph, n: Node) -> bool:
+    """A cast to the dtype its input has (``x.to(torch.float32)`` of a float32 `x`, as an RMSNorm does): eager
+    returns `x` itself, so a user outside the module (the residual add) reads the module's input, not an exit."""
+    if n.op_name not in ("to", "type_as") or not n.inputs or not isinstance(n.out, TensorMeta):
+        return False
+    x = graph.nodes[n.inputs[0]].out
+    return isinstance(x, TensorMeta) and x == n.out
 
 
 # NOTE [fixed view sizes]: a reshape in the graph shows concrete sizes, but eager code may compute a size from
@@ -180,7 +189,7 @@ def view_attr_needs(node: Node, combo: tuple[AxisOption, ...], axes: tuple[str, 
     """(attribute, axis) pairs a sharded reshape needs (NOTE [fixed view sizes]); None if not expressible."""
     if node.op_name in ("split", "chunk", "split_with_sizes"):
         return _split_attr_needs(node, combo, axes, resolver)
-    if node.op_name not in _SHAPE_ARG_OPS or resolver is None or not combo or not isinstance(node.out, TensorMeta):
+    if node.op_name not in SHAPE_ARG_OPS or resolver is None or not combo or not isinstance(node.out, TensorMeta):
         return []
     sizes = node.args[1] if len(node.args) > 1 else None
     if not isinstance(sizes, (list, tuple)) or len(sizes) != len(node.out.shape):
@@ -285,7 +294,7 @@ def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *
     return cg
 
 
-class _Builder(NodeCosts, ExtraLayouts):
+class _Builder(NodeCosts):
     def __init__(self, graph, cluster, roles, train, pins, shardable, dtype_compute):
         self.g = graph
         self.nodes = graph.nodes
@@ -380,9 +389,8 @@ class _Builder(NodeCosts, ExtraLayouts):
             if fused and sum(1 for o in combo if o.outs[0] == fused) > 1:
                 continue  # interleaved blocks over two axes: the runtime splits blocks on one axis only
             if not all(f.keep_strategy(self, n, spec, combo) for f in forms()):
-                continue  # a form cannot run it (the vocab-parallel loss: only on its cross-entropy)
-            if self._fixed_row_view(n, combo):
-                continue  # NOTE [sequence parallel]
+                continue  # a form cannot run it (the vocab-parallel loss: only on its cross-entropy; NOTE
+                # [sequence parallel]: no row shard into a reshape with a literal row size)
             if n.index not in self.replaced and view_attr_needs(n, combo, self.tp_axes, self.attr_resolver) is None:
                 continue  # (a node a form replaces at build, e.g. by the loss function, keeps no view of its own)
             raw = tuple(o.outs[0] for o in combo) if combo else ()
@@ -393,7 +401,8 @@ class _Builder(NodeCosts, ExtraLayouts):
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw) and not (fused and fused in raw):
                 out.append((combo, tuple(R for _ in raw)))
-            out += [(combo, pub) for pub in self._row_publishes(n, raw, exitable)]
+            # what a form may publish besides (NOTE [sequence parallel]: row shards at a block's module exits)
+            out += [(combo, pub) for f in forms() for pub in f.extra_publishes(self, n, raw, exitable)]
         return out
 
     def _leaves(self, n: Node) -> bool:
@@ -514,7 +523,6 @@ class _Builder(NodeCosts, ExtraLayouts):
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
                        replaced=frozenset(self.replaced))
-        cg.sp_gathers = find_sp_gathers(self, units, unit_of)
         self._host_terms(cg)
         for f in forms():  # each form's constants of the role (data parallelism: NOTE [bucketed data parallel])
             f.graph_terms(self, cg)
@@ -666,4 +674,4 @@ def _has_bias(n: Node) -> bool:
 
 
 __all__ = ["Roles", "TrainSpec", "StrategyCost", "Unit", "Edge", "CostGraph", "TemplateInfo",
-           "build_cost_graph", "entry_block", "exit_module", "view_attr_needs", "block_chains"]
+           "build_cost_graph", "exit_module", "noop_cast", "view_attr_needs", "block_chains"]

@@ -51,7 +51,6 @@ from scipy.sparse import coo_matrix
 from ..errors import PlanError
 from ..form import forms
 from .cost_graph import CostGraph
-from .sp_gather import active as sp_active
 
 logger = logging.getLogger(__name__)
 
@@ -168,36 +167,18 @@ def chosen_grad_sums_s(cg: CostGraph, choice: list[int]) -> float:
     return math.fsum(n * t for (_, _, n), t in keys.items())
 
 
-def add_grad_sums(m: _Model, cg: CostGraph, s) -> dict[int, float]:
+def add_grad_sums(m: _Model, cg: CostGraph, s, shared: dict) -> None:
     """y[key] >= s[u,k] for every strategy that needs the gradient sum `key`; y costs count x seconds
-    (family grad_sum). Returns {y variable: count x seconds}: ``shared["grad_sums"]`` of the forms' rows (the
-    data-parallel window)."""
+    (family grad_sum). Hands the forms' rows ``shared["grad_sum_vars"]`` ({key: y variable}: a sequence-parallel
+    gather replaces one) and ``shared["grad_sums"]`` ({y variable: count x seconds}: the data-parallel window)."""
     keys = grad_sum_keys(cg)
     ys = {key: m.var(ub=1.0, cost=key[2] * t * _SECONDS) for key, t in keys.items()}
-    out = {y: key[2] * keys[key] for key, y in ys.items()}
+    shared["grad_sum_vars"] = ys
+    shared["grad_sums"] = {y: key[2] * keys[key] for key, y in ys.items()}
     for u, unit in enumerate(cg.units):
         for k, c in enumerate(unit.costs):
             for (j, a) in c.grad_sums:
                 m.row({ys[(j, a, unit.count)]: 1.0, s[u, k]: -1.0}, 0.0, math.inf, "grad_sum")
-    add_sp_gathers(m, cg, s, ys)
-    return out
-
-
-def add_sp_gathers(m: _Model, cg: CostGraph, s, ys: dict) -> None:
-    """NOTE [gather with a reduce-scatter backward] in sp_gather.py: z <= the gradient sum it replaces, z <= the
-    gather strategies, z <= each reader's pending-sum strategies, z <= 1 - each other node's pending-sum
-    strategies; z credits count x (all-reduce - reduce-scatter) seconds (family sp_gather)."""
-    for g in cg.sp_gathers:
-        y = ys.get((g.j, g.k, g.count))
-        if y is None:
-            continue
-        z = m.var(ub=1.0, cost=-g.count * g.saving_s * _SECONDS)
-        m.row({z: 1.0, y: -1.0}, -math.inf, 0.0, "sp_gather")
-        m.row({z: 1.0, **{s[g.unit, k]: -1.0 for k in g.gathers}}, -math.inf, 0.0, "sp_gather")
-        for u, ok in g.readers:
-            m.row({z: 1.0, **{s[u, k]: -1.0 for k in ok}}, -math.inf, 0.0, "sp_gather")
-        for u, bad in g.inner:
-            m.row({z: 1.0, **{s[u, k]: 1.0 for k in bad}}, -math.inf, 1.0, "sp_gather")
 
 
 def head_units(cg: CostGraph) -> list[int]:
@@ -388,8 +369,9 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
-    shared = {"grad_sums": add_grad_sums(m, cg, s)}
-    for f in forms():  # each form's constraint families (data parallelism: dp_exposure)
+    shared: dict = {}
+    add_grad_sums(m, cg, s, shared)
+    for f in forms():  # each form's constraint families (sequence parallelism: sp_gather; data: dp_exposure)
         f.ilp_rows(m, cg, s, shared)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
@@ -456,10 +438,8 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         if c > 0:
             transient = max(transient, A)
     sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
-    # NOTE [gather with a reduce-scatter backward] in sp_gather.py: the credit of each gather the choice realises
-    comm += sums - sum(g.count * g.saving_s for g in sp_active(cg, choice))
-    acc = {"compute_s": compute, "comm_s": comm, "grad_sums_s": sums}
-    for f in forms():  # each form's terms (data parallelism: the exposed reductions, DDP's buffers)
+    acc = {"compute_s": compute, "comm_s": comm + sums, "grad_sums_s": sums}
+    for f in forms():  # each form's terms (sequence parallelism: the gathers' credit; data: exposure, buffers)
         f.evaluate(cg, choice, acc)
     compute, comm = acc["compute_s"] + cg.host_s, acc["comm_s"]
     step = compute + comm + recompute

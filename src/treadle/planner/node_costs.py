@@ -28,8 +28,8 @@ from ..form import forms
 from ..profile import flops as flops_mod
 from ..profile.roofline import matmul_efficiency, op_time_s
 from ..runtime.optimizer import adamw_tensor_s
+from ..placement import R
 from .capture import Node, TensorMeta
-from ..placement import P, R
 from .dims import AxisOption
 
 # Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
@@ -105,25 +105,20 @@ class NodeCosts:
             return False
 
     def _conversion(self, i: int, raw: tuple[int, ...], pub: tuple[int, ...]) -> tuple[float, float]:
+        """Seconds (forward, backward) of node `i`'s change of layout from `raw` to `pub` at its publish: a form's
+        own way where it has one (`Form.conversion`: sequence parallelism's two-step entry into the blocks),
+        else the cheapest conversion (`treadle.cost.convert.plan_conversion`)."""
         if raw == pub or self.sub_cluster is None:
             return 0.0, 0.0
+        for f in forms():
+            own = f.conversion(self, i, raw, pub)
+            if own is not None:
+                return own
         meta = self.nodes[i].out
-        shape = self.local_dp_shape(i, meta.shape)
-
-        def conv(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
-            if a == b:
-                return 0.0, 0.0
-            plan = plan_conversion(Layout.from_codes(a), Layout.from_codes(b),
-                                   global_shape=shape, itemsize=meta.dtype.itemsize, cluster=self.sub_cluster)
-            return plan.time_s, plan.backward_time_s
-
-        if self.nodes[i].block is None and P in raw and any(p >= 0 for p in pub):
-            # NOTE [sequence parallel] in extra_layouts.py: a pending sum entering the blocks sharded is reduced
-            # at its module's exit, then sliced at the first block's input (two syncs, as build runs them)
-            mid = tuple(R if r == P else r for r in raw)
-            (f1, b1), (f2, b2) = conv(raw, mid), conv(mid, pub)
-            return f1 + f2, b1 + b2
-        return conv(raw, pub)
+        plan = plan_conversion(Layout.from_codes(raw), Layout.from_codes(pub),
+                               global_shape=self.local_dp_shape(i, meta.shape), itemsize=meta.dtype.itemsize,
+                               cluster=self.sub_cluster)
+        return plan.time_s, plan.backward_time_s
 
     def recomputed(self, i: int) -> str:
         """How much of node `i` a checkpointed block's recompute runs again (NOTE [recompute stops early] in

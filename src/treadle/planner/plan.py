@@ -38,7 +38,6 @@ from ..placement import R, placement_str
 from ..units import GiB, fmt_bytes_exact as _fmt_bytes
 from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
-from .sp_gather import active as sp_active
 from .to_schedule import Decision, apply_decisions, decisions_from_solution
 from .validate import validate_plan_args
 
@@ -821,10 +820,6 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
             desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
             if desc not in row.layout:
                 row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
-    # NOTE [gather with a reduce-scatter backward]: a realised gather reduce-scatters the input-gradient sum its
-    # readers would all-reduce: the credit goes to the row that sum was billed to
-    for gather in sp_active(cg, sol.choice):
-        path = billed.get((gather.j, gather.k, gather.count))
-        if path is not None:
-            rows[path].comm_s -= gather.count * gather.saving_s
+    for f in forms():  # each form's corrections (sequence parallelism: the gathers' credit, to the rows billed)
+        f.adjust_rows(cg, sol.choice, rows, billed)
     return list(rows.values())

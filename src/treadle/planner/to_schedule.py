@@ -13,12 +13,15 @@ Decisions in a repeated block are expanded to every real block the template stan
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from ..errors import PlanError
 from ..form import forms
-from .cost_graph import CostGraph
-from ..placement import P, R, placement_of as _placement
+from ..placement import placement_of as _placement
 from ..placement import placement_str
+from .cost_graph import CostGraph
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +49,12 @@ class Decision:
         return f'sch["{self.path}"].{self.op}({args})'
 
 
-# Where decisions stand in a plan: the layouts (shards, syncs, shard_attr, reduce_grads, fork_rng), then each
-# form's own at its rank (`treadle.form.Form.decisions`), the checkpoints, and data parallelism last.
-DECISION_RANKS = {"layouts": 10, "loss": 75, "checkpoint": 80, "data_parallel": 90}
+# Where decisions stand in a plan, by rank: the layouts (shards, exit syncs, sequence parallelism's gathers at a
+# module's input and slices where the blocks start, shard_attr, reduce_grads, fork_rng), the vocab-parallel loss,
+# the checkpoints, and data parallelism last. A form's buckets (`DecisionContext.bucket`) and its other decisions
+# (`treadle.form.Form.decisions`) take their rank from here.
+DECISION_RANKS = {"shards": 10, "syncs": 20, "sp_inputs": 30, "sp_entries": 40, "attrs": 50, "grads": 60,
+                  "rngs": 70, "loss": 75, "checkpoint": 80, "data_parallel": 90}
 
 
 def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
@@ -71,23 +77,43 @@ def _spread(members: list[str], count: int) -> list[str]:
     return [members[int(i * step)] for i in range(count)]
 
 
+@dataclass(slots=True)
+class DecisionContext:
+    """What the decision builder and the forms' `decide_node` share: the solution, and the buckets decisions are
+    collected in before they are emitted (`bucket`): {key: what to emit}, each bucket with its rank and emitter.
+    The core's own: ``shards`` {(module, parameter, dim, axis, blocks): node}, ``syncs`` {(module, axis): {to,
+    from_, node, layout}}, ``attrs``, ``grads``, ``rngs``."""
+
+    cg: CostGraph
+    choice: list[int]
+    axes: tuple[str, ...]
+    buckets: dict[str, tuple[int, Callable, dict]] = field(default_factory=dict)
+    memo: dict[str, Any] = field(default_factory=dict)
+
+    def bucket(self, name: str, rank: int = 0, emit: Callable | None = None) -> dict:
+        """The bucket `name` (made on first use with its `rank` and `emit(items) -> [Decision]`)."""
+        if name not in self.buckets:
+            if emit is None:
+                raise PlanError(f"decision bucket {name!r} is used before it is made with an emitter")
+            self.buckets[name] = (rank, emit, {})
+        return self.buckets[name][2]
+
+
 def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, int], *,
                             leaf_param: "callable[[str], bool]") -> list[Decision]:
-    """The module-level decisions of a solution, in a stable order (shards, syncs, grads, rng, ckpt, dp)."""
+    """The module-level decisions of a solution, in a stable order (shards, syncs, the forms' own, grads, rng,
+    ckpt, dp: `DECISION_RANKS`)."""
+    from .cost_graph import block_chains, exit_module, view_attr_needs
+
     g = cg.graph
     axes = cg.roles.tp
-    shards: dict[tuple[str, str, int, str, int], str] = {}
-    syncs: dict[tuple[str, str], dict] = {}
-    grads: dict[tuple[str, str], set[str]] = {}
-    rngs: dict[tuple[str, str], str] = {}
-    attrs: dict[tuple[str, str, str], str] = {}
-    entries: dict[tuple[str, str], dict] = {}
-    from .cost_graph import block_chains, entry_block, exit_module, view_attr_needs
-    from .sp_gather import active
+    ctx = DecisionContext(cg, choice, axes)
+    shards = ctx.bucket("shards", DECISION_RANKS["shards"], _emit_shards(axes))
+    syncs = ctx.bucket("syncs", DECISION_RANKS["syncs"], _emit_syncs)
+    attrs = ctx.bucket("attrs", DECISION_RANKS["attrs"], _emit_attrs)
+    grads = ctx.bucket("grads", DECISION_RANKS["grads"], _emit_grads)
+    rngs = ctx.bucket("rngs", DECISION_RANKS["rngs"], _emit_rngs)
     chain_k = block_chains(g.nodes, g.ops())  # NOTE [blocked split] in dims.py
-    # NOTE [gather with a reduce-scatter backward] in sp_gather.py: gathered at the consumer module's input
-    sp_in = {(sg.j, axes[sg.k]): sg for sg in active(cg, choice)}
-    inputs: dict[tuple[str, str], dict] = {}
     for u, unit in enumerate(cg.units):
         members = unit.strategies[choice[u]]
         for i, (combo, pub) in members.items():
@@ -109,18 +135,12 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     elif o.grad_partial[pos] and not leaf_param(src.param):
                         for m in _members(cg, owner, i):
                             grads.setdefault((m, a), set()).add(pname)
-            blk = entry_block(g, n) if raw != pub else None
-            if blk is not None and all(r in (R, P) for r in raw) and any(p >= 0 for p in pub):
-                # NOTE [sequence parallel] in extra_layouts.py: a pending sum is reduced at its module's exit,
-                # then the value is sliced at the input of the block it enters
-                q = exit_module(g, n)
-                for a, r, p in zip(axes, raw, pub):
-                    if r == P:
-                        for m in _members(cg, q, i):
-                            syncs[(m, a)] = {"to": "R", "from_": "P", "node": n.name, "layout": None}
-                    if p >= 0:
-                        entries[(blk, a)] = {"to": _pl_str(p), "node": n.name}
-            elif raw != pub:
+            # the forms state some changes of layout their own way (NOTE [sequence parallel]); the rest is a sync
+            # at the module's exit
+            stated: set[str] = set()
+            for f in forms():
+                stated |= f.decide_node(ctx, i, n, combo, raw, pub)
+            if raw != pub and any(a not in stated and r != p for a, r, p in zip(axes, raw, pub)):
                 q = exit_module(g, n)
                 # several axes change at one exit: each sync also carries the whole layout, so build converts
                 # them in one step from the true source (one axis's from_ alone would call the others Replicate)
@@ -128,10 +148,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                           "to": {a: _pl_str(p) for a, p in zip(axes, pub)}}
                          if sum(r != p for r, p in zip(raw, pub)) > 1 else None)
                 for a, r, p in zip(axes, raw, pub):
-                    if r != p and (i, a) in sp_in:
-                        for m in _members(cg, sp_in[(i, a)].module, i):
-                            inputs[(m, a)] = {"dim": _pl_str(r), "node": n.name}
-                    elif r != p:
+                    if r != p and a not in stated:
                         for m in _members(cg, q, i):
                             syncs[(m, a)] = {"to": _pl_str(p), "from_": _pl_str(r), "node": n.name, "layout": whole}
             in_loss = i in cg.replaced  # replaced at build (by the loss function): no view of its own
@@ -143,40 +160,51 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                     if o.work_split:
                         for m in _members(cg, n.module, i):
                             rngs[(m, a)] = n.name
-    out: list[Decision] = []
-    # a dim split over several axes is sharded in mesh-axis order (the order slicing and layouts agree on)
-    for (m, pname, dim, a, k), why in sorted(shards.items(), key=lambda kv: (*kv[0][:3], axes.index(kv[0][3]))):
-        out.append(Decision("shard", m, {"names": pname, "dim": dim, "axis": a, **({"blocks": k} if k > 1 else {})},
-                            why))
-    for (m, a), d in sorted(syncs.items()):
-        args = {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}
-        if d["layout"] is not None:
-            args["layout"] = d["layout"]
-        out.append(Decision("sync", m, args, d["node"]))
-    for (m, a), d in sorted(inputs.items()):
-        why = f"{d['node']} gathered here; its gradient reduce-scattered"
-        out.append(Decision("sync", m, {"mode": "fwd_pre", "to": "R", "from_": d["dim"], "axis": a}, why))
-        out.append(Decision("sync", m, {"mode": "bwd_post", "to": d["dim"], "from_": "P", "axis": a}, why))
-    for (m, a), d in sorted(entries.items()):
-        out.append(Decision("sync", m, {"mode": "fwd_pre", "to": d["to"], "from_": "R", "axis": a},
-                            f"{d['node']} enters the blocks"))
-    for (m, name, a), why in sorted(attrs.items()):
-        out.append(Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}"))
-    for (m, a), names in sorted(grads.items()):
-        out.append(Decision("reduce_grads", m, {"axis": a, "names": sorted(names)},
-                            "replicated parameter, sharded data"))
-    for (m, a), why in sorted(rngs.items()):
-        out.append(Decision("fork_rng", m, {"axis": a}, why))
-    ranked = [(DECISION_RANKS["layouts"], "", d) for d in out]
+    ranked: list[tuple[int, str, Decision]] = []
+    for rank, emit, items in sorted(ctx.buckets.values(), key=lambda b: b[0]):
+        ranked += [(rank, "", d) for d in emit(items)]
     for t, c in sorted(ckpt.items()):
         info = cg.templates[t]
         for m in _spread(info.members, c):
             ranked.append((DECISION_RANKS["checkpoint"], "", Decision("checkpoint", m, {},
                                                                       f"{c} of {info.count} blocks like {info.path}")))
-    # each parallel form's decisions, placed by rank (the vocab-parallel loss after the layouts, data parallelism
-    # last); a stable sort keeps each rank's own order
-    ranked += [x for f in forms() for x in f.decisions(cg, choice, ckpt, None)]
+    # each parallel form's other decisions, placed by rank (the vocab-parallel loss after the layouts, data
+    # parallelism last); a stable sort keeps each rank's own order
+    ranked += [x for f in forms() for x in f.decisions(cg, choice, ckpt, ctx)]
     return [d for _, _, d in sorted(ranked, key=lambda x: (x[0], x[1]))]
+
+
+def _emit_shards(axes: tuple[str, ...]) -> Callable[[dict], list[Decision]]:
+    def emit(shards: dict) -> list[Decision]:
+        # a dim split over several axes is sharded in mesh-axis order (the order slicing and layouts agree on)
+        return [Decision("shard", m, {"names": pname, "dim": dim, "axis": a, **({"blocks": k} if k > 1 else {})}, why)
+                for (m, pname, dim, a, k), why in sorted(shards.items(),
+                                                         key=lambda kv: (*kv[0][:3], axes.index(kv[0][3])))]
+    return emit
+
+
+def _emit_syncs(syncs: dict) -> list[Decision]:
+    out = []
+    for (m, a), d in sorted(syncs.items()):
+        args = {"mode": "fwd_post", "to": d["to"], "from_": d["from_"], "axis": a}
+        if d["layout"] is not None:
+            args["layout"] = d["layout"]
+        out.append(Decision("sync", m, args, d["node"]))
+    return out
+
+
+def _emit_attrs(attrs: dict) -> list[Decision]:
+    return [Decision("shard_attr", m, {"name": name, "axis": a}, f"fixed size in {why}")
+            for (m, name, a), why in sorted(attrs.items())]
+
+
+def _emit_grads(grads: dict) -> list[Decision]:
+    return [Decision("reduce_grads", m, {"axis": a, "names": sorted(names)}, "replicated parameter, sharded data")
+            for (m, a), names in sorted(grads.items())]
+
+
+def _emit_rngs(rngs: dict) -> list[Decision]:
+    return [Decision("fork_rng", m, {"axis": a}, why) for (m, a), why in sorted(rngs.items())]
 
 
 def _sdpa_dropout(n) -> bool:
@@ -191,6 +219,7 @@ def _sdpa_dropout(n) -> bool:
 
 def _pl_str(p: int) -> str:
     return placement_str(p, token=True)
+
 
 
 def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[str], bool]"):

@@ -1,10 +1,10 @@
 """Sequence-parallel gathers whose backward is a reduce-scatter (Megatron-LM's form), priced and emitted.
 
 NOTE [gather with a reduce-scatter backward]. A row-sharded activation (NOTE [sequence parallel] in
-extra_layouts.py) is gathered back to Replicate before the column-parallel projections that read it (q, k,
+`layouts.py`) is gathered back to Replicate before the column-parallel projections that read it (q, k,
 v; gate, up). Gathered at the norm's exit, its backward is a local split of the complete gradient, and the
 projections' partial input gradients are all-reduced first (NOTE [shared input-gradient sum] in
-node_costs.py): an all-reduce per gather. Megatron-LM instead gathers at the input of the module M that holds
+`treadle.planner.node_costs`): an all-reduce per gather. Megatron-LM instead gathers at the input of the module M that holds
 the projections and reduce-scatters their summed partial gradients straight to the row shard: half the
 traffic. Build runs that form from ``sch[M].sync("fwd_pre", to=Replicate(), from_=Shard(d))`` plus
 ``sch[M].sync("bwd_post", to=Shard(d), from_=Partial())`` (`treadle.runtime.sync_plan`: the gather's
@@ -17,18 +17,22 @@ That is exact only when the gradient reaching the gather is a pure pending sum, 
    rotary tables: no gradient), so j is the input that M's ``fwd_pre`` sync converts; and
 3. in the chosen plan every reader of j is sharded on that axis with a pending-sum input gradient, no other
    op under M is (build's reduce-scatter takes over every column-parallel leaf under M; the ILP states both
-   per node, `ilp.add_sp_gathers`), and j's exit changes that axis only, from Shard(d) to Replicate.
+   per node, `ilp_rows`), and j's exit changes that axis only, from Shard(d) to Replicate.
 The ILP credits each qualifying gather ``all_reduce - reduce_scatter`` of j's gradient (variable z <= the
-gather strategy, z <= each reader's partial strategies, z <= the gradient sum it replaces); `evaluate`
-and `decisions_from_solution` apply the same test to a choice.
+gather strategy, z <= each reader's partial strategies, z <= the gradient sum it replaces); `evaluate`,
+the decisions and the explanation's rows apply the same test to a choice (`active`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .capture import CapturedGraph, TensorMeta
-from ..placement import R
+from ...cost.collective_cost import all_reduce_time_s, reduce_scatter_time_s
+from ...placement import R
+from ...planner.capture import CapturedGraph, TensorMeta
+from ...planner.ilp import _SECONDS
+from ...planner.node_costs import _tensor_axes_divisor
 
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten"}
 
@@ -86,11 +90,13 @@ def consumer_module(graph: CapturedGraph, j: int, needs_grad) -> str | None:
     return q
 
 
+def terms(cg) -> list[SPGather]:
+    """The candidates of a cost graph."""
+    return cg.form_terms.get("sequence", [])
+
+
 def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
     """The candidates of a cost graph under construction (`b`: the `cost_graph._Builder`)."""
-    from ..cost.collective_cost import all_reduce_time_s, reduce_scatter_time_s
-    from .node_costs import _tensor_axes_divisor
-
     if not b.tp_axes:
         return []
     out: list[SPGather] = []
@@ -171,8 +177,37 @@ def _inner(b, skip: set[int], k: int, module: str, units, unit_of) -> tuple:
 
 def active(cg, choice: list[int]) -> list[SPGather]:
     """The candidates a choice realises (condition 3)."""
-    return [g for g in cg.sp_gathers if choice[g.unit] in g.gathers
+    return [g for g in terms(cg) if choice[g.unit] in g.gathers
             and all(choice[u] in ok for u, ok in g.readers) and not any(choice[u] in bad for u, bad in g.inner)]
 
 
-__all__ = ["SPGather", "consumer_module", "find_sp_gathers", "active"]
+def ilp_rows(m, cg, s, shared: dict) -> None:
+    """z <= the gradient sum it replaces (``shared["grad_sum_vars"]``, set by the tensor-parallel rows), z <= the
+    gather strategies, z <= each reader's pending-sum strategies, z <= 1 - each other node's pending-sum
+    strategies; z credits count x (all-reduce - reduce-scatter) seconds (family sp_gather)."""
+    ys = shared.get("grad_sum_vars", {})
+    for g in terms(cg):
+        y = ys.get((g.j, g.k, g.count))
+        if y is None:
+            continue
+        z = m.var(ub=1.0, cost=-g.count * g.saving_s * _SECONDS)
+        m.row({z: 1.0, y: -1.0}, -math.inf, 0.0, "sp_gather")
+        m.row({z: 1.0, **{s[g.unit, k]: -1.0 for k in g.gathers}}, -math.inf, 0.0, "sp_gather")
+        for u, ok in g.readers:
+            m.row({z: 1.0, **{s[u, k]: -1.0 for k in ok}}, -math.inf, 0.0, "sp_gather")
+        for u, bad in g.inner:
+            m.row({z: 1.0, **{s[u, k]: 1.0 for k in bad}}, -math.inf, 1.0, "sp_gather")
+
+
+def evaluate(cg, choice: list[int], acc: dict) -> None:
+    """The credit of each gather the choice realises, off ``acc["comm_s"]``."""
+    acc["comm_s"] -= sum(g.count * g.saving_s for g in active(cg, choice))
+
+
+def adjust_rows(cg, choice: list[int], rows: dict, billed: dict) -> None:
+    """A realised gather reduce-scatters the input-gradient sum its readers would all-reduce: the credit goes to
+    the row that sum was billed to (`billed`: (node, axis, count) -> row path)."""
+    for g in active(cg, choice):
+        path = billed.get((g.j, g.k, g.count))
+        if path is not None:
+            rows[path].comm_s -= g.count * g.saving_s
