@@ -221,7 +221,8 @@ class PlainSubclass(nn.Linear):
 
 
 def test_leaf_rules_apply_only_where_they_reproduce_the_forward():
-    from treadle.runtime.leaf_rules import embedding_forward, leaf_plan
+    from treadle.forms.vocab.embedding import embedding_forward
+    from treadle.sharding_rules import leaf_plan
     from treadle.schedule.core import ParamShard
 
     vocab = {"weight": [ParamShard(0, "tp")]}

@@ -15,7 +15,8 @@ size n (NOTE [one-axis options]):
   one operand) take those inputs ``Partial`` and give a ``Partial`` output.
 
 Placements are the codes of `treadle.placement`: ``R`` (-1) Replicate, ``P`` (-2) Partial (sum), ``d >= 0`` Shard(d).
-Rules are registered per op name with `register_dims` (duplicates rejected). An op with no rule gets
+Rules are registered per op name with `register_dims` in the one registry of sharding rules
+(`treadle.sharding_rules`; duplicates rejected). An op with no rule gets
 replicate-only options and is listed by `unknown_ops`.
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Callable
 
 from ..errors import PlanError
 from ..placement import P, R
+from ..sharding_rules import dims_rule, register_dims
 from .capture import Node, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -68,25 +70,10 @@ class AxisOption:
 
 
 DimRule = Callable[[Node, list[Node]], "DimSpec | None"]
-_RULES: dict[str, DimRule] = {}
-
-
-def register_dims(*op_names: str) -> Callable[[DimRule], DimRule]:
-    """Register one dimension rule for ATen op names (overload packets, e.g. ``"linear"``).
-    Raises PlanError when a name already has a rule."""
-
-    def deco(fn: DimRule) -> DimRule:
-        for name in op_names:
-            if name in _RULES:
-                raise PlanError(f"dimension rule for op {name!r} is already registered ({_RULES[name].__name__})")
-            _RULES[name] = fn
-        return fn
-
-    return deco
 
 
 def has_rule(op_name: str) -> bool:
-    return op_name in _RULES
+    return dims_rule(op_name) is not None
 
 
 # ----------------------------------------------------------------------------- helpers for rules
@@ -565,7 +552,7 @@ def _getitem(node: Node, nodes: list[Node]) -> DimSpec | None:
 # ----------------------------------------------------------------------------- options
 def dim_spec(node: Node, nodes: list[Node]) -> DimSpec | None:
     """The node's DimSpec, or None when no rule applies (replicate only)."""
-    rule = _RULES.get(node.op_name)
+    rule = dims_rule(node.op_name)
     if rule is None:
         return None
     try:
@@ -579,7 +566,7 @@ def unknown_ops(nodes: list[Node]) -> dict[str, int]:
     """Op names without a dimension rule (they run replicated), with counts."""
     out: dict[str, int] = {}
     for n in nodes:
-        if n.kind == "op" and n.op_name not in _RULES and n.op_name not in ("arange", "full", "zeros", "ones",
+        if n.kind == "op" and dims_rule(n.op_name) is None and n.op_name not in ("arange", "full", "zeros", "ones",
                                                                              "empty", "scalar_tensor",
                                                                              "new_ones", "new_zeros", "new_empty",
                                                                              "new_full", "randn", "rand"):

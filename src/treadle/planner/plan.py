@@ -49,8 +49,8 @@ Mode = Literal["joint", "two_stage"]
 # ----------------------------------------------------------------------------- runtime capabilities
 def runtime_capabilities(model: nn.Module) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
     """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime can shard
-    (`treadle.runtime.leaf_rules.has_leaf_rule`)."""
-    from ..runtime.leaf_rules import has_leaf_rule
+    (`treadle.sharding_rules.has_leaf_rule`)."""
+    from ..sharding_rules import has_leaf_rule
 
     leaf_paths = {name for name, m in model.named_modules() if has_leaf_rule(m)}
     owners = {}
@@ -73,7 +73,7 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         except AttributeError:
             cache[key] = "ok"
             return "ok"
-        from ..runtime.leaf_rules import has_leaf_rule
+        from ..sharding_rules import has_leaf_rule
 
         if has_leaf_rule(mod):  # the runtime replaces a sharded leaf's forward: its attributes are unused
             cache[key] = "ok"
@@ -95,7 +95,7 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
 def tied_leaf_holders(model: nn.Module) -> dict[str, set[str]]:
     """Parameter name -> the paths of every leaf module the runtime can shard (`has_leaf_rule`) that holds that
     very parameter object under any name: a tied output embedding computes with the input embedding's shard."""
-    from ..runtime.leaf_rules import has_leaf_rule
+    from ..sharding_rules import has_leaf_rule
 
     paths: dict[int, set[str]] = {}
     for mname, m in model.named_modules(remove_duplicate=False):

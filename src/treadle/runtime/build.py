@@ -26,7 +26,8 @@ from . import collectives as C
 from .convert import _same as _same_placement
 from .collectives import on_grad
 from .convert import apply_op, convert, convert_multi
-from .leaf_rules import LeafPlan, embedding_forward, gathered_forward, has_leaf_rule, leaf_plan
+from ..sharding_rules import LeafPlan, has_leaf_rule, leaf_plan
+from .leaves import gathered_forward
 from .params import local_slice
 from .sync_plan import plan_syncs
 
@@ -327,9 +328,8 @@ class _Builder:
                              sorted(shards))
                 continue
             plan = leaf_plan(path, m, shards)
-            if plan.vocab_axis is not None:
-                v_local = m.weight.shape[0] // self.sizes[plan.vocab_axis]
-                plan.forward = embedding_forward(self.coords[plan.vocab_axis] * v_local, m.weight.shape[0])
+            if plan.bind is not None:  # a local forward that depends on the rank (a vocab-sharded lookup)
+                plan.forward = plan.bind(self)
             if plan.gathered is not None:
                 plan.forward = gathered_forward(plan.gathered, self.group)
             self.leaf[path] = plan
@@ -608,6 +608,6 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
-    from . import conv_rules, graph_steps  # noqa: F401  (register conv rules and graph/pipeline build steps)
+    from . import graph_steps  # noqa: F401  (register the graph and pipeline build steps)
     root = sch if not sch.path else sch.root()
     return _Builder(root, init_fn, mp_policy, wrap).run()  # always from the root

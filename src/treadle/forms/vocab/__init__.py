@@ -4,13 +4,14 @@ three all-reduces carry per-token scalars (Megatron-LM, Shoeybi et al. 2019, sec
 
 - `steps.py`   the recipe step that states it (`vocab_parallel`);
 - `plan.py`    the planner's candidates, cost and decision (NOTE [vocab-parallel loss]);
-- the runtime's executors: the vocab-sharded Embedding rule and its masked lookup (`treadle.runtime.leaf_rules`)
-  and `VocabParallelLoss` (`treadle.runtime.losses`, the name schedule files give it).
+- `embedding.py` the Embedding rule (vocab- or feature-sharded) and its masked lookup;
+- and `VocabParallelLoss` (`treadle.runtime.losses`, the name schedule files give it).
 """
 
 from __future__ import annotations
 
 from ...form import Form
+from . import embedding  # noqa: F401  (registers the Embedding rule)
 from . import plan as _plan
 from .steps import vocab_parallel
 

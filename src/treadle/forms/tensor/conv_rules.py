@@ -22,11 +22,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from ..errors import BuildError
-from ..schedule.core import ParamShard
-from .build import register_build_extension
-from .leaf_rules import LeafPlan, register_leaf_rule
-from .params import local_slice
+from ...errors import BuildError
+from ...runtime.params import local_slice
+from ...schedule.state import ParamShard
+from ...sharding_rules import LeafPlan, register_leaf_rule
 
 
 @register_leaf_rule(nn.Conv2d)
@@ -82,7 +81,7 @@ def _batchnorm2d_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamSha
     return plan
 
 
-def _slice_running_stats(builder) -> None:
+def slice_running_stats(builder) -> None:
     """Before parameters are sliced: a BatchNorm2d with channel-split parameters keeps only its channels'
     running statistics (the same split as its weight)."""
     for path, m in builder.model.named_modules():
@@ -94,5 +93,3 @@ def _slice_running_stats(builder) -> None:
             if buf is not None:
                 m._buffers[name] = local_slice(buf, shards, builder.coords, builder.sizes).clone()
 
-
-register_build_extension("pre_shard", _slice_running_stats)
