@@ -12,6 +12,7 @@ from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.plan import _shardable_fn, runtime_capabilities
 from treadle.forms.data.plan import terms as dp_terms
 from treadle.forms.data.plan import dp_window_s
+from treadle.forms.tensor.plan import chosen_grad_sums_s
 
 from test_price_plan import _MLP  # noqa: E402  (the same two-layer MLP)
 
@@ -92,7 +93,7 @@ def test_ddp_buckets_hide_behind_backward_compute_and_backward_tensor_parallel_w
     assert dp_terms(cg).window == "bwd" and dp_terms(cg).overlap
     sol = ilp.solve(cg, budget_bytes=None)
     costs = [(u.count, u.costs[sol.choice[i]]) for i, u in enumerate(cg.units)]
-    sums = ilp.chosen_grad_sums_s(cg, sol.choice)
+    sums = chosen_grad_sums_s(cg, sol.choice)
     window = sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums
     dp = sum(n * c.dp_comm_s for n, c in costs)
     tp = sum(n * c.comm_s for n, c in costs) + sums
@@ -120,7 +121,7 @@ def test_the_embeddings_bucket_cannot_hide_behind_the_blocks_backward():
     assert [g.nodes[cg.units[u].leader].module for u in head if cg.units[u].costs[0].dp_comm_s] == ["model.embed_tokens"]
     choice = [0] * len(cg.units)
     costs = [(u.count, u.costs[0]) for u in cg.units]
-    sums = ilp.chosen_grad_sums_s(cg, choice)
+    sums = chosen_grad_sums_s(cg, choice)
     dp = sum(n * c.dp_comm_s for n, c in costs)
     aggregate = dp_terms(cg).latency_s + dp - (sum(n * (c.bwd_s + c.bwd_comm_s) for n, c in costs) + sums)
     embedding = sum(cg.units[u].count * (cg.units[u].costs[0].dp_comm_s - dp_window_s(cg, cg.units[u].costs[0]))

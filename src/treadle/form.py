@@ -133,8 +133,9 @@ class Form:
         return []
 
     # ------------------------------------------------------------------ price
-    def adjust_rows(self, cg: Any, choice: list[int], rows: dict, billed: dict) -> None:
-        """Correct the per-module rows of a plan's explanation (`treadle.planner.plan`) for this form's terms."""
+    def adjust_rows(self, cg: Any, choice: list[int], rows: dict, shared: dict) -> None:
+        """Add this form's terms to the per-module rows of a plan's explanation (`treadle.planner.plan`; `rows`: path
+        -> PlanRow); `shared` carries what one form's rows hand to another's."""
 
     def price_step(self, ctx: Any) -> PriceTerms | None:
         """The form's part of a rehearsed step (`treadle.pricing`); None: nothing."""

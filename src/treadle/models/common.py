@@ -42,12 +42,6 @@ def has_children(mod: nn.Module, *paths: str) -> bool:
     return True
 
 
-def check_heads(where: str, n_heads: int, tp_size: int, what: str = "attention heads") -> None:
-    if n_heads % tp_size:
-        raise ScheduleError(f"{where}: {n_heads} {what} do not divide over tensor-parallel size {tp_size}; "
-                            f"use a tp size that divides {n_heads}")
-
-
 def checkpoint_layers(sch: Schedule, blocks: str, fraction: float) -> list[int]:
     """Checkpoint `fraction` of the blocks, spread evenly over the stack. Returns their indices."""
     if not 0.0 <= fraction <= 1.0:

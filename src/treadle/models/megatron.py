@@ -10,18 +10,19 @@ checkpointed, and data parallelism (DDP or ZeRO-3) on a second mesh axis.
 
 from __future__ import annotations
 
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate
 
 from ..errors import ScheduleError
-from ..schedule.core import Schedule
+from ..forms.sequence import steps as seq
+from ..forms.tensor.steps import check_heads, column, row
 from ..forms.vocab import vocab_parallel
-from .common import blocks_path, check_heads, finish, has_children
+from ..schedule.core import Schedule
+from .common import blocks_path, finish, has_children
 
-SP_IN = dict(to=Replicate(), from_=Shard(1))  # gather the sequence before a column-parallel linear
 
-
-def _row_out(sch: Schedule, tp: str, sp: bool) -> None:
-    sch.sync("fwd_post", to=Shard(1) if sp else Replicate(), axis=tp)
+def _row_to(sp: bool):
+    """Where a row-parallel output goes: reduce-scattered over the sequence under sequence parallelism."""
+    return seq.SEQUENCE if sp else Replicate()
 
 
 def schedule_gpt2(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
@@ -34,28 +35,25 @@ def schedule_gpt2(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3
     if vocab_parallel_head:
         vocab_parallel(sch, tp=tp, causal=True, sequence_parallel=False)
     if sp:
-        sch[blocks.rsplit(".", 1)[0] + ".drop"].sync("fwd_post", to=Shard(1), from_=Replicate(), axis=tp)
+        seq.split_output(sch[blocks.rsplit(".", 1)[0] + ".drop"], tp)
     for i in range(len(sch[blocks].mod)):
         b = sch[f"{blocks}.{i}"]
         check_heads(b.path, b["attn"].mod.num_heads, n)
-        b["attn.c_attn"].shard("weight", dim=1, axis=tp, blocks=3).shard("bias", dim=0, axis=tp, blocks=3)
+        column(b["attn.c_attn"], tp, blocks=3)  # the fused q|k|v
         b["attn"].shard_attr("split_size", axis=tp)
-        b["attn.c_proj"].shard("weight", dim=0, axis=tp)
-        _row_out(b["attn.c_proj"], tp, sp)
-        b["mlp.c_fc"].shard("weight", dim=1, axis=tp).shard("bias", dim=0, axis=tp)
-        b["mlp.c_proj"].shard("weight", dim=0, axis=tp)
-        _row_out(b["mlp.c_proj"], tp, sp)
+        row(b["attn.c_proj"], tp, to=_row_to(sp))
+        column(b["mlp.c_fc"], tp)
+        row(b["mlp.c_proj"], tp, to=_row_to(sp))
         if sp:
-            for ln in ("ln_1", "ln_2"):
-                b[ln].reduce_grads(axis=tp)
-            b["attn.c_attn"].sync("fwd_pre", **SP_IN, axis=tp)
-            b["mlp.c_fc"].sync("fwd_pre", **SP_IN, axis=tp)
+            seq.sharded_norms([b["ln_1"], b["ln_2"]], tp)
+            seq.gather_input(b["attn.c_attn"], tp)
+            seq.gather_input(b["mlp.c_fc"], tp)
             b["attn"].fork_rng(axis=tp)  # attention and residual dropout both see sharded data
             b["mlp"].fork_rng(axis=tp)
     if sp:
         top = blocks.rsplit(".", 1)[0]
-        sch[f"{top}.ln_f"].reduce_grads(axis=tp)
-        sch[f"{top}.ln_f"].sync("fwd_post", **SP_IN, axis=tp)
+        seq.sharded_norms([sch[f"{top}.ln_f"]], tp)
+        seq.gather_output(sch[f"{top}.ln_f"], tp)
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
 
 
@@ -75,11 +73,11 @@ def schedule_bert(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3
         b = sch[f"{blocks}.{i}"]
         check_heads(b.path, b["attention.self"].mod.num_attention_heads, n)
         for proj in ("query", "key", "value"):
-            b[f"attention.self.{proj}"].shard(["weight", "bias"], dim=0, axis=tp)
+            column(b[f"attention.self.{proj}"], tp)
         b["attention.self"].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
-        b["attention.output.dense"].shard("weight", dim=1, axis=tp).sync("fwd_post", to=Replicate(), axis=tp)
-        b["intermediate.dense"].shard(["weight", "bias"], dim=0, axis=tp)
-        b["output.dense"].shard("weight", dim=1, axis=tp).sync("fwd_post", to=Replicate(), axis=tp)
+        row(b["attention.output.dense"], tp)
+        column(b["intermediate.dense"], tp)
+        row(b["output.dense"], tp)
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
 
 
@@ -96,7 +94,7 @@ def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero
         # at the first block's input, not at the embedding
         vocab_parallel(sch, tp=tp, causal=True, sequence_parallel=sp, split_embedding=False)
         if sp:
-            sch[f"{blocks}.0"].sync("fwd_pre", to=Shard(1), axis=tp)
+            seq.split_input(sch[f"{blocks}.0"], tp)
     elif sp:
         raise ScheduleError("schedule_llama: sequence_parallel needs vocab_parallel_head=True")
     for i in range(len(sch[blocks].mod)):
@@ -105,36 +103,20 @@ def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero
         check_heads(b.path, cfg.num_attention_heads, n)
         check_heads(b.path, cfg.num_key_value_heads, n, "key/value heads")
         if sp:  # gather at the module input: attention reshapes its output with the input's sequence length
-            for mod in ("self_attn", "mlp"):
-                b[mod].sync("fwd_pre", **SP_IN, axis=tp)
-                # the gather's backward reduce-scatters the summed partial gradients of its column-parallel
-                # readers (q, k, v; gate, up), as Megatron-LM's sequence parallelism does, instead of an
-                # all-reduce then a split (half the traffic)
-                b[mod].sync("bwd_post", to=Shard(1), axis=tp)
+            for mod in ("self_attn", "mlp"):  # the gradient reduce-scattered, as Megatron-LM does
+                seq.gather_input(b[mod], tp, reduce_scatter_grad=True)
         for proj in ("q_proj", "k_proj", "v_proj"):
-            _column(b[f"self_attn.{proj}"], tp)
+            column(b[f"self_attn.{proj}"], tp)
         b["self_attn"].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
-        _row(b["self_attn.o_proj"], tp, sp)
+        row(b["self_attn.o_proj"], tp, to=_row_to(sp))
         for proj in ("gate_proj", "up_proj"):
-            _column(b[f"mlp.{proj}"], tp)
-        _row(b["mlp.down_proj"], tp, sp)
+            column(b[f"mlp.{proj}"], tp)
+        row(b["mlp.down_proj"], tp, to=_row_to(sp))
         if sp:
-            b["input_layernorm"].reduce_grads(axis=tp)
-            b["post_attention_layernorm"].reduce_grads(axis=tp)
+            seq.sharded_norms([b["input_layernorm"], b["post_attention_layernorm"]], tp)
     if sp:
-        sch[blocks.rsplit(".", 1)[0] + ".norm"].reduce_grads(axis=tp)
+        seq.sharded_norms([sch[blocks.rsplit(".", 1)[0] + ".norm"]], tp)
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
-
-
-def _column(lin: Schedule, tp: str) -> None:
-    lin.shard("weight", dim=0, axis=tp)
-    if lin.mod.bias is not None:
-        lin.shard("bias", dim=0, axis=tp)
-
-
-def _row(lin: Schedule, tp: str, sp: bool) -> None:
-    lin.shard("weight", dim=1, axis=tp)
-    _row_out(lin, tp, sp)
 
 
 # structure signature of one block -> recipe
@@ -162,20 +144,12 @@ def schedule_by_structure(sch: Schedule, *, tp: str = "tp", dp: str | None = Non
                             "by name (GPT-2, BERT, LLaMA); use sequence_parallel=False, vocab_parallel_head=False")
     blocks = blocks_path(sch)
     lay = find_block_layout(sch, blocks, example_inputs or default_example_inputs(sch), sch.mesh.size(tp))
-    from .structure import linear_dims
-
     for i in range(len(sch[blocks].mod)):
         b = sch[f"{blocks}.{i}"]
         for path, nb in lay.columns.items():
-            lin = b[path]
-            out_dim = linear_dims(lin.mod)[2]
-            lin.shard("weight", dim=out_dim, axis=tp, blocks=nb)
-            if getattr(lin.mod, "bias", None) is not None:
-                lin.shard("bias", dim=0, axis=tp, blocks=nb)
+            column(b[path], tp, blocks=nb)
         for path in lay.rows:
-            lin = b[path]
-            lin.shard("weight", dim=linear_dims(lin.mod)[3], axis=tp)
-            _row_out(lin, tp, False)
+            row(b[path], tp)
         for path, attr in lay.head_attrs:
             b[path].shard_attr(attr, axis=tp)
         for path in lay.attention:

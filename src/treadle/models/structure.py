@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import ScheduleError
+from ..forms.tensor.leaf_rules import matmul_dims
 from ..schedule.core import Schedule
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,9 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "num_key_value_heads
 
 
 def linear_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
-    """(out_features, in_features, weight dim of outputs, weight dim of inputs) of a Linear-like leaf."""
-    if isinstance(mod, nn.Linear):
-        return mod.out_features, mod.in_features, 0, 1
-    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):  # transformers' (in, out) linear
-        return mod.weight.shape[1], mod.weight.shape[0], 1, 0
-    return None
+    """(out_features, in_features, weight dim of outputs, weight dim of inputs) of a Linear-like leaf: the tensor
+    form's `matmul_dims`, the one statement of those dims."""
+    return matmul_dims(mod)
 
 
 @dataclass

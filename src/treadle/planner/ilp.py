@@ -27,7 +27,7 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
 
     where the objective counts each y[g] (count x seconds of a shared all-reduce, NOTE [shared
-    input-gradient sum] in node_costs.py) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
+    input-gradient sum] in `treadle.forms.tensor.plan`) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
     `treadle.forms.data.plan`) besides compute and comm;
 
 `add_*` functions below add each family; `solve` assembles them. `solve_exhaustive` enumerates all
@@ -143,42 +143,6 @@ def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
             s[u, k] = m.var(ub=1.0 if unit.allowed[k] else 0.0, integer=True,
                             cost=unit.count * (c.compute_s + c.comm_s) * _SECONDS)
     return s
-
-
-def grad_sum_keys(cg: CostGraph) -> dict[tuple[int, int, int], float]:
-    """NOTE [shared input-gradient sum] in node_costs.py: (input node, tensor axis, count) -> seconds of one
-    execution's all-reduce, over every strategy that needs it."""
-    out: dict[tuple[int, int, int], float] = {}
-    for unit in cg.units:
-        for c in unit.costs:
-            for (j, k), t in c.grad_sums.items():
-                key = (j, k, unit.count)
-                out[key] = max(out.get(key, 0.0), t)
-    return out
-
-
-def chosen_grad_sums_s(cg: CostGraph, choice: list[int]) -> float:
-    """Seconds of the input-gradient sums a choice needs, each distinct one once (times its count)."""
-    keys: dict[tuple[int, int, int], float] = {}
-    for u, unit in enumerate(cg.units):
-        for (j, k), t in unit.costs[choice[u]].grad_sums.items():
-            key = (j, k, unit.count)
-            keys[key] = max(keys.get(key, 0.0), t)
-    return math.fsum(n * t for (_, _, n), t in keys.items())
-
-
-def add_grad_sums(m: _Model, cg: CostGraph, s, shared: dict) -> None:
-    """y[key] >= s[u,k] for every strategy that needs the gradient sum `key`; y costs count x seconds
-    (family grad_sum). Hands the forms' rows ``shared["grad_sum_vars"]`` ({key: y variable}: a sequence-parallel
-    gather replaces one) and ``shared["grad_sums"]`` ({y variable: count x seconds}: the data-parallel window)."""
-    keys = grad_sum_keys(cg)
-    ys = {key: m.var(ub=1.0, cost=key[2] * t * _SECONDS) for key, t in keys.items()}
-    shared["grad_sum_vars"] = ys
-    shared["grad_sums"] = {y: key[2] * keys[key] for key, y in ys.items()}
-    for u, unit in enumerate(cg.units):
-        for k, c in enumerate(unit.costs):
-            for (j, a) in c.grad_sums:
-                m.row({ys[(j, a, unit.count)]: 1.0, s[u, k]: -1.0}, 0.0, math.inf, "grad_sum")
 
 
 def head_units(cg: CostGraph) -> list[int]:
@@ -370,9 +334,8 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
     shared: dict = {}
-    add_grad_sums(m, cg, s, shared)
-    for f in forms():  # each form's constraint families (sequence parallelism: sp_gather; data: dp_exposure)
-        f.ilp_rows(m, cg, s, shared)
+    for f in forms():  # each form's constraint families (tensor parallelism: grad_sum; sequence: sp_gather; data:
+        f.ilp_rows(m, cg, s, shared)  # dp_exposure)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
@@ -437,9 +400,9 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[fl
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
-    sums = chosen_grad_sums_s(cg, choice)  # NOTE [shared input-gradient sum] in node_costs.py
-    acc = {"compute_s": compute, "comm_s": comm + sums, "grad_sums_s": sums}
-    for f in forms():  # each form's terms (sequence parallelism: the gathers' credit; data: exposure, buffers)
+    acc = {"compute_s": compute, "comm_s": comm}
+    for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums; sequence: the gathers'
+        # credit; data: the exposed reductions, DDP's buffers)
         f.evaluate(cg, choice, acc)
     compute, comm = acc["compute_s"] + cg.host_s, acc["comm_s"]
     step = compute + comm + recompute

@@ -58,12 +58,9 @@ class StrategyCost:
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
-    grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in ilp.py)
-    # NOTE [shared input-gradient sum]: Megatron's "f" (the backward all-reduce of a replicated input read by
-    # column-parallel ops) by (input node, tensor-axis index) -> seconds per execution. Not in `comm_s`: the
-    # runtime sums the partial gradients of every column-parallel leaf reading the very same tensor (q, k and v;
-    # gate and up) and reduces them once (`treadle.runtime.build.Builder.shared_grad_all_reduce`), so the ILP
-    # charges each key once whichever consumers need it (`ilp.add_grad_sums`).
+    grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in treadle.forms.data.plan)
+    # the input-gradient sums (Megatron's "f") it needs, by (input node, tensor-axis index) -> seconds per
+    # execution (NOTE [shared input-gradient sum] in `treadle.forms.tensor.plan`): each charged once per choice
     grad_sums: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
@@ -193,29 +190,6 @@ class NodeCosts:
         c.bwd_comm_s += cb
         for f in forms():  # each form's communication of this node (the vocab-parallel loss's all-reduces)
             f.node_cost(self, n, combo, pub, c, rec)
-        # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient; this
-        # op's parameters (a norm's weight and bias) are summed in one flat all-reduce (NOTE [one all-reduce per
-        # module] in runtime/build.py), keyed by the first of them
-        params: dict[int, tuple[int, float]] = {}  # tensor-axis index -> (first parameter node, bytes)
-        for pos, j in enumerate(n.inputs):
-            src = self.nodes[j]
-            m = src.out
-            if not isinstance(m, TensorMeta) or not self.rg[j]:
-                continue
-            pl = tuple(o.ins[pos] for o in combo)
-            nbytes = m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
-            for k, o in enumerate(combo):
-                if not o.grad_partial[pos]:  # NOTE [shared input-gradient sum]
-                    continue
-                if src.kind == "param":
-                    first, total = params.get(k, (j, 0.0))
-                    params[k] = (first, total + nbytes)
-                else:
-                    c.grad_sums[(self.canonical(j), k)] = all_reduce_time_s(nbytes, self.tp_sizes[k],
-                                                                           self.cluster.link(self.tp_axes[k]))
-        for k, (j, nbytes) in params.items():
-            c.grad_sums[(self.canonical(j), k)] = all_reduce_time_s(nbytes, self.tp_sizes[k],
-                                                                   self.cluster.link(self.tp_axes[k]))
         # parameters owned by this node (first consumer): static memory and gradient reduction
         for pos, j in enumerate(n.inputs):
             src = self.nodes[j]

@@ -786,7 +786,6 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     g = cg.graph
     rows: dict[str, PlanRow] = {}
     ck = {t: c for t, c in sol.ckpt.items()}
-    billed: dict[tuple[int, int, int], str] = {}  # NOTE [shared input-gradient sum]: each once, to its first user
     for u, unit in enumerate(cg.units):
         k = sol.choice[u]
         parts = unit.parts[k] if unit.parts is not None else {unit.module: unit.costs[k]}
@@ -811,15 +810,12 @@ def _rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
                 row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
             row.compute_s += unit.count * c.compute_s
             row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
-            for (j, a), t in c.grad_sums.items():
-                if (j, a, unit.count) not in billed:
-                    billed[(j, a, unit.count)] = path
-                    row.comm_s += unit.count * t
             row.recompute_s += rec
             row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
             desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
             if desc not in row.layout:
                 row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
-    for f in forms():  # each form's corrections (sequence parallelism: the gathers' credit, to the rows billed)
-        f.adjust_rows(cg, sol.choice, rows, billed)
+    shared: dict = {}
+    for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
+        f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
     return list(rows.values())

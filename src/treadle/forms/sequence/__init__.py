@@ -3,7 +3,7 @@ the activations between the tensor-parallel regions are split over the sequence 
 norms, dropout and residual adds work on the shard — with a reduce-scatter where a row-parallel output leaves its
 module and a gather (whose backward reduce-scatters) where a column-parallel module reads.
 
-- `steps.py`    the recipe steps that state it (`sequence_parallel_block`, `split_sequence_at`);
+- `steps.py`    the recipe steps that state it (`split_input`, `gather_input`, `sharded_norms`, ...);
 - `layouts.py`  the planner's extra layouts and their conversion (NOTE [sequence parallel]);
 - `gather.py`   gathers with a reduce-scatter backward: candidates, MILP rows, credit (NOTE [gather with a
                 reduce-scatter backward]);
@@ -47,8 +47,8 @@ class SequenceParallelForm(Form):
     def decide_node(self, ctx, i, n, combo, raw, pub):
         return _decide.decide_node(ctx, i, n, combo, raw, pub)
 
-    def adjust_rows(self, cg, choice, rows, billed):
-        _gather.adjust_rows(cg, choice, rows, billed)
+    def adjust_rows(self, cg, choice, rows, shared):
+        _gather.adjust_rows(cg, choice, rows, shared)
 
 
 FORM = SequenceParallelForm()

@@ -204,9 +204,10 @@ def evaluate(cg, choice: list[int], acc: dict) -> None:
     acc["comm_s"] -= sum(g.count * g.saving_s for g in active(cg, choice))
 
 
-def adjust_rows(cg, choice: list[int], rows: dict, billed: dict) -> None:
+def adjust_rows(cg, choice: list[int], rows: dict, shared: dict) -> None:
     """A realised gather reduce-scatters the input-gradient sum its readers would all-reduce: the credit goes to
-    the row that sum was billed to (`billed`: (node, axis, count) -> row path)."""
+    the row that sum was billed to (``shared["billed"]``: (node, axis, count) -> row path, by the tensor form)."""
+    billed = shared.get("billed", {})
     for g in active(cg, choice):
         path = billed.get((g.j, g.k, g.count))
         if path is not None:

@@ -23,6 +23,21 @@ from ...errors import BuildError
 from ...schedule.state import ParamShard
 from ...sharding_rules import LeafPlan, register_leaf_rule
 
+try:  # a layer type of transformers (GPT-2 and relatives), not a model class
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+except ImportError:  # pragma: no cover - transformers is a dependency, but the rule is optional
+    _HFConv1D = None
+
+
+def matmul_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
+    """(out_features, in_features, weight dim of the outputs, weight dim of the inputs) of a leaf these rules run
+    as a matrix product (Linear: W (out, in); transformers' Conv1D: W (in, out)); None for any other module."""
+    if isinstance(mod, nn.Linear):
+        return mod.out_features, mod.in_features, 0, 1
+    if _HFConv1D is not None and isinstance(mod, _HFConv1D):
+        return mod.weight.shape[1], mod.weight.shape[0], 1, 0
+    return None
+
 
 def _matmul_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]], *, out_dim: int,
                  in_dim: int, compute: Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]) -> LeafPlan:
@@ -79,9 +94,5 @@ def _conv1d_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]])
     return _matmul_plan(path, mod, shards, out_dim=1, in_dim=0, compute=compute)
 
 
-try:  # a layer type of transformers (GPT-2 and relatives), not a model class
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-
+if _HFConv1D is not None:
     register_leaf_rule(_HFConv1D)(_conv1d_rule)
-except ImportError:  # pragma: no cover - transformers is a dependency, but the rule is optional
-    pass
