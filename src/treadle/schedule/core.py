@@ -192,6 +192,12 @@ class Schedule(_GraphPrimitives):
         self._state.records.append(Record(name, self.path, {**(args or {}), **kw}))
         logger.info("%s", self._state.records[-1].to_python())
 
+    def _check_attr_name(self, name: Any, what: str) -> None:
+        """An attribute name a primitive may set: an identifier, not a dunder (``__class__``, ``__dict__``)."""
+        if not isinstance(name, str) or not name.isidentifier() or (name.startswith("__") and name.endswith("__")):
+            raise ScheduleError(f"{what} at {self._where()}: attribute name must be a plain identifier (not a "
+                                f"dunder), got {name!r:.80}")
+
     def _where(self) -> str:
         return f"sch[{self.path!r}]" if self.path else "sch"
 
@@ -492,6 +498,7 @@ class Schedule(_GraphPrimitives):
         """Set attribute `name` of this module at build (a `Ref` is resolved and, if it has ``bind(mesh)``,
         bound to the mesh) — e.g. a model's loss function."""
         self._check_not_built("set_attr")
+        self._check_attr_name(name, "set_attr")
         self._state.attrs.append((self.path, name, value))
         self._record("set_attr", **{"*": name, "value": value})
         return self
@@ -500,6 +507,7 @@ class Schedule(_GraphPrimitives):
         """Declare that integer attribute `name` counts a dim split over `axis` (e.g. a fused-qkv split
         size); build divides it by the axis size. Raises ScheduleError if it is not a divisible int."""
         self._check_not_built("shard_attr")
+        self._check_attr_name(name, "shard_attr")
         self._check_axis(axis, "shard_attr")
         v = getattr(self.mod, name, None)
         if not isinstance(v, int) or isinstance(v, bool):
@@ -592,25 +600,73 @@ def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
     return Schedule(_State(model=model, mesh=mesh), "", model)
 
 
-def replay(sch: Schedule, records: list[Record]) -> Schedule:
-    """Apply logged records to a schedule, in order."""
-    for r in records:
-        sub = sch[r.path] if r.path else sch
-        args = dict(r.args)
-        pos = args.pop("*", None)
-        fn = getattr(sub, r.op, None)
-        if fn is None or r.op.startswith("_"):
-            raise ScheduleError(f"schedule log names unknown primitive {r.op!r} at {r.path!r}")
-        if r.op == "replace":
-            new = args["new"]
-            fn(new.load() if isinstance(new, Ref) else new)
-        elif r.op == "replace_all":
-            fn(args.pop("module_type"), args.pop("factory").load(), **args)
-        elif pos is not None:
-            fn(pos, **args)
-        else:
-            fn(**args)
+# The primitives a log may hold (every method that records itself); `replay` calls nothing else.
+PRIMITIVES = frozenset({
+    "replace", "replace_all", "shard", "sync", "checkpoint", "fork_rng", "reduce_grads", "annotate", "set_attr",
+    "shard_attr", "data_parallel",  # module-level (this file)
+    "trace", "replace_match", "decompose", "fuse", "checkpoint_match", "checkpoint_selective",
+    "cut_pipeline_stage", "pipeline",  # graph-level (graph_primitives.py)
+})
+# what a malformed file's arguments raise inside a primitive; replay names the record instead
+_BAD_ARGUMENT_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
+
+
+def replay(sch: Schedule, records: list[Record], *, source: str = "schedule log") -> Schedule:
+    """Apply logged records to a schedule, in order. Only `PRIMITIVES` are applied; a factory a record calls
+    (``replace``, ``replace_all``) and a Ref ``set_attr`` resolves at build must bind to the arguments they
+    will get (NOTE [files are data]). Raises ScheduleError naming `source`, the record and what is wrong."""
+    for i, r in enumerate(records):
+        where = f"{source}: record {i} ({r.op} at {r.path!r})"
+        if r.op not in PRIMITIVES:
+            raise ScheduleError(f"{where}: unknown primitive {r.op!r}; a schedule log holds only "
+                                f"{sorted(PRIMITIVES)}")
+        try:
+            _apply(sch, r, where)
+        except ScheduleError as exc:
+            raise ScheduleError(str(exc) if str(exc).startswith(source) else f"{where}: {exc}") from None
+        except _BAD_ARGUMENT_ERRORS as exc:
+            raise ScheduleError(f"{where}: bad arguments {_short(r.args)} ({type(exc).__name__}: "
+                                f"{str(exc)[:200]})") from None
     return sch
+
+
+def _short(args: dict) -> str:
+    text = repr(args)
+    return text if len(text) <= 160 else text[:160] + "..."
+
+
+def _apply(sch: Schedule, r: Record, where: str) -> None:
+    from .gate import check_call
+
+    sub = sch[r.path] if r.path else sch
+    args = dict(r.args)
+    pos = args.pop("*", None)
+    fn = getattr(sub, r.op)
+    if r.op in ("replace", "replace_match"):
+        new = args.pop("new", None)
+        if isinstance(new, Ref):
+            new = new.load()
+            check_call(new, (sub.mod,), name=r.op + " factory", where=where)
+        elif not isinstance(new, nn.Module):
+            raise ScheduleError(f"{r.op} needs new= a factory Ref or a module, got {_short({'new': new})}")
+        fn(new, **args)
+    elif r.op == "replace_all":
+        factory = args.pop("factory", None)
+        if not isinstance(factory, Ref):
+            raise ScheduleError(f"replace_all needs factory= a Ref, got {_short({'factory': factory})}")
+        factory = factory.load()
+        check_call(factory, (sub.mod,), {k: v for k, v in args.items() if k != "module_type"},
+                   name="replace_all factory", where=where, partial=True)
+        fn(args.pop("module_type", None), factory, **args)
+    elif r.op == "set_attr":
+        value = args.get("value")
+        if isinstance(value, Ref):
+            check_call(value.load(), (), value.kwargs, name=value.target, where=where)
+        fn(pos, **args)
+    elif pos is not None:
+        fn(pos, **args)
+    else:
+        fn(**args)
 
 
 def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None, *, allow_refs: Iterable[str] = (),
@@ -618,20 +674,22 @@ def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None, *,
     """Replay a schedule saved with `Schedule.to_json` on a fresh `model`. `mesh` defaults to the saved one;
     a different mesh must have the same axis names.
 
-    The text is data (NOTE [files are data] in treadle.schedule.log): a Ref it names must be under
-    ``treadle`` or registered with `treadle.register_ref` (or listed in `allow_refs`); a pickled module
-    loads only with ``allow_pickle=True``. Raises ScheduleError naming `source` and the refused target."""
+    The text is data (NOTE [files are data] in treadle.schedule.gate): a name it holds must be one treadle
+    exports for files, one registered with `treadle.register_ref`, a class of an already imported module
+    where a class is expected, or listed in `allow_refs` (exact names the caller trusts, e.g. from
+    `trusted_load_args`); a pickled module loads only with ``allow_pickle=True``.
+    Raises ScheduleError naming `source`, the record and the refused name."""
     saved, records = records_from_json(json_text, allow_refs=allow_refs, allow_pickle=allow_pickle, source=source)
     try:
         saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
-    except (KeyError, TypeError, MeshError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, MeshError) as exc:
         raise ScheduleError(f"{source}: bad mesh {saved!r} ({exc})") from None
     if mesh is None:
         mesh = saved_mesh
     elif set(mesh.names) != set(saved_mesh.names):
         raise ScheduleError(f"load_schedule: the schedule was written for {saved_mesh}; {mesh} lacks axes "
                             f"{sorted(set(saved_mesh.names) - set(mesh.names))}")
-    return replay(create_schedule(model, mesh=mesh), records)
+    return replay(create_schedule(model, mesh=mesh), records, source=source)
 
 
 def trusted_load_args(sch: Schedule) -> dict[str, Any]:
