@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
 from .data_parallel import DataParallel, make_data_parallel
-from .log import Record, Ref, records_from_json, records_to_json, ref_targets
+from .log import Record, Ref, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -600,99 +600,5 @@ def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
     return Schedule(_State(model=model, mesh=mesh), "", model)
 
 
-# The primitives a log may hold (every method that records itself); `replay` calls nothing else.
-PRIMITIVES = frozenset({
-    "replace", "replace_all", "shard", "sync", "checkpoint", "fork_rng", "reduce_grads", "annotate", "set_attr",
-    "shard_attr", "data_parallel",  # module-level (this file)
-    "trace", "replace_match", "decompose", "fuse", "checkpoint_match", "checkpoint_selective",
-    "cut_pipeline_stage", "pipeline",  # graph-level (graph_primitives.py)
-})
-# what a malformed file's arguments raise inside a primitive; replay names the record instead
-_BAD_ARGUMENT_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
-
-
-def replay(sch: Schedule, records: list[Record], *, source: str = "schedule log") -> Schedule:
-    """Apply logged records to a schedule, in order. Only `PRIMITIVES` are applied; a factory a record calls
-    (``replace``, ``replace_all``) and a Ref ``set_attr`` resolves at build must bind to the arguments they
-    will get (NOTE [files are data]). Raises ScheduleError naming `source`, the record and what is wrong."""
-    for i, r in enumerate(records):
-        where = f"{source}: record {i} ({r.op} at {r.path!r})"
-        if r.op not in PRIMITIVES:
-            raise ScheduleError(f"{where}: unknown primitive {r.op!r}; a schedule log holds only "
-                                f"{sorted(PRIMITIVES)}")
-        try:
-            _apply(sch, r, where)
-        except ScheduleError as exc:
-            raise ScheduleError(str(exc) if str(exc).startswith(source) else f"{where}: {exc}") from None
-        except _BAD_ARGUMENT_ERRORS as exc:
-            raise ScheduleError(f"{where}: bad arguments {_short(r.args)} ({type(exc).__name__}: "
-                                f"{str(exc)[:200]})") from None
-    return sch
-
-
-def _short(args: dict) -> str:
-    text = repr(args)
-    return text if len(text) <= 160 else text[:160] + "..."
-
-
-def _apply(sch: Schedule, r: Record, where: str) -> None:
-    from .gate import check_call
-
-    sub = sch[r.path] if r.path else sch
-    args = dict(r.args)
-    pos = args.pop("*", None)
-    fn = getattr(sub, r.op)
-    if r.op in ("replace", "replace_match"):
-        new = args.pop("new", None)
-        if isinstance(new, Ref):
-            new = new.load()
-            check_call(new, (sub.mod,), name=r.op + " factory", where=where)
-        elif not isinstance(new, nn.Module):
-            raise ScheduleError(f"{r.op} needs new= a factory Ref or a module, got {_short({'new': new})}")
-        fn(new, **args)
-    elif r.op == "replace_all":
-        factory = args.pop("factory", None)
-        if not isinstance(factory, Ref):
-            raise ScheduleError(f"replace_all needs factory= a Ref, got {_short({'factory': factory})}")
-        factory = factory.load()
-        check_call(factory, (sub.mod,), {k: v for k, v in args.items() if k != "module_type"},
-                   name="replace_all factory", where=where, partial=True)
-        fn(args.pop("module_type", None), factory, **args)
-    elif r.op == "set_attr":
-        value = args.get("value")
-        if isinstance(value, Ref):
-            check_call(value.load(), (), value.kwargs, name=value.target, where=where)
-        fn(pos, **args)
-    elif pos is not None:
-        fn(pos, **args)
-    else:
-        fn(**args)
-
-
-def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None, *, allow_refs: Iterable[str] = (),
-                  allow_pickle: bool = False, source: str = "schedule JSON") -> Schedule:
-    """Replay a schedule saved with `Schedule.to_json` on a fresh `model`. `mesh` defaults to the saved one;
-    a different mesh must have the same axis names.
-
-    The text is data (NOTE [files are data] in treadle.schedule.gate): a name it holds must be one treadle
-    exports for files, one registered with `treadle.register_ref`, a class of an already imported module
-    where a class is expected, or listed in `allow_refs` (exact names the caller trusts, e.g. from
-    `trusted_load_args`); a pickled module loads only with ``allow_pickle=True``.
-    Raises ScheduleError naming `source`, the record and the refused name."""
-    saved, records = records_from_json(json_text, allow_refs=allow_refs, allow_pickle=allow_pickle, source=source)
-    try:
-        saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
-    except (KeyError, TypeError, ValueError, OverflowError, MeshError) as exc:
-        raise ScheduleError(f"{source}: bad mesh {saved!r} ({exc})") from None
-    if mesh is None:
-        mesh = saved_mesh
-    elif set(mesh.names) != set(saved_mesh.names):
-        raise ScheduleError(f"load_schedule: the schedule was written for {saved_mesh}; {mesh} lacks axes "
-                            f"{sorted(set(saved_mesh.names) - set(mesh.names))}")
-    return replay(create_schedule(model, mesh=mesh), records, source=source)
-
-
-def trusted_load_args(sch: Schedule) -> dict[str, Any]:
-    """Keyword arguments for `load_schedule` that let a program's own schedule round-trip to its ranks
-    (its Refs and pickled modules came from its code, not from a file)."""
-    return {"allow_refs": sorted(ref_targets(sch._state.records)), "allow_pickle": True}
+# replaying a log on a model lives in replay.py; these names stay importable from here
+from .replay import PRIMITIVES, load_schedule, replay, trusted_load_args  # noqa: E402,F401

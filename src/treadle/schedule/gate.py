@@ -178,9 +178,10 @@ def check_call(obj: Any, args: tuple = (), kwargs: dict | None = None, *, name: 
                             f"keywords {sorted(kwargs or {})}: {exc}; its signature is {name}{sig}") from None
 
 
-def parse_json(text: Any, *, source: str, error: type[TreadleError] = ScheduleError) -> Any:
+def parse_json(text: Any, *, source: str, error: type[TreadleError] = ScheduleError, unparsable: str = "") -> Any:
     """`json.loads` of a file's text, as data: an `error` (ScheduleError by default) naming `source` for text
-    that does not parse, an integer too long to convert, or nesting deeper than `MAX_JSON_DEPTH`."""
+    that does not parse (``<source> does not parse: ...``, or ``<source><unparsable> (...)``), an integer
+    too long to convert, or nesting deeper than `MAX_JSON_DEPTH`."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode("utf-8", errors="replace")
     if not isinstance(text, str):
@@ -190,7 +191,7 @@ def parse_json(text: Any, *, source: str, error: type[TreadleError] = ScheduleEr
     except RecursionError:
         raise error(f"{source}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)") from None
     except ValueError as exc:  # JSONDecodeError, and an integer of more digits than Python converts
-        raise error(f"{source} does not parse: {exc}") from None
+        raise error(f"{source}{unparsable} ({exc})" if unparsable else f"{source} does not parse: {exc}") from None
     depth = json_depth(doc)
     if depth > MAX_JSON_DEPTH:
         raise error(f"{source}: JSON nested {depth} levels deep; a treadle file has at most {MAX_JSON_DEPTH}")
