@@ -246,6 +246,15 @@ def check_file_model_spec(spec: Any, *, source: str) -> str:
                        f"directory holding a Hugging Face config.json")
 
 
+def zoo_name_from_file(name: Any, *, source: str) -> str:
+    """A model name a plan file gives for `named_model` (``treadle verify/price plan.json``): a zoo name only,
+    never imported (NOTE [files are data]). Raises ProfileError naming `source` otherwise; returns `name`."""
+    if isinstance(name, str) and name in MODEL_CONFIGS:
+        return name
+    raise ProfileError(f"{source}: the plan's model {name!r:.120} is not a zoo name (known: {model_names()}); "
+                       f"name the model with --model")
+
+
 def load_model(spec: str, *, batch: int, seq: int, fake: bool = False, **kwargs: Any) -> tuple[nn.Module, Any]:
     """A named config, or ``package.module:function`` returning ``(model, example_inputs)``. The function is called
     with whichever of `batch`, `seq`, `fake` (and `kwargs`) it accepts. Raises ProfileError if the module or

@@ -30,6 +30,10 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
 
 
+def _count(v: Any) -> bool:
+    return _int(v) and v >= 1
+
+
 def _placement(v: Any) -> bool:
     return isinstance(v, str) and _PLACEMENT.fullmatch(v) is not None
 
@@ -47,11 +51,11 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and not math.isfinite(x)
 
 
-_CHECKS = {"str": _str, "strs": _strs, "int": _int, "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES,
+_CHECKS = {"str": _str, "strs": _strs, "int": _int, "count": _count, "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES,
            "placement": _placement, "layout": _layout, "kwargs": _kwargs, "str|strs": lambda v: _str(v) or _strs(v)}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
-    "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "int?"},
+    "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},
     "sync": {"mode": "mode", "to": "placement", "from_": "placement", "axis": "str", "layout": "layout?"},
     "reduce_grads": {"axis": "str", "names": "strs"},
     "fork_rng": {"axis": "str"},
@@ -72,6 +76,8 @@ def check_decision(op: Any, path: Any, args: Any, why: Any, *, where: str) -> No
         raise PlanError(f"{where} ({op}): path and why must be strings, got {path!r:.80} and {why!r:.80}")
     if not isinstance(args, dict):
         raise PlanError(f"{where} ({op} at {path!r}): args must be an object, got {type(args).__name__}")
+    if op == "set_attr":  # the name first: a refusal of the name says so, whatever else is wrong
+        decision_ref({"ref": args.get("ref"), "kwargs": {}}, where=f"{where} ({op} at {path!r})")
     spec = DECISION_ARGS[op]
     extra = sorted(set(args) - set(spec))
     if extra:

@@ -30,7 +30,7 @@ def price_table(p, *, top: int | None = 20) -> Table:
 
 def _price_cmd(args: argparse.Namespace) -> int:
     from ..cost.cluster import parse_cluster
-    from ..models.zoo import named_model
+    from ..models.zoo import named_model, zoo_name_from_file
     from ..schedule.core import load_schedule
     from .price import price
 
@@ -52,7 +52,7 @@ def _price_cmd(args: argparse.Namespace) -> int:
         text = sch_doc if isinstance(sch_doc, str) else json.dumps(sch_doc)
         if not isinstance(model_info, dict):
             raise TreadleError(f"{args.file}: 'model' must be an object with name, batch, seq")
-        name = args.model or model_info.get("name")
+        name = args.model or (model_info.get("name") and zoo_name_from_file(model_info["name"], source=args.file))
         if not name:
             raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
         batch, seq = args.batch or model_info.get("batch", 8), args.seq or model_info.get("seq", 64)

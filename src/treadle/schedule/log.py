@@ -183,8 +183,9 @@ def decode(v: Any, *, allow_refs: Collection[str] = (), allow_pickle: bool = Fal
             kind = v["placement"]
             if kind == "Shard":
                 dim = v.get("dim")
-                if not isinstance(dim, int) or isinstance(dim, bool):
-                    raise ScheduleError(f"{where}: Shard needs an integer dim, got {dim!r}")
+                if not isinstance(dim, int) or isinstance(dim, bool) or not -64 <= dim < 64:
+                    raise ScheduleError(f"{where}: Shard needs an integer dim (a tensor has at most 64), got "
+                                        f"{dim!r:.40}")
                 return Shard(dim)
             if kind == "Replicate":
                 return Replicate()
@@ -208,7 +209,7 @@ def decode(v: Any, *, allow_refs: Collection[str] = (), allow_pickle: bool = Fal
                     f"load_schedule(..., allow_pickle=True), or replace with a registered factory instead")
             return torch.load(io.BytesIO(base64.b64decode(v["module_pickle"])), weights_only=False)
         if "type" in v:
-            if not types and v["type"] not in allow_refs:
+            if not types and not (isinstance(v["type"], str) and v["type"] in allow_refs):
                 raise ScheduleError(f"{where}: names the type {v['type']!r:.80} where no class is expected; a file "
                                     f"may name a class only as replace_all's module_type or trace's leaves")
             return gate.resolve_class(v["type"], where=where, trusted=allow_refs)

@@ -63,7 +63,8 @@ def _apply(sch: Schedule, r: Record, where: str) -> None:
         new = args.pop("new", None)
         if isinstance(new, Ref):
             new = new.load()
-            check_call(new, (sub.mod,), name=r.op + " factory", where=where)
+            if r.op == "replace":  # replace_match binds the match's inputs by name itself
+                check_call(new, (sub.mod,), name="replace factory", where=where)
         elif not isinstance(new, nn.Module):
             raise ScheduleError(f"{r.op} needs new= a factory Ref or a module, got {_short({'new': new})}")
         fn(new, **args)

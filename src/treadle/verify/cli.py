@@ -20,7 +20,7 @@ def _load(args: argparse.Namespace):
     say what to rebuild). --model/--batch/--seq override the plan's model. The file is data (NOTE [files are
     data]): a plan's decisions are checked as `Plan.from_dict` checks them, its schedule as any schedule file,
     and its model must be a zoo name (never imported)."""
-    from ..models.zoo import named_model
+    from ..models.zoo import named_model, zoo_name_from_file
     from ..schedule.core import load_schedule
     from ..schedule.gate import parse_json
 
@@ -38,7 +38,7 @@ def _load(args: argparse.Namespace):
     schedule_text = json.dumps(doc["schedule"]) if "schedule" in doc else text
     if isinstance(doc.get("schedule"), str):
         schedule_text = doc["schedule"]
-    name = args.model or model_info.get("name")
+    name = args.model or (model_info.get("name") and zoo_name_from_file(model_info["name"], source=args.file))
     if not name:
         raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
     batch = args.batch or model_info.get("batch", 4)
