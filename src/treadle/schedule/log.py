@@ -184,8 +184,8 @@ def decode(v: Any, *, allow_refs: Collection[str] = (), allow_pickle: bool = Fal
             if kind == "Shard":
                 dim = v.get("dim")
                 if not isinstance(dim, int) or isinstance(dim, bool) or not -64 <= dim < 64:
-                    raise ScheduleError(f"{where}: Shard needs an integer dim (a tensor has at most 64), got "
-                                        f"{dim!r:.40}")
+                    raise ScheduleError(f"{where}: Shard needs an integer dim, got {dim!r:.40} (a tensor dim, "
+                                        f"-64 <= dim < 64)")
                 return Shard(dim)
             if kind == "Replicate":
                 return Replicate()
