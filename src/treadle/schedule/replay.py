@@ -2,8 +2,9 @@
 
 A log read from a file is data (NOTE [files are data] in treadle.schedule.gate): its names passed the gate
 when it was decoded (`treadle.schedule.log.records_from_json`); here only the primitives in `PRIMITIVES` are
-applied, and a factory or Ref a record calls must bind to the arguments it will get. Anything wrong is a
-ScheduleError naming the file, the record and the argument.
+applied, and a factory or Ref a record calls must bind to the arguments it will get. What replay refuses is a
+ScheduleError naming the file, the record and the argument; a primitive's own error names its path and is
+followed by the file and the record.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import MeshError, ScheduleError
+from ..errors import MeshError, ScheduleError, TreadleError
 from ..mesh import Mesh
 from .core import Schedule, create_schedule
 from .gate import check_call
@@ -41,8 +42,10 @@ def replay(sch: Schedule, records: list[Record], *, source: str = "schedule log"
                                 f"{sorted(PRIMITIVES)}")
         try:
             _apply(sch, r, where)
-        except ScheduleError as exc:
-            raise ScheduleError(str(exc) if str(exc).startswith(source) else f"{where}: {exc}") from None
+        except TreadleError as exc:  # a primitive's own error names its path; the record follows it
+            if source in str(exc) or type(exc).__init__ is not Exception.__init__:  # named already, or own fields
+                raise
+            raise type(exc)(f"{exc} (in {where})") from None
         except _BAD_ARGUMENT_ERRORS as exc:
             raise ScheduleError(f"{where}: bad arguments {_short(r.args)} ({type(exc).__name__}: "
                                 f"{str(exc)[:200]})") from None
@@ -66,12 +69,12 @@ def _apply(sch: Schedule, r: Record, where: str) -> None:
             if r.op == "replace":  # replace_match binds the match's inputs by name itself
                 check_call(new, (sub.mod,), name="replace factory", where=where)
         elif not isinstance(new, nn.Module):
-            raise ScheduleError(f"{r.op} needs new= a factory Ref or a module, got {_short({'new': new})}")
+            raise ScheduleError(f"{where}: {r.op} needs new= a factory Ref or a module, got {_short({'new': new})}")
         fn(new, **args)
     elif r.op == "replace_all":
         factory = args.pop("factory", None)
         if not isinstance(factory, Ref):
-            raise ScheduleError(f"replace_all needs factory= a Ref, got {_short({'factory': factory})}")
+            raise ScheduleError(f"{where}: replace_all needs factory= a Ref, got {_short({'factory': factory})}")
         factory = factory.load()
         check_call(factory, (sub.mod,), {k: v for k, v in args.items() if k != "module_type"},
                    name="replace_all factory", where=where, partial=True)
