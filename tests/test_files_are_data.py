@@ -148,8 +148,8 @@ def _plan_doc(decisions, schedule=None, model=None) -> dict:
             "cluster": {"mesh": {"shape": [2], "names": ["tp"]},
                         "links": [{"latency_s": 1e-6, "bandwidth_bytes_per_s": 1e9}], "device": "cpu"},
             "roles": "tp", "mode": "train", "budget_bytes": None, "decisions": decisions,
-            "estimate": {"step_s": 1.0, "peak_bytes": 1.0, "mfu": 0.1, "compute_s": 1.0, "exposed_comm_s": 0.0,
-                         "recompute_s": 0.0, "memory_bytes": 1.0},
+            "estimate": {"step_s": 1.0, "peak_bytes": 1.0, "mfu": 0.1, "compute_s": 1.0, "comm_s": 0.0,
+                         "recompute_s": 0.0, "static_bytes": 1.0, "activation_bytes": 0.0, "transient_bytes": 0.0},
             "rows": [], "binding": "", "solver": {}, "unknown_ops": {}, "price": None,
             "schedule": json.loads(schedule or _schedule([]))}
 
@@ -466,44 +466,61 @@ def test_huge_and_deeply_nested_files_are_refused_or_load_as_data():
         load_schedule(Two(), _schedule([{"op": "nope", "path": "", "args": {}}] * 100_000))
 
 
+def _shard(**args):
+    return lambda d: d["decisions"].append({"op": "shard", "path": "a", "args": {"names": "weight", "axis": "tp",
+                                                                                **args}})
+
+
+# name -> (edit of a minimal plan, whether Plan.from_json accepts it as data)
 ABSURD_PLANS = {
-    "a mesh of 10^6 ranks": lambda d: d["cluster"]["mesh"].update(shape=[10**6]),
-    "a mesh of 10^6 x 10^6 ranks": lambda d: (d["cluster"]["mesh"].update(shape=[10**6, 10**6], names=["tp", "dp"]),
-                                              d["cluster"]["links"].append(d["cluster"]["links"][0])),
-    "a mesh of 0 ranks": lambda d: d["cluster"]["mesh"].update(shape=[0]),
-    "a negative mesh": lambda d: d["cluster"]["mesh"].update(shape=[-2]),
-    "a negative dim": lambda d: d["decisions"].append(
-        {"op": "shard", "path": "a", "args": {"names": "weight", "dim": -1, "axis": "tp"}}),
-    "a huge dim": lambda d: d["decisions"].append(
-        {"op": "shard", "path": "a", "args": {"names": "weight", "dim": 2**62, "axis": "tp"}}),
-    "zero blocks": lambda d: d["decisions"].append(
-        {"op": "shard", "path": "a", "args": {"names": "weight", "dim": 0, "axis": "tp", "blocks": 0}}),
-    "a NaN budget": lambda d: d.update(budget_bytes=math.nan),
-    "an infinite budget": lambda d: d.update(budget_bytes=math.inf),
-    "a negative budget": lambda d: d.update(budget_bytes=-1e30),
-    "a NaN estimate": lambda d: d["estimate"].update(step_s=math.nan, peak_bytes=math.inf),
-    "a negative latency": lambda d: d["cluster"]["links"][0].update(latency_s=-1.0),
-    "a NaN bandwidth": lambda d: d["cluster"]["links"][0].update(bandwidth_bytes_per_s=math.nan),
-    "an unknown estimate field": lambda d: d["estimate"].update(evil=1),
-    "a huge sync placement": lambda d: d["decisions"].append(
-        {"op": "sync", "path": "a", "args": {"mode": "fwd_post", "to": "S99999999", "from_": "R", "axis": "tp"}}),
-    "an unknown decision": lambda d: d["decisions"].append({"op": "exec", "path": "", "args": {}}),
-    "a decision with extra args": lambda d: d["decisions"].append(
-        {"op": "checkpoint", "path": "a", "args": {"policy": "os:system"}}),
-    "a NaN loss kwarg": lambda d: d["decisions"].append({"op": "set_attr", "path": "", "args": {
+    "nothing changed": (lambda d: None, True),
+    "a mesh of 10^6 ranks": (lambda d: d["cluster"]["mesh"].update(shape=[10**6]), True),
+    "a mesh of 10^6 x 10^6 ranks": (lambda d: (d["cluster"]["mesh"].update(shape=[10**6, 10**6], names=["tp", "dp"]),
+                                               d["cluster"]["links"].append(d["cluster"]["links"][0])), True),
+    "a mesh of 0 ranks": (lambda d: d["cluster"]["mesh"].update(shape=[0]), False),
+    "a negative mesh": (lambda d: d["cluster"]["mesh"].update(shape=[-2]), False),
+    "a mesh of 10^30 ranks": (lambda d: d["cluster"]["mesh"].update(shape=[10**30]), True),
+    "a shard over 10^6 ranks": (lambda d: (d["cluster"]["mesh"].update(shape=[10**6]), _shard(dim=0)(d)), True),
+    "a negative dim": (_shard(dim=-1), False),
+    "a huge dim": (_shard(dim=2**62), False),
+    "a dim past the weight's": (_shard(dim=7), True),
+    "zero blocks": (_shard(dim=0, blocks=0), False),
+    "a NaN budget": (lambda d: d.update(budget_bytes=math.nan), True),
+    "an infinite budget": (lambda d: d.update(budget_bytes=math.inf), True),
+    "a negative budget": (lambda d: d.update(budget_bytes=-1e30), True),
+    "a NaN estimate": (lambda d: d["estimate"].update(step_s=math.nan, peak_bytes=math.inf), True),
+    "a negative latency": (lambda d: d["cluster"]["links"][0].update(latency_s=-1.0), False),
+    "a NaN bandwidth": (lambda d: d["cluster"]["links"][0].update(bandwidth_bytes_per_s=math.nan), True),
+    "an unknown estimate field": (lambda d: d["estimate"].update(evil=1), False),
+    "a huge sync placement": (lambda d: d["decisions"].append({"op": "sync", "path": "a", "args": {
+        "mode": "fwd_post", "to": "S99999999", "from_": "R", "axis": "tp"}}), False),
+    "an unknown decision": (lambda d: d["decisions"].append({"op": "exec", "path": "", "args": {}}), False),
+    "a decision with extra args": (lambda d: d["decisions"].append(
+        {"op": "checkpoint", "path": "a", "args": {"policy": "os:system"}}), False),
+    "a NaN loss kwarg": (lambda d: d["decisions"].append({"op": "set_attr", "path": "", "args": {
         "name": "loss_function", "ref": "treadle.runtime.losses:VocabParallelLoss", "kwargs": {"causal": math.nan}}}),
-    "10^5 checkpoint decisions": lambda d: d["decisions"].extend([{"op": "checkpoint", "path": "a"}] * 100_000),
+        False),
+    "10^5 checkpoint decisions": (lambda d: d["decisions"].extend([{"op": "checkpoint", "path": "a"}] * 100_000),
+                                  True),
 }
 
 
 @pytest.mark.parametrize("name", list(ABSURD_PLANS))
 def test_absurd_sizes_in_a_plan_load_as_data_or_are_refused(name, marker):
+    edit, accepted = ABSURD_PLANS[name]
     doc = _plan_doc([])
-    ABSURD_PLANS[name](doc)
+    edit(doc)
+    text = json.dumps(doc)
+    if not accepted:
+        with pytest.raises(PlanError) as info:
+            Plan.from_json(text, source="plan.json")
+        assert str(info.value).startswith("plan.json") and "\n" not in str(info.value), str(info.value)
+        return
+    plan = Plan.from_json(text, source="plan.json")  # data, whatever its sizes
     try:
-        Plan.from_json(json.dumps(doc), source="plan.json").schedule_for(Two())
-    except TreadleError as exc:
-        assert "\n" not in str(exc) and str(exc), (name, str(exc))
+        plan.schedule_for(Two())
+    except TreadleError as exc:  # a size the model cannot take: refused when applied, naming where
+        assert "\n" not in str(exc) and str(exc), str(exc)
 
 
 # ------------------------------------------------------------------------------------------ fuzz
@@ -593,3 +610,87 @@ def test_random_mutations_of_real_schedule_and_plan_files_load_as_data_or_are_re
                         f"{text[:2000]}")
         assert not marker.exists(), i
     assert outcomes["loaded"] > 50 and outcomes["refused"] > 50, outcomes
+
+
+# ------------------------------------------------------------------------------------------ every raise
+def _bad_export(monkeypatch):
+    monkeypatch.setitem(gate.FILE_EXPORTS, "treadle.runtime.losses:MovedAway", "a stale entry")
+    gate.resolve_callable("treadle.runtime.losses:MovedAway", where="w")
+
+
+def _not_callable():
+    gate.register("tests_gate_fake:NOT_CALLABLE", 5)
+    try:
+        load_schedule(Two(), _schedule([{"op": "set_attr", "path": "", "args": {"*": "x", "value": {
+            "ref": "tests_gate_fake:NOT_CALLABLE"}}}]))
+    finally:
+        gate.unregister("tests_gate_fake:NOT_CALLABLE")
+
+
+def _plan_with(decision):
+    return Plan.from_json(json.dumps(_plan_doc([decision])), source="plan.json")
+
+
+REFUSALS = {
+    "a stale export": (_bad_export, ScheduleError, "update treadle.schedule.gate.FILE_EXPORTS"),
+    "a trusted name that does not import": (
+        lambda mp: gate.resolve_callable("no_such_module_zz:f", where="w", trusted={"no_such_module_zz:f"}),
+        ScheduleError, "w: cannot import 'no_such_module_zz:f'"),
+    "a registered object that is not callable": (lambda mp: _not_callable(), ScheduleError, "is not callable"),
+    "JSON that is no text": (lambda mp: gate.parse_json(None, source="f.json"), ScheduleError,
+                             "f.json: expected JSON text, got NoneType"),
+    "records that are no list": (lambda mp: load_schedule(Two(), json.dumps({
+        "format": "treadle.schedule/1", "mesh": {"shape": [2], "names": ["tp"]}, "records": {}}), source="s.json"),
+        ScheduleError, "s.json is malformed: missing or wrong field (it needs a 'mesh' object and a 'records' list)"),
+    "an encoded dict holding a list": (lambda mp: load_schedule(Two(), _schedule([{"op": "annotate", "path": "a",
+        "args": {"*": "weight", "key": "k", "value": {"dict": [1]}}}]), source="s.json"), ScheduleError,
+        "s.json: record 0 (annotate at 'a'): an encoded dict must hold an object, got list"),
+    "ref kwargs that are no object": (lambda mp: load_schedule(Two(), _schedule([{"op": "set_attr", "path": "",
+        "args": {"*": "x", "value": {"ref": "treadle.runtime.losses:VocabParallelLoss", "kwargs": [1]}}}])),
+        ScheduleError, "the kwargs of ref 'treadle.runtime.losses:VocabParallelLoss' must be an object"),
+    "a primitive given wrong arguments": (lambda mp: load_schedule(Two(), _schedule([{"op": "shard", "path": "a",
+        "args": {"dim": 0, "axis": "tp"}}]), source="s.json"), ScheduleError,
+        "s.json: record 0 (shard at 'a'): bad arguments {'dim': 0, 'axis': 'tp'} (TypeError"),
+    "a replace_all without a factory Ref": (lambda mp: load_schedule(Two(), _schedule([{"op": "replace_all",
+        "path": "", "args": {"module_type": {"type": "torch.nn.modules.linear:Linear"}, "factory": "x"}}])),
+        ScheduleError, "replace_all needs factory= a Ref"),
+    "a bad mesh": (lambda mp: load_schedule(Two(), _schedule([], mesh={"shape": ["x"], "names": ["tp"]}),
+                                            source="s.json"), ScheduleError, "s.json: bad mesh"),
+    "a decision that is no object": (lambda mp: Plan.from_json(json.dumps(_plan_doc([5])), source="plan.json"),
+                                     PlanError, "plan.json: decision 0: a decision must be an object, got int"),
+    "a decision path that is no string": (lambda mp: _plan_with({"op": "checkpoint", "path": 5}), PlanError,
+                                          "plan.json: decision 0 (checkpoint): path and why must be strings"),
+    "decision args that are no object": (lambda mp: _plan_with({"op": "checkpoint", "path": "a", "args": [1]}),
+                                         PlanError, "plan.json: decision 0 (checkpoint at 'a'): args must be an object"),
+    "a decision missing an argument": (lambda mp: _plan_with({"op": "fork_rng", "path": "a", "args": {}}),
+                                       PlanError, "missing argument 'axis'"),
+    "a decision argument of the wrong kind": (lambda mp: _plan_with({"op": "fork_rng", "path": "a",
+                                                                     "args": {"axis": 5}}),
+                                              PlanError, "argument 'axis' must be str, got 5"),
+    "an unknown decision made in code": (lambda mp: apply_decisions(create_schedule(Two(), mesh=TP2),
+                                                                    [Decision("exec", "a", {})],
+                                                                    leaf_module=lambda p: False),
+                                         PlanError, "apply_decisions: unknown decision op 'exec' at 'a'"),
+    "not a plan": (lambda mp: Plan.from_json("[1]", source="plan.json"), PlanError,
+                   "plan.json: not a treadle plan (format 'list'"),
+    "a plan's cluster the mesh refuses": (lambda mp: Plan.from_dict(
+        {**_plan_doc([]), "cluster": {**_plan_doc([])["cluster"], "mesh": {"shape": [2, 2], "names": ["tp", "tp"]}}},
+        source="plan.json"), PlanError, "plan.json: Mesh: axis names must be unique"),
+    "a run config's model that is no name": (
+        lambda mp: __import__("treadle.models.zoo", fromlist=["x"]).check_file_model_spec(5, source="run.toml"),
+        TreadleError, "run.toml: model must be a non-empty name, got 5"),
+    "a plan's model that is no zoo name": (
+        lambda mp: __import__("treadle.models.zoo", fromlist=["x"]).zoo_name_from_file("os:system", source="p.json"),
+        TreadleError, "p.json: the plan's model 'os:system' is not a zoo name"),
+    "a kernel factory on a LLaMA-less module": (
+        lambda mp: __import__("treadle.models.kernels", fromlist=["x"]).sdpa_llama_attention(nn.Linear(2, 2)),
+        ScheduleError, "sdpa_llama_attention replaces a LLAMA attention module; Linear lacks ['q_proj'"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_each_refusal_names_what_is_wrong(name, monkeypatch, marker):
+    fn, exc_type, fragment = REFUSALS[name]
+    with pytest.raises(exc_type) as info:
+        fn(monkeypatch)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
