@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
 from .data_parallel import DataParallel, make_data_parallel
-from .log import Record, Ref, records_to_json
+from .log import Record, Ref, records_from_json, records_to_json, ref_targets
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from ..errors import ScheduleError, TreadleError
 # of these must move the name here too (tests/test_files_are_data.py resolves every entry).
 FILE_EXPORTS: dict[str, str] = {
     "treadle.runtime.losses:VocabParallelLoss":
-        "vocab-parallel loss: set_attr('loss_function', ...) of the recipes (models.common) and the planner",
+        "vocab-parallel loss: set_attr('loss_function', ...) of the megatron recipes and the planner",
     "treadle.models.kernels:sdpa_gpt2_attention": "replace factory of models.kernel_schedule (GPT-2 attention)",
     "treadle.models.kernels:sdpa_llama_attention": "replace factory of models.kernel_schedule (LLaMA attention)",
 }
