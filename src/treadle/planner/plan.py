@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..cost.cluster import ClusterSpec
-from ..errors import PlanError, TreadleError
+from ..errors import PlanError
 from ..mesh import Mesh
 from ..profile.roofline import mfu as mfu_of
 from .capture import CapturedGraph, capture
@@ -266,6 +266,8 @@ class Plan:
         """A plan read from a file, as data: every decision is checked and a Ref it names passes the schedule
         gate (NOTE [files are data]). Raises PlanError naming `source` (and the decision) for another format,
         a missing or malformed field, or a name a file may not hold."""
+        from ..errors import TreadleError
+
         if not isinstance(d, dict) or d.get("format") != "treadle.plan/1":
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise PlanError(f"{source}: not a treadle plan (format {got!r:.80}, expected 'treadle.plan/1')")

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ..errors import PlanError
 from .cost_graph import CostGraph
 from .dims import R, P
 
@@ -42,6 +41,7 @@ class Decision:
     def from_dict(cls, d: dict, *, where: str = "plan decision") -> "Decision":
         """A decision read from a plan file, checked as data (`treadle.planner.decision_check`, NOTE [files
         are data]). Raises PlanError naming `where`, the op and the argument at fault."""
+        from ..errors import PlanError
         from .decision_check import check_decision
 
         if not isinstance(d, dict):
@@ -264,6 +264,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
         elif d.op != "shard":
+            from ..errors import PlanError
+
             raise PlanError(f"apply_decisions: unknown decision op {d.op!r} at {d.path!r}; known: "
                             f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel")
     return sch
