@@ -219,7 +219,7 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
 
 
 def check_file_model_spec(spec: Any, *, source: str) -> str:
-    """`spec` as a file may give it (a plan's or a run config's ``model``; NOTE [files are data] in
+    """`spec` as a file may give it (a run config's ``model``; NOTE [files are data] in
     treadle.schedule.gate): a zoo name, a local Hugging Face config directory or ``config.json``, or a
     ``package.module:function`` that the program registered with `treadle.register_ref` (exactly that
     name). A function typed on the command line needs none of this. Nothing is imported or called.

@@ -51,8 +51,9 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and not math.isfinite(x)
 
 
-_CHECKS = {"str": _str, "strs": _strs, "int": _int, "count": _count, "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES,
-           "placement": _placement, "layout": _layout, "kwargs": _kwargs, "str|strs": lambda v: _str(v) or _strs(v)}
+_CHECKS = {"str": _str, "strs": _strs, "str|strs": lambda v: _str(v) or _strs(v), "int": _int, "count": _count,
+           "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES, "placement": _placement,
+           "layout": _layout, "kwargs": _kwargs}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
     "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},
@@ -97,13 +98,12 @@ def check_decision(op: Any, path: Any, args: Any, why: Any, *, where: str) -> No
 def decision_ref(args: dict, *, where: str) -> Any:
     """The `treadle.Ref` of a ``set_attr`` decision, through the gate (pinned to the object it names).
     Raises PlanError naming `where` and the Ref's target when a file may not name it."""
+    from ..schedule.gate import check_call
     from ..schedule.log import Ref
 
     try:
         ref = Ref.from_file(args.get("ref"), args.get("kwargs", {}), where=where)
-        from ..schedule.gate import check_call
-
-        check_call(ref.load(), (), ref.kwargs, name=ref.target, where=where)
+        check_call(ref.load(), (), ref.kwargs, name=ref.target, where=where)  # build calls it with these
     except ScheduleError as exc:
         raise PlanError(str(exc)) from None
     return ref

@@ -73,7 +73,8 @@ def registered(target: str) -> Any | None:
 def _split(target: Any, what: str, where: str) -> tuple[str, str]:
     """(module, qualname) of a well-formed name; ScheduleError for anything else (the name is not shown in
     full when it is long)."""
-    shown = repr(target) if len(repr(target)) <= MAX_NAME_CHARS else f"{repr(target)[:60]}... ({len(repr(target))} chars)"
+    text = repr(target)
+    shown = text if len(text) <= MAX_NAME_CHARS else f"{text[:60]}... ({len(text)} chars)"
     if not isinstance(target, str) or len(target) > MAX_NAME_CHARS:
         raise ScheduleError(f"{where}: {what} must be a 'package.module:QualName' string of at most "
                             f"{MAX_NAME_CHARS} characters, got {shown}")
