@@ -198,9 +198,9 @@ def test_registered_refs_load_from_files_and_code_refs_need_no_registration():
         sch = _load(text)
         assert sch._state.attrs[0][2].target == "test_misuse:_shell_factory"
     finally:
-        from treadle.schedule import log
+        from treadle.schedule import gate
 
-        log._REGISTERED.discard("test_misuse:_shell_factory")
+        gate.unregister("test_misuse:_shell_factory")
     # a schedule made in code round-trips to its own ranks with what it names (verify, train)
     from treadle.schedule.core import trusted_load_args
 

@@ -133,13 +133,28 @@ class LlamaSdpaAttention(nn.Module):
         return self.o_proj(y)
 
 
+def _require(old: Any, children: tuple[str, ...], attrs: tuple[str, ...], what: str) -> None:
+    """A factory's check of the module it replaces (a schedule file may name the factory for any module)."""
+    missing = [c for c in children if not isinstance(getattr(old, "_modules", {}).get(c), nn.Module)]
+    missing += [a for a in attrs if not hasattr(old, a)]
+    if not isinstance(old, nn.Module) or missing:
+        raise ScheduleError(f"{what} replaces a {what.split('_')[1].upper()} attention module; "
+                            f"{type(old).__name__} lacks {missing or 'nn.Module'}")
+
+
 def sdpa_gpt2_attention(old: nn.Module) -> nn.Module:
-    """Factory for `replace`: a GPT2SdpaAttention sharing `old`'s projections."""
+    """Factory for `replace`: a GPT2SdpaAttention sharing `old`'s projections. Raises ScheduleError for a
+    module without GPT-2 attention's children (c_attn, c_proj, dropouts) and sizes."""
+    _require(old, ("c_attn", "c_proj", "attn_dropout", "resid_dropout"),
+             ("split_size", "head_dim", "num_heads", "scaling", "layer_idx"), "sdpa_gpt2_attention")
     return GPT2SdpaAttention(old)
 
 
 def sdpa_llama_attention(old: nn.Module) -> nn.Module:
-    """Factory for `replace`: a LlamaSdpaAttention sharing `old`'s projections."""
+    """Factory for `replace`: a LlamaSdpaAttention sharing `old`'s projections. Raises ScheduleError for a
+    module without LLaMA attention's projections (q/k/v/o_proj) and sizes."""
+    _require(old, ("q_proj", "k_proj", "v_proj", "o_proj"),
+             ("head_dim", "scaling", "layer_idx", "attention_dropout", "config"), "sdpa_llama_attention")
     return LlamaSdpaAttention(old)
 
 

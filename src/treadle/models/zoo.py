@@ -218,6 +218,43 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
     return model, inputs
 
 
+def check_file_model_spec(spec: Any, *, source: str) -> str:
+    """`spec` as a file may give it (a run config's ``model``; NOTE [files are data] in
+    treadle.schedule.gate): a zoo name, a local Hugging Face config directory or ``config.json``, or a
+    ``package.module:function`` that the program registered with `treadle.register_ref` (exactly that
+    name). A function typed on the command line needs none of this. Nothing is imported or called.
+    Raises ProfileError naming `source` and the spec otherwise; returns `spec`."""
+    from pathlib import Path
+
+    from ..schedule.gate import registered
+
+    if not isinstance(spec, str) or not spec or len(spec) > 4096:
+        raise ProfileError(f"{source}: model must be a non-empty name, got {spec!r:.80}")
+    if spec in MODEL_CONFIGS:
+        return spec
+    if ":" in spec and not Path(spec).exists():
+        if callable(registered(spec)):
+            return spec
+        raise ProfileError(f"{source}: names model function {spec!r:.120}, which a file may not name: a file may "
+                           f"give a zoo name ({', '.join(model_names()[:4])}, ...), a Hugging Face config directory, "
+                           f"or a function your code registered with treadle.register_ref; pass the function as "
+                           f"--model on the command line instead")
+    p = Path(spec)
+    if (p.is_dir() and (p / "config.json").is_file()) or (p.name == "config.json" and p.is_file()):
+        return spec
+    raise ProfileError(f"{source}: model {spec!r:.120} is neither a zoo name (known: {model_names()}) nor a "
+                       f"directory holding a Hugging Face config.json")
+
+
+def zoo_name_from_file(name: Any, *, source: str) -> str:
+    """A model name a plan file gives for `named_model` (``treadle verify/price plan.json``): a zoo name only,
+    never imported (NOTE [files are data]). Raises ProfileError naming `source` otherwise; returns `name`."""
+    if isinstance(name, str) and name in MODEL_CONFIGS:
+        return name
+    raise ProfileError(f"{source}: the plan's model {name!r:.120} is not a zoo name (known: {model_names()}); "
+                       f"name the model with --model")
+
+
 def load_model(spec: str, *, batch: int, seq: int, fake: bool = False, **kwargs: Any) -> tuple[nn.Module, Any]:
     """A named config, or ``package.module:function`` returning ``(model, example_inputs)``. The function is called
     with whichever of `batch`, `seq`, `fake` (and `kwargs`) it accepts. Raises ProfileError if the module or

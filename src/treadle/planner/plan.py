@@ -244,17 +244,33 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        if d.get("format") != "treadle.plan/1":
-            raise PlanError(f"not a treadle plan (format {d.get('format')!r}, expected 'treadle.plan/1')")
-        return cls(d["model"], ClusterSpec.from_dict(d["cluster"]), d["roles"], d["mode"], d["budget_bytes"],
-                   [Decision.from_dict(x) for x in d["decisions"]], Estimate(**d["estimate"]),
-                   [PlanRow(**r) for r in d["rows"]], d["binding"], d["solver"], d.get("unknown_ops", {}),
-                   d.get("price"))
+    def from_dict(cls, d: dict, *, source: str = "plan") -> "Plan":
+        """A plan read from a file, as data: every decision is checked and a Ref it names passes the schedule
+        gate (NOTE [files are data]). Raises PlanError naming `source` (and the decision) for another format,
+        a missing or malformed field, or a name a file may not hold."""
+        from ..errors import TreadleError
+
+        if not isinstance(d, dict) or d.get("format") != "treadle.plan/1":
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise PlanError(f"{source}: not a treadle plan (format {got!r:.80}, expected 'treadle.plan/1')")
+        try:
+            decisions = [Decision.from_dict(x, where=f"{source}: decision {i}") for i, x in enumerate(d["decisions"])]
+            return cls(d["model"], ClusterSpec.from_dict(d["cluster"]), d["roles"], d["mode"], d["budget_bytes"],
+                       decisions, Estimate(**d["estimate"]), [PlanRow(**r) for r in d["rows"]], d["binding"],
+                       d["solver"], d.get("unknown_ops", {}), d.get("price"))
+        except PlanError:
+            raise
+        except TreadleError as exc:
+            raise PlanError(f"{source}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+            raise PlanError(f"{source} is malformed: missing or wrong field ({type(exc).__name__}: "
+                            f"{str(exc)[:200]})") from None
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, *, source: str = "plan JSON") -> "Plan":
+        from ..schedule.gate import parse_json
+
+        return cls.from_dict(parse_json(text, source=source, error=PlanError), source=source)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -263,7 +279,7 @@ class Plan:
     @classmethod
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
-            return cls.from_json(f.read())
+            return cls.from_json(f.read(), source=str(path))
 
     # ------------------------------------------------------------------ diff
     def diff(self, other: "Plan") -> list[str]:

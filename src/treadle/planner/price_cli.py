@@ -30,24 +30,37 @@ def price_table(p, *, top: int | None = 20) -> Table:
 
 def _price_cmd(args: argparse.Namespace) -> int:
     from ..cost.cluster import parse_cluster
-    from ..models.zoo import named_model
+    from ..models.zoo import named_model, zoo_name_from_file
     from ..schedule.core import load_schedule
     from ..pricing import price
 
     console = Console()
     try:
-        doc = json.loads(Path(args.file).read_text())
+        from ..schedule.gate import parse_json
+
+        doc = parse_json(Path(args.file).read_text(), source=args.file, error=TreadleError)
+        if not isinstance(doc, dict):
+            raise TreadleError(f"{args.file}: expected a JSON object (a schedule or a plan)")
+        if "decisions" in doc:  # a plan: its decisions are data, checked as Plan.load checks them
+            from .plan import Plan
+
+            Plan.from_dict(doc, source=args.file)
         model_info = doc.get("model") or {} if "decisions" in doc else {}
         sch_doc = doc["schedule"] if "decisions" in doc else doc
         if sch_doc is None:
             raise TreadleError(f"{args.file}: this plan holds no schedule")
         text = sch_doc if isinstance(sch_doc, str) else json.dumps(sch_doc)
-        name = args.model or model_info.get("name")
+        if not isinstance(model_info, dict):
+            raise TreadleError(f"{args.file}: 'model' must be an object with name, batch, seq")
+        name = args.model or (model_info.get("name") and zoo_name_from_file(model_info["name"], source=args.file))
         if not name:
             raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
-        model, inputs = named_model(name, batch=args.batch or model_info.get("batch", 8),
-                                    seq=args.seq or model_info.get("seq", 64), dropout=False)
-        sch = load_schedule(model, text)
+        batch, seq = args.batch or model_info.get("batch", 8), args.seq or model_info.get("seq", 64)
+        if not (isinstance(name, str) and isinstance(batch, int) and isinstance(seq, int)) or min(batch, seq) < 1:
+            raise TreadleError(f"{args.file}: the plan's model needs a zoo name and positive integer batch and "
+                               f"seq; got {name!r:.80}, {batch!r:.40}, {seq!r:.40}")
+        model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)  # zoo names only: nothing imported
+        sch = load_schedule(model, text, source=args.file)
         cluster = parse_cluster(args.cluster).with_ranks(threads_per_rank=args.threads_per_rank,
                                                           cores_per_host=args.cores_per_host)
         p = price(sch, inputs, cluster)

@@ -41,8 +41,17 @@ class Decision:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Decision":
-        return cls(d["op"], d["path"], dict(d.get("args", {})), d.get("why", ""))
+    def from_dict(cls, d: dict, *, where: str = "plan decision") -> "Decision":
+        """A decision read from a plan file, checked as data (`treadle.planner.decision_check`, NOTE [files
+        are data]). Raises PlanError naming `where`, the op and the argument at fault."""
+        from ..errors import PlanError
+        from .decision_check import check_decision
+
+        if not isinstance(d, dict):
+            raise PlanError(f"{where}: a decision must be an object, got {type(d).__name__}")
+        op, path, args, why = d.get("op"), d.get("path"), d.get("args", {}), d.get("why", "")
+        check_decision(op, path, args, why, where=where)
+        return cls(op, path, dict(args), why)
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
@@ -257,12 +266,17 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].shard_attr(d.args["name"], axis=d.args["axis"])
         elif d.op == "checkpoint":
             sch[d.path].checkpoint()
-        elif d.op == "set_attr":
-            from ..schedule.log import Ref
+        elif d.op == "set_attr":  # the Ref passes the gate a schedule file's Refs pass (NOTE [files are data])
+            from .decision_check import decision_ref
 
-            sch[d.path].set_attr(d.args["name"], Ref(d.args["ref"], **d.args["kwargs"]))
+            sch[d.path].set_attr(d.args["name"], decision_ref(d.args, where=f"decision set_attr at {d.path!r}"))
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
+        elif d.op != "shard":
+            from ..errors import PlanError
+
+            raise PlanError(f"apply_decisions: unknown decision op {d.op!r} at {d.path!r}; known: "
+                            f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel")
     return sch
 
 

@@ -159,7 +159,8 @@ def _bytes(text: str) -> float:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Keys of a TOML file (dashes or underscores). Raises RunError for a missing file or an unknown key."""
+    """Keys of a TOML file (dashes or underscores). Raises RunError for a missing file, an unknown key, or a
+    ``model`` that a file may not name (`treadle.models.zoo.check_file_model_spec`)."""
     p = Path(path)
     if not p.is_file():
         raise RunError(f"treadle.run: config file {path!r} does not exist")
@@ -177,6 +178,13 @@ def load_toml(path: str) -> dict[str, Any]:
         out[key] = v
     if isinstance(out.get("data"), str):
         out["data"] = [out["data"]]
+    if "model" in out:  # a file's model is data: a zoo name, a HF config, a registered function (NOTE [files are data])
+        from ..models.zoo import check_file_model_spec
+
+        try:
+            check_file_model_spec(out["model"], source=path)
+        except TreadleError as exc:
+            raise RunError(f"treadle.run: {exc}") from None
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -162,6 +162,12 @@ class Schedule(_GraphPrimitives):
     def _record(self, name: str, args: dict[str, Any] | None = None, /, **kw: Any) -> None:
         self._state.records.append(Record(name, self.path, {**(args or {}), **kw}))
         logger.info("%s", self._state.records[-1].to_python())
+
+    def _check_attr_name(self, name: Any, what: str) -> None:
+        """An attribute name a primitive may set: an identifier, not a dunder (``__class__``, ``__dict__``)."""
+        if not isinstance(name, str) or not name.isidentifier() or (name.startswith("__") and name.endswith("__")):
+            raise ScheduleError(f"{what} at {self._where()}: attribute name must be a plain identifier (not a "
+                                f"dunder), got {name!r:.80}")
 
     def _where(self) -> str:
         return f"sch[{self.path!r}]" if self.path else "sch"
@@ -463,6 +469,7 @@ class Schedule(_GraphPrimitives):
         """Set attribute `name` of this module at build (a `Ref` is resolved and, if it has ``bind(mesh)``,
         bound to the mesh) — e.g. a model's loss function."""
         self._check_not_built("set_attr")
+        self._check_attr_name(name, "set_attr")
         self._state.attrs.append((self.path, name, value))
         self._record("set_attr", **{"*": name, "value": value})
         return self
@@ -471,6 +478,7 @@ class Schedule(_GraphPrimitives):
         """Declare that integer attribute `name` counts a dim split over `axis` (e.g. a fused-qkv split
         size); build divides it by the axis size. Raises ScheduleError if it is not a divisible int."""
         self._check_not_built("shard_attr")
+        self._check_attr_name(name, "shard_attr")
         self._check_axis(axis, "shard_attr")
         v = getattr(self.mod, name, None)
         if not isinstance(v, int) or isinstance(v, bool):
@@ -563,49 +571,5 @@ def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
     return Schedule(_State(model=model, mesh=mesh), "", model)
 
 
-def replay(sch: Schedule, records: list[Record]) -> Schedule:
-    """Apply logged records to a schedule, in order."""
-    for r in records:
-        sub = sch[r.path] if r.path else sch
-        args = dict(r.args)
-        pos = args.pop("*", None)
-        fn = getattr(sub, r.op, None)
-        if fn is None or r.op.startswith("_"):
-            raise ScheduleError(f"schedule log names unknown primitive {r.op!r} at {r.path!r}")
-        if r.op == "replace":
-            new = args["new"]
-            fn(new.load() if isinstance(new, Ref) else new)
-        elif r.op == "replace_all":
-            fn(args.pop("module_type"), args.pop("factory").load(), **args)
-        elif pos is not None:
-            fn(pos, **args)
-        else:
-            fn(**args)
-    return sch
-
-
-def load_schedule(model: nn.Module, json_text: str, mesh: Mesh | None = None, *, allow_refs: Iterable[str] = (),
-                  allow_pickle: bool = False, source: str = "schedule JSON") -> Schedule:
-    """Replay a schedule saved with `Schedule.to_json` on a fresh `model`. `mesh` defaults to the saved one;
-    a different mesh must have the same axis names.
-
-    The text is data (NOTE [files are data] in treadle.schedule.log): a Ref it names must be under
-    ``treadle`` or registered with `treadle.register_ref` (or listed in `allow_refs`); a pickled module
-    loads only with ``allow_pickle=True``. Raises ScheduleError naming `source` and the refused target."""
-    saved, records = records_from_json(json_text, allow_refs=allow_refs, allow_pickle=allow_pickle, source=source)
-    try:
-        saved_mesh = Mesh(tuple(saved["shape"]), tuple(saved["names"]))
-    except (KeyError, TypeError, MeshError) as exc:
-        raise ScheduleError(f"{source}: bad mesh {saved!r} ({exc})") from None
-    if mesh is None:
-        mesh = saved_mesh
-    elif set(mesh.names) != set(saved_mesh.names):
-        raise ScheduleError(f"load_schedule: the schedule was written for {saved_mesh}; {mesh} lacks axes "
-                            f"{sorted(set(saved_mesh.names) - set(mesh.names))}")
-    return replay(create_schedule(model, mesh=mesh), records)
-
-
-def trusted_load_args(sch: Schedule) -> dict[str, Any]:
-    """Keyword arguments for `load_schedule` that let a program's own schedule round-trip to its ranks
-    (its Refs and pickled modules came from its code, not from a file)."""
-    return {"allow_refs": sorted(ref_targets(sch._state.records)), "allow_pickle": True}
+# replaying a log on a model lives in replay.py; these names stay importable from here
+from .replay import PRIMITIVES, load_schedule, replay, trusted_load_args  # noqa: E402,F401

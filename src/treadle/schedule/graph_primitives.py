@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -66,14 +67,28 @@ def spec_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_EXAMPLE_ELEMENTS = 2**31  # per example tensor a schedule file may ask for (16 GiB of int64)
+
+
 def make_inputs(spec: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:
-    """Example tensors from `spec_inputs`: integer tensors zeros (valid ids), bool ones, floats seeded normal."""
+    """Example tensors from `spec_inputs`: integer tensors zeros (valid ids), bool ones, floats seeded normal.
+    Raises ScheduleError for a dtype that is not a torch dtype's name, or a shape that is not a list of
+    non-negative ints of at most `MAX_EXAMPLE_ELEMENTS` elements (a spec may come from a file)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k, v in spec.items():
         if isinstance(v, dict) and "shape" in v:
-            dtype = getattr(torch, v["dtype"])
-            shape = tuple(v["shape"])
+            dtype = getattr(torch, v["dtype"], None) if isinstance(v.get("dtype"), str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise ScheduleError(f"example input {k!r}: dtype {v.get('dtype')!r:.40} is not a torch dtype "
+                                    f"(e.g. 'int64', 'float32')")
+            shape = v["shape"]
+            if not (isinstance(shape, list) and len(shape) <= 16
+                    and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in shape)
+                    and math.prod(shape) <= MAX_EXAMPLE_ELEMENTS):
+                raise ScheduleError(f"example input {k!r}: shape {shape!r:.80} must be a list of at most 16 "
+                                    f"non-negative ints with at most {MAX_EXAMPLE_ELEMENTS} elements")
+            shape = tuple(shape)
             if dtype.is_floating_point:
                 out[k] = torch.randn(shape, generator=g, dtype=dtype)
             elif dtype == torch.bool:
@@ -453,9 +468,14 @@ def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
     """aten op packets from names like ``"aten.mm"``. Raises ScheduleError naming unknown ones."""
     out, bad = [], []
     for name in names:
-        ns, _, op = name.partition(".")
-        packet = getattr(getattr(torch.ops, ns, None), op, None) if op else None
-        if packet is None:
+        ns, _, op = name.partition(".") if isinstance(name, str) else ("", "", "")
+        packet = None
+        if ns.isidentifier() and op.isidentifier() and not ns.startswith("_") and not op.startswith("_"):
+            try:
+                packet = getattr(getattr(torch.ops, ns), op)
+            except (AttributeError, RuntimeError):  # torch.ops says "no such op" either way
+                packet = None
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
             bad.append(name)
         else:
             out.append(packet)

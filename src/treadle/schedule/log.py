@@ -4,10 +4,13 @@ A record is plain data: the primitive's name, the sub-schedule path it applies t
 Placements serialise as ``{"placement": "Shard", "dim": 0}``; callables and modules as import paths
 (`Ref`) or, for a module instance, its pickled bytes, so a replay rebuilds the same thing.
 
-NOTE [files are data]: reading a schedule or plan file runs no code the program did not allow. A `Ref` read
-from JSON resolves only to ``treadle.*`` or to a target registered with `register_ref` (or passed in
-`allow_refs`); a pickled module (a ``replace`` with a module instance) loads only with ``allow_pickle=True``.
-A Ref made in code (`Ref.of`, a factory passed to ``replace``) is the program's own and needs no allowing.
+NOTE [files are data] (stated in treadle.schedule.gate): reading a schedule or plan file runs no code the
+program did not allow. Every name a file holds passes the gate (`treadle.schedule.gate.resolve_callable`,
+`resolve_class`): treadle's exported names, names registered with `register_ref`, classes of imported
+modules where a class is expected, or the `allow_refs` a program passes for its own schedule; a Ref read
+from a file is pinned to the object the gate found, so nothing is imported later either. A pickled module
+(a ``replace`` with a module instance) loads only with ``allow_pickle=True``. A Ref made in code (`Ref.of`, a
+factory passed to ``replace``) is the program's own and needs no allowing.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import base64
 import importlib
 import io
 import json
-import sys
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,31 +27,17 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..errors import ScheduleError
+from . import gate
 
 _T = TypeVar("_T")
-_REGISTERED: set[str] = set()  # "package.module:attribute" targets the program allowed in files
 
 
 def register_ref(obj: _T) -> _T:
-    """Allow schedule and plan files to name `obj` (a module-level function or class) in a `Ref`.
-    Usable as a decorator; returns `obj`. ``treadle.*`` targets are always allowed.
-    Raises ScheduleError for a lambda or a local function (not importable by name)."""
-    _REGISTERED.add(Ref.of(obj).target)
+    """Allow schedule and plan files to name `obj` (a module-level function or class) in a `Ref`, by its
+    exact ``module:QualName``; a file naming it gets this very object (nothing is imported). Usable as a
+    decorator; returns `obj`. Raises ScheduleError for a lambda or a local function (not nameable)."""
+    gate.register(Ref.of(obj).target, obj)
     return obj
-
-
-def ref_allowed(target: str, extra: Iterable[str] = ()) -> bool:
-    """True when a file may name `target`: under ``treadle``, registered, or in `extra`."""
-    module = target.partition(":")[0]
-    return module == "treadle" or module.startswith("treadle.") or target in _REGISTERED or target in set(extra)
-
-
-def _check_allowed(target: str, what: str, extra: Iterable[str]) -> None:
-    if not ref_allowed(target, extra):
-        raise ScheduleError(
-            f"schedule file names {what} {target!r}, which is not allowed: a file may only name treadle.* "
-            f"and targets your code registered; if you trust it, call treadle.register_ref(<that object>) "
-            f"before loading (NOTE [files are data])")
 
 
 @dataclass(frozen=True)
@@ -62,17 +50,37 @@ class Ref:
 
     target: str
     kwargs: dict = field(default_factory=dict)
+    _obj: Any = field(default=None, compare=False, repr=False)  # what the gate resolved a file's Ref to
 
     def __init__(self, target: str, **kwargs: Any):
-        if ":" not in target:
+        if not isinstance(target, str) or ":" not in target:
             raise ScheduleError(f"Ref target must look like 'package.module:attribute', got {target!r}")
         object.__setattr__(self, "target", target)
         object.__setattr__(self, "kwargs", dict(kwargs))
+        object.__setattr__(self, "_obj", None)
+
+    @staticmethod
+    def from_file(target: Any, kwargs: Any = None, *, where: str, trusted: Collection[str] = ()) -> "Ref":
+        """A Ref that a file names, through the gate (NOTE [files are data]): `target` must be exported,
+        registered or `trusted`; the Ref keeps the object found (`load` imports nothing) and its `kwargs` must
+        bind to its signature. Raises ScheduleError naming `where` and the target."""
+        obj = gate.resolve_callable(target, where=where, trusted=trusted)
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ScheduleError(f"{where}: the keyword arguments of {target!r} must be an object, got {kwargs!r}")
+        gate.check_call(obj, (), kwargs, name=target, where=where, partial=True)
+        ref = Ref(target, **kwargs)
+        object.__setattr__(ref, "_obj", obj)
+        return ref
 
     def __hash__(self) -> int:
         return hash((self.target, json.dumps(self.kwargs, sort_keys=True, default=str)))
 
     def load(self) -> Any:
+        """The target object: for a Ref read from a file, the one the gate found; for a Ref made in code,
+        imported by its name (the program's own)."""
+        if self._obj is not None:
+            return self._obj
         mod_name, _, attr = self.target.partition(":")
         try:
             obj: Any = importlib.import_module(mod_name)
@@ -158,10 +166,16 @@ def encode(v: Any) -> Any:
                         f"use JSON values, placements, treadle.Ref or modules")
 
 
-def decode(v: Any, *, allow_refs: Iterable[str] = (), allow_pickle: bool = False) -> Any:
-    """Inverse of `encode`. Refs and types must pass the allow-list; pickled modules need `allow_pickle`
-    (NOTE [files are data]). Raises ScheduleError naming the refused target or field."""
-    kw = dict(allow_refs=allow_refs, allow_pickle=allow_pickle)
+# Record arguments that hold a class, and those that hold code (a Ref or a module) a replay calls.
+TYPE_ARGS = {("replace_all", "module_type"), ("trace", "leaves")}
+
+
+def decode(v: Any, *, allow_refs: Collection[str] = (), allow_pickle: bool = False, where: str = "schedule JSON",
+           types: bool = True) -> Any:
+    """Inverse of `encode`. Every Ref and type passes the gate (NOTE [files are data]); a type only where
+    `types` (a class argument, `TYPE_ARGS`) or when the caller trusts it (`allow_refs`); pickled modules need
+    `allow_pickle`. Raises ScheduleError naming `where` and the refused target or field."""
+    kw = dict(allow_refs=allow_refs, allow_pickle=allow_pickle, where=where, types=types)
     if isinstance(v, list):
         return [decode(x, **kw) for x in v]
     if isinstance(v, dict):
@@ -169,45 +183,41 @@ def decode(v: Any, *, allow_refs: Iterable[str] = (), allow_pickle: bool = False
             kind = v["placement"]
             if kind == "Shard":
                 dim = v.get("dim")
-                if not isinstance(dim, int) or isinstance(dim, bool):
-                    raise ScheduleError(f"schedule JSON: Shard needs an integer dim, got {dim!r}")
+                if not isinstance(dim, int) or isinstance(dim, bool) or not -64 <= dim < 64:
+                    raise ScheduleError(f"{where}: Shard needs an integer dim, got {dim!r:.40} (a tensor dim, "
+                                        f"-64 <= dim < 64)")
                 return Shard(dim)
             if kind == "Replicate":
                 return Replicate()
             if kind == "Partial":
-                return Partial(v.get("reduce_op", "sum"))
-            raise ScheduleError(f"unknown placement {kind!r} in schedule JSON")
+                op = v.get("reduce_op", "sum")
+                if op not in ("sum", "avg", "max", "min", "product"):
+                    raise ScheduleError(f"{where}: Partial reduce_op {op!r} is not one of sum, avg, max, min, product")
+                return Partial(op)
+            raise ScheduleError(f"{where}: unknown placement {kind!r}; use Shard, Replicate or Partial")
         if "ref" in v:
-            if not isinstance(v["ref"], str):
-                raise ScheduleError(f"schedule JSON: a ref must be a string, got {v['ref']!r}")
-            _check_allowed(v["ref"], "the callable", allow_refs)
-            return Ref(v["ref"], **{k: decode(x, **kw) for k, x in v.get("kwargs", {}).items()})
+            kwargs = v.get("kwargs", {})
+            if not isinstance(kwargs, dict):
+                raise ScheduleError(f"{where}: the kwargs of ref {v['ref']!r} must be an object, got {kwargs!r}")
+            return Ref.from_file(v["ref"], {k: decode(x, **kw) for k, x in kwargs.items()}, where=where,
+                                 trusted=allow_refs)
         if "module_pickle" in v:
             if not allow_pickle:
                 raise ScheduleError(
-                    f"schedule file holds a pickled module ({v.get('class', '?')}), and unpickling runs code; "
+                    f"{where}: holds a pickled module ({v.get('class', '?')!s:.80}), and unpickling runs code; "
                     f"it is refused by default. If you wrote the file, load it in Python with "
                     f"load_schedule(..., allow_pickle=True), or replace with a registered factory instead")
             return torch.load(io.BytesIO(base64.b64decode(v["module_pickle"])), weights_only=False)
         if "type" in v:
-            return _load_type(v["type"], allow_refs)
+            if not types and not (isinstance(v["type"], str) and v["type"] in allow_refs):
+                raise ScheduleError(f"{where}: names the type {v['type']!r:.80} where no class is expected; a file "
+                                    f"may name a class only as replace_all's module_type or trace's leaves")
+            return gate.resolve_class(v["type"], where=where, trusted=allow_refs)
         if "dict" in v:
+            if not isinstance(v["dict"], dict):
+                raise ScheduleError(f"{where}: an encoded dict must hold an object, got {type(v['dict']).__name__}")
             return {k: decode(x, **kw) for k, x in v["dict"].items()}
     return v
-
-
-def _load_type(target: str, allow_refs: Iterable[str]) -> type:
-    """A class named by a file: allowed targets import as Refs do; any other is only looked up in a module
-    the program has already imported (a model's own classes), never imported, and must be a class."""
-    if ref_allowed(target, allow_refs):
-        return Ref(target).load()
-    mod_name, _, attr = target.partition(":")
-    obj: Any = sys.modules.get(mod_name)
-    for part in attr.split(".") if obj is not None else ():
-        obj = getattr(obj, part, None)
-    if not isinstance(obj, type):
-        _check_allowed(target, "the type (not a class of an imported module)", allow_refs)
-    return obj
 
 
 def ref_targets(records: list[Record]) -> set[str]:
@@ -242,23 +252,28 @@ def records_to_json(records: list[Record], *, mesh_shape: tuple[int, ...], mesh_
     return json.dumps(doc, indent=1)
 
 
-def records_from_json(text: str, *, allow_refs: Iterable[str] = (), allow_pickle: bool = False,
+def records_from_json(text: str, *, allow_refs: Collection[str] = (), allow_pickle: bool = False,
                       source: str = "schedule JSON") -> tuple[dict, list[Record]]:
-    """(mesh dict, records) from `records_to_json` text; `source` (e.g. the file name) prefixes errors.
-    Raises ScheduleError on malformed JSON or a refused Ref / pickle (see `decode`)."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"{source} does not parse: {exc}") from exc
+    """(mesh dict, records) from `records_to_json` text; `source` (e.g. the file name) and the record's
+    index, op and path prefix errors. Raises ScheduleError on malformed or too deeply nested JSON, an unknown
+    field, or a refused name or pickle (see `decode`, NOTE [files are data])."""
+    doc = gate.parse_json(text, source=source)
     if not isinstance(doc, dict) or doc.get("format") != "treadle.schedule/1":
         raise ScheduleError(f"{source} is not a treadle schedule: expected a JSON object with format "
                             f"'treadle.schedule/1'")
-    try:
-        mesh = doc["mesh"]
-        recs = [Record(r["op"], r["path"], {k: decode(a, allow_refs=allow_refs, allow_pickle=allow_pickle)
-                                            for k, a in r["args"].items()}) for r in doc["records"]]
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ScheduleError(f"{source} is malformed: missing or wrong field ({type(exc).__name__}: {exc})") from None
-    except ScheduleError as exc:
-        raise ScheduleError(f"{source}: {exc}") from None
+    allow_refs = frozenset(allow_refs)
+    mesh, raw = doc.get("mesh"), doc.get("records")
+    if not isinstance(mesh, dict) or not isinstance(raw, list):
+        raise ScheduleError(f"{source} is malformed: missing or wrong field (it needs a 'mesh' object and a "
+                            f"'records' list)")
+    recs = []
+    for i, r in enumerate(raw):
+        if not (isinstance(r, dict) and isinstance(r.get("op"), str) and isinstance(r.get("path"), str)
+                and isinstance(r.get("args"), dict)):
+            raise ScheduleError(f"{source} is malformed: missing or wrong field in record {i} (it needs a string "
+                                f"'op', a string 'path' and an 'args' object), got {json.dumps(r)[:120]}")
+        where = f"{source}: record {i} ({r['op']!s:.40} at {r['path']!r:.80})"
+        args = {k: decode(a, allow_refs=allow_refs, allow_pickle=allow_pickle, where=where,
+                          types=(r["op"], k) in TYPE_ARGS) for k, a in r["args"].items()}
+        recs.append(Record(r["op"], r["path"], args))
     return mesh, recs

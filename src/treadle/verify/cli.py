@@ -17,33 +17,42 @@ from .verify import VerifyReport
 
 def _load(args: argparse.Namespace):
     """(schedule, example inputs) from a schedule JSON or a plan JSON (whose "schedule" and "model" keys
-    say what to rebuild). --model/--batch/--seq override the plan's model."""
-    from ..models.zoo import named_model
+    say what to rebuild). --model/--batch/--seq override the plan's model. The file is data (NOTE [files are
+    data]): a plan's decisions are checked as `Plan.from_dict` checks them, its schedule as any schedule file,
+    and its model must be a zoo name (never imported)."""
+    from ..models.zoo import named_model, zoo_name_from_file
     from ..schedule.core import load_schedule
+    from ..schedule.gate import parse_json
 
     text = Path(args.file).read_text()
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TreadleError(f"{args.file}: not a JSON file ({exc})") from None
+    doc = parse_json(text, source=args.file, error=TreadleError, unparsable=": not a JSON file")
     if not isinstance(doc, dict):
         raise TreadleError(f"{args.file}: expected a JSON object (a schedule or a plan), got {type(doc).__name__}")
-    model_info = doc.get("model", {}) if "schedule" in doc else {}
+    if doc.get("format") == "treadle.plan/1":
+        from ..planner.plan import Plan
+
+        Plan.from_dict(doc, source=args.file)
+    model_info = doc.get("model") or {} if "schedule" in doc else {}
+    if not isinstance(model_info, dict):
+        raise TreadleError(f"{args.file}: 'model' must be an object with name, batch, seq; got {model_info!r:.80}")
     schedule_text = json.dumps(doc["schedule"]) if "schedule" in doc else text
     if isinstance(doc.get("schedule"), str):
         schedule_text = doc["schedule"]
-    name = args.model or model_info.get("name")
+    name = args.model or (model_info.get("name") and zoo_name_from_file(model_info["name"], source=args.file))
     if not name:
         raise TreadleError(f"{args.file}: name the model with --model (e.g. tiny-gpt2); the file does not say")
     batch = args.batch or model_info.get("batch", 4)
     seq = args.seq or model_info.get("seq", 16)
-    model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)
+    if not (isinstance(name, str) and isinstance(batch, int) and isinstance(seq, int)) or min(batch, seq) < 1:
+        raise TreadleError(f"{args.file}: the plan's model needs a zoo name and positive integer batch and seq; "
+                           f"got {name!r:.80}, {batch!r:.40}, {seq!r:.40}")
+    model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)  # zoo names only: nothing imported
     mesh = None
     if args.world:
         try:
-            saved = json.loads(schedule_text)["mesh"]
+            saved = parse_json(schedule_text, source=args.file, error=TreadleError)["mesh"]
             shape = tuple(saved["shape"])
-        except (KeyError, TypeError, json.JSONDecodeError):
+        except (KeyError, TypeError):
             raise TreadleError(f"{args.file}: no mesh in the schedule; is it a treadle schedule or plan?") from None
         if args.world != Mesh(shape, tuple(saved["names"])).world_size:
             raise TreadleError(f"{args.file}: the schedule's mesh {dict(zip(saved['names'], shape))} needs world "
