@@ -305,6 +305,17 @@ def test_classes_pickles_and_primitives_a_file_may_not_use(marker):
 
 
 # ------------------------------------------------------------------------------------------ legit files
+def test_selective_checkpoint_op_names_resolve_private_aten_ops_but_no_dunder():
+    """The op-level SAC policy of the bench's torchtitan recipe saves aten._scaled_dot_product_* outputs: a
+    private op is an op (only a dunder is refused, as above)."""
+    from treadle.schedule.graph_primitives import resolve_ops
+
+    ops = resolve_ops(["aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu"], "test")
+    assert [o._qualified_op_name for o in ops] == ["aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"]
+    with pytest.raises(ScheduleError, match="unknown ops"):
+        resolve_ops(["aten.__class__"], "test")
+
+
 def test_every_exported_name_is_what_it_says():
     for target in gate.FILE_EXPORTS:
         obj = gate.resolve_callable(target, where="test")

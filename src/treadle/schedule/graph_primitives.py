@@ -470,7 +470,9 @@ def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
     for name in names:
         ns, _, op = name.partition(".") if isinstance(name, str) else ("", "", "")
         packet = None
-        if ns.isidentifier() and op.isidentifier() and not ns.startswith("_") and not op.startswith("_"):
+        # a plain namespace and op name (private ops such as aten._scaled_dot_product_flash_attention are ops;
+        # no dunder: nothing but an op packet is looked up)
+        if ns.isidentifier() and op.isidentifier() and not ns.startswith("_") and not op.startswith("__"):
             try:
                 packet = getattr(getattr(torch.ops, ns), op)
             except (AttributeError, RuntimeError):  # torch.ops says "no such op" either way
