@@ -3,7 +3,7 @@
 1. ``recipes`` (default): predicted (GPU presets, bf16 mixed precision, 80 GiB per device), each case in one
    run: Llama-3-8B on 8x8 H100 (batch 32, seq 4096), Llama-2-70B on 8x8 H100 (batch 16, seq 4096), GPT-2-XL
    on 1x8 H100 (batch 32, seq 1024). The planner (the CLI's search: every mesh whose inner axis stays inside
-   a node, `treadle.planner.cli.search_clusters`) against the recipes experts publish, written as treadle
+   a node, `treadle.cli.plan.search_clusters`) against the recipes experts publish, written as treadle
    schedules: Megatron-LM TP8 x DP + sequence parallelism (+ selective checkpointing: matmul and attention
    outputs saved, the rest of each block recomputed), torchtitan FSDP2 (x TP8 + SP) with op-level selective
    activation checkpointing. Every schedule — the plan's too — is priced by the same function,
@@ -160,7 +160,7 @@ def _head_parallel(sch) -> bool:
 
 def bench_recipes(tiny: bool = False) -> list[dict]:
     from treadle.cost.cluster import parse_cluster
-    from treadle.planner.cli import search_clusters
+    from treadle.planner.meshes import search_clusters
     from treadle.pricing import price
     from treadle.schedule.core import create_schedule
 

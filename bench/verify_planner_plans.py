@@ -2,7 +2,7 @@
 
 For each case of the recipes table — Llama-3-8B on 8x8 H100 (batch 32, seq 4096), Llama-2-70B on 8x8 H100 (batch
 16, seq 4096), GPT-2-XL on 1x8 H100 (batch 32, seq 1024) — this builds the very schedules the table prices:
-the planner's plan (`plan_model` on the CLI's mesh search, `treadle.planner.cli.search_clusters`, bf16, 80 GiB)
+the planner's plan (`plan_model` on the CLI's mesh search, `treadle.cli.plan.search_clusters`, bf16, 80 GiB)
 and each published-style recipe (`bench_planner._recipes`: Megatron TP x DP + SP (+ selective checkpointing),
 torchtitan FSDP2 x TP + SP + SAC, FSDP2 over all, DDP) on the full-size model (fake tensors). Each schedule
 is then carried onto a shrunken model of the same architecture (`treadle.verify.shrink.carry_schedule`): the
@@ -212,7 +212,7 @@ def big_schedules(name: str, ctext: str, batch: int, seq: int):
     `bench_planner.bench_recipes` builds them (the planner's plan first)."""
     from treadle.cost.cluster import parse_cluster
     from treadle.errors import PlanError
-    from treadle.planner.cli import search_clusters
+    from treadle.planner.meshes import search_clusters
     from treadle.planner.plan import plan_model
     from treadle.runtime.batch import check_batch
     from treadle.schedule.core import create_schedule

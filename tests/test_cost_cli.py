@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from treadle.cost import cli
+from treadle.cli import cost as cli
 from treadle.cost.cluster import ClusterSpec, parse_cluster
 from treadle.errors import LayoutError, MeshError
 

@@ -164,7 +164,7 @@ def test_cli_searches_meshes_in_bf16_on_a_gpu_preset(tmp_path, capsys):
     from treadle.cli import main
     from treadle.cost.cluster import parse_cluster
     from treadle.cost.links import link_preset
-    from treadle.planner.cli import search_clusters
+    from treadle.planner.meshes import search_clusters
 
     meshes = search_clusters(parse_cluster("8x8:h100"))
     assert [tuple(c.mesh.shape) for c in meshes] == [(64,), (8, 8), (16, 4), (32, 2)]

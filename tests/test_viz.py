@@ -14,7 +14,7 @@ from rich.console import Console
 
 from treadle.cost.cluster import parse_cluster
 from treadle.planner import plan_model
-from treadle.planner.cli import plan_python
+from treadle.planner.to_schedule import decisions_python
 from treadle.planner.plan import Plan
 from treadle.viz import (CommCost, MemoryTotals, ModuleCosts, StepCosts, chrome_trace, costs_from_plan,
                          timeline_from_costs, timeline_from_plan, validate_chrome_trace, write_chrome_trace)
@@ -368,7 +368,7 @@ def test_plan_report_has_every_section_and_needs_no_network(real_plan: Plan, fix
         assert {"mesh", "breakdown", "timeline", "memory"} <= set(p.charts)
         assert not p.urls and not {"script", "link", "img", "iframe"} & p.tags  # self-contained
         assert sum(p.parts.values()) == pytest.approx(plan.estimate().step_s, rel=0.01)
-        assert p.pre.strip().splitlines() == plan_python(plan)
+        assert p.pre.strip().splitlines() == decisions_python(plan.decisions)
         assert plan.binding.split(":")[0] in page
         for r in plan.rows:
             assert f"<td>{html.escape(r.path)}</td>" in page

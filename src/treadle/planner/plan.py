@@ -38,7 +38,7 @@ from ..placement import R, placement_str
 from ..units import GiB, fmt_bytes_exact as _fmt_bytes
 from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
-from .to_schedule import Decision, apply_decisions, decisions_from_solution
+from .to_schedule import Decision, apply_decisions, decisions_from_solution, decisions_python
 from .validate import validate_plan_args
 
 logger = logging.getLogger(__name__)
@@ -210,6 +210,10 @@ class Plan:
         p = self.price
         return Estimate(p["step_s"], p["peak_bytes"], p["mfu"], p["compute_s"], p["exposed_comm_s"],
                         p["recompute_s"], p["static_bytes"], p["activation_bytes"], p["transient_bytes"])
+
+    def python_lines(self) -> list[str]:
+        """The decisions as schedule calls, without the model (`treadle.planner.to_schedule.decisions_python`)."""
+        return decisions_python(self.decisions)
 
     def explain(self) -> str:
         """A text table per module (layouts, compute / communication / recompute time, memory) and the

@@ -280,4 +280,36 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
     return sch
 
 
-__all__ = ["Decision", "decisions_from_solution", "apply_decisions"]
+def decisions_python(decisions: list[Decision]) -> list[str]:
+    """Decisions as schedule calls (what `plan.schedule.to_python()` prints for the real model)."""
+    lines = []
+    for d in decisions:
+        a = dict(d.args)
+        if d.op == "shard":
+            lines.append(f"sch[{d.path!r}].shard({a['names']!r}, dim={a['dim']}, axis={a['axis']!r})")
+        elif d.op == "sync":
+            lines.append(f"sch[{d.path!r}].sync({a.get('mode', 'fwd_post')!r}, to={_pl(a['to'])}, axis={a['axis']!r})"
+                         f"  # from {a['from_']}")
+        elif d.op == "reduce_grads":
+            lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
+        elif d.op == "shard_attr":
+            lines.append(f"sch[{d.path!r}].shard_attr({a['name']!r}, axis={a['axis']!r})")
+        elif d.op == "fork_rng":
+            lines.append(f"sch[{d.path!r}].fork_rng(axis={a['axis']!r})")
+        elif d.op == "checkpoint":
+            lines.append(f"sch[{d.path!r}].checkpoint()")
+        elif d.op == "data_parallel":
+            extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
+            axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
+            lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
+        elif d.op == "set_attr":
+            kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
+            lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")
+    return lines
+
+
+def _pl(s: str) -> str:
+    return "Replicate()" if s == "R" else "Partial()" if s == "P" else f"Shard({s[1:]})"
+
+
+__all__ = ["Decision", "decisions_from_solution", "apply_decisions", "decisions_python"]

@@ -121,8 +121,6 @@ def _alternatives(plan) -> str:
 def plan_html(plan, *, timeline: Timeline | None = None) -> str:
     """The report of `plan` (a treadle.planner.Plan, planned or loaded) as one HTML page; `timeline`
     defaults to `timeline_from_plan(plan)`."""
-    from ..planner.cli import plan_python
-
     tl = timeline or timeline_from_plan(plan)
     e = plan.estimate() if plan.price is not None else plan.estimated  # the timeline priced it when it could
     unit = bytes_unit([e.peak_bytes])
@@ -151,7 +149,7 @@ def plan_html(plan, *, timeline: Timeline | None = None) -> str:
                                  'parameters + gradients + optimizer states, other = buffers + inputs. Activations '
                                  'are drawn growing linearly over the forward and shrinking over the backward; the '
                                  'planner\'s peak adds every term at once, an upper bound of the curve.</p>')
-    python = "<pre>" + escape("\n".join(plan_python(plan))) + "</pre>"
+    python = "<pre>" + escape("\n".join(plan.python_lines())) + "</pre>"
     return _page(f"treadle plan: {name} on {m}", [
         ("summary", "Summary", summary), ("mesh", "Mesh and links", mesh),
         ("breakdown", "Step time breakdown", breakdown), ("memory", "Memory over the step", memory),

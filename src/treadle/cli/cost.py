@@ -19,8 +19,8 @@ from rich.table import Table
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..viz.progress import add_quiet_flag, is_quiet, progress
-from .calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
-from .cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
+from ..cost.calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
+from ..cost.cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
         return 0
-    from .calibrate import HeldOut
+    from ..cost.calibrate import HeldOut
 
     cal = Calibration(cluster, (), None, data["launch_s"], tuple(HeldOut(**h) for h in data["held_out"]),
                       tuple(data["notes"]))

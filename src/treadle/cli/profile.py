@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..models.zoo import load_model, model_names
-    from .profiler import profile
-    from .table import module_table, summary_table
+    from ..profile.profiler import profile
+    from ..profile.table import module_table, summary_table
 
     out = Console(width=None if sys.stdout.isatty() else 150)
     if args.list:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     hardware = args.hardware
     if args.recalibrate or hardware == "cpu":
-        from .hardware import cpu_spec
+        from ..profile.hardware import cpu_spec
 
         hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
     with progress(f"profiling {args.model}", quiet=is_quiet(args), console=err) as report:

@@ -42,7 +42,7 @@ def _price_cmd(args: argparse.Namespace) -> int:
         if not isinstance(doc, dict):
             raise TreadleError(f"{args.file}: expected a JSON object (a schedule or a plan)")
         if "decisions" in doc:  # a plan: its decisions are data, checked as Plan.load checks them
-            from .plan import Plan
+            from ..planner.plan import Plan
 
             Plan.from_dict(doc, source=args.file)
         model_info = doc.get("model") or {} if "decisions" in doc else {}

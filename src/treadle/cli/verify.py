@@ -12,7 +12,7 @@ from rich.table import Table
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..viz.progress import add_quiet_flag, is_quiet, progress
-from .verify import VerifyReport
+from ..verify.verify import VerifyReport
 
 
 def _load(args: argparse.Namespace):
@@ -80,7 +80,7 @@ def report_table(report: VerifyReport, *, limit: int = 25) -> Table:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from ..verify.verify import verify
 
     console = Console()
     sch, inputs = _load(args)

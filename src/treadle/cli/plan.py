@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 
 import torch
 
 from ..errors import PlanError
+from ..planner.meshes import default_dtype, search_clusters
+from ..planner.to_schedule import decisions_python
 from ..units import parse_bytes
 from ..viz.progress import add_quiet_flag, is_quiet, progress
 
@@ -99,8 +100,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
 
     from ..cost.cluster import parse_cluster
     from ..models.zoo import load_model, named_model
-    from .explain import mesh_table, plan_table, summary_lines
-    from .plan import plan_model
+    from ..planner.explain import mesh_table, plan_table, summary_lines
+    from ..planner.plan import plan_model
 
     console = Console(stderr=True)
     cluster = parse_cluster(args.cluster)
@@ -160,69 +161,13 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_dtype(cluster) -> str:
-    """The CLI's parameter dtype for `cluster`'s device: "fp32" on cpu, else "bf16" (mixed precision: the
-    planner counts fp32 master weights and AdamW states, `TrainSpec`), or "fp16" on a device without a
-    bf16 peak (V100)."""
-    if cluster.is_cpu():
-        return "fp32"
-    peaks = cluster.hardware().peak_flops_per_s
-    return "bf16" if "bfloat16" in peaks else "fp16" if "float16" in peaks else "fp32"
-
-
-def _parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or any(x < 1 for x in shape):
-        raise PlanError(f"cannot read mesh {text!r}; write sizes joined by 'x', e.g. 8x8, 16x4 or 64")
-    return shape
-
-
-def search_clusters(cluster, *, from_file: bool = False, mesh: str | None = None, max_axes: int = 2) -> list:
-    """The logical meshes `treadle plan` searches on a physical `cluster` (`parse_cluster`'s (nodes, devices)
-    mesh: axis 0 across nodes, axis 1 inside): every mesh of `treadle.cost.cluster.enumerate_meshes` with up to
-    `max_axes` axes whose innermost axis stays inside a node (the fast link on the inner axis) — 8x8 gives
-    (64,), (32, 2), (16, 4), (8, 8). `mesh` ("8x8", "16x4", "64") picks one: the physical shape gives `cluster`
-    itself (names "dp", "tp"). A cluster read from a file is planned on its own mesh only.
-    Raises PlanError for a mesh whose sizes do not multiply to the world size or that the cluster cannot form."""
-    from ..cost.cluster import axis_crosses_nodes, enumerate_meshes
-
-    if from_file or cluster.mesh.ndim != 2:
-        if mesh is not None and _parse_shape(mesh) != tuple(cluster.mesh.shape):
-            raise PlanError(f"--mesh {mesh}: a cluster file fixes its mesh {tuple(cluster.mesh.shape)}; "
-                            f"write a cluster spec like 8x8:h100 to choose another")
-        return [cluster]
-    nodes, dpn = cluster.mesh.shape
-    world = nodes * dpn
-    if mesh is not None:
-        shape = _parse_shape(mesh)
-        if shape == (nodes, dpn):
-            return [cluster]
-        if math.prod(shape) != world:
-            raise PlanError(f"--mesh {mesh}: {'x'.join(map(str, shape))} = {math.prod(shape)} devices, but the cluster "
-                            f"has {world} ({nodes} nodes x {dpn}); use sizes that multiply to {world}")
-        max_axes = max(max_axes, len(shape))
-    found = enumerate_meshes(nodes, dpn, intra=cluster.links[1], inter=cluster.links[0], device=cluster.device,
-                             max_ndim=max_axes)
-    if mesh is not None:
-        pick = [c for c in found if tuple(c.mesh.shape) == shape]
-        if not pick:
-            raise PlanError(f"--mesh {mesh}: not a mesh of {world} devices with every axis of size >= 2; "
-                            f"meshes: {sorted({'x'.join(map(str, c.mesh.shape)) for c in found})}")
-        return pick
-    out = [c for c in found if c.mesh.ndim == 1 or not axis_crosses_nodes(c.mesh.shape, c.mesh.ndim - 1, dpn)]
-    return out or [cluster]
-
-
 def _explain_cmd(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from rich.console import Console
 
-    from .explain import plan_table, summary_lines
-    from .plan import Plan
+    from ..planner.explain import plan_table, summary_lines
+    from ..planner.plan import Plan
 
     try:
         plan = Plan.load(args.plan)
@@ -238,7 +183,7 @@ def _explain_cmd(args: argparse.Namespace) -> int:
     for line in summary_lines(plan):
         out.print(line)
     if args.python:
-        print("\n".join(plan_python(plan)))
+        print("\n".join(decisions_python(plan.decisions)))
     _write_pictures(plan, args, out)
     if args.measured:
         from ..viz.files import compare_lines
@@ -248,35 +193,3 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         for line in compare_lines(timeline_from_plan(plan), load_trace(args.measured)):
             out.print(line)
     return 0
-
-
-def plan_python(plan) -> list[str]:
-    """The plan's decisions as schedule calls (what `plan.schedule.to_python()` prints for the real model)."""
-    lines = []
-    for d in plan.decisions:
-        a = dict(d.args)
-        if d.op == "shard":
-            lines.append(f"sch[{d.path!r}].shard({a['names']!r}, dim={a['dim']}, axis={a['axis']!r})")
-        elif d.op == "sync":
-            lines.append(f"sch[{d.path!r}].sync({a.get('mode', 'fwd_post')!r}, to={_pl(a['to'])}, axis={a['axis']!r})"
-                         f"  # from {a['from_']}")
-        elif d.op == "reduce_grads":
-            lines.append(f"sch[{d.path!r}].reduce_grads(axis={a['axis']!r}, names={a['names']!r})")
-        elif d.op == "shard_attr":
-            lines.append(f"sch[{d.path!r}].shard_attr({a['name']!r}, axis={a['axis']!r})")
-        elif d.op == "fork_rng":
-            lines.append(f"sch[{d.path!r}].fork_rng(axis={a['axis']!r})")
-        elif d.op == "checkpoint":
-            lines.append(f"sch[{d.path!r}].checkpoint()")
-        elif d.op == "data_parallel":
-            extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
-            axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
-            lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
-        elif d.op == "set_attr":
-            kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
-            lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")
-    return lines
-
-
-def _pl(s: str) -> str:
-    return "Replicate()" if s == "R" else "Partial()" if s == "P" else f"Shard({s[1:]})"

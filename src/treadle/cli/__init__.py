@@ -1,7 +1,7 @@
 """treadle command line: profile / plan / explain / verify / train / run.
 
-Each sub-command lives beside the layer it drives and exposes ``register(subparsers)``; this file only
-assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
+The top layer: each sub-command is a module of this package (``treadle.run.cli`` is the training entry
+point's own) and exposes ``register(subparsers)``; this file only assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
 
 A user error (a TreadleError, or a file that cannot be read) prints one line naming the culprit and exits
 with status 2; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
@@ -14,17 +14,17 @@ import importlib
 import logging
 import sys
 
-from .errors import TreadleError
-from .viz.progress import add_quiet_flag
+from ..errors import TreadleError
+from ..viz.progress import add_quiet_flag
 
 # modules whose register(subparsers) adds sub-commands
 _SUBCOMMANDS = (
-    "treadle.profile.cli",
-    "treadle.planner.cli",
-    "treadle.cost.cli",
-    "treadle.verify.cli",
+    "treadle.cli.profile",
+    "treadle.cli.plan",
+    "treadle.cli.cost",
+    "treadle.cli.verify",
     "treadle.run.cli",
-    "treadle.planner.price_cli",
+    "treadle.cli.price",
 )
 
 
