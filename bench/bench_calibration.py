@@ -72,7 +72,7 @@ def run_config(model_name: str, config: str, args) -> dict:
     from treadle.cost.cluster import ClusterSpec
     from treadle.pricing import price
     from treadle.profile.hardware import calibrate_cpu
-    from treadle.schedule.core import load_schedule
+    from treadle.schedule.replay import load_schedule
     from treadle.testing import spawn
 
     variants = VARIANTS[args.compare]

@@ -181,7 +181,7 @@ def build_rank(model_name: str, batch: int, seq: int, text: str):
     """This rank's (built model, its share of the inputs, AdamW) for a schedule's JSON; inside a launched group."""
     from treadle.runtime.build import build
     from treadle.runtime.optimizer import adamw
-    from treadle.schedule.core import load_schedule
+    from treadle.schedule.replay import load_schedule
 
     model, inputs = make_model(model_name, batch, seq)
     sch = load_schedule(model, text)
@@ -257,7 +257,7 @@ def run_config(model_name: str, config: str, args) -> dict:
     from treadle.mesh import Mesh
     from treadle.pricing import price
     from treadle.profile.hardware import CPU_CORE, calibrate_cpu
-    from treadle.schedule.core import load_schedule
+    from treadle.schedule.replay import load_schedule
     from treadle.testing import spawn
 
     shape = tuple(int(x) for x in config.split("x"))

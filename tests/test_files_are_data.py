@@ -29,7 +29,7 @@ from treadle.errors import PlanError, ScheduleError, TreadleError
 from treadle.planner.plan import Plan
 from treadle.planner.to_schedule import Decision, apply_decisions
 from treadle.schedule import gate
-from treadle.schedule.core import trusted_load_args
+from treadle.schedule.replay import trusted_load_args
 from treadle.schedule.log import ref_targets
 
 TP2 = Mesh((2,), ("tp",))

@@ -202,7 +202,7 @@ def test_registered_refs_load_from_files_and_code_refs_need_no_registration():
 
         gate.unregister("test_misuse:_shell_factory")
     # a schedule made in code round-trips to its own ranks with what it names (verify, train)
-    from treadle.schedule.core import trusted_load_args
+    from treadle.schedule.replay import trusted_load_args
 
     s = _sch()
     s.set_attr("tag", treadle.Ref.of(_shell_factory))

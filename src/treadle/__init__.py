@@ -7,8 +7,10 @@ from .errors import (BuildError, LayoutError, MeshError, PlanError, ProfileError
                      TreadleError, VerifyError)
 from .mesh import Mesh
 from .runtime.build import annotations, build
+from .runtime import graph_steps as _graph_steps  # noqa: F401  (the graph-level and pipeline build steps)
 from .runtime.train import TrainResult, train
-from .schedule.core import Schedule, create_schedule, load_schedule
+from .schedule.core import Schedule, create_schedule
+from .schedule.replay import load_schedule
 from .schedule.log import Ref, register_ref
 from .verify import VerifyReport, verify
 from . import graph as _graph  # noqa: E402,F401  (registers the graph layer with the schedule's graph primitives)

@@ -21,7 +21,7 @@ that has no say at a point costs nothing there. The extension points, grouped by
   form; explanation (`treadle.planner.plan`): `adjust_rows`;
 - price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step.
 
-What the runtime installs for a form is registered with `treadle.runtime.build.register_build_extension`
+What the runtime installs for a form is registered with `treadle.runtime.steps.register_build_extension`
 by the form's package, beside its `register_form`.
 """
 

@@ -188,7 +188,7 @@ def _explain_cmd(args: argparse.Namespace) -> int:
     if args.measured:
         from ..viz.files import compare_lines
         from ..viz.measured import load_trace
-        from ..viz.timeline import timeline_from_plan
+        from ..viz.plan_timeline import timeline_from_plan
 
         for line in compare_lines(timeline_from_plan(plan), load_trace(args.measured)):
             out.print(line)

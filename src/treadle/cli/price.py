@@ -31,7 +31,7 @@ def price_table(p, *, top: int | None = 20) -> Table:
 def _price_cmd(args: argparse.Namespace) -> int:
     from ..cost.cluster import parse_cluster
     from ..models.zoo import named_model, zoo_name_from_file
-    from ..schedule.core import load_schedule
+    from ..schedule.replay import load_schedule
     from ..pricing import price
 
     console = Console()

@@ -21,7 +21,7 @@ def _load(args: argparse.Namespace):
     data]): a plan's decisions are checked as `Plan.from_dict` checks them, its schedule as any schedule file,
     and its model must be a zoo name (never imported)."""
     from ..models.zoo import named_model, zoo_name_from_file
-    from ..schedule.core import load_schedule
+    from ..schedule.replay import load_schedule
     from ..schedule.gate import parse_json
 
     text = Path(args.file).read_text()

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import LayoutError
 from ..mesh import Mesh
-from .links import LinkSpec, link_preset
+from .links import LinkSpec, flat_link, link_preset
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,6 @@ class ClusterSpec:
         """The link of one process group over several mesh `axes` (flattened; e.g. data parallelism over all of
         them): the measured `group_links` entry for those axes (size-1 axes ignored) when there is one, else
         `flat_link` of their links (every ring step waits for its slowest hop)."""
-        from .collective_cost import flat_link
-
         live = tuple(a for a in self.mesh.names if a in axes and self.mesh.size(a) > 1)
         for a in axes:
             self.mesh.axis_index(a)
@@ -193,8 +191,6 @@ class ClusterSpec:
         if mesh.world_size != self.world_size:
             raise LayoutError(f"ClusterSpec.for_mesh: {mesh} has {mesh.world_size} ranks but {self} has "
                               f"{self.world_size}; give a cluster of the schedule's world size")
-        from .collective_cost import flat_link
-
         slow = flat_link(self.links)
         links = tuple(self.link(a) if a in self.mesh.names and self.mesh.size(a) == mesh.size(a) else slow
                       for a in mesh.names)

@@ -32,9 +32,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from ..errors import LayoutError
-from .links import LinkSpec
+from .links import LinkSpec, flat_link
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (annotations only: the cluster module imports this one's links)
     from .cluster import ClusterSpec
 
 Algorithm = Literal["best", "flat", "hierarchical"]
@@ -125,28 +125,6 @@ def send_recv_time_s(nbytes: float, link: LinkSpec) -> float:
 
 
 # ------------------------------------------------------------------------------------------ several axes
-def flat_link(links: Sequence[LinkSpec]) -> LinkSpec:
-    """The link a collective over the flattened group of several axes sees: the largest latency, launch cost and
-    skew and the smallest effective bandwidth of its axes (every ring step waits for its slowest hop)."""
-    if not links:
-        raise LayoutError("flat_link: needs at least one link")
-    if len(links) == 1:
-        return links[0]
-    return _flat_link(tuple(links))
-
-
-@lru_cache(maxsize=1024)
-def _flat_link(links: tuple[LinkSpec, ...]) -> LinkSpec:
-    ops = sorted({k for link in links for k, _ in link.op_scale})
-    return LinkSpec(name="+".join(link.name for link in links),
-                    latency_s=max(link.latency_s for link in links),
-                    bandwidth_bytes_per_s=min(link.effective_bytes_per_s for link in links),
-                    efficiency=1.0, launch_s=max(link.launch_s for link in links),
-                    op_scale=tuple((k, max(link.scale(k) for link in links)) for k in ops),
-                    skew_s=max(link.skew_s for link in links),
-                    skew_lead_s=max(link.skew_lead_s for link in links))
-
-
 def _axes(cluster: "ClusterSpec", axes: Sequence[str] | str) -> tuple[tuple[int, ...], tuple[LinkSpec, ...]]:
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     if not names:

@@ -8,7 +8,9 @@ and sources beside each preset); `efficiency` scales the peak to what collective
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from ..errors import LayoutError
 
@@ -133,3 +135,25 @@ def link_preset(name: str) -> LinkSpec:
     if key not in LINK_PRESETS:
         raise LayoutError(f"unknown link preset {name!r}; known: {sorted(LINK_PRESETS)}")
     return LINK_PRESETS[key]
+
+
+def flat_link(links: Sequence[LinkSpec]) -> LinkSpec:
+    """The link a collective over the flattened group of several axes sees: the largest latency, launch cost and
+    skew and the smallest effective bandwidth of its axes (every ring step waits for its slowest hop)."""
+    if not links:
+        raise LayoutError("flat_link: needs at least one link")
+    if len(links) == 1:
+        return links[0]
+    return _flat_link(tuple(links))
+
+
+@lru_cache(maxsize=1024)
+def _flat_link(links: tuple[LinkSpec, ...]) -> LinkSpec:
+    ops = sorted({k for link in links for k, _ in link.op_scale})
+    return LinkSpec(name="+".join(link.name for link in links),
+                    latency_s=max(link.latency_s for link in links),
+                    bandwidth_bytes_per_s=min(link.effective_bytes_per_s for link in links),
+                    efficiency=1.0, launch_s=max(link.launch_s for link in links),
+                    op_scale=tuple((k, max(link.scale(k) for link in links)) for k in ops),
+                    skew_s=max(link.skew_s for link in links),
+                    skew_lead_s=max(link.skew_lead_s for link in links))

@@ -11,7 +11,7 @@ How to add a form: `docs/architecture.md`.
 from __future__ import annotations
 
 from ..form import register_form
-from ..runtime.build import register_build_extension
+from ..runtime.steps import register_build_extension
 from . import data, sequence, tensor, vocab
 
 for _form in (tensor, sequence, vocab, data):

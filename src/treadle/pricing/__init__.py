@@ -25,7 +25,7 @@ once and not again in backward (FSDP2 keeps the root unsharded after forward); t
 makes around each collective (2 (full + shard) bytes) are compute where the collective is used; DDP also
 broadcasts the buffers every forward (NOTE [DDP buffers]).
 Data parallelism over several axes runs on one flattened process group, priced on the slowest link of its
-axes (`treadle.cost.collective_cost.flat_link`); HSDP all-reduces each reduce-scattered shard over the
+axes (`treadle.cost.links.flat_link`); HSDP all-reduces each reduce-scattered shard over the
 replicate axes once its reduce-scatter ends; ``reshard_after_forward=False`` drops the backward gathers
 and keeps every unit gathered from forward to backward.
 

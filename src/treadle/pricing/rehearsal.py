@@ -117,7 +117,7 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Re
     on fake tensors (module doc of `treadle.pricing`). Raises PlanError for a pipeline, a built schedule, a
     log that cannot be replayed, a batch the data-parallel axes do not divide, or a running process group."""
     from ..runtime.build import build
-    from ..schedule.core import load_schedule
+    from ..schedule.replay import load_schedule
 
     if dist.is_available() and dist.is_initialized():
         raise PlanError("price: torch.distributed is already initialised in this process; price a schedule "

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..errors import TreadleError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, create_schedule, load_schedule
+from ..schedule.core import Schedule, create_schedule
+from ..schedule.replay import load_schedule
 from .config import RunConfig, RunError
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,6 @@ gradient reductions, forked RNG streams and checkpoint wrappers; wrap for data p
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import logging
@@ -22,34 +21,20 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..errors import BuildError, ScheduleError
 from ..schedule.core import ParamShard, Schedule, SyncSpec
 from ..schedule.log import Ref
-from . import collectives as C
-from .convert import _same as _same_placement
-from .collectives import on_grad
-from .convert import apply_op, convert, convert_multi
 from ..sharding_rules import LeafPlan, has_leaf_rule, leaf_plan
+from . import collectives as C
+from .collectives import on_grad
+from .convert import _same as _same_placement
+from .convert import apply_op, convert, convert_multi
 from .leaves import gathered_forward
 from .params import local_slice
+from .recompute import checkpointed_forward
+from .steps import build_steps, wrap_forward
 from .sync_plan import plan_syncs
 
 logger = logging.getLogger(__name__)
 
 ANNOTATIONS_ATTR = "_treadle_annotations"
-
-# Build steps contributed by other layers and by the parallel forms (graph rewrites, pipelines, data
-# parallelism). Each is called with the builder at its phase: "pre_shard" (before parameters are sliced: graph
-# rewrites), "post_hooks" (after syncs, checkpoints and RNG wrappers are installed), "wrap" (the last step: may
-# return the model to hand back — a pipeline stage runner, the DDP / FSDP2 wrapper of `treadle.forms.data` —
-# or None to fall through; the first that returns one wins).
-_EXTENSIONS: dict[str, list[Callable[["_Builder"], Any]]] = {"pre_shard": [], "post_hooks": [], "wrap": []}
-
-
-def register_build_extension(phase: str, fn: Callable[["_Builder"], Any]) -> None:
-    """Add a build step for `phase` ("pre_shard", "post_hooks" or "wrap")."""
-    if phase not in _EXTENSIONS:
-        raise BuildError(f"unknown build phase {phase!r}; phases: {list(_EXTENSIONS)}")
-    if fn not in _EXTENSIONS[phase]:
-        _EXTENSIONS[phase].append(fn)
-
 
 def annotations(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Tags set by `annotate`, by parameter name, read from a built (or unbuilt) model."""
@@ -168,75 +153,6 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
         output[key] = fn(output[key])
         return output
     raise BuildError(f"{where}: cannot find output {out} in a {type(output).__name__}")
-
-
-def _wrap_forward(mod: nn.Module, make: Callable[[Callable], Callable]) -> None:
-    orig = mod.forward
-    new = make(orig)
-    functools.update_wrapper(new, orig)
-    mod.forward = new
-
-
-# NOTE [checkpoint and the KV cache]: a checkpointed module's forward runs again in the backward. A Hugging Face
-# decoder layer handed the model's KV cache writes its keys and values into it, so the replay writes them a
-# second time: the cache ends the step with that layer's entries doubled, and the extra copies stay alive until
-# the backward ends (the price of the demo's GPT-2 with 4 of 4 blocks checkpointed: 1.1 MiB of a 5.9 MiB peak).
-# Hugging Face's own gradient checkpointing therefore hands such a layer no cache in training: a layer class
-# that subclasses its `GradientCheckpointingLayer` declares `_can_checkpoint_with_cache` (False: it writes the
-# cache). treadle's `checkpoint` honours that declaration the same way: while training with gradients, the
-# layer's cache arguments (`_CACHE_ARGS`, by name, positional or keyword) become None and `use_cache` False,
-# with a warning once per layer class. A module without the declaration is replayed as called.
-_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-_warned_cache: set[str] = set()
-
-
-def checkpointed_forward(m: nn.Module, orig: Callable, path: str) -> Callable:
-    """`orig` under non-reentrant activation checkpointing, without the KV cache for a layer that declares it
-    writes one (NOTE [checkpoint and the KV cache])."""
-    from torch.utils.checkpoint import checkpoint
-
-    if getattr(type(m), "_can_checkpoint_with_cache", True):
-        return lambda *a, **k: checkpoint(orig, *a, use_reentrant=False, **k)
-    sig = inspect.signature(orig)
-    var_kw = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-
-    def forward(*a, **k):
-        if m.training and torch.is_grad_enabled():
-            try:
-                bound = sig.bind(*a, **k)
-            except TypeError:  # the call itself is wrong: let the module say so
-                return checkpoint(orig, *a, use_reentrant=False, **k)
-            args = bound.arguments
-            extra = args.get(var_kw, {}) if var_kw else {}
-            dropped = []
-            for where in (args, extra):
-                for name in _CACHE_ARGS:
-                    if where.get(name) is not None:
-                        where[name] = None
-                        dropped.append(name)
-                if where.get("use_cache"):
-                    where["use_cache"] = False
-                    dropped.append("use_cache")
-            if dropped:
-                kind = type(m).__name__
-                if kind not in _warned_cache:
-                    _warned_cache.add(kind)
-                    if _first_rank():  # every rank does the same: one line per job, not one per rank
-                        logger.warning("checkpoint %s: %s writes the KV cache, which the recompute would write again; "
-                                       "in training it gets %s (as Hugging Face's gradient checkpointing does)",
-                                       path, kind, ", ".join(f"{n}=False" if n == "use_cache" else f"{n}=None"
-                                                             for n in dict.fromkeys(dropped)))
-                a, k = bound.args, bound.kwargs
-        return checkpoint(orig, *a, use_reentrant=False, **k)
-
-    return forward
-
-
-def _first_rank() -> bool:
-    """True outside torch.distributed or on its rank 0."""
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 # ------------------------------------------------------------------------------------------- build
@@ -425,7 +341,7 @@ class _Builder:
                 self.install_pending_bias(path, m, plan, final)
             if plan is not None and plan.forward is not None:
                 fwd = plan.forward
-                _wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda *a, **k: fwd(m, *a, **k)))
+                wrap_forward(m, lambda orig, fwd=fwd, m=m: (lambda *a, **k: fwd(m, *a, **k)))
 
     def shared_grad_all_reduce(self, axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The input-gradient reduction of column-parallel leaves on `axis`, shared between leaves that read
@@ -519,7 +435,7 @@ class _Builder:
 
                 return forward
 
-            _wrap_forward(m, make)
+            wrap_forward(m, make)
 
     def install_fork_rng(self) -> None:
         devices = [torch.cuda.current_device()] if self.mesh.device.type == "cuda" else []
@@ -537,12 +453,12 @@ class _Builder:
 
                 return forward
 
-            _wrap_forward(m, make)
+            wrap_forward(m, make)
 
     def install_checkpoints(self) -> None:
         for path in self.v.checkpoints:
             m = self.module(path)
-            _wrap_forward(m, lambda orig, m=m, path=path: checkpointed_forward(m, orig, path))
+            wrap_forward(m, lambda orig, m=m, path=path: checkpointed_forward(m, orig, path))
 
     def run(self) -> nn.Module:
         if self.v.built:
@@ -553,7 +469,7 @@ class _Builder:
         if any(p.is_meta for p in self.model.parameters()):
             self.materialize(owners)
             owners = self.owners()
-        for ext in _EXTENSIONS["pre_shard"]:
+        for ext in build_steps("pre_shard"):
             ext(self)
         owners = self.owners()
         self.plan_leaves(owners)
@@ -565,11 +481,11 @@ class _Builder:
         self.install_reduce_grads()
         self.install_fork_rng()
         self.install_checkpoints()
-        for ext in _EXTENSIONS["post_hooks"]:
+        for ext in build_steps("post_hooks"):
             ext(self)
         self.sch.mark_built()
         out = None
-        for ext in _EXTENSIONS["wrap"] if self.wrap else ():
+        for ext in build_steps("wrap") if self.wrap else ():
             out = ext(self)
             if out is not None:
                 break
@@ -608,6 +524,5 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     """
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
-    from . import graph_steps  # noqa: F401  (register the graph and pipeline build steps)
     root = sch if not sch.path else sch.root()
     return _Builder(root, init_fn, mp_policy, wrap).run()  # always from the root

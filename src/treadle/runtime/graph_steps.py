@@ -21,7 +21,7 @@ from ..errors import BuildError
 from ..graph.rewrite import decomposition_dims, leaf_input
 from ..schedule.graph_primitives import resolve_ops
 from . import collectives as C
-from .build import _wrap_forward, register_build_extension
+from .steps import register_build_extension, wrap_forward
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _selective(builder) -> None:
         m = builder.module(path)
         policy = SavePolicy(resolve_ops(save, f"sch[{path!r}]"))
         ctx = functools.partial(create_selective_checkpoint_contexts, policy)
-        _wrap_forward(m, lambda orig, ctx=ctx: (lambda *a, **k: checkpoint(orig, *a, use_reentrant=False,
+        wrap_forward(m, lambda orig, ctx=ctx: (lambda *a, **k: checkpoint(orig, *a, use_reentrant=False,
                                                                            context_fn=ctx, **k)))
 
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import BuildError
-from .build import register_build_extension
+from .steps import register_build_extension
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from ..errors import TreadleError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule, trusted_load_args
+from ..schedule.core import Schedule
+from ..schedule.replay import load_schedule, trusted_load_args
 from ..testing import spawn
 from .batch import check_batch, split_batch
 from ..loss import call_loss, default_loss

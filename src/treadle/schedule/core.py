@@ -30,6 +30,7 @@ from ..mesh import Mesh
 from .data_parallel import make_data_parallel
 from .log import Record, Ref, records_from_json, records_to_json, ref_targets
 from .state import ParamShard, SyncSpec, _State
+from .tree import swap_module as _swap_module
 from .view import ScheduleView
 
 logger = logging.getLogger(__name__)
@@ -538,29 +539,6 @@ class Schedule(_GraphPrimitives):
         return "\n".join(r.to_python() for r in self._state.records)
 
 
-def _swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
-    """Install `new` at `path` (not the root), carrying over the hooks registered on `old`."""
-    _copy_hooks(old, new)
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, new)
-
-
-def _copy_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Carry the hooks registered on `old` (and its training flag) over to `new`."""
-    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-                 "_backward_pre_hooks"):
-        src = getattr(old, attr, None)
-        dst = getattr(new, attr, None)
-        if src and dst is not None:
-            for k, v in src.items():
-                dst[k] = v
-    if getattr(old, "_is_full_backward_hook", None) is not None:  # full vs legacy backward hooks
-        new._is_full_backward_hook = old._is_full_backward_hook
-    new.train(old.training)
-
-
 def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
     """The root schedule of `model` on `mesh`. The model keeps its definition; nothing changes until
     primitives are applied and `treadle.build` runs."""
@@ -570,6 +548,3 @@ def create_schedule(model: nn.Module, *, mesh: Mesh) -> Schedule:
         raise ScheduleError(f"create_schedule needs mesh=treadle.Mesh(shape, names), got {mesh!r}")
     return Schedule(_State(model=model, mesh=mesh), "", model)
 
-
-# replaying a log on a model lives in replay.py; these names stay importable from here
-from .replay import PRIMITIVES, load_schedule, replay, trusted_load_args  # noqa: E402,F401

@@ -119,7 +119,7 @@ class GraphPrimitives:
         cap = _layer("capture")
         capture_export, capture_fx = cap.capture_export, cap.capture_fx
         record_call, resolve_leaves = cap.record_call, cap.resolve_leaves
-        from .core import _copy_hooks, _swap_module
+        from .tree import copy_hooks as _copy_hooks, swap_module as _swap_module
 
         self._check_not_built("trace")
         if not self.path and "pipeline" in self._state.extras:

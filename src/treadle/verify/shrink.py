@@ -34,7 +34,8 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, create_schedule, replay
+from ..schedule.core import Schedule, create_schedule
+from ..schedule.replay import replay
 from ..schedule.log import Record, Ref
 
 logger = logging.getLogger(__name__)

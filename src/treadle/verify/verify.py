@@ -24,7 +24,8 @@ from torch import nn
 
 from ..errors import TreadleError, VerifyError
 from ..mesh import Mesh
-from ..schedule.core import Schedule, load_schedule, trusted_load_args
+from ..schedule.core import Schedule
+from ..schedule.replay import load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
 from ..loss import call_loss, default_loss
 from ..testing import root_cause, spawn

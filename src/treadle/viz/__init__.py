@@ -11,7 +11,8 @@ from .chrome import chrome_trace, validate_chrome_trace, write_chrome_trace
 from .costs import CommCost, MemoryTotals, ModuleCosts, StepCosts, costs_from_plan
 from .price_timeline import timeline_from_price
 from .profile_timeline import timeline_from_profile
-from .timeline import MemoryPoint, Span, Timeline, timeline_from_costs, timeline_from_plan
+from .plan_timeline import timeline_from_plan
+from .timeline import MemoryPoint, Span, Timeline, timeline_from_costs
 
 __all__ = ["Span", "MemoryPoint", "Timeline", "timeline_from_costs", "timeline_from_plan", "CommCost",
            "ModuleCosts", "MemoryTotals", "StepCosts", "costs_from_plan", "chrome_trace", "write_chrome_trace",

@@ -4,7 +4,8 @@ measured trace with the predicted step."""
 from __future__ import annotations
 
 from .chrome import write_chrome_trace
-from .timeline import Timeline, timeline_from_plan
+from .plan_timeline import timeline_from_plan
+from .timeline import Timeline
 
 
 def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = None,

@@ -15,7 +15,8 @@ from ..units import bytes_unit, fmt_ms
 from .costs import layout_tokens, plan_axes
 from .svg import (MEMORY_COLOURS, PHASE_COLOURS, gantt, mesh_picture, stacked_area,
                   stacked_bar, stream_colour)
-from .timeline import COMPUTE, Timeline, timeline_from_plan
+from .plan_timeline import timeline_from_plan
+from .timeline import COMPUTE, Timeline
 
 PLAN_SECTIONS = ("summary", "mesh", "breakdown", "memory", "layouts", "alternatives", "schedule")
 PROFILE_SECTIONS = ("summary", "modules", "memory")
