@@ -42,7 +42,7 @@ from treadle.errors import PlanError
 from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
 from treadle.planner.capture import capture
-from treadle.planner.plan import plan_model
+from treadle.planner import plan_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30

@@ -75,7 +75,7 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
     import treadle
     from treadle import Mesh
     from treadle.errors import TreadleError
-    from treadle.planner.plan import plan_model
+    from treadle.planner import plan_model
 
     mesh = Mesh(shape, names)
     out = []

@@ -213,7 +213,7 @@ def big_schedules(name: str, ctext: str, batch: int, seq: int):
     from treadle.cost.cluster import parse_cluster
     from treadle.errors import PlanError
     from treadle.planner.meshes import search_clusters
-    from treadle.planner.plan import plan_model
+    from treadle.planner import plan_model
     from treadle.runtime.batch import check_batch
     from treadle.schedule.core import create_schedule
 

@@ -8,7 +8,7 @@ from treadle.models.zoo import named_model
 from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.plan import plan_model
+from treadle.planner import plan_model
 from treadle.forms.data import plan as dp_plan
 
 

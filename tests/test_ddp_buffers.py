@@ -74,7 +74,7 @@ def test_cost_graph_charges_the_same_broadcast_under_ddp_only():
 
 
 def test_plan_estimate_includes_the_broadcast_and_equals_the_price():
-    from treadle.planner.plan import plan_model
+    from treadle.planner import plan_model
 
     torch.manual_seed(0)
     model, x = Scaled(), torch.randn(8, 16)

@@ -18,7 +18,7 @@ from treadle.models.megatron import megatron
 from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.plan import enumerate_roles, plan_model
+from treadle.planner import enumerate_roles, plan_model
 from treadle.pricing import price
 from treadle.forms.data.facts import fsdp_units
 from treadle.verify.verify import verify

@@ -16,7 +16,7 @@ from treadle.cost.collective_cost import all_reduce_time_s
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.ilp import evaluate
-from treadle.planner.plan import plan_model
+from treadle.planner import plan_model
 from treadle.profile.hardware import CPU_CORE
 from treadle.forms.data.plan import terms as dp_terms
 

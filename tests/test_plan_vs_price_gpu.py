@@ -9,7 +9,7 @@ from treadle.cost.cluster import parse_cluster
 from treadle.planner import ilp
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.plan import _shardable_fn, runtime_capabilities
+from treadle.planner.capabilities import runtime_capabilities, shardable_fn as _shardable_fn
 from treadle.forms.data.plan import terms as dp_terms
 from treadle.forms.data.plan import dp_window_s
 from treadle.forms.tensor.plan import chosen_grad_sums_s

@@ -19,7 +19,8 @@ from treadle.planner.checkpoint_dp import ChainBlock, solve_chain
 from treadle.planner.cost_graph import Roles, build_cost_graph
 from treadle.planner.dims import P, R, axis_options, dim_spec, register_dims, unknown_ops
 from treadle.planner.ilp import solve, solve_exhaustive
-from treadle.planner.plan import Plan, _shardable_fn, plan_model, runtime_capabilities
+from treadle.planner import Plan, plan_model
+from treadle.planner.capabilities import runtime_capabilities, shardable_fn as _shardable_fn
 
 
 # ----------------------------------------------------------------------------- models

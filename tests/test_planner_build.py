@@ -9,7 +9,7 @@ import torch
 from treadle.cost.cluster import ClusterSpec
 from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
-from treadle.planner.plan import Plan, plan_model
+from treadle.planner import Plan, plan_model
 from treadle.testing import spawn
 from treadle.verify.verify import verify
 

@@ -12,7 +12,7 @@ from torch import nn
 from treadle.cost.cluster import ClusterSpec
 from treadle.errors import PlanError
 from treadle.mesh import Mesh
-from treadle.planner.plan import plan_model
+from treadle.planner import plan_model
 
 
 def _fake(*shape):

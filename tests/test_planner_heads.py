@@ -13,7 +13,7 @@ from tiny_models import VOCAB, lm_inputs
 from treadle.cost.cluster import ClusterSpec
 from treadle.errors import PlanError
 from treadle.mesh import Mesh
-from treadle.planner.plan import Plan, plan_model
+from treadle.planner import Plan, plan_model
 from treadle.testing import spawn
 from treadle.verify.verify import verify
 

@@ -14,7 +14,8 @@ from treadle.cost.links import LinkSpec
 from treadle.mesh import Mesh
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import Roles, build_cost_graph
-from treadle.planner.plan import Plan, _shardable_fn, plan_model, runtime_capabilities, tied_leaf_holders
+from treadle.planner import Plan, plan_model
+from treadle.planner.capabilities import runtime_capabilities, shardable_fn as _shardable_fn, tied_leaf_holders
 from treadle.forms.vocab.plan import terms as vocab_terms
 
 VOCAB, BATCH, SEQ = 1024, 8, 32
@@ -246,7 +247,7 @@ def test_a_pin_on_either_name_of_a_tied_embedding_binds_it():
     written on ``transformer.wte.weight`` binds it too (it once bound nothing, silently), and two pins that
     disagree on the tied weight are refused."""
     from treadle.errors import PlanError
-    from treadle.planner.plan import tied_pins
+    from treadle.planner.pins import tied_pins
 
     model, inp = gpt2(), inputs()
     assert tied_pins(model, {"transformer.wte.weight": {"tp": 0}})["lm_head.weight"] == {"tp": 0}

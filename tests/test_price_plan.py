@@ -12,7 +12,7 @@ from treadle.errors import PlanError
 from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
 from treadle.planner import ilp
-from treadle.planner.plan import Plan, plan_model
+from treadle.planner import Plan, plan_model
 from treadle.pricing import price
 from treadle.forms.data.plan import terms as dp_terms
 
@@ -210,7 +210,7 @@ def test_an_infeasible_re_solve_bounds_the_bisection_from_below():
     from types import SimpleNamespace
 
     from treadle.planner.ilp import Solution
-    from treadle.planner.plan import _resolve_by_price
+    from treadle.planner.by_price import resolve_by_price as _resolve_by_price
 
     budget, gap, smallest = 1000.0, 300.0, 900.0  # every plan prices 300 B over the solver; none under 900 B fits
 

@@ -59,7 +59,7 @@ def test_the_credit_is_all_reduce_minus_reduce_scatter_of_the_gathered_gradient(
 def test_explain_rows_carry_the_credit_where_the_gradient_sum_was_billed():
     """`Plan.rows` bill each realised gather's credit to the row its input-gradient sum went to, so the rows'
     communication adds up to the solver's (no data parallelism here: nothing else in the total)."""
-    from treadle.planner.plan import _rows
+    from treadle.planner.rows import plan_rows as _rows
 
     g, cg = _cost_graph(llama(n_layer=4, kv=4), inputs(seq=64), cluster(), Roles((), False, ("tp",)))
     sol = ilp.solve(cg, budget_bytes=None)

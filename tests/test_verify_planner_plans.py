@@ -13,7 +13,7 @@ import torch
 from tiny_models import lm_inputs
 from treadle.cost.cluster import ClusterSpec
 from treadle.mesh import Mesh
-from treadle.planner.plan import plan_model
+from treadle.planner import plan_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import verify_planner_plans as V  # noqa: E402

@@ -18,7 +18,7 @@ that has no say at a point costs nothing there. The extension points, grouped by
 - ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
   families, and the same terms computed directly for a choice;
 - decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
-  form; explanation (`treadle.planner.plan`): `adjust_rows`;
+  form; explanation (`treadle.planner.rows`): `adjust_rows`;
 - price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step.
 
 What the runtime installs for a form is registered with `treadle.runtime.steps.register_build_extension`
@@ -134,7 +134,7 @@ class Form:
 
     # ------------------------------------------------------------------ price
     def adjust_rows(self, cg: Any, choice: list[int], rows: dict, shared: dict) -> None:
-        """Add this form's terms to the per-module rows of a plan's explanation (`treadle.planner.plan`; `rows`: path
+        """Add this form's terms to the per-module rows of a plan's explanation (`treadle.planner.rows`; `rows`: path
         -> PlanRow); `shared` carries what one form's rows hand to another's."""
 
     def price_step(self, ctx: Any) -> PriceTerms | None:

@@ -57,7 +57,7 @@ def gpu_cases(only: str | None = None) -> dict:
     from treadle.errors import PlanError
     from treadle.mesh import Mesh
     from treadle.planner.meshes import search_clusters
-    from treadle.planner.plan import plan_model
+    from treadle.planner import plan_model
     from treadle import price
     from treadle.schedule.core import create_schedule
 

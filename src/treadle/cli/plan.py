@@ -101,7 +101,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     from ..cost.cluster import parse_cluster
     from ..models.zoo import load_model, named_model
     from ..planner.explain import mesh_table, plan_table, summary_lines
-    from ..planner.plan import plan_model
+    from ..planner.search import plan_model
 
     console = Console(stderr=True)
     cluster = parse_cluster(args.cluster)

@@ -3,16 +3,20 @@
     plan = plan_model(model, example_inputs, cluster=parse_cluster("2x2:cpu"), memory_budget_bytes=...)
     print(plan.explain()); sch = plan.schedule
 
-Pipeline: `capture` (torch.export, repeated blocks captured small) -> `dims` (strategies by dimension
-algebra) -> `cost_graph` / `node_costs` (units, costs, layout edges) -> `ilp` (HiGHS MILP with checkpoint
-counts) or `checkpoint_dp` (two-stage) -> `to_schedule` (decisions -> primitives) -> `plan.Plan`.
+The steps (`search.plan_model`): `capture` (torch.export, repeated blocks captured small) -> `roles` (what each
+parallel form does with which mesh axis) -> `dims` (strategies by dimension algebra) -> `cost_graph` /
+`node_costs` (units, costs, layout edges; each form's terms) -> `ilp` (HiGHS MILP with checkpoint counts) or
+`checkpoint_dp` (two-stage) -> `by_price` (the best plans priced as built) -> `to_schedule` (decisions ->
+primitives) -> `plan.Plan` (data).
 """
 
 from .capture import CapturedGraph, capture
 from .cost_graph import Roles, TrainSpec
-from .plan import Estimate, Plan, enumerate_roles, plan_model
-from ..pricing import Price, PriceRow, price
+from ..pricing import Estimate, Price, PriceRow, price
+from .plan import Plan
+from .roles import enumerate_roles
+from .search import PlanRequest, plan_model
 from .to_schedule import Decision
 
 __all__ = ["capture", "CapturedGraph", "plan_model", "Plan", "Estimate", "Decision", "Roles", "TrainSpec",
-           "enumerate_roles", "price", "Price", "PriceRow"]
+           "enumerate_roles", "price", "Price", "PriceRow", "PlanRequest"]

@@ -1,0 +1,65 @@
+"""The explanation of a solution: one row per module (layouts, compute, communication, recompute, memory), each
+op billed to the module it came from, each form adding its own terms (`treadle.form.Form.adjust_rows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..form import forms
+from ..placement import R, placement_str
+from .cost_graph import CostGraph
+from .ilp import Solution
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """One module of the explanation (costs over all real blocks it stands for)."""
+
+    path: str
+    count: int
+    layout: str
+    compute_s: float
+    comm_s: float
+    recompute_s: float
+    memory_bytes: float
+
+
+def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
+    """Per-module rows of the chosen strategies. Each op is billed to its own module, also when it was merged
+    into another module's decision unit (NOTE [billing by module] in cost_graph.py)."""
+    g = cg.graph
+    rows: dict[str, PlanRow] = {}
+    ck = {t: c for t, c in sol.ckpt.items()}
+    for u, unit in enumerate(cg.units):
+        k = sol.choice[u]
+        parts = unit.parts[k] if unit.parts is not None else {unit.module: unit.costs[k]}
+        members = unit.strategies[k]
+        layouts: dict[str, list[str]] = {}
+        out_l: dict[str, str] = {}
+        for i, (combo, pub) in members.items():  # leader first, then followers in graph order
+            n = g.nodes[i]
+            for pos, j in enumerate(n.inputs):
+                if g.nodes[j].kind == "param":
+                    pl = tuple(o.ins[pos] for o in combo)
+                    if any(p != R for p in pl):
+                        layouts.setdefault(n.module, []).append(f"{g.nodes[j].param.rsplit('.', 1)[-1]}:" +
+                                                                ",".join(placement_str(p) for p in pl))
+            if n.module not in out_l or n.module != unit.module:  # the leader's layout on its own row
+                out_l[n.module] = ",".join(placement_str(p) for p in pub) if pub else "-"
+        for module, c in parts.items():
+            path = module or "<root>"
+            rec = ck[unit.template] * c.rec_s if unit.template is not None and ck.get(unit.template) else 0.0
+            row = rows.get(path)
+            if row is None:
+                row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
+            row.compute_s += unit.count * c.compute_s
+            row.comm_s += unit.count * (c.comm_s + c.dp_comm_s)  # data-parallel sync before overlap
+            row.recompute_s += rec
+            row.memory_bytes += unit.count * (c.static_bytes + c.act_bytes)
+            desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
+            if desc not in row.layout:
+                row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
+    shared: dict = {}
+    for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
+        f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
+    return list(rows.values())
