@@ -24,6 +24,7 @@ def agree(problem: str | None, *, group: dist.ProcessGroup | None = None) -> Non
         return
     rank, text = bad[0]
     text = text.removeprefix("treadle.run: ")
-    others = f" (and on {len(bad) - 1} more rank{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
-    where = f"rank {rank}: " if world > 1 and len(bad) < world else ""
+    everywhere = len(bad) == world
+    others = f" (and on {len(bad) - 1} more rank{'s' if len(bad) > 2 else ''})" if 1 < len(bad) < world else ""
+    where = f"rank {rank}: " if not everywhere else ""
     raise JobError(f"treadle.run: {where}{text}{others}")
