@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -177,7 +178,7 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals:
             traced = cfg.trace is not None and step == cfg.steps - 1
             with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
                 out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
-                               stop_requested=signals.received is not None)
+                               stop_signal=signals.signum)
             done = step + 1
             if not out.finite:
                 skipped += 1
@@ -201,9 +202,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals:
                 saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None
                 if checkpointer:
                     checkpointer.close()
-                metrics.message(f"treadle.run: stop requested ({signals.received or 'a signal'} on rank"
-                                f"{'s' if len(out.stop_ranks) > 1 else ''} {', '.join(map(str, out.stop_ranks))}) "
-                                f"at step {done} of {cfg.steps}: "
+                got = ", ".join(f"{signal.Signals(n).name} on rank {r}" for r, n in sorted(out.stop_ranks.items()))
+                metrics.message(f"treadle.run: stop requested ({got}) at step {done} of {cfg.steps}: "
                                 + (f"saved {saved}; run the same command to resume" if saved else
                                    "no --ckpt-dir, nothing saved"))
                 return losses

@@ -17,13 +17,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopSignals:
-    """Within ``with StopSignals() as s:``, SIGTERM and SIGUSR1 set `s.received` (the signal's name) instead of
+    """Within ``with StopSignals() as s:``, SIGTERM and SIGUSR1 set `s.received` (the first signal's name) and `s.signum` (its number) instead of
     ending the process; the previous handlers come back on exit. Outside the main thread it does nothing
     (Python delivers signals to the main thread only)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.signals = signals
         self.received: str | None = None
+        self.signum = 0
         self._old: dict[signal.Signals, object] = {}
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
@@ -31,6 +32,7 @@ class StopSignals:
         if self.received is None:
             logger.warning("%s received: saving a checkpoint at the next step boundary, then exiting", name)
         self.received = self.received or name
+        self.signum = self.signum or signum
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
