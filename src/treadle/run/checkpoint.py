@@ -109,14 +109,26 @@ def _nonfinite(sd: dict[str, Any]) -> str | None:
     return None
 
 
-def _save_failure(exc: CheckpointException, step: int) -> str:
-    """One line for a failed DCP save: the first rank's OS error (disk full, permission, ...)."""
+LOW_SPACE_BYTES = 64 * 2**20
+
+
+def _save_failure(exc: CheckpointException, step: int, ckpt_dir: Path) -> str:
+    """One line for a failed DCP save: the first rank's OS error (disk full, permission, ...). torch's
+    serializer reports a short write as a RuntimeError ("unexpected pos"): with under LOW_SPACE_BYTES free
+    (or 1% of the disk) after the failure, it is said as the full disk it is."""
     for rank, (err, _) in sorted(exc.failures.items()):
         if isinstance(err, OSError):
             what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
             return f"rank {rank} could not write checkpoint step {step}: {what}"
     rank, (err, _) = sorted(exc.failures.items())[0]
-    return f"rank {rank} could not write checkpoint step {step}: {type(err).__name__}: {err}"
+    what = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    try:
+        usage = shutil.disk_usage(ckpt_dir)
+    except OSError:
+        usage = None
+    if usage is not None and usage.free < max(LOW_SPACE_BYTES, usage.total // 100):
+        what = f"No space left on device ({usage.free / 2**20:.1f} MiB free; {what})"
+    return f"rank {rank} could not write checkpoint step {step}: {what}"
 
 
 class Checkpointer:
@@ -150,14 +162,14 @@ class Checkpointer:
             try:
                 res = dcp.async_save(sd, storage_writer=writer, process_group=self._group)
             except CheckpointException as exc:
-                self._fail(_save_failure(exc, step), partial)
+                self._fail(_save_failure(exc, step, self.ckpt_dir), partial)
             upload = getattr(res, "upload_completion", res)
             self._pending = self._pool.submit(self._finish_async, upload, partial, final, step)
         else:
             try:
                 dcp.save(sd, storage_writer=writer)
             except CheckpointException as exc:
-                self._fail(_save_failure(exc, step), partial)
+                self._fail(_save_failure(exc, step, self.ckpt_dir), partial)
             self._finish(partial, final, step, group=None)
         logger.info("checkpoint step %d -> %s%s", step, final, " (async)" if self.async_save else "")
         return final
@@ -174,7 +186,7 @@ class Checkpointer:
         try:
             upload.result()
         except CheckpointException as exc:
-            self._fail(_save_failure(exc, step), partial)
+            self._fail(_save_failure(exc, step, self.ckpt_dir), partial)
         self._finish(partial, final, step, group=self._group)
 
     def _finish(self, partial: Path, final: Path, step: int, *, group: dist.ProcessGroup | None) -> None:

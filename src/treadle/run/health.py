@@ -124,7 +124,10 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """End the beats; waits for one in flight (so that none is sent to a store already torn down)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * HEARTBEAT_S)
 
 
 def report_failure(rank: int, message: str, *, echo: bool = False, store: Any = None) -> None:

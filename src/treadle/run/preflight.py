@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .agree import agree
+from .agree import JobError, agree
 from .config import RunConfig, RunError
 from .lock import DirLock
 from .manifest import remove_partials
@@ -57,5 +57,8 @@ def check(cfg: RunConfig) -> DirLock | None:
             problem = f"--ckpt-dir {cfg.ckpt_dir!r}: cannot take the lock {lock.path}: {exc.strerror or exc}"
         except RunError as exc:  # another job holds it
             problem = str(exc)
-    agree(problem)
+    box = [problem]  # the job's lock, held by rank 0: its outcome is every rank's
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise JobError(f"treadle.run: {box[0].removeprefix('treadle.run: ')}")
     return lock
