@@ -304,7 +304,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 240) -> None:
 
 @pytest.mark.slow
 def test_stopped_rank_ends_the_job_within_the_timeout_and_is_the_root_cause(tmp_path):
-    ck, timeout_s = tmp_path / "ck", 10
+    ck, timeout_s = tmp_path / "ck", 15
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-llama", "--data", str(CORPUS),
            "--seq", "16", "--batch", "8", "--recipe", "megatron", "--mesh", "2x2", "--steps", "2000",

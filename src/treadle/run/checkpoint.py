@@ -17,6 +17,7 @@ pickled metadata as data (NOTE [metadata as data], `safe_pickle`) and refuses a 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -134,18 +135,20 @@ def _save_failure(exc: CheckpointException, step: int, ckpt_dir: Path) -> str:
 class Checkpointer:
     """Saves under `ckpt_dir` as NOTE [atomic checkpoint] says, keeping the newest `keep` (0: all).
     `async_save` overlaps writing with training (one save in flight at a time, on its own gloo group so its
-    collectives never interleave with training's; its errors are raised by the next `save` or `wait`).
+    collectives never interleave with training's, bounded by `timeout`; its errors are raised by the next `save`
+    or `wait`).
 
     A save raises JobError on every rank (the same line) when any rank cannot write (disk full, permission),
     when the state to save holds NaN / inf, or when the manifest cannot be written; the unfinished directory
     is removed and the checkpoints already complete are kept."""
 
-    def __init__(self, ckpt_dir: str | Path, *, async_save: bool = False, keep: int = 0):
+    def __init__(self, ckpt_dir: str | Path, *, async_save: bool = False, keep: int = 0,
+                 timeout: datetime.timedelta | None = None):
         self.ckpt_dir = Path(ckpt_dir)
         self.async_save = async_save
         self.keep = keep
         self._pending: Future | None = None
-        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-ckpt") if async_save else None
 
     def save(self, model, opt, layouts, mesh, *, step: int) -> Path:

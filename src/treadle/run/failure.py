@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -42,6 +43,13 @@ def _rest(exc: BaseException) -> str:
 
 def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0]
+
+
+def _short(message: str, limit: int = 160) -> str:
+    """A backend's message without its source location ("[.../pair.cc:537] ") and boilerplate advice."""
+    message = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", message)
+    message = message.split(". This is typically caused", 1)[0]
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def is_fault(exc: BaseException) -> bool:
@@ -102,7 +110,7 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
         health.report_failure(rank, rest, store=store)
         write_error_file(line, timestamp=now, callstack=line)
         return EXIT_USER
-    text = f"{type(exc).__name__}: {first_line(str(exc))}"
+    text = f"{type(exc).__name__}: {_short(first_line(str(exc)))}"
     if not is_fault(exc):  # a bug: its traceback, always
         tb = traceback.format_exc()
         print(f"treadle.run: rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
@@ -118,19 +126,19 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
         write_error_file(line, timestamp=now + 1, callstack=line)
         return EXIT_FAULT
     if culprits:
-        killed = health.stop_local(culprits)
-        for c in culprits:
+        for c in culprits:  # before the kill: the agent reads the file when it sees the process gone
             if c.error_file and c.host == socket.gethostname():
                 why = f"treadle.run: {c.describe()}"
                 write_error_file(why, timestamp=min(c.since_s or now, now - 1), callstack=why, path=c.error_file)
+        local = health.local_and_alive(culprits)
         head = "; ".join(c.describe() for c in culprits[:3]) + (f"; and {len(culprits) - 3} more" if len(culprits) > 3 else "")
         line = (f"treadle.run: {head}; the job ends (rank {rank}: {text})"
-                + (f"; killed rank {', '.join(map(str, killed))} on this host" if killed else ""))
-        key = "culprits " + ",".join(str(c.rank) for c in culprits)
+                + (f"; killing rank {', '.join(str(c.rank) for c in local)} on this host" if local else ""))
+        _say_once(line, "culprits " + ",".join(str(c.rank) for c in culprits), store)
+        health.stop_local(local)
     else:
         line = (f"treadle.run: rank {rank} failed: {text} (a peer rank died or hung past the collective timeout; "
                 f"nothing in the job's store says which)")
-        key = line
-    _say_once(line, key, store)
+        _say_once(line, line, store)
     write_error_file(line, timestamp=now + 1, callstack=line)
     return EXIT_FAULT

@@ -176,7 +176,8 @@ def diagnose(world: int, *, me: int, store: Any = None, wait_s: float = 3.0) -> 
     """The ranks to blame for a failed collective, as seen by rank `me`: ranks that reported an error of their
     own (the first first); else ranks whose process is gone or stopped (this host) or whose heartbeat is stale
     (NOTE [hung rank]); else ranks busy outside any collective while the others wait; else ranks behind the
-    others' step. Waits up to `wait_s` for a culprit to show (a rank that died a moment ago still has a fresh
+    others' step. Ranks that reported an echo of a peer's failure (`report_failure(echo=True)`) are never
+    blamed: they may have exited already. Waits up to `wait_s` for a culprit to show (a rank that died a moment ago still has a fresh
     beat on another host). Empty when the store cannot be read or nobody is to blame."""
     store = store if store is not None else _store()
     if store is None:
@@ -194,9 +195,10 @@ def diagnose(world: int, *, me: int, store: Any = None, wait_s: float = 3.0) -> 
         now = time.time()
         beats = _records(store, world, _BEAT)
         steps = behind(world, store=store)
+        echoed = set(_records(store, world, _ECHO)) | {me}  # failing because of a peer, as this rank is
         silent = []
         for r in range(world):
-            if r == me:
+            if r in echoed:
                 continue
             p = procs.get(r, {})
             last = float(beats.get(r, {}).get("t", 0.0))
@@ -219,7 +221,6 @@ def diagnose(world: int, *, me: int, store: Any = None, wait_s: float = 3.0) -> 
         if time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    echoed = set(_records(store, world, _ECHO)) | {me}
     waiting = [r for r, b in beats.items() if b.get("in_collective") or r in echoed]
     busy = [Culprit(r, f"is busy outside any collective at {b.get('where', '?')} while the others wait (hung)",
                     float(b.get("t", 0)), **_proc_fields(procs.get(r)))
@@ -235,14 +236,17 @@ def _proc_fields(p: dict | None) -> dict[str, Any]:
     return {"host": str(p.get("host", "")), "pid": int(p.get("pid", 0) or 0), "error_file": str(p.get("error_file", ""))}
 
 
+def local_and_alive(culprits: list[Culprit]) -> list[Culprit]:
+    """The culprits that run on this host and are still there (not those that reported an error of their own)."""
+    host = socket.gethostname()
+    return [c for c in culprits if c.host == host and c.pid and not c.own_error and alive_on_this_host(c.pid)]
+
+
 def stop_local(culprits: list[Culprit]) -> list[int]:
     """SIGKILL the culprits that run on this host and are still there (NOTE [hung rank]); returns their ranks.
     Waits up to 2 s for each to be gone (a zombie counts as gone)."""
-    host = socket.gethostname()
     killed = []
-    for c in culprits:
-        if c.host != host or not c.pid or c.own_error or not alive_on_this_host(c.pid):
-            continue
+    for c in local_and_alive(culprits):
         try:
             os.kill(c.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -49,6 +49,7 @@ def init_distributed(timeout_s: float) -> torch.device:
         raise RunError(f"treadle.run: environment {missing} not set; launch with torchrun "
                        f"(torchrun --nproc-per-node N -m treadle.run ...) or use 'treadle run'")
     timeout = timedelta(seconds=timeout_s)
+    bound_subgroup_timeouts(timeout)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -57,6 +58,18 @@ def init_distributed(timeout_s: float) -> torch.device:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
+
+
+def bound_subgroup_timeouts(timeout: timedelta) -> None:
+    """NOTE [sub-group timeout]: `init_process_group(timeout=)` bounds the world's collectives only; the groups
+    DeviceMesh makes per mesh axis (tensor-parallel all-reduces, data-parallel gradient reductions) are created
+    by `new_group` without a timeout, which then takes torch's default of 30 minutes: a hung rank would keep
+    its tensor-parallel peers waiting that long. torch reads that default from `distributed_c10d` when a group
+    is made, so the run sets it to ``--timeout-s`` first (this process is the run's alone)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def build_for(sch, cfg: RunConfig) -> nn.Module:
@@ -150,7 +163,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals:
     opt = make_optimizer(built, layouts, cfg)
     init_optimizer_state(opt)
     start = 0
-    checkpointer = ckpt.Checkpointer(cfg.ckpt_dir, async_save=cfg.async_ckpt, keep=cfg.keep) if cfg.ckpt_dir else None
+    checkpointer = ckpt.Checkpointer(cfg.ckpt_dir, async_save=cfg.async_ckpt, keep=cfg.keep,
+                                     timeout=timedelta(seconds=cfg.timeout_s)) if cfg.ckpt_dir else None
     source = ckpt.resume_source(cfg.resume, cfg.ckpt_dir)
     if source is not None:
         start = ckpt.load(source, built, opt, layouts, mesh)
@@ -266,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit):
             raise
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        with contextlib.suppress(ValueError):  # the agent's SIGTERM to the others must not cut the report short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return failure.report(exc, rank=rank, world=dist.get_world_size() if dist.is_initialized() else 0)
     finally:
         if beat is not None:
