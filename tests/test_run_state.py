@@ -209,11 +209,13 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
         return False
 
 
-def test_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_during_a_save_keeps_the_last_checkpoint(tmp_path, mode):
     ck = tmp_path / "small"
     mounted = _mount_tmpfs(ck, "4m")  # one checkpoint of tiny LLaMA (~2.9 MB) fits, two do not
     try:
-        status, err, _ = _run(["--steps", "4", "--ckpt-every", "1", "--keep", "2", "--ckpt-dir", str(ck)],
+        status, err, _ = _run(["--steps", "4", "--ckpt-every", "1", "--keep", "2", "--ckpt-dir", str(ck),
+                               *(["--async-ckpt"] if mode == "async" else [])],
                               enospc_step=None if mounted else 2)
         assert status == [2, 2], err
         (line,) = _lines(err)

@@ -128,7 +128,7 @@ def _save_failure(exc: CheckpointException, step: int, ckpt_dir: Path) -> str:
     except OSError:
         usage = None
     if usage is not None and usage.free < max(LOW_SPACE_BYTES, usage.total // 100):
-        what = f"No space left on device ({usage.free / 2**20:.1f} MiB free; {what})"
+        what = f"No space left on device ({what})"
     return f"rank {rank} could not write checkpoint step {step}: {what}"
 
 

@@ -8,7 +8,7 @@ bug (then with its traceback).
 
 NOTE [one line per error]: a rank prints a line only if no other rank printed the same one: the job's store
 counts each line (``store.add``); errors every rank meets alike (`agree.JobError`, settings read before the
-process group exists) are said without a rank. A rank that fails because a peer did (an echo: a closed
+process group exists) are said by rank 0 alone, without a rank. A rank that fails because a peer did (an echo: a closed
 connection, a collective timeout) names the peer `health.diagnose` finds (NOTE [hung rank]); when that peer
 reported an error of its own, the echo says nothing. Under ``treadle run`` (TREADLE_RUN_LAUNCHER=1) the ranks
 print nothing but bugs: the launcher prints the root cause's line from its error file.
@@ -105,8 +105,13 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
     now = time.time()
     if isinstance(exc, TreadleError):
         rest = _rest(exc)
-        line = f"treadle.run: {rest}" if isinstance(exc, JobError) or world <= 1 else f"treadle.run: rank {rank}: {rest}"
-        _say_once(line, rest if isinstance(exc, JobError) else line, store)
+        if isinstance(exc, JobError):  # every rank raised it after agreeing: rank 0 (alive) says it
+            line = f"treadle.run: {rest}"
+            if rank == 0:
+                _say_once(line, rest, None)
+        else:
+            line = f"treadle.run: rank {rank}: {rest}" if world > 1 else f"treadle.run: {rest}"
+            _say_once(line, line, store)
         health.report_failure(rank, rest, store=store)
         write_error_file(line, timestamp=now, callstack=line)
         return EXIT_USER
