@@ -355,3 +355,14 @@ def test_treadle_run_preempted_by_sigterm_saves_and_resumes(tmp_path):
                          env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"resumed from {ck / f'step_{step:08d}'}" in res.stdout
+
+
+@pytest.mark.slow
+def test_treadle_run_says_a_failed_job_in_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "treadle.cli", "run", "--nproc", "2", "--model", "tiny-llama",
+                          "--data", str(tmp_path / "missing.txt"), "--steps", "1"],
+                         env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 2
+    (line,) = _lines(res.stderr)  # no torchrun banner, no per-rank echo, no ChildFailedError traceback
+    assert line in [f"treadle run: error: rank {r}: data path '{tmp_path / 'missing.txt'}' does not exist"
+                    for r in (0, 1)], res.stderr

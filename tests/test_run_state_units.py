@@ -327,3 +327,67 @@ def test_a_line_is_said_once_per_job(capsys):
     for _ in range(3):  # three ranks with the same error
         failure._say_once("treadle.run: disk full", "disk full", store)
     assert capsys.readouterr().err == "treadle.run: disk full\n"
+
+
+# ------------------------------------------------------------------------------------------- more refusals
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_refusals(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from treadle.run.checkpoint import _check_metadata, export_hf, verify
+    from treadle.run.manifest import read_manifest
+    from treadle.run.setup import load_run_model
+
+    ck = tmp_path / "step_00000001"
+    _legacy_ckpt(ck)
+    _with_manifest(ck)
+    doc = json.loads((ck / "manifest.json").read_text())
+    del doc["files"][".metadata"]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="lists no .metadata"):
+        read_manifest(ck)
+    (ck / ".metadata").write_bytes(pickle.dumps(Metadata({"model.w": MetadataIndex("model.w")})))
+    (ck / "manifest.json").unlink()
+    with pytest.raises(RunError, match=r"model.w is a MetadataIndex, not a tensor"):
+        _check_metadata(ck, {"model.w": (2, 3)})
+    # an older treadle's checkpoint (no manifest) with a truncated shard: refused by DCP's reader, in one line
+    model = load_run_model("tiny-gpt2", seq=8, seed=0)
+    old = tmp_path / "step_00000002"
+    _legacy_ckpt(old, **{f"model.{n}": p.detach().clone() for n, p in model.named_parameters()})
+    assert verify(old) == []  # nothing to check it against
+    shard = old / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(RunError, match=rf"checkpoint {old} could not be read on rank 0: "):
+        export_hf(old, model, tmp_path / "hf")
+
+
+def test_failure_reports(tmp_path, capsys, monkeypatch):
+    from treadle.run import failure
+    from treadle.run.agree import JobError
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert failure.report(JobError("treadle.run: disk full"), rank=1, world=2) == 2
+    assert capsys.readouterr().err == ""  # said by rank 0
+    doc = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert doc["message"] == "treadle.run: disk full" and int(doc["extraInfo"]["timestamp"]) > 0
+    assert failure.report(JobError("treadle.run: disk full"), rank=0, world=2) == 2
+    assert capsys.readouterr().err == "treadle.run: disk full\n"
+    assert failure.report(RunError("treadle.run: no such file"), rank=1, world=2) == 2
+    assert capsys.readouterr().err == "treadle.run: rank 1: no such file\n"
+    err = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Connection closed by peer. This is typically caused by x")
+    assert failure.report(err, rank=0, world=2) == 1
+    assert capsys.readouterr().err == ("treadle.run: rank 0 failed: RuntimeError: Connection closed by peer (a peer "
+                                       "rank died or hung past the collective timeout; nothing in the job's store "
+                                       "says which)\n")
+    try:
+        raise KeyError("a bug")
+    except KeyError as exc:
+        assert failure.report(exc, rank=1, world=2) == 1
+    out = capsys.readouterr().err
+    assert out.startswith("treadle.run: rank 1 failed:\nTraceback") and "KeyError: 'a bug'" in out
+    monkeypatch.setenv(failure.LAUNCHER_ENV, "1")  # under `treadle run`: the launcher says it
+    assert failure.report(RunError("treadle.run: quiet"), rank=0, world=1) == 2
+    assert capsys.readouterr().err == ""
+    assert failure.report_before_start(RunError("treadle.run: --batch must be >= 1")) == 2
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == \
+        "treadle.run: --batch must be >= 1"

@@ -321,6 +321,18 @@ def _check_metadata(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[st
     return md
 
 
+def _dcp_load(sd: dict[str, Any], path: Path, *, no_dist: bool = False) -> None:
+    """`dcp.load` through SafeReader; a file that cannot be read (only an older treadle's checkpoint, without a
+    manifest, gets this far damaged) raises JobError naming the checkpoint and the rank."""
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)), no_dist=no_dist)
+    except CheckpointException as exc:
+        rank, (err, _) = sorted(exc.failures.items())[0]
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise JobError(f"treadle.run: checkpoint {path} could not be read on rank {rank}: {type(err).__name__}: "
+                       f"{text}") from None
+
+
 @torch.no_grad()
 def load(path: str | Path, model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, ParamLayout],
          mesh: Mesh) -> int:
@@ -349,12 +361,7 @@ def load(path: str | Path, model: nn.Module, opt: torch.optim.Optimizer, layouts
                 and (k != "rng.cuda" or mesh.device.type == "cuda")]
     for k in rng_keys:
         sd[k] = torch.empty(tuple(md[k].size), dtype=torch.uint8)
-    try:
-        dcp.load(sd, storage_reader=SafeReader(str(path)))
-    except CheckpointException as exc:  # files the manifest could not vouch for (an older treadle's checkpoint)
-        rank, (err, _) = sorted(exc.failures.items())[0]
-        raise JobError(f"treadle.run: checkpoint {path} could not be read on rank {rank}: {type(err).__name__}: "
-                       f"{str(err).splitlines()[0] if str(err) else ''}") from None
+    _dcp_load(sd, path)
     for key, t, name in entries:
         dst = _local(t)
         src = layouts[name].local_from_full(sd[key], t, mesh) if key in fallbacks else sd[key].to_local()
@@ -392,7 +399,7 @@ def export_hf(path: str | Path, model: nn.Module, out_dir: str | Path) -> Path:
         raise _refuse(path, problems)
     _check_metadata(path, {f"model.{n}": tuple(p.shape) for n, p in params.items()})
     sd = {f"model.{n}": torch.empty_like(p) for n, p in params.items()}
-    dcp.load(sd, storage_reader=SafeReader(str(path)), no_dist=True)
+    _dcp_load(sd, path, no_dist=True)
     for n, p in params.items():
         p.copy_(sd[f"model.{n}"])
     model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -235,6 +235,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals:
                     metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
                 except OSError as exc:
                     problem = f"--export-hf {cfg.export_hf}: {exc.strerror or exc}"
+                except TreadleError as exc:  # the others wait in `agree`: tell them
+                    problem = str(exc)
             agree(problem)
     finally:
         metrics.close()

@@ -39,6 +39,9 @@ _ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
+_TORCH_NAMES = frozenset({"Size", *(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))})
+
+
 class MetadataRefused(RunError):
     """A ``.metadata`` names a global outside NOTE [metadata as data]: not a DCP checkpoint's, refused."""
 
@@ -49,8 +52,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
+        if module == "torch" and name in _TORCH_NAMES:  # looked up in torch's own namespace, nothing imported
+            return vars(torch)[name]
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise MetadataRefused(f"treadle.run: checkpoint metadata {self._path} refers to {module}.{name}, which DCP "
