@@ -363,6 +363,7 @@ def test_treadle_run_says_a_failed_job_in_one_line(tmp_path):
                           "--data", str(tmp_path / "missing.txt"), "--steps", "1"],
                          env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 2
+    assert len(_lines(res.stderr)) == 1, res.stderr
     (line,) = _lines(res.stderr)  # no torchrun banner, no per-rank echo, no ChildFailedError traceback
     assert line in [f"treadle run: error: rank {r}: data path '{tmp_path / 'missing.txt'}' does not exist"
                     for r in (0, 1)], res.stderr

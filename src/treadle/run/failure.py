@@ -136,7 +136,8 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
                 why = f"treadle.run: {c.describe()}"
                 write_error_file(why, timestamp=min(c.since_s or now, now - 1), callstack=why, path=c.error_file)
         local = health.local_and_alive(culprits)
-        head = "; ".join(c.describe() for c in culprits[:3]) + (f"; and {len(culprits) - 3} more" if len(culprits) > 3 else "")
+        more = f"; and {len(culprits) - 3} more" if len(culprits) > 3 else ""
+        head = "; ".join(c.describe() for c in culprits[:3]) + more
         line = (f"treadle.run: {head}; the job ends (rank {rank}: {text})"
                 + (f"; killing rank {', '.join(str(c.rank) for c in local)} on this host" if local else ""))
         _say_once(line, "culprits " + ",".join(str(c.rank) for c in culprits), store)

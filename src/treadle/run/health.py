@@ -177,8 +177,8 @@ def diagnose(world: int, *, me: int, store: Any = None, wait_s: float = 3.0) -> 
     own (the first first); else ranks whose process is gone or stopped (this host) or whose heartbeat is stale
     (NOTE [hung rank]); else ranks busy outside any collective while the others wait; else ranks behind the
     others' step. Ranks that reported an echo of a peer's failure (`report_failure(echo=True)`) are never
-    blamed: they may have exited already. Waits up to `wait_s` for a culprit to show (a rank that died a moment ago still has a fresh
-    beat on another host). Empty when the store cannot be read or nobody is to blame."""
+    blamed: they may have exited already. Waits up to `wait_s` for a culprit to show (a rank that died a moment
+    ago still has a fresh beat on another host). Empty when the store cannot be read or nobody is to blame."""
     store = store if store is not None else _store()
     if store is None:
         return []
@@ -233,7 +233,8 @@ def diagnose(world: int, *, me: int, store: Any = None, wait_s: float = 3.0) -> 
 
 def _proc_fields(p: dict | None) -> dict[str, Any]:
     p = p or {}
-    return {"host": str(p.get("host", "")), "pid": int(p.get("pid", 0) or 0), "error_file": str(p.get("error_file", ""))}
+    return {"host": str(p.get("host", "")), "pid": int(p.get("pid", 0) or 0),
+            "error_file": str(p.get("error_file", ""))}
 
 
 def local_and_alive(culprits: list[Culprit]) -> list[Culprit]:

@@ -125,14 +125,13 @@ def train(cfg: RunConfig) -> list[float]:
         raise JobError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
     lock = preflight.check(cfg)
     try:
-        with StopSignals() as signals:
-            return _train(cfg, device, rank, world, signals)
+        return _train(cfg, device, rank, world)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals: StopSignals) -> list[float]:
+def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[float]:
     model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed, meta=cfg.init == "meta")
     if device.type == "cuda":  # build slices on the device the weights are on (meta ones: on the mesh's)
         if cfg.init == "meta":
@@ -181,65 +180,68 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int, signals:
     losses = []
     tokens_per_step = cfg.batch * cfg.seq
     skipped = 0
-    try:
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            idx = sampler.indices(step, dp_rank)
-            micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
-            traced = cfg.trace is not None and step == cfg.steps - 1
-            with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
-                out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
-                               stop_signal=signals.signum)
-            done = step + 1
-            if not out.finite:
-                skipped += 1
-                if skipped > cfg.skip_nonfinite:
+    # SIGTERM / SIGUSR1 save at the next step boundary only inside the loop: before it there is nothing to save,
+    # and a rank torchrun's agent stops (a peer failed during setup) must end at once
+    with StopSignals() as signals:
+        try:
+            for step in range(start, cfg.steps):
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                idx = sampler.indices(step, dp_rank)
+                micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
+                traced = cfg.trace is not None and step == cfg.steps - 1
+                with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
+                    out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
+                                   stop_signal=signals.signum)
+                done = step + 1
+                if not out.finite:
+                    skipped += 1
+                    if skipped > cfg.skip_nonfinite:
+                        if checkpointer:
+                            checkpointer.wait()
+                        kept = ckpt.latest(cfg.ckpt_dir) if cfg.ckpt_dir else None
+                        raise NonFiniteError(f"treadle.run: {out.nonfinite_text(done)}: stopped, nothing of this state "
+                                             f"saved ({f'the newest checkpoint is {kept}' if kept else 'no checkpoint'}"
+                                             f"); --skip-nonfinite {skipped} would skip such steps")
+                    logger.warning("%s: optimizer step skipped (%d of --skip-nonfinite %d)", out.nonfinite_text(done),
+                                   skipped, cfg.skip_nonfinite)
+                step_s = time.perf_counter() - t0
+                losses.append(out.loss)
+                mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
+                metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
+                                        tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
+                                        mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(done)))
+                health.mark(done)
+                if out.stop_ranks:
+                    saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None
                     if checkpointer:
-                        checkpointer.wait()
-                    kept = ckpt.latest(cfg.ckpt_dir) if cfg.ckpt_dir else None
-                    raise NonFiniteError(f"treadle.run: {out.nonfinite_text(done)}: stopped, nothing of this state "
-                                         f"saved ({f'the newest checkpoint is {kept}' if kept else 'no checkpoint'}"
-                                         f"); --skip-nonfinite {skipped} would skip such steps")
-                logger.warning("%s: optimizer step skipped (%d of --skip-nonfinite %d)", out.nonfinite_text(done),
-                               skipped, cfg.skip_nonfinite)
-            step_s = time.perf_counter() - t0
-            losses.append(out.loss)
-            mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
-            metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
-                                    tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                                    mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(done)))
-            health.mark(done)
-            if out.stop_ranks:
-                saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None
-                if checkpointer:
-                    checkpointer.close()
-                got = ", ".join(f"{signal.Signals(n).name} on rank {r}" for r, n in sorted(out.stop_ranks.items()))
-                metrics.message(f"treadle.run: stop requested ({got}) at step {done} of {cfg.steps}: "
-                                + (f"saved {saved}; run the same command to resume" if saved else
-                                   "no --ckpt-dir, nothing saved"))
-                return losses
-            if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
-                checkpointer.save(built, opt, layouts, mesh, step=done)
-        if checkpointer:
-            checkpointer.close()
-        if cfg.export_hf:
-            dist.barrier()
-            problem = None
-            if rank == 0:
-                fresh = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
-                try:
-                    ckpt.export_hf(ckpt.step_dir(cfg.ckpt_dir, cfg.steps), fresh, cfg.export_hf)
-                    metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
-                except OSError as exc:
-                    problem = f"--export-hf {cfg.export_hf}: {exc.strerror or exc}"
-                except TreadleError as exc:  # the others wait in `agree`: tell them
-                    problem = str(exc)
-            agree(problem)
-    finally:
-        metrics.close()
+                        checkpointer.close()
+                    got = ", ".join(f"{signal.Signals(n).name} on rank {r}" for r, n in sorted(out.stop_ranks.items()))
+                    metrics.message(f"treadle.run: stop requested ({got}) at step {done} of {cfg.steps}: "
+                                    + (f"saved {saved}; run the same command to resume" if saved else
+                                       "no --ckpt-dir, nothing saved"))
+                    return losses
+                if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
+                    checkpointer.save(built, opt, layouts, mesh, step=done)
+            if checkpointer:
+                checkpointer.close()
+            if cfg.export_hf:
+                dist.barrier()
+                problem = None
+                if rank == 0:
+                    fresh = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
+                    try:
+                        ckpt.export_hf(ckpt.step_dir(cfg.ckpt_dir, cfg.steps), fresh, cfg.export_hf)
+                        metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
+                    except OSError as exc:
+                        problem = f"--export-hf {cfg.export_hf}: {exc.strerror or exc}"
+                    except TreadleError as exc:  # the others wait in `agree`: tell them
+                        problem = str(exc)
+                agree(problem)
+        finally:
+            metrics.close()
     return losses
 
 

@@ -17,9 +17,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopSignals:
-    """Within ``with StopSignals() as s:``, SIGTERM and SIGUSR1 set `s.received` (the first signal's name) and `s.signum` (its number) instead of
-    ending the process; the previous handlers come back on exit. Outside the main thread it does nothing
-    (Python delivers signals to the main thread only)."""
+    """Within ``with StopSignals() as s:``, SIGTERM and SIGUSR1 set `s.received` (the first signal's name) and
+    `s.signum` (its number) instead of ending the process; the previous handlers come back on exit. Outside the
+    main thread it does nothing (Python delivers signals to the main thread only)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.signals = signals

@@ -54,8 +54,9 @@ def run_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, Pa
              autocast: contextlib.AbstractContextManager | None = None, stop_signal: int = 0) -> StepOutcome:
     """One optimizer step of the built `model` on this rank's `micro_batches` (each (b, S) token ids; gradients
     accumulate over them, DDP syncing on the last only). Collective: one all-reduce of 3 x world float64 (module
-    docstring); `stop_signal` is the number of a signal asking this rank to stop (0: none). Clips by the global norm and applies AdamW only when every rank's loss and gradient are finite;
-    else the gradients are dropped and the parameters and optimizer state stay as they were."""
+    docstring); `stop_signal` is the number of a signal asking this rank to stop (0: none). Clips by the global
+    norm and applies AdamW only when every rank's loss and gradient are finite; else the gradients are dropped
+    and the parameters and optimizer state stay as they were."""
     device = mesh.device
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
