@@ -137,3 +137,27 @@ def test_verify_compares_every_rank_at_every_step():
     report = treadle.verify(sch, {"x": torch.randn(4, 8)}, steps=2, timeout_s=60, raise_on_mismatch=False)
     bad = {c.name for c in report.failures()}
     assert bad == {"step 1 rank 1 vs rank 0", "<model> after step 1"}, report.summary()
+
+
+class _RaisesBeforeAnyCollectiveOnRank1(nn.Module):
+    """Under DDP the forward has no collective: rank 1 raises while rank 0 goes on to the backward's
+    all-reduce and fails there with a closed connection, an echo that must not hide rank 1's error."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("injected failure on rank 1")
+        return self.fc(x)
+
+
+def test_verify_reports_the_raising_rank_not_the_peer_that_failed_after_it():
+    torch.manual_seed(0)
+    sch = treadle.create_schedule(_RaisesBeforeAnyCollectiveOnRank1(), mesh=Mesh((2,), ("dp",)))
+    sch.data_parallel(axis="dp")
+    with pytest.raises(VerifyError) as info:
+        treadle.verify(sch, {"x": torch.randn(4, 8)}, timeout_s=60)
+    assert str(info.value) == ("verify FAILED: rank 1: forward failed in module '<model>': RuntimeError: injected "
+                               "failure on rank 1")

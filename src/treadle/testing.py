@@ -155,6 +155,52 @@ def _exit_text(code: int | None) -> str:
 
 GRACE_S = 3.0  # after a first failure: time for the other ranks to report their own errors
 
+# NOTE [process count]: a mesh is data, and a schedule file can ask for any size; one CPU rank costs a process
+# with torch imported (a few hundred MiB) and a share of the cores. Before anything starts, a process count on
+# this host is refused above `process_limit()`: 8 per core (at least 16), and no more than the available memory
+# at RANK_MEMORY_BYTES each. TREADLE_MAX_PROCS=N replaces the limit (the explicit override).
+MAX_PROCS_ENV = "TREADLE_MAX_PROCS"
+PROCS_PER_CORE = 8
+MIN_PROCS_LIMIT = 16
+RANK_MEMORY_BYTES = 256 * 2**20
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def process_limit() -> tuple[int, str]:
+    """(the most processes this host may start for one job, the rule that set it): NOTE [process count]."""
+    override = os.environ.get(MAX_PROCS_ENV, "").strip()
+    if override:
+        try:
+            return max(1, int(override)), f"{MAX_PROCS_ENV}={override}"
+        except ValueError:
+            raise SpawnError(f"{MAX_PROCS_ENV}={override!r} is not a number of processes") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit, rule = max(MIN_PROCS_LIMIT, PROCS_PER_CORE * cores), f"{PROCS_PER_CORE} per core on {cores} cores"
+    avail = _available_memory_bytes()
+    if avail is not None and avail // RANK_MEMORY_BYTES < limit:
+        limit = max(1, avail // RANK_MEMORY_BYTES)
+        rule = f"{RANK_MEMORY_BYTES // 2**20} MiB each in {avail / 2**30:.1f} GiB available memory"
+    return limit, rule
+
+
+def check_process_count(n: int, *, where: str) -> None:
+    """Raise SpawnError (one line, naming `where`) when `n` processes on this host exceed `process_limit()`
+    (NOTE [process count]), before anything starts."""
+    limit, rule = process_limit()
+    if n > limit:
+        raise SpawnError(f"{where}: {n:,} processes on this host exceed the limit of {limit:,} ({rule}); use a "
+                         f"smaller mesh, or set {MAX_PROCS_ENV}=N to allow N processes")
+
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` gloo ranks; return results by rank.
@@ -162,12 +208,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     `fn` must be importable by name (module level). Results travel back through `torch.save`, so tensors
     and plain data are fine. Raises SpawnError leading with the root cause (NOTE [root cause]): the rank that
     died first with its exit code or signal, a rank that exited without reporting, the exception and
-    traceback of a rank that raised; or, after `timeout_s` (counted from the call; the whole call ends within
-    about 10% more), the ranks still running, each with where its heartbeat last saw it, the hung ones first.
-    Every rank is killed before spawn returns or raises.
+    traceback of a rank that raised (then the error has `root_rank` and `rank_errors`, rank -> "Type: message
+    + traceback"); or, after `timeout_s` (counted from the call; the whole call ends within about 10% more),
+    the ranks still running, each with where its heartbeat last saw it, the hung ones first. Every rank is
+    killed before spawn returns or raises. Raises SpawnError before starting any when `world_size` exceeds
+    this host's NOTE [process count].
     """
     if world_size < 1:
         raise SpawnError(f"spawn: world_size must be >= 1, got {world_size}")
+    check_process_count(world_size, where="spawn")
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     ctx = _context()
@@ -240,8 +289,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     if errors:
         first = root_cause(errors)
         also = sorted(set(errors) - {first})
-        raise SpawnError(f"spawn: rank {first} of {world_size} failed:\n{errors[first]}"
+        err = SpawnError(f"spawn: rank {first} of {world_size} failed:\n{errors[first]}"
                          + (f"\n(ranks {also} failed after it)" if also else ""))
+        err.root_rank, err.rank_errors = first, dict(errors)  # for callers that word it their way (verify)
+        raise err
     missing = [r for r in range(world_size) if r not in results]
     if missing:
         raise SpawnError(_hang_message(missing, world_size, timeout_s, elapsed_s, last_beat, results))

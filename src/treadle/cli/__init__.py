@@ -68,6 +68,3 @@ def one_line(exc: BaseException) -> str:
     first, _, rest = text.partition("\n")
     return first + (" (more with --debug)" if rest.strip() else "")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import subprocess
+import logging
+import os
 import sys
+from typing import Any
 
-from .config import RunConfig, add_arguments
+from .config import RunConfig, RunError, add_arguments, config_from_args
+from .failure import EXIT_USER, LAUNCHER_ENV
 
 
 def forwarded_args(args: argparse.Namespace) -> list[str]:
@@ -30,13 +33,56 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _run(args: argparse.Namespace) -> int:
-    from ..testing import free_port
+def _root_cause_line(exc: Any) -> tuple[str, int]:
+    """(one line, exit status) for torchrun's ChildFailedError: the first failure's message (the line its rank
+    wrote to its error file, `failure`), else its signal or exit code."""
+    rank, f = exc.get_first_failure()
+    msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+    if not msg.startswith("treadle.run: "):
+        msg = f"rank {rank} (pid {f.pid}) " + (f"killed by {f.signal_name()}" if f.exitcode < 0 else
+                                               f"exited with code {f.exitcode}") + (f": {msg}" if msg else "")
+    return msg.strip().split("\n", 1)[0].removeprefix("treadle.run: "), EXIT_USER if f.exitcode == EXIT_USER else 1
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "treadle.run",
-           *forwarded_args(args)]
-    return subprocess.call(cmd)
+
+def _run(args: argparse.Namespace) -> int:
+    """Launch torchrun's agent in this process (no second interpreter, no ChildFailedError traceback): the
+    settings and the process count are checked first; a failed job is said in one line, the root cause's."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_args, run as torchrun
+
+    from ..testing import check_process_count, free_port
+
+    if args.nproc < 1:
+        raise RunError(f"--nproc must be >= 1 (processes on this host), got {args.nproc}")
+    check_process_count(args.nproc, where="--nproc")
+    try:
+        config_from_args(args)  # every setting checked here, once, before any process starts
+    except RunError as exc:  # said by treadle's CLI as "treadle run: error: ..."
+        raise RunError(str(exc).removeprefix("treadle.run: ")) from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # what each rank uses (loop)
+    argv = ["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "treadle.run", *forwarded_args(args)]
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    if not getattr(args, "verbose", 0):
+        elastic.setLevel(logging.CRITICAL)  # its "closing signal" / "failed (exitcode)" lines: said below instead
+    os.environ[LAUNCHER_ENV] = "1"  # the ranks leave the saying to this process (failure module)
+    try:
+        torchrun(torchrun_args(argv))
+    except ChildFailedError as exc:
+        line, status = _root_cause_line(exc)
+        print(f"treadle run: error: {line}", file=sys.stderr)
+        return status
+    except SignalException as exc:
+        print(f"treadle run: {exc.sigval.name} received: the ranks save a checkpoint at the next step boundary "
+              f"when they can (see above), then stop", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
+        elastic.setLevel(level)
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -87,7 +87,12 @@ class RunConfig:
     """Peak FLOP/s for MFU: a preset name, ``cpu`` (calibrated), ``none``; ``auto``: the CUDA preset by
     device name, none on CPU."""
     timeout_s: float = 300.0
-    """Collective timeout: a dead or hung rank ends the job after at most this long."""
+    """Collective timeout: a dead or hung rank ends the job after at most this long (plus ~10%)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints in `ckpt_dir` (older ones are deleted after a save; 0: all)."""
+    skip_nonfinite: int = 0
+    """Steps whose loss or gradient norm is NaN / inf whose optimizer step may be skipped (logged) before the
+    run stops; 0: the first such step stops the run (nothing of that state is ever saved)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -104,6 +109,11 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise RunError(f"treadle.run: --{name.replace('_', '-')} must be >= 1, got {v}")
+        for name in ("keep", "skip_nonfinite"):
+            if getattr(self, name) < 0:
+                raise RunError(f"treadle.run: --{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise RunError(f"treadle.run: --timeout-s must be > 0 seconds, got {self.timeout_s}")
         if self.warmup_steps < 0 or self.ckpt_every < 0 or self.log_every < 1:
             raise RunError(f"treadle.run: need warmup_steps >= 0, ckpt_every >= 0, log_every >= 1; got "
                            f"{self.warmup_steps}, {self.ckpt_every}, {self.log_every}")
@@ -166,15 +176,21 @@ def load_toml(path: str) -> dict[str, Any]:
         raise RunError(f"treadle.run: config file {path!r} does not exist")
     try:
         raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
         raise RunError(f"treadle.run: cannot read {path}: {exc}") from exc
     out = {}
     for k, v in raw.items():
         key = k.replace("-", "_")
-        if key == "memory_budget" and isinstance(v, str):
-            key, v = "memory_budget_bytes", _bytes(v)
+        if key == "memory_budget":  # a size with a unit ("16GiB") or a number of bytes
+            key = "memory_budget_bytes"
+            if isinstance(v, str):
+                try:
+                    v = _bytes(v)
+                except ValueError:
+                    raise RunError(f"treadle.run: {path}: {k} {v!r} is not a size; write e.g. '16GiB'") from None
         if key not in _FIELDS:
             raise RunError(f"treadle.run: {path}: unknown key {k!r}; known: {sorted(_FIELDS)}")
+        _check_toml_type(path, k, v, str(_FIELDS[key].type))
         out[key] = v
     if isinstance(out.get("data"), str):
         out["data"] = [out["data"]]
@@ -186,6 +202,32 @@ def load_toml(path: str) -> dict[str, Any]:
         except TreadleError as exc:
             raise RunError(f"treadle.run: {exc}") from None
     return out
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "list[str]": "a string or a list of strings", "tuple[float, float]": "a list of two numbers"}
+
+
+def _toml_kind(v: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a table"}
+    return next((n for t, n in names.items() if type(v) is t), type(v).__name__)
+
+
+def _check_toml_type(path: str, key: str, v: Any, type_text: str) -> None:
+    """Raise RunError naming the file, key, expected and found type when TOML value `v` cannot be a RunConfig
+    field of type `type_text` (the annotation's text; ``X | None`` takes an X: TOML has no null)."""
+    base = type_text.removesuffix(" | None")
+    if base.startswith("Literal") or base == "Precision":
+        base = "str"
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": number, "bool": isinstance(v, bool),
+          "str": isinstance(v, str),
+          "list[str]": isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+          "tuple[float, float]": isinstance(v, list) and len(v) == 2
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}.get(base, True)
+    if not ok:
+        raise RunError(f"treadle.run: {path}: {key} must be {_TYPE_NAMES.get(base, base)}, got {v!r} "
+                       f"({_toml_kind(v)})")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

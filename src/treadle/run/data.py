@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,18 @@ def list_files(paths: list[str]) -> list[Path]:
 
 def read_documents(path: Path, *, text_field: str = "text") -> list[str]:
     """The documents of one file: a text file is one document; JSONL gives `text_field` of each line; Parquet
-    the `text_field` column (needs pyarrow). Raises RunError naming the file and line for malformed input."""
+    the `text_field` column (needs pyarrow). Raises RunError naming the file (and line) for malformed input:
+    bad JSON, JSON nested too deeply to parse, text that is not UTF-8, a file that is not Parquet, or one the
+    operating system cannot read."""
+    try:
+        return _read_documents(path, text_field=text_field)
+    except UnicodeDecodeError as exc:
+        raise RunError(f"treadle.run: {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise RunError(f"treadle.run: cannot read data file {path}: {exc.strerror or exc}") from None
+
+
+def _read_documents(path: Path, *, text_field: str) -> list[str]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         docs = []
@@ -59,6 +71,10 @@ def read_documents(path: Path, *, text_field: str = "text") -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RunError(f"treadle.run: {path}:{i}: not a JSON line ({exc.msg})") from None
+            except RecursionError:
+                raise RunError(f"treadle.run: {path}:{i}: JSON nested too deeply to read (more than about "
+                               f"{sys.getrecursionlimit()} levels); a document is an object with a "
+                               f"{text_field!r} string") from None
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
                 raise RunError(f"treadle.run: {path}:{i}: no string field {text_field!r} "
                                f"(set --text-field); keys: {sorted(row) if isinstance(row, dict) else type(row).__name__}")
@@ -66,13 +82,22 @@ def read_documents(path: Path, *, text_field: str = "text") -> list[str]:
         return docs
     if suffix == ".parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise RunError(f"treadle.run: {path} is Parquet; install pyarrow to read it") from None
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: not Parquet, truncated, bad footer
+            raise RunError(f"treadle.run: {path} is not a readable Parquet file: {exc}") from None
         if text_field not in table.column_names:
             raise RunError(f"treadle.run: {path}: no column {text_field!r}; columns: {table.column_names}")
-        return [t for t in table.column(text_field).to_pylist() if t]
+        values = table.column(text_field).to_pylist()
+        bad = next((i for i, t in enumerate(values) if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
+            raise RunError(f"treadle.run: {path}: column {text_field!r} holds {type(values[bad]).__name__} at row "
+                           f"{bad}, not text; set --text-field to a string column")
+        return [t for t in values if t]
     return [path.read_text(encoding="utf-8", errors="replace")]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -23,13 +24,16 @@ from torch import nn
 
 from ..errors import TreadleError
 from . import checkpoint as ckpt
-from . import health
+from . import failure, health, preflight
+from .agree import JobError, agree
 from .config import RunConfig, RunError
 from .data import Sampler, make_tokenizer, pack, split_batch
 from .layout import layouts as param_layouts, shards_by_name, unwrap
 from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
-from .optim import clip_grads, init_optimizer_state, lr_at, make_optimizer
+from .optim import init_optimizer_state, lr_at, make_optimizer
+from .preempt import StopSignals
 from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs
+from .step import run_step
 from ..viz.measured import profiled_step
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ def init_distributed(timeout_s: float) -> torch.device:
         raise RunError(f"treadle.run: environment {missing} not set; launch with torchrun "
                        f"(torchrun --nproc-per-node N -m treadle.run ...) or use 'treadle run'")
     timeout = timedelta(seconds=timeout_s)
+    bound_subgroup_timeouts(timeout)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -53,6 +58,18 @@ def init_distributed(timeout_s: float) -> torch.device:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
+
+
+def bound_subgroup_timeouts(timeout: timedelta) -> None:
+    """NOTE [sub-group timeout]: `init_process_group(timeout=)` bounds the world's collectives only; the groups
+    DeviceMesh makes per mesh axis (tensor-parallel all-reduces, data-parallel gradient reductions) are created
+    by `new_group` without a timeout, which then takes torch's default of 30 minutes: a hung rank would keep
+    its tensor-parallel peers waiting that long. torch reads that default from `distributed_c10d` when a group
+    is made, so the run sets it to ``--timeout-s`` first (this process is the run's alone)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def build_for(sch, cfg: RunConfig) -> nn.Module:
@@ -88,36 +105,33 @@ def _compile_blocks(model: nn.Module, device: torch.device) -> int:
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict, mesh, micro_batches: list[torch.Tensor], *,
                clip_norm: float | None, autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
-    """One optimizer step of the built `model` on this rank's `micro_batches` (each (b, S) token ids; gradients
-    accumulate over them, DDP syncing on the last only). Returns (loss, gradient norm before clipping): the
-    loss averaged over micro-batches and over all ranks (tensor-parallel replicas hold the same loss)."""
-    device = mesh.device
-    accum = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
-    for i, ids in enumerate(micro_batches):
-        ids = ids.to(device)
-        sync = contextlib.nullcontext()
-        if i < accum - 1 and isinstance(model, nn.parallel.DistributedDataParallel):
-            sync = model.no_sync()
-        with sync:
-            with autocast or contextlib.nullcontext():
-                loss = model(input_ids=ids, labels=ids).loss / accum  # the form model_inputs checked
-            loss.backward()
-        loss_sum += loss.detach().float()
-    pending = dist.all_reduce(loss_sum, async_op=True)  # overlaps the clip and the optimizer step
-    norm = clip_grads(model, layouts, mesh, clip_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    pending.wait()
-    return float(loss_sum) / dist.get_world_size(), norm
+    """One optimizer step (`step.run_step`, which skips the update of a non-finite step). Returns (loss,
+    gradient norm before clipping): the loss averaged over micro-batches and over all ranks (tensor-parallel
+    replicas hold the same loss)."""
+    out = run_step(model, opt, layouts, mesh, micro_batches, clip_norm=clip_norm, autocast=autocast)
+    return out.loss, out.grad_norm
+
+
+class NonFiniteError(JobError):
+    """A step's loss or gradient norm was NaN / inf more often than ``--skip-nonfinite`` allows."""
 
 
 def train(cfg: RunConfig) -> list[float]:
-    """Run `cfg` on this rank of the launched job. Returns the logged loss of every step this run did."""
+    """Run `cfg` on this rank of the launched job. Returns the logged loss of every step this run did.
+    Stops early, after saving, when SIGTERM / SIGUSR1 reaches any rank (`preempt`)."""
     device = init_distributed(cfg.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.export_hf and not cfg.ckpt_dir:
-        raise RunError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
+        raise JobError("treadle.run: --export-hf writes from the final checkpoint; give --ckpt-dir too")
+    lock = preflight.check(cfg)
+    try:
+        return _train(cfg, device, rank, world)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[float]:
     model = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed, meta=cfg.init == "meta")
     if device.type == "cuda":  # build slices on the device the weights are on (meta ones: on the mesh's)
         if cfg.init == "meta":
@@ -145,18 +159,12 @@ def train(cfg: RunConfig) -> list[float]:
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))
 
-
     opt = make_optimizer(built, layouts, cfg)
     init_optimizer_state(opt)
     start = 0
-    checkpointer = ckpt.Checkpointer(cfg.ckpt_dir, async_save=cfg.async_ckpt) if cfg.ckpt_dir else None
-    source = None
-    if cfg.resume not in ("auto", "none"):
-        source = cfg.resume
-        if not ckpt.is_complete(source):
-            raise RunError(f"treadle.run: --resume {source!r} is not a complete checkpoint directory")
-    elif cfg.resume == "auto" and cfg.ckpt_dir:
-        source = ckpt.latest(cfg.ckpt_dir)
+    checkpointer = ckpt.Checkpointer(cfg.ckpt_dir, async_save=cfg.async_ckpt, keep=cfg.keep,
+                                     timeout=timedelta(seconds=cfg.timeout_s)) if cfg.ckpt_dir else None
+    source = ckpt.resume_source(cfg.resume, cfg.ckpt_dir)
     if source is not None:
         start = ckpt.load(source, built, opt, layouts, mesh)
     else:
@@ -171,39 +179,69 @@ def train(cfg: RunConfig) -> list[float]:
     autocast = autocast_for(sch, cfg, device)
     losses = []
     tokens_per_step = cfg.batch * cfg.seq
-    try:
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            idx = sampler.indices(step, dp_rank)
-            micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
-            traced = cfg.trace is not None and step == cfg.steps - 1
-            with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
-                step_loss, norm = train_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm,
-                                             autocast=autocast)
-            step_s = time.perf_counter() - t0
-            losses.append(step_loss)
-            mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
-            metrics.log(StepMetrics(step=step + 1, loss=step_loss, lr=lr, grad_norm=norm, step_s=step_s,
-                                    tokens=(step + 1) * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                                    mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(step + 1)))
-            done = step + 1
-            health.mark(done)
-            if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
-                checkpointer.save(built, opt, layouts, mesh, step=done)
-        if checkpointer:
-            checkpointer.wait()
-        if cfg.export_hf:
-            dist.barrier()
-            if rank == 0:
-                fresh = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
-                ckpt.export_hf(ckpt.step_dir(cfg.ckpt_dir, cfg.steps), fresh, cfg.export_hf)
-                metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
-            dist.barrier()
-    finally:
-        metrics.close()
+    skipped = 0
+    # SIGTERM / SIGUSR1 save at the next step boundary only inside the loop: before it there is nothing to save,
+    # and a rank torchrun's agent stops (a peer failed during setup) must end at once
+    with StopSignals() as signals:
+        try:
+            for step in range(start, cfg.steps):
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                idx = sampler.indices(step, dp_rank)
+                micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
+                traced = cfg.trace is not None and step == cfg.steps - 1
+                with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
+                    out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
+                                   stop_signal=signals.signum)
+                done = step + 1
+                if not out.finite:
+                    skipped += 1
+                    if skipped > cfg.skip_nonfinite:
+                        if checkpointer:
+                            checkpointer.wait()
+                        kept = ckpt.latest(cfg.ckpt_dir) if cfg.ckpt_dir else None
+                        raise NonFiniteError(f"treadle.run: {out.nonfinite_text(done)}: stopped, nothing of this state "
+                                             f"saved ({f'the newest checkpoint is {kept}' if kept else 'no checkpoint'}"
+                                             f"); --skip-nonfinite {skipped} would skip such steps")
+                    logger.warning("%s: optimizer step skipped (%d of --skip-nonfinite %d)", out.nonfinite_text(done),
+                                   skipped, cfg.skip_nonfinite)
+                step_s = time.perf_counter() - t0
+                losses.append(out.loss)
+                mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
+                metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
+                                        tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
+                                        mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(done)))
+                health.mark(done)
+                if out.stop_ranks:
+                    saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None
+                    if checkpointer:
+                        checkpointer.close()
+                    got = ", ".join(f"{signal.Signals(n).name} on rank {r}" for r, n in sorted(out.stop_ranks.items()))
+                    metrics.message(f"treadle.run: stop requested ({got}) at step {done} of {cfg.steps}: "
+                                    + (f"saved {saved}; run the same command to resume" if saved else
+                                       "no --ckpt-dir, nothing saved"))
+                    return losses
+                if checkpointer and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps):
+                    checkpointer.save(built, opt, layouts, mesh, step=done)
+            if checkpointer:
+                checkpointer.close()
+            if cfg.export_hf:
+                dist.barrier()
+                problem = None
+                if rank == 0:
+                    fresh = load_run_model(cfg.model, seq=cfg.seq, seed=cfg.seed)
+                    try:
+                        ckpt.export_hf(ckpt.step_dir(cfg.ckpt_dir, cfg.steps), fresh, cfg.export_hf)
+                        metrics.message(f"exported Hugging Face model to {cfg.export_hf}")
+                    except OSError as exc:
+                        problem = f"--export-hf {cfg.export_hf}: {exc.strerror or exc}"
+                    except TreadleError as exc:  # the others wait in `agree`: tell them
+                        problem = str(exc)
+                agree(problem)
+        finally:
+            metrics.close()
     return losses
 
 
@@ -216,8 +254,9 @@ def trace_path(template: str, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m treadle.run`` on every rank. Exit status 1 with a message naming this rank
-    for an error, a dead peer or a collective timeout (torchrun then stops the other ranks)."""
+    """Entry point of ``python -m treadle.run`` on every rank. Exit status (`failure`): 0 done or stopped
+    after saving; 2 an error of the user's, said once for the job; 1 a fault (naming the rank that died or
+    hung) or a bug (with its traceback)."""
     import argparse
 
     from .config import add_arguments, config_from_args
@@ -229,22 +268,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
-    rank = os.environ.get("RANK", "?")
     try:
         cfg = config_from_args(args)
-        train(cfg)
     except TreadleError as exc:
-        print(f"treadle.run: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except (RuntimeError, dist.DistBackendError) as exc:
-        lag = health.behind(dist.get_world_size()) if dist.is_initialized() else {}
-        who = ", ".join(f"rank {r} (last finished step {s})" for r, s in sorted(lag.items()))
-        print(f"treadle.run: rank {rank} failed: {type(exc).__name__}: {exc}\n"
-              + (f"treadle.run: ranks behind the others, dead or hung: {who}" if who else
-                 "(a peer rank died or hung past the collective timeout, or a rank hit an error: see the first "
-                 "failure above)"), file=sys.stderr, flush=True)
-        raise
+        return failure.report_before_start(exc)
+    beat = None
+    try:
+        init_distributed(cfg.timeout_s)
+        beat = health.Heartbeat(dist.get_rank()).start()
+        train(cfg)
+    except KeyboardInterrupt:
+        print(f"treadle.run: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, SystemExit):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        with contextlib.suppress(ValueError):  # the agent's SIGTERM to the others must not cut the report short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return failure.report(exc, rank=rank, world=dist.get_world_size() if dist.is_initialized() else 0)
     finally:
+        if beat is not None:
+            beat.stop()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

@@ -50,34 +50,44 @@ def init_optimizer_state(opt: torch.optim.AdamW) -> None:
                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
-def grad_norm(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> torch.Tensor:
-    """The 2-norm of the whole (global) gradient, the same float on every rank.
-
-    Each rank sums the squares of its local gradient pieces, each divided by how many ranks hold that piece
-    (`ParamLayout.replicas`); one all-reduce over the world adds the pieces (none when every gradient is
-    replicated, as under DDP). Sums in float64."""
+def local_grad_square_sum(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm (float64 scalar): the squares of its local
+    gradient pieces, each divided by how many ranks hold that piece (`ParamLayout.replicas`), so that the sum
+    over all ranks is the square of the whole (global) gradient's 2-norm."""
     total = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    sharded = False
     for name, p in unwrap(model).named_parameters():
         if p.grad is None:
             continue
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        replicas = layouts[name].replicas(mesh)
-        sharded |= replicas != mesh.world_size
-        total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square() / replicas
-    if sharded:  # with every gradient replicated (DDP) each rank already holds the whole sum
+        total += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square() / layouts[name].replicas(mesh)
+    return total
+
+
+def grad_norm(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> torch.Tensor:
+    """The 2-norm of the whole (global) gradient, the same float on every rank: one all-reduce of
+    `local_grad_square_sum` over the world (none when every gradient is replicated, as under DDP, where each
+    rank already holds the whole sum). Sums in float64."""
+    total = local_grad_square_sum(model, layouts, mesh)
+    sharded = any(layouts[n].replicas(mesh) != mesh.world_size
+                  for n, p in unwrap(model).named_parameters() if p.grad is not None)
+    if sharded:
         dist.all_reduce(total)
     else:
         total *= mesh.world_size
     return total.sqrt()
 
 
-def clip_grads(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh, max_norm: float | None) -> float:
-    """Scale every gradient by min(1, max_norm / norm) and return the norm before clipping."""
-    norm = float(grad_norm(model, layouts, mesh))
+def scale_grads(model: nn.Module, norm: float, max_norm: float | None) -> None:
+    """Scale every gradient by min(1, max_norm / norm) (clipping by the global norm `norm`)."""
     if max_norm is not None and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for p in unwrap(model).parameters():
             if p.grad is not None:
                 p.grad.mul_(coef)
+
+
+def clip_grads(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh, max_norm: float | None) -> float:
+    """Scale every gradient by min(1, max_norm / norm) and return the norm before clipping."""
+    norm = float(grad_norm(model, layouts, mesh))
+    scale_grads(model, norm, max_norm)
     return norm

@@ -20,7 +20,7 @@ from ..errors import TreadleError
 from ..mesh import Mesh
 from ..schedule.core import Schedule
 from ..schedule.replay import load_schedule, trusted_load_args
-from ..testing import spawn
+from ..testing import check_process_count, spawn
 from .batch import check_batch, split_batch
 from ..loss import call_loss, default_loss
 from .optimizer import adamw
@@ -69,10 +69,12 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
     `loss_fn(output)` defaults to `treadle.loss.default_loss` (``output.loss``, e.g. a Hugging Face
     model given ``labels``, else the mean square of the first floating output), as in verify and profile.
     The schedule must not have been built; it is sent to the ranks as JSON with its original model.
-    Raises TreadleError before spawning when the batch does not split over the data-parallel axis."""
+    Raises TreadleError before spawning when the batch does not split over the data-parallel axis, SpawnError
+    when the mesh has more ranks than this host may run (NOTE [process count] in `treadle.testing`)."""
     st = sch.view()
     if st.built:
         raise TreadleError("train: this schedule was already built; train an unbuilt schedule")
+    check_process_count(sch.mesh.world_size, where=f"train on mesh {sch.mesh}")
     if not isinstance(example_inputs, dict):
         raise TreadleError("train: example_inputs must be a dict of keyword arguments of forward")
     if st.data_parallel is not None:

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import TreadleError, VerifyError
+from ..errors import SpawnError, TreadleError, VerifyError
 from ..mesh import Mesh
 from ..schedule.core import Schedule
 from ..schedule.replay import load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
 from ..loss import call_loss, default_loss
-from ..testing import root_cause, spawn
+from ..testing import check_process_count, spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
 
@@ -240,8 +240,8 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
         out_blocks = {path: max(s.blocks for s in shards) for path, shards in _leaf_shards(sch).items()
                       if max(s.blocks for s in shards) > 1}
         built = build(sch)
-    except TreadleError as exc:
-        return {"error": f"build failed: {type(exc).__name__}: {exc}"}
+    except TreadleError as exc:  # raised, not returned: spawn ranks it against the peers' echoes
+        raise VerifyError(f"build failed: {type(exc).__name__}: {exc}") from exc
     st = sch._state
     inputs = p["inputs"]
     dp_axes, dp_n, dp_i = (), 1, 0
@@ -250,14 +250,23 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
         dp_n, dp_i = st.data_parallel.size(mesh), st.data_parallel.local_index(mesh)
     local = split_batch(inputs, dp_n, dp_i, axis=",".join(dp_axes) or None, where="verify")
     torch.manual_seed(p["seed"])
-    try:
-        res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
-    except TreadleError as exc:
-        return {"error": str(exc)}
+    res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
     res["dp"] = (dp_axes, dp_n, dp_i)
     res["out_blocks"] = out_blocks
     res["fsdp"] = bool(st.data_parallel and st.data_parallel.shard)
     return res
+
+
+def rank_error_text(rank: int, error: str) -> str:
+    """``rank R: <its error>`` from a spawn error report ("Type: message\nTraceback..."): a VerifyError raised on
+    the rank by its name alone; any other exception (a bug in the model or the runtime) with its traceback."""
+    head, _, tb = error.partition("\n")
+    if head.startswith("VerifyError: "):
+        return f"rank {rank}: {head.removeprefix('VerifyError: ')}"
+    treadle_errors = {"TreadleError", *(c.__name__ for c in TreadleError.__subclasses__())}
+    if head.split(":", 1)[0] in treadle_errors:  # said by treadle on purpose: its message is the point
+        return f"rank {rank}: {head}"
+    return f"rank {rank}: {head}" + (f"\n{tb}" if tb.strip() else "")
 
 
 def _leaf_shards(sch: Schedule) -> dict[str, list]:
@@ -290,9 +299,13 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     check raises VerifyError carrying the report's summary; else the report says ``.ok``.
     The schedule must not have been built; its model (before any `replace`) is the reference. A model on the
     meta device is materialised for the reference with the same seeded, mesh-independent init build uses.
+    A rank that raises is reported by its number and its own error (not a peer's echo of it); a mesh larger
+    than this host may run is refused before anything starts (SpawnError, NOTE [process count] in
+    `treadle.testing`).
     """
     if sch._state.built:
         raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
+    check_process_count(sch.mesh.world_size, where=f"verify on mesh {sch.mesh}")
     loss_fn = loss_fn or default_loss
     original = sch._state.original if sch._state.original is not None else sch._state.model
     reference = original
@@ -322,14 +335,16 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     except Exception as exc:
         raise VerifyError(f"verify: the model, inputs or loss_fn cannot be sent to the ranks ({exc}); "
                           f"use module-level functions and picklable modules") from exc
-    results = spawn(_verify_rank, mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     report = VerifyReport()
-    errors = {i: r["error"] for i, r in enumerate(results) if "error" in r}
-    if errors:  # the root cause, not another rank's echo of it (NOTE [root cause] in treadle.testing)
-        first = root_cause(errors)
-        report.error = f"rank {first}: {errors[first]}"
+    try:
+        results = spawn(_verify_rank, mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
+    except SpawnError as exc:
+        if getattr(exc, "root_rank", None) is None:  # a rank died or hung: spawn's message names it
+            raise
+        # the rank that raised, not another rank's echo of it (NOTE [root cause] in treadle.testing)
+        report.error = rank_error_text(exc.root_rank, exc.rank_errors[exc.root_rank])
         if raise_on_mismatch:
-            raise VerifyError(report.summary())
+            raise VerifyError(report.summary()) from None
         return report
 
     # reference: the original, single process, on the same data-parallel slices

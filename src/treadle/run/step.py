@@ -1,0 +1,90 @@
+"""One optimizer step that every rank judges alike: forward/backward over the micro-batches, then a single
+all-reduce carries each rank's loss, its share of the squared gradient norm and whether it was asked to stop
+(SIGTERM / SIGUSR1), so that all ranks agree on the loss, the global gradient norm, whether the step is finite
+and whether to stop at this step boundary. A non-finite step's optimizer update is not applied.
+
+The all-reduced vector (float64, 3 x world): ``[stop signal numbers (world) | loss sums (world) | squared-norm shares
+(world)]``, each rank filling its own slots; a sum then gives every rank every rank's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import Mesh
+from .layout import ParamLayout
+from .optim import local_grad_square_sum, scale_grads
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What every rank agrees on after one step. `loss`: mean over ranks of the micro-batch mean loss;
+    `grad_norm`: the global gradient norm before clipping; `nonfinite`: {rank: (its loss, its squared-norm
+    share)} for ranks where either is NaN / inf (then the update was skipped); `stop_ranks`: {rank: the signal
+    number it got} for ranks asked to stop."""
+
+    loss: float
+    grad_norm: float
+    nonfinite: dict[int, tuple[float, float]]
+    stop_ranks: dict[int, int]
+
+    @property
+    def finite(self) -> bool:
+        return not self.nonfinite
+
+    def nonfinite_text(self, step: int) -> str:
+        """One phrase: the step, the first bad rank and its value (loss first), the global values."""
+        bad_loss = [r for r, (loss, _) in sorted(self.nonfinite.items()) if not math.isfinite(loss)]
+        rank = bad_loss[0] if bad_loss else min(self.nonfinite)
+        loss, sq = self.nonfinite[rank]
+        what = f"loss {loss}" if bad_loss else f"gradient norm share {sq}"
+        others = sorted(set(bad_loss or self.nonfinite) - {rank})
+        more = f" (and rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+        return f"step {step}: {what} on rank {rank}{more}; global loss {self.loss}, gradient norm {self.grad_norm}"
+
+
+def run_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, ParamLayout], mesh: Mesh,
+             micro_batches: list[torch.Tensor], *, clip_norm: float | None,
+             autocast: contextlib.AbstractContextManager | None = None, stop_signal: int = 0) -> StepOutcome:
+    """One optimizer step of the built `model` on this rank's `micro_batches` (each (b, S) token ids; gradients
+    accumulate over them, DDP syncing on the last only). Collective: one all-reduce of 3 x world float64 (module
+    docstring); `stop_signal` is the number of a signal asking this rank to stop (0: none). Clips by the global
+    norm and applies AdamW only when every rank's loss and gradient are finite; else the gradients are dropped
+    and the parameters and optimizer state stay as they were."""
+    device = mesh.device
+    accum = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, ids in enumerate(micro_batches):
+        ids = ids.to(device)
+        sync = contextlib.nullcontext()
+        if i < accum - 1 and isinstance(model, nn.parallel.DistributedDataParallel):
+            sync = model.no_sync()
+        with sync:
+            with autocast or contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss / accum  # the form setup.model_inputs checked
+            loss.backward()
+        loss_sum += loss.detach().float()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    v = torch.zeros(3 * world, dtype=torch.float64, device=device)
+    v[rank] = float(stop_signal)
+    v[world + rank] = loss_sum.double()
+    v[2 * world + rank] = local_grad_square_sum(model, layouts, mesh)
+    dist.all_reduce(v)
+    stops, losses, squares = v.cpu().view(3, world).unbind(0)
+    nonfinite = {r: (float(losses[r]), float(squares[r])) for r in range(world)
+                 if not (math.isfinite(float(losses[r])) and math.isfinite(float(squares[r])))}
+    norm = float(squares.sum().sqrt())
+    if nonfinite:
+        opt.zero_grad(set_to_none=True)
+    else:
+        scale_grads(model, norm, clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return StepOutcome(loss=float(losses.sum()) / world, grad_norm=norm, nonfinite=nonfinite,
+                       stop_ranks={r: int(stops[r]) for r in range(world) if stops[r] > 0})
