@@ -10,6 +10,7 @@ parallel form does with which mesh axis) -> `dims` (strategies by dimension alge
 primitives) -> `plan.Plan` (data).
 """
 
+from . import dim_rules as _dim_rules  # noqa: F401  (registers the dimension rules)
 from .capture import CapturedGraph, capture
 from .cost_graph import Roles, TrainSpec
 from ..pricing import Estimate, Price, PriceRow, price

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cost.collective_cost import all_reduce_time_s
 from ..cost.convert import plan_conversion
 from ..cost.layout import Layout
 from ..errors import ProfileError

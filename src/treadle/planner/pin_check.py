@@ -167,7 +167,7 @@ def _origin_text(cg: CostGraph, unit: int, cause: dict, full: list[set[int]]) ->
     if a is None or b is None:
         return f"; the limit comes from {last.what}, {hops} edge(s) away"
     hint = next((f"; {_where(n)} reshapes to sizes {list(n.args[1])} that module attributes or the config fix, "
-                 f"so it cannot shard them (NOTE [fixed view sizes] in cost_graph.py)" for n in (a, b)
+                 f"so it cannot shard them (NOTE [fixed view sizes] in planner/views.py)" for n in (a, b)
                  if _fixed_view(cg, n)), "")
     axes = cg.roles.tp
     return (f"; the limit comes from {_where(a)} -> {_where(b)}, {hops} edge(s) away, where the first can publish "
@@ -194,7 +194,7 @@ def _edge_text(cg: CostGraph, e, dom: list[set[int]], full: list[set[int]]) -> s
     never = not ({e.u_vals[k] for k in full[e.u]} & {e.v_vals[k] for k in full[e.v]})
     if never:
         hint = (f" (it reshapes to sizes {list(a.args[1])} that module attributes or the config fix: NOTE [fixed "
-                f"view sizes] in cost_graph.py)" if _fixed_view(cg, a) else "")
+                f"view sizes] in planner/views.py)" if _fixed_view(cg, a) else "")
         return (f"{_where(b)} reads {a.name!r} only as {_lay(e.v_vals, full[e.v], axes)}, which its producer "
                 f"{_where(a)}{hint} never publishes (it can publish {_lay(e.u_vals, full[e.u], axes)})")
     return (f"{_where(b)} reads {a.name!r} only as {_lay(e.v_vals, dom[e.v], axes)}, and its producer {_where(a)} "

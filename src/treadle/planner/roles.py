@@ -1,4 +1,5 @@
-"""Every role assignment of a mesh's axes the planner searches: what each parallel form may do with the live axes
+"""What each mesh axis does in a plan (`Roles`), the training setup it is priced for (`TrainSpec`), and every role
+assignment the planner searches: what each parallel form may do with the live axes
 (`treadle.form.Form.role_options`), the rest tensor-parallel."""
 
 from __future__ import annotations
@@ -6,9 +7,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..errors import PlanError
 from ..form import forms
 from ..mesh import Mesh
-from .cost_graph import Roles
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """What each mesh axis does: `dp` (the data-parallel axes in mesh order, () for none; one axis name or
+    None are accepted), `zero` (ZeRO-3 / FSDP2 over the dp axes not in `replicate`), the tensor axes in mesh
+    order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
+    replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
+    from forward to backward (treadle.schedule.data_parallel)."""
+
+    dp: tuple[str, ...]
+    zero: bool
+    tp: tuple[str, ...]
+    off: tuple[str, ...] = ()
+    replicate: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "replicate", tuple(self.replicate))
+        if not set(self.replicate) <= set(dp) or (self.replicate and not self.zero):
+            raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes ZeRO-3 shards parameters over (() without `zero`)."""
+        return tuple(a for a in self.dp if a not in self.replicate) if self.zero else ()
+
+    def __str__(self) -> str:
+        parts = [label for f in forms() if (label := f.role_label(self))]  # the axes the forms take
+        if self.tp:
+            parts.append(f"tensor {','.join(self.tp)}")
+        if self.off:
+            parts.append(f"off {','.join(self.off)}")
+        return "; ".join(parts) or "replicated"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """Training setup priced by the planner: optimizer state bytes per parameter element (AdamW: two fp32
+    moments = 8) and whether a fp32 master copy is kept for lower-precision parameters."""
+
+    optimizer_bytes_per_elem: int = 8
+    master_copy: bool = True
 
 
 def enumerate_roles(mesh: Mesh, *, batch: int | None,

@@ -112,7 +112,8 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
                             leaf_param: "callable[[str], bool]") -> list[Decision]:
     """The module-level decisions of a solution, in a stable order (shards, syncs, the forms' own, grads, rng,
     ckpt, dp: `DECISION_RANKS`)."""
-    from .cost_graph import block_chains, exit_module, view_attr_needs
+    from .cost_graph import block_chains, exit_module
+    from .views import view_attr_needs
 
     g = cg.graph
     axes = cg.roles.tp

@@ -117,15 +117,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def shards_by_name(sch: Schedule) -> dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]]:
     """Before build: name -> (global shape, tensor-parallel splits) of every parameter of the schedule's model."""
-    st = sch._state
-    return {n: (tuple(p.shape), tuple(st.param_shards.get(id(p), ())))
-            for n, p in st.model.named_parameters()}
+    st = sch.view()
+    return {n: (tuple(p.shape), st.shards_of(p)) for n, p in st.model.named_parameters()}
 
 
 def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]],
             mesh: Mesh, fsdp_axes: tuple[str, ...] | None = None) -> dict[str, ParamLayout]:
     """After build: the ParamLayout of every parameter of the built `model`, by name. `fsdp_axes`: the
-    schedule's FSDP2 shard axes (``sch._state.data_parallel.shard_axes``); None reads the one axis from the
+    schedule's FSDP2 shard axes (``sch.view().data_parallel.shard_axes``); None reads the one axis from the
     DTensor's mesh (a single-axis FSDP).
 
     Raises RunError naming a parameter whose name did not exist before build, or whose local shape does not

@@ -76,7 +76,8 @@ def build_for(sch, cfg: RunConfig) -> nn.Module:
     """`build` with the FSDP2 MixedPrecisionPolicy of NOTE [mixed precision] when bf16 meets FSDP."""
     from ..runtime.build import build
 
-    if cfg.precision == "bf16" and sch._state.data_parallel is not None and sch._state.data_parallel.shard:
+    dp = sch.view().data_parallel
+    if cfg.precision == "bf16" and dp is not None and dp.shard:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -85,7 +86,8 @@ def build_for(sch, cfg: RunConfig) -> nn.Module:
 
 def autocast_for(sch, cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """The forward's autocast under NOTE [mixed precision]: bf16 autocast unless FSDP's policy casts."""
-    fsdp = sch._state.data_parallel is not None and sch._state.data_parallel.shard
+    dp = sch.view().data_parallel
+    fsdp = dp is not None and dp.shard
     if cfg.precision == "bf16" and not fsdp:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -154,7 +156,7 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
     before = shards_by_name(sch)
     built = build_for(sch, cfg)
     mesh = sch.mesh
-    dp = sch._state.data_parallel
+    dp = sch.view().data_parallel
     layouts = param_layouts(built, before, mesh, dp.shard_axes if dp is not None and dp.shard else None)
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))

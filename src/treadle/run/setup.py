@@ -172,7 +172,7 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
         sch = load_schedule(model, text)
     except TreadleError as exc:
         raise RunError(f"treadle.run: the schedule does not fit model {cfg.model!r}: {exc}") from exc
-    if sch._state.extras.get("pipeline"):
+    if sch.view().extras.get("pipeline"):
         raise RunError("treadle.run: pipeline schedules are not supported by treadle.run yet; "
                        "remove pipeline() / cut_pipeline_stage() from the schedule")
     return sch
@@ -181,7 +181,7 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
 def data_parallel_coords(sch: Schedule) -> tuple[int, int]:
     """(dp size, this rank's dp index) over the schedule's data-parallel axes (row-major in mesh order);
     (1, 0) without data parallelism."""
-    dp = sch._state.data_parallel
+    dp = sch.view().data_parallel
     if dp is None:
         return 1, 0
     return dp.size(sch.mesh), dp.local_index(sch.mesh)

@@ -7,6 +7,8 @@ softmax - onehot on the rank's own slice (Megatron-LM, Shoeybi et al. 2019, sect
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 

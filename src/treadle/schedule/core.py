@@ -15,11 +15,9 @@ Shapes in primitives are global. Every primitive is appended to the log (`to_jso
 
 from __future__ import annotations
 
-import copy
 import difflib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import nn
@@ -28,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
 from .data_parallel import make_data_parallel
-from .log import Record, Ref, records_from_json, records_to_json, ref_targets
+from .log import Record, Ref, records_to_json
 from .state import ParamShard, SyncSpec, _State
 from .tree import swap_module as _swap_module
 from .view import ScheduleView

@@ -242,7 +242,7 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
         built = build(sch)
     except TreadleError as exc:  # raised, not returned: spawn ranks it against the peers' echoes
         raise VerifyError(f"build failed: {type(exc).__name__}: {exc}") from exc
-    st = sch._state
+    st = sch.view()
     inputs = p["inputs"]
     dp_axes, dp_n, dp_i = (), 1, 0
     if st.data_parallel is not None:
@@ -270,22 +270,17 @@ def rank_error_text(rank: int, error: str) -> str:
 
 
 def _leaf_shards(sch: Schedule) -> dict[str, list]:
-    st = sch._state
+    st = sch.view()
     out: dict[str, list] = {}
     for path, m in sch.model.named_modules():
         for prm in m._parameters.values():
-            if prm is not None and id(prm) in st.param_shards:
-                out.setdefault(path, []).extend(st.param_shards[id(prm)])
+            if prm is not None and st.shards_of(prm):
+                out.setdefault(path, []).extend(st.shards_of(prm))
     return out
 
 
 def _param_layouts(sch: Schedule) -> dict[str, list]:
-    st = sch._state
-    out: dict[str, list] = {}
-    for n, prm in sch.model.named_parameters(remove_duplicate=False):
-        if id(prm) in st.param_shards:
-            out[n] = list(st.param_shards[id(prm)])
-    return out
+    return {n: list(shards) for n, shards in sch.view().shards_by_name().items()}
 
 
 def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -303,16 +298,16 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     than this host may run is refused before anything starts (SpawnError, NOTE [process count] in
     `treadle.testing`).
     """
-    if sch._state.built:
+    st = sch.view()
+    if st.built:
         raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
     check_process_count(sch.mesh.world_size, where=f"verify on mesh {sch.mesh}")
     loss_fn = loss_fn or default_loss
-    original = sch._state.original if sch._state.original is not None else sch._state.model
+    original = st.reference
     reference = original
     if any(p.is_meta for p in original.parameters()):
         # the ranks materialise it at build with the seeded, mesh-independent init: so does the reference
-        if sch._state.original is None and sch._state.records and any(r.op in ("replace", "replace_all")
-                                                                      for r in sch._state.records):
+        if st.original is None and st.ops() & {"replace", "replace_all"}:
             raise VerifyError("verify: a meta-device model replaced before any real weights existed has no "
                               "reference; materialise it first")
         from ..runtime.build import materialize
@@ -323,7 +318,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         raise VerifyError("verify: example_inputs must be a dict of keyword arguments of forward")
     float_inputs = [k for k, v in example_inputs.items() if torch.is_tensor(v) and v.is_floating_point()]
     mesh = sch.mesh
-    dp = sch._state.data_parallel
+    dp = st.data_parallel
     check_batch(example_inputs, dp.size(mesh) if dp else 1, axis=dp.label() if dp else None, where="verify")
     payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
                      mesh_shape=mesh.shape, mesh_names=mesh.names,

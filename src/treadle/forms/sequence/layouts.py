@@ -25,7 +25,7 @@ from ...cost.convert import plan_conversion
 from ...cost.layout import Layout
 from ...placement import P, R
 from ...planner.capture import CapturedGraph, Node, TensorMeta
-from ...planner.cost_graph import SHAPE_ARG_OPS
+from ...planner.views import SHAPE_ARG_OPS
 from ...planner.dims import AxisOption
 
 
