@@ -45,7 +45,7 @@ def test_a_checkpointed_decoder_layer_writes_no_cache_in_training_and_gradients_
 
 
 def test_the_cache_arguments_are_found_by_name_positional_or_keyword(caplog):
-    from treadle.runtime.build import checkpointed_forward
+    from treadle.runtime.recompute import checkpointed_forward
 
     seen = []
 

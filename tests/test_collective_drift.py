@@ -12,7 +12,8 @@ import torch.distributed as dist
 import treadle
 from treadle import Mesh, testing
 from treadle.cost import collective_cost as cc
-from treadle.cost.calibrate import _chain_sample, _skew_s, calibrate_cluster, measure_collectives_s
+from treadle.cost.calibrate import _skew_s, calibrate_cluster
+from treadle.cost.timing import _chain_sample, measure_collectives_s
 from treadle.cost.cluster import ClusterSpec
 from treadle.cost.links import LinkSpec
 from treadle.cost.overlap import Collective, Segment, simulate
@@ -139,7 +140,7 @@ def test_the_lead_compute_takes_about_the_cpu_time_asked():
     # the lead was a third of what was asked when its rate came from one cold timing (NOTE [in-step collectives])
     import torch
 
-    from treadle.cost.calibrate import _busy
+    from treadle.cost.timing import _busy
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,8 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from treadle import testing
-from treadle.cost.calibrate import (AxisFit, _same_channel, _solve_launch, calibrate_cluster, fit_axis,
-                                    measure_collectives_s)
+from treadle.cost.calibrate import AxisFit, _same_channel, _solve_launch, calibrate_cluster, fit_axis
+from treadle.cost.timing import measure_collectives_s
 from treadle.cost.cluster import ClusterSpec
 from treadle.cost.links import LinkSpec
 from treadle.errors import LayoutError, MeshError
@@ -45,7 +45,7 @@ def test_launch_cost_separated_from_latency():
 
 
 def test_a_step_pays_the_mean_of_a_collective_without_its_one_largest_and_smallest_sample():
-    from treadle.cost.calibrate import _STATISTICS
+    from treadle.cost.timing import _STATISTICS
 
     mean, median = _STATISTICS["mean"], _STATISTICS["median"]
     # skewed like a busy host's small collective: most calls ~1 ms, a tenth several ms more, one stall

@@ -223,7 +223,7 @@ class PlainSubclass(nn.Linear):
 def test_leaf_rules_apply_only_where_they_reproduce_the_forward():
     from treadle.forms.vocab.embedding import embedding_forward
     from treadle.sharding_rules import leaf_plan
-    from treadle.schedule.core import ParamShard
+    from treadle.schedule.state import ParamShard
 
     vocab = {"weight": [ParamShard(0, "tp")]}
     own = leaf_plan("emb", ScaledEmbedding(16, 4), vocab)

@@ -6,7 +6,8 @@ registers its modules there on import (the schedule never imports the layers bel
 from ..schedule.graph_primitives import register_graph_layer
 from . import capture as _capture, pattern as _pattern, rewrite as _rewrite
 
-from .capture import TracedModule, record_call
+from .capture import record_call
+from .traced import TracedModule
 from .pattern import Match, ParamRef, capture_pattern, find_matches, register_module_form
 from .rewrite import CheckpointRegion, FusedRegion, register_decomposition
 

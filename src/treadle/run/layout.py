@@ -25,7 +25,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..mesh import Mesh
 from ..runtime.params import local_slice, unchunk_dim
-from ..schedule.core import ParamShard, Schedule
+from ..schedule.core import Schedule
+from ..schedule.state import ParamShard
 from .config import RunError
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule.core import ParamShard
+from ..schedule.state import ParamShard
 
 
 def chunk_dim(t: torch.Tensor, dim: int, n: int, index: int, blocks: int = 1) -> torch.Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..errors import BuildError, ScheduleError
-from ..schedule.core import SyncSpec
+from ..schedule.state import SyncSpec
 
 
 @dataclass

@@ -16,7 +16,6 @@ import io
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,202 +26,14 @@ from ..mesh import Mesh
 from ..schedule.core import Schedule
 from ..schedule.replay import load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
-from ..loss import call_loss, default_loss
+from ..loss import default_loss
 from ..testing import check_process_count, spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
+from .record import _run_steps
+from .report import Check, VerifyReport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Check:
-    """One comparison: `kind` is loss / output / output_grad / input_grad / param_grad / param_step."""
-
-    kind: str
-    name: str
-    diff: Diff
-
-    def __str__(self) -> str:
-        status = "ok " if self.diff.ok else "BAD"
-        extra = f" [{self.diff.layout}]" if self.diff.layout else ""
-        note = f" ({self.diff.note})" if self.diff.note else ""
-        return (f"{status} {self.kind:<12} {self.name:<48} max_abs={self.diff.max_abs:.3e} "
-                f"max_rel={self.diff.max_rel:.3e}{extra}{note}")
-
-
-@dataclass
-class VerifyReport:
-    """Outcome of `verify`. `ok` is True when every check passed; `first_divergence` names the first
-    module whose output (forward order) or gradient (backward order) diverges; `error` holds a build or
-    runtime failure on a rank (with the module path where it happened when known)."""
-
-    checks: list[Check] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    ref_losses: list[float] = field(default_factory=list)
-    first_divergence: str | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and all(c.diff.ok for c in self.checks)
-
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.diff.ok]
-
-    def summary(self) -> str:
-        if self.error is not None:
-            return f"verify FAILED: {self.error}"
-        n_bad = len(self.failures())
-        head = "verify ok" if self.ok else f"verify FAILED: {n_bad} of {len(self.checks)} checks"
-        lines = [f"{head}; losses {['%.6f' % x for x in self.losses]} vs reference "
-                 f"{['%.6f' % x for x in self.ref_losses]}"]
-        if self.first_divergence:
-            lines.append(f"first divergence: {self.first_divergence}")
-        lines += [str(c) for c in self.failures()[:10]]
-        return "\n".join(lines)
-
-    def raise_if_failed(self) -> "VerifyReport":
-        if not self.ok:
-            raise VerifyError(self.summary())
-        return self
-
-
-# ------------------------------------------------------------------------------------------ recording
-class _Recorder:
-    """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient,
-    per (data slice, call) — a module may run several times per forward (T5 calls its dropout twice).
-    Recording stops before backward, so checkpoint recomputation is not mistaken for calls."""
-
-    def __init__(self, model: nn.Module):
-        self.outputs: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-        self.grads: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-        self.slice = 0
-        self.order: list[str] = []
-        self.grad_order: list[str] = []
-        self.active = True
-        self.handles = []
-        self.stack: list[str] = []
-        for path, m in model.named_modules():
-            self.handles.append(m.register_forward_pre_hook(self._pre(path)))
-            self.handles.append(m.register_forward_hook(self._post(path)))  # not on failure: the stack then names where
-
-    def _pre(self, path):
-        def hook(mod, args):
-            self.stack.append(path)
-
-        return hook
-
-    def _post(self, path):
-        def hook(mod, args, out):
-            if self.stack and self.stack[-1] == path:
-                self.stack.pop()
-            if not self.active:
-                return
-            t = _first_tensor(out)
-            if t is None or not t.is_floating_point():
-                return
-            if path not in self.outputs:
-                self.order.append(path)
-            calls = self.outputs.setdefault(path, {})
-            call = (self.slice, sum(1 for sl, _ in calls if sl == self.slice))  # backward may visit them in any order
-            calls[call] = t.detach().clone()
-            if t.requires_grad:
-                def grad_hook(g, path=path, call=call):
-                    if g is None:  # an output no loss depends on
-                        return
-                    if path not in self.grads:
-                        self.grad_order.append(path)
-                    self.grads.setdefault(path, {})[call] = g.detach().clone()
-
-                t.register_hook(grad_hook)
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    @staticmethod
-    def by_call(table: dict[str, dict[tuple[int, int], torch.Tensor]]) -> dict[str, list[list[torch.Tensor]]]:
-        """path -> [call][slice] tensors (calls present in every slice only)."""
-        out = {}
-        for path, d in table.items():
-            slices = sorted({sl for sl, _ in d})
-            n_calls = min(sum(1 for sl2, _ in d if sl2 == sl) for sl in slices)
-            out[path] = [[d[(sl, c)] for sl in slices if (sl, c) in d] for c in range(n_calls)]
-        return out
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if torch.is_tensor(out):
-        return out
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            if torch.is_tensor(o):
-                return o
-    return None
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: int, lr: float,
-               float_inputs: list[str], dp_scale: float) -> dict[str, Any]:
-    """Forward, backward and `steps` AdamW steps of `model` over `slices` (mean of the slice losses).
-    Returns losses, recorded outputs/grads, input grads, parameter grads and parameters after step 1."""
-    inner = _unwrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    rec = _Recorder(inner)
-    result: dict[str, Any] = {"losses": []}
-    for step in range(steps):
-        rec.active = step == 0
-        total = None
-        input_grads: dict[str, list[torch.Tensor]] = {}
-        leaves = []
-        for i_slice, sl in enumerate(slices):
-            sl = dict(sl)
-            rec.stack.clear()
-            rec.slice = i_slice
-            for k in float_inputs:
-                sl[k] = sl[k].detach().clone().requires_grad_(True)
-                leaves.append((k, sl[k]))
-            try:
-                out = model(**sl)
-            except Exception as exc:
-                where = (rec.stack[-1] or "<model>") if rec.stack else "<model>"
-                raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc
-            loss = call_loss(loss_fn, out, "verify") * dp_scale
-            total = loss if total is None else total + loss
-            t_out = _first_tensor(out)
-            if step > 0 and t_out is not None and t_out.is_floating_point():  # step 0: the recorder has it
-                result.setdefault("step_outputs", {}).setdefault(step, []).append(t_out.detach().clone())
-        rec.active = False  # checkpointed modules run again in backward: not new calls
-        total.backward()
-        result["losses"].append(float(total.detach()))
-        if step == 0:
-            result["outputs"] = _Recorder.by_call(rec.outputs)
-            result["order"] = list(rec.order)
-            result["grads"] = _Recorder.by_call(rec.grads)
-            result["grad_order"] = list(rec.grad_order)
-            for k, t in leaves:
-                input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)
-            result["input_grads"] = input_grads
-            result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
-                                     for n, p in inner.named_parameters()}
-        opt.step()
-        if step == 0:
-            result["params"] = {n: _full(p).detach().clone() for n, p in inner.named_parameters()}
-        opt.zero_grad(set_to_none=True)
-    rec.remove()
-    return result
 
 
 # ------------------------------------------------------------------------------------------ ranks
@@ -310,7 +121,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
         if st.original is None and st.ops() & {"replace", "replace_all"}:
             raise VerifyError("verify: a meta-device model replaced before any real weights existed has no "
                               "reference; materialise it first")
-        from ..runtime.build import materialize
+        from ..runtime.materialize import materialize
 
         reference = copy.deepcopy(original)
         materialize(reference, None, "cpu")
