@@ -42,6 +42,7 @@ from ..form import forms
 from ..mesh import Mesh
 from ..placement import P, R
 from ..runtime.optimizer import adamw_fixed_s
+from ..runtime.recompute import recompute_host_s
 from .capture import CapturedGraph, Node, TensorMeta
 from .dims import AxisOption, block_chain, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost
@@ -360,7 +361,8 @@ class _Builder(NodeCosts, Assembly):
 
     def _host_terms(self, cg: CostGraph) -> None:
         """NOTE [framework overheads] (treadle.profile.hardware), as the price charges them: a checkpointed block
-        costs `checkpoint_region_s` + its ops x `checkpoint_op_s`; the optimizer its per-step list ops
+        costs `treadle.runtime.recompute.recompute_host_s` of its region and ops (and a dispatch per detach of an
+        activation it saves again); the optimizer its per-step list ops
         (`treadle.runtime.optimizer.adamw_fixed_s`). (FSDP2's units: the data-parallel form's terms.)"""
         hw = self.hw
         for t, info in cg.templates.items():
@@ -368,8 +370,7 @@ class _Builder(NodeCosts, Assembly):
             ops = sum(self.op_counts(i)[0] for i in nodes if self.recomputed(i) != "none")  # NOTE [ops per node]
             # NOTE [recompute stops early]: and a detach of every activation the block saves again
             detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
-            cg.ckpt_host_s[t] = (hw.checkpoint_region_s + (ops + detaches) * hw.checkpoint_op_s
-                                 + detaches * hw.op_overhead_s)
+            cg.ckpt_host_s[t] = recompute_host_s(hw, ops=ops + detaches, regions=1) + detaches * hw.op_overhead_s
         cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
 
 def _add_cost(total: StrategyCost, c: StrategyCost) -> None:

@@ -18,6 +18,7 @@ from ..profile.memory import buffer_bytes
 from ..profile.recorder import _tensors
 from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
+from ..runtime.recompute import recompute_host_s
 from .rehearsal import Rehearsal, rehearse
 from .result import Price, PriceRow
 
@@ -42,12 +43,11 @@ def within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
-def segments(records, op_overhead_s: float = 0.0, checkpoint_op_s: float = 0.0,
-              checkpoint_region_s: float = 0.0, regions: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
-    """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's
-    per-op overhead (a recomputed op also `checkpoint_op_s`, and each checkpointed region of `regions` (module
-    paths) `checkpoint_region_s` once, at its first recomputed op: NOTE [framework overheads]); returns
-    segments and, per record, its segment."""
+def segments(records, hw, regions: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
+    """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's per-op
+    overhead (`hw.op_overhead_s`); a recomputed op also pays checkpointing's host cost, and each checkpointed
+    region of `regions` (module paths) once, at its first recomputed op (`treadle.runtime.recompute
+    .recompute_host_s`: NOTE [framework overheads]). Returns segments and, per record, its segment."""
     segs: list[Segment] = []
     seg_of: list[int] = []
     acc = 0.0
@@ -59,13 +59,13 @@ def segments(records, op_overhead_s: float = 0.0, checkpoint_op_s: float = 0.0,
             if key is not None:
                 segs.append(Segment(key[0], key[1], acc))
             key, acc = k, 0.0
-        acc += r.time_s + op_overhead_s
+        acc += r.time_s + hw.op_overhead_s
         if r.phase == "recompute":
-            acc += checkpoint_op_s
+            acc += recompute_host_s(hw, ops=1, regions=0)
             region = next((p for p in regions if within(r.module, p)), None)
             if region is not None and region not in seen:
                 seen.add(region)
-                acc += checkpoint_region_s
+                acc += recompute_host_s(hw, ops=0, regions=1)
         seg_of.append(len(segs))
     if key is not None:
         segs.append(Segment(key[0], key[1], acc))
@@ -92,8 +92,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
-    segs, seg_of = segments(reh.records, hw.op_overhead_s, hw.checkpoint_op_s, hw.checkpoint_region_s,
-                            reh.checkpoints)
+    segs, seg_of = segments(reh.records, hw, reh.checkpoints)
     colls: list[Collective] = []
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1

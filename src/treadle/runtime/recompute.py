@@ -1,5 +1,6 @@
 """Activation checkpointing as build installs it: non-reentrant `torch.utils.checkpoint` around a module's forward,
-without the KV cache for a layer that declares it writes one."""
+without the KV cache for a layer that declares it writes one; and what its machinery costs on the host
+(`recompute_host_s`, the one statement the price and the planner's cost graph charge)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+def recompute_host_s(hw, *, ops: int, regions: int) -> float:
+    """Host seconds torch.utils.checkpoint adds for `regions` checkpointed regions and `ops` recomputed ops on
+    `hw` (a HardwareSpec): its frame and replay per region, its saved-tensor hooks and holders per op (NOTE
+    [framework overheads] in `treadle.profile.hardware`)."""
+    return regions * hw.checkpoint_region_s + ops * hw.checkpoint_op_s
 
 
 # NOTE [checkpoint and the KV cache]: a checkpointed module's forward runs again in the backward. A Hugging Face
