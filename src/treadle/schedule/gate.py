@@ -109,15 +109,16 @@ def _exported(target: str) -> Any:
     return obj
 
 
-def _trusted(target: str, where: str) -> Any:
-    """A name the program's own code recorded: import and walk its qualname, as `Ref.load` does in code."""
+def import_by_name(target: str, where: str = "") -> Any:
+    """A name the program's own code recorded (a trusted name, or a Ref made in code): import its module and walk
+    its qualname. Never for a name read from a file that is not trusted. Raises ScheduleError naming `where`."""
     mod_name, _, qual = target.partition(":")
     try:
         obj: Any = importlib.import_module(mod_name)
         for part in qual.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise ScheduleError(f"{where}: cannot import {target!r}: {exc}") from exc
+        raise ScheduleError(f"{where + ': ' if where else ''}cannot import {target!r}: {exc}") from exc
     return obj
 
 
@@ -130,7 +131,7 @@ def resolve_callable(target: Any, *, where: str, trusted: Collection[str] = ()) 
     if target in FILE_EXPORTS:
         return _exported(target)
     if target in trusted:
-        return _trusted(target, where)
+        return import_by_name(target, where)
     why = "a dunder name is never resolved; " if _has_dunder(mod_name, qual) else ""
     raise ScheduleError(f"{where}: names the callable {target!r}, which is not allowed: {why}{_HOW}")
 

@@ -16,7 +16,6 @@ factory passed to ``replace``) is the program's own and needs no allowing.
 from __future__ import annotations
 
 import base64
-import importlib
 import io
 import json
 from collections.abc import Collection
@@ -81,14 +80,7 @@ class Ref:
         imported by its name (the program's own)."""
         if self._obj is not None:
             return self._obj
-        mod_name, _, attr = self.target.partition(":")
-        try:
-            obj: Any = importlib.import_module(mod_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ScheduleError(f"cannot import {self.target!r}: {exc}") from exc
-        return obj
+        return gate.import_by_name(self.target)
 
     def resolve(self) -> Any:
         return self.load()(**self.kwargs)
