@@ -391,3 +391,21 @@ def test_failure_reports(tmp_path, capsys, monkeypatch):
     assert failure.report_before_start(RunError("treadle.run: --batch must be >= 1")) == 2
     assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == \
         "treadle.run: --batch must be >= 1"
+
+
+def test_a_schedule_file_that_is_no_schedule_is_one_run_error(tmp_path):
+    """treadle.run reads schedule and plan files through the gate's JSON reader: deep nesting, text that is no
+    JSON and a plan's schedule entry are data, a RunError naming the file (never a RecursionError)."""
+    from treadle.run.setup import _read_schedule_text
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RunError, match=r"deep.json: JSON nested too deeply|deep.json: JSON nested \d+ levels"):
+        _read_schedule_text(str(deep))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(RunError, match=r"bad.json is not JSON"):
+        _read_schedule_text(str(bad))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "treadle.plan/1", "schedule": {"format": "treadle.schedule/1"}}))
+    assert json.loads(_read_schedule_text(str(plan))) == {"format": "treadle.schedule/1"}

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..schedule.core import Schedule, create_schedule
+from ..schedule.gate import parse_json
 from ..schedule.replay import load_schedule
 from .config import RunConfig, RunError
 
@@ -93,10 +94,7 @@ def _read_schedule_text(path: str) -> str:
     p = Path(path)
     if not p.is_file():
         raise RunError(f"treadle.run: schedule file {path!r} does not exist")
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise RunError(f"treadle.run: {path} is not JSON: {exc}") from None
+    doc = parse_json(p.read_text(), source=f"treadle.run: {path}", error=RunError, unparsable=" is not JSON")
     if isinstance(doc, dict) and "schedule" in doc:
         s = doc["schedule"]
         return s if isinstance(s, str) else json.dumps(s)
@@ -163,8 +161,9 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
         text = _read_schedule_text(cfg.schedule or cfg.plan)
     else:
         return _recipe(model, cfg, world)
-    saved = json.loads(text).get("mesh", {})
-    shape = tuple(saved.get("shape", ()))
+    doc = parse_json(text, source="treadle.run: the schedule", error=RunError)
+    saved = doc.get("mesh", {}) if isinstance(doc, dict) else {}
+    shape = tuple(saved.get("shape", ())) if isinstance(saved, dict) and isinstance(saved.get("shape"), list) else ()
     if math.prod(shape) != world:
         raise RunError(f"treadle.run: the schedule's mesh {dict(zip(saved.get('names', ()), shape))} needs "
                        f"{math.prod(shape)} ranks, but the job has {world}; launch with that many processes")
