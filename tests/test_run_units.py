@@ -45,7 +45,7 @@ def test_config_errors(kw, msg):
 
 
 def test_forwarded_args_round_trip():
-    from treadle.run.cli import forwarded_args
+    from treadle.cli.run import forwarded_args
 
     argv = ["--model", "tiny-gpt2", "--data", "a.txt", "b.jsonl", "--batch", "4", "--async-ckpt", "--memory-budget", "1GiB"]
     again = _args(forwarded_args(_args(argv)))
@@ -202,7 +202,7 @@ def test_mfu_inputs():
 
 def test_cli_registers_run_and_export():
     from treadle.cli import build_parser
-    from treadle.run.cli import forwarded_args
+    from treadle.cli.run import forwarded_args
 
     args = build_parser().parse_args(["run", "--nproc", "2", "--model", "tiny-llama", "--data", "a.txt", "--steps", "3"])
     assert args.nproc == 2 and forwarded_args(args) == ["--model", "tiny-llama", "--data", "a.txt", "--steps", "3"]

@@ -1,7 +1,7 @@
 """treadle command line: profile / plan / explain / verify / train / run.
 
-The top layer: each sub-command is a module of this package (``treadle.run.cli`` is the training entry
-point's own) and exposes ``register(subparsers)``; this file only assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
+The top layer: each sub-command is a module of this package and exposes ``register(subparsers)``; this file
+only assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
 
 A user error (a TreadleError, or a file that cannot be read) prints one line naming the culprit and exits
 with status 2; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
@@ -23,7 +23,7 @@ _SUBCOMMANDS = (
     "treadle.cli.plan",
     "treadle.cli.cost",
     "treadle.cli.verify",
-    "treadle.run.cli",
+    "treadle.cli.run",
     "treadle.cli.price",
 )
 

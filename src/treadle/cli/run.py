@@ -10,8 +10,8 @@ import os
 import sys
 from typing import Any
 
-from .config import RunConfig, RunError, add_arguments, config_from_args
-from .failure import EXIT_USER, LAUNCHER_ENV
+from ..run.config import RunConfig, RunError, add_arguments, config_from_args
+from ..run.failure import EXIT_USER, LAUNCHER_ENV
 
 
 def forwarded_args(args: argparse.Namespace) -> list[str]:
@@ -86,8 +86,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .checkpoint import export_hf
-    from .setup import load_run_model
+    from ..run.checkpoint import export_hf
+    from ..run.setup import load_run_model
 
     model = load_run_model(args.model, seq=1, seed=0)
     export_hf(args.checkpoint, model, args.output)
