@@ -1,29 +1,41 @@
 """treadle: optimise the training of a stock PyTorch model with a separate, progressive schedule, or let
-the planner write that schedule; build it on torch.distributed and verify it against the original."""
+the planner write that schedule; build it on torch.distributed and verify it against the original.
 
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+Importing treadle is cheap: the names below (``treadle.build``, ``treadle.Schedule``, ...) and every layer's
+registrations load together the first time one of them is used or a registry is read (NOTE [registrations on
+first use] in `treadle.lazy`), so the command line checks its arguments before torch.distributed, transformers
+or the solver are imported.
+"""
 
+from . import lazy as _lazy
 from .errors import (BuildError, LayoutError, MeshError, PlanError, ProfileError, ScheduleError, SpawnError,
                      TreadleError, VerifyError)
-from .mesh import Mesh
-from .runtime.build import annotations, build
-from .runtime import graph_steps as _graph_steps  # noqa: F401  (the graph-level and pipeline build steps)
-from .runtime.train import TrainResult, train
-from .schedule.core import Schedule, create_schedule
-from .schedule.replay import load_schedule
-from .schedule.log import Ref, register_ref
-from .verify import VerifyReport, verify
-from . import graph as _graph  # noqa: E402,F401  (registers the graph layer with the schedule's graph primitives)
+
+_PLACEMENTS = "torch.distributed.tensor.placement_types"
+_PUBLIC = {
+    "Shard": f"{_PLACEMENTS}:Shard", "Replicate": f"{_PLACEMENTS}:Replicate", "Partial": f"{_PLACEMENTS}:Partial",
+    "Mesh": "treadle.mesh:Mesh", "annotations": "treadle.runtime.build:annotations",
+    "build": "treadle.runtime.build:build", "TrainResult": "treadle.runtime.train:TrainResult",
+    "train": "treadle.runtime.train:train", "Schedule": "treadle.schedule.core:Schedule",
+    "create_schedule": "treadle.schedule.core:create_schedule", "load_schedule": "treadle.schedule.replay:load_schedule",
+    "Ref": "treadle.schedule.log:Ref", "register_ref": "treadle.schedule.log:register_ref",
+    "VerifyReport": "treadle.verify:VerifyReport", "verify": "treadle.verify:verify", "price": "treadle.pricing:price",
+    "models": "treadle.models",
+}
 
 
-try:  # model-specific op forms and decompositions for patterns (need transformers)
-    from .models import kernels as _kernels  # noqa: F401
-except ImportError:  # pragma: no cover - transformers is a dependency
-    pass
+def _load_layers() -> None:
+    """Import every module that registers with a lower layer, in the order the layers call them."""
+    from .runtime import graph_steps  # noqa: F401  (the graph-level and pipeline build steps)
+    from . import graph  # noqa: F401  (registers the graph layer with the schedule's graph primitives)
 
-from .pricing import price  # noqa: E402  (one price for every schedule)
-from . import forms  # noqa: E402,F401  (the parallel forms register themselves with the core layers)
-from . import models  # noqa: E402  (ready-made schedules: treadle.models.megatron, ...; after the core)
+    from .models import kernels  # noqa: F401  (op forms and decompositions of transformers' classes, by name)
+    from . import pricing  # noqa: F401  (one price for every schedule)
+    from . import forms  # noqa: F401  (the parallel forms register themselves with the core layers)
+
+
+_lazy.set_loader(_load_layers)
+_lazy.export_lazily(__name__, _PUBLIC, before=_lazy.load_registrations)
 
 __all__ = [
     "Mesh", "Schedule", "create_schedule", "load_schedule", "build", "annotations", "Ref", "register_ref", "verify",

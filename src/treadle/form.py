@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import TreadleError
+from .lazy import load_registrations
 
 # A face's arguments are the calling layer's own objects (its builder, model, cost graph or rehearsal): typed
 # `Any` here so that this module, at the bottom of the tree, imports none of them.
@@ -159,11 +160,13 @@ def register_form(form: Form) -> Form:
 
 def forms() -> Iterator[Form]:
     """Every registered form, in registration order."""
+    load_registrations()
     return iter(tuple(_FORMS.values()))
 
 
 def get_form(name: str) -> Form:
     """The form registered as `name`. Raises TreadleError listing the registered forms."""
+    load_registrations()
     try:
         return _FORMS[name]
     except KeyError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BuildError, PlanError
+from .lazy import load_registrations, qualified_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def register_dims(*op_names: str) -> Callable[[DimRule], DimRule]:
 
 def dims_rule(op_name: str) -> DimRule | None:
     """The dimension rule of an ATen op (None: it has none, and runs replicated)."""
+    load_registrations()
     return _DIMS.get(op_name)
 
 
@@ -82,38 +84,63 @@ class LeafPlan:
 
 
 LeafRule = Callable[[str, Any, dict[str, list]], LeafPlan]  # (path, module, {parameter: [ParamShard]}) -> plan
-_LEAVES: dict[type, LeafRule] = {}
+_LEAVES: dict[type | str, LeafRule] = {}  # a class, or its qualified name (a class of an optional library)
 
 
-def register_leaf_rule(*types: type) -> Callable[[LeafRule], LeafRule]:
-    """Register a leaf rule for module types. Raises RuleError (a BuildError) for a second rule of one type."""
+def register_leaf_rule(*types: type | str) -> Callable[[LeafRule], LeafRule]:
+    """Register a leaf rule for module types, each a class or its qualified name (``"transformers.pytorch_utils.
+    Conv1D"``: registering it imports nothing; NOTE [registrations on first use]). Raises RuleError (a
+    BuildError) for a second rule of one type."""
 
     def deco(fn: LeafRule) -> LeafRule:
         for t in types:
-            if t in _LEAVES:
-                raise RuleError(f"a leaf rule for {t.__qualname__} is already registered ({_LEAVES[t].__name__})")
+            same = [k for k in _LEAVES
+                    if k == t or (isinstance(t, str) != isinstance(k, str) and _name(k) == _name(t))]
+            if same:
+                raise RuleError(f"a leaf rule for {_short(t)} is already registered ({_LEAVES[same[0]].__name__})")
             _LEAVES[t] = fn
         return fn
 
     return deco
 
 
+def _name(t: type | str) -> str:
+    return t if isinstance(t, str) else qualified_name(t)
+
+
+def _short(t: type | str) -> str:
+    return t.rpartition(".")[2] if isinstance(t, str) else t.__qualname__
+
+
+def _rule_class(cls: type) -> type | None:
+    """The class of `cls`'s MRO that has a leaf rule (by class or by qualified name), nearest first."""
+    load_registrations()
+    for t in cls.__mro__:
+        if t in _LEAVES or qualified_name(t) in _LEAVES:
+            return t
+    return None
+
+
+def _rule_of(t: type) -> LeafRule:
+    return _LEAVES[t] if t in _LEAVES else _LEAVES[qualified_name(t)]
+
+
 def has_leaf_rule(mod: Any) -> bool:
     """True when build can compute `mod` with sharded parameters: a rule for its class or a base class."""
-    return any(t in _LEAVES for t in type(mod).__mro__)
+    return _rule_class(type(mod)) is not None
 
 
 def leaf_plan(path: str, mod: Any, shards: dict[str, list]) -> LeafPlan:
     """The plan for leaf `mod` whose direct parameters have `shards` (NOTE [exact leaf rules]). Raises BuildError
     for a module type without a rule or a layout the rule does not support, naming path, parameter and axis."""
-    for t in type(mod).__mro__:
-        if t in _LEAVES:
-            if t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None):
-                return _LEAVES[t](path, mod, shards)
-            logger.info("build: %r is a %s with its own forward; it runs on gathered weights (no %s rule for it)",
-                        path, type(mod).__qualname__, t.__qualname__)
-            return gathered_plan(path, mod, shards)
-    known = sorted(t.__qualname__ for t in _LEAVES)
+    t = _rule_class(type(mod))
+    if t is not None:
+        if t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None):
+            return _rule_of(t)(path, mod, shards)
+        logger.info("build: %r is a %s with its own forward; it runs on gathered weights (no %s rule for it)",
+                    path, type(mod).__qualname__, t.__qualname__)
+        return gathered_plan(path, mod, shards)
+    known = sorted(_short(t) for t in _LEAVES)
     raise RuleError(f"build: {path!r} ({type(mod).__name__}) has sharded parameters {sorted(shards)} but "
                     f"treadle has no sharded-compute rule for that module type (rules exist for {known}); "
                     f"shard its children instead, or replace it with a module of a supported type")

@@ -11,6 +11,7 @@ How to add a form: `docs/architecture.md`.
 from __future__ import annotations
 
 from ..form import register_form
+from ..runtime import graph_steps as _graph_steps  # noqa: F401  (the graph and pipeline build steps come first)
 from ..runtime.steps import register_build_extension
 from . import data, sequence, tensor, vocab
 

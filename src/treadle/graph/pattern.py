@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ScheduleError
+from ..lazy import load_registrations, qualified_name
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -91,8 +92,9 @@ def _canon_target(node: fx.Node) -> str | None:
     return None
 
 
-# module type -> (canonical op, constants from the module, parameter names as inputs after the input)
-_MODULE_FORMS: dict[type, Callable[[nn.Module], tuple[str, dict[str, Any], tuple[str, ...]]]] = {
+# module type (or its qualified name: NOTE [registrations on first use]) -> (canonical op, constants from the
+# module, parameter names as inputs after the input)
+_MODULE_FORMS: dict[type | str, Callable[[nn.Module], tuple[str, dict[str, Any], tuple[str, ...]]]] = {
     nn.ReLU: lambda m: ("relu", {}, ()),
     nn.GELU: lambda m: ("gelu", {"approximate": m.approximate}, ()),
     nn.SiLU: lambda m: ("silu", {}, ()),
@@ -106,12 +108,14 @@ _MODULE_FORMS: dict[type, Callable[[nn.Module], tuple[str, dict[str, Any], tuple
 }
 
 
-def register_module_form(module_type: type, form: Callable[[nn.Module], tuple[str, dict[str, Any], tuple[str, ...]]]
-                         ) -> None:
-    """Declare that a leaf of `module_type` computes a canonical op: ``form(module) -> (op, constants,
-    parameter names passed as inputs after the module's input)``. Model-specific forms live in treadle.models."""
+def register_module_form(module_type: type | str,
+                         form: Callable[[nn.Module], tuple[str, dict[str, Any], tuple[str, ...]]]) -> None:
+    """Declare that a leaf of `module_type` (a class, or its qualified name: registering imports nothing)
+    computes a canonical op: ``form(module) -> (op, constants, parameter names passed as inputs after the
+    module's input)``. Model-specific forms live in treadle.models."""
     if module_type in _MODULE_FORMS:
-        raise ScheduleError(f"a module form for {module_type.__qualname__} is already registered")
+        name = module_type if isinstance(module_type, str) else module_type.__qualname__
+        raise ScheduleError(f"a module form for {name} is already registered")
     _MODULE_FORMS[module_type] = form
 
 
@@ -129,7 +133,8 @@ def register_form_probe(probe: Callable[[nn.Module], FormMaker | None]) -> None:
 
 def module_form(mod: nn.Module) -> FormMaker | None:
     """The form maker of a leaf: registered for its exact type, else the first probe that recognises it."""
-    maker = _MODULE_FORMS.get(type(mod))
+    load_registrations()
+    maker = _MODULE_FORMS.get(type(mod)) or _MODULE_FORMS.get(qualified_name(type(mod)))
     if maker is None:
         for probe in _FORM_PROBES:
             maker = probe(mod)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ScheduleError
+from ..lazy import load_registrations, qualified_name
 from .pattern import Match, ParamRef
 
 logger = logging.getLogger(__name__)
@@ -357,17 +358,17 @@ def wrap_region(gm: fx.GraphModule, match: Match, make_module: Callable[[fx.Grap
 
 
 # ------------------------------------------------------------------------------------------ decompose
-# module type -> (fn(graph, x_node, path) -> output node, weight dim that indexes outputs, input dim)
-_DECOMPOSITIONS: dict[type, tuple[Callable[[fx.Graph, fx.Node, str], fx.Node], int, int]] = {}
+# module type or its qualified name -> (fn(graph, x_node, path) -> output node, weight dim of outputs, of inputs)
+_DECOMPOSITIONS: dict[type | str, tuple[Callable[[fx.Graph, fx.Node, str], fx.Node], int, int]] = {}
 
 
-def register_decomposition(module_type: type, *, out_dim: int, in_dim: int):
-    """Register how a leaf of `module_type` decomposes into matmul + bias add. `out_dim`/`in_dim` name the
-    weight dims that index its output / input features (for sharded weights at build)."""
+def register_decomposition(module_type: type | str, *, out_dim: int, in_dim: int):
+    """Register how a leaf of `module_type` (a class, or its qualified name: NOTE [registrations on first use])
+    decomposes into matmul + bias add; `out_dim`/`in_dim`: the weight dims of its output / input features."""
 
     def deco(fn):
         if module_type in _DECOMPOSITIONS:
-            raise ScheduleError(f"a decomposition for {module_type.__qualname__} is already registered")
+            raise ScheduleError(f"a decomposition for {getattr(module_type, '__qualname__', module_type)} is already registered")
         _DECOMPOSITIONS[module_type] = (fn, out_dim, in_dim)
         return fn
 
@@ -387,13 +388,17 @@ def _linear(graph: fx.Graph, x: fx.Node, path: str) -> fx.Node:
     return y
 
 
+def _decomposition(mod: nn.Module) -> tuple[Callable[[fx.Graph, fx.Node, str], fx.Node], int, int] | None:
+    load_registrations()  # its exact type's, by class or qualified name; else None
+    return _DECOMPOSITIONS.get(type(mod)) or _DECOMPOSITIONS.get(qualified_name(type(mod)))
+
+
 def decomposable(mod: nn.Module) -> bool:
-    return type(mod) in _DECOMPOSITIONS
+    return _decomposition(mod) is not None
 
 
 def decomposition_dims(mod: nn.Module) -> tuple[int, int]:
-    _, out_dim, in_dim = _DECOMPOSITIONS[type(mod)]
-    return out_dim, in_dim
+    return _decomposition(mod)[1:]  # (out_dim, in_dim)
 
 
 class LeafHooks(nn.Module):
@@ -444,7 +449,7 @@ def decompose_node(gm: fx.GraphModule, node: fx.Node, *, full_path: str, boundar
     leaf's forward pre-hooks and forward hooks keep running around it (`LeafHooks`); backward hooks or hooks
     with keyword arguments cannot, so they are a ScheduleError (the graph is unchanged)."""
     mod = gm.get_submodule(node.target)
-    fn, _, _ = _DECOMPOSITIONS[type(mod)]
+    fn, _, _ = _decomposition(mod)
     if len(node.args) != 1 or node.kwargs:
         raise ScheduleError(f"decompose at {full_path!r}: the leaf is called with {len(node.args)} positional and "
                             f"{sorted(node.kwargs)} keyword arguments; only single-input calls decompose")

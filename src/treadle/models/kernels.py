@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ScheduleError
-from ..graph.pattern import _MODULE_FORMS, register_form_probe, register_module_form
-from ..graph.rewrite import _DECOMPOSITIONS, register_decomposition
+from ..forms.tensor.leaf_rules import HF_CONV1D
+from ..graph.pattern import register_form_probe, register_module_form
+from ..graph.rewrite import register_decomposition
 from ..schedule.core import Schedule
 from .common import blocks_path, has_children
 
@@ -32,21 +33,18 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------ registrations
 def _register() -> None:
-    from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
-    from transformers.pytorch_utils import Conv1D
-
+    """transformers' classes, by qualified name (NOTE [registrations on first use]: transformers not imported)."""
     forms = {
-        NewGELUActivation: lambda m: ("gelu", {"approximate": "tanh"}, ()),
-        GELUActivation: lambda m: ("gelu", {"approximate": "none"}, ()),
-        SiLUActivation: lambda m: ("silu", {}, ()),
+        "transformers.activations.NewGELUActivation": lambda m: ("gelu", {"approximate": "tanh"}, ()),
+        "transformers.activations.GELUActivation": lambda m: ("gelu", {"approximate": "none"}, ()),
+        "transformers.activations.SiLUActivation": lambda m: ("silu", {}, ()),
     }
-    for t, f in forms.items():
-        if t not in _MODULE_FORMS:
-            register_module_form(t, f)
-    if Conv1D not in _DECOMPOSITIONS:
-        @register_decomposition(Conv1D, out_dim=1, in_dim=0)
-        def _conv1d(graph, x, path):  # Conv1D: y = x @ W + b with W (in, out)
-            return graph.call_function(torch.matmul, (x, graph.get_attr(f"{path}.weight")))
+    for name, f in forms.items():
+        register_module_form(name, f)
+
+    @register_decomposition(HF_CONV1D, out_dim=1, in_dim=0)
+    def _conv1d(graph, x, path):  # Conv1D: y = x @ W + b with W (in, out)
+        return graph.call_function(torch.matmul, (x, graph.get_attr(f"{path}.weight")))
 
 
 _register()

@@ -45,8 +45,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from ..errors import PlanError
 from ..form import forms
@@ -113,6 +111,9 @@ class _Model:
         self.family.append(family)
 
     def solve(self, time_limit_s: float, rel_gap: float):
+        from scipy.optimize import Bounds, LinearConstraint, milp  # the solver: imported where it runs
+        from scipy.sparse import coo_matrix
+
         n = len(self.c)
         A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.clb), n)).tocsr()
         cons = [LinearConstraint(A, np.array(self.clb), np.array(self.cub))] if self.clb else []

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import BuildError
+from ..lazy import load_registrations
 
 # Build steps contributed by other layers and by the parallel forms (graph rewrites, pipelines, data
 # parallelism). Each is called with the builder at its phase: "pre_shard" (before parameters are sliced: graph
@@ -29,6 +30,7 @@ def register_build_extension(phase: str, fn: Callable[[Any], Any]) -> None:
 
 def build_steps(phase: str) -> list[Callable[[Any], Any]]:
     """The registered steps of `phase`, in registration order."""
+    load_registrations()
     return list(_EXTENSIONS[phase])
 
 

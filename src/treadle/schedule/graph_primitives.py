@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
 
 from ..errors import ScheduleError
+from ..lazy import load_registrations
 from .log import Ref
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def register_graph_layer(**modules: Any) -> None:
 
 
 def _layer(name: str) -> Any:
+    load_registrations()
     mod = _GRAPH_LAYER.get(name)
     if mod is None:
         raise ScheduleError(f"graph primitives need the graph layer, which is not loaded; import treadle.graph "

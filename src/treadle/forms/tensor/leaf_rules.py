@@ -20,13 +20,18 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ...errors import BuildError
+from ...lazy import qualified_name
 from ...schedule.state import ParamShard
 from ...sharding_rules import LeafPlan, register_leaf_rule
 
-try:  # a layer type of transformers (GPT-2 and relatives), not a model class
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-except ImportError:  # pragma: no cover - transformers is a dependency, but the rule is optional
-    _HFConv1D = None
+# a layer type of transformers (GPT-2 and relatives), not a model class; named, not imported (an instance exists
+# only once transformers is imported: NOTE [registrations on first use])
+HF_CONV1D = "transformers.pytorch_utils.Conv1D"
+
+
+def is_hf_conv1d(mod: nn.Module) -> bool:
+    """True for transformers' Conv1D or a subclass of it (matched by qualified name: transformers not imported)."""
+    return any(qualified_name(t) == HF_CONV1D for t in type(mod).__mro__)
 
 
 def matmul_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
@@ -34,7 +39,7 @@ def matmul_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
     as a matrix product (Linear: W (out, in); transformers' Conv1D: W (in, out)); None for any other module."""
     if isinstance(mod, nn.Linear):
         return mod.out_features, mod.in_features, 0, 1
-    if _HFConv1D is not None and isinstance(mod, _HFConv1D):
+    if is_hf_conv1d(mod):
         return mod.weight.shape[1], mod.weight.shape[0], 1, 0
     return None
 
@@ -94,5 +99,4 @@ def _conv1d_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]])
     return _matmul_plan(path, mod, shards, out_dim=1, in_dim=0, compute=compute)
 
 
-if _HFConv1D is not None:
-    register_leaf_rule(_HFConv1D)(_conv1d_rule)
+register_leaf_rule(HF_CONV1D)(_conv1d_rule)
