@@ -35,7 +35,9 @@ def _context():
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle"])
+        # treadle's layers by name (importing treadle alone loads none: NOTE [registrations on first use])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle", "treadle.forms",
+                                    "treadle.models.kernels", "treadle.verify", "treadle.runtime.train"])
         _CTX = ctx
     return _CTX
 

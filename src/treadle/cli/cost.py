@@ -12,21 +12,31 @@ import argparse
 import json
 import logging
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from ..errors import TreadleError
-from ..mesh import Mesh
 from ..viz.progress import add_quiet_flag, is_quiet, progress
-from ..cost.calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S, Calibration, calibrate_cluster
-from ..cost.cluster import ClusterSpec, default_axis_names, enumerate_meshes, parse_cluster
+from .tables import console as table_console
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ..cost.calibrate import Calibration
+    from ..cost.cluster import ClusterSpec
+    from ..mesh import Mesh
 
 logger = logging.getLogger(__name__)
+
+# `treadle calibrate`'s defaults, as treadle.cost.calibrate defines them (read there when the command runs; a
+# test checks they agree): the parser is built without the cost model
+LEAD_MS_DEFAULT = 2.0  # DEFAULT_LEAD_COMPUTE_S * 1e3
+CHAIN_DEFAULT = 8  # DEFAULT_CHAIN
 
 
 def cluster_table(cluster: ClusterSpec) -> Table:
     """One row per mesh axis: size, link, latency, launch cost, effective bandwidth."""
+    from rich.table import Table
+
     t = Table("axis", "size", "link", "latency us", "launch us", "GB/s", title=f"{cluster.device_name} cluster")
     for name, size, link in zip(cluster.mesh.names, cluster.mesh.shape, cluster.links):
         t.add_row(name, str(size), link.name, f"{link.latency_s * 1e6:.1f}", f"{link.launch_s * 1e6:.1f}",
@@ -36,6 +46,8 @@ def cluster_table(cluster: ClusterSpec) -> Table:
 
 def meshes_table(specs: list[ClusterSpec]) -> Table:
     """One row per logical mesh: shape, axis names, link of each axis."""
+    from rich.table import Table
+
     t = Table("mesh shape", "axes", "links")
     for s in specs:
         t.add_row(" x ".join(map(str, s.mesh.shape)), ", ".join(s.mesh.names), ", ".join(x.name for x in s.links))
@@ -44,6 +56,8 @@ def meshes_table(specs: list[ClusterSpec]) -> Table:
 
 def calibration_table(cal: Calibration) -> Table:
     """Fitted links and the held-out check (predicted vs measured all-gather)."""
+    from rich.table import Table
+
     t = Table("axis", "latency us", "launch us", "GB/s", "held-out KiB", "measured us", "predicted us", "error")
     held = {}
     for h in cal.held_out:
@@ -60,6 +74,9 @@ def calibration_table(cal: Calibration) -> Table:
 
 
 def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
+    from ..cost.cluster import default_axis_names
+    from ..mesh import Mesh
+
     try:
         shape = tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -68,13 +85,19 @@ def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
 
 
 def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int,
-                    lead_compute_s: float, device, chain: int = DEFAULT_CHAIN) -> str:
+                    lead_compute_s: float, device, chain: int = CHAIN_DEFAULT) -> str:
+    from ..cost.calibrate import calibrate_cluster
+    from ..cost.cluster import ClusterSpec
+    from ..mesh import Mesh
+
     mesh = Mesh(shape, names)
     base = ClusterSpec.uniform(mesh, "loopback", device=device)
     return calibrate_cluster(mesh, rounds=rounds, lead_compute_s=lead_compute_s, base=base, chain=chain).to_json()
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
+    from ..cost.cluster import enumerate_meshes, parse_cluster
+
     cluster = parse_cluster(args.spec)
     specs = []
     if args.meshes:
@@ -84,7 +107,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.to_dict(), "meshes": [s.to_dict() for s in specs]}, indent=2))
         return 0
-    console = Console()
+    console = table_console()
     console.print(cluster_table(cluster))
     if specs:
         console.print(meshes_table(specs))
@@ -92,9 +115,12 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..testing import spawn
-
     mesh = _parse_mesh(args.mesh, args.names)
+    from ..cost.calibrate import Calibration
+    from ..cost.cluster import ClusterSpec
+    from ..testing import check_process_count, spawn
+
+    check_process_count(mesh.world_size, where=f"calibrate --mesh {args.mesh}")  # before measuring the CPU
     device = "cpu"
     if args.cpu:  # one core of this machine, measured now (explicit: it lands in the file, nothing is cached)
         from ..profile.hardware import calibrate_cpu
@@ -121,7 +147,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     cal = Calibration(cluster, (), None, data["launch_s"], tuple(HeldOut(**h) for h in data["held_out"]),
                       tuple(data["notes"]))
-    console = Console()
+    console = table_console()
     console.print(calibration_table(cal))
     for note in cal.notes:
         console.print(f"note: {note}")
@@ -143,10 +169,10 @@ def register(subparsers) -> None:
     c.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 (4 ranks) or 2 (default 2x2)")
     c.add_argument("--names", nargs="+", help="axis names (default dp tp for two axes)")
     c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (their mean: NOTE [a step pays the mean]; default 15)")
-    c.add_argument("--lead-ms", type=float, default=DEFAULT_LEAD_COMPUTE_S * 1e3,
+    c.add_argument("--lead-ms", type=float, default=LEAD_MS_DEFAULT,
                    help="compute before each timed collective, as a step issues it (NOTE [in-step collectives]; "
                         "0: right after a barrier; default %(default)s)")
-    c.add_argument("--chain", type=int, default=DEFAULT_CHAIN,
+    c.add_argument("--chain", type=int, default=CHAIN_DEFAULT,
                    help="(compute, collective) pairs timed back to back per sample, as a step pays them, and the "
                         "links' drift measured (NOTE [collectives in a chain]; 1: each call alone after a barrier; "
                         "default %(default)s)")

@@ -16,16 +16,20 @@ import json
 import re
 import sys
 
-import torch
-
 from ..errors import PlanError
-from ..planner.meshes import default_dtype, search_clusters
-from ..planner.to_schedule import decisions_python
 from ..units import parse_bytes
 from ..viz.progress import add_quiet_flag, is_quiet, progress
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+# --dtype -> torch dtype name (torch is imported by the command, not by the parser)
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
+
+
+def decisions_python(decisions) -> list[str]:
+    """`treadle.planner.to_schedule.decisions_python`, imported when used (the planner is not needed to parse)."""
+    from ..planner.to_schedule import decisions_python as as_python
+
+    return as_python(decisions)
 
 
 def _parse_pin(text: str) -> tuple[str, str, str]:
@@ -96,20 +100,14 @@ def _write_pictures(plan, args: argparse.Namespace, out) -> None:
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from ..models.zoo import check_model_name
 
-    from ..cost.cluster import parse_cluster
-    from ..models.zoo import load_model, named_model
-    from ..planner.explain import mesh_table, plan_table, summary_lines
-    from ..planner.search import plan_model
-
-    console = Console(stderr=True)
-    cluster = parse_cluster(args.cluster)
-    clusters = search_clusters(cluster, from_file=args.cluster.strip().endswith(".json"), mesh=args.mesh,
-                               max_axes=args.max_axes)
-    args.dtype = args.dtype or default_dtype(cluster)
-    dtype = _DTYPES[args.dtype]
-    budget = parse_bytes(args.memory) if args.memory else float(cluster.hardware().memory_bytes)
+    # the arguments first, before the planner, the model or the cluster's machine model is loaded
+    check_model_name(args.model)
+    for name in ("batch", "seq"):
+        if getattr(args, name) < 1:
+            raise PlanError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    budget = parse_bytes(args.memory) if args.memory else None
     pins: dict[str, dict[str, int | str]] = {}
     for text in args.pin:
         glob, axis, dim = _parse_pin(text)
@@ -117,6 +115,24 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     dp_axis = (None if args.dp_axis == "none" else tuple(args.dp_axis.split(",")) if "," in args.dp_axis
                else args.dp_axis)
     zero = None if args.zero == "auto" else args.zero == "on"
+
+    import torch
+    from rich.console import Console
+
+    from ..cost.cluster import parse_cluster
+    from ..models.zoo import load_model, named_model
+    from ..planner.explain import mesh_table, plan_table, summary_lines
+    from ..planner.meshes import default_dtype, search_clusters
+    from ..planner.search import plan_model
+    from .tables import console as table_console
+
+    console = Console(stderr=True)
+    cluster = parse_cluster(args.cluster)
+    clusters = search_clusters(cluster, from_file=args.cluster.strip().endswith(".json"), mesh=args.mesh,
+                               max_axes=args.max_axes)
+    args.dtype = args.dtype or default_dtype(cluster)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    budget = budget if budget is not None else float(cluster.hardware().memory_bytes)
     with progress(f"planning {args.model}", quiet=is_quiet(args), console=console) as report:
         report("building the model (fake tensors)")
         if ":" in args.model:  # the user function gets dtype= when it takes it
@@ -149,7 +165,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        out = Console()
+        out = table_console()
         out.print(plan_table(plan))
         if len(clusters) > 1:
             out.print(mesh_table(plan))

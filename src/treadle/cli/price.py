@@ -9,15 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from ..errors import TreadleError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def price_table(p, *, top: int | None = 20) -> Table:
     """Per module and phase: compute, communication by axis and kind, exposed communication (ms)."""
+    from rich.table import Table
+
     t = Table("module", "phase", "compute ms", "comm ms (axis kind)", "exposed ms", "saved MiB",
               title=f"price: {p.data_parallel}; {p.device.name}")
     rows = sorted(p.rows, key=lambda r: -(r.compute_s + sum(sum(k.values()) for k in r.comm_s.values())))
@@ -28,23 +31,26 @@ def price_table(p, *, top: int | None = 20) -> Table:
     return t
 
 
+def with_placement(cluster, args: argparse.Namespace):
+    """`cluster` with the rank placement the flags give; what they do not give stays as the cluster (its file)
+    says: threads per rank, ranks and cores per host."""
+    given = {k: v for k in ("threads_per_rank", "cores_per_host") if (v := getattr(args, k, None)) is not None}
+    if not given:
+        return cluster
+    placement = {"threads_per_rank": cluster.threads_per_rank, "ranks_per_host": cluster.ranks_per_host,
+                 "cores_per_host": cluster.cores_per_host}
+    return cluster.with_ranks(**(placement | given))
+
+
 def _price_cmd(args: argparse.Namespace) -> int:
-    from ..cost.cluster import parse_cluster
-    from ..models.zoo import named_model, zoo_name_from_file
-    from ..schedule.replay import load_schedule
-    from ..pricing import price
+    from ..models.zoo import check_model_name, zoo_name_from_file
+    from ..schedule.gate import parse_json
+    from .tables import console as table_console
 
-    console = Console()
-    try:
-        from ..schedule.gate import parse_json
-
+    try:  # the file, the model and the sizes first: before the cost model, the planner or the model load
         doc = parse_json(Path(args.file).read_text(), source=args.file, error=TreadleError)
         if not isinstance(doc, dict):
             raise TreadleError(f"{args.file}: expected a JSON object (a schedule or a plan)")
-        if "decisions" in doc:  # a plan: its decisions are data, checked as Plan.load checks them
-            from ..planner.plan import Plan
-
-            Plan.from_dict(doc, source=args.file)
         model_info = doc.get("model") or {} if "decisions" in doc else {}
         sch_doc = doc["schedule"] if "decisions" in doc else doc
         if sch_doc is None:
@@ -59,14 +65,26 @@ def _price_cmd(args: argparse.Namespace) -> int:
         if not (isinstance(name, str) and isinstance(batch, int) and isinstance(seq, int)) or min(batch, seq) < 1:
             raise TreadleError(f"{args.file}: the plan's model needs a zoo name and positive integer batch and "
                                f"seq; got {name!r:.80}, {batch!r:.40}, {seq!r:.40}")
+        check_model_name(name)
+        for flag in ("threads_per_rank", "cores_per_host"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise TreadleError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        from ..cost.cluster import parse_cluster
+        from ..models.zoo import named_model
+        from ..pricing import price
+        from ..schedule.replay import load_schedule
+
+        cluster = with_placement(parse_cluster(args.cluster), args)
+        if "decisions" in doc:  # a plan: its decisions are data, checked as Plan.load checks them
+            from ..planner.plan import Plan
+
+            Plan.from_dict(doc, source=args.file)
         model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)  # zoo names only: nothing imported
         sch = load_schedule(model, text, source=args.file)
-        cluster = parse_cluster(args.cluster).with_ranks(threads_per_rank=args.threads_per_rank,
-                                                          cores_per_host=args.cores_per_host)
         p = price(sch, inputs, cluster)
-    except (TreadleError, OSError, ValueError, KeyError) as exc:
-        console.print(f"[red]treadle price: {exc}")
-        return 2
+    except (ValueError, KeyError) as exc:  # the file's values (TreadleError and OSError: said by treadle.cli)
+        raise TreadleError(f"{args.file}: {exc}") from exc
+    console = table_console()
     if args.json:
         Path(args.json).write_text(json.dumps(p.to_dict(), indent=1))
     console.print(price_table(p))
@@ -79,9 +97,8 @@ def _price_cmd(args: argparse.Namespace) -> int:
             paths = write_price_pictures(p, trace=args.trace, html=args.html, png=args.png,
                                          title=f"{name} on {sch.mesh} ({p.data_parallel})",
                                          world_size=cluster.world_size)
-        except (ImportError, OSError) as exc:
-            console.print(f"[red]treadle price: {exc}")
-            return 2
+        except ImportError as exc:  # matplotlib for --png (OSError: said by treadle.cli)
+            raise TreadleError(str(exc)) from exc
         for path in paths:
             console.print(f"wrote {path}")
     return 0
@@ -94,9 +111,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True, help="e.g. 2x2:cpu, 8x8:h100, or a ClusterSpec JSON file")
     p.add_argument("--batch", type=int, help="global batch size (default: the plan's, else 8)")
     p.add_argument("--seq", type=int, help="sequence length (default: the plan's, else 64)")
-    p.add_argument("--threads-per-rank", type=int, default=1, help="threads each rank computes on (default 1)")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="threads each rank computes on (default: the cluster file's, else 1)")
     p.add_argument("--cores-per-host", type=int, default=None,
-                   help="cores the ranks of one host share (default: not shared)")
+                   help="cores the ranks of one host share (default: the cluster file's, else not shared)")
     p.add_argument("--json", help="write the price (with its per-module breakdown and timeline) here")
     p.add_argument("--trace", metavar="FILE", help="write the priced step as a Chrome trace (Perfetto)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the price")

@@ -7,11 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
+from ..errors import ProfileError
 from ..viz.progress import add_quiet_flag, is_quiet, progress
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")  # torch dtype names (torch is imported by the command, not the parser)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,20 +42,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..models.zoo import check_model_name, model_names
+
+    if args.list:
+        print("\n".join(model_names()))
+        return 0
+    if not args.model:
+        raise ProfileError("give a model name (see --list) or package.module:function")
+    check_model_name(args.model)  # before anything is imported or built
+    import torch
     from rich.console import Console
 
-    from ..models.zoo import load_model, model_names
     from ..profile.profiler import profile
     from ..profile.table import module_table, summary_table
+    from .tables import console
 
-    out = Console(width=None if sys.stdout.isatty() else 150)
-    if args.list:
-        out.print("\n".join(model_names()))
-        return 0
+    out = console()
     err = Console(stderr=True)
-    if not args.model:
-        err.print("[red]treadle profile: give a model name (see --list) or package.module:function")
-        return 2
     hardware = args.hardware
     if args.recalibrate or hardware == "cpu":
         from ..profile.hardware import cpu_spec
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         hardware = cpu_spec(recalibrate=args.recalibrate) if hardware == "cpu" else hardware
     with progress(f"profiling {args.model}", quiet=is_quiet(args), console=err) as report:
         report("building the model (fake tensors)")
-        kwargs = {"dtype": DTYPES[args.dtype], "attn": args.attn} if ":" not in args.model else {}
+        kwargs = {"dtype": getattr(torch, args.dtype), "attn": args.attn} if ":" not in args.model else {}
         model, inputs = load_model(args.model, batch=args.batch, seq=args.seq, fake=True, **kwargs)
         prof = profile(model, inputs, hardware=hardware, train=not args.forward_only,
                        optimizer=args.optimizer, reuse_blocks=not args.no_reuse, name=args.model,

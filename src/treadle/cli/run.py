@@ -10,8 +10,7 @@ import os
 import sys
 from typing import Any
 
-from ..run.config import RunConfig, RunError, add_arguments, config_from_args
-from ..run.failure import EXIT_USER, LAUNCHER_ENV
+from ..run.config import LAUNCHER_ENV, RunConfig, RunError, add_arguments, config_from_args
 
 
 def forwarded_args(args: argparse.Namespace) -> list[str]:
@@ -41,25 +40,32 @@ def _root_cause_line(exc: Any) -> tuple[str, int]:
     if not msg.startswith("treadle.run: "):
         msg = f"rank {rank} (pid {f.pid}) " + (f"killed by {f.signal_name()}" if f.exitcode < 0 else
                                                f"exited with code {f.exitcode}") + (f": {msg}" if msg else "")
+    from ..run.failure import EXIT_USER
+
     return msg.strip().split("\n", 1)[0].removeprefix("treadle.run: "), EXIT_USER if f.exitcode == EXIT_USER else 1
 
 
 def _run(args: argparse.Namespace) -> int:
     """Launch torchrun's agent in this process (no second interpreter, no ChildFailedError traceback): the
-    settings and the process count are checked first; a failed job is said in one line, the root cause's."""
+    settings, the files they name and the process count are checked first, against the world of --nproc
+    ranks; a failed job is said in one line, the root cause's."""
+    if args.nproc < 1:
+        raise RunError(f"--nproc must be >= 1 (processes on this host), got {args.nproc}")
+    from ..run.precheck import check_before_start
+
+    try:  # every setting checked here, once, before any process starts
+        cfg = config_from_args(args, say=lambda line: print(line.replace("treadle.run: ", "treadle run: ", 1),
+                                                           file=sys.stderr))
+        check_before_start(cfg, world=args.nproc)
+    except RunError as exc:  # said by treadle's CLI as "treadle run: error: ..."
+        raise RunError(str(exc).removeprefix("treadle.run: ")) from None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args as torchrun_args, run as torchrun
 
     from ..testing import check_process_count, free_port
 
-    if args.nproc < 1:
-        raise RunError(f"--nproc must be >= 1 (processes on this host), got {args.nproc}")
     check_process_count(args.nproc, where="--nproc")
-    try:
-        config_from_args(args)  # every setting checked here, once, before any process starts
-    except RunError as exc:  # said by treadle's CLI as "treadle run: error: ..."
-        raise RunError(str(exc).removeprefix("treadle.run: ")) from None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # what each rank uses (loop)
     argv = ["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

@@ -10,6 +10,7 @@ includes ``labels``, so the model returns its own training loss.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import inspect
 import logging
@@ -101,6 +102,17 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 
 def model_names() -> list[str]:
     return sorted(MODEL_CONFIGS)
+
+
+def check_model_name(spec: str) -> str:
+    """`spec` as the command line gives a model: a zoo name, or ``package.module:function`` (the user's, imported
+    later as given). Nothing is imported or built. Raises ProfileError naming an unknown name, the closest known
+    ones and every known name; returns `spec`."""
+    if ":" in spec or spec in MODEL_CONFIGS:
+        return spec
+    close = difflib.get_close_matches(spec, list(MODEL_CONFIGS), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise ProfileError(f"unknown model {spec!r}; {hint}known: {model_names()}, or 'package.module:function'")
 
 
 def _example_inputs(family: str, vocab: int, *, batch: int, seq: int, fake_mode: Any) -> dict[str, torch.Tensor]:

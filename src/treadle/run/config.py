@@ -1,11 +1,13 @@
 """The settings of one training run: a typed dataclass, its command-line arguments and a TOML file with the
-same keys (command line wins over the file, the file over the defaults)."""
+same keys (command line wins over the file, the file over a plan file's model, batch and seq, those over the
+defaults)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +17,10 @@ from ..errors import TreadleError
 
 class RunError(TreadleError):
     """`treadle.run` was given settings, data or a checkpoint it cannot use."""
+
+
+# set (to "1") by `treadle run` for its ranks: the launcher says their errors (NOTE [one line per error])
+LAUNCHER_ENV = "TREADLE_RUN_LAUNCHER"
 
 
 Precision = Literal["fp32", "bf16"]
@@ -230,8 +236,9 @@ def _check_toml_type(path: str, key: str, v: Any, type_text: str) -> None:
                        f"({_toml_kind(v)})")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Defaults < TOML file (`--config`) < options given on the command line."""
+def config_from_args(args: argparse.Namespace, *, say: Callable[[str], None] | None = None) -> RunConfig:
+    """Defaults < a plan file's model (``--plan plan.json``: its model, batch and seq) < TOML file (`--config`)
+    < options given on the command line. A setting that overrides the plan's is said in one line to `say`."""
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
     for name in _FIELDS:
         v = getattr(args, name, None)
@@ -239,4 +246,67 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             values[name] = v
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
+    plan = values.get("plan")
+    if isinstance(plan, str) and plan != "auto" and Path(plan).is_file() and not values.get("schedule"):
+        line = _take_plan_model(values, plan)
+        if line and say is not None:
+            say(line)
     return RunConfig(**values)
+
+
+def _take_plan_model(values: dict[str, Any], path: str) -> str | None:
+    """Fill `values`' model, batch and seq from plan file `path`'s ``model`` entry (`treadle plan -o`) where they
+    are not set; returns the line saying which settings override the plan's, or None. The plan's model is data
+    (a zoo name, a Hugging Face config directory or a registered function: `check_file_model_spec`). Raises
+    RunError naming the file when it is not a plan or its model entry is malformed."""
+    from ..schedule.gate import parse_json
+
+    try:
+        doc = parse_json(Path(path).read_text(), source=f"treadle.run: --plan {path}", error=RunError,
+                         unparsable=" is not JSON")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunError(f"treadle.run: cannot read --plan {path}: {exc}") from None
+    info = doc.get("model") if isinstance(doc, dict) else None
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise RunError(f"treadle.run: --plan {path}: 'model' must be an object with name, batch, seq; "
+                       f"got {info!r:.80}")
+    overrides = []
+    for key, field_name in (("name", "model"), ("batch", "batch"), ("seq", "seq")):
+        if key not in info:
+            continue
+        v = info[key]
+        if key == "name" and field_name not in values:  # used: then it must be a name a file may give
+            from ..models.zoo import check_file_model_spec
+
+            try:
+                check_file_model_spec(v, source=f"--plan {path}")
+            except TreadleError as exc:
+                raise RunError(f"treadle.run: {exc}") from None
+        elif key != "name" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise RunError(f"treadle.run: --plan {path}: the plan's {key} must be a positive integer, got {v!r:.40}")
+        if field_name not in values:
+            values[field_name] = v
+        elif values[field_name] != v:
+            overrides.append(f"--{field_name} {values[field_name]} (the plan's {key}: {v})")
+    if not overrides:
+        return None
+    return f"treadle.run: {', '.join(overrides)} override{'s' if len(overrides) == 1 else ''} {path}'s model"
+
+
+def recipe_mesh(cfg: RunConfig, world: int) -> tuple[int, int]:
+    """(dp, tp) of a recipe run (no schedule or plan) on `world` ranks: ``--mesh DPxTP``, else every rank
+    data-parallel (tensor-parallel for the megatron recipes). Raises RunError when --mesh does not read or does
+    not have `world` ranks."""
+    if cfg.mesh:
+        try:
+            dp, tp = (int(x) for x in cfg.mesh.lower().split("x"))
+        except ValueError:
+            raise RunError(f"treadle.run: --mesh {cfg.mesh!r}: write DPxTP, e.g. 2x2") from None
+    else:
+        dp, tp = (1, world) if cfg.recipe.startswith("megatron") else (world, 1)
+    if dp < 1 or tp < 1 or dp * tp != world:
+        raise RunError(f"treadle.run: --mesh {cfg.mesh} has {dp * tp} ranks but the job has {world}; give a "
+                       f"DPxTP mesh of {world} ranks, or launch {dp * tp} processes")
+    return dp, tp

@@ -30,11 +30,11 @@ from typing import Any
 from ..errors import TreadleError
 from . import health
 from .agree import JobError
+from .config import LAUNCHER_ENV  # noqa: F401  (defined with the settings; read here and by treadle.cli.run)
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAULT, EXIT_USER = 0, 1, 2
-LAUNCHER_ENV = "TREADLE_RUN_LAUNCHER"
 
 
 def _rest(exc: BaseException) -> str:

@@ -34,7 +34,6 @@ from .optim import init_optimizer_state, lr_at, make_optimizer
 from .preempt import StopSignals
 from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs
 from .step import run_step
-from ..viz.measured import profiled_step
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +193,7 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                 idx = sampler.indices(step, dp_rank)
                 micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
                 traced = cfg.trace is not None and step == cfg.steps - 1
-                with (profiled_step(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
+                with (_profiled(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
                     out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
                                    stop_signal=signals.signum)
                 done = step + 1
@@ -247,6 +246,12 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
     return losses
 
 
+def _profiled(path: str, step: int) -> contextlib.AbstractContextManager:
+    from ..viz.measured import profiled_step  # the trace writer: imported when a step is traced
+
+    return profiled_step(path, step)
+
+
 def trace_path(template: str, rank: int) -> str:
     """The per-rank trace file: ``{rank}`` substituted, else ``-rank<r>`` inserted before the suffix."""
     if "{rank}" in template:
@@ -259,21 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m treadle.run`` on every rank. Exit status (`failure`): 0 done or stopped
     after saving; 2 an error of the user's, said once for the job; 1 a fault (naming the rank that died or
     hung) or a bug (with its traceback)."""
-    import argparse
+    from .start import settings
 
-    from .config import add_arguments, config_from_args
+    cfg = settings(argv)
+    return cfg if isinstance(cfg, int) else run_rank(cfg)
 
-    p = argparse.ArgumentParser(prog="python -m treadle.run", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
-    if args.verbose:
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
-                            format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = config_from_args(args)
-    except TreadleError as exc:
-        return failure.report_before_start(exc)
+
+def run_rank(cfg: RunConfig) -> int:
+    """This rank's job with settings `cfg` (checked by `start.settings`); its exit status, as `main`'s."""
     beat = None
     try:
         init_distributed(cfg.timeout_s)

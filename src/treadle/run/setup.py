@@ -4,9 +4,7 @@ a schedule or plan file, ``--plan auto`` (rank 0 plans and broadcasts the schedu
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 from pathlib import Path
 from collections.abc import Iterator
@@ -19,9 +17,9 @@ from torch import nn
 from ..errors import TreadleError
 from ..mesh import Mesh
 from ..schedule.core import Schedule, create_schedule
-from ..schedule.gate import parse_json
 from ..schedule.replay import load_schedule
-from .config import RunConfig, RunError
+from .config import RunConfig, RunError, recipe_mesh
+from .precheck import check_schedule_world, read_schedule_text
 
 logger = logging.getLogger(__name__)
 
@@ -89,31 +87,11 @@ def model_inputs(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "labels": ids}
 
 
-def _read_schedule_text(path: str) -> str:
-    """The schedule JSON text of a schedule file or of a plan file (its "schedule" entry)."""
-    p = Path(path)
-    if not p.is_file():
-        raise RunError(f"treadle.run: schedule file {path!r} does not exist")
-    doc = parse_json(p.read_text(), source=f"treadle.run: {path}", error=RunError, unparsable=" is not JSON")
-    if isinstance(doc, dict) and "schedule" in doc:
-        s = doc["schedule"]
-        return s if isinstance(s, str) else json.dumps(s)
-    return p.read_text()
-
-
 def _recipe(model: nn.Module, cfg: RunConfig, world: int) -> Schedule:
     from ..models import megatron
 
     megatron_recipe = cfg.recipe.startswith("megatron")
-    if cfg.mesh:
-        try:
-            dp, tp = (int(x) for x in cfg.mesh.lower().split("x"))
-        except ValueError:
-            raise RunError(f"treadle.run: --mesh {cfg.mesh!r}: write DPxTP, e.g. 2x2") from None
-    else:
-        dp, tp = (1, world) if megatron_recipe else (world, 1)
-    if dp * tp != world:
-        raise RunError(f"treadle.run: --mesh {cfg.mesh} has {dp * tp} ranks but the job has {world}")
+    dp, tp = recipe_mesh(cfg, world)
     sch = create_schedule(model, mesh=Mesh((dp, tp), ("dp", "tp")))
     shard = cfg.recipe.endswith("fsdp")
     if megatron_recipe:
@@ -158,15 +136,10 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
             raise box[0]
         text = box[0]
     elif cfg.schedule or cfg.plan:
-        text = _read_schedule_text(cfg.schedule or cfg.plan)
+        text = read_schedule_text(cfg.schedule or cfg.plan)
     else:
         return _recipe(model, cfg, world)
-    doc = parse_json(text, source="treadle.run: the schedule", error=RunError)
-    saved = doc.get("mesh", {}) if isinstance(doc, dict) else {}
-    shape = tuple(saved.get("shape", ())) if isinstance(saved, dict) and isinstance(saved.get("shape"), list) else ()
-    if math.prod(shape) != world:
-        raise RunError(f"treadle.run: the schedule's mesh {dict(zip(saved.get('names', ()), shape))} needs "
-                       f"{math.prod(shape)} ranks, but the job has {world}; launch with that many processes")
+    check_schedule_world(text, world)
     try:
         sch = load_schedule(model, text)
     except TreadleError as exc:
