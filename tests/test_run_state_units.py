@@ -396,7 +396,7 @@ def test_failure_reports(tmp_path, capsys, monkeypatch):
 def test_a_schedule_file_that_is_no_schedule_is_one_run_error(tmp_path):
     """treadle.run reads schedule and plan files through the gate's JSON reader: deep nesting, text that is no
     JSON and a plan's schedule entry are data, a RunError naming the file (never a RecursionError)."""
-    from treadle.run.setup import _read_schedule_text
+    from treadle.run.precheck import read_schedule_text as _read_schedule_text
 
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)

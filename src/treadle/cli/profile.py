@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.zoo import check_model_name, model_names
+    from ..models.zoo import check_model_name, load_model, model_names
 
     if args.list:
         print("\n".join(model_names()))

@@ -49,9 +49,12 @@ def _run(args: argparse.Namespace) -> int:
     """Launch torchrun's agent in this process (no second interpreter, no ChildFailedError traceback): the
     settings, the files they name and the process count are checked first, against the world of --nproc
     ranks; a failed job is said in one line, the root cause's."""
+    from ..run.precheck import check_before_start
+    from ..testing import check_process_count, free_port
+
     if args.nproc < 1:
         raise RunError(f"--nproc must be >= 1 (processes on this host), got {args.nproc}")
-    from ..run.precheck import check_before_start
+    check_process_count(args.nproc, where="--nproc")
 
     try:  # every setting checked here, once, before any process starts
         cfg = config_from_args(args, say=lambda line: print(line.replace("treadle.run: ", "treadle run: ", 1),
@@ -63,9 +66,6 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args as torchrun_args, run as torchrun
 
-    from ..testing import check_process_count, free_port
-
-    check_process_count(args.nproc, where="--nproc")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # what each rank uses (loop)
     argv = ["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

@@ -1,4 +1,4 @@
-"""Subgraph patterns written as Python functions, matched along data-flow edges of a captured graph.
+r"""Subgraph patterns written as Python functions, matched along data-flow edges of a captured graph.
 
 A pattern is a function such as ``lambda x, bias: F.gelu(x + bias)``; it is captured with `torch.fx` and
 its placeholders name the match's inputs. Matching starts at the pattern's outputs and walks *backwards*

@@ -87,7 +87,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                                                     num_heads=12, d_kv=64, vocab_size=32128), source="t5-base"),
     # Tiny configs for tests: same architectures, a few layers, small widths.
     "tiny-gpt2": ModelConfig(family="gpt2", config=dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256,
-                                                        n_positions=128)),
+                                                        n_positions=128, bos_token_id=255, eos_token_id=255)),
     "tiny-bert": ModelConfig(family="bert", config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                                                         intermediate_size=128, vocab_size=256,
                                                         max_position_embeddings=128)),
@@ -224,6 +224,8 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
     finally:
         torch.set_default_dtype(previous_dtype)
     model.train()
+    if getattr(model, "loss_type", "") is None and spec.family == "gpt2":
+        model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, without its warning
     _eager_masks_on_fake_inputs(model)  # picklable hooks: verify and train send real models to ranks
     inputs = _example_inputs(spec.family, config.vocab_size, batch=batch, seq=seq, fake_mode=fake_mode)
     logger.info("built %s (%s) batch=%d seq=%d fake=%s", name, model_cls.__name__, batch, seq, fake)

@@ -3,7 +3,6 @@ fits the budget chosen, each re-solved with its budget corrected by the price's 
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Callable
@@ -11,6 +10,7 @@ from typing import Callable
 from torch import nn
 
 from ..errors import PlanError
+from ..profile.fake_gaps import copy_model
 from ..schedule.core import create_schedule
 from .capabilities import runtime_capabilities
 from .cost_graph import CostGraph
@@ -89,7 +89,7 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
     from .. import pricing
 
     def price_of(sol: Solution, cg: CostGraph):
-        m = copy.deepcopy(model)
+        m = copy_model(model)  # fake tensors: copied without torch's data_ptr warning
         _, is_leaf_module = runtime_capabilities(m)
         decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param)
         sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)

@@ -4,7 +4,6 @@ truth `treadle.pricing` prices (NOTE [pricing by rehearsal] in its module doc)."
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..errors import PlanError, ProfileError
 from ..loss import default_loss
 from ..mesh import Mesh
+from ..profile.fake_gaps import copy_model
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
@@ -137,7 +137,7 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Re
     mesh0 = sch.mesh
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh0.world_size)
     try:
-        model = copy.deepcopy(original)
+        model = copy_model(original)  # fake tensors: copied without torch's data_ptr warning
         mesh = Mesh(mesh0.shape, mesh0.names)
         sch2 = load_schedule(model, text, mesh)
         v2 = sch2.view()

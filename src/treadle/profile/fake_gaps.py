@@ -1,4 +1,5 @@
-"""Shape functions PyTorch's fake tensors lack for dtypes its real CPU kernels accept.
+"""Gaps of PyTorch's fake tensors treadle fills: shape functions they lack for dtypes the real CPU kernels accept,
+and a deep copy of a fake model without a deprecation warning.
 
 `treadle.price` and the planner's capture run a model's step on fake tensors (shapes and dtypes, no data). A
 fake op runs the op's *meta* function, and a few meta functions still check the constraints of one GPU kernel
@@ -12,16 +13,32 @@ where the CPU kernel is general. One met so far:
   weight whose inner size is not a multiple of 8 is refused here and accepted by the CPU kernel).
 
 Pure shape logic: nothing here changes what a real (non-fake) tensor computes.
+
+`copy_model`: the planner and the price copy a model whose tensors may be fake (`copy.deepcopy`). torch's
+`Tensor.__deepcopy__` asks a tensor subclass for its ``data_ptr()`` to choose ``clone()``, which a FakeTensor
+answers with "Accessing the data pointer of FakeTensor is deprecated" (once per process: on every ``treadle
+plan``); the copy is the same, so that one warning is silenced, for that call only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import warnings
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 _BF16_ONLY = {torch.ops.aten._grouped_mm.default}
+
+
+def copy_model(model: _T) -> _T:
+    """``copy.deepcopy(model)``, without torch's FakeTensor ``data_ptr`` warning (module doc)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
+        return copy.deepcopy(model)
 
 
 def call(func: Any, args: tuple, kwargs: dict) -> Any:
