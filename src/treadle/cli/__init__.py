@@ -15,7 +15,7 @@ import logging
 import sys
 
 from ..errors import TreadleError
-from ..viz.progress import add_quiet_flag
+from .output import add_quiet_flag
 
 # modules whose register(subparsers) adds sub-commands
 _SUBCOMMANDS = (

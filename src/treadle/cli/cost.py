@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import TreadleError
-from ..viz.progress import add_quiet_flag, is_quiet, progress
-from .tables import console as table_console
+from .output import add_quiet_flag, is_quiet, progress
+from .output import console as table_console
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -18,7 +18,7 @@ import sys
 
 from ..errors import PlanError
 from ..units import parse_bytes
-from ..viz.progress import add_quiet_flag, is_quiet, progress
+from .output import add_quiet_flag, is_quiet, progress
 
 # --dtype -> torch dtype name (torch is imported by the command, not by the parser)
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -124,7 +124,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     from ..planner.explain import mesh_table, plan_table, summary_lines
     from ..planner.meshes import default_dtype, search_clusters
     from ..planner.search import plan_model
-    from .tables import console as table_console
+    from .output import console as table_console
 
     console = Console(stderr=True)
     cluster = parse_cluster(args.cluster)

@@ -45,7 +45,7 @@ def with_placement(cluster, args: argparse.Namespace):
 def _price_cmd(args: argparse.Namespace) -> int:
     from ..models.zoo import check_model_name, zoo_name_from_file
     from ..schedule.gate import parse_json
-    from .tables import console as table_console
+    from .output import console as table_console
 
     try:  # the file, the model and the sizes first: before the cost model, the planner or the model load
         doc = parse_json(Path(args.file).read_text(), source=args.file, error=TreadleError)

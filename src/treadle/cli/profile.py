@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ProfileError
-from ..viz.progress import add_quiet_flag, is_quiet, progress
+from .output import add_quiet_flag, is_quiet, progress
 
 DTYPES = ("bfloat16", "float16", "float32")  # torch dtype names (torch is imported by the command, not the parser)
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..profile.profiler import profile
     from ..profile.table import module_table, summary_table
-    from .tables import console
+    from .output import console
 
     out = console()
     err = Console(stderr=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import TreadleError
-from ..viz.progress import add_quiet_flag, is_quiet, progress
+from .output import add_quiet_flag, is_quiet, progress
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -108,7 +108,7 @@ def report_table(report: VerifyReport, *, limit: int = 25) -> Table:
 def _verify(args: argparse.Namespace) -> int:
     sch, inputs = _load(args)
     from ..verify.verify import verify
-    from .tables import console as table_console
+    from .output import console as table_console
 
     console = table_console()
     with progress(f"verifying on {sch.mesh.world_size} gloo processes ({sch.mesh})", quiet=is_quiet(args)):
@@ -133,7 +133,7 @@ def _train(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ..runtime.train import train
-    from .tables import console as table_console
+    from .output import console as table_console
 
     console = table_console()
     with progress(f"training {args.steps} steps on {sch.mesh.world_size} gloo processes ({sch.mesh})",
