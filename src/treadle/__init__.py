@@ -25,13 +25,17 @@ _PUBLIC = {
 
 
 def _load_layers() -> None:
-    """Import every module that registers with a lower layer, in the order the layers call them."""
-    from .runtime import graph_steps  # noqa: F401  (the graph-level and pipeline build steps)
+    """Import every module the facade once imported eagerly, in its order: those that register with a lower layer
+    (the graph-level and pipeline build steps, the graph layer, kernel forms, the parallel forms) and those whose
+    classes a file may name as already imported (`treadle.schedule.gate.resolve_class`)."""
+    from .runtime import build, graph_steps, train  # noqa: F401
+    from .schedule import core, log, replay  # noqa: F401
+    from . import verify  # noqa: F401
     from . import graph  # noqa: F401  (registers the graph layer with the schedule's graph primitives)
-
     from .models import kernels  # noqa: F401  (op forms and decompositions of transformers' classes, by name)
     from . import pricing  # noqa: F401  (one price for every schedule)
     from . import forms  # noqa: F401  (the parallel forms register themselves with the core layers)
+    from .models import megatron  # noqa: F401  (ready-made schedules, after the core)
 
 
 _lazy.set_loader(_load_layers)

@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ScheduleError, TreadleError
+from ..lazy import load_registrations
 
 # The exported names: exact targets a file may always name, with what writes them. A refactor that moves one
 # of these must move the name here too (tests/test_files_are_data.py resolves every entry).
@@ -142,6 +143,7 @@ def resolve_class(target: Any, *, where: str, trusted: Collection[str] = ()) -> 
     imported; never imported, looked up in ``__dict__``s only. Raises ScheduleError naming `where` and the
     name otherwise."""
     mod_name, qual = _split(target, "type", where)
+    load_registrations()  # treadle's own modules imported, as `import treadle` once imported them all
     if target in _REGISTERED or target in FILE_EXPORTS or target in trusted:
         obj = resolve_callable(target, where=where, trusted=trusted)
     else:
