@@ -263,7 +263,8 @@ def corpus(tmp_path) -> Path:
     (["--model", "tiny-lama", "--data", "{corpus}"],
      "--model 'tiny-lama': unknown model 'tiny-lama'; did you mean 'tiny-llama'"),
     (["--model", "{tmp}", "--data", "{corpus}"], "--model '{tmp}': no config.json there"),
-    (["--model", "tiny-llama", "--data", "{corpus}", "--tokenizer", "{tmp}"], "tokenizer '{tmp}': no tokenizer.json there"),
+    (["--model", "tiny-llama", "--data", "{corpus}", "--tokenizer", "{tmp}"],
+     "tokenizer '{tmp}': no tokenizer.json there"),
     (["--nproc", "2", "--model", "tiny-llama", "--data", "{corpus}", "--plan", "{plan4}"],
      "the schedule's mesh {{'dp': 4}} needs 4 ranks, but the job has 2"),
     (["--model", "tiny-llama", "--data", "{corpus}", "--export-hf", "{tmp}/hf"],
@@ -298,14 +299,19 @@ def test_treadle_run_takes_the_plans_model_batch_and_seq(tmp_path, corpus, capsy
     args = build_parser().parse_args(["run", "--plan", str(plan), "--data", str(corpus), "--seq", "16"])
     cfg = config_from_args(args, say=said.append)
     assert (cfg.model, cfg.batch, cfg.seq) == ("tiny-llama", 8, 16)
-    assert said == [f"treadle.run: --seq 16 (the plan's seq: 32) overrides {plan}'s model"]
+    assert said == [f"treadle.run: --seq 16 overrides {plan}'s seq 32"]
+    args = build_parser().parse_args(["run", "--plan", str(plan), "--data", str(corpus), "--seq", "16", "--batch",
+                                      "4", "--model", "tiny-gpt2"])
+    config_from_args(args, say=said.append)
+    assert said[1] == (f"treadle.run: --model tiny-gpt2, --batch 4, --seq 16 override {plan}'s model tiny-llama, "
+                       f"batch 8, seq 32")
 
     launched: list[list[str]] = []
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the launcher would set for its ranks
     monkeypatch.setattr(torch.distributed.run, "run", lambda a: launched.append(a.training_script_args))
     assert main(["run", "--nproc", "2", "--plan", str(plan), "--data", str(corpus), "--batch", "4"]) == 0
     out = capsys.readouterr()
-    assert out.err == f"treadle run: --batch 4 (the plan's batch: 8) overrides {plan}'s model\n", out.err
+    assert out.err == f"treadle run: --batch 4 overrides {plan}'s batch 8\n", out.err
     assert len(launched) == 1 and "--model" not in launched[0]  # each rank reads the plan's model itself
     bad = _plan_file(tmp_path / "bad.json", model={"name": "os:system", "batch": 8, "seq": 32}, shape=(2,),
                      names=("dp",))
@@ -413,6 +419,6 @@ def test_readme_snippets_that_start_processes_run_once():
     assert len(starting) >= 2
     for block in starting:
         tree = ast.parse(block)
-        loose = [ast.unparse(n)[:60] for n in tree.body
-                 if not (isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or _is_main_guard(n))]
+        kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+        loose = [ast.unparse(n)[:60] for n in tree.body if not (isinstance(n, kept) or _is_main_guard(n))]
         assert loose == [], f"README snippet runs in every rank: {loose}"

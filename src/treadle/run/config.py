@@ -289,10 +289,11 @@ def _take_plan_model(values: dict[str, Any], path: str) -> str | None:
         if field_name not in values:
             values[field_name] = v
         elif values[field_name] != v:
-            overrides.append(f"--{field_name} {values[field_name]} (the plan's {key}: {v})")
+            overrides.append((f"--{field_name} {values[field_name]}", f"{field_name} {v}"))
     if not overrides:
         return None
-    return f"treadle.run: {', '.join(overrides)} override{'s' if len(overrides) == 1 else ''} {path}'s model"
+    flags, plans = (", ".join(x) for x in zip(*overrides))
+    return f"treadle.run: {flags} override{'s' if len(overrides) == 1 else ''} {path}'s {plans}"
 
 
 def recipe_mesh(cfg: RunConfig, world: int) -> tuple[int, int]:
