@@ -319,6 +319,37 @@ def test_treadle_run_takes_the_plans_model_batch_and_seq(tmp_path, corpus, capsy
     assert "names model function 'os:system', which a file may not name" in _one_line(capsys, "run")
 
 
+def test_a_plans_model_entry_is_checked_as_data(tmp_path, corpus):
+    from treadle.cli import build_parser
+    from treadle.run.config import RunError, config_from_args
+
+    def cfg(doc_model, *extra):
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps({"format": "treadle.plan/1", "model": doc_model}))
+        return config_from_args(build_parser().parse_args(["run", "--plan", str(plan), "--data", str(corpus),
+                                                           *extra]))
+
+    with pytest.raises(RunError, match="'model' must be an object with name, batch, seq; got 'tiny-llama'"):
+        cfg("tiny-llama")
+    with pytest.raises(RunError, match="the plan's batch must be a positive integer, got '8'"):
+        cfg({"name": "tiny-llama", "batch": "8"})
+    with pytest.raises(RunError, match="neither a zoo name"):
+        cfg({"name": "no-such-model"})
+    assert cfg({"name": "no-such-model"}, "--model", "tiny-llama").model == "tiny-llama"  # the flag's is used
+    (tmp_path / "plan.json").write_text("{")
+    with pytest.raises(RunError, match="plan.json is not JSON"):
+        config_from_args(build_parser().parse_args(["run", "--plan", str(tmp_path / "plan.json"), "--data",
+                                                    str(corpus), "--model", "tiny-llama"]))
+
+
+def test_the_facade_names_what_it_exports_only():
+    import treadle
+
+    with pytest.raises(AttributeError, match="module 'treadle' has no attribute 'no_such_name'"):
+        treadle.no_such_name  # noqa: B018
+    assert {"build", "verify", "Shard", "models"} <= set(dir(treadle))
+
+
 def test_python_m_treadle_run_checks_before_its_process_group(tmp_path, corpus):
     """Each rank of `python -m treadle.run` checks its settings against WORLD_SIZE before it loads the job's
     modules or joins a process group (no MASTER_ADDR here: the check comes first)."""
