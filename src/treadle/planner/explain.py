@@ -150,6 +150,14 @@ def _step_lines(plan) -> list[str]:
     p = getattr(plan, "price", None)
     if not p:
         return [_solver_line(plan, head="solver's estimate (this plan holds no price)")]
+    return price_lines(p) + [
+        _solver_line(plan, head="solver's estimate (its own cost model: the table's figures, not the price's)")]
+
+
+def price_lines(p: dict) -> list[str]:
+    """A price (`Price.to_dict()`) as three lines: the step as compute + recompute + exposed comm beside the total
+    communication before overlap; the peak as static + activations + transient; the MFU. `treadle explain` and
+    `treadle price` print these."""
     unit = _mem_unit([p["peak_bytes"]])
     hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
     dev = p["device"]["name"] if isinstance(p.get("device"), dict) else str(p.get("device", ""))
@@ -160,8 +168,7 @@ def _step_lines(plan) -> list[str]:
             f"memory (price): peak {_fmt(p['peak_bytes'], unit)} per device = static {p['static_bytes'] / unit[1]:.3f}"
             f" + activations {p['activation_bytes'] / unit[1]:.3f} + transient {p['transient_bytes'] / unit[1]:.3f} "
             f"{unit[0]}",
-            f"MFU {p['mfu'] * 100:.1f}% (price, on {dev})",
-            _solver_line(plan, head="solver's estimate (its own cost model: the table's figures, not the price's)")]
+            f"MFU {p['mfu'] * 100:.1f}% (price, on {dev})"]
 
 
 def explain_text(plan, *, top: int | None = None) -> str:
