@@ -77,7 +77,8 @@ def collapse_schedule(lines: list[str]) -> list[str]:
                 body.insert(0, f"# {what}: x {len(ix)} identical blocks ({pre}{ix[0]} shown)")
             groups.append((natural_key(f"{pre}{ix[0]}"), body))
     ordered = sorted(singles + groups, key=lambda kv: kv[0])
-    head = f"# {len(lines)} calls: identical repeated blocks shown once with \"x N\"; sorted by module path"
+    head = (f"# {len(lines)} call{'' if len(lines) == 1 else 's'}: identical repeated blocks shown once with \"x N\"; "
+            f"sorted by module path")
     return [head] + plain + [line for _, body in ordered for line in body]
 
 

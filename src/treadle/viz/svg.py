@@ -185,7 +185,7 @@ def slice_label(name: str, width_px: float, *, px_per_char: float) -> str:
     k = max(range(len(words)), key=lambda i: words[i].count("."))  # the module path
     before, path, after = " ".join(words[:k]), words[k], " ".join(words[k + 1:])
     parts = path.split(".")
-    tails = [".".join(parts[j:]) for j in range(1, len(parts))]
+    tails = [".".join(parts[j:]) for j in range(1, len(parts)) if not parts[j].isdigit()]  # 'attn', not '0.attn'
     for pre, post in ((before, after), ("", after), (before, ""), ("", "")):
         for tail in tails:
             text = " ".join(x for x in (pre, tail, post) if x)
