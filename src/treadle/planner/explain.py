@@ -66,6 +66,7 @@ def mesh_table(plan) -> Table:
     unit = _mem_unit([a["peak_bytes"] for a in alts if a["status"] != "infeasible"])
     t = Table("mesh", "best roles", "solver step ms", "solver MFU", f"solver peak {unit[0]}", "runner-up roles",
               "solver step ms", title=f"meshes searched ({len(by_mesh)}; solver estimates, best first)")
+    t.columns[0].no_wrap = True  # a mesh ('dp=2,tp=2') is read whole
 
     def ok(a: dict) -> bool:
         return a["status"] != "infeasible" and a["step_s"] > 0
