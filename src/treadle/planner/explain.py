@@ -46,6 +46,8 @@ def plan_table(plan, *, top: int | None = None) -> Table:
     unit, head = _columns(plan)
     t = Table(*head, title=f"plan on {plan.cluster} ({plan.roles}, {plan.mode})", caption=TABLE_NOTE)
     t.columns[0].overflow = "fold"  # a module path is read whole, never cut with an ellipsis
+    for c in t.columns[3:]:  # numbers: their headers wrap, the paths get the width
+        c.max_width = 14
     body, total = _cells(plan, top, unit)
     for cells in body:
         t.add_row(*cells)
