@@ -139,6 +139,17 @@ def _mem_split(peak: float, static: float, act: float, last: float, last_name: s
             f"{act / unit[1]:.3f} + {last_name} {last / unit[1]:.3f} {unit[0]}")
 
 
+def _price_rows(p: dict) -> list[list[str]]:
+    """Step, peak memory and MFU of a price (`Price.to_dict()`), each labelled as the price's."""
+    hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
+    return [["step (price)", f"{fmt_ms(p['step_s'])} = compute {fmt_ms(p['compute_s'])} + recompute "
+                             f"{fmt_ms(p['recompute_s'])} + exposed comm {fmt_ms(p['exposed_comm_s'])}; comm (total, "
+                             f"before overlap) {fmt_ms(p['comm_s'])}, of which {fmt_ms(hidden)} hidden behind compute"],
+            ["peak memory (price)", _mem_split(p["peak_bytes"], p["static_bytes"], p["activation_bytes"],
+                                               p["transient_bytes"], "transient")],
+            ["MFU (price)", f"{p['mfu'] * 100:.1f}%"]]
+
+
 def _step_rows(plan) -> list[list[str]]:
     """Step, memory and MFU: the price's when the plan has one, then the solver's own estimate labelled (the
     figures `treadle explain` prints, in the same words)."""
@@ -152,13 +163,8 @@ def _step_rows(plan) -> list[list[str]]:
               f"exposed comm {fmt_ms(e.comm_s)}; peak {peak}; solver's MFU {e.mfu * 100:.1f}%")
     if p is None:
         return [["step (solver's estimate; no price)", solver + budget]]
-    hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
-    return [["step (price)", f"{fmt_ms(p['step_s'])} = compute {fmt_ms(p['compute_s'])} + recompute "
-                             f"{fmt_ms(p['recompute_s'])} + exposed comm {fmt_ms(p['exposed_comm_s'])}; comm (total, "
-                             f"before overlap) {fmt_ms(p['comm_s'])}, of which {fmt_ms(hidden)} hidden behind compute"],
-            ["peak memory (price)", _mem_split(p["peak_bytes"], p["static_bytes"], p["activation_bytes"],
-                                               p["transient_bytes"], "transient") + budget],
-            ["MFU (price)", f"{p['mfu'] * 100:.1f}%"],
+    step, mem, mfu = _price_rows(p)
+    return [step, [mem[0], mem[1] + budget], mfu,
             ["solver's estimate", solver + " (its own cost model: the per-module figures, not the price's)"]]
 
 
@@ -230,17 +236,11 @@ def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> s
 
     p = price if isinstance(price, dict) else price.to_dict()
     tl = timeline or timeline_from_price(p, title=title or None)
-    unit = bytes_unit([p["peak_bytes"]])
     dev = p.get("device") or {}
     summary = _table(["", ""], [
         ["schedule", escape(title or tl.title)], ["data parallel", escape(str(p.get("data_parallel")))],
         ["device", escape(str(dev.get("name", "")) if isinstance(dev, dict) else str(dev))],
-        ["step", f"{fmt_ms(p['step_s'])} (compute {fmt_ms(p['compute_s'])}, recompute {fmt_ms(p['recompute_s'])}, "
-                 f"comm {fmt_ms(p['comm_s'])} of which exposed {fmt_ms(p['exposed_comm_s'])})"],
-        ["peak memory", f"{p['peak_bytes'] / unit[1]:.3f} {unit[0]} per device (static "
-                        f"{p['static_bytes'] / unit[1]:.3f}, activations {p['activation_bytes'] / unit[1]:.3f}, "
-                        f"transient {p['transient_bytes'] / unit[1]:.3f})"],
-        ["MFU", f"{p['mfu'] * 100:.1f}%"]])
+        *[[k, escape(v)] for k, v in _price_rows(p)]])
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
     breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
                  gantt(tl) + notes)
