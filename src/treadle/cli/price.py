@@ -23,7 +23,8 @@ def price_table(p, *, top: int | None = 20, mesh: str = "") -> Table:
               "saved MiB", title=f"price on {mesh or p.data_parallel}; {p.device.name}")
     rows = sorted(p.rows, key=lambda r: -(r.compute_s + sum(sum(k.values()) for k in r.comm_s.values())))
     for r in rows[:top]:
-        comm = ", ".join(f"{axis} {kind} {s * 1e3:.3f}" for axis, kinds in r.comm_s.items() for kind, s in kinds.items())
+        comm = ", ".join(f"{axis} {kind} {s * 1e3:.3f}" for axis, kinds in r.comm_s.items()
+                         for kind, s in kinds.items())
         t.add_row(r.module or "<root>", r.phase, f"{r.compute_s * 1e3:.3f}", comm, f"{r.exposed_comm_s * 1e3:.3f}",
                   f"{r.saved_bytes / 2**20:.3f}")
     return t

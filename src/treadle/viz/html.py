@@ -117,8 +117,8 @@ def _alternatives(plan) -> str:
              f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s</p>")
     if ck:
         html += "<p>checkpointed: " + ", ".join(f"{c} blocks like {escape(p)}" for p, c in ck.items()) + "</p>"
-    html += _table(["mesh", "roles", "status", "solver step", f"solver peak {unit[0]}"], rows, num_from=3) if rows else \
-        "<p>no alternatives recorded</p>"
+    head = ["mesh", "roles", "status", "solver step", f"solver peak {unit[0]}"]
+    html += _table(head, rows, num_from=3) if rows else "<p>no alternatives recorded</p>"
     return html
 
 
