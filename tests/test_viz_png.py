@@ -90,3 +90,31 @@ def test_figures_of_a_priced_schedule_add_up_to_its_step() -> None:
     (ax,) = memory_figure(tl).axes
     assert {ln.get_label(): ln.get_ydata()[0] for ln in ax.lines}["predicted peak"] == pytest.approx(
         p.peak_bytes / 2**20)
+
+
+def test_timeline_figure_is_readable_without_the_code(tl) -> None:
+    """A title with the step, a legend naming each phase and stream, the time axis in ms, the end of the forward
+    named, module names on the slices wide enough, and no slice thinner than MIN_SLICE_FRACTION of the step."""
+    from treadle.viz.png import MIN_SLICE_FRACTION
+
+    (ax,) = timeline_figure(tl).axes
+    assert tl.title in ax.get_title() and f"{tl.step_s * 1e3:.4g} ms" in ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "backward", "recompute", "comm dp (collectives)", "comm dp+tp (collectives)"]
+    assert ax.get_xlabel() == "time in the step (ms)"
+    texts = [t.get_text() for t in ax.texts]
+    assert "\u2190 forward | backward \u2192" in texts
+    assert {"emb", "head"} <= set(texts) and any(t.startswith("attn") for t in texts)  # module names on slices
+    widths = [w for c in ax.collections for p in c.get_paths() for w in [p.get_extents().width]]
+    assert min(widths) >= MIN_SLICE_FRACTION * tl.step_s * 1e3 * (1 - 1e-6)
+
+
+def test_a_short_collective_is_drawn_wide_enough_to_see() -> None:
+    from treadle.viz.png import MIN_SLICE_FRACTION
+    from treadle.viz.timeline import COMPUTE, Span, Timeline
+
+    spans = [Span(COMPUTE, "a", 0.0, 1.0, "forward", 1.0), Span("comm tp", "all_reduce a", 0.5, 1e-6, "forward", 0.0)]
+    tiny = Timeline("t", spans, [COMPUTE, "comm tp"], 1.0, 1.0, [], 0.0, None, 2, {})
+    (ax,) = timeline_figure(tiny).axes
+    (comm,) = [c for c in ax.collections][1].get_paths()
+    assert comm.get_extents().width == pytest.approx(MIN_SLICE_FRACTION * 1e3)

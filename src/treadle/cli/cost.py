@@ -37,7 +37,8 @@ def cluster_table(cluster: ClusterSpec) -> Table:
     """One row per mesh axis: size, link, latency, launch cost, effective bandwidth."""
     from rich.table import Table
 
-    t = Table("axis", "size", "link", "latency us", "launch us", "GB/s", title=f"{cluster.device_name} cluster")
+    t = Table("axis", "size", "link", "latency us", "launch us", "GB/s (effective)",
+              title=f"{cluster.device_name} cluster")
     for name, size, link in zip(cluster.mesh.names, cluster.mesh.shape, cluster.links):
         t.add_row(name, str(size), link.name, f"{link.latency_s * 1e6:.1f}", f"{link.launch_s * 1e6:.1f}",
                   f"{link.effective_bytes_per_s / 1e9:.1f}")

@@ -92,10 +92,10 @@ def _picture_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory/-breakdown/-timeline.png (needs matplotlib)")
 
 
-def _write_pictures(plan, args: argparse.Namespace, out) -> None:
+def _write_pictures(plan, args: argparse.Namespace, out, measured: dict | None = None) -> None:
     from ..viz.files import write_plan_pictures
 
-    for path in write_plan_pictures(plan, trace=args.trace, html=args.html, png=args.png):
+    for path in write_plan_pictures(plan, trace=args.trace, html=args.html, png=args.png, measured=measured):
         out.print(f"wrote {path}")
 
 
@@ -184,6 +184,7 @@ def _explain_cmd(args: argparse.Namespace) -> int:
 
     from ..planner.explain import plan_table, summary_lines
     from ..planner.plan import Plan
+    from .output import console as table_console
 
     try:
         plan = Plan.load(args.plan)
@@ -194,18 +195,20 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in plan.rows], indent=1))
         _write_pictures(plan, args, Console(stderr=True))
         return 0
-    out = Console()
+    out = table_console()
     out.print(plan_table(plan, top=args.top))
     for line in summary_lines(plan):
         out.print(line)
     if args.python:
         print("\n".join(decisions_python(plan.decisions)))
-    _write_pictures(plan, args, out)
+    measured = None
     if args.measured:
         from ..viz.files import compare_lines
         from ..viz.measured import load_trace
         from ..viz.plan_timeline import timeline_from_plan
 
-        for line in compare_lines(timeline_from_plan(plan), load_trace(args.measured)):
+        measured = load_trace(args.measured)
+        for line in compare_lines(timeline_from_plan(plan), measured):
             out.print(line)
+    _write_pictures(plan, args, out, measured)  # the HTML report shows the measured steps beside the predicted
     return 0

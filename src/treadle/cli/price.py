@@ -17,15 +17,17 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-def price_table(p, *, top: int | None = 20) -> Table:
-    """Per module and phase: compute, communication by axis and kind, exposed communication (ms)."""
+def price_table(p, *, top: int | None = 20, mesh: str = "") -> Table:
+    """Per module and phase: compute, communication by axis and kind (total, before overlap), its exposed part
+    (ms). `mesh`: every mesh axis with its role (`treadle.viz.price_timeline.mesh_roles_text`) for the title."""
     from rich.table import Table
 
-    t = Table("module", "phase", "compute ms", "comm ms (axis kind)", "exposed ms", "saved MiB",
-              title=f"price: {p.data_parallel}; {p.device.name}")
+    t = Table("module", "phase", "compute ms", "comm ms (axis kind; total, before overlap)", "exposed comm ms",
+              "saved MiB", title=f"price on {mesh or p.data_parallel}; {p.device.name}")
     rows = sorted(p.rows, key=lambda r: -(r.compute_s + sum(sum(k.values()) for k in r.comm_s.values())))
     for r in rows[:top]:
-        comm = ", ".join(f"{axis} {kind} {s * 1e3:.3f}" for axis, kinds in r.comm_s.items() for kind, s in kinds.items())
+        comm = ", ".join(f"{axis} {kind} {s * 1e3:.3f}" for axis, kinds in r.comm_s.items()
+                         for kind, s in kinds.items())
         t.add_row(r.module or "<root>", r.phase, f"{r.compute_s * 1e3:.3f}", comm, f"{r.exposed_comm_s * 1e3:.3f}",
                   f"{r.saved_bytes / 2**20:.3f}")
     return t
@@ -87,21 +89,37 @@ def _price_cmd(args: argparse.Namespace) -> int:
     console = table_console()
     if args.json:
         Path(args.json).write_text(json.dumps(p.to_dict(), indent=1))
-    console.print(price_table(p))
-    console.print(str(p))
+    axes = _mesh_roles(sch)
+    console.print(price_table(p, mesh=axes))
+    from ..planner.explain import price_lines
+
+    for line in price_lines(p.to_dict()):
+        console.print(line)
     console.print(f"device: {p.device.source}; overlap {'on' if p.device.overlap else 'off'}")
     if args.trace or args.html or args.png:
         from ..viz.files import write_price_pictures
 
         try:
             paths = write_price_pictures(p, trace=args.trace, html=args.html, png=args.png,
-                                         title=f"{name} on {sch.mesh} ({p.data_parallel})",
+                                         title=f"{name} on {axes} ({p.data_parallel})",
                                          world_size=cluster.world_size)
         except ImportError as exc:  # matplotlib for --png (OSError: said by treadle.cli)
             raise TreadleError(str(exc)) from exc
         for path in paths:
             console.print(f"wrote {path}")
     return 0
+
+
+def _mesh_roles(sch) -> str:
+    """Every mesh axis of `sch` and its role ('dp=2 data-parallel x tp=2 tensor'), from what it recorded."""
+    from ..viz.price_timeline import mesh_roles_text
+
+    v = sch.view()
+    tensor = {sh.axis for shards in v.param_shards.values() for sh in shards}
+    tensor |= {sy.axis for sy in v.syncs if sy.axis} | {a for _, _, a in v.shard_attrs}
+    tensor |= {a for _, a, _ in v.reduce_grads}
+    data = set(v.data_parallel.axes) if v.data_parallel is not None else set()
+    return mesh_roles_text(v.mesh.names, v.mesh.shape, data_axes=data, tensor_axes=tensor)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -72,7 +72,10 @@ class LinkSpec:
         return self.skew_s * (1.0 - max(lead_s, 0.0) / self.skew_lead_s)
 
     def __str__(self) -> str:
-        return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.bandwidth_bytes_per_s / GB:.0f} GB/s)"
+        """'ib-ndr(10.0 us, 42.5 GB/s = 85% of 50)': the bandwidth collectives reach (`effective_bytes_per_s`,
+        the one figure every table shows), and the peak it comes from when the efficiency is below 1."""
+        peak = "" if self.efficiency >= 1 else f" = {self.efficiency:.0%} of {self.bandwidth_bytes_per_s / GB:.3g}"
+        return f"{self.name}({self.latency_s * 1e6:.1f} us, {self.effective_bytes_per_s / GB:.3g} GB/s{peak})"
 
     @property
     def effective_bytes_per_s(self) -> float:

@@ -14,17 +14,45 @@ def _fmt(x: float, unit: tuple[str, float]) -> str:
     return f"{x / unit[1]:.3f} {unit[0]}"
 
 
-def plan_table(plan, *, top: int | None = None) -> Table:
-    """Rows of `plan` (most expensive first when `top` is given) as a rich Table."""
+COMM_COLUMN = "comm ms (total, before overlap)"  # a row's communication; the step's exposed part is the summary's
+TOTAL_ROW = "all modules (sum of rows)"
+TABLE_NOTE = ("the solver's cost model per module, over all x blocks a row stands for; comm is each module's "
+              "communication before overlap (data-parallel gradient sync included), not the step's exposed comm; "
+              "memory: parameters, gradients, optimizer states and saved activations (checkpointing not "
+              "subtracted); <step: no module>: host overheads, the role's constant comm, buffers and inputs")
+
+
+def _columns(plan) -> tuple[tuple[str, float], tuple[str, ...]]:
     unit = _mem_unit([r.memory_bytes for r in plan.rows])
-    t = Table("module", "x", "layout", "compute ms", "comm ms", "recompute ms", f"memory {unit[0]}",
-              title=f"plan on {plan.cluster} ({plan.roles}, {plan.mode})")
+    return unit, ("module", "x", "layout", "compute ms", COMM_COLUMN, "recompute ms", f"memory {unit[0]}")
+
+
+def _cells(plan, top: int | None, unit: tuple[str, float]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """The rows shown (the `top` most expensive when given) and the sum of every row (whatever `top` shows)."""
     rows = list(plan.rows)
     if top is not None:
         rows = sorted(rows, key=lambda r: -(r.compute_s + r.comm_s + r.recompute_s))[:top]
-    for r in rows:
-        t.add_row(r.path, str(r.count), r.layout, f"{r.compute_s * 1e3:.3f}", f"{r.comm_s * 1e3:.3f}",
-                  f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / unit[1]:.3f}")
+    body = [(r.path, str(r.count), r.layout, f"{r.compute_s * 1e3:.3f}", f"{r.comm_s * 1e3:.3f}",
+             f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / unit[1]:.3f}") for r in rows]
+    rs = plan.rows
+    total = (TOTAL_ROW, "", "", f"{sum(r.compute_s for r in rs) * 1e3:.3f}", f"{sum(r.comm_s for r in rs) * 1e3:.3f}",
+             f"{sum(r.recompute_s for r in rs) * 1e3:.3f}", f"{sum(r.memory_bytes for r in rs) / unit[1]:.3f}")
+    return body, total
+
+
+def plan_table(plan, *, top: int | None = None) -> Table:
+    """Rows of `plan` (most expensive first when `top` is given) and their sum, as a rich Table: the solver's
+    figures per module (TABLE_NOTE, the caption)."""
+    unit, head = _columns(plan)
+    t = Table(*head, title=f"plan on {plan.cluster} ({plan.roles}, {plan.mode})", caption=TABLE_NOTE)
+    t.columns[0].overflow = "fold"  # a module path is read whole, never cut with an ellipsis
+    for c in t.columns[3:]:  # numbers: their headers wrap, the paths get the width
+        c.max_width = 14
+    body, total = _cells(plan, top, unit)
+    for cells in body:
+        t.add_row(*cells)
+    t.add_section()
+    t.add_row(*total)
     return t
 
 
@@ -38,8 +66,9 @@ def mesh_table(plan) -> Table:
         by_mesh.setdefault(a.get("mesh", ""), []).append(a)
     e = plan.estimated
     unit = _mem_unit([a["peak_bytes"] for a in alts if a["status"] != "infeasible"])
-    t = Table("mesh", "best roles", "step ms", "MFU", f"peak {unit[0]}", "runner-up roles", "step ms",
-              title=f"meshes searched ({len(by_mesh)}; solver estimates, best first)")
+    t = Table("mesh", "best roles", "solver step ms", "solver MFU", f"solver peak {unit[0]}", "runner-up roles",
+              "solver step ms", title=f"meshes searched ({len(by_mesh)}; solver estimates, best first)")
+    t.columns[0].no_wrap = True  # a mesh ('dp=2,tp=2') is read whole
 
     def ok(a: dict) -> bool:
         return a["status"] != "infeasible" and a["step_s"] > 0
@@ -75,25 +104,22 @@ def precision_line(plan) -> str | None:
 
 
 def summary_lines(plan) -> list[str]:
-    e = plan.estimated
+    """The estimate, the binding constraint and the solver's statistics, as lines. With a price (`plan.price`) the
+    step, memory and MFU are the price's, and the solver's own figures are one line labelled as the solver's."""
     s = plan.solver
-    unit = _mem_unit([e.peak_bytes])
     prec = precision_line(plan)
-    lines = [*([prec] if prec else []),
-             f"estimate: step {e.step_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f}, comm {e.comm_s * 1e3:.3f}, "
-             f"recompute {e.recompute_s * 1e3:.3f}), peak {_fmt(e.peak_bytes, unit)}, MFU {e.mfu * 100:.1f}%",
-             f"memory: static {_fmt(e.static_bytes, unit)} + activations {_fmt(e.activation_bytes, unit)} "
-             f"+ recomputed block {_fmt(e.transient_bytes, unit)}",
-             f"binding constraint: {plan.binding}",
-             *_price_lines(plan),
-             f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "
-             f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s"]
+    lines = [*([prec] if prec else []), *_step_lines(plan), f"binding constraint: {plan.binding}"]
+    if s.get("replicated"):
+        lines.append(f"why nothing is sharded: {s['replicated']}")
+    lines.append(f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "
+                 f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s")
+    unit = _mem_unit([plan.estimated.peak_bytes])
     ck = s.get("checkpoints") or {}
     if ck:
         lines.append("checkpointed blocks: " + ", ".join(f"{c} like {p}" for p, c in ck.items()))
     alts = s.get("alternatives") or []
     if len(alts) > 1:
-        lines.append("alternatives: " + "; ".join(
+        lines.append("alternatives (solver estimates): " + "; ".join(
             f"{a.get('mesh', '')} {a['roles']}: {a['status']}" +
             (f" {a['step_s'] * 1e3:.2f} ms {_fmt(a['peak_bytes'], unit)}" if a["status"] != "infeasible" else "")
             for a in alts[:8]) + (f"; ... {len(alts) - 8} more" if len(alts) > 8 else ""))
@@ -112,27 +138,47 @@ def summary_lines(plan) -> list[str]:
     return lines
 
 
-def _price_lines(plan) -> list[str]:
+def _solver_line(plan, *, head: str) -> str:
+    e = plan.estimated
+    unit = _mem_unit([e.peak_bytes])
+    return (f"{head}: step {e.step_s * 1e3:.3f} ms = compute {e.compute_s * 1e3:.3f} + recompute "
+            f"{e.recompute_s * 1e3:.3f} + exposed comm {e.comm_s * 1e3:.3f} ms, peak {_fmt(e.peak_bytes, unit)} = "
+            f"static {e.static_bytes / unit[1]:.3f} + activations {e.activation_bytes / unit[1]:.3f} + recomputed "
+            f"block {e.transient_bytes / unit[1]:.3f} {unit[0]}, solver's MFU {e.mfu * 100:.1f}%")
+
+
+def _step_lines(plan) -> list[str]:
+    """The step, memory and MFU: the price's when the plan has one (the figures the pictures draw and the budget
+    was checked against), then the solver's own estimate, labelled; else the solver's alone."""
     p = getattr(plan, "price", None)
     if not p:
-        return []
+        return [_solver_line(plan, head="solver's estimate (this plan holds no price)")]
+    return price_lines(p) + [
+        _solver_line(plan, head="solver's estimate (its own cost model: the table's figures, not the price's)")]
+
+
+def price_lines(p: dict) -> list[str]:
+    """A price (`Price.to_dict()`) as three lines: the step as compute + recompute + exposed comm beside the total
+    communication before overlap; the peak as static + activations + transient; the MFU. `treadle explain` and
+    `treadle price` print these."""
     unit = _mem_unit([p["peak_bytes"]])
-    return [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms (compute "
-            f"{p['compute_s'] * 1e3:.3f}, recompute {p['recompute_s'] * 1e3:.3f}, comm {p['comm_s'] * 1e3:.3f} of "
-            f"which exposed {p['exposed_comm_s'] * 1e3:.3f}), peak {_fmt(p['peak_bytes'], unit)}, "
-            f"MFU {p['mfu'] * 100:.1f}% on {p['device']['name']}"]
+    hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
+    dev = p["device"]["name"] if isinstance(p.get("device"), dict) else str(p.get("device", ""))
+    return [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms = compute "
+            f"{p['compute_s'] * 1e3:.3f} + recompute {p['recompute_s'] * 1e3:.3f} + exposed comm "
+            f"{p['exposed_comm_s'] * 1e3:.3f} ms; comm (total, before overlap) {p['comm_s'] * 1e3:.3f} ms, of which "
+            f"{hidden * 1e3:.3f} hidden behind compute",
+            f"memory (price): peak {_fmt(p['peak_bytes'], unit)} per device = static {p['static_bytes'] / unit[1]:.3f}"
+            f" + activations {p['activation_bytes'] / unit[1]:.3f} + transient {p['transient_bytes'] / unit[1]:.3f} "
+            f"{unit[0]}",
+            f"MFU {p['mfu'] * 100:.1f}% (price, on {dev})"]
 
 
 def explain_text(plan, *, top: int | None = None) -> str:
-    """The table and summary as plain text (fixed-width columns)."""
-    unit = _mem_unit([r.memory_bytes for r in plan.rows])
-    head = ("module", "x", "layout", "compute ms", "comm ms", "recompute ms", f"memory {unit[0]}")
-    rows = list(plan.rows)
-    if top is not None:
-        rows = sorted(rows, key=lambda r: -(r.compute_s + r.comm_s + r.recompute_s))[:top]
-    body = [(r.path, str(r.count), r.layout, f"{r.compute_s * 1e3:.3f}", f"{r.comm_s * 1e3:.3f}",
-             f"{r.recompute_s * 1e3:.3f}", f"{r.memory_bytes / unit[1]:.3f}") for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    """The table (with its sum row and note) and the summary as plain text (fixed-width columns)."""
+    unit, head = _columns(plan)
+    body, total = _cells(plan, top, unit)
+    widths = [max(len(h), *(len(b[i]) for b in body + [total])) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head)] + [fmt.format(*b) for b in body]
+    lines = [fmt.format(*head)] + [fmt.format(*b) for b in body] + [fmt.format(*total), f"({TABLE_NOTE})"]
     return "\n".join(lines + [""] + summary_lines(plan))

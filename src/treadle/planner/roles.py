@@ -94,3 +94,32 @@ class _RoleRequest:
     zero: bool | None
     reshard_after_forward: bool | None
     replicate: tuple[str, ...] | None
+
+
+def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],
+                   **role_request: Any) -> str:
+    """Why a plan that shards nothing and runs no data parallelism replicates every axis of `mesh`, in words:
+    for data parallelism, whether the batch does not split over the live axes (the role options with the batch
+    have no data-parallel axis, those without it do: the forms' own rule, `enumerate_roles`), was not allowed,
+    or was slower; for each tensor axis of `roles`, whether no op of the cost graph can shard on it
+    (`tensor_shardable[axis]` False) or replicating was the solver's fastest choice; forbidden axes. The
+    `role_request` keywords are `enumerate_roles`'s (dp_axis, zero, forbid_axes, ...)."""
+    live = [a for a in mesh.names if mesh.size(a) > 1 and a not in roles.off]
+    forbidden = [f"axis {a}={mesh.size(a)} forbidden" for a in roles.off if mesh.size(a) > 1]
+    if not live:
+        return "; ".join(forbidden or ["the mesh has no axis of size > 1"]) + "; every axis replicated"
+    sizes = (f"{mesh.size(live[0])} ranks (axis {live[0]})" if len(live) == 1 else
+             " or ".join(f"{a}={mesh.size(a)}" for a in live) + " (or their products)")
+    reasons = []
+    if role_request.get("dp_axis", "auto") is None:
+        reasons.append("data parallelism was not allowed (dp_axis=None)")
+    elif any(r.dp for r in enumerate_roles(mesh, batch=batch, **role_request)):
+        reasons.append("data parallelism was slower (the solver's estimate)")
+    elif batch is not None and any(r.dp for r in enumerate_roles(mesh, batch=None, **role_request)):
+        reasons.append(f"the batch {batch} does not split over {sizes}")
+    for a in roles.tp:
+        n = mesh.size(a)
+        reasons.append(f"replicating on {a}={n} was fastest (the solver's estimate)" if tensor_shardable.get(a) else
+                       f"no op can shard over {a}={n} (no dimension the sharding rules split divides by {n})")
+    reasons += forbidden
+    return "; ".join(reasons) + "; every axis replicated: each device computes the whole batch"

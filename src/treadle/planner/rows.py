@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from ..form import forms
 from ..placement import R, placement_str
 from .cost_graph import CostGraph
-from .ilp import Solution
+from .ilp import Solution, evaluate
+
+# NOTE [the step row]: what the solver's step holds that no module's row does, as one row: host overheads fixed by
+# the role (FSDP2 units, foreach lists: `cg.host_s`) and a checkpointed block's host cost in compute and recompute
+# (the solver's terms less the module rows' sums), each form's constants in comm (data parallelism: the
+# reductions' latency part and DDP's buffer broadcast, `adjust_rows` of `treadle.forms.data`), the bytes no
+# decision changes (buffers, user inputs) in memory. With it the rows' compute and recompute add up to the
+# solver's estimate and their comm is the step's communication before overlap (at least its exposed part).
+STEP_ROW = "<step: no module>"  # host overheads, role constants, buffers and inputs
 
 
 @dataclass(slots=True)
@@ -59,7 +67,14 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
             desc = " ".join(layouts.get(module, []) + [f"out:{out_l.get(module, '-')}"])
             if desc not in row.layout:
                 row.layout = (row.layout + " " + desc).strip() if len(row.layout) < 60 else row.layout
-    shared: dict = {}
+    step = PlanRow(STEP_ROW, 1, "-", 0.0, 0.0, 0.0,
+                   float(cg.fixed_static_bytes))
+    shared: dict = {"step_row": step}  # NOTE [the step row]: a form's constants of the role go to its comm
     for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
         f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
-    return list(rows.values())
+    _, _, terms = evaluate(cg, sol.choice, sol.ckpt)
+    step.compute_s += terms["compute_s"] - sum(r.compute_s for r in rows.values())
+    step.recompute_s += terms["recompute_s"] - sum(r.recompute_s for r in rows.values())
+    tol = 1e-9 * max(terms["compute_s"] + terms["recompute_s"], 1e-12)
+    keep = step.memory_bytes > 0 or any(abs(v) > tol for v in (step.compute_s, step.comm_s, step.recompute_s))
+    return list(rows.values()) + ([step] if keep else [])

@@ -34,7 +34,7 @@ from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
-from .roles import enumerate_roles
+from .roles import enumerate_roles, why_replicated
 from .rows import plan_rows
 from .to_schedule import decisions_from_solution
 from .validate import validate_plan_args
@@ -294,7 +294,8 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
                    mfu_of(int(cg.model_flops / cluster.world_size), sol.step_s, hw, dtype) if sol.step_s else 0.0,
                    sol.terms["compute_s"], sol.terms["comm_s"], sol.terms["recompute_s"], sol.terms["static_bytes"],
                    sol.terms["activation_bytes"], sol.terms["transient_bytes"])
-    binding = _binding(cg, sol, req.memory_budget_bytes, req.time_limit_s, req.checkpoint)
+    binding = _binding(cg, sol, req.memory_budget_bytes, req.time_limit_s, req.checkpoint,
+                       priced_peak_bytes=chosen_price["peak_bytes"] if chosen_price else None)
     alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status,
                             "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
                           key=lambda a: a["step_s"])
@@ -303,6 +304,11 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
               "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,
               "param_dtype": str(dtype).removeprefix("torch.")}
+    if not cg.roles.dp and not any(d.op in ("shard", "shard_attr") for d in decisions):
+        solver["replicated"] = why_replicated(
+            cluster.mesh, cg.roles, batch=search.batch, tensor_shardable=_tensor_shardable(cg), dp_axis=req.dp_axis,
+            zero=req.zero, forbid_axes=tuple(a for a in req.forbid_axes if a in cluster.mesh.names),
+            reshard_after_forward=req.reshard_after_forward, replicate=req.replicate)
     plan = Plan(req.model_spec, cluster, str(cg.roles), req.mode, req.memory_budget_bytes, decisions, est,
                 plan_rows(cg, sol), binding, solver, unknown_ops(graph.nodes), price=chosen_price,
                 _model=search.model)
@@ -380,19 +386,31 @@ def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solu
     return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms)
 
 
-def _binding(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str) -> str:
-    """Which constraint binds: re-solve the chosen mesh and roles without the budget and compare."""
+def _binding(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str, *,
+             priced_peak_bytes: float | None = None) -> str:
+    """Which constraint binds: re-solve the chosen mesh and roles without the budget and compare (the solver's
+    steps). The slack is the budget less the peak it was checked against: the price's (the plan as built,
+    NOTE [final choice by price]) when the plan was chosen by price, else the solver's."""
     if budget is None:
         return "none (no memory budget)"
-    slack = budget - sol.peak_bytes
+    peak, whose = ((priced_peak_bytes, "priced peak (as built)") if priced_peak_bytes is not None
+                   else (sol.peak_bytes, "solver's peak"))
+    slack = budget - peak
     free = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, checkpoint=checkpoint != "none")
     if free.status != "infeasible" and free.step_s < sol.step_s * (1 - 1e-6):
-        return (f"memory binds: peak {_fmt_bytes(sol.peak_bytes)} of {_fmt_bytes(budget)} (slack {_fmt_bytes(slack)}); "
+        return (f"memory binds: {whose} {_fmt_bytes(peak)} of {_fmt_bytes(budget)} (slack {_fmt_bytes(slack)}); "
                 f"without the budget this mesh and roles would take {free.step_s * 1e3:.3f} ms instead of "
-                f"{sol.step_s * 1e3:.3f} ms (+{(sol.step_s / free.step_s - 1) * 100:.1f}%) at peak "
-                f"{_fmt_bytes(free.peak_bytes)}")
-    return (f"none: memory slack {_fmt_bytes(slack)} ({slack / budget:.0%} of the budget); the plan is the "
-            f"fastest for its mesh and roles without a memory limit")
+                f"{sol.step_s * 1e3:.3f} ms (+{(sol.step_s / free.step_s - 1) * 100:.1f}%, solver's estimates) at "
+                f"solver's peak {_fmt_bytes(free.peak_bytes)}")
+    return (f"none: memory slack {_fmt_bytes(slack)} ({slack / budget:.0%} of the budget) under the {whose} "
+            f"{_fmt_bytes(peak)}; the plan is the fastest for its mesh and roles without a memory limit")
+
+
+def _tensor_shardable(cg: CostGraph) -> dict[str, bool]:
+    """{tensor axis: whether any strategy of any unit shards an op on it} (`why_replicated`)."""
+    return {a: any(combo[j].letter is not None for unit in cg.units for members in unit.strategies
+                   for combo, _ in members.values())
+            for j, a in enumerate(cg.roles.tp)}
 
 
 def _smallest_budget(results: list[tuple[Solution, CostGraph]], time_limit_s: float) -> float:

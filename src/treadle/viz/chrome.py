@@ -16,6 +16,9 @@ from typing import Any
 from .timeline import Timeline
 
 PID = 1
+EXPOSED_MS = ("args.exposed_ms of a slice: its time on the critical path (a compute slice: all of it; a collective: "
+              "its exposed part; a wait on the compute track: the exposed part of the collective it waits for, "
+              "counted once in breakdown_ms, on the collective's stream)")
 _US = 1e6
 _REQUIRED = {"X": ("name", "ph", "ts", "dur", "pid", "tid"), "M": ("name", "ph", "pid", "args"),
              "C": ("name", "ph", "ts", "pid", "args"), "B": ("name", "ph", "ts", "pid", "tid"),
@@ -52,7 +55,8 @@ def chrome_trace(tl: Timeline) -> dict:
     meta = {"tool": "treadle", "title": tl.title, "step_ms": tl.step_s * 1e3, "forward_end_ms": tl.forward_end_s * 1e3,
             "totals_ms": {k: v * 1e3 for k, v in tl.totals.items()},
             "breakdown_ms": {k: v * 1e3 for k, v in tl.breakdown().items()},
-            "peak_bytes": tl.peak_bytes, "budget_bytes": tl.budget_bytes, "notes": tl.notes}
+            "peak_bytes": tl.peak_bytes, "budget_bytes": tl.budget_bytes, "notes": tl.notes,
+            "exposed_ms": EXPOSED_MS}
     return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": _clean(meta)}
 
 

@@ -9,9 +9,10 @@ from .timeline import Timeline
 
 
 def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = None,
-                        png: str | None = None) -> list[str]:
+                        png: str | None = None, measured: dict | None = None) -> list[str]:
     """Write the predicted step of `plan` as a Chrome trace (`trace`), an HTML report (`html`) and PNG
-    figures (`png` prefix: PREFIX-memory.png, -breakdown.png, -timeline.png). Returns the paths written.
+    figures (`png` prefix: PREFIX-memory.png, -breakdown.png, -timeline.png). `measured`: a `measured_trace`
+    document whose steps the HTML report shows beside the predicted one. Returns the paths written.
     Raises ImportError (naming the `viz` extra) for `png` without matplotlib, before writing anything."""
     if png:
         from .png import require_matplotlib
@@ -24,8 +25,10 @@ def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = No
     if html:
         from .html import plan_html
 
+        from .measured import step_times_s
+
         with open(html, "w") as f:
-            f.write(plan_html(plan, timeline=tl))
+            f.write(plan_html(plan, timeline=tl, measured_s=step_times_s(measured) if measured else None))
         out.append(html)
     if png:
         from .png import save_plan_pngs

@@ -13,7 +13,8 @@ from typing import Sequence
 
 from ..units import bytes_unit, fmt_ms
 from .costs import layout_tokens, plan_axes
-from .svg import (MEMORY_COLOURS, PHASE_COLOURS, gantt, mesh_picture, stacked_area,
+from .schedule_view import collapse_schedule
+from .svg import (MEMORY_COLOURS, PHASE_COLOURS, compare_bars, gantt, mesh_picture, stacked_area,
                   stacked_bar, stream_colour)
 from .plan_timeline import timeline_from_plan
 from .timeline import COMPUTE, Timeline
@@ -82,6 +83,8 @@ def _layout_table(plan) -> str:
         head.append(f"axis {dp} (data)")
     rows = []
     for r in plan.rows:
+        if r.path.startswith("<step"):  # NOTE [the step row] in treadle.planner.rows: no module, no layout
+            continue
         cells = [escape(r.path), str(r.count)]
         toks = layout_tokens(r.layout)
         for i, _ in enumerate(tp):
@@ -114,43 +117,103 @@ def _alternatives(plan) -> str:
              f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s</p>")
     if ck:
         html += "<p>checkpointed: " + ", ".join(f"{c} blocks like {escape(p)}" for p, c in ck.items()) + "</p>"
-    html += _table(["mesh", "roles", "status", "step", f"peak {unit[0]}"], rows, num_from=3) if rows else \
-        "<p>no alternatives recorded</p>"
+    head = ["mesh", "roles", "status", "solver step", f"solver peak {unit[0]}"]
+    html += _table(head, rows, num_from=3) if rows else "<p>no alternatives recorded</p>"
     return html
 
 
-def plan_html(plan, *, timeline: Timeline | None = None) -> str:
+def model_text(model) -> str:
+    """A plan's `model` record as a person reads it: 'tiny-llama, batch 8, seq 32, fp32' (what it holds)."""
+    if not isinstance(model, dict):
+        return "model (not recorded)" if model is None else str(model)
+    parts = [str(model.get("name", "model"))]
+    parts += [f"{k} {model[k]}" for k in ("batch", "seq") if model.get(k) is not None]
+    parts += [str(model["dtype"])] if model.get("dtype") else []
+    parts += [f"{k} {v}" for k, v in model.items() if k not in ("name", "batch", "seq", "dtype")]
+    return ", ".join(parts)
+
+
+def _mem_split(peak: float, static: float, act: float, last: float, last_name: str) -> str:
+    unit = bytes_unit([peak])
+    return (f"{peak / unit[1]:.3f} {unit[0]} per device = static {static / unit[1]:.3f} + activations "
+            f"{act / unit[1]:.3f} + {last_name} {last / unit[1]:.3f} {unit[0]}")
+
+
+def _price_rows(p: dict) -> list[list[str]]:
+    """Step, peak memory and MFU of a price (`Price.to_dict()`), each labelled as the price's."""
+    hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
+    return [["step (price)", f"{fmt_ms(p['step_s'])} = compute {fmt_ms(p['compute_s'])} + recompute "
+                             f"{fmt_ms(p['recompute_s'])} + exposed comm {fmt_ms(p['exposed_comm_s'])}; comm (total, "
+                             f"before overlap) {fmt_ms(p['comm_s'])}, of which {fmt_ms(hidden)} hidden behind compute"],
+            ["peak memory (price)", _mem_split(p["peak_bytes"], p["static_bytes"], p["activation_bytes"],
+                                               p["transient_bytes"], "transient")],
+            ["MFU (price)", f"{p['mfu'] * 100:.1f}%"]]
+
+
+def _step_rows(plan) -> list[list[str]]:
+    """Step, memory and MFU: the price's when the plan has one, then the solver's own estimate labelled (the
+    figures `treadle explain` prints, in the same words)."""
+    e, p = plan.estimated, plan.price
+    budget = ""
+    if plan.budget_bytes:
+        bu = bytes_unit([plan.budget_bytes])
+        budget = f" (budget {plan.budget_bytes / bu[1]:.3f} {bu[0]})"
+    peak = _mem_split(e.peak_bytes, e.static_bytes, e.activation_bytes, e.transient_bytes, "recomputed block")
+    solver = (f"step {fmt_ms(e.step_s)} = compute {fmt_ms(e.compute_s)} + recompute {fmt_ms(e.recompute_s)} + "
+              f"exposed comm {fmt_ms(e.comm_s)}; peak {peak}; solver's MFU {e.mfu * 100:.1f}%")
+    if p is None:
+        return [["step (solver's estimate; no price)", solver + budget]]
+    step, mem, mfu = _price_rows(p)
+    return [step, [mem[0], mem[1] + budget], mfu,
+            ["solver's estimate", solver + " (its own cost model: the per-module figures, not the price's)"]]
+
+
+def measured_text(step_s: float, measured_s: list[float]) -> str:
+    """'fastest 25.100 ms of 3 steps (25.100, 26.000, 27.200 ms); measured / predicted = 1.13x'."""
+    ratio = f"; measured / predicted = {min(measured_s) / step_s:.2f}x" if step_s > 0 else ""
+    return (f"fastest {fmt_ms(min(measured_s))} of {len(measured_s)} step(s) ("
+            + ", ".join(f"{s * 1e3:.3f}" for s in measured_s) + f" ms){ratio}")
+
+
+def plan_html(plan, *, timeline: Timeline | None = None, measured_s: Sequence[float] | None = None) -> str:
     """The report of `plan` (a treadle.planner.Plan, planned or loaded) as one HTML page; `timeline`
-    defaults to `timeline_from_plan(plan)`."""
+    defaults to `timeline_from_plan(plan)`; `measured_s`: measured step times (s, e.g.
+    `treadle.viz.measured.step_times_s` of a trace), shown beside the predicted step."""
     tl = timeline or timeline_from_plan(plan)
-    e = plan.estimate() if plan.price is not None else plan.estimated  # the timeline priced it when it could
-    unit = bytes_unit([e.peak_bytes])
     name = (plan.model or {}).get("name", "model") if isinstance(plan.model, dict) else "model"
-    summary = _table(["", ""], [
-        ["model", escape(str(plan.model))], ["cluster", escape(str(plan.cluster))],
-        ["roles", escape(plan.roles)], ["mode", escape(plan.mode)],
-        ["step", f"{fmt_ms(e.step_s)} (compute {fmt_ms(e.compute_s)}, exposed comm {fmt_ms(e.comm_s)}, "
-                 f"recompute {fmt_ms(e.recompute_s)})"],
-        ["peak memory", f"{e.peak_bytes / unit[1]:.3f} {unit[0]} per device (static {e.static_bytes / unit[1]:.3f}, "
-                        f"activations {e.activation_bytes / unit[1]:.3f}, "
-                        f"{'transient' if plan.price is not None else 'recomputed block'} "
-                        f"{e.transient_bytes / unit[1]:.3f})" +
-                        (f" of a {plan.budget_bytes / unit[1]:.3f} {unit[0]} budget" if plan.budget_bytes else "")],
-        ["MFU", f"{e.mfu * 100:.1f}%"]])
+    measured = list(measured_s or [])
+    rows = [["model", escape(model_text(plan.model))], ["cluster", escape(str(plan.cluster))],
+            ["roles", escape(plan.roles)], ["mode", escape(plan.mode)],
+            *[[k, escape(v)] for k, v in _step_rows(plan)]]
+    if measured:
+        rows.append(["measured step", escape(measured_text(tl.step_s, measured))])
+    rows.append(["binding constraint", escape(plan.binding)])
+    why = (plan.solver or {}).get("replicated")
+    if why:
+        rows.append(["why nothing is sharded", escape(why)])
+    summary = _table(["", ""], rows)
     m = plan.cluster.mesh
     mesh = mesh_picture(m.shape, m.names, [str(plan.cluster.link(a)) for a in m.names])
     dp, zero, tp = plan_axes(plan)
     mesh += (f'<p class="note">{plan.cluster.world_size} devices ({escape(plan.cluster.device_name)}); data parallel '
              f'on {escape(str(dp))}{" (ZeRO-3)" if zero else ""}; tensor axes {escape(", ".join(tp) or "none")}.</p>')
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
-    breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
-                 gantt(tl) + notes)
+    vs = ""
+    if measured:
+        vs = ("<p>predicted vs measured step:</p>" +
+              compare_bars([("predicted", PHASE_COLOURS["forward"], tl.step_s),
+                            (f"measured (fastest of {len(measured)})", "#e15759", min(measured))]))
+    breakdown = (stacked_bar(breakdown_parts(tl)) + vs + "<p>the step on one device (hover a slice for its module):"
+                 "</p>" + gantt(tl) + notes)
     memory = memory_chart(tl) + (_PRICE_MEMORY_NOTE if plan.price is not None else
                                  '<p class="note">per device (every device of the mesh holds the same); static = '
                                  'parameters + gradients + optimizer states, other = buffers + inputs. Activations '
                                  'are drawn growing linearly over the forward and shrinking over the backward; the '
                                  'planner\'s peak adds every term at once, an upper bound of the curve.</p>')
-    python = "<pre>" + escape("\n".join(plan.python_lines())) + "</pre>"
+    lines = plan.python_lines()
+    python = ("<pre>" + escape("\n".join(collapse_schedule(lines))) + "</pre>" +
+              f"<details><summary>all {len(lines)} calls, in the plan's order</summary><pre>" +
+              escape("\n".join(lines)) + "</pre></details>")
     return _page(f"treadle plan: {name} on {m}", [
         ("summary", "Summary", summary), ("mesh", "Mesh and links", mesh),
         ("breakdown", "Step time breakdown", breakdown), ("memory", "Memory over the step", memory),
@@ -173,17 +236,11 @@ def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> s
 
     p = price if isinstance(price, dict) else price.to_dict()
     tl = timeline or timeline_from_price(p, title=title or None)
-    unit = bytes_unit([p["peak_bytes"]])
     dev = p.get("device") or {}
     summary = _table(["", ""], [
         ["schedule", escape(title or tl.title)], ["data parallel", escape(str(p.get("data_parallel")))],
         ["device", escape(str(dev.get("name", "")) if isinstance(dev, dict) else str(dev))],
-        ["step", f"{fmt_ms(p['step_s'])} (compute {fmt_ms(p['compute_s'])}, recompute {fmt_ms(p['recompute_s'])}, "
-                 f"comm {fmt_ms(p['comm_s'])} of which exposed {fmt_ms(p['exposed_comm_s'])})"],
-        ["peak memory", f"{p['peak_bytes'] / unit[1]:.3f} {unit[0]} per device (static "
-                        f"{p['static_bytes'] / unit[1]:.3f}, activations {p['activation_bytes'] / unit[1]:.3f}, "
-                        f"transient {p['transient_bytes'] / unit[1]:.3f})"],
-        ["MFU", f"{p['mfu'] * 100:.1f}%"]])
+        *[[k, escape(v)] for k, v in _price_rows(p)]])
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
     breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
                  gantt(tl) + notes)

@@ -11,7 +11,7 @@ from typing import Any
 
 from .html import breakdown_parts, profile_memory_points
 from ..units import bytes_unit
-from .svg import MEMORY_COLOURS, PHASE_COLOURS, stream_colour
+from .svg import MEMORY_COLOURS, PHASE_COLOURS, slice_label, stream_colour
 from .timeline import COMPUTE, Timeline
 
 
@@ -65,19 +65,47 @@ def breakdown_figure(tl: Timeline) -> Any:
     return fig
 
 
+MIN_SLICE_FRACTION = 0.002  # of the step: a shorter slice (a short collective) is drawn this wide, so it shows
+
+
 def timeline_figure(tl: Timeline) -> Any:
-    """One row per track with its slices (compute coloured by phase, comm by stream)."""
-    fig = _figure(10, 0.5 + 0.45 * len(tl.tracks))
+    """One row per track with its slices (compute coloured by phase, comm by stream), a title with the step, a
+    legend of the colours, the end of the forward marked and named, module names on the slices wide enough,
+    and every slice at least MIN_SLICE_FRACTION of the step wide."""
+    from matplotlib.patches import Patch
+
+    width_in = 11.0
+    fig = _figure(width_in, 1.3 + 0.5 * len(tl.tracks))
     ax = fig.add_subplot()
+    step_ms = max(tl.step_s * 1e3, 1e-9)
+    min_ms = MIN_SLICE_FRACTION * step_ms
+    px_per_ms = 0.78 * width_in * 110 / step_ms  # the axes take about 78% of the figure's width
     for i, track in enumerate(tl.tracks):
         spans = [s for s in tl.spans if s.track == track]
         colours = [PHASE_COLOURS.get(s.phase, "#888") if track == COMPUTE else stream_colour(track, tl.tracks)
                    for s in spans]
-        ax.broken_barh([(s.start_s * 1e3, s.duration_s * 1e3) for s in spans], (i - 0.4, 0.8), facecolors=colours)
+        bars = [(s.start_s * 1e3, max(s.duration_s * 1e3, min_ms)) for s in spans]
+        ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=colours, edgecolors="none")
+        for s, (x, w) in zip(spans, bars):
+            label = slice_label(s.name, w * px_per_ms, px_per_char=7.0)
+            if label:
+                ax.text(x + 0.003 * step_ms, i, label, va="center", ha="left", fontsize=6.5, color="#111",
+                        clip_on=True)
     ax.set_yticks(range(len(tl.tracks)), tl.tracks)
     ax.invert_yaxis()
-    ax.axvline(tl.forward_end_s * 1e3, color="#333", ls=":", lw=1)
-    ax.set_xlabel("ms")
+    ax.set_xlim(0, step_ms * 1.01)
+    fx = tl.forward_end_s * 1e3
+    ax.axvline(fx, color="#333", ls=":", lw=1)
+    ax.text(fx, 1.0, "\u2190 forward | backward \u2192", ha="center", va="bottom", fontsize=7, color="#333",
+            transform=ax.get_xaxis_transform())
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_title(f"the step on one device (of {tl.world_size}): {tl.title}, {step_ms:.4g} ms", fontsize=9, pad=12)
+    phases = [p for p in PHASE_COLOURS if any(s.phase == p and s.track == COMPUTE for s in tl.spans)]
+    handles = [Patch(color=PHASE_COLOURS[p], label="waiting for a collective" if p == "exposed comm" else p)
+               for p in phases]
+    handles += [Patch(color=stream_colour(t, tl.tracks), label=f"{t} (collectives)") for t in tl.tracks
+                if t != COMPUTE]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     return fig
 
 

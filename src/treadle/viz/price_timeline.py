@@ -5,12 +5,13 @@
 
 Tracks: 'compute' holds every compute segment at its `start_s` (phases forward, backward, recompute and
 the optimizer step), and, in the gaps where compute waits, one 'exposed comm' slice per collective waited
-on: collective c delays compute over [end_s - exposed_s, end_s] (the simulation advances the critical path
-to each awaited collective's end in turn), so the compute track covers the step end to end and its slices
-add up to ``step_s = compute_s + recompute_s + exposed_comm_s``. Each collective is a slice on its
-mesh axis's stream ('comm tp', 'comm dp') from `start_s` to `end_s`; one axis runs its collectives in
-order (disjoint slices), different axes and compute run in parallel, so an overlapped collective shows
-beside the compute it hides behind. Args: module, phase, FLOPs / bytes / ops of a segment; kind, axis,
+on (its `exposed_s` is its whole duration, the collective's exposed part; `Timeline.breakdown` counts that
+time once, on the collective's stream): collective c delays compute over [end_s - exposed_s, end_s] (the
+simulation advances the critical path to each awaited collective's end in turn), so the compute track covers
+the step end to end and its slices add up to ``step_s = compute_s + recompute_s + exposed_comm_s``. Each
+collective is a slice on its mesh axis's stream ('comm tp', 'comm dp') from `start_s` to `end_s`; one axis
+runs its collectives in order (disjoint slices), different axes and compute run in parallel, so an overlapped
+collective shows beside the compute it hides behind. Args: module, phase, FLOPs / bytes / ops of a segment; kind, axis,
 nbytes, source (tp, ddp, fsdp), blocking and exposed seconds of a collective.
 
 Memory (NOTE [price memory over the step]): the price gives totals, not times. Static bytes (parameters,
@@ -104,8 +105,8 @@ def timeline_from_price(price: Any, *, title: str | None = None, world_size: int
         if dur > 0:
             spans.append(Span(stream, name, c["start_s"], dur, phase, min(c["exposed_s"], dur), args))
         if c["exposed_s"] > 0:  # the wait it causes on the critical path
-            spans.append(Span(COMPUTE, f"wait: {name}", c["end_s"] - c["exposed_s"], c["exposed_s"], WAIT, 0.0,
-                              dict(args, stream=stream)))
+            spans.append(Span(COMPUTE, f"wait: {name}", c["end_s"] - c["exposed_s"], c["exposed_s"], WAIT,
+                              c["exposed_s"], dict(args, stream=stream)))  # all of a wait is on the critical path
     step = float(p["step_s"])
     on_path = sum(s.duration_s for s in spans if s.track == COMPUTE)
     if abs(on_path - step) > 1e-6 * max(step, 1e-12) + 1e-12:
@@ -122,4 +123,18 @@ def timeline_from_price(price: Any, *, title: str | None = None, world_size: int
                     fwd_end, memory, float(p["peak_bytes"]), budget_bytes, world_size or 1, totals, [PRICE_NOTE])
 
 
-__all__ = ["timeline_from_price", "WAIT", "PRICE_NOTE"]
+def mesh_roles_text(names: list[str] | tuple[str, ...], shape: list[int] | tuple[int, ...], *,
+                    data_axes: set[str] | frozenset[str] = frozenset(), tensor_axes: set[str] | frozenset[str] =
+                    frozenset()) -> str:
+    """Every axis of a mesh with what it does: 'dp=2 data-parallel x tp=2 tensor' (an axis neither data- nor
+    tensor-parallel is 'replicated'; a size-1 axis just its size)."""
+    def role(a: str, n: int) -> str:
+        if n == 1:
+            return f"{a}=1"
+        kind = ("data-parallel" + (" + tensor" if a in tensor_axes else "") if a in data_axes else
+                "tensor" if a in tensor_axes else "replicated")
+        return f"{a}={n} {kind}"
+    return " x ".join(role(a, n) for a, n in zip(names, shape))
+
+
+__all__ = ["timeline_from_price", "mesh_roles_text", "WAIT", "PRICE_NOTE"]

@@ -1,6 +1,6 @@
 """Progress of long CLI operations on a terminal (rich), silent when stderr is not a TTY or with --quiet.
 
-    with progress("planning llama-3-8b", quiet=args.quiet) as report:
+    with progress("planning llama-3-8b", quiet=quiet) as report:
         plan_model(..., progress=lambda msg: report(msg))          # a stage text
         profile(..., progress=lambda stage, f: report(stage, f))   # or a stage and a fraction in [0, 1]
 
@@ -10,22 +10,10 @@ transient: nothing of it stays in the terminal or in redirected output.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Callable, Iterator
 
 Report = Callable[..., None]
-
-
-def add_quiet_flag(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
-    """`-q/--quiet` on a parser. The top-level parser holds the default (False); sub-commands accept the flag
-    too without overriding a top-level one (`treadle -q plan ...` and `treadle plan ... -q` both work)."""
-    parser.add_argument("-q", "--quiet", action="store_true", default=False if top_level else argparse.SUPPRESS,
-                        help="no progress display")
-
-
-def is_quiet(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "quiet", False))
 
 
 @contextlib.contextmanager

@@ -124,11 +124,17 @@ def stacked_bar(parts: Sequence[tuple[str, str, float]], *, width: int = 780, ki
     return "".join(out)
 
 
+MIN_SLICE_PX = 2.0  # a slice narrower than this (a short collective) is drawn this wide, so it shows
+
+
 def gantt(tl: Timeline, *, width: int = 780, row_h: int = 22) -> str:
-    """Each track of `tl` as a row of its slices (colour: phase on compute, stream on comm), in step time."""
+    """Each track of `tl` as a row of its slices (colour: phase on compute, stream on comm), in step time, with
+    the end of the forward marked and a legend of the colours. A slice is at least MIN_SLICE_PX wide; a slice
+    wide enough carries its module's name."""
     left, top = 110, 8
     w = width - left - 10
-    height = top + row_h * len(tl.tracks) + 30
+    legend = _gantt_legend(tl)
+    height = top + row_h * len(tl.tracks) + 34 + 16 * len(legend)
     t_max = max(tl.step_s, 1e-12)
     X = lambda t: left + w * t / t_max  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" data-chart="timeline" width="{width}" height="{height}" '
@@ -139,14 +145,68 @@ def gantt(tl: Timeline, *, width: int = 780, row_h: int = 22) -> str:
     for s in tl.spans:
         colour = PHASE_COLOURS.get(s.phase, "#888") if s.track == COMPUTE else stream_colour(s.track, tl.tracks)
         y = top + row_h * row[s.track] + 2
-        out.append(f'<rect x="{X(s.start_s):.2f}" y="{y}" width="{max(X(s.end_s) - X(s.start_s), 0.3):.2f}" '
-                   f'height="{row_h - 4}" fill="{colour}"><title>{escape(s.name)} ({s.phase}): '
-                   f'{fmt_ms(s.duration_s)}</title></rect>')
+        dx = max(X(s.end_s) - X(s.start_s), MIN_SLICE_PX)
+        out.append(f'<rect x="{X(s.start_s):.2f}" y="{y}" width="{dx:.2f}" height="{row_h - 4}" fill="{colour}">'
+                   f'<title>{escape(s.name)} ({s.phase}): {fmt_ms(s.duration_s)}</title></rect>')
+        label = slice_label(s.name, dx, px_per_char=6.2)
+        if label:
+            out.append(f'<text x="{X(s.start_s) + 2:.2f}" y="{y + row_h - 9}" font-size="9" fill="#111" '
+                       f'pointer-events="none">{escape(label)}</text>')
     fx = X(tl.forward_end_s)
     y_end = top + row_h * len(tl.tracks)
     out.append(f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{top}" y2="{y_end}" stroke="#333" stroke-dasharray="3,3"/>'
-               f'<text x="{fx + 3:.1f}" y="{top + 10}" fill="#555">backward</text>')
-    out.append(_axes(left, top, w, y_end - top, [(X(v / 1e3), f"{v:.4g}") for v in _ticks(t_max * 1e3)], [], "ms", ""))
+               f'<text x="{fx - 3:.1f}" y="{top - 1}" fill="#555" text-anchor="end" font-size="9">forward</text>'
+               f'<text x="{fx + 3:.1f}" y="{top - 1}" fill="#555" font-size="9">backward</text>')
+    out.append(_axes(left, top, w, y_end - top, [(X(v / 1e3), f"{v:.4g}") for v in _ticks(t_max * 1e3)], [],
+                     "time in the step (ms)", ""))
+    out.append(_legend(legend, left, y_end + 34))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _gantt_legend(tl: Timeline) -> list[tuple[str, str, str]]:
+    """The colours a timeline uses: each compute phase present, then each comm stream."""
+    phases = [p for p in PHASE_COLOURS if any(s.phase == p and s.track == COMPUTE for s in tl.spans)]
+    items = [(("waiting for a collective (exposed comm)" if p == "exposed comm" else p), PHASE_COLOURS[p], "area")
+             for p in phases]
+    return items + [(t + " (collectives)", stream_colour(t, tl.tracks), "area") for t in tl.tracks if t != COMPUTE]
+
+
+def slice_label(name: str, width_px: float, *, px_per_char: float) -> str:
+    """What of a slice's name fits in `width_px`: the whole name, else its module path cut from the front
+    ('mlp.c_fc') with the words around it (a collective's kind, 'wait:', an instance '[3/12]') as long as they
+    fit, else the path's tail alone; '' when not even a few characters fit."""
+    room = int(width_px / px_per_char) - 1
+    if room < 4:
+        return ""
+    if len(name) <= room:
+        return name
+    words = name.split(" ")
+    k = max(range(len(words)), key=lambda i: words[i].count("."))  # the module path
+    before, path, after = " ".join(words[:k]), words[k], " ".join(words[k + 1:])
+    parts = path.split(".")
+    tails = [".".join(parts[j:]) for j in range(1, len(parts)) if not parts[j].isdigit()]  # 'attn', not '0.attn'
+    for pre, post in ((before, after), ("", after), (before, ""), ("", "")):
+        for tail in tails:
+            text = " ".join(x for x in (pre, tail, post) if x)
+            if len(text) <= room and len(tail) >= 4:
+                return text
+    return ""
+
+
+def compare_bars(bars: Sequence[tuple[str, str, float]], *, width: int = 780, kind: str = "measured") -> str:
+    """Horizontal bars of `bars` ((label, colour, seconds)) on one scale, each labelled with its ms: a predicted
+    step beside a measured one."""
+    top_s = max([v for _, _, v in bars] + [1e-12])
+    left, w = 190, width - 190 - 90
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" data-chart="{kind}" width="{width}" '
+           f'height="{10 + 24 * len(bars)}" font-family="sans-serif" font-size="11">']
+    for i, (label, colour, v) in enumerate(bars):
+        y = 6 + 24 * i
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">{escape(label)}</text>'
+                   f'<rect data-bar="{escape(label)}" data-bar-seconds="{v:.9g}" x="{left}" y="{y}" '
+                   f'width="{w * v / top_s:.2f}" height="18" fill="{colour}"><title>{escape(label)}: {fmt_ms(v)}'
+                   f'</title></rect><text x="{left + w * v / top_s + 4:.2f}" y="{y + 13}">{fmt_ms(v)}</text>')
     out.append("</svg>")
     return "".join(out)
 

@@ -46,6 +46,9 @@ class DataParallelForm(Form):
     def evaluate(self, cg, choice, acc):
         _plan.evaluate(cg, choice, acc)
 
+    def adjust_rows(self, cg, choice, rows, shared):
+        _plan.adjust_rows(cg, choice, rows, shared)
+
     def memory_rows(self, m, cg, v):
         return _plan.memory_rows(m, cg, v)
 

@@ -290,6 +290,14 @@ def evaluate(cg, choice: list[int], acc: dict) -> None:
     acc["comm_s"] += t.buffer_s  # NOTE [DDP buffers]: a constant of the role
 
 
+def adjust_rows(cg, choice: list[int], rows: dict, shared: dict) -> None:
+    """The role's constants in the explanation (NOTE [the step row] in `treadle.planner.rows`): the reductions'
+    latency part and DDP's buffer broadcast, before overlap, on ``shared["step_row"]``."""
+    t = terms(cg)
+    if t is not None and "step_row" in shared:
+        shared["step_row"].comm_s += t.latency_s + t.buffer_s
+
+
 # NOTE [the last bucket]: DDP reduces a bucket once the backward has produced its gradients, so a parameter's
 # reduction hides only behind the backward still to run after it: nothing for the parameters of the ops that
 # run before the repeated blocks (the embedding, whose gradient is the backward's last). The aggregate window
