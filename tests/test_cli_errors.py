@@ -240,9 +240,10 @@ def test_price_cli_prices_with_the_cluster_files_placement(tmp_path):
 
 def test_calibrate_defaults_are_the_cost_models():
     from treadle.cli import cost
-    from treadle.cost.calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S
+    from treadle.cost.calibrate import DEFAULT_CHAIN, DEFAULT_LEAD_COMPUTE_S, DEFAULT_ROUNDS
 
     assert cost.CHAIN_DEFAULT == DEFAULT_CHAIN and cost.LEAD_MS_DEFAULT == pytest.approx(DEFAULT_LEAD_COMPUTE_S * 1e3)
+    assert cost.ROUNDS_DEFAULT == DEFAULT_ROUNDS
 
 
 # ------------------------------------------------------------------------------------------- treadle run
@@ -427,8 +428,8 @@ def test_treadle_plan_to_a_log_says_no_warnings_and_keeps_rows_whole(tmp_path):
     res = _python(f"""
         import sys
         from treadle.cli import main
-        sys.exit(main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--batch", "8", "--seq", "64", "--memory",
-                       "64MiB", "-o", {str(tmp_path / 'plan.json')!r}]))
+        sys.exit(main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--nominal", "--batch", "8", "--seq", "64",
+                       "--memory", "64MiB", "-o", {str(tmp_path / 'plan.json')!r}]))
     """, timeout=300)
     assert res.returncode == 0 and res.stderr == "", res.stderr[-3000:]
     assert "transformer.h.0.attn.resid_dropout" in res.stdout and "…" not in res.stdout

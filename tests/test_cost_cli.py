@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import re
 
 import pytest
 
@@ -37,10 +39,19 @@ def test_cluster_json_file_is_a_cluster_spec(tmp_path):
 @pytest.mark.slow
 def test_calibrate_command_writes_a_usable_spec(tmp_path, capsys):
     out = tmp_path / "gloo.json"
-    assert _run(["calibrate", "--mesh", "2", "--rounds", "5", "-o", str(out)]) == 0
+    assert _run(["calibrate", "--mesh", "2", "--rounds", "3", "--held-out", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "held-out" in text and f"wrote {out}" in text.replace("\n", "")
+    assert "held-out sizes" in text and f"wrote {out}" in text.replace("\n", "")
+    # one row per collective: the all-gather fits the link, every other one names its factor against the model
+    rows = [line for line in text.splitlines() if "│" in line]
+    for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        assert any(op in r for r in rows), (op, text)
+    assert any("all_gather" in r and "fitted" in r for r in rows)
+    assert any("reduce_scatter" in r and re.search(r"x\d+\.\d\d", r) for r in rows)
+    assert "measured on this host" in text and "assumes: " in text
     cluster = parse_cluster(str(out))
+    # the ranks' placement on this host is recorded with the links (NOTE [rank device])
+    assert (cluster.threads_per_rank, cluster.ranks_per_host, cluster.cores_per_host) == (1, 2, os.cpu_count())
     assert cluster.mesh.shape == (2,) and cluster.mesh.names == ("dp",) and cluster.link("dp").name == "gloo-dp"
     assert cluster.link("dp").bandwidth_bytes_per_s > 0 and cluster.copy_bytes_per_s > 0
     # the other collectives get their measured factor against the model

@@ -288,7 +288,7 @@ def test_cli_user_errors_are_one_line_with_exit_2(tmp_path, capsys):
         (["plan", "tiny-gpt2", "--cluster", "zz:cpu", "--batch", "4", "--seq", "16"],
          "treadle plan: error: parse_cluster: 'zz' in 'zz:cpu'"),
         (["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--batch", "4", "--seq", "16", "--pin", "*.c_fc.weight=zz:1"],
-         "treadle plan: pin '*.c_fc.weight' names mesh axis 'zz'"),
+         "treadle plan: error: pin '*.c_fc.weight' names mesh axis 'zz'"),
     ]
     sched = tmp_path / "s.json"
     sched.write_text(_file([]))

@@ -192,8 +192,8 @@ def test_cli_single_mesh_fp32_on_cpu_and_bad_mesh(tmp_path, capsys):
     from treadle.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--mesh", "2x2", "--batch", "4", "--seq", "16", "-q",
-                 "-o", str(out)]) == 0
+    assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--nominal", "--mesh", "2x2", "--batch", "4", "--seq",
+                 "16", "-q", "-o", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "meshes searched" not in text and "precision: fp32" in text
     saved = json.loads(out.read_text())

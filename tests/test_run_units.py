@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -226,28 +227,35 @@ def test_health_names_ranks_behind():
 
 
 def _plan_auto_rank(rank, world):
-    from treadle.run.setup import load_run_model, make_schedule
+    from treadle.run.setup import _auto_clusters, load_run_model, make_schedule
 
+    # on a cpu preset every rank of the launched group measures the host before rank 0 plans on it
+    measured = _auto_clusters(RunConfig(model="tiny-gpt2", data=["x"], plan="auto"), world, rank)
+    nominal = _auto_clusters(RunConfig(model="tiny-gpt2", data=["x"], plan="auto", nominal=True), world, rank)
+    links = [[link.name for link in c.links] for c in (*measured, *nominal)]
     model = load_run_model("tiny-gpt2", seq=16, seed=0)
-    sch = make_schedule(model, RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16),
+    sch = make_schedule(model, RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16, nominal=True),
                         world=world, rank=rank)
     try:
         make_schedule(load_run_model("tiny-gpt2", seq=16, seed=0),
-                      RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16, memory_budget_bytes=1.0),
-                      world=world, rank=rank)
+                      RunConfig(model="tiny-gpt2", data=["x"], plan="auto", batch=4, seq=16, memory_budget_bytes=1.0,
+                                nominal=True), world=world, rank=rank)
         err = None
     except RunError as exc:
         err = str(exc)
-    return sch.to_json(), sch.mesh.world_size, err
+    return sch.to_json(), sch.mesh.world_size, err, links, measured[0].cores_per_host
 
 
 @pytest.mark.slow
 def test_plan_auto_broadcasts_one_schedule():
     from treadle.testing import spawn
 
-    (json0, world0, err0), (json1, world1, err1) = spawn(_plan_auto_rank, 2, timeout_s=240)
+    (json0, world0, err0, links0, cores0), (json1, world1, err1, links1, _) = spawn(_plan_auto_rank, 2,
+                                                                                   timeout_s=240)
     assert json0 == json1 and world0 == world1 == 2  # rank 0 planned, rank 1 received the same schedule
     assert err0 == err1 and "--plan auto failed on rank 0" in err0  # an impossible 1-byte budget, on every rank
+    assert links0 == links1 and links0[0][0].startswith("gloo") and set(links0[1]) == {"loopback"}, links0
+    assert cores0 == os.cpu_count()
 
 
 def test_split_batch():

@@ -1,7 +1,7 @@
 """`treadle cluster` (show a cluster and the logical meshes it admits) and `treadle calibrate` (fit links on gloo).
 
     treadle cluster 8x8:h100 --meshes          # links per axis, then every logical mesh shape
-    treadle calibrate --mesh 2x2 -o cluster.json  # spawn 4 gloo ranks, fit alpha/beta/launch, save the spec
+    treadle calibrate --mesh 2x2 --cpu -o cluster.json  # a core, then 4 gloo ranks: links per collective, saved
 
 A saved spec is accepted wherever a cluster string is (`parse_cluster("cluster.json")`).
 """
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # test checks they agree): the parser is built without the cost model
 LEAD_MS_DEFAULT = 2.0  # DEFAULT_LEAD_COMPUTE_S * 1e3
 CHAIN_DEFAULT = 8  # DEFAULT_CHAIN
+ROUNDS_DEFAULT = 5  # DEFAULT_ROUNDS
 
 
 def cluster_table(cluster: ClusterSpec) -> Table:
@@ -56,21 +57,39 @@ def meshes_table(specs: list[ClusterSpec]) -> Table:
 
 
 def calibration_table(cal: Calibration) -> Table:
-    """Fitted links and the held-out check (predicted vs measured all-gather)."""
+    """One row per process group and collective: the group (a mesh axis, or the world group flattening every
+    axis), the collective, the all-gather's fitted latency, launch cost and bandwidth (the link), each other
+    collective's measured time factor against its model on that link (`LinkSpec.op_scale`), and the group's
+    drift (`LinkSpec.skew_s`)."""
     from rich.table import Table
 
-    t = Table("axis", "latency us", "launch us", "GB/s", "held-out KiB", "measured us", "predicted us", "error")
-    held = {}
+    from ..cost.timing import COLLECTIVES
+
+    t = Table("group", "ranks", "collective", "latency us", "launch us", "GB/s", "time vs model", "drift us",
+              title=f"links measured on {cal.cluster.world_size} gloo ranks")
+    cluster = cal.cluster
+    groups = [(name, n, link) for name, n, link in zip(cluster.mesh.names, cluster.mesh.shape, cluster.links)
+              if n > 1]
+    groups += [("+".join(axes) + " (world)", cluster.world_size, link) for axes, link in cluster.group_links]
+    for name, n, link in groups:
+        for k, op in enumerate(COLLECTIVES):
+            fitted = op == "all_gather"
+            t.add_row(name if k == 0 else "", str(n) if k == 0 else "", op,
+                      f"{link.latency_s * 1e6:.0f}" if fitted else "", f"{link.launch_s * 1e6:.0f}" if fitted else "",
+                      f"{link.bandwidth_bytes_per_s / 1e9:.2f}" if fitted else "",
+                      "fitted" if fitted else f"x{link.scale(op):.2f}",
+                      f"{link.skew_s * 1e6:.0f}" if k == 0 else "")
+    return t
+
+
+def held_out_table(cal: Calibration) -> Table:
+    """The held-out sizes (measured, not fitted): each collective's measured time beside the model's."""
+    from rich.table import Table
+
+    t = Table("axis", "collective", "KiB", "measured us", "predicted us", "error", title="held-out sizes")
     for h in cal.held_out:
-        held.setdefault(h.axis, []).append(h)
-    for name, link in zip(cal.cluster.mesh.names, cal.cluster.links):
-        rows = held.get(name) or [None]
-        for k, h in enumerate(rows):
-            head = ([name, f"{link.latency_s * 1e6:.0f}", f"{link.launch_s * 1e6:.0f}",
-                     f"{link.bandwidth_bytes_per_s / 1e9:.2f}"] if k == 0 else ["", "", "", ""])
-            tail = ([f"{h.nbytes >> 10}", f"{h.measured_s * 1e6:.0f}", f"{h.predicted_s * 1e6:.0f}",
-                     f"{h.rel_error:+.0%}"] if h else ["-", "-", "-", "-"])
-            t.add_row(*head, *tail)
+        t.add_row(h.axis, h.op, f"{h.nbytes >> 10}", f"{h.measured_s * 1e6:.0f}", f"{h.predicted_s * 1e6:.0f}",
+                  f"{h.rel_error:+.0%}")
     return t
 
 
@@ -83,17 +102,6 @@ def _parse_mesh(text: str, names: list[str] | None) -> Mesh:
     except ValueError:
         raise TreadleError(f"calibrate: --mesh {text!r} is not a shape like '2x2' or '4'") from None
     return Mesh(shape, tuple(names) if names else default_axis_names(len(shape)))
-
-
-def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], rounds: int,
-                    lead_compute_s: float, device, chain: int = CHAIN_DEFAULT) -> str:
-    from ..cost.calibrate import calibrate_cluster
-    from ..cost.cluster import ClusterSpec
-    from ..mesh import Mesh
-
-    mesh = Mesh(shape, names)
-    base = ClusterSpec.uniform(mesh, "loopback", device=device)
-    return calibrate_cluster(mesh, rounds=rounds, lead_compute_s=lead_compute_s, base=base, chain=chain).to_json()
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -117,41 +125,29 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     mesh = _parse_mesh(args.mesh, args.names)
-    from ..cost.calibrate import Calibration
-    from ..cost.cluster import ClusterSpec
-    from ..testing import check_process_count, spawn
+    from ..cost.this_host import calibrate_this_host
+    from ..testing import check_process_count
 
     check_process_count(mesh.world_size, where=f"calibrate --mesh {args.mesh}")  # before measuring the CPU
-    device = "cpu"
-    if args.cpu:  # one core of this machine, measured now (explicit: it lands in the file, nothing is cached)
-        from ..profile.hardware import calibrate_cpu
-
-        device = calibrate_cpu(threads=1)
+    if args.rounds < 1 or args.chain < 1 or args.lead_ms < 0:
+        raise TreadleError(f"calibrate: --rounds and --chain must be >= 1 and --lead-ms >= 0; got {args.rounds}, "
+                           f"{args.chain}, {args.lead_ms}")
     with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
-        text = spawn(_calibrate_rank, mesh.world_size, mesh.shape, mesh.names, args.rounds, args.lead_ms / 1e3,
-                     device, args.chain, timeout_s=args.timeout)[0]
-    data = json.loads(text)
-    cluster = ClusterSpec.from_dict(data["cluster"])
-    if args.cpu:  # the ranks' placement: one thread each, all on this host's cores
-        import os
-
-        cluster = cluster.with_ranks(threads_per_rank=1, ranks_per_host=cluster.world_size,
-                                     cores_per_host=os.cpu_count())
-        data["cluster"] = cluster.to_dict()
-        text = json.dumps(data)
+        # the core (with --cpu) is measured before any rank starts; nothing is cached: it lands in the file
+        cal = calibrate_this_host(mesh, rounds=args.rounds, held_out=args.held_out, lead_compute_s=args.lead_ms / 1e3,
+                                  chain=args.chain, cpu=args.cpu, timeout_s=args.timeout)
     if args.output:
-        Path(args.output).write_text(cluster.to_json())
+        Path(args.output).write_text(cal.cluster.to_json())
     if args.json:
-        print(text)
+        print(cal.to_json())
         return 0
-    from ..cost.calibrate import HeldOut
-
-    cal = Calibration(cluster, (), None, data["launch_s"], tuple(HeldOut(**h) for h in data["held_out"]),
-                      tuple(data["notes"]))
     console = table_console()
     console.print(calibration_table(cal))
+    if cal.held_out:
+        console.print(held_out_table(cal))
     for note in cal.notes:
         console.print(f"note: {note}")
+    console.print(cal.cluster.assumptions())
     if args.output:
         console.print(f"wrote {args.output}")
     return 0
@@ -169,7 +165,11 @@ def register(subparsers) -> None:
     c = subparsers.add_parser("calibrate", help="measure alpha/beta per mesh axis on gloo ranks of this host")
     c.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 (4 ranks) or 2 (default 2x2)")
     c.add_argument("--names", nargs="+", help="axis names (default dp tp for two axes)")
-    c.add_argument("--rounds", type=int, default=15, help="timing sweeps per size (their mean: NOTE [a step pays the mean]; default 15)")
+    c.add_argument("--rounds", type=int, default=ROUNDS_DEFAULT,
+                   help="timing sweeps per size (their mean: NOTE [a step pays the mean]; NOTE [calibration "
+                        "rounds]; default %(default)s)")
+    c.add_argument("--held-out", action="store_true",
+                   help="also time the held-out sizes and print the model's error on them (about twice as long)")
     c.add_argument("--lead-ms", type=float, default=LEAD_MS_DEFAULT,
                    help="compute before each timed collective, as a step issues it (NOTE [in-step collectives]; "
                         "0: right after a barrier; default %(default)s)")

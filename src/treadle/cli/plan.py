@@ -44,7 +44,12 @@ def _parse_pin(text: str) -> tuple[str, str, str]:
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan sharding and checkpointing of a model on a cluster")
     p.add_argument("model", help="a zoo name (treadle.models.zoo) or 'package.module:function'")
-    p.add_argument("--cluster", required=True, help="e.g. 8x8:h100, 2x4:a100, 2x2:cpu")
+    p.add_argument("--cluster", required=True,
+                   help="e.g. 8x8:h100, 2x4:a100, 2x2:cpu (a cpu preset: this host is measured first, about a "
+                        "minute, unless --nominal), or a cluster JSON file (treadle calibrate -o)")
+    p.add_argument("--nominal", action="store_true",
+                   help="plan on a cpu preset as it is (a nominal core, loopback links, a core per rank) instead "
+                        "of measuring this host: for planning another machine")
     p.add_argument("--memory", default=None, help="memory budget per device (e.g. 80GiB); default: the device's")
     p.add_argument("--batch", type=int, required=True, help="global batch size")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
@@ -120,16 +125,22 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..cost.cluster import parse_cluster
+    from ..cost.this_host import measures_this_host
     from ..models.zoo import load_model, named_model
     from ..planner.explain import mesh_table, plan_table, summary_lines
     from ..planner.meshes import default_dtype, search_clusters
     from ..planner.search import plan_model
+    from ..planner.validate import validate_axes
     from .output import console as table_console
 
     console = Console(stderr=True)
+    from_file = args.cluster.strip().endswith(".json")
     cluster = parse_cluster(args.cluster)
-    clusters = search_clusters(cluster, from_file=args.cluster.strip().endswith(".json"), mesh=args.mesh,
-                               max_axes=args.max_axes)
+    clusters = search_clusters(cluster, from_file=from_file, mesh=args.mesh, max_axes=args.max_axes)
+    validate_axes(clusters, pins=pins, forbid_axes=tuple(args.forbid_axis), dp_axis=dp_axis)
+    measured_note = None
+    if measures_this_host(cluster, args.cluster, nominal=args.nominal):  # NOTE [plan for this host]
+        cluster, clusters, measured_note = _measure_this_host(cluster, clusters, args, console)
     args.dtype = args.dtype or default_dtype(cluster)
     dtype = getattr(torch, _DTYPES[args.dtype])
     budget = budget if budget is not None else float(cluster.hardware().memory_bytes)
@@ -152,6 +163,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         except PlanError as exc:
             console.print(f"[red]treadle plan: {exc}[/red]", soft_wrap=True)  # one line (treadle.cli)
             return 2
+    if measured_note:
+        plan.solver["cluster_measured"] = measured_note  # recorded in the plan (and its JSON), not cached
     with progress("pricing the plan's schedule", quiet=is_quiet(args), console=console):
         try:
             plan.estimate()  # the price, stored in the plan (and its JSON): explain and the pictures read it
@@ -175,6 +188,34 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             out.print(f"plan written to {args.output}")
     _write_pictures(plan, args, Console(stderr=True) if args.json else out)
     return 0
+
+
+# NOTE [plan for this host]: a cpu preset ("2x2:cpu") names a nominal core and loopback links; planned on it as
+# it is, a tiny LLaMA on 4 gloo ranks of this 2-core host chose data x tensor parallelism that measured 1.32x
+# and 1.48x the step of DDP over all ranks (issue 32): the preset knows neither that the ranks share 2 cores
+# nor what gloo's collectives cost here. So `treadle plan` on a cpu preset measures the host it runs on first
+# (`treadle.cost.this_host.calibrate_this_host`: a core, then the links on spawned ranks, about a minute),
+# plans on what it measured, and records it in the plan; a cluster file (`treadle calibrate -o`) is taken
+# as it is, and `--nominal` plans on the preset unmeasured (for another machine), its assumptions printed.
+def _measure_this_host(cluster, clusters: list, args: argparse.Namespace, console) -> tuple:
+    """(the measured cluster, the clusters to search, a note of what was measured): the preset's mesh search
+    narrowed to what one calibration measures (the calibrated mesh and the 1-D mesh over every rank, or the
+    `--mesh` asked for)."""
+    from ..cost.this_host import calibrate_this_host, calibration_mesh, host_clusters
+    from ..testing import check_process_count
+
+    world = cluster.world_size
+    check_process_count(world, where=f"plan --cluster {args.cluster} (it measures this host on {world} gloo "
+                                     f"ranks; --nominal plans on the preset unmeasured)")
+    mesh = calibration_mesh(world, tuple(clusters[0].mesh.shape) if args.mesh else None)
+    with progress(f"measuring this host: a core, then {mesh} on {world} gloo ranks (--nominal skips it)",
+                  quiet=is_quiet(args), console=console):
+        cal = calibrate_this_host(mesh, timeout_s=600)
+    measured = [cal.cluster] if args.mesh else [c for c in host_clusters(cal.cluster) if c.mesh.ndim <= args.max_axes]
+    note = f"links and core {cal.notes[0]}"
+    console.print(f"treadle plan: {note}; plans on it (a cluster file or --nominal plans without measuring)",
+                  soft_wrap=True)
+    return cal.cluster, measured, note
 
 
 def _explain_cmd(args: argparse.Namespace) -> int:

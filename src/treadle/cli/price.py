@@ -95,7 +95,8 @@ def _price_cmd(args: argparse.Namespace) -> int:
 
     for line in price_lines(p.to_dict()):
         console.print(line)
-    console.print(f"device: {p.device.source}; overlap {'on' if p.device.overlap else 'off'}")
+    console.print(f"{cluster.assumptions()}; overlap of communication with compute "
+                  f"{'on' if p.device.overlap else 'off'}")
     if args.trace or args.html or args.png:
         from ..viz.files import write_price_pictures
 

@@ -47,6 +47,14 @@ DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 2 << 20, 8 << 20)
 DEFAULT_HELD_OUT_BYTES = (16 << 10, 256 << 10, 4 << 20)
 DEFAULT_LEAD_COMPUTE_S = 2e-3  # NOTE [in-step collectives]: about one block's forward of the tiny models here
 DEFAULT_CHAIN = 8  # NOTE [collectives in a chain]: (compute, collective) pairs per sample
+DEFAULT_ROUNDS = 5  # NOTE [calibration rounds]
+
+# NOTE [calibration rounds]. Each timed point is the mean (or median) of `rounds` interleaved sweeps, each sample
+# a chain of 8 (compute, collective) pairs, so a point already averages 8 calls per round. On this 2-vCPU host, a
+# 2x2 mesh (three groups: dp, tp, the world), 4 collectives x 4 fitted sizes, the chains timed with and without
+# their lead: 15 rounds with the 3 held-out sizes took 487 s under load (the CLI's old default); 5 rounds without
+# held-out sizes 53 s under a load of 2.2, the figure `treadle calibrate`'s 90 s target is checked by. The
+# accuracy of both, priced against the same measured steps: `bench/bench_calibration.py --compare rounds`.
 
 # NOTE [in-step collectives]. A training step issues each collective after some compute: the ranks arrive
 # apart (their compute drifts; ranks sharing cores are time-sliced) and gloo's threads have gone to sleep.
@@ -102,8 +110,21 @@ class Calibration:
     def to_json(self) -> str:
         return json.dumps({"cluster": self.cluster.to_dict(), "launch_s": self.launch_s, "notes": list(self.notes),
                            "held_out": [h.__dict__ for h in self.held_out],
-                           "fits": [f.__dict__ for f in (*self.fits, *([self.flat_fit] if self.flat_fit else []))]},
-                          indent=2, default=list)
+                           "fits": [f.__dict__ for f in self.fits],
+                           "flat_fit": self.flat_fit.__dict__ if self.flat_fit else None}, indent=2, default=list)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        """The Calibration `to_json` wrote (plain data: numbers, names, the cluster's dict)."""
+        d = json.loads(text)
+
+        def fit(f: dict) -> AxisFit:
+            return AxisFit(tuple(f["axes"]), int(f["n_ranks"]), tuple(f["sizes_bytes"]), tuple(f["times_s"]),
+                           float(f["intercept_s"]), float(f["bandwidth_bytes_per_s"]))
+
+        return cls(ClusterSpec.from_dict(d["cluster"]), tuple(fit(f) for f in d.get("fits", ())),
+                   fit(d["flat_fit"]) if d.get("flat_fit") else None, float(d.get("launch_s", 0.0)),
+                   tuple(HeldOut(**h) for h in d.get("held_out", ())), tuple(d.get("notes", ())))
 
 
 def fit_axis(axes: tuple[str, ...], n_ranks: int, sizes_bytes: Sequence[int], times_s: Sequence[float]) -> AxisFit:
@@ -144,7 +165,7 @@ def _solve_launch(fits: Sequence[AxisFit], flat: AxisFit) -> float:
 
 
 def calibrate_cluster(mesh: Mesh, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-                      held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = 15,
+                      held_out_bytes: Sequence[int] = DEFAULT_HELD_OUT_BYTES, rounds: int = DEFAULT_ROUNDS,
                       ops: Sequence[str] = COLLECTIVES, base: ClusterSpec | None = None,
                       name: str = "gloo", lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S,
                       host_overheads: bool = True, statistic: str = "auto",

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import LayoutError
 from ..mesh import Mesh
-from .links import LinkSpec, flat_link, link_preset
+from .links import LINK_PRESETS, LinkSpec, flat_link, link_preset
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +150,23 @@ class ClusterSpec:
         # communication thread (gloo runs collectives on its own threads)
         overlap = self.cores_per_host is not None and self.cores_per_host >= rph * (self.threads_per_rank + 1)
         scaled = {k: v * cores for k, v in hw.peak_flops_per_s.items()}
+        placement = (f"{rph} rank(s) sharing {self.cores_per_host} core(s)" if self.cores_per_host is not None
+                     else f"{rph} rank(s), assumed each on cores of its own (cores per host not stated, not "
+                          f"measured)")
         return RankDevice(f"{hw.name} x{cores:.3g} core", scaled, hw.hbm_bytes_per_s * cores, self.threads_per_rank,
                           rph, self.cores_per_host, cores, overlap,
-                          f"{cores:.3g} core(s) per rank: {self.threads_per_rank} thread(s), {rph} rank(s) on "
-                          f"{self.cores_per_host if self.cores_per_host is not None else 'unshared'} core(s); per "
+                          f"{cores:.3g} core(s) per rank: {self.threads_per_rank} thread(s), {placement}; per "
                           f"core: {hw.source}")
+
+    def assumptions(self) -> str:
+        """One line: the machine this cluster describes, as priced (each rank's device and where its rates come
+        from, each axis' link and whether it was measured or is a preset)."""
+        def origin(link: LinkSpec) -> str:
+            return "preset, not measured" if LINK_PRESETS.get(link.name) == link else "measured or user-given"
+
+        links = "; ".join(f"{a}={n} on {link.name} ({origin(link)})"
+                          for a, n, link in zip(self.mesh.names, self.mesh.shape, self.links))
+        return f"assumes: {self.rank_device().source}; links: {links}"
 
     def rank_hardware(self):  # -> treadle.profile.hardware.HardwareSpec
         """The HardwareSpec one rank computes at (`rank_device`'s rates, the device's efficiencies)."""

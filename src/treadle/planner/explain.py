@@ -108,7 +108,9 @@ def summary_lines(plan) -> list[str]:
     step, memory and MFU are the price's, and the solver's own figures are one line labelled as the solver's."""
     s = plan.solver
     prec = precision_line(plan)
-    lines = [*([prec] if prec else []), *_step_lines(plan), f"binding constraint: {plan.binding}"]
+    lines = [*([prec] if prec else []), *_step_lines(plan), plan.cluster.assumptions(),
+             *([f"cluster: {s['cluster_measured']}"] if s.get("cluster_measured") else []),
+             f"binding constraint: {plan.binding}"]
     if s.get("replicated"):
         lines.append(f"why nothing is sharded: {s['replicated']}")
     lines.append(f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "

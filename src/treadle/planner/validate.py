@@ -46,18 +46,11 @@ def _pin_dim(pattern: str, axis: str, value: Any) -> int | None:
     return dim
 
 
-def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: float | None,
-                       pins: dict[str, dict[str, Any]] | None, forbid_axes: Any, dp_axis: Any) -> None:
-    """Raise PlanError for: a cluster that is not a ClusterSpec; a budget that is not a positive number of
-    bytes; `forbid_axes` given as one string or naming an axis no mesh has; a `dp_axis` no mesh has; a pin
-    whose axis no mesh has, whose glob matches no parameter of `model`, whose dim is out of range for a
-    matched parameter, or that shards on an axis it also forbids or gives to data parallelism."""
+def validate_axes(cluster: Any, *, pins: dict[str, dict[str, Any]] | None, forbid_axes: Any, dp_axis: Any) -> None:
+    """The checks of `validate_plan_args` that need no model: `forbid_axes`, `dp_axis` and every pin's axes
+    against the axes of `cluster` (one ClusterSpec or a list). `treadle plan` runs them before it measures
+    the host or builds the model."""
     axes = _axes(cluster)
-    if memory_budget_bytes is not None:
-        ok = isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool)
-        if not ok or math.isnan(memory_budget_bytes) or memory_budget_bytes <= 0:
-            raise PlanError(f"plan_model: memory_budget_bytes must be a positive number of bytes (or None for no "
-                            f"limit); got {memory_budget_bytes!r}")
     if isinstance(forbid_axes, str):
         raise PlanError(f"plan_model: forbid_axes must be a tuple of mesh axis names, not the string "
                         f"{forbid_axes!r}; write forbid_axes=({forbid_axes!r},)")
@@ -69,16 +62,33 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
         if a not in axes:
             raise PlanError(f"plan_model: dp_axis {a!r} is not a mesh axis; use 'auto', None, one of {axes} "
                             f"or a tuple of them")
-    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}  # tied: every name
     for pattern, per_axis in (pins or {}).items():
         if not isinstance(per_axis, dict):
             raise PlanError(f"pin {pattern!r}: expected {{axis: dim or 'R'}}, got {per_axis!r}")
+        for axis in per_axis:
+            if axis not in axes:
+                raise PlanError(f"pin {pattern!r} names mesh axis {axis!r}, which no mesh has; mesh axes: {axes}")
+
+
+def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: float | None,
+                       pins: dict[str, dict[str, Any]] | None, forbid_axes: Any, dp_axis: Any) -> None:
+    """Raise PlanError for: a cluster that is not a ClusterSpec; a budget that is not a positive number of
+    bytes; `forbid_axes` given as one string or naming an axis no mesh has; a `dp_axis` no mesh has; a pin
+    whose axis no mesh has, whose glob matches no parameter of `model`, whose dim is out of range for a
+    matched parameter, or that shards on an axis it also forbids or gives to data parallelism."""
+    if memory_budget_bytes is not None:
+        ok = isinstance(memory_budget_bytes, (int, float)) and not isinstance(memory_budget_bytes, bool)
+        if not ok or math.isnan(memory_budget_bytes) or memory_budget_bytes <= 0:
+            raise PlanError(f"plan_model: memory_budget_bytes must be a positive number of bytes (or None for no "
+                            f"limit); got {memory_budget_bytes!r}")
+    validate_axes(cluster, pins=pins, forbid_axes=forbid_axes, dp_axis=dp_axis)
+    dp_axes = () if dp_axis in ("auto", None) else (dp_axis,) if isinstance(dp_axis, str) else tuple(dp_axis)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}  # tied: every name
+    for pattern, per_axis in (pins or {}).items():
         matched = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise PlanError(f"pin {pattern!r} matches no parameter; parameters look like {sorted(params)[:4]}")
         for axis, value in per_axis.items():
-            if axis not in axes:
-                raise PlanError(f"pin {pattern!r} names mesh axis {axis!r}, which no mesh has; mesh axes: {axes}")
             dim = _pin_dim(pattern, axis, value)
             if dim is None:
                 continue

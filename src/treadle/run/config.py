@@ -47,7 +47,10 @@ class RunConfig:
     """``DPxTP`` for the recipes, e.g. ``2x2``; default: every rank data-parallel (tp=1) or tp only for
     the megatron recipes (dp=1)."""
     cluster: str | None = None
-    """Cluster spec for ``--plan auto`` (treadle.cost.cluster.parse_cluster); default NODESxPROCS:cpu/h100."""
+    """Cluster spec for ``--plan auto`` (treadle.cost.cluster.parse_cluster); default NODESxPROCS:cpu/h100. On CPU
+    a preset is measured on the launched ranks first (NOTE [plan for this host]); a cluster file is taken as is."""
+    nominal: bool = False
+    """``--plan auto`` on the cluster preset as it is (a nominal core, loopback links): no measuring."""
     memory_budget_bytes: float | None = None
     data: list[str] = field(default_factory=list)
     """Files or directories of .txt / .jsonl / .parquet."""

@@ -101,22 +101,48 @@ def _recipe(model: nn.Module, cfg: RunConfig, world: int) -> Schedule:
     return sch
 
 
-def _plan_auto(model: nn.Module, cfg: RunConfig, world: int) -> str:
-    """Rank 0: plan on the cluster and return the schedule JSON (the other ranks get it by broadcast)."""
+def _auto_clusters(cfg: RunConfig, world: int, rank: int) -> list:
+    """Every rank: the clusters ``--plan auto`` plans on. `cfg.cluster` (a spec or file) or the launch's shape
+    (NODESxPROCS) on the cpu / h100 preset; on CPU a preset is measured first, on this launched group
+    (NOTE [plan for this host] in treadle.cli.plan; every rank takes part), unless it is a file or
+    `cfg.nominal`. Rank 0 measures one core before the group's links, the others waiting."""
     from ..cost.cluster import parse_cluster
-    from ..planner import plan_model
+    from ..cost.this_host import calibration_mesh, host_clusters, measures_this_host
 
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
     per_node = world // max(nodes, 1)
     device = "h100" if torch.cuda.is_available() else "cpu"
-    cluster = parse_cluster(cfg.cluster or (f"{nodes}x{per_node}:{device}" if nodes > 1 else f"{world}:{device}"))
+    spec = cfg.cluster or (f"{nodes}x{per_node}:{device}" if nodes > 1 else f"{world}:{device}")
+    cluster = parse_cluster(spec)
+    if not measures_this_host(cluster, spec, nominal=cfg.nominal) or world < 2:
+        return [cluster]
+    from ..cost.calibrate import calibrate_cluster
+    from ..cost.cluster import ClusterSpec
+    from ..profile.hardware import calibrate_cpu
+
+    box: list[Any] = [calibrate_cpu(threads=1) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    mesh = calibration_mesh(world)
+    cal = calibrate_cluster(mesh, base=ClusterSpec.uniform(mesh, "loopback", device=box[0]))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    measured = cal.cluster.with_ranks(threads_per_rank=torch.get_num_threads(), ranks_per_host=local,
+                                      cores_per_host=os.cpu_count())
+    logger.info("--plan auto: measured this host (%s): %s", mesh, measured.assumptions())
+    return host_clusters(measured)
+
+
+def _plan_auto(model: nn.Module, cfg: RunConfig, clusters: list) -> str:
+    """Rank 0: plan on the clusters and return the schedule JSON (the other ranks get it by broadcast)."""
+    from ..planner import plan_model
+
     ids = torch.zeros((cfg.batch, cfg.seq), dtype=torch.int64)
     # price_top=0: `treadle.price` rehearses on a fake process group of its own and cannot run inside this
     # launched one, so the budget binds the solver's memory model here (plan with `treadle plan` beforehand to
     # have it checked as built)
-    plan = plan_model(model, model_inputs(model, ids), cluster=cluster, memory_budget_bytes=cfg.memory_budget_bytes,
+    plan = plan_model(model, model_inputs(model, ids), cluster=clusters if len(clusters) > 1 else clusters[0],
+                      memory_budget_bytes=cfg.memory_budget_bytes,
                       model_spec={"name": cfg.model, "batch": cfg.batch, "seq": cfg.seq}, price_top=0)
-    logger.info("planned (solver estimate): %s", plan.estimated)
+    logger.info("planned (solver estimate): %s; %s", plan.estimated, plan.cluster.assumptions())
     return plan.schedule.to_json()
 
 
@@ -125,10 +151,14 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
     broadcasts). Raises RunError when the schedule's mesh does not match the world size or the schedule does
     not fit the model."""
     if cfg.plan == "auto":
+        try:
+            clusters = _auto_clusters(cfg, world, rank)  # a collective on CPU (every rank measures the links)
+        except TreadleError as exc:
+            raise RunError(f"treadle.run: --plan auto: {exc}") from exc
         box: list[Any] = [None]
         if rank == 0:
             try:
-                box[0] = _plan_auto(model, cfg, world)
+                box[0] = _plan_auto(model, cfg, clusters)
             except TreadleError as exc:
                 box[0] = RunError(f"treadle.run: --plan auto failed on rank 0: {exc}")
         dist.broadcast_object_list(box, src=0)

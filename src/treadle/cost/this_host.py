@@ -1,0 +1,106 @@
+"""Measure the host a plan is made on: one CPU core, then the gloo links of its ranks, in about a minute.
+
+A CPU cluster preset (``"2x2:cpu"``) describes a nominal core and loopback links; on a small shared host the
+ranks share cores and gloo's collectives cost milliseconds, so a plan made on the preset may rank its
+candidates in the wrong order (issue 32: data x tensor parallelism chosen, measured 1.32x DDP's step).
+`calibrate_this_host(mesh)` measures what the planner needs instead: one core (`calibrate_cpu`), then each
+mesh axis' link, the world group's link and FSDP2's host costs on `mesh.world_size` spawned gloo ranks
+(`calibrate_cluster`, NOTE [calibration rounds]), and records the ranks' placement on this host's cores. The
+result is returned, never cached (NOTE [no hidden state]): `treadle plan` records it in the plan it writes,
+`treadle calibrate -o` in a file. Inside a launched job (`python -m treadle.run --plan auto`) every rank calls
+`calibrate_cluster` itself; `host_clusters` turns either calibration into the meshes the planner searches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+from ..errors import LayoutError
+from ..mesh import Mesh
+from .calibrate import (DEFAULT_CHAIN, DEFAULT_HELD_OUT_BYTES, DEFAULT_LEAD_COMPUTE_S, DEFAULT_ROUNDS, Calibration,
+                        calibrate_cluster)
+from .cluster import ClusterSpec, default_axis_names
+
+
+def measures_this_host(cluster: ClusterSpec, spec: str, *, nominal: bool = False) -> bool:
+    """Whether a plan on `cluster` (parsed from `spec`) measures this host first: a cpu preset does, unless
+    `nominal`; a cluster file (written by `treadle calibrate`, or by hand) and a GPU preset are taken as they
+    are (NOTE [plan for this host] in treadle.cli.plan)."""
+    return cluster.is_cpu() and not spec.strip().endswith(".json") and not nominal
+
+
+def calibration_mesh(world: int, shape: tuple[int, ...] | None = None) -> Mesh:
+    """The mesh a host of `world` ranks is calibrated on: `shape` when given (default axis names), else the
+    squarest two axes (4 -> 2x2, 8 -> 2x4, 6 -> 2x3) whose groups and world group give every link a 1-D or 2-D
+    plan uses, else one axis (a prime world). Raises LayoutError when `shape` does not multiply to `world`."""
+    if shape is not None:
+        if math.prod(shape) != world:
+            raise LayoutError(f"calibration_mesh: mesh {'x'.join(map(str, shape))} has {math.prod(shape)} ranks, "
+                              f"not {world}")
+        return Mesh(tuple(shape), default_axis_names(len(shape)))
+    outer = max((a for a in range(2, math.isqrt(world) + 1) if world % a == 0), default=None)
+    dims = (outer, world // outer) if outer else (world,)
+    return Mesh(dims, default_axis_names(len(dims)))
+
+
+def host_clusters(cluster: ClusterSpec) -> list[ClusterSpec]:
+    """The clusters a plan for this host searches, from one calibration: the calibrated cluster itself and,
+    on a mesh of two or more axes, the 1-D mesh over every rank on the measured world-group link (data or
+    tensor parallelism over all ranks runs on that group), first."""
+    if cluster.mesh.ndim < 2:
+        return [cluster]
+    live = tuple(a for a, n in zip(cluster.mesh.names, cluster.mesh.shape) if n > 1)
+    world_link = cluster.group_link(live)
+    flat = ClusterSpec(Mesh((cluster.world_size,), default_axis_names(1)), (world_link,), cluster.device,
+                       cluster.copy_bytes_per_s, cluster.threads_per_rank, cluster.ranks_per_host,
+                       cluster.cores_per_host)
+    return [flat, cluster]
+
+
+def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], device, kwargs: dict
+                    ) -> str:
+    import torch
+
+    torch.set_num_threads(1)  # a rank of a training job here computes on one thread (NOTE [rank device])
+    mesh = Mesh(shape, names)
+    base = ClusterSpec.uniform(mesh, "loopback", device=device)
+    return calibrate_cluster(mesh, base=base, **kwargs).to_json()
+
+
+def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: bool = False,
+                        lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S, chain: int = DEFAULT_CHAIN,
+                        cpu: bool = True, timeout_s: float = 300.0) -> Calibration:
+    """Measure this host for a job of `mesh.world_size` gloo ranks, one thread each: one core first
+    (`calibrate_cpu(threads=1)`, with no rank running; `cpu=False` keeps the nominal "cpu" device), then
+    `calibrate_cluster(mesh)` on spawned ranks (`rounds` sweeps, the held-out sizes only with `held_out`).
+    The returned Calibration's cluster states the placement (1 thread per rank, every rank on this host's
+    `os.cpu_count()` cores) and its notes say what was measured, when and in how long. Raises SpawnError
+    (treadle.testing.spawn) when the ranks fail or pass `timeout_s`; a mesh of one rank measures the core
+    alone."""
+    from ..testing import spawn
+
+    t0 = time.perf_counter()
+    device: object = "cpu"
+    if cpu:
+        from ..profile.hardware import calibrate_cpu
+
+        device = calibrate_cpu(threads=1)
+    cores = os.cpu_count() or 1
+    if mesh.world_size < 2:  # one rank: no link to measure, the core is all there is
+        cluster = ClusterSpec.uniform(mesh, "loopback", device=device).with_ranks(
+            threads_per_rank=1, ranks_per_host=1, cores_per_host=cores)
+        return Calibration(cluster, (), notes=(f"measured on this host ({cores} cores, one rank of 1 thread) at "
+                                               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: the core only, no link",))
+    kwargs = {"rounds": rounds, "lead_compute_s": lead_compute_s, "chain": chain,
+              "held_out_bytes": DEFAULT_HELD_OUT_BYTES if held_out else ()}
+    text = spawn(_calibrate_rank, mesh.world_size, tuple(mesh.shape), tuple(mesh.names), device, kwargs,
+                 timeout_s=timeout_s)[0]
+    cal = Calibration.from_json(text)
+    cluster = cal.cluster.with_ranks(threads_per_rank=1, ranks_per_host=mesh.world_size, cores_per_host=cores)
+    note = (f"measured on this host ({cores} cores, {mesh.world_size} gloo ranks of 1 thread) at "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.perf_counter() - t0:.0f} s"
+            + ("" if cpu else "; the core is the nominal 'cpu' preset, not measured"))
+    return dataclasses.replace(cal, cluster=cluster, notes=(note, *cal.notes))
