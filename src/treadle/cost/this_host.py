@@ -60,14 +60,24 @@ def host_clusters(cluster: ClusterSpec) -> list[ClusterSpec]:
     return [flat, cluster]
 
 
+def calibrate_group(mesh: Mesh, device, *, threads_per_rank: int, ranks_per_host: int, **kwargs) -> Calibration:
+    """Every rank of the running gloo group (`mesh.world_size` ranks): `calibrate_cluster(mesh, **kwargs)` on
+    `device` (a measured core, or "cpu"), the result placed as these ranks run: `threads_per_rank` threads,
+    `ranks_per_host` ranks on this host's `os.cpu_count()` cores. `calibrate_this_host` spawns ranks for it;
+    `python -m treadle.run --plan auto` calls it on its launched group."""
+    base = ClusterSpec.uniform(mesh, "loopback", device=device)
+    cal = calibrate_cluster(mesh, base=base, **kwargs)
+    cluster = cal.cluster.with_ranks(threads_per_rank=threads_per_rank, ranks_per_host=ranks_per_host,
+                                     cores_per_host=os.cpu_count() or 1)
+    return dataclasses.replace(cal, cluster=cluster)
+
+
 def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], device, kwargs: dict
                     ) -> str:
     import torch
 
     torch.set_num_threads(1)  # a rank of a training job here computes on one thread (NOTE [rank device])
-    mesh = Mesh(shape, names)
-    base = ClusterSpec.uniform(mesh, "loopback", device=device)
-    return calibrate_cluster(mesh, base=base, **kwargs).to_json()
+    return calibrate_group(Mesh(shape, names), device, threads_per_rank=1, ranks_per_host=world, **kwargs).to_json()
 
 
 def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: bool = False,
@@ -93,14 +103,15 @@ def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: b
         cluster = ClusterSpec.uniform(mesh, "loopback", device=device).with_ranks(
             threads_per_rank=1, ranks_per_host=1, cores_per_host=cores)
         return Calibration(cluster, (), notes=(f"measured on this host ({cores} cores, one rank of 1 thread) at "
-                                               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: the core only, no link",))
+                                               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: "
+                                               + ("the core only, no link" if cpu else "nothing: no link, the "
+                                                  "nominal 'cpu' core"),))
     kwargs = {"rounds": rounds, "lead_compute_s": lead_compute_s, "chain": chain,
               "held_out_bytes": DEFAULT_HELD_OUT_BYTES if held_out else ()}
     text = spawn(_calibrate_rank, mesh.world_size, tuple(mesh.shape), tuple(mesh.names), device, kwargs,
                  timeout_s=timeout_s)[0]
     cal = Calibration.from_json(text)
-    cluster = cal.cluster.with_ranks(threads_per_rank=1, ranks_per_host=mesh.world_size, cores_per_host=cores)
     note = (f"measured on this host ({cores} cores, {mesh.world_size} gloo ranks of 1 thread) at "
             f"{time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.perf_counter() - t0:.0f} s"
             + ("" if cpu else "; the core is the nominal 'cpu' preset, not measured"))
-    return dataclasses.replace(cal, cluster=cluster, notes=(note, *cal.notes))
+    return dataclasses.replace(cal, notes=(note, *cal.notes))

@@ -107,7 +107,7 @@ def _auto_clusters(cfg: RunConfig, world: int, rank: int) -> list:
     (NOTE [plan for this host] in treadle.cli.plan; every rank takes part), unless it is a file or
     `cfg.nominal`. Rank 0 measures one core before the group's links, the others waiting."""
     from ..cost.cluster import parse_cluster
-    from ..cost.this_host import calibration_mesh, host_clusters, measures_this_host
+    from ..cost.this_host import calibrate_group, calibration_mesh, host_clusters, measures_this_host
 
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
     per_node = world // max(nodes, 1)
@@ -116,17 +116,13 @@ def _auto_clusters(cfg: RunConfig, world: int, rank: int) -> list:
     cluster = parse_cluster(spec)
     if not measures_this_host(cluster, spec, nominal=cfg.nominal) or world < 2:
         return [cluster]
-    from ..cost.calibrate import calibrate_cluster
-    from ..cost.cluster import ClusterSpec
     from ..profile.hardware import calibrate_cpu
 
     box: list[Any] = [calibrate_cpu(threads=1) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     mesh = calibration_mesh(world)
-    cal = calibrate_cluster(mesh, base=ClusterSpec.uniform(mesh, "loopback", device=box[0]))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    measured = cal.cluster.with_ranks(threads_per_rank=torch.get_num_threads(), ranks_per_host=local,
-                                      cores_per_host=os.cpu_count())
+    measured = calibrate_group(mesh, box[0], threads_per_rank=torch.get_num_threads(), ranks_per_host=local).cluster
     logger.info("--plan auto: measured this host (%s): %s", mesh, measured.assumptions())
     return host_clusters(measured)
 
