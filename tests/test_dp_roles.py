@@ -163,10 +163,14 @@ def test_price_ddp_over_two_axes_is_one_flat_group_on_the_slowest_link():
     assert ddp["time_s"] == pytest.approx(cc.all_reduce_axes_time_s(grad_bytes, cluster=cl, axes=("dp", "tp"),
                                                                     algorithm="flat"))
     assert p.data_parallel == "ddp over dp,tp" and p.grad_bytes == grad_bytes
-    # the batch splits over all 4 ranks: half the FLOPs of DDP over dp alone
+    # the batch splits over all 4 ranks: rank 0 executes half the FLOPs of DDP over dp alone, whose tp pair
+    # computes the same thing twice; the useful FLOPs (and so the MFU at one step time) are the model's either way
     one = _two_by_two()
     one.data_parallel(axis="dp")
-    assert price(one, {"x": torch.randn(8, 16)}, cl).model_flops == pytest.approx(2 * p.model_flops)
+    p_one = price(one, {"x": torch.randn(8, 16)}, cl)
+    assert p_one.executed_flops == pytest.approx(2 * p.executed_flops)
+    assert p.executed_flops == pytest.approx(p.model_flops / 4) and p_one.model_flops == p.model_flops
+    assert p_one.mfu * p_one.step_s == pytest.approx(p.mfu * p.step_s)
 
 
 def test_price_hsdp_reduce_scatters_then_all_reduces_the_shard():

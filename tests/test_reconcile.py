@@ -115,6 +115,22 @@ def test_budgeted_plan_slack_is_the_price_s(dp_plan: Plan) -> None:
     assert f"{dp_plan.price['peak_bytes'] / MiB:.3f} MiB" in dp_plan.binding  # the figure explain shows as the peak
 
 
+@pytest.mark.parametrize("which", ["dp_plan", "replicated_plan"])
+def test_one_mfu_numerator_for_solver_and_price(which: str, request) -> None:
+    """MFU is the model's useful FLOPs of the step / world / step time / peak, for the solver and the price alike:
+    a 3-rank plan that replicates everything does every FLOP three times, which is work but not useful work, so the
+    price's MFU is not inflated by it (it was 14.9% against the solver's 4.7%); the two MFUs differ only as their
+    step times do."""
+    plan: Plan = request.getfixturevalue(which)
+    p, e = plan.price, plan.estimated
+    assert p["mfu"] * p["step_s"] == pytest.approx(e.mfu * e.step_s, rel=0.02)
+    world = plan.cluster.world_size
+    if which == "replicated_plan":  # every rank computes the whole model
+        assert p["executed_flops"] == pytest.approx(p["model_flops"], rel=0.02)
+    else:
+        assert p["executed_flops"] >= p["model_flops"] / world * 0.98
+
+
 def test_replicated_plan_says_why(replicated_plan: Plan, dp_plan: Plan) -> None:
     why = replicated_plan.solver["replicated"]
     assert "the batch 8 does not split over 3 ranks" in why

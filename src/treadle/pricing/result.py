@@ -56,6 +56,11 @@ class Price:
     as they appear, temporaries, a recomputed block, FSDP2's gathered units). `grad_bytes` are the local
     gradients. `device` says how the compute rate was derived.
 
+    FLOPs: `model_flops` are the model's useful FLOPs of the whole step (forward + backward of the model as
+    written on the global batch, `treadle.profile.model_flops`); `executed_flops` what rank 0 computes in
+    forward and backward, replicated work included, recomputation not. ``mfu = model_flops / world / step_s /
+    peak``: the one MFU, as the planner's and `treadle.run`'s (a replicated op is work, not useful work).
+
     Breakdown for timelines: `rows` (per module and phase, see PriceRow); `segments` — the step's compute
     in order, dicts {module, phase, start_s, compute_s, flops, bytes (read + written), ops} (the last
     three None for the optimizer segment); `collectives` — dicts {kind, axis, nbytes,
@@ -76,6 +81,7 @@ class Price:
     grad_bytes: float
     mfu: float
     model_flops: float
+    executed_flops: float
     device: RankDevice
     data_parallel: str
     rows: list[PriceRow]

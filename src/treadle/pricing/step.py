@@ -16,6 +16,7 @@ from ..errors import PlanError
 from ..form import forms
 from ..profile.memory import buffer_bytes
 from ..profile.recorder import _tensors
+from ..profile.profiler import model_flops
 from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
 from ..runtime.recompute import recompute_host_s
@@ -91,6 +92,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     cluster = cluster.for_mesh(sch.mesh)
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
+    # the model's useful FLOPs of the whole step (MFU's numerator, the same rules as `treadle.run`'s)
+    useful = float(model_flops(sch.view().reference, dict(example_inputs), loss_fn=loss_fn))
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
     segs, seg_of = segments(reh.records, hw, reh.checkpoints)
     colls: list[Collective] = []
@@ -138,9 +141,9 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     # ---- time split
     compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer
     recompute = math.fsum(s.compute_s for s in segs if s.phase == "recompute")
-    flops = float(sum(r.flops for r in reh.records if r.phase in ("forward", "backward")))
+    executed = float(sum(r.flops for r in reh.records if r.phase in ("forward", "backward")))
     dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)
-    mfu = mfu_of(int(flops), tl.step_s, hw, dtype) if tl.step_s > 0 else 0.0
+    mfu = mfu_of(int(useful / cluster.world_size), tl.step_s, hw, dtype) if tl.step_s > 0 else 0.0
     rows = _rows(segs, reh.records, tl)
     seg_flops = [0.0] * len(segs)
     seg_bytes = [0.0] * len(segs)
@@ -157,8 +160,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
                    "phase": c.phase, "source": c.source, "blocking": c.blocking, "start_s": c.start_s,
                    "end_s": c.end_s, "exposed_s": c.exposed_s} for c in tl.collectives]
     out = Price(tl.step_s, compute, recompute, tl.comm_s, tl.exposed_comm_s, tl.overlapped_comm_s,
-                static + saved + transient, static, saved, transient, grad_b, mfu, flops, device, dp_kind,
-                rows, seg_dicts, coll_dicts)
+                static + saved + transient, static, saved, transient, grad_b, mfu, useful, executed, device,
+                dp_kind, rows, seg_dicts, coll_dicts)
     logger.info("price %s: %s", sch.mesh, out)
     return out
 

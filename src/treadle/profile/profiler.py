@@ -242,7 +242,9 @@ def profile(model: nn.Module, example_inputs: Any, *, hardware: HardwareSpec | s
     hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
     args, kwargs = _split_inputs(example_inputs)
     tensors = [*model.parameters(), *model.buffers(), *_tensors((args, kwargs))]
-    fake_mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=False)
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    # one fake mode for all: reuse it; none, or a fake model given inputs of another mode: a fresh one
+    fake_mode = (detect_fake_mode(tensors) if len(modes) == 1 else None) or FakeTensorMode(allow_non_fake_inputs=False)
     report = progress or (lambda stage, frac: None)
     runs = find_block_runs(model) if reuse_blocks else []
     report("blocks", 1.0)
@@ -303,3 +305,12 @@ def profile(model: nn.Module, example_inputs: Any, *, hardware: HardwareSpec | s
     logger.info("profiled %s: %d ops, %.3g FLOPs, peak %.3g bytes at %s, in %.2f s", prof.model, len(records),
                 prof.total_flops, prof.peak_bytes, prof.peak_module or "<model>", prof.profile_time_s)
     return prof
+
+
+def model_flops(model: nn.Module, example_inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
+    """The useful FLOPs of one training step of `model` as written on the whole (global) batch `example_inputs`:
+    forward + backward, no recomputation, nothing counted twice that a parallel schedule would replicate. The one
+    numerator of every MFU treadle prints (the price's, `treadle.run`'s; the planner's reads the same rules
+    off its captured graph): MFU = model_flops / world / step time / peak. FLOP counts do not depend on the
+    hardware; nothing of `model` changes."""
+    return int(profile(model, example_inputs, hardware="cpu", loss_fn=loss_fn, optimizer="sgd").model_flops)

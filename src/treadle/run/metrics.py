@@ -79,19 +79,13 @@ def resolve_peak_flops_per_s(hardware: str, *, precision: str, device: torch.dev
 
 
 def model_flops_per_step(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
-    """Forward + backward FLOPs of one step of the whole (global) batch `inputs`, from the symbolic profiler
-    (fake tensors; the model is not changed). Inputs move to the parameters' device (meta for a meta model)."""
-    from ..profile import profile
+    """Forward + backward FLOPs of one step of the whole (global) batch `inputs`: `treadle.profile.model_flops`,
+    the numerator the price's MFU uses too. Inputs move to the parameters' device (meta for a meta model)."""
+    from ..profile.profiler import model_flops
 
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-    return int(profile(model, inputs, hardware=_any_hardware()).model_flops)
-
-
-def _any_hardware():
-    from ..profile.hardware import HARDWARE_PRESETS
-
-    return next(iter(HARDWARE_PRESETS.values()))  # FLOP counts do not depend on the hardware
+    return model_flops(model, inputs)
 
 
 class MetricsLogger:
