@@ -163,6 +163,8 @@ def test_verify_names_a_missing_file_a_bad_model_and_shows_the_traceback_with_de
     assert "unknown model 'tiny-gtp2'; did you mean 'tiny-gpt2'" in _one_line(capsys, "verify")
     with pytest.raises(FileNotFoundError):
         main(["--debug", "verify", str(tmp_path / "nope.json")])
+    with pytest.raises(FileNotFoundError):  # after the sub-command as well
+        main(["verify", str(tmp_path / "nope.json"), "--debug"])
 
 
 # ------------------------------------------------------------------------------------------- plan / profile / price
@@ -369,6 +371,11 @@ def test_python_m_treadle_run_checks_before_its_process_group(tmp_path, corpus):
                          "or launch 4 processes\n"
     res = _python(code, env={"RANK": "1", "WORLD_SIZE": "3"})  # every rank meets it; rank 0 alone says it
     assert res.stdout.strip() == "STATUS 2 []" and res.stderr == "", res.stdout + res.stderr
+    res = _python(code.replace('"2x2"]', '"2x2", "--debug"]'), env={"RANK": "0", "WORLD_SIZE": "3"})
+    assert res.stdout.strip() == "STATUS 2 []", res.stdout + res.stderr  # --debug: the traceback, then the line
+    assert res.stderr.startswith("treadle.run: rank 0 traceback (--debug):\nTraceback (most recent call last):")
+    assert "treadle/run/precheck.py" in res.stderr and res.stderr.endswith(
+        "treadle.run: --mesh 2x2 has 4 ranks but the job has 3; give a DPxTP mesh of 3 ranks, or launch 4 processes\n")
 
 
 # ------------------------------------------------------------------------------------------- output for logs

@@ -358,16 +358,24 @@ def test_treadle_run_preempted_by_sigterm_saves_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_treadle_run_says_a_failed_job_in_one_line(tmp_path):
+@pytest.mark.parametrize("debug", [[], ["--debug"]], ids=["plain", "debug"])
+def test_treadle_run_says_a_failed_job_in_one_line(tmp_path, debug):
     """An error only the ranks meet (the data's content; a missing path is refused before they start:
-    tests/test_cli_errors.py) is said once, by the launcher, with the rank."""
+    tests/test_cli_errors.py) is said once, by the launcher, with the rank; with --debug the failed rank's
+    traceback comes first (from its error file), then the same line."""
     data = tmp_path / "docs.jsonl"
     data.write_text('{"body": "no text field"}\n')
     res = subprocess.run([sys.executable, "-m", "treadle.cli", "run", "--nproc", "2", "--model", "tiny-llama",
-                          "--data", str(data), "--steps", "1"],
+                          "--data", str(data), "--steps", "1", *debug],
                          env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 2
-    assert len(_lines(res.stderr)) == 1, res.stderr
-    (line,) = _lines(res.stderr)  # no torchrun banner, no per-rank echo, no ChildFailedError traceback
+    lines = _lines(res.stderr)
+    line = lines[-1]  # no torchrun banner, no per-rank echo, no ChildFailedError traceback
     assert line in [f"treadle run: error: rank {r}: {data}:1: no string field 'text' (set --text-field); keys: "
                     f"['body']" for r in (0, 1)], res.stderr
+    if not debug:
+        assert len(lines) == 1, res.stderr
+    else:
+        assert lines[0] == "treadle run: the failed rank's traceback (--debug):", res.stderr
+        assert "Traceback (most recent call last):" in res.stderr and "treadle/run/data.py" in res.stderr
+        assert "ChildFailedError" not in res.stderr and sum("treadle run: error:" in x for x in lines) == 1

@@ -4,7 +4,8 @@ The top layer: each sub-command is a module of this package and exposes ``regist
 only assembles them. Sub-command modules set ``func`` on their parser; `main` calls it with the parsed args.
 
 A user error (a TreadleError, or a file that cannot be read) prints one line naming the culprit and exits
-with status 2; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
+with status 2; ``--debug`` (before or after the sub-command) shows the traceback instead; under ``treadle run``
+the failed rank's traceback too. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    for name, p in sub.choices.items():  # `treadle plan ... --debug` as well as `treadle --debug plan ...`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error (treadle run: each failed rank's)")
     return parser
 
 

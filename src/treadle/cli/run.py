@@ -32,6 +32,13 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _root_cause_stack(exc: Any) -> str:
+    """The call stack the first failed rank wrote to its error file (its traceback under --debug), or ""."""
+    _, f = exc.get_first_failure()
+    info = f.message.get("extraInfo", {}) if isinstance(f.message, dict) else {}
+    return str(info.get("py_callstack", "")) if isinstance(info, dict) else ""
+
+
 def _root_cause_line(exc: Any) -> tuple[str, int]:
     """(one line, exit status) for torchrun's ChildFailedError: the first failure's message (the line its rank
     wrote to its error file, `failure`), else its signal or exit code."""
@@ -52,6 +59,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..run.precheck import check_before_start
     from ..testing import check_process_count, free_port
 
+    debug = bool(getattr(args, "debug", False))
+
     if args.nproc < 1:
         raise RunError(f"--nproc must be >= 1 (processes on this host), got {args.nproc}")
     check_process_count(args.nproc, where="--nproc")
@@ -69,7 +78,8 @@ def _run(args: argparse.Namespace) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # what each rank uses (loop)
     argv = ["--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "treadle.run", *forwarded_args(args)]
+            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "treadle.run", *forwarded_args(args),
+            *(["--debug"] if debug else [])]
     elastic = logging.getLogger("torch.distributed.elastic")
     level = elastic.level
     if not getattr(args, "verbose", 0):
@@ -79,6 +89,9 @@ def _run(args: argparse.Namespace) -> int:
         torchrun(torchrun_args(argv))
     except ChildFailedError as exc:
         line, status = _root_cause_line(exc)
+        stack = _root_cause_stack(exc) if debug else ""
+        if stack.strip() and stack.strip() != f"treadle.run: {line}":
+            print(f"treadle run: the failed rank's traceback (--debug):\n{stack.rstrip()}", file=sys.stderr)
         print(f"treadle run: error: {line}", file=sys.stderr)
         return status
     except SignalException as exc:

@@ -21,6 +21,8 @@ class RunError(TreadleError):
 
 # set (to "1") by `treadle run` for its ranks: the launcher says their errors (NOTE [one line per error])
 LAUNCHER_ENV = "TREADLE_RUN_LAUNCHER"
+# set (to "1") by ``--debug``: a failed rank writes (and, without a launcher, prints) its traceback, user errors too
+DEBUG_ENV = "TREADLE_RUN_DEBUG"
 
 
 Precision = Literal["fp32", "bf16"]

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import TreadleError
 from . import health
 from .agree import JobError
-from .config import LAUNCHER_ENV  # noqa: F401  (defined with the settings; read here and by treadle.cli.run)
+from .config import DEBUG_ENV, LAUNCHER_ENV  # noqa: F401  (defined with the settings; read here and by treadle.cli.run)
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,25 @@ def _say_once(line: str, key: str, store: Any) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _callstack(line: str, *, say: bool = True) -> str:
+    """What a rank's error file keeps as its call stack: the traceback under ``--debug`` (printed too when `say`
+    and no launcher reads the file), else the line itself."""
+    if os.environ.get(DEBUG_ENV) != "1":
+        return line
+    tb = traceback.format_exc()
+    if say and os.environ.get(LAUNCHER_ENV) != "1":
+        print(f"treadle.run: rank {os.environ.get('RANK', '0')} traceback (--debug):\n{tb}", file=sys.stderr,
+              flush=True)
+    return tb
+
+
 def report_before_start(exc: TreadleError) -> int:
     """A settings error met before the process group exists (every rank meets it): rank 0 says it."""
     line = f"treadle.run: {_rest(exc)}"
+    stack = _callstack(line, say=os.environ.get("RANK", "0") == "0")  # the traceback first (--debug), the line last
     if os.environ.get("RANK", "0") == "0" and os.environ.get(LAUNCHER_ENV) != "1":
         print(line, file=sys.stderr, flush=True)
-    write_error_file(line, timestamp=time.time(), callstack=line)
+    write_error_file(line, timestamp=time.time(), callstack=stack)
     return EXIT_USER
 
 
@@ -105,6 +118,7 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
     now = time.time()
     if isinstance(exc, TreadleError):
         rest = _rest(exc)
+        stack = _callstack(rest)  # the traceback first (--debug), the line last
         if isinstance(exc, JobError):  # every rank raised it after agreeing: rank 0 (alive) says it
             line = f"treadle.run: {rest}"
             if rank == 0:
@@ -113,7 +127,7 @@ def report(exc: BaseException, *, rank: int, world: int) -> int:
             line = f"treadle.run: rank {rank}: {rest}" if world > 1 else f"treadle.run: {rest}"
             _say_once(line, line, store)
         health.report_failure(rank, rest, store=store)
-        write_error_file(line, timestamp=now, callstack=line)
+        write_error_file(line, timestamp=now, callstack=line if stack == rest else stack)
         return EXIT_USER
     text = f"{type(exc).__name__}: {_short(first_line(str(exc)))}"
     if not is_fault(exc):  # a bug: its traceback, always

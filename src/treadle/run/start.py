@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import TreadleError
-from .config import LAUNCHER_ENV, RunConfig, add_arguments, config_from_args
+from .config import DEBUG_ENV, LAUNCHER_ENV, RunConfig, add_arguments, config_from_args
 
 DESCRIPTION = "The training entry point torchrun launches on every rank (see treadle.run)."
 
@@ -27,7 +27,10 @@ def settings(argv: list[str] | None = None) -> RunConfig | int:
     p = argparse.ArgumentParser(prog="python -m treadle.run", description=DESCRIPTION)
     add_arguments(p)
     p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("--debug", action="store_true", help="a failed rank writes its traceback (user errors too)")
     args = p.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # read by `failure` when this rank fails
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
