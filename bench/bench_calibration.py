@@ -2,7 +2,10 @@
 steps. ``--compare statistic``: each collective's samples summarised by their median against their mean (NOTE
 [a step pays the mean] in `treadle.cost.calibrate`); ``--compare chain`` (default): every sample started from a
 world barrier against chains of (compute, collective) pairs timed end to end (NOTE [collectives in a chain]);
-``--compare skew``: one chain calibration priced with and without its drift term (NOTE [lead-dependent skew]).
+``--compare skew``: one chain calibration priced with and without its drift term (NOTE [lead-dependent skew]);
+``--compare rounds``: the 15 sweeps every earlier calibration took (held-out sizes too) against the 5 that
+`treadle plan` takes on this host before it plans (`treadle.cost.this_host`, NOTE [calibration rounds]); the
+seconds each calibration took are printed and kept.
 
 Per configuration (models and schedules of `bench_price_vs_measured.py`: GPT-2 and a tiny LLaMA with grouped-query
 attention, batch 8 x seq 64, hand plans and the planner's two plans): the CPU is calibrated once
@@ -39,6 +42,7 @@ VARIANTS = {
                   "mean": ({"statistic": "mean", "chain": 1}, True)},
     "chain": {"barrier": ({"chain": 1}, True), "chain": ({"chain": 8}, True)},
     "skew": {"no skew": ({"chain": 8}, False), "skew": ({"chain": 8}, True)},
+    "rounds": {"15 rounds": ({"rounds": 15}, True), "5 rounds": ({"rounds": 5, "held_out_bytes": ()}, True)},
 }
 
 
@@ -47,14 +51,18 @@ def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple, device, v
     from treadle.cost.cluster import ClusterSpec
     from treadle.mesh import Mesh
 
+    import time
+
     torch.set_num_threads(1)
     mesh = Mesh(shape, names)
     base = ClusterSpec.uniform(mesh, "loopback", device=device)
-    done: dict[str, str] = {}
+    done: dict[str, tuple[str, float]] = {}
     for kw, _ in variants.values():
         key = json.dumps(kw, sort_keys=True)
         if key not in done:
-            done[key] = calibrate_cluster(mesh, rounds=15, base=base, **kw).cluster.to_json()
+            t0 = time.perf_counter()
+            text = calibrate_cluster(mesh, base=base, **{"rounds": 15, **kw}).cluster.to_json()
+            done[key] = (text, time.perf_counter() - t0)
     return {name: done[json.dumps(kw, sort_keys=True)] for name, (kw, _) in variants.items()}
 
 
@@ -82,12 +90,13 @@ def run_config(model_name: str, config: str, args) -> dict:
     world = math.prod(shape)
     device = calibrate_cpu(threads=1)
     texts = spawn(_calibrate_rank, world, shape, names, device, variants, timeout_s=1800)[0]
-    clusters = {v: ClusterSpec.from_json(texts[v]).with_ranks(threads_per_rank=1, ranks_per_host=world,
+    seconds = {v: texts[v][1] for v in names_v}
+    clusters = {v: ClusterSpec.from_json(texts[v][0]).with_ranks(threads_per_rank=1, ranks_per_host=world,
                                                               cores_per_host=os.cpu_count())
                 for v in names_v}
     clusters = {v: c if variants[v][1] else _without_skew(c) for v, c in clusters.items()}
     for v, c in clusters.items():
-        print(f"  {v}: " + "; ".join(f"{a} {c.link(a)} skew {c.link(a).skew_s * 1e3:.2f} ms after "
+        print(f"  {v} (calibrated in {seconds[v]:.1f} s): " + "; ".join(f"{a} {c.link(a)} skew {c.link(a).skew_s * 1e3:.2f} ms after "
                                      f"{c.link(a).skew_lead_s * 1e3:.2f} ms" for a in c.mesh.names), flush=True)
     scheds = pvm.schedules(model_name, shape, names, args.batch, args.seq, clusters[names_v[-1]], False)
     res = spawn(pvm._measure_rank, world, model_name, args.batch, args.seq, scheds, args.steps, args.repeats,
@@ -115,7 +124,7 @@ def run_config(model_name: str, config: str, args) -> dict:
         ratios = [m / p for m, p in zip(meas, pred)]
         rho = pvm.spearman(pred, meas)
         verdict = pvm.targets(rho, ratios, [1.0])  # memory does not depend on the calibration of the links
-        summary[v] = {"spearman": rho, "time_ratio_spread": max(ratios) / min(ratios),
+        summary[v] = {"spearman": rho, "time_ratio_spread": max(ratios) / min(ratios), "calibration_s": seconds[v],
                       "spearman_ok": verdict["Spearman >= 0.9"],
                       "ratio_ok": verdict["time ratios within +-25% of one factor"]}
         print(f"  {v:8}: Spearman {rho:.2f} ({'PASS' if summary[v]['spearman_ok'] else 'FAIL'}), time ratio "

@@ -11,7 +11,13 @@ interleaved, repeated; a step's time is the slowest rank's, a schedule's the med
 Per configuration it reports the planner's measured step over the fastest hand plan (without a budget), and
 under the budget (0.6x the free plan's priced peak) over the fastest hand plan whose priced peak fits the
 same budget (one memory model for all; its saved-activation + state part is checked against the measured
-figures in the same run, within 5%). Target (issue 10): <= 1.05 in every configuration. The
+figures in the same run, within 5%). Target (issue 10): <= 1.05 in every configuration.
+
+The column "no calibration file" (issue 32) is the plan `treadle plan --cluster 2x2:cpu` makes with no cluster
+file: the host measured as that command measures it (`calibrate_this_host`, 5 rounds, on the calibration mesh
+of the world), then the planner over that calibration's meshes (`host_clusters`: the measured mesh and the 1-D
+mesh over every rank), measured in the same process group as the rest and shown over the fastest hand plan
+and over DDP on all ranks. Target <= 1.05 as well. The
 machine may be shared (2 cores, 4 ranks): expect noise of 10-20% between repeats; say so when reporting.
 Writes bench/results/bench_planner_gloo.json.
 
@@ -31,11 +37,32 @@ import bench_price_vs_measured as pvm  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+NO_FILE = "planner, no calibration file"
+
+
+def no_file_plans(mesh) -> list:
+    """[(label, clusters)]: what `treadle plan --cluster <world>:cpu` plans on without a file (NOTE [plan for
+    this host] in treadle.cli.plan): this host measured at `treadle plan`'s defaults, the meshes it searches."""
+    from treadle.cost.this_host import calibrate_this_host, calibration_mesh, host_clusters
+
+    cal = calibrate_this_host(calibration_mesh(mesh.world_size), timeout_s=600)
+    print(f"  {NO_FILE}: {cal.notes[0]}", flush=True)
+    return [(NO_FILE, host_clusters(cal.cluster))]
+
+
 def planner_rows(res: dict) -> dict:
-    """The planner's two plans against the hand plans of one configuration (`pvm.run_config`'s result)."""
+    """The planner's plans against the hand plans of one configuration (`pvm.run_config`'s result)."""
     rows = {r["schedule"]: r for r in res["rows"]}
     hand = [r for name, r in rows.items() if not name.startswith("planner")]
     out = {"model": res["model"], "config": res["config"], "price_targets": res.get("targets")}
+    nf = rows.get(NO_FILE)
+    if nf is not None and hand:
+        best = min(hand, key=lambda r: r["measured_s"])
+        ddp = next((r for name, r in rows.items() if name in ("DDP (all ranks)", "DDP")), None)
+        out["no_file"] = {"planner_ms": nf["measured_s"] * 1e3, "best_hand": best["schedule"],
+                          "best_hand_ms": best["measured_s"] * 1e3, "ratio": nf["measured_s"] / best["measured_s"],
+                          "noise": _noise(nf, best),
+                          "over_ddp": nf["measured_s"] / ddp["measured_s"] if ddp else float("nan")}
     free = rows.get("planner")
     if free is not None and hand:
         best = min(hand, key=lambda r: r["measured_s"])
@@ -78,7 +105,7 @@ def main() -> None:
     table = []
     for m in args.models:
         for c in args.configs:
-            table.append(planner_rows(pvm.run_config(m, c, args)))
+            table.append(planner_rows(pvm.run_config(m, c, args, extra=no_file_plans)))
     print(f"\n{'model':6} {'config':6} {'planner ms':>10} {'best hand plan':22} {'hand ms':>8} {'ratio':>6} "
           f"{'+-':>4}   {'budget MiB':>10} {'planner ms':>10} {'fits':>5} {'best hand that fits':22} {'hand ms':>8} "
           f"{'ratio':>6} {'+-':>4}")
@@ -90,7 +117,14 @@ def main() -> None:
               f"{b.get('budget_mib', float('nan')):10.2f} {b.get('planner_ms', float('nan')):10.1f} "
               f"{str(b.get('planner_fits', '-')):>5} {b.get('best_hand', '-'):22} {b.get('best_hand_ms', float('nan')):8.1f} "
               f"{b.get('ratio', float('nan')):6.2f} {b.get('noise', float('nan')):4.2f}")
-    checks = [(f"{t['model']} {t['config']} {kind}", t[kind]) for t in table for kind in ("free", "budget")
+    print(f"\n{'model':6} {'config':6} {NO_FILE + ' ms':>34} {'best hand plan':22} {'hand ms':>8} {'ratio':>6} "
+          f"{'+-':>4} {'/ DDP':>6}")
+    for t in table:
+        n = t.get("no_file", {})
+        print(f"{t['model']:6} {t['config']:6} {n.get('planner_ms', float('nan')):34.1f} {n.get('best_hand', '-'):22} "
+              f"{n.get('best_hand_ms', float('nan')):8.1f} {n.get('ratio', float('nan')):6.2f} "
+              f"{n.get('noise', float('nan')):4.2f} {n.get('over_ddp', float('nan')):6.2f}")
+    checks = [(f"{t['model']} {t['config']} {kind}", t[kind]) for t in table for kind in ("free", "budget", "no_file")
               if "ratio" in t.get(kind, {})]
     print("target (planner <= 1.05 x the fastest hand plan that fits): "
           + "; ".join(f"{name} {_verdict(e['ratio'], e['noise'])}" for name, e in checks))

@@ -8,11 +8,13 @@ Megatron TP, TP + checkpoint, TP x DP (DDP), TP x DP + checkpoint, TP x FSDP2, T
 on 2x2 also DDP and FSDP2 over all four ranks and HSDP, and the planner's plan without and with a memory
 budget (60% of its unconstrained priced peak; ``plan_model(price_top=4)``).
 
-Method. The CPU per core is calibrated first by `calibrate_cpu(threads=1)` (explicit: ``--nominal-cpu`` keeps
-the nominal `CPU_CORE`), then the links of each mesh, the world group's link and FSDP2's host costs on the
-running process group (`treadle.cost.calibrate.calibrate_cluster`, collectives timed in-step, in chains, with
-their drift: NOTE [collectives in a chain], NOTE [lead-dependent skew]), and the cluster states the rank placement explicitly:
-1 thread per rank, `os.cpu_count()` cores shared by all ranks of the host (recorded in the output).
+Method. The host is measured as `treadle plan --cluster 2x2:cpu` measures it (`treadle.cost.this_host.
+calibrate_this_host`): the CPU per core first by `calibrate_cpu(threads=1)` (explicit: ``--nominal-cpu`` keeps
+the nominal `CPU_CORE`), then the links of each mesh, the world group's link and FSDP2's host costs on spawned
+ranks (`treadle.cost.calibrate.calibrate_cluster`, collectives timed in-step, in chains, with their drift: NOTE
+[collectives in a chain], NOTE [lead-dependent skew]; ``--rounds`` sweeps, default 15 with the held-out sizes,
+where `treadle plan` takes 5), and the cluster states the rank placement explicitly: 1 thread per rank,
+`os.cpu_count()` cores shared by all ranks of the host (recorded in the output).
 Every schedule is priced (`treadle.price`) in this process, then all schedules of a configuration are
 measured in ONE process group: built once each (same seed), then ``--repeats`` rounds (default 8), each
 running every schedule for ``--steps`` steps (default 2; after one warm-up) in an order that alternates between
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -142,16 +143,6 @@ def _blocks(model_name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- ranks
-def _calibrate_rank(rank: int, world: int, shape: tuple, names: tuple, device):
-    from treadle.cost.calibrate import calibrate_cluster
-    from treadle.cost.cluster import ClusterSpec
-    from treadle.mesh import Mesh
-
-    torch.set_num_threads(1)
-    mesh = Mesh(shape, names)
-    return calibrate_cluster(mesh, rounds=15, base=ClusterSpec.uniform(mesh, "loopback", device=device)).cluster
-
-
 def _saved_bytes(model, inputs) -> int:
     params = {id(p.untyped_storage()) for p in model.parameters()}
     seen: set[int] = set()
@@ -251,12 +242,14 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (va * vb) if va and vb else float("nan")
 
 
-def run_config(model_name: str, config: str, args) -> dict:
-    from treadle.cost.cluster import ClusterSpec
+def run_config(model_name: str, config: str, args, extra=None) -> dict:
+    """Price and measure every schedule of one configuration. `extra(mesh)` -> [(label, cluster or clusters)]:
+    more plans, each `plan_model` on its cluster (measured as any schedule, priced on this run's cluster)."""
     from treadle.errors import TreadleError
+    from treadle.planner import plan_model
     from treadle.mesh import Mesh
     from treadle.pricing import price
-    from treadle.profile.hardware import CPU_CORE, calibrate_cpu
+    from treadle.cost.this_host import calibrate_this_host
     from treadle.schedule.replay import load_schedule
     from treadle.testing import spawn
 
@@ -265,15 +258,23 @@ def run_config(model_name: str, config: str, args) -> dict:
     world = 1
     for s in shape:
         world *= s
-    device = CPU_CORE if args.nominal_cpu else calibrate_cpu(threads=1)
-    # links, world-group link and FSDP2's host costs measured on the launched group, on top of `device`
-    cluster = spawn(_calibrate_rank, world, shape, names, device, timeout_s=600)[0].with_ranks(
-        threads_per_rank=1, ranks_per_host=world, cores_per_host=os.cpu_count())
+    # one core (unless --nominal-cpu), then the links, world-group link and FSDP2's host costs on spawned ranks,
+    # placed as the ranks run (1 thread each, this host's cores): what `treadle plan --cluster 2x2:cpu` measures
+    cal = calibrate_this_host(Mesh(shape, names), rounds=args.rounds, held_out=True, cpu=not args.nominal_cpu,
+                              timeout_s=900)
+    cluster = cal.cluster
+    print(f"  {cal.notes[0]}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"cluster_{config}.json").write_text(cluster.to_json())  # the calibrated cluster, to re-price
     print(f"\n{model_name} batch {args.batch} x seq {args.seq}, gloo {config} ({world} ranks); "
           f"{cluster.rank_device().source}", flush=True)
     scheds = schedules(model_name, shape, names, args.batch, args.seq, cluster, args.quick)
+    for label, other in (extra(Mesh(shape, names)) if extra is not None else []):  # more planners (bench_planner_gloo)
+        model, inputs = make_model(model_name, args.batch, args.seq)
+        try:
+            scheds.append((label, plan_model(model, inputs, cluster=other, price_top=PRICE_TOP).schedule.to_json()))
+        except TreadleError as exc:
+            print(f"    {label}: {exc}")
     rows = []
     priced = []
     for label, text in scheds:
@@ -370,6 +371,7 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None,
                     help="rounds visiting every schedule, order alternating (default 8; --quick 2)")
     ap.add_argument("--nominal-cpu", action="store_true", help="use the nominal CPU_CORE instead of calibrating")
+    ap.add_argument("--rounds", type=int, default=15, help="calibration sweeps (default 15; treadle plan takes 5)")
     args = ap.parse_args()
     args.seq = args.seq or (32 if args.quick else 64)
     args.steps = args.steps or 2

@@ -21,9 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import Mesh  # noqa: E402
-import treadle.testing  # noqa: E402
-from treadle.cost.cluster import ClusterSpec  # noqa: E402
-from treadle.profile.hardware import calibrate_cpu  # noqa: E402
+from treadle.cost.this_host import calibrate_this_host  # noqa: E402
 from treadle.models import megatron  # noqa: E402
 from treadle.planner import plan_model  # noqa: E402
 
@@ -54,25 +52,17 @@ def check_and_train(sch: treadle.Schedule, inputs: dict) -> list[float]:
     return list(result.step_s[1:])
 
 
-def calibrate_links(rank: int, world: int, device) -> ClusterSpec:
-    from treadle.cost.calibrate import calibrate_cluster
-
-    torch.set_num_threads(1)
-    mesh = Mesh((2, 2), ("dp", "tp"))
-    return calibrate_cluster(mesh, rounds=15, base=ClusterSpec.uniform(mesh, "loopback", device=device)).cluster
-
-
 def main() -> None:
     ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids}
     mesh = Mesh((2, 2), ("dp", "tp"))
 
     # the cluster, measured explicitly (no hidden state): one CPU core, then the gloo links of this 2x2 mesh and
-    # FSDP2's host costs on 4 processes; 4 single-thread ranks share this host's cores (`treadle calibrate
-    # --cpu` does the same)
-    cluster = treadle.testing.spawn(calibrate_links, 4, calibrate_cpu(), timeout_s=600)[0].with_ranks(
-        threads_per_rank=1, cores_per_host=os.cpu_count())
-    print(f"calibrated: {cluster}\n")
+    # FSDP2's host costs on 4 processes; 4 single-thread ranks share this host's cores (what `treadle plan
+    # --cluster 2x2:cpu` and `treadle calibrate --mesh 2x2 --cpu` measure)
+    cal = calibrate_this_host(mesh, timeout_s=600)
+    cluster = cal.cluster
+    print(f"calibrated: {cluster}\n  {cal.notes[0]}\n  {cluster.assumptions()}\n")
 
     print(f"1. hand-written: Megatron tensor parallel on 'tp' + data parallel on 'dp', {mesh}")
     sch = treadle.create_schedule(gpt2(), mesh=mesh)
