@@ -97,6 +97,25 @@ def test_treadle_plan_with_a_bad_pin_on_a_cpu_preset_spawns_nothing(monkeypatch,
     assert "names mesh axis 'zz'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, shape", [([], (2, 2)), (["--max-axes", "1"], (4,)), (["--mesh", "4"], (4,))])
+def test_treadle_plan_measures_the_mesh_it_searches(monkeypatch, capsys, flags, shape):
+    """Two axes by default (each axis group and the world group); one axis over every rank with --max-axes 1,
+    whose plans use that link alone; the --mesh asked for."""
+    import treadle.cost.this_host as this_host
+    from treadle.cli import main
+    from treadle.errors import PlanError
+
+    asked = []
+
+    def record(mesh, **kw):
+        asked.append(tuple(mesh.shape))
+        raise PlanError("stop after choosing what to measure")
+
+    monkeypatch.setattr(this_host, "calibrate_this_host", record)
+    assert main(["plan", "tiny-gpt2", "--cluster", "4:cpu", "--batch", "4", "--seq", "16", "-q", *flags]) == 2
+    assert asked == [shape] and "stop after choosing what to measure" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_treadle_plan_on_a_cpu_preset_measures_this_host_and_records_it(tmp_path, capsys):
     from treadle.cli import main

@@ -207,7 +207,9 @@ def _measure_this_host(cluster, clusters: list, args: argparse.Namespace, consol
     world = cluster.world_size
     check_process_count(world, where=f"plan --cluster {args.cluster} (it measures this host on {world} gloo "
                                      f"ranks; --nominal plans on the preset unmeasured)")
-    mesh = calibration_mesh(world, tuple(clusters[0].mesh.shape) if args.mesh else None)
+    # --mesh: that mesh; --max-axes 1: one axis over every rank (its link is all the plan uses); else 2 axes
+    mesh = calibration_mesh(world, tuple(clusters[0].mesh.shape) if args.mesh else (world,) if args.max_axes == 1
+                            else None)
     with progress(f"measuring this host: a core, then {mesh} on {world} gloo ranks (--nominal skips it)",
                   quiet=is_quiet(args), console=console):
         cal = calibrate_this_host(mesh, timeout_s=600)
