@@ -19,7 +19,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
   families, and the same terms computed directly for a choice;
 - decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
   form; explanation (`treadle.planner.rows`): `adjust_rows`;
-- price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step.
+- price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step;
+  `price_schedule` — the whole price, for a form that owns the step's timeline (the pipeline).
 
 What the runtime installs for a form is registered with `treadle.runtime.steps.register_build_extension`
 by the form's package, beside its `register_form`.
@@ -140,6 +141,12 @@ class Form:
 
     def price_step(self, ctx: Any) -> PriceTerms | None:
         """The form's part of a rehearsed step (`treadle.pricing`); None: nothing."""
+        return None
+
+    def price_schedule(self, sch: Any, example_inputs: dict, cluster: Any, options: dict) -> Any:
+        """The whole price of `sch` when this form owns the step's timeline (a pipeline: stages, micro-batches,
+        the bubble), else None (`treadle.pricing.price` asks every form first; `options`: its keyword
+        arguments). The form prices through the pricing layer's own parts (`treadle.pricing.step`)."""
         return None
 
 

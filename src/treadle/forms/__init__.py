@@ -4,6 +4,7 @@
     sequence    sequence parallelism (row shards between the tensor-parallel regions)
     vocab       the vocab-parallel embedding and loss
     data        data parallelism (DDP / ZeRO-3 / HSDP)
+    pipeline    pipeline parallelism (stages over a pp axis; its price owns the step's timeline)
 
 How to add a form: `docs/architecture.md`.
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 from ..form import register_form
 from ..runtime import graph_steps as _graph_steps  # noqa: F401  (the graph and pipeline build steps come first)
 from ..runtime.steps import register_build_extension
-from . import data, sequence, tensor, vocab
+from . import data, pipeline, sequence, tensor, vocab
 
-for _form in (tensor, sequence, vocab, data):
+for _form in (tensor, sequence, vocab, data, pipeline):
     register_form(_form.FORM)
     for _phase, _step in _form.BUILD_STEPS.items():
         register_build_extension(_phase, _step)

@@ -41,7 +41,9 @@ list op (foreach) on FSDP2's DTensor parameters.
 For a GPU device attention with dropout is rehearsed as the fused kernel a GPU runs (NOTE [attention as a GPU
 runs it] in `treadle.profile.fused_attention`); a CPU device keeps PyTorch's CPU kernels.
 Data-dependent scalars (``.item()``) read as 1 on fake tensors: pricing needs shapes, not values.
-Pipelines (``pipeline``) are not priced (PlanError). `price` cannot run inside a launched process group
+A pipeline (``pipeline``) is priced by the pipeline form (`Form.price_schedule`; NOTE [pipeline price] in
+`treadle.forms.pipeline.price`): its stages from one rehearsed micro-batch, laid out in the schedule's own
+action order. `price` cannot run inside a launched process group
 (it needs its own fake one): call it before ``init_process_group`` or in another process.
 """
 

@@ -4,7 +4,8 @@ truth `treadle.pricing` prices (NOTE [pricing by rehearsal] in its module doc)."
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
 from ..schedule.view import ScheduleView
 
+_PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})
 # c10d op name -> (collective kind, how its bytes are read: "sum" of a tensor list, "out" first tensor, "in" 2nd)
 _C10D = {"allreduce_": ("all_reduce", "list"), "allreduce_coalesced_": ("all_reduce", "list"),
          "_allgather_base_": ("all_gather", "first"), "allgather_into_tensor_coalesced_": ("all_gather", "first"),
@@ -110,12 +112,17 @@ class Rehearsal:
     view: ScheduleView
     inputs: dict
     checkpoints: tuple[str, ...] = ()
+    output_bytes: dict = field(default_factory=dict)  # watched module path -> bytes its forward returned
 
 
-def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Rehearsal:
+def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpipelined: bool = False,
+             watch: tuple[str, ...] = ()) -> Rehearsal:
     """Replay `sch` on a copy of its model, build rank 0 on a fake process group and record one training step
-    on fake tensors (module doc of `treadle.pricing`). Raises PlanError for a pipeline, a built schedule, a
-    log that cannot be replayed, a batch the data-parallel axes do not divide, or a running process group."""
+    on fake tensors (module doc of `treadle.pricing`). `unpipelined`: replay the log without its pipeline
+    primitives (the pipeline form prices the stages of that one step itself); `watch`: module paths whose
+    forward output bytes (every tensor it returns) are kept in `Rehearsal.output_bytes`. Raises PlanError for a
+    pipeline (unless `unpipelined`), a built schedule, a log that cannot be replayed, a batch the data-parallel
+    axes do not divide, or a running process group."""
     from ..runtime.build import build
     from ..schedule.replay import load_schedule
 
@@ -123,8 +130,8 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Re
         raise PlanError("price: torch.distributed is already initialised in this process; price a schedule "
                         "before init_process_group (it builds rank 0 on its own fake process group)")
     v = sch.view()
-    if v.ops() & {"pipeline", "cut_pipeline_stage"}:
-        raise PlanError("price: pipeline schedules are not priced (pipeline / cut_pipeline_stage in the log)")
+    if v.ops() & _PIPELINE_OPS and not unpipelined:
+        raise PlanError("price: a pipeline is priced by the pipeline form (treadle.price), not rehearsed whole")
     if v.built:
         raise PlanError("price: this schedule was already built; price an unbuilt schedule")
     original = v.reference
@@ -132,6 +139,10 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Re
         text = sch.to_json()
     except Exception as exc:  # a primitive argument that is no data (a lambda): the log cannot be replayed
         raise PlanError(f"price: the schedule cannot be replayed from its log ({exc})") from exc
+    if unpipelined:
+        doc = json.loads(text)
+        doc["records"] = [r for r in doc["records"] if r.get("op") not in _PIPELINE_OPS]
+        text = json.dumps(doc)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     mesh0 = sch.mesh
@@ -145,11 +156,34 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False) -> Re
         built = build(sch2, wrap=False)  # data parallelism is priced, not run (module doc)
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
         inputs = split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
-        records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
+        out_bytes: dict[str, int] = {}
+        hooks = [built.get_submodule(p).register_forward_hook(_output_bytes(p, out_bytes)) for p in watch]
+        try:
+            records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
+        finally:
+            for h in hooks:
+                h.remove()
     finally:
         dist.destroy_process_group()
     ckpts = tuple(sorted(v2.checkpoints, key=lambda p: -p.count(".")))
-    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts)
+    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes)
+
+
+def _output_bytes(path: str, into: dict[str, int]):
+    def hook(module, args, output):
+        if path not in into:  # the forward, not a recomputation
+            into[path] = sum(t.numel() * t.element_size() for t in _tensor_leaves(output))
+    return hook
+
+
+def _tensor_leaves(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensor_leaves(v)]
+    if isinstance(x, dict) or hasattr(x, "values"):
+        return [t for v in x.values() for t in _tensor_leaves(v)]
+    return []
 
 
 def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False):

@@ -66,6 +66,11 @@ class Price:
     three None for the optimizer segment); `collectives` — dicts {kind, axis, nbytes,
     time_s, module, phase, source ("tp", "ddp", "fsdp"), blocking, start_s, end_s, exposed_s}, so a
     timeline can draw compute and each axis's channel on one time axis.
+
+    A pipeline (`treadle.forms.pipeline.price`) is priced for its slowest pp rank: `exposed_comm_s` then also
+    holds that rank's bubble (waiting for other stages), `peak_bytes` is the largest rank's, and `pipeline`
+    says the rest: {schedule, n_microbatches, stages: per-stage rows, ranks: per pp rank its step, busy,
+    bubble and peak, bubble_fraction, bubble_s, critical_path, slots}.
     """
 
     step_s: float
@@ -87,6 +92,7 @@ class Price:
     rows: list[PriceRow]
     segments: list[dict]
     collectives: list[dict]
+    pipeline: dict | None = None
 
     def estimate(self) -> Estimate:
         """This price as an `Estimate` (comm = exposed communication)."""

@@ -90,6 +90,10 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
         raise PlanError(f"price: the schedule is written for {sch.mesh} ({sch.mesh.world_size} ranks) but the "
                         f"cluster has {cluster.world_size} ranks ({cluster.mesh}); give a cluster of that size")
     cluster = cluster.for_mesh(sch.mesh)
+    options = {"optimizer_bytes_per_elem": optimizer_bytes_per_elem, "master_copy": master_copy, "loss_fn": loss_fn}
+    for f in forms():  # a form that owns the step's timeline prices it whole (the pipeline)
+        if (whole := f.price_schedule(sch, example_inputs, cluster, options)) is not None:
+            return whole
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     # the model's useful FLOPs of the whole step (MFU's numerator, the same rules as `treadle.run`'s)

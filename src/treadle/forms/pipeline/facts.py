@@ -1,0 +1,156 @@
+"""What a pipeline runs, stated once: the order of each rank's actions as `torch.distributed.pipelining`'s schedule
+classes run them, which rank holds which stage, and which records of a rehearsed step belong to which stage.
+
+NOTE [pipeline action order]: a multi-stage schedule's order is not re-derived here. `action_order` asks the
+schedule class that `build` uses (or any other multi-stage one of `torch.distributed.pipelining`'s) for its
+``pipeline_order`` — the per-rank list of actions its runtime executes, computed in its constructor — on
+stand-in stage objects that carry only the stage's index,
+the stage count and the pp group's size and rank; the compute actions are kept in order (F forward, B full
+backward, I input-gradient backward, W weight-gradient backward; an overlapped F+B action is its parts in
+order) and the communication, reduce-grad and idle slots dropped (the timeline derives the waits itself).
+GPipe and 1F1B run a loop of their own, written out as that loop runs (`_single_stage_order`). A
+stage's rank is the rank whose list computes it (loop placement for GPipe / 1F1B / interleaved, V placement
+for the zero-bubble V schedules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ...errors import PlanError
+
+# schedule name (as `Schedule.pipeline(schedule=...)` and the price take it) -> torch.distributed.pipelining class
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
+COMPUTE = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute action of a pipeline: `kind` F / B / I / W of `stage` on micro-batch `mb`."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> dict[int, list[Action]]:
+    """Rank of the pp group -> its compute actions in the order the schedule class runs them (NOTE [pipeline
+    action order]). Raises PlanError for an unknown schedule, a stage count the schedule cannot place on `pp`
+    ranks, or a micro-batch count it refuses (its own message)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if schedule not in SCHEDULE_CLASSES:
+        raise PlanError(f"pipeline price: unknown schedule {schedule!r}; known: {sorted(SCHEDULE_CLASSES)}")
+    if n_stages < 1 or pp < 1 or n_stages % pp:
+        raise PlanError(f"pipeline price: {n_stages} stages do not spread evenly over {pp} pp ranks")
+    if schedule in SINGLE_STAGE and n_stages != pp:
+        raise PlanError(f"pipeline price: schedule {schedule!r} runs one stage per rank; {n_stages} stages on {pp} "
+                        f"ranks need a multi-stage schedule (interleaved_1f1b, ...)")
+    if schedule in SINGLE_STAGE:
+        return {r: _single_stage_order(schedule, r, n_stages, n_microbatches) for r in range(pp)}
+    cls = getattr(torch_schedules, SCHEDULE_CLASSES[schedule])
+    from torch import nn
+
+    def stand_in(i: int) -> SimpleNamespace:  # what the constructors read of a stage
+        return SimpleNamespace(num_stages=n_stages, group_size=pp, group_rank=0, stage_index=i, is_first=i == 0,
+                               is_last=i == n_stages - 1, submod=nn.Identity())
+
+    try:
+        if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+            sched = cls(stand_in(0), n_microbatches)
+        else:
+            sched = cls([stand_in(i) for i in range(n_stages // pp)], n_microbatches)
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise PlanError(f"pipeline price: {SCHEDULE_CLASSES[schedule]} with {n_stages} stages on {pp} ranks and "
+                        f"{n_microbatches} micro-batches: {exc}") from exc
+    order = sched.pipeline_order
+    if order is None:
+        raise PlanError(f"pipeline price: {SCHEDULE_CLASSES[schedule]} states no action order")
+    out: dict[int, list[Action]] = {}
+    for rank in range(pp):
+        acts: list[Action] = []
+        for a in order.get(rank, []):
+            if a is None:
+                continue
+            for part in (a.sub_actions or (a,)):
+                kind = part.computation_type.value
+                if kind in COMPUTE:
+                    acts.append(Action(part.stage_index, kind, part.microbatch_index))
+        out[rank] = acts
+    return out
+
+
+def _single_stage_order(schedule: str, rank: int, n_stages: int, m: int) -> list[Action]:
+    """GPipe and 1F1B as their `_step_microbatches` run them (their ``pipeline_order`` is a description only, and
+    1F1B's is off by one micro-batch on the last rank in torch 2.13): GPipe every forward, then every backward;
+    1F1B ``min(m, n_stages - rank)`` forwards, then a backward and a forward in turn while forwards remain, then
+    the remaining backwards. Raises PlanError where the class refuses the micro-batch count."""
+    if schedule == "gpipe":
+        return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
+    if m < n_stages:
+        raise PlanError(f"pipeline price: Schedule1F1B needs at least as many micro-batches as stages ({n_stages}); "
+                        f"got {m}")
+    warm = min(m, n_stages - rank)
+    out = [Action(rank, "F", i) for i in range(warm)]
+    f, b = warm, 0
+    while True:
+        out.append(Action(rank, "B", b))
+        b += 1
+        if f == m:
+            break
+        out.append(Action(rank, "F", f))
+        f += 1
+    out += [Action(rank, "B", i) for i in range(b, m)]
+    return out
+
+
+def stage_ranks(order: dict[int, list[Action]]) -> dict[int, int]:
+    """Stage -> the pp rank that computes it, read off the action order."""
+    out: dict[int, int] = {}
+    for rank, acts in order.items():
+        for a in acts:
+            out.setdefault(a.stage, rank)
+    return out
+
+
+def stage_of_records(records, cuts: list[str]) -> list[int]:
+    """The stage of each rehearsed record (a whole step of the unpipelined model, in op order): the blocks of the
+    cut container by their index (a cut after element k ends a stage); a module outside the container belongs
+    to the first stage when its forward ran before the container's first block (embeddings, masks), else to the
+    last (final norm, head, loss); backward and recomputation go to the stage of their module's forward, and a
+    record whose module never ran forward to the stage of the last record before it."""
+    container = cuts[0].rpartition(".")[0]
+    bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
+    n_last = len(bounds)
+    prefix = container + "."
+
+    def block_stage(path: str) -> int | None:
+        if not path.startswith(prefix):
+            return None
+        k = int(path[len(prefix):].split(".", 1)[0])
+        return sum(1 for b in bounds if k > b)
+
+    of_module: dict[str, int] = {}
+    seen_block = False
+    out: list[int] = []
+    prev = 0
+    for r in records:
+        s = block_stage(r.module)
+        if s is not None:
+            seen_block = seen_block or r.phase == "forward"
+        elif r.phase == "forward":
+            s = of_module.get(r.module, n_last if seen_block else 0)
+        else:
+            s = of_module.get(r.module, prev)
+        if r.phase == "forward":
+            of_module.setdefault(r.module, s)
+        out.append(s)
+        prev = s
+    return out

@@ -1,0 +1,250 @@
+"""The price of a pipelined schedule: its stages timed from one rehearsed micro-batch and laid out as the
+schedule orders them (NOTE [pipeline price]).
+
+NOTE [pipeline price]: the schedule is rehearsed once without its pipeline primitives, on one micro-batch (the
+batch / n_microbatches), on rank 0 of the same mesh (tensor-parallel shards, their collectives, checkpoints and
+everything else the log says apply as built). Each record of that step belongs to a stage
+(`facts.stage_of_records`). Per stage and micro-batch:
+- F, the forward's compute (`treadle.pricing.step.segments`: roofline, per-op overhead) plus its blocking
+  tensor-parallel collectives; B the backward's and recomputation's, the loss's on the last stage; for a
+  zero-bubble schedule W, the weight gradients, is half the backward's matrix products and I = B - W;
+- the point-to-point send across boundary b: every tensor the cut module returns (`send_recv_time_s` on the
+  pp axis's link), for the activation and for its gradient;
+- memory: A_s the bytes autograd saves in the stage's forward; its static bytes are the parameters of the
+  modules it holds (local shards, a tied parameter on each rank that reads it), their optimizer state, the
+  buffers, and the inputs on the first stage's rank; its transient the largest live excess of its records over
+  what the earlier stages saved and the later stages' gradients.
+The timeline is `timeline.simulate` (NOTE [pipeline timeline]) over `facts.action_order`. A rank's step is its
+last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp;
+the price's step is the slowest rank's. A rank's peak is its static bytes, the largest sum over its stages of
+micro-batches in flight (forward done, backward not yet; a zero-bubble W frees them) times A_s as its actions
+run, and its largest stage transient with the other local stages' gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...cost.collective_cost import collective_time_s, send_recv_time_s
+from ...errors import PlanError
+from ...profile.memory import buffer_bytes
+from ...profile.profiler import model_flops
+from ...profile.recorder import _tensors
+from ...profile.roofline import mfu as mfu_of
+from ...pricing.rehearsal import rehearse
+from ...pricing.result import Price, PriceRow
+from ...pricing.step import segments
+from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
+from .facts import action_order, stage_of_records, stage_ranks
+from .timeline import simulate
+
+_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
+
+
+def micro_batch(inputs: dict, n_microbatches: int) -> dict:
+    """The first of `n_microbatches` micro-batches of a global batch (dim 0 of every tensor)."""
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            if v.shape[0] % n_microbatches:
+                raise PlanError(f"price: input {k!r} has batch {v.shape[0]}, not divisible by n_microbatches="
+                                f"{n_microbatches}")
+            v = v[: v.shape[0] // n_microbatches]
+        out[k] = v
+    return out
+
+
+def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price | None:
+    """The price of `sch` when it is a pipeline (NOTE [pipeline price]); None when it is not. Raises PlanError for
+    cuts without `pipeline(...)`, data parallelism beside a pipeline (build refuses it too), or an order the
+    schedule class refuses."""
+    v = sch.view()
+    cfg = v.extras.get("pipeline")
+    cuts = list(v.extras.get("pipeline_cuts", []))
+    if cfg is None:
+        if cuts:
+            raise PlanError(f"price: cut_pipeline_stage at {cuts} without sch.pipeline(...): the model is not "
+                            f"pipelined; call pipeline(axis=..., schedule=..., n_microbatches=...)")
+        return None
+    if v.data_parallel is not None:
+        raise PlanError(f"price: data_parallel ({v.data_parallel}) beside a pipeline is not built yet, so not "
+                        f"priced; use pp with tensor parallelism")
+    axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
+    mesh = sch.mesh
+    pp, n_stages = mesh.size(axis), len(cuts) + 1
+    order = action_order(kind, n_stages, pp, m)
+    ranks_of = stage_ranks(order)
+    hw = cluster.rank_hardware()
+    loss_fn = options.get("loss_fn")
+    useful = float(model_flops(v.reference, dict(example_inputs), loss_fn=loss_fn))
+    mb = micro_batch(dict(example_inputs), m)
+    reh = rehearse(sch, mb, hw, loss_fn, gpu=not cluster.is_cpu(), unpipelined=True, watch=tuple(cuts))
+    recs = reh.records
+    stage_of = stage_of_records(recs, cuts)
+    segs, seg_of = segments(recs, hw, reh.checkpoints)
+    seg_stage = [0] * len(segs)
+    for i, s in zip(seg_of, stage_of):
+        seg_stage[i] = s
+    # per stage and micro-batch: compute and blocking tensor-parallel collectives by phase
+    fwd = [0.0] * n_stages
+    bwd = [0.0] * n_stages
+    rec = [0.0] * n_stages
+    tp = [0.0] * n_stages
+    for sg, s in zip(segs, seg_stage):
+        if sg.phase == "fwd":
+            fwd[s] += sg.compute_s
+        elif sg.phase == "recompute":
+            rec[s] += sg.compute_s
+        else:
+            bwd[s] += sg.compute_s
+    coll_rows = []
+    for n_before, module, phase, ckind, cax, nbytes in reh.collectives:
+        s = stage_of[n_before - 1] if n_before > 0 else 0
+        t = collective_time_s(ckind, nbytes, reh.mesh.size(cax), cluster.link(cax))
+        tp[s] += t
+        (fwd if phase == "forward" else bwd)[s] += t
+        coll_rows.append((s, module, phase, ckind, cax, nbytes, t))
+    weight = [0.0] * n_stages
+    for r, s in zip(recs, stage_of):
+        if r.phase == "backward" and r.op.startswith(_MATMUL):
+            weight[s] += 0.5 * (r.time_s + hw.op_overhead_s)
+    duration: dict[tuple[int, str], float] = {}
+    for s in range(n_stages):
+        back = bwd[s] + rec[s]
+        w = min(weight[s], back)
+        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w, (s, "W"): w})
+    link = cluster.link(axis)
+    p2p = {}
+    for b, c in enumerate(cuts):
+        nbytes = reh.output_bytes.get(c, 0)
+        p2p[b] = send_recv_time_s(nbytes, link) if nbytes and pp > 1 else 0.0
+    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p)
+    # ---- per stage: parameters, activations, transients
+    module_stage = _module_stages(recs, stage_of)
+    container = cuts[0].rpartition(".")[0]
+    bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
+
+    def param_stage(name: str) -> int:
+        mod = name.rpartition(".")[0]
+        if mod.startswith(container + "."):
+            k = int(mod[len(container) + 1:].split(".", 1)[0])
+            return sum(1 for b in bounds if k > b)
+        while mod and mod not in module_stage:
+            mod = mod.rpartition(".")[0]
+        return module_stage.get(mod, n_stages - 1)
+
+    holders: dict[int, set[int]] = {}
+    objs: dict[int, torch.nn.Parameter] = {}
+    for name, p in reh.model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), set()).add(param_stage(name))
+        objs[id(p)] = p
+    opt_b = options.get("optimizer_bytes_per_elem", 8)
+    master = options.get("master_copy", True)
+    saved = [0.0] * n_stages
+    for r, s in zip(recs, stage_of):
+        if r.phase == "forward":
+            saved[s] += r.saved_bytes
+    grads = [0.0] * n_stages
+    for i, stages in holders.items():
+        p = objs[i]
+        if p.requires_grad:
+            for s in stages:
+                grads[s] += p.numel() * p.element_size()
+    trans = [0.0] * n_stages
+    for r, s in zip(recs, stage_of):
+        before = sum(saved[:s]) + (sum(grads[s + 1:]) if r.phase != "forward" else 0.0)
+        trans[s] = max(trans[s], r.live_after_bytes - before - saved[s])
+    buffers = buffer_bytes(reh.model)
+    input_b = sum(t.numel() * t.element_size() for t in _tensors(dict(example_inputs)))
+    tied = [i for i, stages in holders.items() if len({ranks_of[s] for s in stages}) > 1]
+    tied_b = sum(objs[i].numel() * objs[i].element_size() for i in tied if objs[i].requires_grad)
+    tied_s = collective_time_s("all_reduce", tied_b, pp, link) if tied_b and pp > 1 else 0.0
+    split = any(a.kind == "W" for acts in order.values() for a in acts)
+    subclass = any(hasattr(p, "to_local") for p in objs.values())
+    ranks = {}
+    for rank in range(pp):
+        mine = [s for s in range(n_stages) if ranks_of[s] == rank]
+        params = [objs[i] for i, st in holders.items() if any(s in mine for s in st)]
+        trainable = [p for p in params if p.requires_grad]
+        static = sum(p.numel() * p.element_size() for p in params) + buffers + (input_b if 0 in mine else 0)
+        static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0)) for p in trainable)
+        opt_s = (math.fsum(adamw_tensor_s(p.numel(), p.dtype, opt_b, hw, subclass=subclass) for p in trainable)
+                 + adamw_fixed_s(hw, subclass=subclass))
+        act = peak_act = 0.0
+        for slot in tl.slots[rank]:
+            a = slot.action
+            if a.kind == "F":
+                act += saved[a.stage]
+            elif a.kind == ("W" if split else "B") or (a.kind == "B" and split):
+                act -= saved[a.stage]
+            peak_act = max(peak_act, act)
+        local_grads = sum(grads[s] for s in mine)
+        transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
+        end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
+        ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s, "optimizer_s": opt_s,
+                       "busy_s": tl.busy_s[rank], "bubble_s": end - tl.busy_s[rank],
+                       "static_bytes": static, "activation_bytes": peak_act, "transient_bytes": max(0.0, transient),
+                       "peak_bytes": static + peak_act + max(0.0, transient)}
+    slow = max(ranks, key=lambda r: ranks[r]["step_s"])
+    big = max(ranks, key=lambda r: ranks[r]["peak_bytes"])
+    rs = ranks[slow]
+    mine = rs["stages"]
+    compute = m * sum(fwd[s] + bwd[s] - tp[s] for s in mine) + rs["optimizer_s"]
+    recompute = m * sum(rec[s] for s in mine)
+    step = rs["step_s"]
+    comm_total = m * sum(tp[s] for s in mine) + tied_s + sum(2 * m * p2p[b] for b in p2p
+                                                             if ranks_of[b] == slow or ranks_of[b + 1] == slow)
+    exposed = max(0.0, step - compute - recompute)
+    dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)
+    mfu = mfu_of(int(useful / mesh.world_size), step, hw, dtype) if step > 0 else 0.0
+    executed = m * float(sum(r.flops for r, s in zip(recs, stage_of) if s in mine
+                             and r.phase in ("forward", "backward")))
+    rows = _rows(segs, seg_stage, coll_rows, mine, m)
+    stages = [{"stage": s, "rank": ranks_of[s], "forward_s": fwd[s], "backward_s": bwd[s] + rec[s],
+               "weight_s": duration[(s, "W")] if split else 0.0, "tp_comm_s": tp[s], "saved_bytes": saved[s],
+               "grad_bytes": grads[s], "transient_bytes": max(0.0, trans[s]),
+               "send_bytes": reh.output_bytes.get(cuts[s], 0) if s < len(cuts) else 0,
+               "send_s": p2p.get(s, 0.0)} for s in range(n_stages)]
+    slots = [{"rank": sl.rank, "stage": sl.action.stage, "kind": sl.action.kind, "mb": sl.action.mb,
+              "start_s": sl.start_s, "end_s": sl.end_s} for v_ in tl.slots.values() for sl in v_]
+    seg_dicts = [{"module": f"stage {sl.action.stage}", "phase": {"F": "fwd", "W": "bwd"}.get(sl.action.kind, "bwd"),
+                  "start_s": sl.start_s, "compute_s": sl.end_s - sl.start_s, "flops": None, "bytes": None,
+                  "ops": None} for sl in tl.slots[slow]]
+    info = {"schedule": kind, "axis": axis, "n_microbatches": m, "n_stages": n_stages, "slowest_rank": slow,
+            "largest_rank": big, "bubble_fraction": tl.bubble_fraction, "bubble_s": rs["bubble_s"],
+            "makespan_s": tl.makespan_s, "tied_grad_allreduce_s": tied_s,
+            "critical_path": [str(a) for a in tl.critical_path], "stages": stages,
+            "ranks": {str(r): d for r, d in ranks.items()}, "slots": slots}
+    rb = ranks[big]
+    return Price(step, compute, recompute, comm_total, exposed, max(0.0, comm_total - exposed), rb["peak_bytes"],
+                 rb["static_bytes"], rb["activation_bytes"], rb["transient_bytes"], sum(grads[s] for s in ranks[big]
+                                                                                       ["stages"]),
+                 mfu, useful, executed, cluster.rank_device(), f"pipeline {kind} over {axis}", rows, seg_dicts, [],
+                 info)
+
+
+def _module_stages(records, stage_of: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r, s in zip(records, stage_of):
+        if r.phase == "forward":
+            out.setdefault(r.module, s)
+    return out
+
+
+def _rows(segs, seg_stage, coll_rows, mine: list[int], m: int) -> list[PriceRow]:
+    """Per module and phase of the slowest rank's stages, over the step's `m` micro-batches."""
+    rows: dict[tuple[str, str], PriceRow] = {}
+    for sg, s in zip(segs, seg_stage):
+        if s in mine:
+            r = rows.setdefault((sg.module, sg.phase), PriceRow(sg.module, sg.phase))
+            r.compute_s += m * sg.compute_s
+    for s, module, phase, ckind, cax, _, t in coll_rows:
+        if s in mine:
+            ph = {"forward": "fwd", "backward": "bwd"}.get(phase, phase)
+            r = rows.setdefault((module, ph), PriceRow(module, ph))
+            r.comm_s.setdefault(cax, {})
+            r.comm_s[cax][ckind] = r.comm_s[cax].get(ckind, 0.0) + m * t
+            r.exposed_comm_s += m * t
+    return list(rows.values())

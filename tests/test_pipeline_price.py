@@ -1,0 +1,199 @@
+"""The pipeline's price (issue 26, part 1): the action order each schedule class runs, the timeline against
+hand-computed ones, and `treadle.price` of GPipe / 1F1B / interleaved / pp x tp schedules of a tiny GPT-2 —
+per-stage rows, the bubble, the critical path, per-rank memory with the micro-batches in flight, one MFU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treadle
+from treadle import Mesh, create_schedule
+from treadle.cost.cluster import parse_cluster
+from treadle.errors import PlanError
+from treadle.forms.pipeline.facts import Action, action_order, stage_ranks
+from treadle.forms.pipeline.timeline import simulate
+from treadle.models import megatron
+from tiny_models import lm_inputs, tiny_gpt2
+
+
+def _names(acts) -> str:
+    return " ".join(map(str, acts))
+
+
+# ----------------------------------------------------------------------------------------------- action order
+def test_gpipe_and_1f1b_orders_are_the_loops_torch_runs():
+    from torch.distributed.pipelining import schedules as S
+    from types import SimpleNamespace
+
+    o = action_order("gpipe", 3, 3, 2)
+    assert _names(o[2]) == "2F0 2F1 2B0 2B1"
+    stage = SimpleNamespace(num_stages=3, group_size=3, group_rank=0, stage_index=0, is_first=True, is_last=False)
+    ir = S.ScheduleGPipe(stage, 2).pipeline_order
+    for r in range(3):
+        assert _names(o[r]) == " ".join(str(a) for a in ir[r] if a is not None and str(a)[-1].isdigit())
+    o = action_order("1f1b", 4, 4, 6)
+    # warm-up min(m, n_stages - rank) forwards, then a backward and a forward in turn, then the backwards
+    assert _names(o[0]) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5"
+    assert _names(o[3]) == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5"
+    ir = S.Schedule1F1B(SimpleNamespace(**{**vars(stage), "num_stages": 4, "group_size": 4}), 6).pipeline_order
+    for r in range(3):  # torch's own description agrees except on the last rank (off by one there in 2.13)
+        assert _names(o[r]) == " ".join(str(a) for a in ir[r] if a is not None and str(a)[-1].isdigit())
+
+
+@pytest.mark.parametrize("kind", ["interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"])
+def test_multi_stage_orders_are_the_schedule_classes_own(kind):
+    o = action_order(kind, 4, 2, 4)
+    ranks = stage_ranks(o)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for r, acts in o.items():
+        assert len(set(acts)) == len(acts)  # each action once
+        for s in {a.stage for a in acts}:
+            assert ranks[s] == r
+    every = {a for acts in o.values() for a in acts}
+    for s in range(4):
+        for mb in range(4):
+            assert Action(s, "F", mb) in every
+            assert Action(s, "B", mb) in every or {Action(s, "I", mb), Action(s, "W", mb)} <= every
+    if kind in ("zbv", "dualpipev"):
+        assert ranks[0] == ranks[3] == 0  # V placement
+    else:
+        assert (ranks[0], ranks[2]) == (0, 0)  # loop placement
+
+
+def test_orders_a_schedule_cannot_run_are_refused():
+    with pytest.raises(PlanError, match="unknown schedule 'zigzag'"):
+        action_order("zigzag", 2, 2, 2)
+    with pytest.raises(PlanError, match="runs one stage per rank; 4 stages on 2 ranks"):
+        action_order("1f1b", 4, 2, 4)
+    with pytest.raises(PlanError, match="at least as many micro-batches as stages \\(4\\); got 2"):
+        action_order("1f1b", 4, 4, 2)
+    with pytest.raises(PlanError, match="3 stages do not spread evenly over 2 pp ranks"):
+        action_order("interleaved_1f1b", 3, 2, 4)
+
+
+# ----------------------------------------------------------------------------------------------- timeline
+def _uniform(n: int, f: float, b: float) -> dict:
+    return {(s, k): (f if k == "F" else b) for s in range(n) for k in "FB"}
+
+
+@pytest.mark.parametrize("kind, p, m", [("gpipe", 2, 2), ("gpipe", 4, 3), ("1f1b", 4, 8), ("1f1b", 2, 5)])
+def test_one_stage_per_rank_matches_the_textbook_step(kind, p, m):
+    """F = 1, B = 2, no sends: (m + p - 1)(F + B), bubble (p - 1) / (m + p - 1) for both."""
+    o = action_order(kind, p, p, m)
+    t = simulate(o, _uniform(p, 1.0, 2.0), stage_rank=stage_ranks(o))
+    assert t.makespan_s == pytest.approx((m + p - 1) * 3.0)
+    assert t.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert str(t.critical_path[0]) == "0F0" and str(t.critical_path[-1]) == f"0B{m - 1}"
+
+
+def test_sends_delay_the_receiver_not_the_sender():
+    """GPipe, 2 stages, 1 micro-batch, F = B = 1, a send 0.5: 0F0 [0, 1], 1F0 [1.5, 2.5], 1B0 [2.5, 3.5],
+    0B0 [4, 5]."""
+    o = action_order("gpipe", 2, 2, 1)
+    t = simulate(o, _uniform(2, 1.0, 1.0), stage_rank=stage_ranks(o), p2p_s={0: 0.5})
+    got = {str(s.action): (s.start_s, s.end_s) for v in t.slots.values() for s in v}
+    assert got == {"0F0": (0.0, 1.0), "1F0": (1.5, 2.5), "1B0": (2.5, 3.5), "0B0": (4.0, 5.0)}
+    assert t.makespan_s == 5.0 and [str(a) for a in t.critical_path] == ["0F0", "1F0", "1B0", "0B0"]
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    """The same work (8 stages of F = 1, B = 2 on 4 ranks, 8 micro-batches): interleaved 1F1B's bubble is below
+    1F1B's on 4 stages of twice the work, and splitting the backward (ZB) fills more of it."""
+    p, m = 4, 8
+    o = action_order("1f1b", p, p, m)
+    plain = simulate(o, _uniform(p, 2.0, 4.0), stage_rank=stage_ranks(o))
+    o = action_order("interleaved_1f1b", 2 * p, p, m)
+    inter = simulate(o, _uniform(2 * p, 1.0, 2.0), stage_rank=stage_ranks(o))
+    zb_d = {**_uniform(2 * p, 1.0, 2.0), **{(s, k): 1.0 for s in range(2 * p) for k in "IW"}}
+    o = action_order("interleaved_zb", 2 * p, p, m)
+    zb = simulate(o, zb_d, stage_rank=stage_ranks(o))
+    assert sum(plain.busy_s.values()) == pytest.approx(sum(inter.busy_s.values())) == pytest.approx(
+        sum(zb.busy_s.values()))
+    assert zb.makespan_s < inter.makespan_s < plain.makespan_s
+    assert plain.bubble_fraction == pytest.approx(3 / 11)
+
+
+def test_an_order_that_deadlocks_is_refused():
+    o = {0: [Action(0, "B", 0), Action(0, "F", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
+    with pytest.raises(PlanError, match=r"deadlocks; each rank waits at \{0: '0B0'"):
+        simulate(o, _uniform(2, 1.0, 1.0), stage_rank={0: 0, 1: 1})
+
+
+# ----------------------------------------------------------------------------------------------- price
+def _inputs() -> dict:
+    return {**lm_inputs(8, 16, seed=3), "use_cache": False}
+
+
+def _pipelined(shape, names, kind, cuts, mb=4, tp=False):
+    sch = create_schedule(tiny_gpt2(4), mesh=Mesh(shape, names))
+    if tp:
+        megatron(sch, tp="tp", vocab_parallel_head=False)
+    for c in cuts:
+        sch[f"transformer.h.{c}"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule=kind, n_microbatches=mb, example_inputs=_inputs())
+    return sch
+
+
+def _cluster(shape) -> object:
+    return parse_cluster("x".join(map(str, shape)) + ":cpu")
+
+
+@pytest.fixture(scope="module")
+def priced() -> dict:
+    cases = {"gpipe": ((2,), ("pp",), "gpipe", [1]), "1f1b": ((2,), ("pp",), "1f1b", [1]),
+             "interleaved": ((2,), ("pp",), "interleaved_1f1b", [0, 1, 2]),
+             "pp x tp": ((2, 2), ("pp", "tp"), "1f1b", [1])}
+    out = {}
+    for name, (shape, names, kind, cuts) in cases.items():
+        out[name] = treadle.price(_pipelined(shape, names, kind, cuts, tp="tp" in names), _inputs(), _cluster(shape))
+    return out
+
+
+def test_price_reports_stages_bubble_and_critical_path(priced):
+    for name, p in priced.items():
+        pi = p.pipeline
+        ranks = pi["ranks"]
+        assert p.step_s == pytest.approx(max(r["step_s"] for r in ranks.values())), name
+        assert p.step_s >= pi["makespan_s"] > 0
+        busy = sum(r["busy_s"] for r in ranks.values())
+        assert pi["bubble_fraction"] == pytest.approx(1 - busy / (len(ranks) * pi["makespan_s"]))
+        assert p.step_s == pytest.approx(p.compute_s + p.recompute_s + p.exposed_comm_s)
+        assert pi["critical_path"][0] == "0F0" and pi["critical_path"][-1].startswith("0B")
+        assert [s["stage"] for s in pi["stages"]] == list(range(pi["n_stages"]))
+        assert all(s["forward_s"] > 0 and s["backward_s"] > 0 and s["saved_bytes"] > 0 for s in pi["stages"])
+        assert p.peak_bytes == max(r["peak_bytes"] for r in ranks.values())
+        assert len(pi["slots"]) == 2 * pi["n_stages"] * pi["n_microbatches"]  # every F and B, timed once
+    # the activation a stage sends is the block's output: batch/4 x seq x hidden fp32
+    assert priced["1f1b"].pipeline["stages"][0]["send_bytes"] == 2 * 16 * 64 * 4
+    assert priced["pp x tp"].pipeline["stages"][0]["tp_comm_s"] > 0 == priced["1f1b"].pipeline["stages"][0]["tp_comm_s"]
+
+
+def test_micro_batches_in_flight_set_the_activation_peak(priced):
+    """GPipe holds every micro-batch's activations on the first stage before its first backward; 1F1B holds
+    min(m, n_stages - rank) of them: 4 against 2 on rank 0, 4 against 1 on the last rank."""
+    for rank, one in ((0, 2), (1, 1)):
+        saved = priced["gpipe"].pipeline["stages"][rank]["saved_bytes"]
+        assert priced["gpipe"].pipeline["ranks"][str(rank)]["activation_bytes"] == pytest.approx(4 * saved)
+        assert priced["1f1b"].pipeline["ranks"][str(rank)]["activation_bytes"] == pytest.approx(one * saved)
+    assert priced["1f1b"].peak_bytes < priced["gpipe"].peak_bytes
+    assert priced["interleaved"].pipeline["bubble_fraction"] < priced["1f1b"].pipeline["bubble_fraction"]
+
+
+def test_pipeline_mfu_is_the_models_useful_flops(priced):
+    p = priced["pp x tp"]
+    cl = _cluster((2, 2))
+    assert p.model_flops == pytest.approx(priced["1f1b"].model_flops)  # the model's, whatever the schedule
+    assert p.mfu == pytest.approx(p.model_flops / 4 / p.step_s / cl.rank_hardware().peak_for(torch.float32),
+                                  rel=1e-6)
+
+
+def test_a_cut_without_pipeline_and_dp_beside_a_pipeline_are_refused():
+    sch = create_schedule(tiny_gpt2(4), mesh=Mesh((2,), ("pp",)))
+    sch["transformer.h.1"].cut_pipeline_stage()
+    with pytest.raises(PlanError, match=r"cut_pipeline_stage at \['transformer.h.1'\] without sch.pipeline"):
+        treadle.price(sch, _inputs(), _cluster((2,)))
+    sch = _pipelined((2, 2), ("pp", "dp"), "1f1b", [1])
+    sch.data_parallel(axis="dp")
+    with pytest.raises(PlanError, match="data_parallel .* beside a pipeline is not built yet"):
+        treadle.price(sch, _inputs(), _cluster((2, 2)))
