@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -71,8 +72,39 @@ def make_model(name: str, batch: int, seq: int):
 
 
 # ----------------------------------------------------------------------------------------------- schedules
-def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int, cluster, quick: bool):
-    """[(label, schedule JSON)] for one configuration; the planner's two plans included."""
+PIPELINES = {  # world -> [(label, mesh shape, mesh names, schedule, cuts after these blocks)]; 4 micro-batches
+    2: [("PP2 GPipe", (2,), ("pp",), "gpipe", [1]), ("PP2 1F1B", (2,), ("pp",), "1f1b", [1]),
+        ("PP2 interleaved (4 stages)", (2,), ("pp",), "interleaved_1f1b", [0, 1, 2])],
+    4: [("PP4 GPipe", (4,), ("pp",), "gpipe", [0, 1, 2]), ("PP4 1F1B", (4,), ("pp",), "1f1b", [0, 1, 2]),
+        ("PP2 x TP2 GPipe", (2, 2), ("pp", "tp"), "gpipe", [1]), ("PP2 x TP2 1F1B", (2, 2), ("pp", "tp"), "1f1b", [1])],
+}
+MICROBATCHES = 4
+
+
+def pipeline_schedules(model_name: str, world: int, batch: int, seq: int) -> list:
+    """[(label, schedule JSON)]: the pipelines of `PIPELINES` for `world` ranks (tensor parallelism by the
+    Megatron recipe where the mesh has a tp axis)."""
+    import treadle
+    from treadle import Mesh
+    from treadle.models import megatron as meg
+
+    out = []
+    for label, shape, names, kind, cuts in PIPELINES.get(world, []):
+        model, inputs = make_model(model_name, batch, seq)
+        sch = treadle.create_schedule(model, mesh=Mesh(shape, names))
+        if "tp" in names:
+            meg(sch, tp="tp", vocab_parallel_head=False)
+        for c in cuts:
+            sch[f"{_blocks(model_name)}.{c}"].cut_pipeline_stage()
+        sch.pipeline(axis="pp", schedule=kind, n_microbatches=MICROBATCHES, example_inputs=inputs)
+        out.append((label, sch.to_json()))
+    return out
+
+
+def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int, cluster, quick: bool,
+              pipeline: bool = False):
+    """[(label, schedule JSON)] for one configuration; the planner's two plans included; the pipelines of
+    `PIPELINES` with `pipeline`."""
     import treadle
     from treadle import Mesh
     from treadle.errors import TreadleError
@@ -124,6 +156,8 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
             add("TP + half ckpt", lambda s: meg(s, tp=ax, checkpoint_fraction=0.5))
             add("TP + SP", lambda s: meg(s, tp=ax, sequence_parallel=True))
             add("TP + SP + ckpt", lambda s: meg(s, tp=ax, sequence_parallel=True, checkpoint_fraction=1.0))
+    if pipeline:
+        out += pipeline_schedules(model_name, math.prod(shape), batch, seq)
     model, inputs = make_model(model_name, batch, seq)
     try:
         free = plan_model(model, inputs, cluster=cluster, price_top=PRICE_TOP)
@@ -177,11 +211,55 @@ def build_rank(model_name: str, batch: int, seq: int, text: str):
     model, inputs = make_model(model_name, batch, seq)
     sch = load_schedule(model, text)
     dp = sch._state.data_parallel
-    m = build(sch)
+    m = build(sch)  # a pipeline: a PipelineModel, stepped on the whole batch (`_train_step`)
     if dp is not None:
         n, i = dp.size(sch.mesh), dp.local_index(sch.mesh)
         inputs = {k: v.chunk(n)[i] for k, v in inputs.items()}
     return m, inputs, adamw(m.parameters(), lr=1e-5)  # as treadle.train makes it (NOTE [fused optimizer])
+
+
+def _train_step(m, inputs) -> None:
+    """Forward and backward of one step: a pipeline's `.step` on the whole batch, else forward then backward."""
+    if hasattr(m, "local_stage_indices"):
+        m.step(**inputs)
+    else:
+        m(**inputs).loss.backward()
+
+
+def _saved_in_flight(m, inputs) -> int:
+    """The most bytes autograd holds saved at once during a pipeline's step on this rank (storages once,
+    parameters excluded; each freed when its last saved tensor is): the micro-batches in flight."""
+    import weakref
+
+    params = {id(p.untyped_storage()) for p in m.parameters()}
+    held: dict[int, int] = {}
+    refs: dict[int, int] = {}
+    live = peak = 0
+
+    def release(key: int) -> None:
+        nonlocal live
+        refs[key] -= 1
+        if refs[key] == 0:
+            live -= held.pop(key)
+
+    def pack(t):
+        nonlocal live, peak
+        st = t.untyped_storage()
+        key = id(st)
+        if key in params or isinstance(t, torch.nn.Parameter):
+            return t
+        if key not in held:
+            held[key], refs[key] = st.nbytes(), 0
+            live += st.nbytes()
+            peak = max(peak, live)
+        refs[key] += 1
+        box = [t]
+        weakref.finalize(box, release, key)
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b[0] if isinstance(b, list) else b):
+        m.step(**inputs)
+    return peak
 
 
 def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, scheds: list, steps: int,
@@ -192,7 +270,8 @@ def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, 
     built = []
     for label, text in scheds:
         m, inputs, opt = build_rank(model_name, batch, seq, text)
-        saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)
+        # also the warm-up step (DDP rebuilds its buckets after it)
+        saved = _saved_in_flight(m, inputs) if hasattr(m, "local_stage_indices") else _saved_bytes(m, inputs)
         opt.step()
         opt.zero_grad(set_to_none=True)
         built.append((label, m, inputs, opt, saved))
@@ -203,7 +282,7 @@ def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, 
             for _ in range(steps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                m(**inputs).loss.backward()
+                _train_step(m, inputs)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 dt = torch.tensor([time.perf_counter() - t0])
@@ -268,7 +347,10 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
     (RESULTS / f"cluster_{config}.json").write_text(cluster.to_json())  # the calibrated cluster, to re-price
     print(f"\n{model_name} batch {args.batch} x seq {args.seq}, gloo {config} ({world} ranks); "
           f"{cluster.rank_device().source}", flush=True)
-    scheds = schedules(model_name, shape, names, args.batch, args.seq, cluster, args.quick)
+    scheds = schedules(model_name, shape, names, args.batch, args.seq, cluster, args.quick,
+                       pipeline=getattr(args, "pipeline", False) or getattr(args, "only_pipeline", False))
+    if getattr(args, "only_pipeline", False):
+        scheds = [(label, t) for label, t in scheds if label.startswith(("PP", "DDP"))]
     for label, other in (extra(Mesh(shape, names)) if extra is not None else []):  # more planners (bench_planner_gloo)
         model, inputs = make_model(model_name, args.batch, args.seq)
         try:
@@ -286,9 +368,14 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
             continue
         priced.append((label, text))
         state = p.grad_bytes * 2 + p.grad_bytes / 4 * 8  # params + grads (fp32) + AdamW moments
-        rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": p.activation_bytes + state,
+        act = p.activation_bytes
+        if p.pipeline is not None:  # rank 0 is measured: its stages' gradients, its micro-batches in flight
+            r0 = p.pipeline["ranks"]["0"]
+            g0 = sum(st["grad_bytes"] for st in p.pipeline["stages"] if st["rank"] == 0)
+            state, act = g0 * 2 + g0 / 4 * 8, r0["activation_bytes"]
+        rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": act + state,
                      "predicted_peak_bytes": p.peak_bytes,
-                     "predicted_saved_bytes": p.activation_bytes, "exposed_comm_s": p.exposed_comm_s})
+                     "predicted_saved_bytes": act, "exposed_comm_s": p.exposed_comm_s})
     res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
                 timeout_s=3000)
     r0 = res[0]
@@ -371,6 +458,8 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None,
                     help="rounds visiting every schedule, order alternating (default 8; --quick 2)")
     ap.add_argument("--nominal-cpu", action="store_true", help="use the nominal CPU_CORE instead of calibrating")
+    ap.add_argument("--pipeline", action="store_true", help="add the pipelines of PIPELINES (PP2, PP4, PP2 x TP2)")
+    ap.add_argument("--only-pipeline", action="store_true", help="the pipelines and DDP only")
     ap.add_argument("--rounds", type=int, default=15, help="calibration sweeps (default 15; treadle plan takes 5)")
     args = ap.parse_args()
     args.seq = args.seq or (32 if args.quick else 64)
