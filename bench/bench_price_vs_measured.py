@@ -226,6 +226,15 @@ def _train_step(m, inputs) -> None:
         m(**inputs).loss.backward()
 
 
+class _Box:
+    """A saved tensor as autograd holds it between pack and its release (weakly referable)."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 def _saved_in_flight(m, inputs) -> int:
     """The most bytes autograd holds saved at once during a pipeline's step on this rank (storages once,
     parameters excluded; each freed when its last saved tensor is): the micro-batches in flight."""
@@ -253,11 +262,11 @@ def _saved_in_flight(m, inputs) -> int:
             live += st.nbytes()
             peak = max(peak, live)
         refs[key] += 1
-        box = [t]
+        box = _Box(t)
         weakref.finalize(box, release, key)
         return box
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b[0] if isinstance(b, list) else b):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t if isinstance(b, _Box) else b):
         m.step(**inputs)
     return peak
 
