@@ -72,6 +72,23 @@ def test_orders_a_schedule_cannot_run_are_refused():
         action_order("interleaved_1f1b", 3, 2, 4)
 
 
+def test_each_rehearsed_record_goes_to_the_stage_that_runs_it():
+    """Blocks by index; other ops by where they ran: a module that runs before and after the blocks (a model's
+    own forward: embeddings added, then the output reshaped) belongs to the first stage before and to the last
+    after, and backward mirrors forward."""
+    from types import SimpleNamespace as R
+
+    from treadle.forms.pipeline.facts import stage_of_records
+
+    fwd = ["transformer", "transformer.wte", "transformer", "transformer.h.0.attn", "transformer.h.1.mlp",
+           "transformer.h.2", "transformer.h.3.mlp", "transformer", "transformer.ln_f", "lm_head", ""]
+    recs = [R(module=m, phase="forward") for m in fwd] + [R(module=m, phase="backward") for m in reversed(fwd)]
+    recs.insert(len(fwd) + 5, R(module="transformer.h.2.attn", phase="recompute"))
+    got = stage_of_records(recs, ["transformer.h.1"])
+    assert got[: len(fwd)] == [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert got[len(fwd):] == [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # the recomputed block 2 is stage 1's
+
+
 # ----------------------------------------------------------------------------------------------- timeline
 def _uniform(n: int, f: float, b: float) -> dict:
     return {(s, k): (f if k == "F" else b) for s in range(n) for k in "FB"}

@@ -122,35 +122,24 @@ def stage_ranks(order: dict[int, list[Action]]) -> dict[int, int]:
 
 def stage_of_records(records, cuts: list[str]) -> list[int]:
     """The stage of each rehearsed record (a whole step of the unpipelined model, in op order): the blocks of the
-    cut container by their index (a cut after element k ends a stage); a module outside the container belongs
-    to the first stage when its forward ran before the container's first block (embeddings, masks), else to the
-    last (final norm, head, loss); backward and recomputation go to the stage of their module's forward, and a
-    record whose module never ran forward to the stage of the last record before it."""
+    cut container by their index (a cut after element k ends a stage); any other op by where it ran — in
+    forward, before the container's first block (embeddings, masks) the first stage, after it (final norm, head,
+    loss) the last; in backward, mirrored: before the first block's backward the last stage, after it the
+    first."""
     container = cuts[0].rpartition(".")[0]
     bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
     n_last = len(bounds)
     prefix = container + "."
-
-    def block_stage(path: str) -> int | None:
-        if not path.startswith(prefix):
-            return None
-        k = int(path[len(prefix):].split(".", 1)[0])
-        return sum(1 for b in bounds if k > b)
-
-    of_module: dict[str, int] = {}
-    seen_block = False
+    seen = {"forward": False, "backward": False}
     out: list[int] = []
-    prev = 0
     for r in records:
-        s = block_stage(r.module)
-        if s is not None:
-            seen_block = seen_block or r.phase == "forward"
-        elif r.phase == "forward":
-            s = of_module.get(r.module, n_last if seen_block else 0)
+        phase = "forward" if r.phase == "forward" else "backward"
+        if r.module.startswith(prefix):
+            k = int(r.module[len(prefix):].split(".", 1)[0])
+            out.append(sum(1 for b in bounds if k > b))
+            seen[phase] = True
+        elif phase == "forward":
+            out.append(n_last if seen["forward"] else 0)
         else:
-            s = of_module.get(r.module, prev)
-        if r.phase == "forward":
-            of_module.setdefault(r.module, s)
-        out.append(s)
-        prev = s
+            out.append(0 if seen["backward"] else n_last)
     return out

@@ -122,7 +122,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         p2p[b] = send_recv_time_s(nbytes, link) if nbytes and pp > 1 else 0.0
     tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p)
     # ---- per stage: parameters, activations, transients
-    module_stage = _module_stages(recs, stage_of)
+    module_stage = _module_stages(recs, stage_of)  # a module outside the blocks: where its forward first ran
     container = cuts[0].rpartition(".")[0]
     bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
 
