@@ -255,7 +255,7 @@ def _saved_in_flight(m, inputs) -> int:
         nonlocal live, peak
         st = t.untyped_storage()
         key = id(st)
-        if key in params or isinstance(t, torch.nn.Parameter):
+        if key in params or isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
             return t
         if key not in held:
             held[key], refs[key] = st.nbytes(), 0
@@ -279,8 +279,12 @@ def _measure_rank(rank: int, world: int, model_name: str, batch: int, seq: int, 
     built = []
     for label, text in scheds:
         m, inputs, opt = build_rank(model_name, batch, seq, text)
-        # also the warm-up step (DDP rebuilds its buckets after it)
-        saved = _saved_in_flight(m, inputs) if hasattr(m, "local_stage_indices") else _saved_bytes(m, inputs)
+        if hasattr(m, "local_stage_indices"):  # its first step also infers the stages' shapes: measure the second
+            _train_step(m, inputs)
+            opt.zero_grad(set_to_none=True)
+            saved = _saved_in_flight(m, inputs)
+        else:
+            saved = _saved_bytes(m, inputs)  # also the warm-up step (DDP rebuilds its buckets after it)
         opt.step()
         opt.zero_grad(set_to_none=True)
         built.append((label, m, inputs, opt, saved))
