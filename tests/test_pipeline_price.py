@@ -214,3 +214,27 @@ def test_a_cut_without_pipeline_and_dp_beside_a_pipeline_are_refused():
     sch.data_parallel(axis="dp")
     with pytest.raises(PlanError, match="data_parallel .* beside a pipeline is not built yet"):
         treadle.price(sch, _inputs(), _cluster((2, 2)))
+
+
+# ----------------------------------------------------------------------------------------------- pictures
+def test_the_predicted_pipeline_timeline_has_a_track_per_rank_and_visible_bubbles(priced, tmp_path):
+    from treadle.viz import chrome_trace
+    from treadle.viz.chrome import track_names, validate_chrome_trace
+    from treadle.viz.price_timeline import timeline_from_price
+
+    p = priced["1f1b"]
+    tl = timeline_from_price(p)  # dispatches on the price's pipeline entry
+    assert tl.tracks[:2] == ["pp rank 0 (stage 0)", "pp rank 1 (stage 1)"]
+    assert {"send s0->s1", "send s1->s0"} <= set(tl.tracks)
+    for track in tl.tracks[:2]:  # each rank's slices cover the step end to end
+        assert sum(s.duration_s for s in tl.spans if s.track == track) == pytest.approx(p.step_s)
+    names = {s.name for s in tl.spans}
+    assert {"F0 s0", "B3 s1", "optimizer", "bubble"} <= names
+    bubble = sum(s.duration_s for s in tl.spans if s.phase == "bubble" and s.track == tl.tracks[0])
+    assert bubble > 0 and "bubble" in tl.title and "1f1b over pp=2" in tl.title
+    doc = chrome_trace(tl)
+    assert validate_chrome_trace(doc) == []
+    assert "pp rank 1 (stage 1)" in track_names(doc).values()
+    inter = timeline_from_price(priced["interleaved"].to_dict())
+    assert inter.tracks[0] == "pp rank 0 (stages 0, 2)"
+    assert validate_chrome_trace(chrome_trace(inter)) == []

@@ -70,6 +70,10 @@ def timeline_from_price(price: Any, *, title: str | None = None, world_size: int
     device's). Raises ValueError when the price holds no segments (a price dict of another format) or its
     slices do not add up to its `step_s` (within 1e-6 relative: a hand-edited price)."""
     p = _as_dict(price)
+    if p.get("pipeline"):  # one track per pp rank (NOTE [pipeline timeline])
+        from .pipeline_timeline import timeline_from_pipeline
+
+        return timeline_from_pipeline(p, title=title, budget_bytes=budget_bytes)
     segs = p.get("segments")
     if not segs:
         raise ValueError("timeline_from_price: the price holds no 'segments' (write it with "
