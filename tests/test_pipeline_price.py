@@ -238,3 +238,38 @@ def test_the_predicted_pipeline_timeline_has_a_track_per_rank_and_visible_bubble
     inter = timeline_from_price(priced["interleaved"].to_dict())
     assert inter.tracks[0] == "pp rank 0 (stages 0, 2)"
     assert validate_chrome_trace(chrome_trace(inter)) == []
+
+
+def test_price_lines_say_the_bubble_and_each_stage(priced):
+    from treadle.planner.explain import price_lines
+
+    p = priced["1f1b"].to_dict()
+    lines = price_lines(p)
+    assert lines[0].startswith("pipeline 1f1b over pp=2, 2 stages, 4 micro-batches: bubble "
+                               f"{p['pipeline']['bubble_fraction'] * 100:.1f}% of rank time")
+    assert "critical path 0F0 " in lines[0]
+    assert lines[1].startswith("per stage and micro-batch, ms: s0 (rank 0) F ") and "send 8 KiB" in lines[1]
+    assert lines[2].startswith(f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f}")
+
+
+def test_treadle_price_prints_and_draws_a_pipeline(tmp_path, capsys):
+    import json
+
+    from treadle.cli import main
+    from treadle.models.zoo import named_model
+    from treadle.viz.chrome import validate_chrome_trace
+
+    model, inputs = named_model("tiny-gpt2", batch=8, seq=32)
+    sch = create_schedule(model, mesh=Mesh((2,), ("pp",)))
+    sch[f"transformer.h.{len(model.transformer.h) // 2 - 1}"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=4, example_inputs=inputs)
+    path = tmp_path / "pp.json"
+    path.write_text(sch.to_json())
+    trace, html = tmp_path / "pp.trace.json", tmp_path / "pp.html"
+    assert main(["price", str(path), "--model", "tiny-gpt2", "--cluster", "2:cpu", "--batch", "8", "--seq", "32",
+                 "--trace", str(trace), "--html", str(html)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pipeline 1f1b over pp=2, 2 stages, 4 micro-batches: bubble" in out
+    assert validate_chrome_trace(json.loads(trace.read_text())) == []
+    page = html.read_text()
+    assert "pp=2 pipeline" in page and "pp rank 1 (stage 1)" in page and "bubble" in page

@@ -120,7 +120,8 @@ def _mesh_roles(sch) -> str:
     tensor |= {sy.axis for sy in v.syncs if sy.axis} | {a for _, _, a in v.shard_attrs}
     tensor |= {a for _, a, _ in v.reduce_grads}
     data = set(v.data_parallel.axes) if v.data_parallel is not None else set()
-    return mesh_roles_text(v.mesh.names, v.mesh.shape, data_axes=data, tensor_axes=tensor)
+    pipe = {v.extras["pipeline"]["axis"]} if v.extras.get("pipeline") else set()
+    return mesh_roles_text(v.mesh.names, v.mesh.shape, data_axes=data, tensor_axes=tensor, pipeline_axes=pipe)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

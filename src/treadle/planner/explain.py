@@ -166,7 +166,8 @@ def price_lines(p: dict) -> list[str]:
     unit = _mem_unit([p["peak_bytes"]])
     hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
     dev = p["device"]["name"] if isinstance(p.get("device"), dict) else str(p.get("device", ""))
-    return [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms = compute "
+    pipe = _pipeline_lines(p["pipeline"]) if p.get("pipeline") else []
+    return pipe + [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms = compute "
             f"{p['compute_s'] * 1e3:.3f} + recompute {p['recompute_s'] * 1e3:.3f} + exposed comm "
             f"{p['exposed_comm_s'] * 1e3:.3f} ms; comm (total, before overlap) {p['comm_s'] * 1e3:.3f} ms, of which "
             f"{hidden * 1e3:.3f} hidden behind compute",
@@ -174,6 +175,23 @@ def price_lines(p: dict) -> list[str]:
             f" + activations {p['activation_bytes'] / unit[1]:.3f} + transient {p['transient_bytes'] / unit[1]:.3f} "
             f"{unit[0]}",
             f"MFU {p['mfu'] * 100:.1f}% (price, on {dev})"]
+
+
+def _pipeline_lines(pi: dict) -> list[str]:
+    """A priced pipeline in two lines (NOTE [pipeline price]): its bubble and critical path; each stage's
+    forward / backward per micro-batch and its send. The step and memory lines after them are the slowest rank's
+    and the largest rank's, whose exposed comm holds the bubble."""
+    ranks = pi["ranks"]
+    slow, big = str(pi["slowest_rank"]), str(pi["largest_rank"])
+    stages = "; ".join(f"s{s['stage']} (rank {s['rank']}) F {s['forward_s'] * 1e3:.3f} B {s['backward_s'] * 1e3:.3f}"
+                       + (f" W {s['weight_s'] * 1e3:.3f}" if s.get("weight_s") else "")
+                       + (f" send {s['send_bytes'] / 2**10:.0f} KiB {s['send_s'] * 1e3:.3f}" if s.get("send_s") else "")
+                       for s in pi["stages"])
+    return [f"pipeline {pi['schedule']} over {pi['axis']}={len(ranks)}, {pi['n_stages']} stages, "
+            f"{pi['n_microbatches']} micro-batches: bubble {pi['bubble_fraction'] * 100:.1f}% of rank time "
+            f"({pi['bubble_s'] * 1e3:.3f} ms on the slowest, rank {slow}; in its exposed comm below); peak on rank "
+            f"{big}; critical path {' '.join(pi['critical_path'])}",
+            f"per stage and micro-batch, ms: {stages}"]
 
 
 def explain_text(plan, *, top: int | None = None) -> str:

@@ -129,13 +129,14 @@ def timeline_from_price(price: Any, *, title: str | None = None, world_size: int
 
 def mesh_roles_text(names: list[str] | tuple[str, ...], shape: list[int] | tuple[int, ...], *,
                     data_axes: set[str] | frozenset[str] = frozenset(), tensor_axes: set[str] | frozenset[str] =
-                    frozenset()) -> str:
-    """Every axis of a mesh with what it does: 'dp=2 data-parallel x tp=2 tensor' (an axis neither data- nor
-    tensor-parallel is 'replicated'; a size-1 axis just its size)."""
+                    frozenset(), pipeline_axes: set[str] | frozenset[str] = frozenset()) -> str:
+    """Every axis of a mesh with what it does: 'dp=2 data-parallel x tp=2 tensor', 'pp=2 pipeline' (an axis
+    with none of these roles is 'replicated'; a size-1 axis just its size)."""
     def role(a: str, n: int) -> str:
         if n == 1:
             return f"{a}=1"
-        kind = ("data-parallel" + (" + tensor" if a in tensor_axes else "") if a in data_axes else
+        kind = ("pipeline" if a in pipeline_axes else
+                "data-parallel" + (" + tensor" if a in tensor_axes else "") if a in data_axes else
                 "tensor" if a in tensor_axes else "replicated")
         return f"{a}={n} {kind}"
     return " x ".join(role(a, n) for a, n in zip(names, shape))
