@@ -28,8 +28,16 @@ def _inputs():
     return {**inp, "use_cache": False}
 
 
-def _reference() -> dict:
+def _model(untied: bool = False):
     model = tiny_gpt2(4)
+    if untied:  # the head its own weight, equal to the embedding's at the start
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return model
+
+
+def _reference(untied: bool = False) -> dict:
+    model = _model(untied)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = {"losses": [], "grads": []}
     for _ in range(STEPS):
@@ -47,7 +55,7 @@ def _reference() -> dict:
 def _pp_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
     results = []
     for case in cases:
-        model = tiny_gpt2(4)
+        model = _model(case.get("untied", False))
         mesh = Mesh(tuple(case["mesh"]), tuple(case["names"]))
         sch = create_schedule(model, mesh=mesh)
         if "tp" in case["names"]:
@@ -188,3 +196,41 @@ def test_stage_io_found_by_liveness_and_numerics_of_the_split():
         loss = loss_gm(logits, inp["labels"])
         ref = model(**inp).loss
     torch.testing.assert_close(loss, ref)
+
+
+def _pp_build_error(rank: int, world: int, kind: str) -> str:
+    sch = create_schedule(_model(), mesh=Mesh((2,), ("pp",)))
+    for c in (0, 1, 2):
+        sch[f"transformer.h.{c}"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule=kind, n_microbatches=4, example_inputs=_inputs())
+    try:
+        treadle.build(sch)
+    except treadle.BuildError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.slow
+def test_pipeline_world2_looped_zero_bubble_and_v_schedules(reference):
+    """The other schedules of torch.distributed.pipelining, built and trained: looped BFS and interleaved zero
+    bubble (4 stages in a loop), ZBV and DualPipeV (4 stages in a V: rank 0 holds stages 0 and 3, so GPT-2's
+    head is untied from its embedding here, see the next test)."""
+    cases = [dict(mesh=[2], names=["pp"], cuts=[0, 1, 2], schedule=k, mb=4, untied=k in ("zbv", "dualpipev"))
+             for k in ("looped_bfs", "interleaved_zb", "zbv", "dualpipev")]
+    out = spawn(_pp_rank, 2, cases, timeout_s=300)
+    untied = _reference(untied=True)
+    for i, case in enumerate(cases):
+        per_rank = [out[r][i] for r in range(2)]
+        _check(case, per_rank, untied if case["untied"] else reference, Mesh((2,), ("pp",)))
+    assert out[0][0]["stages"] == [0, 2] and out[0][2]["stages"] == [0, 3] and out[1][3]["stages"] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_v_schedule_refuses_a_parameter_two_stages_of_one_rank_share():
+    """ZBV puts the tied embedding (stage 0) and head (stage 3) on rank 0; torch's split backward cannot
+    share one weight between two stages of a rank (its gradient came out wrong), so build refuses, naming it."""
+    (err, _) = spawn(_pp_build_error, 2, "zbv", timeout_s=120)
+    assert err == ("pipeline: schedule 'zbv' places stages 0 and 3 on one rank and both read "
+                   "transformer.wte.weight; its split backward (input, then weight gradients) cannot share a "
+                   "parameter between two stages of a rank; untie it, or use a schedule that places them on "
+                   "different ranks (interleaved_1f1b, looped_bfs)")

@@ -55,6 +55,9 @@ def test_multi_stage_orders_are_the_schedule_classes_own(kind):
         for mb in range(4):
             assert Action(s, "F", mb) in every
             assert Action(s, "B", mb) in every or {Action(s, "I", mb), Action(s, "W", mb)} <= every
+    from treadle.runtime.pipeline import stage_rank
+
+    assert ranks == {s: stage_rank(kind, s, 2) for s in range(4)}  # the order places stages as build does
     if kind in ("zbv", "dualpipev"):
         assert ranks[0] == ranks[3] == 0  # V placement
     else:
@@ -273,3 +276,19 @@ def test_treadle_price_prints_and_draws_a_pipeline(tmp_path, capsys):
     assert validate_chrome_trace(json.loads(trace.read_text())) == []
     page = html.read_text()
     assert "pp=2 pipeline" in page and "pp rank 1 (stage 1)" in page and "bubble" in page
+
+
+def test_the_price_refuses_what_build_refuses_and_prices_the_v_schedules():
+    with pytest.raises(PlanError, match="schedule 'zbv' places stages 0 and 3 on one rank and both read "
+                                        "transformer.wte.weight"):
+        treadle.price(_pipelined((2,), ("pp",), "zbv", [0, 1, 2]), _inputs(), _cluster((2,)))
+    model = tiny_gpt2(4)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    sch = create_schedule(model, mesh=Mesh((2,), ("pp",)))
+    for c in (0, 1, 2):
+        sch[f"transformer.h.{c}"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule="zbv", n_microbatches=4, example_inputs=_inputs())
+    p = treadle.price(sch, _inputs(), _cluster((2,)))
+    assert p.pipeline["ranks"]["0"]["stages"] == [0, 3] and p.pipeline["stages"][3]["weight_s"] > 0
+    assert {s["kind"] for s in p.pipeline["slots"]} == {"F", "I", "W"}

@@ -299,11 +299,46 @@ def _capture_root(builder) -> None:
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
 
+# schedule name -> torch.distributed.pipelining class
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+V_SCHEDULES = ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input- and weight-gradient backward apart
+
+
+def stage_rank(schedule: str, stage: int, pp: int) -> int:
+    """The pp rank that holds `stage` under `schedule`: in a V for zbv / dualpipev (rank r holds r and
+    2 pp - 1 - r), else in a loop (stage mod pp) — as torch.distributed.pipelining places them."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def split_backward_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]]) -> str | None:
+    """Why `schedule` cannot run these stages, or None: a split-backward schedule (input, then weight gradients,
+    per stage, around each weight's one gradient accumulator) on which two stages of one rank read one parameter
+    (`readers`: (parameter name, the stages that read it)) — its gradient comes out wrong in torch 2.13."""
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    for name, stages in sorted(readers, key=lambda r: r[0]):
+        by_rank: dict[int, list[int]] = {}
+        for s in sorted(stages):
+            by_rank.setdefault(stage_rank(schedule, s, pp), []).append(s)
+        for same in by_rank.values():
+            if len(same) > 1:
+                return (f"schedule {schedule!r} places stages {same[0]} and {same[1]} on one rank and both read "
+                        f"{name}; its split backward (input, then weight gradients) cannot share a parameter "
+                        f"between two stages of a rank; untie it, or use a schedule that places them on different "
+                        f"ranks (interleaved_1f1b, looped_bfs)")
+    return None
+
+
 def _wrap_pipeline(builder) -> PipelineModel | None:
     cfg = builder.v.extras.get("pipeline")
     if cfg is None:
         return None
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 
     gm, names, constants = builder.scratch["_pipeline_graph"]
     cuts = builder.v.extras["pipeline_cuts"]
@@ -312,33 +347,43 @@ def _wrap_pipeline(builder) -> PipelineModel | None:
     pp = builder.sizes[axis]
     rank_pp = builder.coords[axis]
     n = len(stages)
-    local = [i for i in range(n) if i % pp == rank_pp]
+    kind = cfg["schedule"]
+    local = [i for i in range(n) if stage_rank(kind, i, pp) == rank_pp]
     group = builder.group(axis)
     device = builder.mesh.device
     pstages = [PipelineStage(stages[i].module, i, n, device, group=group) for i in local]
     loss_fn = _LossFn(loss_gm) if loss_gm is not None else (lambda out, tgt: out if not isinstance(out, tuple) else out[0])
-    kind = cfg["schedule"]
     mbs = cfg["n_microbatches"]
-    if kind == "interleaved_1f1b":
-        sched = ScheduleInterleaved1F1B(pstages, mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
-    elif len(pstages) != 1:
-        raise BuildError(f"pipeline: schedule {kind!r} runs one stage per rank; {n} stages on {pp} ranks need "
-                         f"'interleaved_1f1b'")
-    elif kind == "gpipe":
-        sched = ScheduleGPipe(pstages[0], mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
+    cls = getattr(torch_schedules, SCHEDULE_CLASSES[kind])
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        if len(pstages) != 1:
+            raise BuildError(f"pipeline: schedule {kind!r} runs one stage per rank; {n} stages on {pp} ranks need "
+                             f"'interleaved_1f1b'")
+        sched = cls(pstages[0], mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
     else:
-        sched = Schedule1F1B(pstages[0], mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
+        try:
+            sched = cls(pstages, mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
+        except (ValueError, RuntimeError) as exc:
+            raise BuildError(f"pipeline: {SCHEDULE_CLASSES[kind]} with {n} stages on {pp} ranks and {mbs} "
+                             f"micro-batches: {exc}") from exc
     # parameters read by stages that live on different ranks (tied embeddings)
     holders: dict[int, set[int]] = {}
     names_by_id: dict[int, str] = {}
     for st in stages:
         for pn, p in st.module.named_parameters():
-            holders.setdefault(id(p), set()).add(st.index % pp)
+            holders.setdefault(id(p), set()).add(stage_rank(kind, st.index, pp))
             names_by_id.setdefault(id(p), pn)
+    readers: dict[int, tuple[str, set[int]]] = {}
+    for st in stages:
+        for pn, p in st.module.named_parameters():
+            readers.setdefault(id(p), (pn, set()))[1].add(st.index)
+    conflict = split_backward_conflict(kind, pp, list(readers.values()))
+    if conflict:
+        raise BuildError(f"pipeline: {conflict}")
     objs = {id(p): p for st in stages for p in st.module.parameters()}
     tied_ids = sorted((i for i, r in holders.items() if len(r) > 1), key=names_by_id.__getitem__)
     tied = [names_by_id[i] for i in tied_ids]
-    last_rank_pp = (n - 1) % pp
+    last_rank_pp = stage_rank(kind, n - 1, pp)
     coords = dict(builder.coords)
     coords[axis] = last_rank_pp
     last_global = _rank_of(builder, coords)

@@ -50,7 +50,11 @@ def _layer(name: str) -> Any:
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# one stage per rank: gpipe, 1f1b; several, placed in a loop: interleaved_1f1b, looped_bfs, interleaved_zb (zero
+# bubble: backward split into input and weight gradients); two, placed in a V (rank r holds r and 2 pp - 1 - r):
+# zbv, dualpipev — each run by torch.distributed.pipelining's class of that schedule
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+_V_SCHEDULES = ("zbv", "dualpipev")
 
 
 # ------------------------------------------------------------------------------------------ example inputs
@@ -345,8 +349,10 @@ class GraphPrimitives:
         """Run the model as a pipeline over mesh axis `axis`, cut where `cut_pipeline_stage` was applied.
         `build` then returns a `treadle.runtime.pipeline.PipelineModel` (``.step(**inputs)`` trains one batch).
 
-        `schedule`: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (when each rank holds several stages,
-        i.e. stages = k x axis size; chosen automatically for k > 1). `example_inputs`: keyword inputs of
+        `schedule`: ``"gpipe"``, ``"1f1b"`` (one stage per rank), ``"interleaved_1f1b"`` (when each rank holds
+        several stages, i.e. stages = k x axis size; chosen automatically for k > 1 in place of the first two),
+        ``"looped_bfs"``, ``"interleaved_zb"`` (zero bubble), ``"zbv"`` or ``"dualpipev"`` (two stages per rank
+        in a V) — torch.distributed.pipelining's schedules of those names. `example_inputs`: keyword inputs of
         the model for one *whole batch* (their shapes fix the micro-batch shape, batch / `n_microbatches`).
         `target`: the input that only the loss reads (sent to the last stage, not through the pipe).
         `scale_grads`: divide gradients by `n_microbatches` (torch.distributed.pipelining's default), so
@@ -374,7 +380,10 @@ class GraphPrimitives:
                                     f"{n_microbatches}")
         if target is not None and target not in example_inputs:
             raise ScheduleError(f"pipeline: target {target!r} is not among the example inputs {sorted(example_inputs)}")
-        if n_stages // pp > 1 and schedule != "interleaved_1f1b":
+        if schedule in _V_SCHEDULES and n_stages != 2 * pp:
+            raise ScheduleError(f"pipeline: schedule {schedule!r} places two stages on each rank of {axis!r} in a V; "
+                                f"{n_stages} stages on {pp} ranks need {2 * pp}")
+        if n_stages // pp > 1 and schedule in ("gpipe", "1f1b"):
             logger.info("pipeline: %d stages on %d ranks: using interleaved_1f1b", n_stages, pp)
             schedule = "interleaved_1f1b"
         self._state.extras["pipeline"] = dict(axis=axis, schedule=schedule, n_microbatches=n_microbatches,

@@ -20,10 +20,8 @@ from types import SimpleNamespace
 
 from ...errors import PlanError
 
-# schedule name (as `Schedule.pipeline(schedule=...)` and the price take it) -> torch.distributed.pipelining class
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                    "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
-                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+from ...runtime.pipeline import SCHEDULE_CLASSES  # schedule name -> the class build runs (one table)
+
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 COMPUTE = ("F", "B", "I", "W")
 

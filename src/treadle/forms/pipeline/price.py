@@ -37,6 +37,7 @@ from ...pricing.rehearsal import rehearse
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
+from ...runtime.pipeline import split_backward_conflict
 from .facts import action_order, stage_of_records, stage_ranks
 from .timeline import simulate
 
@@ -140,6 +141,12 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     for name, p in reh.model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), set()).add(param_stage(name))
         objs[id(p)] = p
+    names = {}
+    for name, p in reh.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    conflict = split_backward_conflict(kind, pp, [(names[i], st) for i, st in holders.items()])
+    if conflict:  # what build refuses is not priced
+        raise PlanError(f"price: {conflict}")
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
     saved = [0.0] * n_stages
