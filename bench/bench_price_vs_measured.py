@@ -74,7 +74,10 @@ def make_model(name: str, batch: int, seq: int):
 # ----------------------------------------------------------------------------------------------- schedules
 PIPELINES = {  # world -> [(label, mesh shape, mesh names, schedule, cuts after these blocks)]; 4 micro-batches
     2: [("PP2 GPipe", (2,), ("pp",), "gpipe", [1]), ("PP2 1F1B", (2,), ("pp",), "1f1b", [1]),
-        ("PP2 interleaved (4 stages)", (2,), ("pp",), "interleaved_1f1b", [0, 1, 2])],
+        ("PP2 interleaved (4 stages)", (2,), ("pp",), "interleaved_1f1b", [0, 1, 2]),
+        ("PP2 interleaved ZB (4 stages)", (2,), ("pp",), "interleaved_zb", [0, 1, 2]),
+        ("PP2 ZBV (4 stages)", (2,), ("pp",), "zbv", [0, 1, 2]),
+        ("PP2 DualPipeV (4 stages)", (2,), ("pp",), "dualpipev", [0, 1, 2])],
     4: [("PP4 GPipe", (4,), ("pp",), "gpipe", [0, 1, 2]), ("PP4 1F1B", (4,), ("pp",), "1f1b", [0, 1, 2]),
         ("PP2 x TP2 GPipe", (2, 2), ("pp", "tp"), "gpipe", [1]), ("PP2 x TP2 1F1B", (2, 2), ("pp", "tp"), "1f1b", [1])],
 }
@@ -97,6 +100,14 @@ def pipeline_schedules(model_name: str, world: int, batch: int, seq: int) -> lis
         for c in cuts:
             sch[f"{_blocks(model_name)}.{c}"].cut_pipeline_stage()
         sch.pipeline(axis="pp", schedule=kind, n_microbatches=MICROBATCHES, example_inputs=inputs)
+        from treadle.runtime.pipeline import split_backward_conflict
+
+        tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        stages = {0, len(cuts)}  # the embedding's and the head's
+        why = split_backward_conflict(kind, shape[0], [("the tied embedding", stages)] if tied else [])
+        if why:  # build refuses it (GPT-2 ties its head to its embedding; the LLaMA here does not)
+            print(f"    skip {label}: {why}")
+            continue
         out.append((label, sch.to_json()))
     return out
 

@@ -58,6 +58,8 @@ def test_multi_stage_orders_are_the_schedule_classes_own(kind):
     from treadle.runtime.pipeline import stage_rank
 
     assert ranks == {s: stage_rank(kind, s, 2) for s in range(4)}  # the order places stages as build does
+    t = simulate(o, {(s, k): 1.0 for s in range(4) for k in "FBIW"}, stage_rank=ranks)  # runs to its end
+    assert len(t.critical_path) >= 2 * 4 and 0 <= t.bubble_fraction < 1
     if kind in ("zbv", "dualpipev"):
         assert ranks[0] == ranks[3] == 0  # V placement
     else:

@@ -3,8 +3,9 @@ action order]), an action starting when its rank is free and its inputs have arr
 
 NOTE [pipeline timeline]: the model, for actions A of stage s on micro-batch m:
 - F(s, m) needs F(s-1, m) and, when stage s-1 is on another rank, the activation's send on the pp link;
-- B(s, m) (full backward) and I(s, m) (input-gradient backward) need F(s, m) on this rank and B / I(s+1, m)
-  plus the gradient's send when s+1 is on another rank (the last stage's backward starts from its loss);
+- B(s, m) (full backward) and I(s, m) (input-gradient backward) need F(s, m) on this rank and the backward of
+  (s+1, m) — its I where the schedule splits that one, else its B (DualPipeV mixes both) — plus the gradient's
+  send when s+1 is on another rank (the last stage's backward starts from its loss);
 - W(s, m) (weight-gradient backward) needs I(s, m);
 - a rank runs one action at a time, in order, never ahead of it; a send does not hold the sender (it is
   issued when the action ends and arrives `p2p_s` later; a send between stages of one rank costs nothing).
@@ -60,7 +61,7 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
     nxt = {r: 0 for r in order}
     free = {r: 0.0 for r in order}
     last: dict[int, Action | None] = {r: None for r in order}
-    split = any(a.kind in ("I", "W") for acts in order.values() for a in acts)
+    present = {a for acts in order.values() for a in acts}
 
     def send(b: int, src: int, dst: int) -> float:
         return 0.0 if stage_rank[src] == stage_rank[dst] else p2p_s.get(b, 0.0)
@@ -73,9 +74,10 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
                 deps.append((Action(a.stage - 1, "F", a.mb), send(a.stage - 1, a.stage - 1, a.stage)))
         elif a.kind in ("B", "I"):
             deps.append((Action(a.stage, "F", a.mb), 0.0))
-            if a.stage < n_stages - 1:
-                up = Action(a.stage + 1, "I" if split and _has(order, a.stage + 1, "I") else "B", a.mb)
-                deps.append((up, send(a.stage, a.stage + 1, a.stage)))
+            if a.stage < n_stages - 1:  # the next stage's backward of this micro-batch, split or full
+                up = Action(a.stage + 1, "I", a.mb)
+                deps.append((up if up in present else Action(a.stage + 1, "B", a.mb),
+                             send(a.stage, a.stage + 1, a.stage)))
         elif a.kind == "W":
             deps.append((Action(a.stage, "I", a.mb), 0.0))
         t, by = 0.0, None
@@ -112,10 +114,6 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
     idle = sum(makespan - b for b in busy.values())
     bubble = idle / (makespan * len(order)) if makespan > 0 else 0.0
     return PipelineTimeline(slots, makespan, busy, bubble, _critical_path(slots, done))
-
-
-def _has(order: dict[int, list[Action]], stage: int, kind: str) -> bool:
-    return any(a.stage == stage and a.kind == kind for acts in order.values() for a in acts)
 
 
 def _critical_path(slots: dict[int, list[Slot]], done: dict[Action, float]) -> list[Action]:
