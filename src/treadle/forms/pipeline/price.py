@@ -17,8 +17,9 @@ everything else the log says apply as built). Each record of that step belongs t
 The timeline is `timeline.simulate` (NOTE [pipeline timeline]) over `facts.action_order`. A rank's step is its
 last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp;
 the price's step is the slowest rank's. A rank's peak is its static bytes, the largest sum over its stages of
-micro-batches in flight (forward done, backward not yet; a zero-bubble W frees them) times A_s as its actions
-run, and its largest stage transient with the other local stages' gradients.
+micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
+keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
+output bytes) — and its largest stage transient with the other local stages' gradients.
 """
 
 from __future__ import annotations
@@ -150,9 +151,12 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
     saved = [0.0] * n_stages
+    held = [0.0] * n_stages  # what a split backward keeps from I to W: the gradients of the weight ops' outputs
     for r, s in zip(recs, stage_of):
         if r.phase == "forward":
             saved[s] += r.saved_bytes
+            if r.op.startswith(_MATMUL):
+                held[s] += r.output_bytes
     grads = [0.0] * n_stages
     for i, stages in holders.items():
         p = objs[i]
@@ -184,7 +188,11 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             a = slot.action
             if a.kind == "F":
                 act += saved[a.stage]
-            elif a.kind == ("W" if split else "B") or (a.kind == "B" and split):
+            elif a.kind == "I":  # the graph is kept for W, with the output gradients W reads
+                act += held[a.stage]
+            elif a.kind == "W":
+                act -= saved[a.stage] + held[a.stage]
+            elif a.kind == "B":
                 act -= saved[a.stage]
             peak_act = max(peak_act, act)
         local_grads = sum(grads[s] for s in mine)
