@@ -94,6 +94,15 @@ def test_each_rehearsed_record_goes_to_the_stage_that_runs_it():
     assert got[len(fwd):] == [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # the recomputed block 2 is stage 1's
 
 
+def test_block_stage_reads_the_cut_container_even_at_the_root():
+    from treadle.forms.pipeline.facts import block_stage
+
+    cuts = ["model.layers.1", "model.layers.3"]
+    assert [block_stage(f"model.layers.{k}.mlp", cuts) for k in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert block_stage("model.embed_tokens", cuts) is None and block_stage("model.layers_norm", cuts) is None
+    assert [block_stage(p, ["0"]) for p in ("0", "0.lin", "1", "head")] == [0, 0, 1, None]  # a Sequential root
+
+
 # ----------------------------------------------------------------------------------------------- timeline
 def _uniform(n: int, f: float, b: float) -> dict:
     return {(s, k): (f if k == "F" else b) for s in range(n) for k in "FB"}

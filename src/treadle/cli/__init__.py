@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
-    for name, p in sub.choices.items():  # `treadle plan ... --debug` as well as `treadle --debug plan ...`
+    for p in sub.choices.values():  # `treadle plan ... --debug` as well as `treadle --debug plan ...`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the traceback of an error (treadle run: each failed rank's)")
     return parser

@@ -84,14 +84,15 @@ class _PriceDispatch(Dispatch):
         self.collectives.append((len(self.recorder.records), module, phase, kind, axis, float(nbytes)))
 
 
-def split_batch(inputs: dict, dp: int) -> dict:
-    """Rank 0's part of a global batch split over `dp` data-parallel replicas (dim 0 of every tensor)."""
+def split_batch(inputs: dict, dp: int, *, by: str | None = None) -> dict:
+    """Rank 0's part of a global batch split in `dp` (dim 0 of every tensor): over the data-parallel replicas,
+    or into micro-batches where `by` names what splits it ("n_microbatches=4")."""
     out = {}
     for k, v in inputs.items():
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and dp > 1:
             if v.shape[0] % dp:
-                raise PlanError(f"price: input {k!r} has batch {v.shape[0]}, not divisible by the data-parallel "
-                                f"axis of size {dp}; use a batch divisible by {dp}")
+                raise PlanError(f"price: input {k!r} has batch {v.shape[0]}, not divisible by "
+                                f"{by or f'the data-parallel axis of size {dp}'}; use a batch divisible by {dp}")
             v = v[: v.shape[0] // dp]
         out[k] = v
     return out

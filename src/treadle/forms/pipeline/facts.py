@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...errors import PlanError
-
 from ...runtime.pipeline import SCHEDULE_CLASSES  # schedule name -> the class build runs (one table)
 
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
@@ -118,23 +117,32 @@ def stage_ranks(order: dict[int, list[Action]]) -> dict[int, int]:
     return out
 
 
+def block_stage(path: str, cuts: list[str]) -> int | None:
+    """The stage of module `path` when it is (inside) an element of the cut container (a cut after element k
+    ends a stage), else None."""
+    container = cuts[0].rpartition(".")[0]
+    prefix = container + "." if container else ""  # "": the root itself is the sequential container
+    if not path.startswith(prefix):
+        return None
+    head = path[len(prefix):].split(".", 1)[0]
+    if not head.isdigit():
+        return None
+    return sum(1 for c in cuts if int(head) > int(c.rpartition(".")[2]))
+
+
 def stage_of_records(records, cuts: list[str]) -> list[int]:
     """The stage of each rehearsed record (a whole step of the unpipelined model, in op order): the blocks of the
-    cut container by their index (a cut after element k ends a stage); any other op by where it ran — in
-    forward, before the container's first block (embeddings, masks) the first stage, after it (final norm, head,
-    loss) the last; in backward, mirrored: before the first block's backward the last stage, after it the
-    first."""
-    container = cuts[0].rpartition(".")[0]
-    bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
-    n_last = len(bounds)
-    prefix = container + "."
+    cut container by their index (`block_stage`); any other op by where it ran — in forward, before the
+    container's first block (embeddings, masks) the first stage, after it (final norm, head, loss) the last; in
+    backward, mirrored: before the first block's backward the last stage, after it the first."""
+    n_last = len(cuts)
     seen = {"forward": False, "backward": False}
     out: list[int] = []
     for r in records:
         phase = "forward" if r.phase == "forward" else "backward"
-        if r.module.startswith(prefix):
-            k = int(r.module[len(prefix):].split(".", 1)[0])
-            out.append(sum(1 for b in bounds if k > b))
+        s = block_stage(r.module, cuts)
+        if s is not None:
+            out.append(s)
             seen[phase] = True
         elif phase == "forward":
             out.append(n_last if seen["forward"] else 0)

@@ -34,28 +34,15 @@ from ...profile.memory import buffer_bytes
 from ...profile.profiler import model_flops
 from ...profile.recorder import _tensors
 from ...profile.roofline import mfu as mfu_of
-from ...pricing.rehearsal import rehearse
+from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from ...runtime.pipeline import split_backward_conflict
-from .facts import action_order, stage_of_records, stage_ranks
+from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .timeline import simulate
 
 _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
-
-
-def micro_batch(inputs: dict, n_microbatches: int) -> dict:
-    """The first of `n_microbatches` micro-batches of a global batch (dim 0 of every tensor)."""
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1:
-            if v.shape[0] % n_microbatches:
-                raise PlanError(f"price: input {k!r} has batch {v.shape[0]}, not divisible by n_microbatches="
-                                f"{n_microbatches}")
-            v = v[: v.shape[0] // n_microbatches]
-        out[k] = v
-    return out
 
 
 def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price | None:
@@ -81,7 +68,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     hw = cluster.rank_hardware()
     loss_fn = options.get("loss_fn")
     useful = float(model_flops(v.reference, dict(example_inputs), loss_fn=loss_fn))
-    mb = micro_batch(dict(example_inputs), m)
+    mb = split_batch(dict(example_inputs), m, by=f"n_microbatches={m}")
     reh = rehearse(sch, mb, hw, loss_fn, gpu=not cluster.is_cpu(), unpipelined=True, watch=tuple(cuts))
     recs = reh.records
     stage_of = stage_of_records(recs, cuts)
@@ -125,25 +112,22 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p)
     # ---- per stage: parameters, activations, transients
     module_stage = _module_stages(recs, stage_of)  # a module outside the blocks: where its forward first ran
-    container = cuts[0].rpartition(".")[0]
-    bounds = sorted(int(c.rpartition(".")[2]) for c in cuts)
 
     def param_stage(name: str) -> int:
         mod = name.rpartition(".")[0]
-        if mod.startswith(container + "."):
-            k = int(mod[len(container) + 1:].split(".", 1)[0])
-            return sum(1 for b in bounds if k > b)
+        s = block_stage(mod, cuts)
+        if s is not None:
+            return s
         while mod and mod not in module_stage:
             mod = mod.rpartition(".")[0]
         return module_stage.get(mod, n_stages - 1)
 
-    holders: dict[int, set[int]] = {}
+    holders: dict[int, set[int]] = {}  # parameter -> the stages that read it (a tied one: several)
     objs: dict[int, torch.nn.Parameter] = {}
+    names: dict[int, str] = {}
     for name, p in reh.model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), set()).add(param_stage(name))
         objs[id(p)] = p
-    names = {}
-    for name, p in reh.model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     conflict = split_backward_conflict(kind, pp, [(names[i], st) for i, st in holders.items()])
     if conflict:  # what build refuses is not priced
@@ -233,11 +217,10 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             "critical_path": [str(a) for a in tl.critical_path], "stages": stages,
             "ranks": {str(r): d for r, d in ranks.items()}, "slots": slots}
     rb = ranks[big]
+    grad_b = sum(grads[s] for s in rb["stages"])
     return Price(step, compute, recompute, comm_total, exposed, max(0.0, comm_total - exposed), rb["peak_bytes"],
-                 rb["static_bytes"], rb["activation_bytes"], rb["transient_bytes"], sum(grads[s] for s in ranks[big]
-                                                                                       ["stages"]),
-                 mfu, useful, executed, cluster.rank_device(), f"pipeline {kind} over {axis}", rows, seg_dicts, [],
-                 info)
+                 rb["static_bytes"], rb["activation_bytes"], rb["transient_bytes"], grad_b, mfu, useful, executed,
+                 cluster.rank_device(), f"pipeline {kind} over {axis}", rows, seg_dicts, [], info)
 
 
 def _module_stages(records, stage_of: list[int]) -> dict[str, int]:
