@@ -100,7 +100,7 @@ def pipeline_schedules(model_name: str, world: int, batch: int, seq: int) -> lis
         for c in cuts:
             sch[f"{_blocks(model_name)}.{c}"].cut_pipeline_stage()
         sch.pipeline(axis="pp", schedule=kind, n_microbatches=MICROBATCHES, example_inputs=inputs)
-        from treadle.runtime.pipeline import split_backward_conflict
+        from treadle.forms.pipeline.runtime import split_backward_conflict
 
         tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
         stages = {0, len(cuts)}  # the embedding's and the head's

@@ -1,6 +1,6 @@
 """Pipeline parallelism on gloo: GPT-2 (4 layers) in 2 and 4 stages, GPipe / 1F1B / interleaved, and pp x tp.
 
-Reference semantics (NOTE [pipeline loss] in treadle.runtime.pipeline): the single-process model's loss on the
+Reference semantics (NOTE [pipeline loss] in treadle.forms.pipeline.runtime): the single-process model's loss on the
 whole batch is the mean over its tokens; every micro-batch holds the same number of tokens, so it equals the
 mean of the micro-batch losses. torch.distributed.pipelining sums the micro-batch gradients and, with
 ``scale_grads=True`` (its default), divides them by the micro-batch count: those are the gradients of the
@@ -81,8 +81,7 @@ def _pp_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
             opt.step()
             opt.zero_grad()
         res["tied"] = list(pipe.tied)
-        res["tied_final"] = {n: p.detach().clone() for n, p in params.items()
-                             if any(p is t for t in pipe._tied_params)}
+        res["tied_final"] = {n: p.detach().clone() for n, p in pipe.tied_params().items()}
         results.append(res)
     return results
 
@@ -176,7 +175,7 @@ def test_stage_io_found_by_liveness_and_numerics_of_the_split():
     """Only the hidden states cross the cut (positions and masks depend on no input: recomputed per stage);
     the last stage hands the logits to the loss; chaining the stage graphs gives the model's loss."""
     from treadle.graph.capture import capture_export
-    from treadle.runtime.pipeline import split_stages
+    from treadle.forms.pipeline.stages import split_stages
 
     model = tiny_gpt2(4)
     inp = {**lm_inputs(2, SEQ, seed=5), "use_cache": False}

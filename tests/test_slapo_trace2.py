@@ -11,7 +11,7 @@ from torch import nn
 import treadle
 from treadle import Mesh, ScheduleError, create_schedule
 from treadle.graph.capture import capture_export
-from treadle.runtime.pipeline import stage_leaves
+from treadle.forms.pipeline.stages import stage_leaves
 from treadle.testing import spawn
 
 VOCAB, DIM, BATCH, SEQ, MB = 32, 16, 4, 6, 2

@@ -12,11 +12,14 @@ How to add a form: `docs/architecture.md`.
 from __future__ import annotations
 
 from ..form import register_form
-from ..runtime import graph_steps as _graph_steps  # noqa: F401  (the graph and pipeline build steps come first)
+from ..runtime import graph_steps as _graph_steps  # noqa: F401  (the graph-level build steps come first)
 from ..runtime.steps import register_build_extension
 from . import data, pipeline, sequence, tensor, vocab
 
 for _form in (tensor, sequence, vocab, data, pipeline):
     register_form(_form.FORM)
+# build steps in the order build runs them: the pipeline's "wrap" before the data-parallel one, since a pipeline
+# wraps each of its stages under the data parallelism itself (the first "wrap" that returns a model wins)
+for _form in (tensor, sequence, vocab, pipeline, data):
     for _phase, _step in _form.BUILD_STEPS.items():
         register_build_extension(_phase, _step)

@@ -100,7 +100,5 @@ def _selective(builder) -> None:
                                                                            context_fn=ctx, **k)))
 
 
-from . import pipeline as _pipeline  # noqa: E402,F401  (registers the pipeline build steps)
-
 register_build_extension("pre_shard", _sync_decomposed)
 register_build_extension("post_hooks", _selective)

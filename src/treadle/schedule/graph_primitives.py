@@ -347,7 +347,7 @@ class GraphPrimitives:
                  example_inputs: dict[str, Any], target: str | None = "labels", scale_grads: bool = True
                  ) -> "Schedule":
         """Run the model as a pipeline over mesh axis `axis`, cut where `cut_pipeline_stage` was applied.
-        `build` then returns a `treadle.runtime.pipeline.PipelineModel` (``.step(**inputs)`` trains one batch).
+        `build` then returns a `treadle.forms.pipeline.runtime.PipelineModel` (``.step(**inputs)`` trains one batch).
 
         `schedule`: ``"gpipe"``, ``"1f1b"`` (one stage per rank), ``"interleaved_1f1b"`` (when each rank holds
         several stages, i.e. stages = k x axis size; chosen automatically for k > 1 in place of the first two),

@@ -19,29 +19,43 @@ def wrap_data_parallel(builder) -> nn.Module | None:
     flattened group of its axes; FSDP2 `fully_shard` (every ModuleList entry, then the root) on the flattened
     shard axes, or on a 2-D (replicate, shard) mesh for HSDP. None (nothing to wrap) without data parallelism
     over more than one rank."""
-    dp = builder.v.data_parallel
-    if dp is None:
+    if builder.v.data_parallel is None:
         return None
+    return wrap_module(builder, builder.model, fsdp_units(builder.model)[:-1])
+
+
+def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | None:
+    """`module` under the schedule's data parallelism: a DDP wrapper over the flattened group of its axes, or
+    `module` itself after FSDP2 `fully_shard` on each of `units` (submodule paths of `module`), then on it. None
+    for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
+    dp = builder.v.data_parallel
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
         group = builder.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(builder.mesh, dp.axes).get_group()
-        return nn.parallel.DistributedDataParallel(builder.model, process_group=group)
+        return nn.parallel.DistributedDataParallel(module, process_group=group)
     from torch.distributed.fsdp import fully_shard
 
+    kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
+    if builder.mp_policy is not None:
+        kw["mp_policy"] = builder.mp_policy
+    sub = fsdp_mesh(builder)
+    for path in units:
+        fully_shard(module.get_submodule(path), mesh=sub, **kw)
+    fully_shard(module, mesh=sub, **kw)
+    logger.info("data parallel: %s", dp)
+    return module
+
+
+def fsdp_mesh(builder):  # -> DeviceMesh
+    """The mesh FSDP2 shards on: the flattened shard axes, or (replicate, shard) for HSDP."""
+    dp = builder.v.data_parallel
     sub = dp_device_mesh(builder.mesh, dp.shard_axes)
     if dp.replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
         from torch.distributed.device_mesh import DeviceMesh
 
         sub = DeviceMesh._concatenate([dp_device_mesh(builder.mesh, dp.replicate_axes), sub])
-    kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
-    if builder.mp_policy is not None:
-        kw["mp_policy"] = builder.mp_policy
-    for path in fsdp_units(builder.model)[:-1]:  # every ModuleList entry, then the root
-        fully_shard(builder.model.get_submodule(path), mesh=sub, **kw)
-    fully_shard(builder.model, mesh=sub, **kw)
-    logger.info("data parallel: %s", dp)
-    return builder.model
+    return sub
 
 
 def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)

@@ -2,9 +2,11 @@
 over a ``pp`` mesh axis — as one parallel form.
 
 How a user states it: ``sch[block].cut_pipeline_stage()`` and ``sch.pipeline(axis="pp", schedule=...,
-n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primitives`); what build installs is
-`treadle.runtime.pipeline` (the stage capture and runner). Here:
+n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primitives`). Here:
 
+- `stages.py`    the model captured by need on one micro-batch and split into stage graphs ("pre_shard" step);
+- `runtime.py`   what `build` installs: the local stages under the data parallelism, the schedule that runs
+                 them, `PipelineModel` ("wrap" step);
 - `facts.py`     the action order each schedule class runs, the stage of each rank and of each rehearsed record;
 - `timeline.py`  the step's timeline from that order (NOTE [pipeline timeline]);
 - `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from ...form import Form
 from .price import price_pipeline
+from .runtime import wrap_pipeline
+from .stages import capture_root
 
 
 class PipelineForm(Form):
@@ -26,4 +30,4 @@ class PipelineForm(Form):
 
 
 FORM = PipelineForm()
-BUILD_STEPS: dict = {}  # the stage capture and runner register themselves in treadle.runtime.pipeline
+BUILD_STEPS = {"pre_shard": capture_root, "wrap": wrap_pipeline}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...errors import PlanError
-from ...runtime.pipeline import SCHEDULE_CLASSES  # schedule name -> the class build runs (one table)
+from .runtime import SCHEDULE_CLASSES  # schedule name -> the class build runs (one table)
 
 SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
 COMPUTE = ("F", "B", "I", "W")

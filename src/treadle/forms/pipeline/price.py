@@ -38,7 +38,7 @@ from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
-from ...runtime.pipeline import split_backward_conflict
+from .runtime import split_backward_conflict
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .timeline import simulate
 

@@ -1,0 +1,276 @@
+"""What `build` installs for a pipeline (the "wrap" build step of the pipeline form): the stage graphs of
+`stages.py` on this rank, each under the schedule's data parallelism, run by `torch.distributed.pipelining`'s
+schedule classes (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero bubble, ZBV, DualPipeV) over a ``pp`` mesh axis.
+
+Data parallelism beside a pipeline (PP x DDP / FSDP2 / HSDP): each local stage is wrapped as the data-parallel
+form wraps a model (`treadle.forms.data.runtime.wrap_module`: DDP over the flattened data-parallel group, or
+``fully_shard`` on the stage's blocks, then on the stage); the pipelining stage then defers the gradient
+reduction to the last micro-batch's backward (DDP's ``no_sync`` before it; FSDP2's reduce-scatter in its
+REDUCE_GRAD action). Every data-parallel replica runs its own pipeline on its part of the batch.
+
+A parameter read by stages on several ranks (tied input embedding / output head) gets its gradient summed over
+the ``pp`` group after each step, so the copies stay equal (on FSDP2 shards: the ranks of one pp group hold the
+same shard). One that two stages of one rank read is refused under data parallelism (each stage's wrapper would
+reduce it) and under split-backward schedules (`split_backward_conflict`).
+
+Loss semantics (NOTE [pipeline loss]): each micro-batch loss is the model's own loss on that micro-batch
+(a mean over its tokens). With ``scale_grads=True`` (pipelining's default) the summed micro-batch gradients
+are divided by the micro-batch count, i.e. they are the gradients of the *mean of the micro-batch losses*,
+which equals the single-process full-batch mean loss when micro-batches hold equal token counts; data
+parallelism averages over replicas, as it does without a pipeline. `PipelineModel.step` returns this replica's
+mean loss on every rank of its pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from ...errors import BuildError
+from .stages import StagePlan, split_stages
+
+logger = logging.getLogger(__name__)
+
+
+class _LossFn:
+    def __init__(self, loss_gm: fx.GraphModule):
+        self.loss_gm = loss_gm
+
+    def __call__(self, output, target):
+        outs = output if isinstance(output, tuple) else (output,)
+        return self.loss_gm(*outs, target)
+
+
+class PipelineModel(nn.Module):
+    """The local stages of a pipelined model and the schedule that runs them.
+
+    ``step(**inputs)`` runs forward and backward of one batch (split into micro-batches) and returns the mean
+    micro-batch loss (NOTE [pipeline loss]) on every rank; gradients are left in the parameters for an
+    optimizer over ``parameters()`` (this rank's stages only). `param_dict()` maps original parameter names
+    to this rank's parameters."""
+
+    def __init__(self, stages: list[StagePlan], local: list[int], modules: list[nn.Module], schedule: Any, *, group,
+                 stage0_inputs: list[str], target: str | None, constants: dict[str, Any], tied: list[str],
+                 tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any]):
+        super().__init__()
+        self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
+        self.local_stage_indices = local
+        self.stage_plans = stages
+        self._schedule = schedule
+        self._group = group
+        self.stage0_inputs = stage0_inputs
+        self.target = target
+        self.constants = constants
+        self.tied = tied  # names (in the first stage that reads them) of parameters read on several ranks
+        self._tied_here = tied_here  # per tied name: the name this rank's stages read it by, None if none does
+        self._tied_zeros = tied_zeros  # per tied name: () -> this rank's zero contribution where it holds none
+        self.last_rank = last_rank
+        self.n_stages = n_stages
+
+    def param_dict(self) -> dict[str, nn.Parameter]:
+        out: dict[str, nn.Parameter] = {}
+        for st in self.stages:
+            inner = st.module if isinstance(st, nn.parallel.DistributedDataParallel) else st
+            for n, p in inner.named_parameters():
+                out.setdefault(n, p)
+        return out
+
+    def tied_params(self) -> dict[str, nn.Parameter]:
+        """The parameters of `tied` this rank's stages hold, by the name they read each by (``lm_head.weight`` on
+        the last stage's rank for GPT-2's ``transformer.wte.weight``)."""
+        mine = self.param_dict()
+        return {h: mine[h] for h in self._tied_here if h is not None}
+
+    def forward(self, *args, **kwargs):
+        raise BuildError("a pipelined model runs whole batches: call .step(**inputs), not forward")
+
+    def step(self, **inputs: Any) -> float:
+        for k, v in self.constants.items():
+            if k in inputs and inputs[k] != v:
+                raise BuildError(f"pipeline step: input {k}={inputs[k]!r} differs from the captured {v!r}")
+        args = [inputs[n] for n in self.stage0_inputs]
+        target = inputs[self.target] if self.target else None
+        losses: list[torch.Tensor] = []
+        holds_first = 0 in self.local_stage_indices
+        holds_last = (self.n_stages - 1) in self.local_stage_indices
+        kw = {}
+        if holds_last:
+            kw = {"target": target, "losses": losses}
+        self._schedule.step(*(args if holds_first else ()), **kw)
+        self._sync_tied()
+        loss = torch.zeros((), dtype=torch.float64)
+        if holds_last:
+            loss = torch.stack([x.detach().double() for x in losses]).mean()
+        dist.broadcast(loss, self.last_rank, group=self._group)
+        return float(loss)
+
+    def _sync_tied(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        mine = self.param_dict()
+        for here, zeros in zip(self._tied_here, self._tied_zeros):  # the same order on every rank of the group
+            p = mine.get(here) if here is not None else None
+            if p is None:  # ranks that do not hold it only contribute zeros
+                dist.all_reduce(zeros(), group=self._group)
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=self._group)  # in place: an FSDP2 gradient's local shard
+
+
+# schedule name -> torch.distributed.pipelining class
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+V_SCHEDULES = ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input- and weight-gradient backward apart
+
+
+def stage_rank(schedule: str, stage: int, pp: int) -> int:
+    """The pp rank that holds `stage` under `schedule`: in a V for zbv / dualpipev (rank r holds r and
+    2 pp - 1 - r), else in a loop (stage mod pp) — as torch.distributed.pipelining places them."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def split_backward_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]]) -> str | None:
+    """Why `schedule` cannot run these stages, or None: a split-backward schedule (input, then weight gradients,
+    per stage, around each weight's one gradient accumulator) on which two stages of one rank read one parameter
+    (`readers`: (parameter name, the stages that read it)) — its gradient comes out wrong in torch 2.13."""
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    for name, stages in sorted(readers, key=lambda r: r[0]):
+        by_rank: dict[int, list[int]] = {}
+        for s in sorted(stages):
+            by_rank.setdefault(stage_rank(schedule, s, pp), []).append(s)
+        for same in by_rank.values():
+            if len(same) > 1:
+                return (f"schedule {schedule!r} places stages {same[0]} and {same[1]} on one rank and both read "
+                        f"{name}; its split backward (input, then weight gradients) cannot share a parameter "
+                        f"between two stages of a rank; untie it, or use a schedule that places them on different "
+                        f"ranks (interleaved_1f1b, looped_bfs)")
+    return None
+
+
+def wrap_pipeline(builder) -> PipelineModel | None:
+    """The "wrap" build step: split the captured graph (`stages.capture_root`) into stages, wrap this rank's under
+    the data parallelism, and hand back the `PipelineModel` that runs them. None without a pipeline."""
+    cfg = builder.v.extras.get("pipeline")
+    if cfg is None:
+        return None
+    from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
+
+    gm, names, constants = builder.scratch["_pipeline_graph"]
+    cuts = builder.v.extras["pipeline_cuts"]
+    stages, loss_gm, stage0_inputs = split_stages(gm, cut_paths=cuts, input_names=names, target=cfg["target"])
+    axis = cfg["axis"]
+    pp = builder.sizes[axis]
+    rank_pp = builder.coords[axis]
+    n = len(stages)
+    kind = cfg["schedule"]
+    local = [i for i in range(n) if stage_rank(kind, i, pp) == rank_pp]
+    # parameters read by stages that live on different ranks (tied embeddings), or by two stages of one rank
+    holders: dict[int, set[int]] = {}
+    readers: dict[int, tuple[str, set[int]]] = {}
+    objs: dict[int, nn.Parameter] = {}
+    for st in stages:
+        for pn, p in st.module.named_parameters():
+            holders.setdefault(id(p), set()).add(stage_rank(kind, st.index, pp))
+            readers.setdefault(id(p), (pn, set()))[1].add(st.index)
+            objs[id(p)] = p
+    conflict = split_backward_conflict(kind, pp, list(readers.values()))
+    dp = builder.v.data_parallel
+    if conflict is None and dp is not None:
+        conflict = shared_stage_conflict(kind, pp, list(readers.values()), str(dp))
+    if conflict:
+        raise BuildError(f"pipeline: {conflict}")
+    tied_ids = sorted((i for i, r in holders.items() if len(r) > 1), key=lambda i: readers[i][0])
+    tied = [readers[i][0] for i in tied_ids]
+    local_names = {id(p): pn for i in local for pn, p in stages[i].module.named_parameters()}
+    tied_here = [local_names.get(i) for i in tied_ids]  # the name a local stage reads it by (lm_head.weight), or None
+    modules = [_under_data_parallel(builder, stages[i].module) for i in local]
+    group = builder.group(axis)
+    device = builder.mesh.device
+    pstages = [PipelineStage(mod, i, n, device, group=group) for mod, i in zip(modules, local)]
+    loss_fn = _LossFn(loss_gm) if loss_gm is not None else (lambda out, tgt: out if not isinstance(out, tuple) else out[0])
+    mbs = cfg["n_microbatches"]
+    cls = getattr(torch_schedules, SCHEDULE_CLASSES[kind])
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        if len(pstages) != 1:
+            raise BuildError(f"pipeline: schedule {kind!r} runs one stage per rank; {n} stages on {pp} ranks need "
+                             f"'interleaved_1f1b'")
+        sched = cls(pstages[0], mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
+    else:
+        try:
+            sched = cls(pstages, mbs, loss_fn=loss_fn, scale_grads=cfg["scale_grads"])
+        except (ValueError, RuntimeError) as exc:
+            raise BuildError(f"pipeline: {SCHEDULE_CLASSES[kind]} with {n} stages on {pp} ranks and {mbs} "
+                             f"micro-batches: {exc}") from exc
+    coords = dict(builder.coords)
+    coords[axis] = stage_rank(kind, n - 1, pp)
+    last_global = _rank_of(builder, coords)
+    logger.info("pipeline: %d stages on %s=%d (%s, %d micro-batches), local stages %s, tied %s, data parallel %s", n,
+                axis, pp, kind, mbs, local, tied, dp)
+    return PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
+                         constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
+                         tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids])
+
+
+def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]], dp: str) -> str | None:
+    """Why data parallelism `dp` cannot wrap these stages, or None: two stages of one rank read one parameter
+    (`readers`: (parameter name, the stages that read it)), and each stage's wrapper would reduce its gradient."""
+    for name, stages in sorted(readers, key=lambda r: r[0]):
+        by_rank: dict[int, list[int]] = {}
+        for s in sorted(stages):
+            by_rank.setdefault(stage_rank(schedule, s, pp), []).append(s)
+        for same in by_rank.values():
+            if len(same) > 1:
+                return (f"stages {same[0]} and {same[1]} of schedule {schedule!r} are on one rank and both read "
+                        f"{name}; under data parallelism ({dp}) each stage's wrapper reduces its own gradients, so "
+                        f"they cannot share a parameter; untie it, or cut the stages so that one rank's stages "
+                        f"share none")
+    return None
+
+
+def _under_data_parallel(builder, module: fx.GraphModule) -> nn.Module:
+    """A stage under the schedule's data parallelism: FSDP2 units are the model's units inside this stage."""
+    if builder.v.data_parallel is None:
+        return module
+    from ..data.facts import fsdp_units
+    from ..data.runtime import wrap_module
+
+    inside = {n for n, _ in module.named_modules() if n}
+    units = [u for u in fsdp_units(builder.model)[:-1] if u in inside]
+    wrapped = wrap_module(builder, module, units)
+    return module if wrapped is None else wrapped
+
+
+def _zero_share(builder, p: nn.Parameter):
+    """() -> the zeros a rank holding no stage that reads tied `p` adds to its gradient's sum over pp: the shape
+    of the rank's piece (its FSDP2 chunk of the tensor-parallel shard under data parallelism with shard=True)."""
+    dp = builder.v.data_parallel
+    shape = tuple(p.shape)
+    if dp is not None and dp.shard:
+        parts, i = 1, 0
+        for a in dp.shard_axes:
+            parts, i = parts * builder.sizes[a], i * builder.sizes[a] + builder.coords[a]
+        chunks = torch.empty(shape, device="meta").chunk(parts, 0)
+        shape = tuple(chunks[i].shape) if i < len(chunks) else (0,) + shape[1:]
+    return lambda: torch.zeros(shape, dtype=p.dtype, device=builder.mesh.device)
+
+
+def _rank_of(builder, coords: dict[str, int]) -> int:
+    mesh = builder.sch.mesh
+    for r in range(mesh.world_size):
+        if mesh.coordinate(r) == coords:
+            return r
+    raise BuildError(f"pipeline: no rank at mesh coordinate {coords}")
+
+

@@ -1,0 +1,234 @@
+"""The stages of a pipeline: the model captured once by need, split at the `cut_pipeline_stage` marks into stage
+graphs (the "pre_shard" build step of the pipeline form; `runtime.py` runs them).
+
+At build ("pre_shard", before weights are sliced) the model is captured once with torch.export on one
+micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage runs — by need
+(`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's blocks
+and every other module off that path stay leaf calls (the original modules: tensor-parallel shards, hooks and
+sub-schedules apply to them unchanged), with output shapes taken from one eager run, so a leaf may branch on
+tensor values. Ops are assigned to stages in graph order; the ops that read the loss target form the loss
+function run after the last stage.
+
+Stage I/O is found by liveness: the values crossing boundary b are those defined before it and read at or
+after it, so only what later stages need is sent (values a stage merely forwards pass through it). Values
+that depend on no input (positions, masks built from shapes) are recomputed in each stage that reads them
+rather than sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ...errors import BuildError
+
+logger = logging.getLogger(__name__)
+
+_IMPURE = ("dropout", "native_dropout", "rand", "randn", "bernoulli", "randint", "rand_like", "randn_like")
+
+
+@dataclass
+class StagePlan:
+    """One stage: its graph module, the names of the values it receives and returns."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+
+
+def _is_free(n: fx.Node, free: set[fx.Node]) -> bool:
+    if n.op == "get_attr":
+        return True
+    if n.op != "call_function":
+        return False
+    name = getattr(n.target, "__name__", str(n.target))
+    if any(name.startswith(p) for p in _IMPURE):
+        return False
+    return all(i in free for i in n.all_input_nodes)
+
+
+def split_stages(gm: fx.GraphModule, *, cut_paths: list[str], input_names: list[str], target: str | None
+                 ) -> tuple[list[StagePlan], fx.GraphModule | None, list[str]]:
+    """Split captured graph `gm` (placeholders in the order of `input_names`) after the leaf calls of
+    `cut_paths`. Returns the stages, the loss graph (last stage's outputs + target -> loss) and the names of
+    the stage-0 inputs. Raises BuildError when a cut leaf is not called, or called out of order."""
+    nodes = list(gm.graph.nodes)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    name_of = {p: input_names[i] if i < len(input_names) else p.name for i, p in enumerate(phs)}
+    calls = {n.target: n for n in nodes if n.op == "call_module"}
+    missing = [p for p in cut_paths if p not in calls]
+    if missing:
+        raise BuildError(f"pipeline: the cut module(s) {missing} are not called by the model's forward")
+    pos = [nodes.index(calls[p]) for p in cut_paths]
+    if pos != sorted(pos):
+        raise BuildError(f"pipeline: cuts {cut_paths} are not in execution order")
+    free: set[fx.Node] = set()
+    for n in nodes:
+        if _is_free(n, free):
+            free.add(n)
+    # loss region: everything downstream of the target input
+    loss_nodes: set[fx.Node] = set()
+    tgt = next((p for p in phs if name_of[p] == target), None) if target else None
+    if target is not None and tgt is None:
+        raise BuildError(f"pipeline: target input {target!r} is not an input of the captured model")
+    if tgt is not None:
+        for n in nodes:
+            if n is tgt or any(i in loss_nodes for i in n.all_input_nodes):
+                if n.op != "output":
+                    loss_nodes.add(n)
+    stage_of: dict[fx.Node, int] = {}
+    cut_nodes = {calls[p] for p in cut_paths}
+    s = 0
+    for n in nodes:
+        if n.op in ("placeholder", "output") or n in free or n in loss_nodes:
+            continue
+        ins = [stage_of[i] for i in n.all_input_nodes if i in stage_of]
+        plumbing = n.op == "call_function" and (n.target.__name__ in ("getitem", "_tensor_leaves"))
+        stage_of[n] = max(ins) if plumbing and ins else s
+        if n in cut_nodes:
+            s += 1
+    n_stages = len(cut_paths) + 1
+    out_node = nodes[-1]
+    # the tensors the model returns that are not the loss are not needed for training: the pipeline ends in
+    # the loss; without a target, the model's first output is the loss
+    uses: dict[fx.Node, set[int]] = {}
+    loss_inputs: list[fx.Node] = []
+    for n in nodes:
+        if n.op == "output":
+            continue
+        consumer = n_stages if n in loss_nodes else stage_of.get(n)
+        if consumer is None:
+            continue
+        for i in n.all_input_nodes:
+            if i not in free and i is not tgt and i not in loss_nodes:
+                uses.setdefault(i, set()).add(consumer)
+                if consumer == n_stages and i not in loss_nodes and i not in loss_inputs:
+                    loss_inputs.append(i)
+    if tgt is None:
+        first = out_node.args[0][0] if isinstance(out_node.args[0], (tuple, list)) else out_node.args[0]
+        uses.setdefault(first, set()).add(n_stages)
+        loss_inputs = [first]
+
+    def defined_at(v: fx.Node) -> int:
+        return -1 if v.op == "placeholder" else stage_of[v]
+
+    live: list[list[fx.Node]] = []  # live[b]: values entering stage b (b = n_stages: the loss)
+    for b in range(n_stages + 1):
+        lv = [v for v in nodes if v in uses and defined_at(v) < b and max(uses[v]) >= b]
+        live.append(lv)
+    stages = []
+    for si in range(n_stages):
+        body = [n for n in nodes if stage_of.get(n) == si]
+        ins = live[si]
+        outs = live[si + 1] if si + 1 < n_stages else loss_inputs
+        stages.append(StagePlan(si, _subgraph(gm, body, ins, outs, free, f"Stage{si}"), [v.name for v in ins],
+                                [v.name for v in outs]))
+    loss_gm = None
+    if tgt is not None:
+        body = [n for n in nodes if n in loss_nodes and n is not tgt]
+        out_val = out_node.args[0][0] if isinstance(out_node.args[0], (tuple, list)) else out_node.args[0]
+        if out_val not in loss_nodes:
+            raise BuildError("pipeline: the model's first output is not computed from the target; it must be the loss")
+        loss_gm = _subgraph(gm, body, loss_inputs + [tgt], [out_val], free, "Loss", single=True)
+    stage0_inputs = [name_of[v] for v in live[0] if v.op == "placeholder"]
+    if [v for v in live[0] if v.op != "placeholder"]:
+        raise BuildError("pipeline: internal error: stage 0 needs a non-input value")
+    return stages, loss_gm, stage0_inputs
+
+
+def _subgraph(gm: fx.GraphModule, body: list[fx.Node], ins: list[fx.Node], outs: list[fx.Node], free: set[fx.Node],
+              name: str, single: bool = False) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for v in ins:
+        env[v] = g.placeholder(v.name)
+
+    def get(v: fx.Node) -> fx.Node:
+        if v not in env:
+            if v not in free:
+                raise BuildError(f"pipeline: {name} reads {v.name!r}, which is neither live into it nor recomputable")
+            env[v] = g.node_copy(v, get)
+        return env[v]
+
+    for n in body:
+        env[n] = g.node_copy(n, get)
+    # what a stage sends must be contiguous (gloo refuses views such as a tensor-parallel gather's result)
+    res = [g.call_method("contiguous", (get(o),)) for o in outs]
+    g.output(res[0] if single else tuple(res))
+    out = fx.GraphModule(gm, g, name)
+    return out
+
+
+def stage_leaves(model: nn.Module, container: str) -> list[str]:
+    """Trace by need: the modules a pipeline capture keeps as leaf calls. Only the forwards on the path from
+    the root to the cut container are captured (they decide what runs before, between and after the blocks);
+    the container's elements and every other module hanging off that path stay eager leaf calls, so their
+    code may branch on tensor values. E.g. GPT-2 cut in ``transformer.h``: the root's and ``transformer``'s
+    forwards are captured; ``transformer.h.*``, ``wte``, ``wpe``, ``drop``, ``ln_f``, ``lm_head`` are leaves."""
+    parts = container.split(".")
+    chain = [".".join(parts[:i]) for i in range(len(parts))]  # the root .. the container's parent
+    leaves = [f"{container}.{n}" for n, _ in model.get_submodule(container).named_children()]
+    for anc in chain:
+        mod = model.get_submodule(anc) if anc else model
+        for name, _ in mod.named_children():
+            path = f"{anc}.{name}" if anc else name
+            if path != container and path not in chain:
+                leaves.append(path)
+    return leaves
+
+
+def micro_batch_size(batch: int, dp: int, n_microbatches: int, *, axes: str, where: str) -> int:
+    """The rows of one micro-batch: `batch` split over `dp` data-parallel replicas (mesh `axes`), then into
+    `n_microbatches`. Raises BuildError naming the sizes when it does not divide."""
+    if batch % (dp * n_microbatches):
+        raise BuildError(f"{where}: batch {batch} does not split into {dp} data-parallel replicas ({axes}) x "
+                         f"{n_microbatches} micro-batches; use a batch divisible by {dp * n_microbatches}")
+    return batch // (dp * n_microbatches)
+
+
+def capture_root(builder) -> None:
+    """The "pre_shard" build step: capture the model on one micro-batch for `runtime.wrap_pipeline` to split."""
+    cfg = builder.v.extras.get("pipeline")
+    if cfg is None:
+        return
+    from ...graph.capture import capture_export, record_leaf_outputs
+    from ...schedule.graph_primitives import make_inputs
+
+    dp = builder.v.data_parallel
+    dp_size = dp.size(builder.mesh) if dp is not None else 1
+    if dp is not None and cfg["axis"] in dp.axes:
+        raise BuildError(f"pipeline: axis {cfg['axis']!r} carries the stages and cannot also be a data-parallel "
+                         f"axis ({dp}); use another mesh axis for data parallelism")
+
+    model = builder.model
+    cuts = builder.v.extras["pipeline_cuts"]
+    container = cuts[0].rpartition(".")[0]
+    leaves = stage_leaves(model, container)
+    full = make_inputs(cfg["example_inputs"])
+    m = cfg["n_microbatches"]
+    rows = {k: v.shape[0] for k, v in full.items() if torch.is_tensor(v) and v.dim()}
+    size = {k: micro_batch_size(b, dp_size, m, axes=dp.label() if dp is not None else "-",
+                                where=f"pipeline: input {k!r}") for k, b in rows.items()}
+    mb = {k: (v[: size[k]].clone() if k in size else v) for k, v in full.items()}
+    names = [k for k, v in mb.items() if torch.is_tensor(v)]
+    constants = {k: v for k, v in mb.items() if not torch.is_tensor(v)}
+    # capture runs the leaves on global shapes: undo shard_attr's division (already applied by build) meanwhile
+    saved = [(builder.module(p), a, getattr(builder.module(p), a)) for p, a, _ in builder.v.shard_attrs]
+    for (mod, a, v), (_, _, axis) in zip(saved, builder.v.shard_attrs):
+        setattr(mod, a, v * builder.sizes[axis])
+    try:
+        eager = record_leaf_outputs(model, leaves, mb)
+        gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
+                            eager_outputs=eager)
+    finally:
+        for mod, a, v in saved:
+            setattr(mod, a, v)
+    builder.scratch["_pipeline_graph"] = (gm, names, constants)
+    logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
+
+
