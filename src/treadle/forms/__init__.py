@@ -18,8 +18,9 @@ from . import data, pipeline, sequence, tensor, vocab
 
 for _form in (tensor, sequence, vocab, data, pipeline):
     register_form(_form.FORM)
-# build steps in the order build runs them: the pipeline's "wrap" before the data-parallel one, since a pipeline
-# wraps each of its stages under the data parallelism itself (the first "wrap" that returns a model wins)
-for _form in (tensor, sequence, vocab, pipeline, data):
+# build steps in the order build runs them, the pipeline's first: its capture runs the blocks on global shapes
+# before any form slices a buffer ("pre_shard"), and it wraps each of its stages under the data parallelism itself
+# before the data-parallel form would wrap the whole model (the first "wrap" that returns a model wins)
+for _form in (pipeline, tensor, sequence, vocab, data):
     for _phase, _step in _form.BUILD_STEPS.items():
         register_build_extension(_phase, _step)
