@@ -2,11 +2,14 @@
 `stages.py` on this rank, each under the schedule's data parallelism, run by `torch.distributed.pipelining`'s
 schedule classes (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero bubble, ZBV, DualPipeV) over a ``pp`` mesh axis.
 
-Data parallelism beside a pipeline (PP x DDP / FSDP2 / HSDP): each local stage is wrapped as the data-parallel
-form wraps a model (`treadle.forms.data.runtime.wrap_module`: DDP over the flattened data-parallel group, or
-``fully_shard`` on the stage's blocks, then on the stage); the pipelining stage then defers the gradient
-reduction to the last micro-batch's backward (DDP's ``no_sync`` before it; FSDP2's reduce-scatter in its
-REDUCE_GRAD action). Every data-parallel replica runs its own pipeline on its part of the batch.
+Data parallelism beside a pipeline (PP x DDP / FSDP2 / HSDP): every data-parallel replica runs its own pipeline
+on its part of the batch. Under ``shard=True`` each local stage is wrapped as the data-parallel form wraps a
+model (`treadle.forms.data.runtime.wrap_module`: ``fully_shard`` on the stage's blocks, then on the stage), and
+the pipelining stage defers the reduce-scatter to its REDUCE_GRAD action after the last micro-batch. Under
+``shard=False`` the replicas average their gradients after the step, in DDP's buckets (NOTE [DDP buckets] in
+`treadle.forms.data.facts`), one all-reduce each over the flattened data-parallel group: torch 2.13's DDP reducer
+cannot follow a pipeline stage's backward over several micro-batches (its first bucket rebuild counts every
+parameter once per micro-batch and fails an internal assert), so no DDP wrapper is used.
 
 A parameter read by stages on several ranks (tied input embedding / output head) gets its gradient summed over
 the ``pp`` group after each step, so the copies stay equal (on FSDP2 shards: the ranks of one pp group hold the
@@ -56,7 +59,8 @@ class PipelineModel(nn.Module):
 
     def __init__(self, stages: list[StagePlan], local: list[int], modules: list[nn.Module], schedule: Any, *, group,
                  stage0_inputs: list[str], target: str | None, constants: dict[str, Any], tied: list[str],
-                 tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any]):
+                 tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any],
+                 replica_group: Any = None, replicas: int = 1):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -68,15 +72,16 @@ class PipelineModel(nn.Module):
         self.constants = constants
         self.tied = tied  # names (in the first stage that reads them) of parameters read on several ranks
         self._tied_here = tied_here  # per tied name: the name this rank's stages read it by, None if none does
-        self._tied_zeros = tied_zeros  # per tied name: () -> this rank's zero contribution where it holds none
+        self._tied_zeros = tied_zeros
+        self._replica_group = replica_group  # shard=False data parallelism: gradients averaged over it after a step
+        self._replicas = replicas  # per tied name: () -> this rank's zero contribution where it holds none
         self.last_rank = last_rank
         self.n_stages = n_stages
 
     def param_dict(self) -> dict[str, nn.Parameter]:
         out: dict[str, nn.Parameter] = {}
         for st in self.stages:
-            inner = st.module if isinstance(st, nn.parallel.DistributedDataParallel) else st
-            for n, p in inner.named_parameters():
+            for n, p in st.named_parameters():
                 out.setdefault(n, p)
         return out
 
@@ -103,11 +108,35 @@ class PipelineModel(nn.Module):
             kw = {"target": target, "losses": losses}
         self._schedule.step(*(args if holds_first else ()), **kw)
         self._sync_tied()
+        self._average_replicas()
         loss = torch.zeros((), dtype=torch.float64)
         if holds_last:
             loss = torch.stack([x.detach().double() for x in losses]).mean()
         dist.broadcast(loss, self.last_rank, group=self._group)
         return float(loss)
+
+    def _average_replicas(self) -> None:
+        if self._replica_group is None:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        from ..data.facts import ddp_buckets
+
+        params = [p for p in self.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # the order the backward readies them: the last stage's last parameters first
+        ready = list(reversed(params))
+        index = {str(i): p for i, p in enumerate(ready)}
+        buckets = ddp_buckets([(str(i), p.numel() * p.element_size(), str(p.dtype)) for i, p in enumerate(ready)])
+        for bucket in buckets:
+            grads = [index[k].grad for k in bucket]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self._replica_group)
+            flat.div_(self._replicas)
+            for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(v)
 
     def _sync_tied(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -196,6 +225,13 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     local_names = {id(p): pn for i in local for pn, p in stages[i].module.named_parameters()}
     tied_here = [local_names.get(i) for i in tied_ids]  # the name a local stage reads it by (lm_head.weight), or None
     modules = [_under_data_parallel(builder, stages[i].module) for i in local]
+    replica_group, replicas = None, 1
+    if dp is not None and not dp.shard and dp.size(builder.mesh) > 1:
+        from ..data.runtime import dp_device_mesh
+
+        replicas = dp.size(builder.mesh)
+        replica_group = (builder.group(dp.axes[0]) if len(dp.axes) == 1
+                         else dp_device_mesh(builder.mesh, dp.axes).get_group())
     group = builder.group(axis)
     device = builder.mesh.device
     pstages = [PipelineStage(mod, i, n, device, group=group) for mod, i in zip(modules, local)]
@@ -220,7 +256,8 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                 axis, pp, kind, mbs, local, tied, dp)
     return PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
-                         tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids])
+                         tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
+                         replicas=replicas)
 
 
 def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]], dp: str) -> str | None:
@@ -240,8 +277,9 @@ def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[i
 
 
 def _under_data_parallel(builder, module: fx.GraphModule) -> nn.Module:
-    """A stage under the schedule's data parallelism: FSDP2 units are the model's units inside this stage."""
-    if builder.v.data_parallel is None:
+    """A stage under the schedule's FSDP2 / HSDP: its units are the model's units inside this stage. Unchanged
+    without sharded data parallelism (the replicas of ``shard=False`` average after the step)."""
+    if builder.v.data_parallel is None or not builder.v.data_parallel.shard:
         return module
     from ..data.facts import fsdp_units
     from ..data.runtime import wrap_module
