@@ -124,7 +124,7 @@ def test_schedule_errors(tmp_path):
     from treadle import Mesh, create_schedule
     from treadle.models import megatron
     from treadle.models.zoo import named_model
-    from treadle.run.setup import load_run_model, make_schedule, model_inputs
+    from treadle.run.setup import load_run_model, make_schedule, model_inputs, pipeline_batches
 
     gpt2, _ = named_model("tiny-gpt2", batch=1, seq=8)
     path = tmp_path / "gpt2.json"
@@ -146,9 +146,12 @@ def test_schedule_errors(tmp_path):
     pp["transformer.h.2"].cut_pipeline_stage()
     pp.pipeline(axis="pp", schedule="gpipe", n_microbatches=2, example_inputs=inputs)
     (tmp_path / "pp.json").write_text(pp.to_json())
-    with pytest.raises(RunError, match="pipeline schedules are not supported by treadle.run yet"):
-        make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], schedule=str(tmp_path / "pp.json")),
-                      world=2, rank=0)
+    sch = make_schedule(gpt2, RunConfig(model="tiny-gpt2", data=["x"], schedule=str(tmp_path / "pp.json")),
+                        world=2, rank=0)  # a pipeline trains (tests/test_run_pipeline.py); its batch is the captured one
+    with pytest.raises(RunError, match=r"captured on input_ids of shape \(4, 16\); run it with --batch 4 --seq 16"):
+        pipeline_batches(sch, RunConfig(model="tiny-gpt2", data=["x"], batch=8, seq=16), 1)
+    with pytest.raises(RunError, match="--compile does not apply to a pipeline schedule yet"):
+        pipeline_batches(sch, RunConfig(model="tiny-gpt2", data=["x"], batch=4, seq=16, compile=True), 1)
     with pytest.raises(RunError, match="trains language models called as model\\(input_ids=, labels=\\)"):
         model_inputs(torch.nn.Linear(2, 2), torch.zeros(1, 2))
 

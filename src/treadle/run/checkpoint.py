@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..mesh import Mesh
 from .agree import JobError, agree
 from .config import RunError
-from .layout import ParamLayout, unwrap
+from .layout import ParamLayout, named_params
 from .manifest import (check_share, complete_checkpoints, data_files, file_entry, is_complete, partial_dir, prune,
                        publish, quarantine, step_dir, write_manifest)
 from .safe_pickle import SafeReader, load_metadata
@@ -61,7 +61,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _entries(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, str]]:
     """(key, local tensor, parameter name) for every parameter and each of its same-shaped optimizer states."""
     out = []
-    for name, p in unwrap(model).named_parameters():
+    for name, p in named_params(model):
         out.append((f"model.{name}", p, name))
         st = opt.state.get(p, {})
         for k in ("exp_avg", "exp_avg_sq"):
@@ -92,7 +92,7 @@ def save_state(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, 
         lay = layouts[name]
         view = lay.global_view(t, mesh)
         sd[key] = view if view is not None else lay.gather_full(t, mesh)
-    for name, p in unwrap(model).named_parameters():
+    for name, p in named_params(model):
         st = opt.state.get(p, {})
         if "step" in st:
             sd[f"optim.{name}.step"] = st["step"].detach().clone().cpu()
@@ -352,7 +352,7 @@ def load(path: str | Path, model: nn.Module, opt: torch.optim.Optimizer, layouts
             view = torch.empty(lay.global_shape, dtype=t.dtype, device=_local(t).device)
             fallbacks[key] = view
         sd[key] = view
-    for name, p in unwrap(model).named_parameters():
+    for name, p in named_params(model):
         if "step" in opt.state.get(p, {}) and f"optim.{name}.step" in md:
             sd[f"optim.{name}.step"] = torch.zeros((), dtype=torch.float32)
     sd["train.step"] = torch.zeros((), dtype=torch.int64)
@@ -366,7 +366,7 @@ def load(path: str | Path, model: nn.Module, opt: torch.optim.Optimizer, layouts
         dst = _local(t)
         src = layouts[name].local_from_full(sd[key], t, mesh) if key in fallbacks else sd[key].to_local()
         dst.copy_(src)
-    for name, p in unwrap(model).named_parameters():
+    for name, p in named_params(model):
         st = opt.state.get(p, {})
         if f"optim.{name}.step" in sd:
             st["step"].copy_(sd[f"optim.{name}.step"])

@@ -9,7 +9,12 @@ each parameter is described here once by name:
   are DTensor placements (at most one split per tensor dim, no interleaved ``blocks``); else None.
 - `gather_full(local)` / `local_from_full(full, like)`: all-gather to the global tensor and slice it back, the
   fallback for the splits a DTensor cannot state (fused q|k|v ``blocks=3``, two axes on one dim).
-- `replicas`: how many ranks hold each element (world size / distinct shards), for the gradient norm.
+- `replicas`: how many ranks hold each element (world size / distinct shards; in a pipeline, only the ranks
+  whose stages read it), for the gradient norm.
+
+A pipelined model (`treadle.forms.pipeline.runtime.PipelineModel`) holds only its local stages' parameters; they
+are named as in the unbuilt model (`named_params`), so a checkpoint any schedule can load holds the whole model
+in global shapes whatever the pipeline's cuts.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class ParamLayout:
     shards: tuple[ParamShard, ...]
     fsdp_axes: tuple[str, ...] = ()
     fsdp_dim: int = 0
+    pp_axis: str | None = None  # a pipeline's axis: only `pp_holders` of its ranks hold the parameter
+    pp_holders: int = 1
 
     def n_pieces(self, mesh: Mesh) -> int:
         n = 1
@@ -51,7 +58,10 @@ class ParamLayout:
         return n
 
     def replicas(self, mesh: Mesh) -> int:
-        return mesh.world_size // self.n_pieces(mesh)
+        holding = mesh.world_size
+        if self.pp_axis is not None:
+            holding = mesh.world_size // mesh.size(self.pp_axis) * self.pp_holders
+        return holding // self.n_pieces(mesh)
 
     def placements(self, mesh: Mesh) -> list[Placement] | None:
         """Placements on the full mesh, or None when the splits are not DTensor placements."""
@@ -116,6 +126,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """This rank's parameters of a built model by the unbuilt model's names, each once: a pipeline's local stages'
+    (`PipelineModel.canonical_parameters`), else the model's own (inside a DDP wrapper)."""
+    inner = unwrap(model)
+    canonical = getattr(inner, "canonical_parameters", None)
+    return list(canonical().items()) if canonical is not None else list(inner.named_parameters())
+
+
 def shards_by_name(sch: Schedule) -> dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]]:
     """Before build: name -> (global shape, tensor-parallel splits) of every parameter of the schedule's model."""
     st = sch.view()
@@ -132,7 +150,9 @@ def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[Par
     match its global shape under its splits (a layout this module cannot describe; never guessed)."""
     out: dict[str, ParamLayout] = {}
     sizes = dict(zip(mesh.names, mesh.shape))
-    for name, p in unwrap(model).named_parameters():
+    inner = unwrap(model)
+    pp_axis, holders = getattr(inner, "pp_axis", None), getattr(inner, "pp_holders", {})
+    for name, p in named_params(model):
         if name not in before:
             raise RunError(f"treadle.run: built parameter {name!r} has no counterpart in the unbuilt model; "
                            f"checkpointing needs stable parameter names")
@@ -157,5 +177,5 @@ def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[Par
         elif tuple(p.shape) != tuple(local_shape):
             raise RunError(f"treadle.run: parameter {name!r} has local shape {tuple(p.shape)}, but its global "
                            f"shape {shape} split by {list(shards)} gives {tuple(local_shape)}")
-        out[name] = ParamLayout(name, shape, shards, axes, fsdp_dim)
+        out[name] = ParamLayout(name, shape, shards, axes, fsdp_dim, pp_axis, holders.get(name, 1))
     return out

@@ -32,7 +32,7 @@ from .layout import layouts as param_layouts, shards_by_name, unwrap
 from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
 from .optim import init_optimizer_state, lr_at, make_optimizer
 from .preempt import StopSignals
-from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs
+from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs, pipeline_batches
 from .step import run_step
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
     sch = make_schedule(model, cfg, world=world, rank=rank)
     dp_size, dp_rank = data_parallel_coords(sch)
     sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
-    micro, accum = split_batch(cfg.batch, dp_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum)
+    micro, accum = (pipeline_batches(sch, cfg, dp_size)
+                    or split_batch(cfg.batch, dp_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum))
     flops_per_step = None
     peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
     if peak is not None and rank == 0:

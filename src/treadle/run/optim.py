@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from ..mesh import Mesh
 from ..runtime.optimizer import adamw
 from .config import RunConfig
-from .layout import ParamLayout, unwrap
+from .layout import ParamLayout, named_params, unwrap
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -30,7 +30,7 @@ def make_optimizer(model: nn.Module, layouts: dict[str, ParamLayout], cfg: RunCo
     """AdamW with weight decay on matrices only (parameters of global rank >= 2), fp32 states. Parameters
     whose global shape is a vector (biases, norms) get no decay. The fused kernel, or the foreach form, unless
     plain tensors and DTensors mix (NOTE [fused optimizer] in `treadle.runtime.optimizer`)."""
-    named = list(unwrap(model).named_parameters())
+    named = named_params(model)
     decay = [p for n, p in named if len(layouts[n].global_shape) >= 2]
     no_decay = [p for n, p in named if len(layouts[n].global_shape) < 2]
     return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -55,7 +55,7 @@ def local_grad_square_sum(model: nn.Module, layouts: dict[str, ParamLayout], mes
     gradient pieces, each divided by how many ranks hold that piece (`ParamLayout.replicas`), so that the sum
     over all ranks is the square of the whole (global) gradient's 2-norm."""
     total = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    for name, p in unwrap(model).named_parameters():
+    for name, p in named_params(model):
         if p.grad is None:
             continue
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -69,7 +69,7 @@ def grad_norm(model: nn.Module, layouts: dict[str, ParamLayout], mesh: Mesh) -> 
     rank already holds the whole sum). Sums in float64."""
     total = local_grad_square_sum(model, layouts, mesh)
     sharded = any(layouts[n].replicas(mesh) != mesh.world_size
-                  for n, p in unwrap(model).named_parameters() if p.grad is not None)
+                  for n, p in named_params(model) if p.grad is not None)
     if sharded:
         dist.all_reduce(total)
     else:

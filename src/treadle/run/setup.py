@@ -170,10 +170,35 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
         sch = load_schedule(model, text)
     except TreadleError as exc:
         raise RunError(f"treadle.run: the schedule does not fit model {cfg.model!r}: {exc}") from exc
-    if sch.view().extras.get("pipeline"):
-        raise RunError("treadle.run: pipeline schedules are not supported by treadle.run yet; "
-                       "remove pipeline() / cut_pipeline_stage() from the schedule")
     return sch
+
+
+def pipeline_batches(sch: Schedule, cfg: RunConfig, dp_size: int) -> tuple[int, int] | None:
+    """(micro batch, accumulation steps) of a pipelined schedule, None for another: its micro-batches are the
+    run's gradient accumulation, and the stages run the shapes the schedule captured (its example inputs), so
+    the run's batch and sequence must be those. Raises RunError naming both when they differ."""
+    cfg_pp = sch.view().extras.get("pipeline")
+    if cfg_pp is None:
+        return None
+    m = cfg_pp["n_microbatches"]
+    shapes = {k: tuple(v["shape"]) for k, v in cfg_pp["example_inputs"].items() if isinstance(v, dict) and "shape" in v}
+    want = shapes.get("input_ids")
+    if want is None or want != (cfg.batch, cfg.seq):
+        raise RunError(f"treadle.run: the pipeline schedule was captured on input_ids of shape {want}; run it with "
+                       f"--batch {want[0] if want else '?'} --seq {want[1] if want and len(want) > 1 else '?'} "
+                       f"(given --batch {cfg.batch} --seq {cfg.seq}), or write the schedule for this batch")
+    if cfg.batch % (dp_size * m):
+        raise RunError(f"treadle.run: batch {cfg.batch} does not split over {dp_size} data-parallel replicas x "
+                       f"{m} micro-batches of the pipeline")
+    micro = cfg.batch // (dp_size * m)
+    if (cfg.grad_accum and cfg.grad_accum != m) or (cfg.micro_batch and cfg.micro_batch != micro):
+        raise RunError(f"treadle.run: a pipeline's gradient accumulation is its {m} micro-batches of {micro} "
+                       f"samples (n_microbatches in the schedule); --grad-accum {cfg.grad_accum} / --micro-batch "
+                       f"{cfg.micro_batch} disagree: drop them or change the schedule")
+    if cfg.compile:
+        raise RunError("treadle.run: --compile does not apply to a pipeline schedule yet (its stages are graphs "
+                       "of the captured model); drop --compile")
+    return micro, m
 
 
 def data_parallel_coords(sch: Schedule) -> tuple[int, int]:

@@ -60,7 +60,8 @@ class PipelineModel(nn.Module):
     def __init__(self, stages: list[StagePlan], local: list[int], modules: list[nn.Module], schedule: Any, *, group,
                  stage0_inputs: list[str], target: str | None, constants: dict[str, Any], tied: list[str],
                  tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any],
-                 replica_group: Any = None, replicas: int = 1):
+                 replica_group: Any = None, replicas: int = 1, axis: str = "pp",
+                 canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -72,9 +73,12 @@ class PipelineModel(nn.Module):
         self.constants = constants
         self.tied = tied  # names (in the first stage that reads them) of parameters read on several ranks
         self._tied_here = tied_here  # per tied name: the name this rank's stages read it by, None if none does
-        self._tied_zeros = tied_zeros
+        self._tied_zeros = tied_zeros  # per tied name: () -> this rank's zero contribution where it holds none
         self._replica_group = replica_group  # shard=False data parallelism: gradients averaged over it after a step
-        self._replicas = replicas  # per tied name: () -> this rank's zero contribution where it holds none
+        self._replicas = replicas
+        self.pp_axis = axis
+        self._canonical = canonical or {}  # stage-local name -> the unbuilt model's name (lm_head.weight -> wte's)
+        self.pp_holders = pp_holders or {}  # the unbuilt model's name -> how many pp ranks hold it (tied: several)
         self.last_rank = last_rank
         self.n_stages = n_stages
 
@@ -83,6 +87,14 @@ class PipelineModel(nn.Module):
         for st in self.stages:
             for n, p in st.named_parameters():
                 out.setdefault(n, p)
+        return out
+
+    def canonical_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by the unbuilt model's names (``named_parameters()`` of the model as written:
+        a tied head is its embedding's name), each once: what a checkpoint in global shapes keys them by."""
+        out: dict[str, nn.Parameter] = {}
+        for n, p in self.param_dict().items():
+            out.setdefault(self._canonical.get(n, n), p)
         return out
 
     def tied_params(self) -> dict[str, nn.Parameter]:
@@ -224,6 +236,9 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     tied = [readers[i][0] for i in tied_ids]
     local_names = {id(p): pn for i in local for pn, p in stages[i].module.named_parameters()}
     tied_here = [local_names.get(i) for i in tied_ids]  # the name a local stage reads it by (lm_head.weight), or None
+    model_names = {id(p): pn for pn, p in builder.model.named_parameters()}
+    canonical = {pn: model_names.get(i, pn) for i, pn in local_names.items()}
+    pp_holders = {model_names.get(i, readers[i][0]): len(r) for i, r in holders.items()}
     modules = [_under_data_parallel(builder, stages[i].module) for i in local]
     replica_group, replicas = None, 1
     if dp is not None and not dp.shard and dp.size(builder.mesh) > 1:
@@ -257,7 +272,7 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     return PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
-                         replicas=replicas)
+                         replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders)
 
 
 def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]], dp: str) -> str | None:
