@@ -156,13 +156,13 @@ def _inputs() -> dict:
     return {**lm_inputs(8, 16, seed=3), "use_cache": False}
 
 
-def _pipelined(shape, names, kind, cuts, mb=4, tp=False):
+def _pipelined(shape, names, kind, cuts, mb=4, tp=False, inputs=None):
     sch = create_schedule(tiny_gpt2(4), mesh=Mesh(shape, names))
     if tp:
         megatron(sch, tp="tp", vocab_parallel_head=False)
     for c in cuts:
         sch[f"transformer.h.{c}"].cut_pipeline_stage()
-    sch.pipeline(axis="pp", schedule=kind, n_microbatches=mb, example_inputs=_inputs())
+    sch.pipeline(axis="pp", schedule=kind, n_microbatches=mb, example_inputs=inputs or _inputs())
     return sch
 
 
@@ -219,15 +219,43 @@ def test_pipeline_mfu_is_the_models_useful_flops(priced):
                                   rel=1e-6)
 
 
-def test_a_cut_without_pipeline_and_dp_beside_a_pipeline_are_refused():
+def test_a_cut_without_pipeline_and_fsdp_beside_a_pipeline_are_refused():
     sch = create_schedule(tiny_gpt2(4), mesh=Mesh((2,), ("pp",)))
     sch["transformer.h.1"].cut_pipeline_stage()
     with pytest.raises(PlanError, match=r"cut_pipeline_stage at \['transformer.h.1'\] without sch.pipeline"):
         treadle.price(sch, _inputs(), _cluster((2,)))
     sch = _pipelined((2, 2), ("pp", "dp"), "1f1b", [1])
-    sch.data_parallel(axis="dp")
-    with pytest.raises(PlanError, match="data_parallel .* beside a pipeline is not built yet"):
+    sch.data_parallel(axis="dp", shard=True)
+    with pytest.raises(PlanError, match=r"data_parallel \(fsdp2 over dp\) beside a pipeline is built and trained "
+                                        r"but not priced yet"):
         treadle.price(sch, _inputs(), _cluster((2, 2)))
+
+
+def test_pp_x_ddp_price_is_a_replicas_pipeline_then_its_gradient_allreduce():
+    """PP2 x DP2 on a batch of 8 runs each replica's pipeline on 4 rows: its price is PP2's on those 4 rows plus
+    the all-reduce of the rank's gradients over dp after the step (one DDP bucket: under 1 MiB here)."""
+    from treadle.cost.collective_cost import collective_time_s
+
+    cl = _cluster((2, 2))
+    sch = _pipelined((2, 2), ("pp", "dp"), "1f1b", [1])
+    sch.data_parallel(axis="dp", shard=False)
+    p = treadle.price(sch, _inputs(), cl)
+    half = {k: (v[:4] if torch.is_tensor(v) else v) for k, v in _inputs().items()}
+    q = treadle.price(_pipelined((2, 2), ("pp", "dp"), "1f1b", [1], inputs=half), half, cl)
+    info = p.pipeline
+    assert info["data_parallel"] == "ddp over dp"
+    model = tiny_gpt2(4)
+    stage_prefixes = {0: ("transformer.wte", "transformer.wpe", "transformer.h.0.", "transformer.h.1."),
+                      1: ("transformer.h.2.", "transformer.h.3.", "transformer.ln_f", "lm_head")}
+    for r, prefixes in stage_prefixes.items():
+        nbytes = sum(p_.numel() * 4 for n, p_ in model.named_parameters(remove_duplicate=False) if n.startswith(prefixes))
+        want = collective_time_s("all_reduce", nbytes, 2, cl.group_link(("dp",)))
+        got = info["ranks"][str(r)]
+        assert got["dp_s"] == pytest.approx(want, rel=1e-9)
+        assert got["step_s"] == pytest.approx(q.pipeline["ranks"][str(r)]["step_s"] + want, rel=1e-9)
+        assert got["peak_bytes"] >= q.pipeline["ranks"][str(r)]["peak_bytes"]
+    assert info["dp_grad_allreduce_s"] == info["ranks"][str(info["slowest_rank"])]["dp_s"]
+    assert p.step_s == pytest.approx(max(d["step_s"] for d in info["ranks"].values()))
 
 
 # ----------------------------------------------------------------------------------------------- pictures

@@ -15,7 +15,9 @@ everything else the log says apply as built). Each record of that step belongs t
   buffers, and the inputs on the first stage's rank; its transient the largest live excess of its records over
   what the earlier stages saved and the later stages' gradients.
 The timeline is `timeline.simulate` (NOTE [pipeline timeline]) over `facts.action_order`. A rank's step is its
-last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp;
+last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp,
+plus, under data parallelism (shard=False; each replica rehearsed on its part of the micro-batch), the replicas'
+gradient all-reduce in DDP's buckets after the step, as the runtime runs it (blocking, nothing to hide behind);
 the price's step is the slowest rank's. A rank's peak is its static bytes, the largest sum over its stages of
 micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
 keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
@@ -39,6 +41,7 @@ from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from .runtime import split_backward_conflict
+from ..data.facts import ddp_buckets
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .timeline import simulate
 
@@ -47,8 +50,8 @@ _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "
 
 def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price | None:
     """The price of `sch` when it is a pipeline (NOTE [pipeline price]); None when it is not. Raises PlanError for
-    cuts without `pipeline(...)`, data parallelism beside a pipeline (build refuses it too), or an order the
-    schedule class refuses."""
+    cuts without `pipeline(...)`, FSDP2 / HSDP beside a pipeline (not priced yet), or an order the schedule class
+    refuses."""
     v = sch.view()
     cfg = v.extras.get("pipeline")
     cuts = list(v.extras.get("pipeline_cuts", []))
@@ -57,9 +60,10 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             raise PlanError(f"price: cut_pipeline_stage at {cuts} without sch.pipeline(...): the model is not "
                             f"pipelined; call pipeline(axis=..., schedule=..., n_microbatches=...)")
         return None
-    if v.data_parallel is not None:
-        raise PlanError(f"price: data_parallel ({v.data_parallel}) beside a pipeline is not built yet, so not "
-                        f"priced; use pp with tensor parallelism")
+    dp = v.data_parallel
+    if dp is not None and dp.shard:
+        raise PlanError(f"price: data_parallel ({dp}) beside a pipeline is built and trained but not priced yet; "
+                        f"price it with shard=False (the replicas' gradient all-reduce after the step)")
     axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
     mesh = sch.mesh
     pp, n_stages = mesh.size(axis), len(cuts) + 1
@@ -156,6 +160,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     tied = [i for i, stages in holders.items() if len({ranks_of[s] for s in stages}) > 1]
     tied_b = sum(objs[i].numel() * objs[i].element_size() for i in tied if objs[i].requires_grad)
     tied_s = collective_time_s("all_reduce", tied_b, pp, link) if tied_b and pp > 1 else 0.0
+    replicas = dp.size(mesh) if dp is not None else 1
+    dp_link = cluster.group_link(dp.axes) if replicas > 1 else None
     split = any(a.kind == "W" for acts in order.values() for a in acts)
     subclass = any(hasattr(p, "to_local") for p in objs.values())
     ranks = {}
@@ -182,7 +188,9 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         local_grads = sum(grads[s] for s in mine)
         transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
         end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
-        ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s, "optimizer_s": opt_s,
+        dp_s, bucket_b = _replica_allreduce(trainable, replicas, dp_link)
+        transient = max(transient, bucket_b)  # the flattened bucket beside the gradients
+        ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s + dp_s, "optimizer_s": opt_s, "dp_s": dp_s,
                        "busy_s": tl.busy_s[rank], "bubble_s": end - tl.busy_s[rank],
                        "static_bytes": static, "activation_bytes": peak_act, "transient_bytes": max(0.0, transient),
                        "peak_bytes": static + peak_act + max(0.0, transient)}
@@ -193,7 +201,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     compute = m * sum(fwd[s] + bwd[s] - tp[s] for s in mine) + rs["optimizer_s"]
     recompute = m * sum(rec[s] for s in mine)
     step = rs["step_s"]
-    comm_total = m * sum(tp[s] for s in mine) + tied_s + sum(2 * m * p2p[b] for b in p2p
+    comm_total = m * sum(tp[s] for s in mine) + tied_s + rs["dp_s"] + sum(2 * m * p2p[b] for b in p2p
                                                              if ranks_of[b] == slow or ranks_of[b + 1] == slow)
     exposed = max(0.0, step - compute - recompute)
     dtype = next((p.dtype for p in reh.model.parameters()), torch.float32)
@@ -213,7 +221,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                   "ops": None} for sl in tl.slots[slow]]
     info = {"schedule": kind, "axis": axis, "n_microbatches": m, "n_stages": n_stages, "slowest_rank": slow,
             "largest_rank": big, "bubble_fraction": tl.bubble_fraction, "bubble_s": rs["bubble_s"],
-            "makespan_s": tl.makespan_s, "tied_grad_allreduce_s": tied_s,
+            "makespan_s": tl.makespan_s, "tied_grad_allreduce_s": tied_s, "data_parallel": str(dp) if dp else None,
+            "dp_grad_allreduce_s": rs["dp_s"],
             "critical_path": [str(a) for a in tl.critical_path], "stages": stages,
             "ranks": {str(r): d for r, d in ranks.items()}, "slots": slots}
     rb = ranks[big]
@@ -221,6 +230,19 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     return Price(step, compute, recompute, comm_total, exposed, max(0.0, comm_total - exposed), rb["peak_bytes"],
                  rb["static_bytes"], rb["activation_bytes"], rb["transient_bytes"], grad_b, mfu, useful, executed,
                  cluster.rank_device(), f"pipeline {kind} over {axis}", rows, seg_dicts, [], info)
+
+
+def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link) -> tuple[float, float]:
+    """(seconds, largest bucket's bytes) of averaging a rank's gradients over `replicas` data-parallel replicas
+    after the step, as the pipeline's runtime does (`runtime.PipelineModel`): one blocking all-reduce per DDP
+    bucket (NOTE [DDP buckets]) of its parameters in reverse order. (0, 0) without replicas."""
+    if replicas <= 1 or not trainable:
+        return 0.0, 0.0
+    ready = list(reversed(trainable))
+    size = {str(i): p.numel() * p.element_size() for i, p in enumerate(ready)}
+    buckets = ddp_buckets([(str(i), size[str(i)], str(p.dtype)) for i, p in enumerate(ready)])
+    nbytes = [sum(size[k] for k in b) for b in buckets]
+    return math.fsum(collective_time_s("all_reduce", b, replicas, link) for b in nbytes), float(max(nbytes))
 
 
 def _module_stages(records, stage_of: list[int]) -> dict[str, int]:
