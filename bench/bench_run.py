@@ -8,7 +8,15 @@ own torchrun job; step times are the median over the steps after `--warmup` (fir
 
     python bench/bench_run.py                       # tiny-llama, seq 128, batch 16, 30 steps, 4 ranks
     python bench/bench_run.py --model tiny-gpt2 --steps 20
-Prints a table and writes bench/results/bench_run.json. Timings on a shared CPU are noisy: run it twice.
+    python bench/bench_run.py --pipeline            # PP2 x DP2 (1F1B, 4 micro-batches) vs a hand pipelining loop
+
+`--pipeline` compares treadle.run on a PP2 x DP2 schedule (cut after the middle block, `pipeline(schedule="1f1b")`,
+`data_parallel(shard=False)`) with the loop a user writes on `torch.distributed.pipelining` over the same stages
+(a LLaMA-family model split by hand: embedding + first half of the blocks, second half + norm + head; the same
+1F1B schedule and micro-batches; the replicas' gradients averaged in one flat all-reduce; the global norm clip
+over both stages; the loss broadcast from the last stage).
+Prints a table and writes bench/results/bench_run.json (bench_run_pipeline.json). Timings on a shared CPU are
+noisy: run it twice.
 """
 
 from __future__ import annotations
@@ -68,6 +76,131 @@ def plain_ddp_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _hand_stages(model, cut: int):
+    """The two stages of a LLaMA-family causal LM, written by hand as a user would for pipelining."""
+    import torch
+    from torch import nn
+
+    inner = model.model
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.rotary_emb = inner.embed_tokens, inner.rotary_emb
+            self.layers = nn.ModuleList(inner.layers[:cut])
+
+        def forward(self, ids):
+            h = self.embed_tokens(ids)
+            pos = torch.arange(ids.shape[1], device=ids.device)[None]
+            pe = self.rotary_emb(h, position_ids=pos)
+            for layer in self.layers:  # no mask: SDPA's causal path, as the model's own forward takes
+                h = layer(h, position_embeddings=pe, position_ids=pos)
+            return h
+
+    class Last(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary_emb, self.norm, self.lm_head = inner.rotary_emb, inner.norm, model.lm_head
+            self.layers = nn.ModuleList(inner.layers[cut:])
+
+        def forward(self, h):
+            pos = torch.arange(h.shape[1], device=h.device)[None]
+            pe = self.rotary_emb(h, position_ids=pos)
+            for layer in self.layers:
+                h = layer(h, position_embeddings=pe, position_ids=pos)
+            return self.lm_head(self.norm(h))
+
+    return First(), Last()
+
+
+def plain_pipeline_main(args: argparse.Namespace) -> None:
+    """One rank of the hand-written PP2 x DP2 pipelining loop (mesh (pp, dp), rank = pp * 2 + dp)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from treadle.run.config import RunConfig
+    from treadle.run.data import ByteTokenizer, pack
+    from treadle.run.optim import lr_at
+    from treadle.run.setup import load_run_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    rank = dist.get_rank()
+    if dist.get_world_size() != 4:
+        raise SystemExit("the hand pipelining loop runs PP2 x DP2: 4 ranks")
+    pp_rank, dp_rank = divmod(rank, 2)
+    pp_groups = [dist.new_group([d, 2 + d]) for d in range(2)]
+    dp_groups = [dist.new_group([2 * p, 2 * p + 1]) for p in range(2)]
+    pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
+    cfg = RunConfig(model=args.model, data=[str(CORPUS)], seq=args.seq, batch=args.batch, steps=args.steps,
+                    lr=3e-3, warmup_steps=5)
+    model = load_run_model(cfg.model, seq=cfg.seq, seed=0)
+    cut = len(model.model.layers) // 2
+    mod = _hand_stages(model, cut)[pp_rank]
+    stage = PipelineStage(mod, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    vocab = model.config.vocab_size
+
+    def loss_fn(logits, ids):  # the model's causal-LM loss: predict the next token
+        return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+
+    sched = Schedule1F1B(stage, args.microbatches, loss_fn=loss_fn)
+    samples = pack(cfg.data, seq=cfg.seq, tokenizer=ByteTokenizer(), vocab_size=256)
+    opt = torch.optim.AdamW(mod.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    per = cfg.batch // 2
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
+    times, tokens = [], cfg.batch * cfg.seq
+    params = list(mod.parameters())
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        start = (step * cfg.batch + dp_rank * per) % (len(samples) - per)
+        ids = samples[order[start : start + per]]
+        losses: list = []
+        if pp_rank == 0:
+            sched.step(ids)
+        else:
+            sched.step(target=ids, losses=losses)
+        flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+        dist.all_reduce(flat, group=dp_group)
+        flat.div_(2)
+        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+            p.grad.copy_(g)
+        sq = torch.stack([p.grad.detach().double().square().sum() for p in params]).sum()
+        dist.all_reduce(sq, group=pp_group)  # both stages: the global norm
+        coef = cfg.clip_norm / (float(sq.sqrt()) + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.mul_(coef)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.stack(losses).mean().double() if losses else torch.zeros((), dtype=torch.float64)
+        dist.broadcast(loss, 2 + dp_rank, group=pp_group)
+        times.append(time.perf_counter() - t0)
+        if rank == 0:
+            print(json.dumps({"step": step + 1, "loss": float(loss), "step_s": times[-1],
+                              "tokens_per_s": tokens / times[-1]}), flush=True)
+    dist.destroy_process_group()
+
+
+def _pipeline_schedule(args: argparse.Namespace, path: Path) -> None:
+    import torch
+
+    from treadle import Mesh, create_schedule
+    from treadle.run.setup import load_run_model
+
+    model = load_run_model(args.model, seq=args.seq, seed=0)
+    sch = create_schedule(model, mesh=Mesh((2, 2), ("pp", "dp")))
+    sch[f"model.layers.{len(model.model.layers) // 2 - 1}"].cut_pipeline_stage()
+    sch.data_parallel(axis="dp", shard=False)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.int64)
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=args.microbatches,
+                 example_inputs={"input_ids": ids, "labels": ids})
+    path.write_text(sch.to_json())
+
+
 def _torchrun(nproc: int, *cmd: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     from treadle.testing import free_port
@@ -88,37 +221,54 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--pipeline", action="store_true", help="PP2 x DP2 against a hand pipelining loop (4 ranks)")
+    p.add_argument("--microbatches", type=int, default=4, help="--pipeline: micro-batches per step")
     p.add_argument("--plain-rank", action="store_true", help=argparse.SUPPRESS)  # one rank of the plain loop
+    p.add_argument("--plain-pipeline-rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.plain_rank:
         return plain_ddp_main(args)
+    if args.plain_pipeline_rank:
+        return plain_pipeline_main(args)
+    if args.pipeline and args.nproc != 4:
+        raise SystemExit("--pipeline runs PP2 x DP2: 4 ranks")
+    ours, theirs = (("treadle.run (PP2 x DP2 schedule)", "hand pipelining loop") if args.pipeline
+                    else ("treadle.run (ddp recipe)", "plain DDP loop"))
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
+        how = ["--recipe", "ddp"]
+        if args.pipeline:
+            _pipeline_schedule(args, Path(tmp) / "pp.json")
+            how = ["--schedule", str(Path(tmp) / "pp.json")]
         _torchrun(args.nproc, "-m", "treadle.run", "--model", args.model, "--data", str(CORPUS), "--seq",
                   str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--lr", "3e-3",
-                  "--warmup-steps", "5", "--recipe", "ddp", "--hardware", "none", "--metrics", str(metrics))
+                  "--warmup-steps", "5", *how, "--hardware", "none", "--metrics", str(metrics))
         treadle_rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    out = _torchrun(args.nproc, str(Path(__file__).resolve()), "--plain-rank", "--model", args.model,
-                    "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps))
+    out = _torchrun(args.nproc, str(Path(__file__).resolve()),
+                    "--plain-pipeline-rank" if args.pipeline else "--plain-rank", "--model", args.model,
+                    "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+                    "--microbatches", str(args.microbatches))
     plain_rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     rows = {}
-    for name, rs in (("treadle.run (ddp recipe)", treadle_rows), ("plain DDP loop", plain_rows)):
+    for name, rs in ((ours, treadle_rows), (theirs, plain_rows)):
         step_s = statistics.median(r["step_s"] for r in rs[args.warmup :])
         rows[name] = {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s,
                       "first_loss": rs[0]["loss"], "last_loss": rs[-1]["loss"]}
-    base = rows["plain DDP loop"]["tokens_per_s"]
+    base = rows[theirs]["tokens_per_s"]
     from rich.console import Console
     from rich.table import Table
 
     t = Table("loop", "median step ms", "tokens/s", "vs plain", "loss first -> last",
-              title=f"{args.model}, seq {args.seq}, batch {args.batch}, {args.nproc} gloo ranks, {args.steps} steps")
+              title=f"{args.model}, seq {args.seq}, batch {args.batch}, {args.nproc} gloo ranks, {args.steps} steps"
+              + (f", 1F1B x {args.microbatches} micro-batches" if args.pipeline else ""))
     for name, r in rows.items():
         t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
                   f"{(r['tokens_per_s'] / base - 1) * 100:+.1f}%", f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}")
     Console().print(t)
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_run.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    name = "bench_run_pipeline.json" if args.pipeline else "bench_run.json"
+    (out_dir / name).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
