@@ -233,3 +233,31 @@ def test_a_v_schedule_refuses_a_parameter_two_stages_of_one_rank_share():
                    "transformer.wte.weight; its split backward (input, then weight gradients) cannot share a "
                    "parameter between two stages of a rank; untie it, or use a schedule that places them on "
                    "different ranks (interleaved_1f1b, looped_bfs)")
+
+
+def test_the_capture_hands_a_leaf_the_none_its_eager_forward_hands_it():
+    """NOTE [eager None arguments]: traced, LLaMA's forward builds an explicit causal mask; eagerly it passes
+    None (SDPA's causal kernel). The captured graph passes None again, and the stages compute the model's loss."""
+    from treadle.forms.pipeline.stages import eager_nones, hand_leaves_eager_nones, split_stages, stage_leaves
+    from treadle.graph.capture import capture_export, record_leaf_outputs
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(4)
+    inp = {**lm_inputs(2, SEQ, seed=5), "use_cache": False}
+    leaves = stage_leaves(model, "model.layers")
+    with eager_nones(model, leaves) as nones:
+        eager = record_leaf_outputs(model, leaves, inp)
+    gm = capture_export(model, leaves, (), inp, where="test", dynamic=False, eager_outputs=eager)
+    layer = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "model.layers.0")
+    assert layer.kwargs["attention_mask"] is not None  # what tracing took
+    done = hand_leaves_eager_nones(gm, nones)
+    assert [d for d in done if d.endswith("attention_mask")] == [f"model.layers.{i}.attention_mask" for i in range(4)]
+    assert layer.kwargs["attention_mask"] is None
+    stages, loss_gm, _ = split_stages(gm, cut_paths=["model.layers.1"], input_names=["input_ids", "labels"],
+                                      target="labels")
+    with torch.no_grad():
+        env = dict(zip(stages[0].outputs, stages[0].module(inp["input_ids"])))
+        out = stages[1].module(*(env[k] for k in stages[1].inputs))
+        loss = loss_gm(*out, inp["labels"])
+        ref = model(**inp).loss
+    torch.testing.assert_close(loss, ref)

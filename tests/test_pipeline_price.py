@@ -233,7 +233,7 @@ def test_a_cut_without_pipeline_and_fsdp_beside_a_pipeline_are_refused():
 
 def test_pp_x_ddp_price_is_a_replicas_pipeline_then_its_gradient_allreduce():
     """PP2 x DP2 on a batch of 8 runs each replica's pipeline on 4 rows: its price is PP2's on those 4 rows plus
-    the all-reduce of the rank's gradients over dp after the step (one DDP bucket: under 1 MiB here)."""
+    the all-reduce of the rank's gradients over dp after the step (one bucket: under 25 MiB here)."""
     from treadle.cost.collective_cost import collective_time_s
 
     cl = _cluster((2, 2))

@@ -17,7 +17,7 @@ everything else the log says apply as built). Each record of that step belongs t
 The timeline is `timeline.simulate` (NOTE [pipeline timeline]) over `facts.action_order`. A rank's step is its
 last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp,
 plus, under data parallelism (shard=False; each replica rehearsed on its part of the micro-batch), the replicas'
-gradient all-reduce in DDP's buckets after the step, as the runtime runs it (blocking, nothing to hide behind);
+gradient all-reduce after the step, in the runtime's buckets (`runtime.replica_buckets`) (blocking, nothing to hide behind);
 the price's step is the slowest rank's. A rank's peak is its static bytes, the largest sum over its stages of
 micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
 keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
@@ -40,8 +40,7 @@ from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
-from .runtime import split_backward_conflict
-from ..data.facts import ddp_buckets
+from .runtime import replica_buckets, split_backward_conflict
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .timeline import simulate
 
@@ -234,14 +233,11 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
 
 def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link) -> tuple[float, float]:
     """(seconds, largest bucket's bytes) of averaging a rank's gradients over `replicas` data-parallel replicas
-    after the step, as the pipeline's runtime does (`runtime.PipelineModel`): one blocking all-reduce per DDP
-    bucket (NOTE [DDP buckets]) of its parameters in reverse order. (0, 0) without replicas."""
+    after the step, as the pipeline's runtime does: one blocking all-reduce per `runtime.replica_buckets`
+    bucket. (0, 0) without replicas."""
     if replicas <= 1 or not trainable:
         return 0.0, 0.0
-    ready = list(reversed(trainable))
-    size = {str(i): p.numel() * p.element_size() for i, p in enumerate(ready)}
-    buckets = ddp_buckets([(str(i), size[str(i)], str(p.dtype)) for i, p in enumerate(ready)])
-    nbytes = [sum(size[k] for k in b) for b in buckets]
+    nbytes = [sum(p.numel() * p.element_size() for p in b) for b in replica_buckets(trainable)]
     return math.fsum(collective_time_s("all_reduce", b, replicas, link) for b in nbytes), float(max(nbytes))
 
 

@@ -6,8 +6,8 @@ Data parallelism beside a pipeline (PP x DDP / FSDP2 / HSDP): every data-paralle
 on its part of the batch. Under ``shard=True`` each local stage is wrapped as the data-parallel form wraps a
 model (`treadle.forms.data.runtime.wrap_module`: ``fully_shard`` on the stage's blocks, then on the stage), and
 the pipelining stage defers the reduce-scatter to its REDUCE_GRAD action after the last micro-batch. Under
-``shard=False`` the replicas average their gradients after the step, in DDP's buckets (NOTE [DDP buckets] in
-`treadle.forms.data.facts`), one all-reduce each over the flattened data-parallel group: torch 2.13's DDP reducer
+``shard=False`` the replicas average their gradients after the step, in buckets of DDP's size
+(`replica_buckets`), one all-reduce each over the flattened data-parallel group: torch 2.13's DDP reducer
 cannot follow a pipeline stage's backward over several micro-batches (its first bucket rebuild counts every
 parameter once per micro-batch and fails an internal assert), so no DDP wrapper is used.
 
@@ -132,18 +132,12 @@ class PipelineModel(nn.Module):
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        from ..data.facts import ddp_buckets
-
         params = [p for p in self.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        # the order the backward readies them: the last stage's last parameters first
-        ready = list(reversed(params))
-        index = {str(i): p for i, p in enumerate(ready)}
-        buckets = ddp_buckets([(str(i), p.numel() * p.element_size(), str(p.dtype)) for i, p in enumerate(ready)])
-        for bucket in buckets:
-            grads = [index[k].grad for k in bucket]
+        for bucket in replica_buckets(params):
+            grads = [p.grad for p in bucket]
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self._replica_group)
             flat.div_(self._replicas)
@@ -273,6 +267,19 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
                          replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders)
+
+
+def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The buckets a pipeline's replicas average their gradients in after the step (`PipelineModel`; the price
+    charges the same): one dtype each, in reverse parameter order, closed once at least DDP's bucket size (25
+    MiB). No small first bucket: nothing overlaps this all-reduce, so fewer, larger messages are cheaper."""
+    from ..data.facts import DDP_BUCKET_BYTES, ddp_buckets
+
+    ready = list(reversed(params))
+    by = {str(i): p for i, p in enumerate(ready)}
+    names = ddp_buckets([(k, p.numel() * p.element_size(), str(p.dtype)) for k, p in by.items()],
+                        first_bucket_bytes=DDP_BUCKET_BYTES)
+    return [[by[k] for k in b] for b in names]
 
 
 def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]], dp: str) -> str | None:

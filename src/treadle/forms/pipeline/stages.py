@@ -17,6 +17,7 @@ rather than sent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -222,13 +223,74 @@ def capture_root(builder) -> None:
     for (mod, a, v), (_, _, axis) in zip(saved, builder.v.shard_attrs):
         setattr(mod, a, v * builder.sizes[axis])
     try:
-        eager = record_leaf_outputs(model, leaves, mb)
+        with eager_nones(model, leaves) as nones:
+            eager = record_leaf_outputs(model, leaves, mb)
         gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
                             eager_outputs=eager)
     finally:
         for mod, a, v in saved:
             setattr(mod, a, v)
+    undone = hand_leaves_eager_nones(gm, nones)
+    if undone:
+        logger.info("pipeline: %d leaf argument(s) the eager forward passes as None restored (%s)", len(undone),
+                    ", ".join(undone[:4]))
     builder.scratch["_pipeline_graph"] = (gm, names, constants)
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
 
+
+
+# NOTE [eager None arguments]: a traced forward may take another branch than the eager one. Hugging Face's
+# `create_causal_mask` returns None eagerly (the attention then runs SDPA's causal kernel) but materialises an
+# (S x S) boolean mask under tracing, which makes every block's SDPA take the explicit-mask path: the same
+# numbers, much slower (20% of a PP2 x DP2 step of a tiny LLaMA on CPU). The capture therefore records which
+# arguments the eager forward hands each leaf call as None, and where the graph hands that call a value computed
+# from no input (a constant of the fixed micro-batch shapes, so the eager branch is the same at every step) it
+# hands None again: the leaf runs exactly as in the model as written. A value computed from the inputs is left
+# as traced.
+
+
+@contextlib.contextmanager
+def eager_nones(model: nn.Module, leaves: list[str]):
+    """Inside: the forward pre-hooks recording, per leaf and call, which arguments are None (positions and
+    keywords); the dict they fill is yielded."""
+    out: dict[str, list[set]] = {p: [] for p in leaves}
+    handles = []
+    for p in leaves:
+        def hook(mod, args, kwargs, p=p):
+            out[p].append({i for i, a in enumerate(args) if a is None} | {k for k, v in kwargs.items() if v is None})
+        handles.append(model.get_submodule(p).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hand_leaves_eager_nones(gm: fx.GraphModule, nones: dict[str, list[set]]) -> list[str]:
+    """NOTE [eager None arguments]: replace, in each leaf call of `gm`, an argument computed from no input by
+    None where the eager forward's same call passed None. Returns "path.argument" for each one replaced."""
+    free: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if _is_free(n, free):
+            free.add(n)
+    calls: dict[str, int] = {}
+    done = []
+    for n in gm.graph.nodes:
+        if n.op != "call_module" or n.target not in nones:
+            continue
+        i = calls.get(n.target, 0)
+        calls[n.target] = i + 1
+        seen = nones[n.target][i] if i < len(nones[n.target]) else set()
+        args, kwargs = list(n.args), dict(n.kwargs)
+        for key in seen:
+            if isinstance(key, int) and key < len(args) and isinstance(args[key], fx.Node) and args[key] in free:
+                args[key] = None
+                done.append(f"{n.target}[{key}]")
+            elif isinstance(key, str) and isinstance(kwargs.get(key), fx.Node) and kwargs[key] in free:
+                kwargs[key] = None
+                done.append(f"{n.target}.{key}")
+        n.args, n.kwargs = tuple(args), kwargs
+    if done:  # the mask's nodes stay, unread: a stage copies a value of no input only where it reads one
+        gm.recompile()
+    return done
