@@ -145,3 +145,24 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
         opt.zero_grad(set_to_none=True)
     rec.remove()
     return result
+
+
+def _run_pipeline_steps(pipe: nn.Module, local: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
+    """`steps` AdamW steps of a pipelined model (`PipelineModel.step`) on this replica's batch. Returns the losses
+    and, by the unbuilt model's names, the parameter gradients of step 1 and the parameters after it, for the
+    parameters this rank's stages hold. Its modules run inside the stages a micro-batch at a time, so no module
+    outputs are recorded."""
+    opt = torch.optim.AdamW(pipe.parameters(), lr=lr, weight_decay=0.01)
+    named = pipe.canonical_parameters()
+    result: dict[str, Any] = {"losses": [], "outputs": {}, "order": [], "grads": {}, "grad_order": [],
+                              "input_grads": {}, "pipeline": True}
+    for step in range(steps):
+        result["losses"].append(pipe.step(**local))
+        if step == 0:
+            result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
+                                     for n, p in named.items()}
+        opt.step()
+        if step == 0:
+            result["params"] = {n: _full(p).detach().clone() for n, p in named.items()}
+        opt.zero_grad(set_to_none=True)
+    return result

@@ -30,7 +30,7 @@ from ..loss import default_loss
 from ..testing import check_process_count, spawn
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
-from .record import _run_steps
+from .record import _run_pipeline_steps, _run_steps
 from .report import Check, VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,10 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
         dp_n, dp_i = st.data_parallel.size(mesh), st.data_parallel.local_index(mesh)
     local = split_batch(inputs, dp_n, dp_i, axis=",".join(dp_axes) or None, where="verify")
     torch.manual_seed(p["seed"])
-    res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
+    if hasattr(built, "canonical_parameters"):  # a pipeline: its stages run whole batches (`.step`)
+        res = _run_pipeline_steps(built, local, p["steps"], p["lr"])
+    else:
+        res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
     res["dp"] = (dp_axes, dp_n, dp_i)
     res["out_blocks"] = out_blocks
     res["fsdp"] = bool(st.data_parallel and st.data_parallel.shard)
@@ -108,11 +111,17 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     A rank that raises is reported by its number and its own error (not a peer's echo of it); a mesh larger
     than this host may run is refused before anything starts (SpawnError, NOTE [process count] in
     `treadle.testing`).
+    A pipeline (`Schedule.pipeline`) runs its stages a micro-batch at a time, so its modules' outputs are not
+    compared: its losses (the forward), every parameter's gradient and every parameter after the first step are,
+    on every group of ranks that holds it (each data-parallel replica's copy; tensor-parallel shards assembled).
     """
     st = sch.view()
     if st.built:
         raise VerifyError("verify: this schedule was already built; verify an unbuilt schedule")
     check_process_count(sch.mesh.world_size, where=f"verify on mesh {sch.mesh}")
+    if st.extras.get("pipeline") is not None and loss_fn is not None:
+        raise VerifyError("verify: a pipeline's loss is the model's own loss, captured with its stages "
+                          "(NOTE [pipeline loss]); a loss_fn cannot replace it: verify without one")
     loss_fn = loss_fn or default_loss
     original = st.reference
     reference = original
@@ -237,9 +246,17 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     for k, ref_list in ref["input_grads"].items():
         locals_ = [r["input_grads"][k][0] * (1.0 / dp_n) for r in results]
         report.checks.append(Check("input_grad", k, assemble_best(locals_, torch.cat(ref_list, 0), mesh, tol)))
+    pipelined = bool(results[0].get("pipeline"))
     for kind, key in (("param_grad", "param_grads"), ("param_step", "params")):
         for name, ref_t in ref[key].items():
             if ref_t is None:
+                continue
+            if pipelined:  # held by the ranks of the stages that read it: each pp group's copy is checked
+                d = _pipeline_param_diff(name, ref_t, ref["param_grads"].get(name), results, by_coord, layouts,
+                                         mesh, tol, step=kind == "param_step")
+                report.checks.append(Check(kind, name, d))
+                if kind == "param_grad" and not d.ok and first is None and first_bwd is None:
+                    first_bwd = f"gradient of parameter {name!r} (max abs err {d.max_abs:.3e})"
                 continue
             locals_ = [r[key].get(name) for r in results]
             if any(t is None for t in locals_):
@@ -264,6 +281,30 @@ def _compare(report: VerifyReport, ref: dict, results: list[dict], mesh: Mesh, t
     if first is not None:
         first += _pending_sum_hint(report, first)
     report.first_divergence = first or first_bwd
+
+
+def _pipeline_param_diff(name: str, ref_t: torch.Tensor, ref_grad: torch.Tensor | None, results: list[dict],
+                         by_coord: list[dict[str, int]], layouts: dict[str, list], mesh: Mesh, tol: Tolerance, *,
+                         step: bool) -> Diff:
+    """A pipelined parameter (or its gradient) against the reference: assembled over the tensor-parallel shards
+    of every group of ranks that holds it (one per pp coordinate whose stages read it); the worst group's diff.
+    Missing on every rank is a failure."""
+    key = "params" if step else "param_grads"
+    groups: dict[tuple, dict[tuple, torch.Tensor]] = {}
+    for r, res in enumerate(results):
+        t = res[key].get(name)
+        if t is not None:
+            other = tuple(c for ax, c in by_coord[r].items() if ax not in {s.axis for s in layouts.get(name, [])})
+            groups.setdefault(other, {})[tuple(by_coord[r].values())] = t
+    if not groups:
+        return Diff(math.inf, math.inf, False, note="held by no rank")
+    sizes = dict(zip(mesh.names, mesh.shape))
+    shards = layouts.get(name)
+    diffs = []
+    for members in groups.values():
+        got = assemble(members, shards, mesh.names, sizes) if shards else next(iter(members.values()))
+        diffs.append(_step_diff(got, ref_t, ref_grad, tol) if step else diff(got, ref_t, tol))
+    return max(diffs, key=lambda d: (not d.ok, d.max_abs))  # a failing group first, else the largest error
 
 
 def _by_slice(ref_slices: list[torch.Tensor], locals_: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
