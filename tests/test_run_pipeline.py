@@ -171,17 +171,41 @@ def _losses(path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
+def _check_stage_metrics(path, stdout: str, *, peak: float, world: int, pp: int) -> None:
+    """Per pp rank at the logged steps (every 3rd): its stages, FLOPs that add up to the model's, an MFU of those
+    FLOPs over the step, its memory; shown on the console too."""
+    import json
+
+    rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert [s for s, r in sorted(rows.items()) if r["stages"]] == [3, 6]
+    for s in (3, 6):
+        r = rows[s]
+        stages = r["stages"]
+        assert [(x["pp"], x["stages"]) for x in stages] == [(0, [0]), (1, [1])]
+        total = r["mfu"] * r["step_s"] * world * peak  # the model's FLOPs per step, as the overall MFU counts them
+        assert sum(x["flops"] for x in stages) * (world // pp) == pytest.approx(total, rel=1e-6)
+        for x in stages:
+            assert x["mfu"] == pytest.approx(x["flops"] / r["step_s"] / peak, rel=1e-9) and x["mem_bytes"] > 0
+        assert stages[1]["flops"] > stages[0]["flops"]  # the same blocks each, and the head on the last stage
+    assert "  pp 1 stages [1]: mfu " in stdout
+
+
 @pytest.mark.slow
 def test_treadle_run_trains_pp2_x_dp2_and_resumes_bit_exact(tmp_path):
     import shutil
 
     sched = tmp_path / "pp.json"
     _pipeline_schedule(sched, shard=False)
-    res = _run(tmp_path, "--schedule", str(sched), "--ckpt-dir", "ck", "--ckpt-every", "2", "--metrics", "a.jsonl")
+    res = _run(tmp_path, "--schedule", str(sched), "--ckpt-dir", "ck", "--ckpt-every", "2", "--metrics", "a.jsonl",
+               "--hardware", "a100-80gb", "--log-every", "3")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "batch 8 = 2 dp x 2 accum x 2" in res.stdout  # the pipeline's 2 micro-batches are the accumulation
     first = _losses(tmp_path / "a.jsonl")
     assert sorted(first) == list(range(1, 7)) and first[6] < first[1]
+    from treadle.run.metrics import resolve_peak_flops_per_s
+
+    peak = resolve_peak_flops_per_s("a100-80gb", precision="fp32", device=torch.device("cpu"))
+    _check_stage_metrics(tmp_path / "a.jsonl", res.stdout, peak=peak, world=4, pp=2)
     ddp = _run(tmp_path, "--recipe", "ddp", "--mesh", "4x1", "--steps", "1", "--metrics", "ddp.jsonl")
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
     assert first[1] == pytest.approx(_losses(tmp_path / "ddp.jsonl")[1], rel=1e-5)  # the same model and batch

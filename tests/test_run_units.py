@@ -199,9 +199,18 @@ def test_mfu_inputs():
         resolve_peak_flops_per_s("tpu9", precision="fp32", device=cpu)
     model = load_run_model("tiny-gpt2", seq=16, seed=0)
     ids = torch.zeros((2, 16), dtype=torch.int64)
-    flops = model_flops_per_step(model, {"input_ids": ids, "labels": ids})
+    flops, none = model_flops_per_step(model, {"input_ids": ids, "labels": ids})
     n_params = sum(p.numel() for p in model.parameters())
+    assert none is None
     assert 6 * n_params * ids.numel() * 0.5 < flops < 6 * n_params * ids.numel() * 3  # ~6 N T (Kaplan et al.)
+    # a pipeline's stages split that count: half the blocks each, the last stage also the head (forward, input
+    # and weight gradients: 3 x 2 x tokens x hidden x vocab)
+    cfg = model.config
+    assert cfg.n_layer % 2 == 0
+    cut = [f"transformer.h.{cfg.n_layer // 2 - 1}"]
+    again, per_stage = model_flops_per_step(model, {"input_ids": ids, "labels": ids}, cut)
+    assert again == flops and sum(per_stage) == flops
+    assert per_stage[1] - per_stage[0] == 6 * ids.numel() * cfg.n_embd * cfg.vocab_size
 
 
 def test_cli_registers_run_and_export():

@@ -29,7 +29,8 @@ from .agree import JobError, agree
 from .config import RunConfig, RunError
 from .data import Sampler, make_tokenizer, pack, split_batch
 from .layout import layouts as param_layouts, shards_by_name, unwrap
-from .metrics import MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s
+from .metrics import (MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s,
+                      stage_metrics)
 from .optim import init_optimizer_state, lr_at, make_optimizer
 from .preempt import StopSignals
 from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs, pipeline_batches
@@ -149,10 +150,11 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
     sampler = Sampler(len(samples), cfg.batch, dp_size, cfg.seed)
     micro, accum = (pipeline_batches(sch, cfg, dp_size)
                     or split_batch(cfg.batch, dp_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum))
-    flops_per_step = None
+    flops_per_step = per_stage_flops = None
     peak = resolve_peak_flops_per_s(cfg.hardware, precision=cfg.precision, device=device)
     if peak is not None and rank == 0:
-        flops_per_step = model_flops_per_step(model, model_inputs(model, samples[: cfg.batch].clone()))
+        flops_per_step, per_stage_flops = model_flops_per_step(model, model_inputs(model, samples[: cfg.batch].clone()),
+                                                               sch.view().extras.get("pipeline_cuts"))
     before = shards_by_name(sch)
     built = build_for(sch, cfg)
     mesh = sch.mesh
@@ -212,9 +214,11 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                 step_s = time.perf_counter() - t0
                 losses.append(out.loss)
                 mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
+                mem = memory_bytes(device)
+                stages = stage_metrics(built, mesh, per_stage_flops, step_s, peak, mem) if metrics.logs(done) else None
                 metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
                                         tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                                        mfu=mfu, mem_bytes=memory_bytes(device), epoch=sampler.epoch(done)))
+                                        mfu=mfu, mem_bytes=mem, epoch=sampler.epoch(done), stages=stages))
                 health.mark(done)
                 if out.stop_ranks:
                     saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None

@@ -12,7 +12,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +36,7 @@ class StepMetrics:
     mfu: float | None
     mem_bytes: int
     epoch: float
+    stages: list[StageMetrics] | None = None
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -78,14 +78,58 @@ def resolve_peak_flops_per_s(hardware: str, *, precision: str, device: torch.dev
     return hw.peak_for(dtype) if dtype in hw.peak_flops_per_s else hw.peak_for("float32")
 
 
-def model_flops_per_step(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+def model_flops_per_step(model: nn.Module, inputs: dict[str, torch.Tensor],
+                         cuts: list[str] | None = None) -> tuple[int, list[int] | None]:
     """Forward + backward FLOPs of one step of the whole (global) batch `inputs`: `treadle.profile.model_flops`,
-    the numerator the price's MFU uses too. Inputs move to the parameters' device (meta for a meta model)."""
-    from ..profile.profiler import model_flops
+    the numerator the price's MFU uses too; with pipeline `cuts`, also each stage's part of them
+    (`forms.pipeline.facts.stage_flops`), from the same profile. Inputs move to the parameters' device (meta for
+    a meta model)."""
+    from ..profile.profiler import profile
 
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-    return model_flops(model, inputs)
+    prof = profile(model, inputs, hardware="cpu", optimizer="sgd")
+    if not cuts:
+        return int(prof.model_flops), None
+    from ..forms.pipeline.facts import stage_flops
+
+    return int(prof.model_flops), stage_flops(prof.ops, cuts)
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    """One pipeline rank's part of a step (the ranks of one pp coordinate, every replica and tensor shard):
+    its stages, their useful FLOPs per rank of it, its MFU (None without a device peak) and the largest memory
+    of its ranks. A rank's MFU shows its stages' share of the work: the step is the same wall time on all."""
+
+    pp: int
+    stages: list[int]
+    flops: int | None
+    mfu: float | None
+    mem_bytes: int
+
+
+def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s: float, peak: float | None,
+                  mem: int) -> list[StageMetrics] | None:
+    """Per pp rank of a pipelined `model` (`PipelineModel`), gathered from every rank (a collective: every rank
+    calls it at the same steps); None when `model` is not a pipeline. A stage's FLOPs split evenly over the
+    ranks that compute it (its replicas and tensor-parallel shards)."""
+    axis = getattr(model, "pp_axis", None)
+    if axis is None:
+        return None
+    import torch.distributed as dist
+
+    mine = (mesh.coordinate(dist.get_rank())[axis], list(model.local_stage_indices), mem)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    per_pp = mesh.world_size // mesh.size(axis)
+    out = []
+    for pp in sorted({e[0] for e in every}):
+        stages = next(e[1] for e in every if e[0] == pp)
+        flops = sum(stage_flops_[s] for s in stages) // per_pp if stage_flops_ is not None else None
+        mfu = flops / step_s / peak if flops is not None and peak else None
+        out.append(StageMetrics(pp, stages, flops, mfu, max(e[2] for e in every if e[0] == pp)))
+    return out
 
 
 class MetricsLogger:
@@ -125,8 +169,11 @@ class MetricsLogger:
                 f"{m.step_s * 1e3:.0f} ms{mfu} mem {m.mem_bytes / 2**20:.0f} MiB")
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, info=info)
-        elif m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps:
+        elif self.logs(m.step):
             print(f"step {m.step}/{self.cfg.steps} {info}", flush=True)
+        for st in m.stages or ():
+            self.message(f"  pp {st.pp} stages {st.stages}: " + (f"mfu {st.mfu * 100:.3g}% " if st.mfu is not None
+                                                                   else "") + f"mem {st.mem_bytes / 2**20:.0f} MiB")
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({**asdict(m), "time": time.time()}) + "\n")
         if self._tb is not None:
@@ -134,6 +181,14 @@ class MetricsLogger:
                 self._tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
             if m.mfu is not None:
                 self._tb.add_scalar("train/mfu", m.mfu, m.step)
+            for st in m.stages or ():
+                self._tb.add_scalar(f"train/pp{st.pp}_mem_bytes", st.mem_bytes, m.step)
+                if st.mfu is not None:
+                    self._tb.add_scalar(f"train/pp{st.pp}_mfu", st.mfu, m.step)
+
+    def logs(self, step: int) -> bool:
+        """Whether step `step` is one the console shows (every `log_every`-th and the last)."""
+        return step % self.cfg.log_every == 0 or step == self.cfg.steps
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -149,3 +149,14 @@ def stage_of_records(records, cuts: list[str]) -> list[int]:
         else:
             out.append(0 if seen["backward"] else n_last)
     return out
+
+
+def stage_flops(records, cuts: list[str]) -> list[int]:
+    """Useful FLOPs (forward + backward, no recomputation: the MFU numerator of `treadle.profile.model_flops`) of
+    each stage, the profile's records assigned as the price assigns them (`stage_of_records`); they sum to the
+    model's FLOPs."""
+    out = [0] * (len(cuts) + 1)
+    for r, s in zip(records, stage_of_records(records, cuts)):
+        if r.phase in ("forward", "backward"):
+            out[s] += r.flops
+    return out
