@@ -190,6 +190,35 @@ def _check_stage_metrics(path, stdout: str, *, peak: float, world: int, pp: int)
     assert "  pp 1 stages [1]: mfu " in stdout
 
 
+def _check_measured_beside_priced(tmp_path, sched) -> None:
+    """--trace wrote every rank's profile and rank 0 the measured pipeline timeline; `treadle price --measured`
+    prints it beside the price and draws both, the predicted and the measured, in one trace and one page."""
+    import json
+
+    from treadle.cli import main as cli
+    from treadle.viz.chrome import validate_chrome_trace
+
+    assert all((tmp_path / f"t-rank{r}.json").exists() for r in range(4))
+    doc = json.loads((tmp_path / "t-pipeline.json").read_text())
+    assert validate_chrome_trace(doc) == []
+    m = doc["otherData"]["measured_pipeline"]
+    assert (m["schedule"], m["n_stages"], m["n_microbatches"], [r["stages"] for r in m["ranks"]]) == \
+        ("1f1b", 2, 2, [[0], [1]])
+    out, html = tmp_path / "both.json", tmp_path / "both.html"
+    assert cli(["price", str(sched), "--model", "tiny-llama", "--cluster", "2x2:cpu", "--batch", "8", "--seq", "32",
+                "--measured", str(tmp_path / "t-pipeline.json"), "--trace", str(out), "--html", str(html)]) == 0
+    both = json.loads(out.read_text())
+    assert validate_chrome_trace(both) == []
+    procs = sorted(e["args"]["name"].split(":")[0] for e in both["traceEvents"] if e.get("name") == "process_name")
+    assert procs == ["treadle measured step", "treadle predicted step"]
+    assert "Measured pipeline beside the predicted" in html.read_text()
+    from treadle.cli.price import _measured_pipeline
+    from treadle.errors import TreadleError
+
+    with pytest.raises(TreadleError, match=r"t-rank0.json: no otherData.measured_pipeline; give the '-pipeline' file"):
+        _measured_pipeline(str(tmp_path / "t-rank0.json"), {})
+
+
 @pytest.mark.slow
 def test_treadle_run_trains_pp2_x_dp2_and_resumes_bit_exact(tmp_path):
     import shutil
@@ -197,7 +226,7 @@ def test_treadle_run_trains_pp2_x_dp2_and_resumes_bit_exact(tmp_path):
     sched = tmp_path / "pp.json"
     _pipeline_schedule(sched, shard=False)
     res = _run(tmp_path, "--schedule", str(sched), "--ckpt-dir", "ck", "--ckpt-every", "2", "--metrics", "a.jsonl",
-               "--hardware", "a100-80gb", "--log-every", "3")
+               "--hardware", "a100-80gb", "--log-every", "3", "--trace", "t.json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "batch 8 = 2 dp x 2 accum x 2" in res.stdout  # the pipeline's 2 micro-batches are the accumulation
     first = _losses(tmp_path / "a.jsonl")
@@ -206,6 +235,7 @@ def test_treadle_run_trains_pp2_x_dp2_and_resumes_bit_exact(tmp_path):
 
     peak = resolve_peak_flops_per_s("a100-80gb", precision="fp32", device=torch.device("cpu"))
     _check_stage_metrics(tmp_path / "a.jsonl", res.stdout, peak=peak, world=4, pp=2)
+    _check_measured_beside_priced(tmp_path, sched)
     ddp = _run(tmp_path, "--recipe", "ddp", "--mesh", "4x1", "--steps", "1", "--metrics", "ddp.jsonl")
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
     assert first[1] == pytest.approx(_losses(tmp_path / "ddp.jsonl")[1], rel=1e-5)  # the same model and batch

@@ -2,6 +2,7 @@
 
     treadle price schedule.json --model tiny-gpt2 --cluster 2x2:cpu [--batch 8 --seq 64] [--json out.json]
         [--trace step.json --html price.html --png fig]   # the step as treadle.viz.timeline_from_price draws it
+        [--measured run-pipeline.json]   # a pipeline: its measured timeline (treadle.run --trace) beside it
 """
 
 from __future__ import annotations
@@ -97,18 +98,46 @@ def _price_cmd(args: argparse.Namespace) -> int:
         console.print(line)
     console.print(f"{cluster.assumptions()}; overlap of communication with compute "
                   f"{'on' if p.device.overlap else 'off'}")
+    measured = _measured_pipeline(args.measured, p.to_dict()) if args.measured else None
+    if measured is not None:
+        from rich.table import Table
+
+        from ..viz.pipeline_timeline import COMPARE_HEAD, pipeline_compare_rows
+
+        t = Table(*COMPARE_HEAD, title=f"pipeline: predicted beside measured ({args.measured})")
+        for row in pipeline_compare_rows(p.to_dict(), measured):
+            t.add_row(*row)
+        console.print(t)
     if args.trace or args.html or args.png:
         from ..viz.files import write_price_pictures
 
         try:
             paths = write_price_pictures(p, trace=args.trace, html=args.html, png=args.png,
                                          title=f"{name} on {axes} ({p.data_parallel})",
-                                         world_size=cluster.world_size)
+                                         world_size=cluster.world_size, measured_pipeline=measured)
         except ImportError as exc:  # matplotlib for --png (OSError: said by treadle.cli)
             raise TreadleError(str(exc)) from exc
         for path in paths:
             console.print(f"wrote {path}")
     return 0
+
+
+def _measured_pipeline(path: str, price: dict) -> dict:
+    """The measured pipeline of a ``treadle.run --trace`` ``-pipeline`` file (JSON, data only), checked to be the
+    priced pipeline's (TreadleError naming the file otherwise)."""
+    from ..schedule.gate import parse_json
+    from ..viz.pipeline_timeline import pipeline_compare_rows
+
+    doc = parse_json(Path(path).read_text(), source=path, error=TreadleError)
+    measured = doc.get("otherData", {}).get("measured_pipeline") if isinstance(doc, dict) else None
+    if not isinstance(measured, dict) or not isinstance(measured.get("ranks"), list):
+        raise TreadleError(f"--measured {path}: no otherData.measured_pipeline; give the '-pipeline' file "
+                           f"treadle.run --trace writes for a pipeline schedule")
+    try:
+        pipeline_compare_rows(price, measured)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise TreadleError(f"--measured {path}: {exc}") from exc
+    return measured
 
 
 def _mesh_roles(sch) -> str:
@@ -139,4 +168,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="FILE", help="write the priced step as a Chrome trace (Perfetto)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the price")
     p.add_argument("--png", metavar="PREFIX", help="write PREFIX-memory/-breakdown/-timeline.png (needs matplotlib)")
+    p.add_argument("--measured", metavar="FILE", help="a pipeline's measured timeline (treadle.run --trace's "
+                   "-pipeline file): a table beside the price, and drawn beside it in --trace / --html")
     p.set_defaults(func=_price_cmd)

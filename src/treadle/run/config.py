@@ -93,7 +93,9 @@ class RunConfig:
     trace: str | None = None
     """Write a Chrome trace (torch.profiler) of the run's last step on every rank: ``{rank}`` in the path is
     replaced by the rank (default: ``-rank<r>`` before the suffix). Open it beside ``treadle explain
-    plan.json --trace``; ``treadle explain plan.json --measured FILE`` compares the step times."""
+    plan.json --trace``; ``treadle explain plan.json --measured FILE`` compares the step times. A pipeline also
+    gets its measured timeline (rank 0; ``-pipeline`` for the rank, of the step before the last where there is
+    one): ``treadle price schedule.json --measured FILE --trace T`` draws it beside the predicted one."""
     hardware: str = "auto"
     """Peak FLOP/s for MFU: a preset name, ``cpu`` (calibrated), ``none``; ``auto``: the CUDA preset by
     device name, none on CPU."""

@@ -29,8 +29,8 @@ from .agree import JobError, agree
 from .config import RunConfig, RunError
 from .data import Sampler, make_tokenizer, pack, split_batch
 from .layout import layouts as param_layouts, shards_by_name, unwrap
-from .metrics import (MetricsLogger, StepMetrics, memory_bytes, model_flops_per_step, resolve_peak_flops_per_s,
-                      stage_metrics)
+from .metrics import (MetricsLogger, StepMetrics, measured_pipeline_doc, memory_bytes, model_flops_per_step,
+                      resolve_peak_flops_per_s, stage_metrics)
 from .optim import init_optimizer_state, lr_at, make_optimizer
 from .preempt import StopSignals
 from .setup import data_parallel_coords, load_run_model, make_schedule, model_inputs, pipeline_batches
@@ -196,9 +196,18 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                 idx = sampler.indices(step, dp_rank)
                 micro_batches = [samples[idx[i * micro : (i + 1) * micro]] for i in range(accum)]
                 traced = cfg.trace is not None and step == cfg.steps - 1
-                with (_profiled(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()):
+                # a pipeline's actions: on the step before the profiled one where there is one (no profiler cost)
+                timed = (cfg.trace is not None and hasattr(built, "recording")
+                         and step == (cfg.steps - 2 if cfg.steps - 2 >= start else cfg.steps - 1))
+                if timed:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                with (_profiled(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()), \
+                        (built.recording() if timed else contextlib.nullcontext()):
                     out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
                                    stop_signal=signals.signum)
+                if timed:
+                    _write_pipeline_trace(built, mesh, t0, time.perf_counter(), memory_bytes(device), cfg.trace)
                 done = step + 1
                 if not out.finite:
                     skipped += 1
@@ -257,12 +266,34 @@ def _profiled(path: str, step: int) -> contextlib.AbstractContextManager:
     return profiled_step(path, step)
 
 
-def trace_path(template: str, rank: int) -> str:
-    """The per-rank trace file: ``{rank}`` substituted, else ``-rank<r>`` inserted before the suffix."""
+def _write_pipeline_trace(built, mesh, t0: float, end: float, mem: int, template: str) -> None:
+    """Rank 0 writes the measured pipeline timeline of this step (`trace_path(template, "pipeline")`): a Chrome
+    trace with a track per pp rank, its document under otherData.measured_pipeline (`treadle price --measured`
+    draws it beside the predicted one). Every rank takes part in the gather."""
+    import json
+
+    from ..viz.chrome import chrome_trace
+    from ..viz.pipeline_timeline import timeline_from_measured_pipeline
+
+    doc = measured_pipeline_doc(built, mesh, t0, end, mem)
+    if doc is None:
+        return
+    trace = chrome_trace(timeline_from_measured_pipeline(doc), process="treadle measured step")
+    trace["otherData"]["measured_pipeline"] = doc
+    path = trace_path(template, "pipeline")
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    logger.info("wrote the measured pipeline timeline to %s", path)
+
+
+def trace_path(template: str, rank: int | str) -> str:
+    """The per-rank trace file: ``{rank}`` substituted, else ``-rank<r>`` inserted before the suffix; `rank`
+    ``"pipeline"``: the measured pipeline timeline's file (``-pipeline``)."""
     if "{rank}" in template:
         return template.replace("{rank}", str(rank))
+    tag = "pipeline" if rank == "pipeline" else f"rank{rank}"
     stem, dot, suffix = template.rpartition(".")
-    return f"{stem}-rank{rank}.{suffix}" if dot and "/" not in suffix else f"{template}-rank{rank}"
+    return f"{stem}-{tag}.{suffix}" if dot and "/" not in suffix else f"{template}-{tag}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,6 +132,27 @@ def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s
     return out
 
 
+def measured_pipeline_doc(model: nn.Module, mesh, t0: float, end: float, mem_bytes: int) -> dict | None:
+    """This step of a pipelined `model` as measured (`PipelineModel.recording()` around it, started at perf_counter
+    `t0` after a barrier, ended at `end`), gathered from every rank (a collective): per pp coordinate, the rank of
+    the first replica and tensor shard — its stages, actions in seconds from `t0`, step end and memory. What
+    `treadle.viz.pipeline_timeline.timeline_from_measured_pipeline` draws; None on ranks other than 0."""
+    import torch.distributed as dist
+
+    axis = model.pp_axis
+    coord = mesh.coordinate(dist.get_rank())
+    mine = {"pp": coord[axis], "first": all(c == 0 for a, c in coord.items() if a != axis),
+            "stages": list(model.local_stage_indices), "end_s": end - t0, "mem_bytes": mem_bytes,
+            "actions": [(s, k, mb, a - t0, b - t0) for s, k, mb, a, b in model.log.actions]}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    return {"axis": axis, "n_stages": model.n_stages, "schedule": model.schedule_kind,
+            "n_microbatches": model.n_microbatches, "world_size": len(every),
+            "ranks": [{k: v for k, v in e.items() if k != "first"} for e in every if e["first"]]}
+
+
 class MetricsLogger:
     """Rank 0's sink for StepMetrics: console (rich progress bar on a terminal, a line per `log_every` steps
     otherwise), JSONL file, TensorBoard. Other ranks get a logger that writes nothing."""

@@ -36,11 +36,12 @@ def _clean(v: Any) -> Any:
     return str(v)
 
 
-def chrome_trace(tl: Timeline) -> dict:
-    """The trace of `tl` as a dict ready for `json.dump`: ts and dur in microseconds (floats, ns resolution)."""
+def chrome_trace(tl: Timeline, *, process: str = "treadle predicted step") -> dict:
+    """The trace of `tl` as a dict ready for `json.dump`: ts and dur in microseconds (floats, ns resolution);
+    `process` opens its process name ('treadle measured step' for a measured timeline)."""
     tid = {t: i + 1 for i, t in enumerate(tl.tracks)}
     ev: list[dict] = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0,
-                       "args": {"name": f"treadle predicted step: {tl.title} (one of {tl.world_size} devices)"}}]
+                       "args": {"name": f"{process}: {tl.title} (one of {tl.world_size} devices)"}}]
     for t, i in tid.items():
         ev.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": i, "args": {"name": t}})
         ev.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": i, "args": {"sort_index": i}})
@@ -109,3 +110,16 @@ def track_names(doc: dict) -> dict[tuple, str]:
     """{(pid, tid): thread name} from the "M" thread_name events of a trace."""
     return {(e["pid"], e["tid"]): e["args"]["name"] for e in doc.get("traceEvents", [])
             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def merge_chrome_traces(docs: list[dict]) -> dict:
+    """Several traces in one document, each its own process (pid 1, 2, ... in order: e.g. the predicted step and
+    the measured one, side by side in Perfetto); the first's otherData, the others' under otherData.merged."""
+    events: list[dict] = []
+    for i, doc in enumerate(docs, start=1):
+        for e in doc.get("traceEvents", []):
+            events.append(dict(e, pid=i))
+    other = dict(docs[0].get("otherData", {})) if docs else {}
+    if len(docs) > 1:
+        other["merged"] = [d.get("otherData", {}) for d in docs[1:]]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

@@ -38,9 +38,12 @@ def write_plan_pictures(plan, *, trace: str | None = None, html: str | None = No
 
 
 def write_price_pictures(price, *, trace: str | None = None, html: str | None = None, png: str | None = None,
-                         title: str = "", world_size: int | None = None) -> list[str]:
+                         title: str = "", world_size: int | None = None,
+                         measured_pipeline: dict | None = None) -> list[str]:
     """Write the step of a `treadle.pricing.Price` (or its to_dict()) as a Chrome trace, an HTML page
-    and PNG figures (as `write_plan_pictures`). Returns the paths written."""
+    and PNG figures (as `write_plan_pictures`). `measured_pipeline`: a pipeline's measured step (the
+    ``otherData.measured_pipeline`` of ``treadle.run --trace``'s ``-pipeline`` file), drawn beside the predicted
+    one: the trace's second process, the page's second timeline with a table of both. Returns the paths written."""
     from .price_timeline import timeline_from_price
 
     if png:
@@ -48,14 +51,31 @@ def write_price_pictures(price, *, trace: str | None = None, html: str | None = 
 
         require_matplotlib()
     tl = timeline_from_price(price, title=title or None, world_size=world_size)
+    mtl = None
+    if measured_pipeline is not None:
+        from .pipeline_timeline import pipeline_compare_rows, timeline_from_measured_pipeline
+
+        p = price if isinstance(price, dict) else price.to_dict()
+        pipeline_compare_rows(p, measured_pipeline)  # the same pipeline, else ValueError before anything is written
+        mtl = timeline_from_measured_pipeline(measured_pipeline)
     out: list[str] = []
     if trace:
-        out.append(write_chrome_trace(tl, trace))
+        if mtl is None:
+            out.append(write_chrome_trace(tl, trace))
+        else:
+            import json
+
+            from .chrome import chrome_trace, merge_chrome_traces
+
+            doc = merge_chrome_traces([chrome_trace(tl), chrome_trace(mtl, process="treadle measured step")])
+            with open(trace, "w") as f:
+                json.dump(doc, f)
+            out.append(trace)
     if html:
         from .html import price_html
 
         with open(html, "w") as f:
-            f.write(price_html(price, timeline=tl, title=title))
+            f.write(price_html(price, timeline=tl, title=title, measured_pipeline=measured_pipeline))
         out.append(html)
     if png:
         from .png import save_plan_pngs

@@ -229,9 +229,11 @@ _PRICE_MEMORY_NOTE = ('<p class="note">per device (every device of the mesh hold
                       'bytes (gradients, temporaries, a recomputed block, gathered units) over the backward.</p>')
 
 
-def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> str:
+def price_html(price, *, timeline: Timeline | None = None, title: str = "",
+               measured_pipeline: dict | None = None) -> str:
     """A `treadle.pricing.Price` (or its to_dict()) as one HTML page: summary, step-time breakdown with
-    the timeline, memory over the step. `timeline` defaults to `timeline_from_price(price)`."""
+    the timeline, memory over the step. `timeline` defaults to `timeline_from_price(price)`; a pipeline's
+    `measured_pipeline` (`write_price_pictures`) adds its measured timeline and a table beside the predicted."""
     from .price_timeline import timeline_from_price
 
     p = price if isinstance(price, dict) else price.to_dict()
@@ -244,9 +246,17 @@ def price_html(price, *, timeline: Timeline | None = None, title: str = "") -> s
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in tl.notes)
     breakdown = (stacked_bar(breakdown_parts(tl)) + "<p>the step on one device (hover a slice for its module):</p>" +
                  gantt(tl) + notes)
-    return _page(f"treadle price: {title or tl.title}", [
-        ("summary", "Summary", summary), ("breakdown", "Step time breakdown", breakdown),
-        ("memory", "Memory over the step", memory_chart(tl) + _PRICE_MEMORY_NOTE)])
+    sections = [("summary", "Summary", summary), ("breakdown", "Step time breakdown", breakdown)]
+    if measured_pipeline is not None:
+        from .pipeline_timeline import COMPARE_HEAD, pipeline_compare_rows, timeline_from_measured_pipeline
+
+        mtl = timeline_from_measured_pipeline(measured_pipeline)
+        rows = [[escape(c) for c in row] for row in pipeline_compare_rows(p, measured_pipeline)]
+        body = (_table(COMPARE_HEAD, rows, num_from=2) + f"<p>{escape(mtl.title)}:</p>" + gantt(mtl) +
+                "".join(f'<p class="note">{escape(n)}</p>' for n in mtl.notes))
+        sections.append(("measured", "Measured pipeline beside the predicted", body))
+    sections.append(("memory", "Memory over the step", memory_chart(tl) + _PRICE_MEMORY_NOTE))
+    return _page(f"treadle price: {title or tl.title}", sections)
 
 
 # ----------------------------------------------------------------------------- profile

@@ -94,3 +94,90 @@ def _send(spans: list[Span], link_free: dict[str, float], boundary: dict, sl: di
         link_free[track] = start + dur
         spans.append(Span(track, name, start, dur, "send", 0.0,
                           {"nbytes": boundary.get("send_bytes", 0), "stage": sl["stage"], "micro_batch": sl["mb"]}))
+
+
+MEASURED_NOTE = ("measured by treadle.run --trace: each pp rank's actions as its stages ran them (perf_counter "
+                 "around each, after a barrier; gaps are waits: a receive, the bubble, the schedule's own work); "
+                 "'sync' is the tied gradients' and the replicas' all-reduce, 'optimizer' the norm, clip and AdamW")
+
+
+def timeline_from_measured_pipeline(doc: dict) -> Timeline:
+    """The Timeline of a measured pipelined step (`doc`: what `measured_pipeline_doc` wrote: per pp rank its
+    stages, its actions (stage, kind, micro-batch, start, end) in seconds from the step's start, and its step
+    end), drawn as the predicted one is: a track per pp rank, F/B/I/W slices per micro-batch, 'bubble' where it
+    waits. Its bubble fraction is the price's measure (idle over the makespan of the actions, summed over ranks)."""
+    ranks = sorted(doc["ranks"], key=lambda d: d["pp"])
+    track = {d["pp"]: f"pp rank {d['pp']} (stage{'s' if len(d['stages']) > 1 else ''} "
+                      f"{', '.join(map(str, d['stages']))})" for d in ranks}
+    step = max(float(d["end_s"]) for d in ranks)
+    acts = {d["pp"]: [a for a in d["actions"] if a[1] not in ("sync",)] for d in ranks}
+    makespan = max((a[4] for xs in acts.values() for a in xs), default=0.0)
+    spans: list[Span] = []
+    idle = 0.0
+    fwd_end, first_f = 0.0, step
+    for d in ranks:
+        r, t = d["pp"], 0.0
+        busy = 0.0
+        for stage, kind, mb, start, end in sorted(d["actions"], key=lambda a: a[3]):
+            if start > t:
+                spans.append(Span(track[r], BUBBLE, t, start - t, BUBBLE, start - t, {"rank": r}))
+            dur = end - start
+            phase = "sync" if kind == "sync" else ("forward" if kind == "loss" else _KIND.get(kind, kind))
+            name = ("grad sync" if kind == "sync" else f"loss{mb} s{stage}" if kind == "loss"
+                    else f"{kind}{mb} s{stage}")
+            spans.append(Span(track[r], name, start, dur, phase, dur,
+                              {"stage": stage, "micro_batch": mb, "action": kind, "rank": r}))
+            t = max(t, end)
+            if kind != "sync":
+                busy += dur
+            if kind == "F":
+                fwd_end, first_f = max(fwd_end, end), min(first_f, start)
+        idle += makespan - busy
+        if float(d["end_s"]) > t:
+            spans.append(Span(track[r], "optimizer", t, float(d["end_s"]) - t, "optimizer", float(d["end_s"]) - t,
+                              {"rank": r}))
+            t = float(d["end_s"])
+        if step > t:
+            spans.append(Span(track[r], BUBBLE, t, step - t, BUBBLE, step - t, {"rank": r}))
+    bubble = idle / (makespan * len(ranks)) if makespan > 0 else 0.0
+    mem = max(int(d.get("mem_bytes", 0)) for d in ranks)
+    memory = [MemoryPoint(0.0, float(mem), 0.0, 0.0, 0.0), MemoryPoint(step, float(mem), 0.0, 0.0, 0.0)]
+    totals = {"step_s": step, "makespan_s": makespan, "bubble_fraction": bubble}
+    name = (f"measured {doc.get('schedule', 'pipeline')} over {doc.get('axis', 'pp')}={len(ranks)}: "
+            f"{doc.get('n_stages', '?')} stages, {doc.get('n_microbatches', '?')} micro-batches, "
+            f"bubble {bubble * 100:.1f}%")
+    return Timeline(name, spans, [track[d["pp"]] for d in ranks], step, fwd_end, memory, float(mem), None,
+                    int(doc.get("world_size", len(ranks))), totals, [MEASURED_NOTE])
+
+
+
+def pipeline_compare_rows(price: dict, measured: dict) -> list[list[str]]:
+    """Predicted (`price`: `Price.to_dict()` of a pipeline) beside measured (`measured_pipeline` document): a row
+    per pp rank (its stages, busy ms predicted / measured and their ratio), then the step and the bubble fraction.
+    Raises ValueError when the two are not the same pipeline (pp ranks, stages)."""
+    pi = price.get("pipeline")
+    if not pi:
+        raise ValueError("the price holds no 'pipeline' entry: --measured compares pipelines")
+    pred = {int(r): d for r, d in pi["ranks"].items()}
+    meas = {d["pp"]: d for d in measured["ranks"]}
+    if {r: list(d["stages"]) for r, d in pred.items()} != {r: list(d["stages"]) for r, d in meas.items()}:
+        raise ValueError(f"the measured pipeline holds stages {[meas[r]['stages'] for r in sorted(meas)]} per pp "
+                         f"rank, the priced one {[pred[r]['stages'] for r in sorted(pred)]}: not the same pipeline")
+    mtl = timeline_from_measured_pipeline(measured)
+
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.2f}" if a > 0 else "-"
+
+    rows = []
+    for r in sorted(pred):
+        busy = sum(a[4] - a[3] for a in meas[r]["actions"] if a[1] != "sync")
+        rows.append([f"pp rank {r}", ", ".join(map(str, pred[r]["stages"])), f"{pred[r]['busy_s'] * 1e3:.2f}",
+                     f"{busy * 1e3:.2f}", ratio(pred[r]["busy_s"], busy)])
+    rows.append(["step", "", f"{price['step_s'] * 1e3:.2f}", f"{mtl.step_s * 1e3:.2f}",
+                 ratio(price["step_s"], mtl.step_s)])
+    rows.append(["bubble fraction", "", f"{pi['bubble_fraction'] * 100:.1f}%",
+                 f"{mtl.totals['bubble_fraction'] * 100:.1f}%", ""])
+    return rows
+
+
+COMPARE_HEAD = ("", "stages", "predicted ms", "measured ms", "measured / predicted")

@@ -26,8 +26,11 @@ mean loss on every rank of its pipeline.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,13 +43,66 @@ from .stages import StagePlan, split_stages
 logger = logging.getLogger(__name__)
 
 
+class ActionLog:
+    """Where a pipeline's actions go while `PipelineModel.recording()` is on: (stage, kind, micro-batch, start,
+    end) with perf_counter times; kinds are the price's (F, B, I, W) and ``loss`` (the last stage's loss forward),
+    ``sync`` (tied gradients, the replicas' average). On a GPU each action is timed between synchronisations."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.actions: list[tuple[int, str, int, float, float]] = []
+
+    def timed(self, stage: int, kind: str, mb: int, fn, *args, **kwargs):
+        if not self.on:
+            return fn(*args, **kwargs)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        self.actions.append((stage, kind, mb, t0, time.perf_counter()))
+        return out
+
+
+@functools.cache
+def _timed_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        """A PipelineStage whose forward, backward and weight-gradient actions go to its `ActionLog`."""
+
+        log: ActionLog
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            return self.log.timed(self.stage_index, "F", fwd_chunk_id, super().forward_one_chunk, fwd_chunk_id,
+                                  *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            return self.log.timed(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
+                                  super().backward_one_chunk, bwd_chunk_id, loss, full_backward, last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            return self.log.timed(self.stage_index, "W", bwd_chunk_id, super().backward_weight_one_chunk,
+                                  bwd_chunk_id, last_backward)
+
+    return TimedStage
+
+
 class _LossFn:
-    def __init__(self, loss_gm: fx.GraphModule):
+    def __init__(self, loss_gm: fx.GraphModule, log: ActionLog | None = None, stage: int = -1):
         self.loss_gm = loss_gm
+        self.log = log
+        self.stage = stage
+        self.calls = 0
 
     def __call__(self, output, target):
         outs = output if isinstance(output, tuple) else (output,)
-        return self.loss_gm(*outs, target)
+        if self.log is None or not self.log.on:
+            return self.loss_gm(*outs, target)
+        self.calls += 1
+        return self.log.timed(self.stage, "loss", self.calls - 1, self.loss_gm, *outs, target)
 
 
 class PipelineModel(nn.Module):
@@ -61,7 +117,8 @@ class PipelineModel(nn.Module):
                  stage0_inputs: list[str], target: str | None, constants: dict[str, Any], tied: list[str],
                  tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any],
                  replica_group: Any = None, replicas: int = 1, axis: str = "pp",
-                 canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None):
+                 canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None,
+                 log: ActionLog | None = None, loss_fn: Any = None):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -77,10 +134,25 @@ class PipelineModel(nn.Module):
         self._replica_group = replica_group  # shard=False data parallelism: gradients averaged over it after a step
         self._replicas = replicas
         self.pp_axis = axis
+        self._loss_fn = loss_fn
         self._canonical = canonical or {}  # stage-local name -> the unbuilt model's name (lm_head.weight -> wte's)
         self.pp_holders = pp_holders or {}  # the unbuilt model's name -> how many pp ranks hold it (tied: several)
         self.last_rank = last_rank
         self.n_stages = n_stages
+        self.log = log or ActionLog()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[ActionLog]:
+        """Record the actions of the steps run inside (`ActionLog`), e.g. for `treadle.run --trace`'s measured
+        pipeline timeline; the log is emptied first."""
+        self.log.actions.clear()
+        self.log.on = True
+        if isinstance(self._loss_fn, _LossFn):
+            self._loss_fn.calls = 0
+        try:
+            yield self.log
+        finally:
+            self.log.on = False
 
     def param_dict(self) -> dict[str, nn.Parameter]:
         out: dict[str, nn.Parameter] = {}
@@ -118,9 +190,11 @@ class PipelineModel(nn.Module):
         kw = {}
         if holds_last:
             kw = {"target": target, "losses": losses}
+        if isinstance(self._loss_fn, _LossFn):
+            self._loss_fn.calls = 0
         self._schedule.step(*(args if holds_first else ()), **kw)
-        self._sync_tied()
-        self._average_replicas()
+        self.log.timed(-1, "sync", 0, self._sync_tied)
+        self.log.timed(-1, "sync", 1, self._average_replicas)
         loss = torch.zeros((), dtype=torch.float64)
         if holds_last:
             loss = torch.stack([x.detach().double() for x in losses]).mean()
@@ -200,7 +274,7 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     cfg = builder.v.extras.get("pipeline")
     if cfg is None:
         return None
-    from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
+    from torch.distributed.pipelining import schedules as torch_schedules
 
     gm, names, constants = builder.scratch["_pipeline_graph"]
     cuts = builder.v.extras["pipeline_cuts"]
@@ -243,8 +317,14 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                          else dp_device_mesh(builder.mesh, dp.axes).get_group())
     group = builder.group(axis)
     device = builder.mesh.device
-    pstages = [PipelineStage(mod, i, n, device, group=group) for mod, i in zip(modules, local)]
-    loss_fn = _LossFn(loss_gm) if loss_gm is not None else (lambda out, tgt: out if not isinstance(out, tuple) else out[0])
+    log = ActionLog()
+    stage_cls = _timed_stage_class()
+    pstages = []
+    for mod, i in zip(modules, local):
+        pstages.append(stage_cls(mod, i, n, device, group=group))
+        pstages[-1].log = log
+    loss_fn = (_LossFn(loss_gm, log, n - 1) if loss_gm is not None
+               else (lambda out, tgt: out if not isinstance(out, tuple) else out[0]))
     mbs = cfg["n_microbatches"]
     cls = getattr(torch_schedules, SCHEDULE_CLASSES[kind])
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
@@ -263,10 +343,13 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     last_global = _rank_of(builder, coords)
     logger.info("pipeline: %d stages on %s=%d (%s, %d micro-batches), local stages %s, tied %s, data parallel %s", n,
                 axis, pp, kind, mbs, local, tied, dp)
-    return PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
+    pipe = PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
-                         replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders)
+                         replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders, log=log,
+                         loss_fn=loss_fn)
+    pipe.schedule_kind, pipe.n_microbatches = kind, mbs
+    return pipe
 
 
 def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
