@@ -261,3 +261,81 @@ def test_the_capture_hands_a_leaf_the_none_its_eager_forward_hands_it():
         loss = loss_gm(*out, inp["labels"])
         ref = model(**inp).loss
     torch.testing.assert_close(loss, ref)
+
+
+def _captured(model, inp, container: str, cut: str):
+    from treadle.forms.pipeline.stages import (eager_nones, hand_leaves_eager_nones, hand_leaves_standins,
+                                               parameter_free_calls, split_stages, stage_leaves)
+    from treadle.graph.capture import capture_export, record_leaf_outputs
+
+    leaves = stage_leaves(model, container)
+    with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
+        eager = record_leaf_outputs(model, leaves, inp)
+    gm = capture_export(model, leaves, (), inp, where="test", dynamic=False, eager_outputs=eager)
+    hand_leaves_eager_nones(gm, nones)
+    done = hand_leaves_standins(gm, model, calls)
+    names = [k for k, v in inp.items() if torch.is_tensor(v)]
+    stages, loss_gm, _ = split_stages(gm, cut_paths=[cut], input_names=names, target="labels")
+    return done, stages, loss_gm
+
+
+def test_a_leaf_that_reads_only_the_shape_of_its_input_is_recomputed_not_sent():
+    """NOTE [metadata-only inputs]: LLaMA's rotary embedding reads the hidden states for their dtype only; the
+    capture proves it (export leaves that input unused), so stage 1 recomputes cos / sin from positions and
+    receives only the hidden states; the loss is the model's."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(4)
+    inp = {**lm_inputs(2, SEQ, seed=5), "use_cache": False}
+    done, stages, loss_gm = _captured(model, inp, "model.layers", "model.layers.1")
+    assert done == ["model.rotary_emb[0]"]
+    assert len(stages[1].inputs) == 1  # the hidden states alone
+    with torch.no_grad():
+        env = dict(zip(stages[0].outputs, stages[0].module(inp["input_ids"])))
+        out = stages[1].module(*(env[k] for k in stages[1].inputs))
+        loss = loss_gm(*out, inp["labels"])
+        ref = model(**inp).loss
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+
+
+class _Shape(torch.nn.Module):  # reads its input's shape and dtype only
+    def forward(self, x):
+        return torch.arange(x.shape[1], dtype=x.dtype)[None, :, None].expand_as(x) * 0.01
+
+
+class _Noise(torch.nn.Module):  # reads only the shape too, but draws random numbers: recomputing it would differ
+    def forward(self, x):
+        return torch.randn(x.shape) * 0.0
+
+
+class _Scale(torch.nn.Module):  # parameter-free, reads the values
+    def forward(self, x):
+        return x * x.abs().amax()
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.shape, self.noise, self.scale = _Shape(), _Noise(), _Scale()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        pe, noise, s = self.shape(h), self.noise(h), self.scale(h)
+        for b in self.blocks:
+            h = b(h + pe + noise + s)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_only_a_proven_metadata_only_call_is_recomputed():
+    """A parameter-free leaf that draws random numbers, or that reads its input's values, keeps its input and is
+    sent; the one that reads the shape alone is recomputed."""
+    torch.manual_seed(0)
+    model = _Toy()
+    ids = torch.randint(0, 32, (2, 6))
+    done, stages, _ = _captured(model, {"input_ids": ids, "labels": ids.clone()}, "blocks", "blocks.0")
+    assert done == ["shape[0]"]
+    assert sorted(stages[1].inputs) == ["blocks_0", "noise", "scale"]  # the activation, noise, the scaled input
+    assert any(n.op == "call_module" and n.target == "shape" for n in stages[1].module.graph.nodes)  # recomputed

@@ -30,6 +30,9 @@ from ...errors import BuildError
 logger = logging.getLogger(__name__)
 
 _IMPURE = ("dropout", "native_dropout", "rand", "randn", "bernoulli", "randint", "rand_like", "randn_like")
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "exponential", "geometric", "poisson",
+           "cauchy", "log_normal")
+METADATA_ONLY = "treadle_metadata_only"  # node.meta key: a leaf call recomputable from stand-ins
 
 
 @dataclass
@@ -45,6 +48,8 @@ class StagePlan:
 def _is_free(n: fx.Node, free: set[fx.Node]) -> bool:
     if n.op == "get_attr":
         return True
+    if n.op == "call_module":  # a leaf that reads only metadata of its non-free inputs (NOTE [metadata-only inputs])
+        return bool(n.meta.get(METADATA_ONLY)) and all(i in free for i in n.all_input_nodes)
     if n.op != "call_function":
         return False
     name = getattr(n.target, "__name__", str(n.target))
@@ -223,7 +228,7 @@ def capture_root(builder) -> None:
     for (mod, a, v), (_, _, axis) in zip(saved, builder.v.shard_attrs):
         setattr(mod, a, v * builder.sizes[axis])
     try:
-        with eager_nones(model, leaves) as nones:
+        with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
             eager = record_leaf_outputs(model, leaves, mb)
         gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
                             eager_outputs=eager)
@@ -234,6 +239,10 @@ def capture_root(builder) -> None:
     if undone:
         logger.info("pipeline: %d leaf argument(s) the eager forward passes as None restored (%s)", len(undone),
                     ", ".join(undone[:4]))
+    standins = hand_leaves_standins(gm, model, calls)
+    if standins:
+        logger.info("pipeline: leaf argument(s) %s read for their shape and dtype only: recomputed in each stage "
+                    "instead of sent", ", ".join(standins[:4]))
     builder.scratch["_pipeline_graph"] = (gm, names, constants)
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
@@ -292,5 +301,121 @@ def hand_leaves_eager_nones(gm: fx.GraphModule, nones: dict[str, list[set]]) -> 
                 done.append(f"{n.target}.{key}")
         n.args, n.kwargs = tuple(args), kwargs
     if done:  # the mask's nodes stay, unread: a stage copies a value of no input only where it reads one
+        gm.recompile()
+    return done
+
+
+# NOTE [metadata-only inputs]: a leaf may read a tensor argument for its shape, dtype and device only. Hugging
+# Face's rotary embedding takes the hidden states `x` for `x.dtype` and `x.device` and computes cos / sin from
+# the positions: as a leaf of the capture its output depends on `x`, so a stage after the first would receive
+# cos and sin with every micro-batch (two more sends beside the activation; 3 ms of a 60 ms PP2 x DP2 step of a
+# tiny LLaMA here). The capture proves which arguments a parameter-free leaf's call reads for metadata only:
+# torch.export of that call (its eager arguments, the fixed micro-batch shapes) leaves their placeholders
+# without users but ops that read metadata (`_METADATA_ARGS`: expand_as's size argument, zeros_like, ...), and
+# its graph draws no random numbers. Those arguments are handed a stand-in (torch.empty of
+# the recorded shape, dtype and device; its values are never read), the call becomes a value of no input, and
+# each stage that reads it recomputes it as it recomputes positions. A call export cannot trace, one that reads
+# the values, one with parameters (a stage would share them) or one that draws random numbers stays as it is.
+
+
+@contextlib.contextmanager
+def parameter_free_calls(model: nn.Module, leaves: list[str]):
+    """Inside: forward pre-hooks recording each call of a parameter-free leaf (args, kwargs), per leaf in call
+    order; the dict they fill is yielded."""
+    out: dict[str, list[tuple]] = {}
+    handles = []
+    for p in leaves:
+        mod = model.get_submodule(p)
+        if any(True for _ in mod.parameters()):
+            continue
+        out[p] = []
+
+        def hook(mod, args, kwargs, p=p):
+            out[p].append((args, dict(kwargs)))
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def metadata_only_arguments(mod: nn.Module, args: tuple, kwargs: dict) -> list[int | str]:
+    """The tensor arguments (positions, keywords) of the call `mod(*args, **kwargs)` whose values its output
+    provably does not read (NOTE [metadata-only inputs]); empty when it has parameters, draws random numbers or
+    does not export."""
+    from torch.utils._pytree import tree_flatten
+
+    if any(True for _ in mod.parameters()):
+        return []
+    try:
+        ep = torch.export.export(mod, tuple(args), dict(kwargs), strict=False)
+    except Exception:  # noqa: BLE001 - a call export cannot trace is left as it is
+        return []
+    g = ep.graph
+    if any(any(r in str(n.target) for r in _RANDOM) for n in g.nodes if n.op == "call_function"):
+        return []
+    phs = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    users = [sum(not _reads_metadata(u, phs[name]) for u in phs[name].users) if name in phs else 1
+             for name in ep.graph_signature.user_inputs]
+    keys: list[int | str] = list(range(len(args))) + list(kwargs)
+    values = list(args) + list(kwargs.values())
+    if len(tree_flatten(values)[0]) != len(users):
+        return []
+    out, i = [], 0
+    for k, v in zip(keys, values):
+        n = len(tree_flatten(v)[0])
+        if torch.is_tensor(v) and n == 1 and users[i] == 0:
+            out.append(k)
+        i += n
+    return out
+
+
+# ATen ops that read the given argument positions for their shape, dtype and device only
+_METADATA_ARGS = {"aten.expand_as.default": (1,), "aten.empty_like.default": (0,), "aten.zeros_like.default": (0,),
+                  "aten.ones_like.default": (0,), "aten.full_like.default": (0,), "aten.sym_size.int": (0,),
+                  "aten.sym_numel.default": (0,), "aten.sym_stride.int": (0,),
+                  "aten._assert_tensor_metadata.default": (0,)}
+
+
+def _reads_metadata(user: fx.Node, value: fx.Node) -> bool:
+    """Whether `user` reads `value` for its metadata only (`_METADATA_ARGS`, and nowhere else in its arguments)."""
+    pos = _METADATA_ARGS.get(str(user.target))
+    if pos is None:
+        return False
+    flat = list(user.args) + list(user.kwargs.values())
+    return all(i in pos for i, a in enumerate(flat) if a is value)
+
+
+def hand_leaves_standins(gm: fx.GraphModule, model: nn.Module, calls: dict[str, list[tuple]]) -> list[str]:
+    """NOTE [metadata-only inputs]: in each call of a leaf of `calls` (a module of `model`: its eager arguments,
+    per call), hand the
+    arguments it reads for metadata only a stand-in, and mark the call recomputable. Returns "path.argument" for
+    each one replaced."""
+    seen: dict[str, int] = {}
+    done = []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_module" or n.target not in calls:
+            continue
+        i = seen.get(n.target, 0)
+        seen[n.target] = i + 1
+        if i >= len(calls[n.target]):
+            continue
+        args, kwargs = calls[n.target][i]
+        keys = metadata_only_arguments(model.get_submodule(n.target), args, kwargs)
+        new_args, new_kwargs = list(n.args), dict(n.kwargs)
+        for k in keys:
+            v = args[k] if isinstance(k, int) else kwargs[k]
+            holder = new_args if isinstance(k, int) else new_kwargs
+            if (k >= len(holder) if isinstance(k, int) else k not in holder) or not isinstance(holder[k], fx.Node):
+                continue
+            with gm.graph.inserting_before(n):
+                holder[k] = gm.graph.call_function(torch.empty, (tuple(v.shape),),
+                                                   {"dtype": v.dtype, "device": v.device})
+            done.append(f"{n.target}.{k}" if isinstance(k, str) else f"{n.target}[{k}]")
+        if keys:
+            n.args, n.kwargs = tuple(new_args), new_kwargs
+            n.meta[METADATA_ONLY] = True
+    if done:
         gm.recompile()
     return done
