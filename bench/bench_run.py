@@ -4,7 +4,8 @@ zoo name), the same packed data, the same AdamW + warmup/cosine + clipping, 4 gl
 The plain loop is what a user writes by hand: `DistributedDataParallel`, a random permutation per epoch split
 over the ranks, `clip_grad_norm_`, `loss.item()`. treadle.run adds its sampler, the global-norm clip over
 placements, a loss all-reduce and the metrics line; the overhead column is that cost. Each mode runs in its
-own torchrun job; step times are the median over the steps after `--warmup` (first steps excluded).
+own torchrun job, `--rounds` times, interleaved (the order alternating); a loop's step time is the median over
+rounds of its median step after `--warmup` (first steps excluded).
 
     python bench/bench_run.py                       # tiny-llama, seq 128, batch 16, 30 steps, 4 ranks
     python bench/bench_run.py --model tiny-gpt2 --steps 20
@@ -223,6 +224,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--pipeline", action="store_true", help="PP2 x DP2 against a hand pipelining loop (4 ranks)")
     p.add_argument("--microbatches", type=int, default=4, help="--pipeline: micro-batches per step")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each loop (median of their medians)")
     p.add_argument("--plain-rank", action="store_true", help=argparse.SUPPRESS)  # one rank of the plain loop
     p.add_argument("--plain-pipeline-rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -234,37 +236,51 @@ def main() -> None:
         raise SystemExit("--pipeline runs PP2 x DP2: 4 ranks")
     ours, theirs = (("treadle.run (PP2 x DP2 schedule)", "hand pipelining loop") if args.pipeline
                     else ("treadle.run (ddp recipe)", "plain DDP loop"))
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "m.jsonl"
+    def run_ours(tmp: Path, k: int) -> list[dict]:
+        metrics = tmp / f"m{k}.jsonl"
         how = ["--recipe", "ddp"]
         if args.pipeline:
-            _pipeline_schedule(args, Path(tmp) / "pp.json")
-            how = ["--schedule", str(Path(tmp) / "pp.json")]
+            how = ["--schedule", str(tmp / "pp.json")]
         _torchrun(args.nproc, "-m", "treadle.run", "--model", args.model, "--data", str(CORPUS), "--seq",
                   str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--lr", "3e-3",
                   "--warmup-steps", "5", *how, "--hardware", "none", "--metrics", str(metrics))
-        treadle_rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    out = _torchrun(args.nproc, str(Path(__file__).resolve()),
-                    "--plain-pipeline-rank" if args.pipeline else "--plain-rank", "--model", args.model,
-                    "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
-                    "--microbatches", str(args.microbatches))
-    plain_rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    def run_theirs() -> list[dict]:
+        out = _torchrun(args.nproc, str(Path(__file__).resolve()),
+                        "--plain-pipeline-rank" if args.pipeline else "--plain-rank", "--model", args.model,
+                        "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+                        "--microbatches", str(args.microbatches))
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    runs: dict[str, list[list[dict]]] = {ours: [], theirs: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.pipeline:
+            _pipeline_schedule(args, Path(tmp) / "pp.json")
+        for k in range(args.rounds):  # interleaved, the order alternating: a drift of the host hits both
+            for name in ((ours, theirs) if k % 2 == 0 else (theirs, ours)):
+                runs[name].append(run_ours(Path(tmp), k) if name == ours else run_theirs())
     rows = {}
-    for name, rs in ((ours, treadle_rows), (theirs, plain_rows)):
-        step_s = statistics.median(r["step_s"] for r in rs[args.warmup :])
-        rows[name] = {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s,
-                      "first_loss": rs[0]["loss"], "last_loss": rs[-1]["loss"]}
+    for name, rounds in runs.items():
+        per_round = [statistics.median(r["step_s"] for r in rs[args.warmup :]) for rs in rounds]
+        step_s = statistics.median(per_round)
+        rows[name] = {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s, "round_step_s": per_round,
+                      "first_loss": rounds[0][0]["loss"], "last_loss": rounds[0][-1]["loss"]}
+    ratios = [b / a for a, b in zip(rows[ours]["round_step_s"], rows[theirs]["round_step_s"])]
+    rows[ours]["round_ratio"] = ratios  # tokens/s ours / theirs, per round
     base = rows[theirs]["tokens_per_s"]
     from rich.console import Console
     from rich.table import Table
 
     t = Table("loop", "median step ms", "tokens/s", "vs plain", "loss first -> last",
               title=f"{args.model}, seq {args.seq}, batch {args.batch}, {args.nproc} gloo ranks, {args.steps} steps"
-              + (f", 1F1B x {args.microbatches} micro-batches" if args.pipeline else ""))
+              + (f", 1F1B x {args.microbatches} micro-batches" if args.pipeline else "")
+              + f"; median of {args.rounds} interleaved rounds")
     for name, r in rows.items():
         t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
                   f"{(r['tokens_per_s'] / base - 1) * 100:+.1f}%", f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}")
     Console().print(t)
+    print("per round, tokens/s of treadle.run / the hand loop: " + ", ".join(f"{r:.3f}" for r in ratios))
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "bench_run_pipeline.json" if args.pipeline else "bench_run.json"

@@ -119,16 +119,20 @@ def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s
         return None
     import torch.distributed as dist
 
-    mine = (mesh.coordinate(dist.get_rank())[axis], list(model.local_stage_indices), mem)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    per_pp = mesh.world_size // mesh.size(axis)
+    from ..forms.pipeline.runtime import stage_rank
+
+    world, pp_size = dist.get_world_size(), mesh.size(axis)
+    mine = torch.tensor([mem], dtype=torch.int64, device=mesh.device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)  # one int64 per rank: the memory; the stages follow from the schedule
+    per_pp = world // pp_size
     out = []
-    for pp in sorted({e[0] for e in every}):
-        stages = next(e[1] for e in every if e[0] == pp)
+    for pp in range(pp_size):
+        stages = [s for s in range(model.n_stages) if stage_rank(model.schedule_kind, s, pp_size) == pp]
         flops = sum(stage_flops_[s] for s in stages) // per_pp if stage_flops_ is not None else None
         mfu = flops / step_s / peak if flops is not None and peak else None
-        out.append(StageMetrics(pp, stages, flops, mfu, max(e[2] for e in every if e[0] == pp)))
+        mem_pp = max(int(every[r]) for r in range(world) if mesh.coordinate(r)[axis] == pp)
+        out.append(StageMetrics(pp, stages, flops, mfu, mem_pp))
     return out
 
 
