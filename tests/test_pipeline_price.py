@@ -331,3 +331,31 @@ def test_the_price_refuses_what_build_refuses_and_prices_the_v_schedules():
     p = treadle.price(sch, _inputs(), _cluster((2,)))
     assert p.pipeline["ranks"]["0"]["stages"] == [0, 3] and p.pipeline["stages"][3]["weight_s"] > 0
     assert {s["kind"] for s in p.pipeline["slots"]} == {"F", "I", "W"}
+
+
+def test_a_split_backward_costs_its_host_work_per_backward_op():
+    """NOTE [pipeline price]: a zero-bubble schedule's I action carries `split_backward_op_s` per backward op of
+    its stage (torch's graph walk and second autograd pass), on top of the same I + W = B split of the work;
+    a schedule that does not split its backward pays nothing."""
+    import dataclasses
+
+    sch = _pipelined((2,), ("pp",), "interleaved_zb", [0, 1, 2])
+    base = _cluster((2,))
+
+    def with_split(cost: float):
+        return dataclasses.replace(base, device=dataclasses.replace(base.hardware(), split_backward_op_s=cost))
+
+    free, dear = (treadle.price(sch, _inputs(), with_split(c)) for c in (0.0, 1e-4))
+    for a, b in zip(free.pipeline["stages"], dear.pipeline["stages"]):
+        assert a["split_host_s"] == 0.0 and b["split_host_s"] > 0
+        assert b["backward_s"] == pytest.approx(a["backward_s"]) and b["weight_s"] == pytest.approx(a["weight_s"])
+
+    def i_slots(p):
+        return {(s["stage"], s["mb"]): s["end_s"] - s["start_s"] for s in p.pipeline["slots"] if s["kind"] == "I"}
+
+    extra = {s["stage"]: s["split_host_s"] for s in dear.pipeline["stages"]}
+    for key, d in i_slots(dear).items():
+        assert d == pytest.approx(i_slots(free)[key] + extra[key[0]])
+    assert dear.step_s > free.step_s
+    one = treadle.price(_pipelined((2,), ("pp",), "1f1b", [1]), _inputs(), with_split(1e-4))
+    assert all(s["split_host_s"] == 0.0 for s in one.pipeline["stages"])

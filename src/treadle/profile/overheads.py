@@ -12,6 +12,8 @@ the caller set it (`calibrate_cpu` sets 1).
 - `checkpoint_region_s`, `checkpoint_op_s`: fwd+bwd of a block of k tiny Linear layers under
   `torch.utils.checkpoint` (non-reentrant) minus without, minus one forward of the block (the recomputation
   `treadle.price` already prices), fitted as ``region + ops(k) * op`` over k in (2, 12); ops(k) counted.
+- `split_backward_op_s`: a zero-bubble schedule's split stage backward (input, then weight gradients) minus
+  the whole one, per backward op, on a stack of tiny blocks.
 - `fsdp_unit_s`, `fsdp_param_s`: fwd+bwd of U units of m tiny Linear layers each under FSDP2 `fully_shard`
   on a 2-rank mesh minus without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6). Two ranks, not
   one: on one rank FSDP2 shards nothing and its hooks take shortcuts (measured here: 1.0 ms per unit and
@@ -93,6 +95,36 @@ def op_overhead_s(*, reps: int = 7) -> float:
     with counter:
         step()
     return best_thread_time_s(step, reps=reps, inner=20) / max(counter.n, 1)
+
+
+def split_backward_op_s(*, reps: int = 7, blocks: int = 8) -> float:
+    """Extra seconds per backward op when a pipeline stage's backward is split into input and weight gradients
+    as torch.distributed.pipelining's zero-bubble schedules run it (`stage_backward_input`, then
+    `stage_backward_weight`) instead of one `stage_backward`: forward + split backward minus forward + whole
+    backward of a stack of `blocks` tiny blocks, over the ops its backward dispatches, counted. The walk over the
+    autograd graph grows a little faster than the ops (measured here: 8 us an op at 2 blocks, 11 at 12): a
+    stack the size of a stage of a few transformer blocks."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TinyBlock() for _ in range(blocks)])
+    params = list(model.parameters())
+    x = torch.randn(2, 4, requires_grad=True)
+    g = torch.ones(2, 4)
+
+    def whole() -> None:
+        stage_backward(model(x), g, [x])
+
+    def split() -> None:
+        _, groups = stage_backward_input([model(x)], [g], [x], iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    out = model(x)
+    counter = _CountOps()
+    with counter:
+        torch.autograd.backward(out, g)
+    extra = best_thread_time_s(split, reps=reps, inner=10) - best_thread_time_s(whole, reps=reps, inner=10)
+    return max(0.0, extra) / max(counter.n, 1)
 
 
 def checkpoint_overheads_s(*, reps: int = 7) -> tuple[float, float]:

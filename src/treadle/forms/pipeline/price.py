@@ -7,7 +7,9 @@ everything else the log says apply as built). Each record of that step belongs t
 (`facts.stage_of_records`). Per stage and micro-batch:
 - F, the forward's compute (`treadle.pricing.step.segments`: roofline, per-op overhead) plus its blocking
   tensor-parallel collectives; B the backward's and recomputation's, the loss's on the last stage; for a
-  zero-bubble schedule W, the weight gradients, is half the backward's matrix products and I = B - W;
+  zero-bubble schedule W, the weight gradients, is half the backward's matrix products and I = B - W plus
+  the split's host cost (`split_backward_op_s` per backward op: torch's walk over the stage's autograd graph,
+  its second autograd pass and hooks; measured by `calibrate_cpu`, 0 on the GPU presets);
 - the point-to-point send across boundary b: every tensor the cut module returns (`send_recv_time_s` on the
   pp axis's link), for the activation and for its gradient;
 - memory: A_s the bytes autograd saves in the stage's forward; its static bytes are the parameters of the
@@ -99,14 +101,18 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         (fwd if phase == "forward" else bwd)[s] += t
         coll_rows.append((s, module, phase, ckind, cax, nbytes, t))
     weight = [0.0] * n_stages
+    n_bwd = [0] * n_stages
     for r, s in zip(recs, stage_of):
-        if r.phase == "backward" and r.op.startswith(_MATMUL):
-            weight[s] += 0.5 * (r.time_s + hw.op_overhead_s)
+        if r.phase == "backward":
+            n_bwd[s] += 1
+            if r.op.startswith(_MATMUL):
+                weight[s] += 0.5 * (r.time_s + hw.op_overhead_s)
     duration: dict[tuple[int, str], float] = {}
     for s in range(n_stages):
         back = bwd[s] + rec[s]
         w = min(weight[s], back)
-        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w, (s, "W"): w})
+        host = n_bwd[s] * hw.split_backward_op_s  # the split's own host cost (NOTE [framework overheads])
+        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + host, (s, "W"): w})
     link = cluster.link(axis)
     p2p = {}
     for b, c in enumerate(cuts):
@@ -210,6 +216,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     rows = _rows(segs, seg_stage, coll_rows, mine, m)
     stages = [{"stage": s, "rank": ranks_of[s], "forward_s": fwd[s], "backward_s": bwd[s] + rec[s],
                "weight_s": duration[(s, "W")] if split else 0.0, "tp_comm_s": tp[s], "saved_bytes": saved[s],
+               "split_host_s": n_bwd[s] * hw.split_backward_op_s if split else 0.0,
                "grad_bytes": grads[s], "transient_bytes": max(0.0, trans[s]),
                "send_bytes": reh.output_bytes.get(cuts[s], 0) if s < len(cuts) else 0,
                "send_s": p2p.get(s, 0.0)} for s in range(n_stages)]
