@@ -339,3 +339,51 @@ def test_only_a_proven_metadata_only_call_is_recomputed():
     assert done == ["shape[0]"]
     assert sorted(stages[1].inputs) == ["blocks_0", "noise", "scale"]  # the activation, noise, the scaled input
     assert any(n.op == "call_module" and n.target == "shape" for n in stages[1].module.graph.nodes)  # recomputed
+
+
+def _pp_autocast_rank(rank: int, world: int) -> list[float]:
+    from tiny_models import tiny_llama
+
+    sch = create_schedule(tiny_llama(4), mesh=Mesh((2,), ("pp",)))
+    sch["model.layers.1"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=_inputs())
+    pipe = treadle.build(sch, autocast_dtype=torch.bfloat16)  # as treadle.run --precision bf16 builds it
+    loss = pipe.step(**_inputs())
+    grads = {n: p.grad.float().norm().item() for n, p in pipe.canonical_parameters().items() if p.grad is not None}
+    dtypes = sorted({str(p.grad.dtype) for p in pipe.parameters() if p.grad is not None})
+    sch = create_schedule(tiny_llama(4), mesh=Mesh((2,), ("pp",)))
+    sch["model.layers.1"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=_inputs())
+    plain = treadle.build(sch)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain.step(**_inputs())
+        refused = ""
+    except treadle.BuildError as exc:
+        refused = str(exc)
+    return [loss, grads, dtypes, refused]
+
+
+@pytest.mark.slow
+def test_a_pipeline_under_bf16_autocast_matches_the_autocast_model():
+    """NOTE [pipeline autocast]: built with autocast_dtype=bf16 (treadle.run --precision bf16 without FSDP), the
+    capture is traced and the stages' forwards run under torch.autocast: bf16 compute from fp32 weights, fp32
+    gradients; loss and gradient norms match the single-process model under the same autocast to bf16's precision
+    (the micro-batch split changes the rounding). A pipeline captured without autocast refuses a step under one."""
+    from tiny_models import tiny_llama
+
+    (l0, g0, d0, r0), (l1, g1, d1, r1) = spawn(_pp_autocast_rank, 2, timeout_s=240)
+    assert d0 == d1 == ["torch.float32"]
+    assert r0 == r1 == ("pipeline: step under torch.autocast('cpu', dtype=torch.bfloat16) but the stages were "
+                        "captured without autocast; build with build(sch, autocast_dtype=...) and step without an "
+                        "autocast of your own")
+    model = tiny_llama(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(**_inputs()).loss
+    ref.backward()
+    assert l0 == l1 and l0 == pytest.approx(float(ref), rel=2e-2)
+    got = {**g0, **g1}
+    want = {n: p.grad.float().norm().item() for n, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for n in want:
+        assert got[n] == pytest.approx(want[n], rel=5e-2, abs=1e-4), n

@@ -100,9 +100,10 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
 # ------------------------------------------------------------------------------------------- build
 class _Builder:
     def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None,
-                 wrap: bool = True):
+                 wrap: bool = True, autocast_dtype: torch.dtype | None = None):
         self.sch = sch
         self.mp_policy = mp_policy
+        self.autocast_dtype = autocast_dtype
         self.wrap = wrap
         self.v = sch.view()
         # build's own copies of the parameter tables: re-keyed as parameters are replaced (`rebind`)
@@ -451,7 +452,7 @@ def _shares_dim(changed: list[str], src: dict[str, Placement], dst: dict[str, Pl
 
 
 def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, mp_policy: Any = None,
-          wrap: bool = True) -> nn.Module:
+          wrap: bool = True, autocast_dtype: torch.dtype | None = None) -> nn.Module:
     """Turn `sch` into a trainable model on its mesh (inside a launched job: torchrun or `testing.spawn`).
 
     Every parameter of the result carries ``global_shape`` (the whole tensor's shape; Slapo's ``orig_shape``).
@@ -460,6 +461,9 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     ``reset_parameters``) that yields the same global tensors for any mesh. Returns the model, or its
     DDP wrapper under ``data_parallel(shard=False)``. The schedule's model is changed in place.
     `mp_policy`: an FSDP2 MixedPrecisionPolicy for ``data_parallel(shard=True)`` (ignored otherwise).
+    `autocast_dtype`: a pipeline's forward runs under ``torch.autocast`` of this dtype (e.g. bfloat16); its capture
+    is traced under the same autocast, so the stage graphs hold the dtypes the forward will see (NOTE [pipeline
+    autocast] in `treadle.forms.pipeline.runtime`). Ignored without a pipeline.
     ``wrap=False`` returns the rank's model without the wrappers of the "wrap" build steps (the data-parallel
     form's DDP / FSDP2, a pipeline's stage runner): what the price rehearses.
     Raises BuildError / MeshError naming the path, parameter and axis at fault.
@@ -467,4 +471,4 @@ def build(sch: Schedule, *, init_fn: Callable[[nn.Module], None] | None = None, 
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build needs a Schedule, got {type(sch).__name__}")
     root = sch if not sch.path else sch.root()
-    return _Builder(root, init_fn, mp_policy, wrap).run()  # always from the root
+    return _Builder(root, init_fn, mp_policy, wrap, autocast_dtype).run()  # always from the root

@@ -43,6 +43,18 @@ from .stages import StagePlan, split_stages
 logger = logging.getLogger(__name__)
 
 
+# NOTE [pipeline autocast]: `build(sch, autocast_dtype=torch.bfloat16)` (treadle.run --precision bf16 without
+# FSDP) traces the capture under that autocast — the leaves run under it, and the graph's dtype assertions and
+# the stand-ins of metadata-only inputs (NOTE [metadata-only inputs]) hold the dtypes the forward will see — and
+# the stages' forwards and the loss run under it; the backward runs outside it, as eagerly. A step under an
+# ambient autocast other than the captured one is refused: the graph would assert other dtypes, or compute in
+# other ones than the caller asked.
+
+
+def _autocast(dtype: torch.dtype | None, device: torch.device):
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 class ActionLog:
     """Where a pipeline's actions go while `PipelineModel.recording()` is on: (stage, kind, micro-batch, start,
     end) with perf_counter times; kinds are the price's (F, B, I, W) and ``loss`` (the last stage's loss forward),
@@ -75,9 +87,16 @@ def _timed_stage_class():
 
         log: ActionLog
 
+        autocast_dtype: torch.dtype | None = None
+
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-            return self.log.timed(self.stage_index, "F", fwd_chunk_id, super().forward_one_chunk, fwd_chunk_id,
-                                  *args, **kwargs)
+            with _autocast(self.autocast_dtype, self.device):
+                return self.log.timed(self.stage_index, "F", fwd_chunk_id, super().forward_one_chunk, fwd_chunk_id,
+                                      *args, **kwargs)
+
+        def _prepare_forward_infra(self, *args, **kwargs):  # shape inference runs a forward: the same autocast
+            with _autocast(self.autocast_dtype, self.device):
+                return super()._prepare_forward_infra(*args, **kwargs)
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             return self.log.timed(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
@@ -91,18 +110,21 @@ def _timed_stage_class():
 
 
 class _LossFn:
-    def __init__(self, loss_gm: fx.GraphModule, log: ActionLog | None = None, stage: int = -1):
+    def __init__(self, loss_gm: fx.GraphModule, log: ActionLog | None = None, stage: int = -1,
+                 autocast: Any = None):
         self.loss_gm = loss_gm
         self.log = log
         self.stage = stage
         self.calls = 0
+        self.autocast = autocast or contextlib.nullcontext  # () -> the forward's autocast context
 
     def __call__(self, output, target):
         outs = output if isinstance(output, tuple) else (output,)
-        if self.log is None or not self.log.on:
-            return self.loss_gm(*outs, target)
-        self.calls += 1
-        return self.log.timed(self.stage, "loss", self.calls - 1, self.loss_gm, *outs, target)
+        with self.autocast():
+            if self.log is None or not self.log.on:
+                return self.loss_gm(*outs, target)
+            self.calls += 1
+            return self.log.timed(self.stage, "loss", self.calls - 1, self.loss_gm, *outs, target)
 
 
 class PipelineModel(nn.Module):
@@ -179,6 +201,7 @@ class PipelineModel(nn.Module):
         raise BuildError("a pipelined model runs whole batches: call .step(**inputs), not forward")
 
     def step(self, **inputs: Any) -> float:
+        self._check_autocast()
         for k, v in self.constants.items():
             if k in inputs and inputs[k] != v:
                 raise BuildError(f"pipeline step: input {k}={inputs[k]!r} differs from the captured {v!r}")
@@ -200,6 +223,14 @@ class PipelineModel(nn.Module):
             loss = torch.stack([x.detach().double() for x in losses]).mean()
         dist.broadcast(loss, self.last_rank, group=self._group)
         return float(loss)
+
+    def _check_autocast(self) -> None:
+        """NOTE [pipeline autocast]: an ambient autocast must be the captured one (or none)."""
+        dev = self.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.autocast_dtype:
+            raise BuildError(f"pipeline: step under torch.autocast({dev!r}, dtype={torch.get_autocast_dtype(dev)}) "
+                             f"but the stages were captured {f'under {self.autocast_dtype}' if self.autocast_dtype else 'without autocast'}"
+                             f"; build with build(sch, autocast_dtype=...) and step without an autocast of your own")
 
     def _average_replicas(self) -> None:
         if self._replica_group is None:
@@ -320,10 +351,11 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     log = ActionLog()
     stage_cls = _timed_stage_class()
     pstages = []
+    amp = builder.autocast_dtype
     for mod, i in zip(modules, local):
         pstages.append(stage_cls(mod, i, n, device, group=group))
-        pstages[-1].log = log
-    loss_fn = (_LossFn(loss_gm, log, n - 1) if loss_gm is not None
+        pstages[-1].log, pstages[-1].autocast_dtype = log, amp
+    loss_fn = (_LossFn(loss_gm, log, n - 1, autocast=lambda: _autocast(amp, device)) if loss_gm is not None
                else (lambda out, tgt: out if not isinstance(out, tuple) else out[0]))
     mbs = cfg["n_microbatches"]
     cls = getattr(torch_schedules, SCHEDULE_CLASSES[kind])
@@ -349,6 +381,7 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                          replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders, log=log,
                          loss_fn=loss_fn)
     pipe.schedule_kind, pipe.n_microbatches = kind, mbs
+    pipe.autocast_dtype, pipe.device = amp, device
     return pipe
 
 

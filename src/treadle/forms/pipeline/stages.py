@@ -227,11 +227,15 @@ def capture_root(builder) -> None:
     saved = [(builder.module(p), a, getattr(builder.module(p), a)) for p, a, _ in builder.v.shard_attrs]
     for (mod, a, v), (_, _, axis) in zip(saved, builder.v.shard_attrs):
         setattr(mod, a, v * builder.sizes[axis])
+    # NOTE [pipeline autocast]: traced under the autocast the stages will run in, so the graph's dtypes are theirs
+    amp = (torch.autocast(builder.mesh.device.type, dtype=builder.autocast_dtype) if builder.autocast_dtype
+           else contextlib.nullcontext())
     try:
-        with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
-            eager = record_leaf_outputs(model, leaves, mb)
-        gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
-                            eager_outputs=eager)
+        with amp:
+            with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
+                eager = record_leaf_outputs(model, leaves, mb)
+            gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
+                                eager_outputs=eager)
     finally:
         for mod, a, v in saved:
             setattr(mod, a, v)
@@ -239,7 +243,8 @@ def capture_root(builder) -> None:
     if undone:
         logger.info("pipeline: %d leaf argument(s) the eager forward passes as None restored (%s)", len(undone),
                     ", ".join(undone[:4]))
-    standins = hand_leaves_standins(gm, model, calls)
+    with amp:
+        standins = hand_leaves_standins(gm, model, calls)
     if standins:
         logger.info("pipeline: leaf argument(s) %s read for their shape and dtype only: recomputed in each stage "
                     "instead of sent", ", ".join(standins[:4]))
