@@ -55,7 +55,7 @@ def test_calibrate_command_writes_a_usable_spec(tmp_path, capsys):
     assert cluster.mesh.shape == (2,) and cluster.mesh.names == ("dp",) and cluster.link("dp").name == "gloo-dp"
     assert cluster.link("dp").bandwidth_bytes_per_s > 0 and cluster.copy_bytes_per_s > 0
     # the other collectives get their measured factor against the model
-    assert {op for op, _ in cluster.link("dp").op_scale} == {"reduce_scatter", "all_reduce", "all_to_all", "send_recv"}
+    assert {op for op, _ in cluster.link("dp").op_scale} == {"reduce_scatter", "all_reduce", "all_to_all"}
 
 
 def test_calibrate_command_rejects_bad_mesh():

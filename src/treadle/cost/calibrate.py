@@ -7,8 +7,7 @@ point weighted by 1/t, so small and large sizes count alike). The intercept is `
 latency_s``; on a mesh of two or more axes the flattened group of all axes is timed too, and its intercept
 ``launch_s + (N-1) * max(latency_s)`` separates the per-call launch cost (shared by all groups: it is the
 software stack) from the per-step latency. On a 1-D mesh the launch cost is 0 and the whole intercept is
-latency. Reduce-scatter, all-reduce, all-to-all and a pipeline's point-to-point exchange (each rank sends to the
-next of its group and receives from the one before) are timed in the same sweeps and get a time factor each
+latency. Reduce-scatter, all-reduce and all-to-all are timed in the same sweeps and get a time factor each
 against their model on the fitted link (`LinkSpec.op_scale`). Timing (`time_collectives`): a warm-up
 sweep, then interleaved sweeps over all sizes, the mean or the median of the slowest rank's time (NOTE [a step
 pays the mean]), each call after a short compute as a step issues it (NOTE [in-step collectives]), in chains of
@@ -36,7 +35,7 @@ from ..errors import LayoutError, MeshError
 from ..mesh import Mesh
 from .cluster import ClusterSpec
 from .collective_cost import (all_gather_time_s, all_reduce_time_s, all_to_all_time_s,
-                              reduce_scatter_time_s, send_recv_time_s)
+                              reduce_scatter_time_s)
 from .links import LinkSpec
 from .timing import COLLECTIVES, _STATISTICS, measure_copy_bytes_per_s, time_collectives
 
@@ -353,8 +352,7 @@ def _with_group_fsdp_overheads(cluster: ClusterSpec, rounds: int):
 
 
 _MODELS = {"all_gather": all_gather_time_s, "reduce_scatter": reduce_scatter_time_s,
-           "all_reduce": all_reduce_time_s, "all_to_all": all_to_all_time_s,
-           "send_recv": lambda nbytes, n, link: send_recv_time_s(nbytes, link)}
+           "all_reduce": all_reduce_time_s, "all_to_all": all_to_all_time_s}
 
 
 def _model_s(op: str, nbytes: float, n: int, link: LinkSpec) -> float:

@@ -119,9 +119,9 @@ def collective_time_s(kind: str, nbytes: float, n_ranks: int, link: LinkSpec) ->
 
 
 def send_recv_time_s(nbytes: float, link: LinkSpec) -> float:
-    """One point-to-point message of `nbytes` (times the link's measured `send_recv` factor)."""
+    """One point-to-point message of `nbytes`."""
     _check(nbytes, 2, "send_recv_time_s")
-    return link.scale("send_recv") * (link.launch_s + _steps_s(1, nbytes, link))
+    return link.launch_s + _steps_s(1, nbytes, link)
 
 
 # ------------------------------------------------------------------------------------------ several axes

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..errors import LayoutError
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def _collective_call(op: str, nbytes: int, n: int, group):
@@ -34,16 +34,6 @@ def _collective_call(op: str, nbytes: int, n: int, group):
     if op == "all_to_all":
         out, inp = torch.empty(numel), torch.zeros(numel)
         return lambda: dist.all_to_all_single(out, inp, group=group)
-    if op == "send_recv":  # a pipeline's exchange: each rank sends `nbytes` to the next of the group, receives
-        out, inp = torch.empty(numel), torch.zeros(numel)  # as much from the one before
-        me = dist.get_rank(group)
-        nxt, prv = (dist.get_global_rank(group, (me + d) % n) for d in (1, -1))
-
-        def exchange() -> None:
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, nxt, group),
-                                             dist.P2POp(dist.irecv, out, prv, group)]):
-                w.wait()
-        return exchange
     raise LayoutError(f"calibrate: unknown collective {op!r}; known: {list(COLLECTIVES)}")
 
 
