@@ -211,13 +211,11 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                          and step == (cfg.steps - 2 if cfg.steps - 2 >= start else cfg.steps - 1))
                 if timed:
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t_pipe = time.perf_counter()
                 with (_profiled(trace_path(cfg.trace, rank), step) if traced else contextlib.nullcontext()), \
                         (built.recording() if timed else contextlib.nullcontext()):
                     out = run_step(built, opt, layouts, mesh, micro_batches, clip_norm=cfg.clip_norm, autocast=autocast,
                                    stop_signal=signals.signum)
-                if timed:
-                    _write_pipeline_trace(built, mesh, t0, time.perf_counter(), memory_bytes(device), cfg.trace)
                 done = step + 1
                 if not out.finite:
                     skipped += 1
@@ -231,6 +229,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                     logger.warning("%s: optimizer step skipped (%d of --skip-nonfinite %d)", out.nonfinite_text(done),
                                    skipped, cfg.skip_nonfinite)
                 step_s = time.perf_counter() - t0
+                if timed:  # after the step's time: the gather and the file are not the step's
+                    _write_pipeline_trace(built, mesh, t_pipe, t0 + step_s, memory_bytes(device), cfg.trace)
                 losses.append(out.loss)
                 mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
                 mem = memory_bytes(device)

@@ -137,14 +137,22 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             for k, t in leaves:
                 input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)
             result["input_grads"] = input_grads
-            result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
-                                     for n, p in inner.named_parameters()}
-        opt.step()
-        if step == 0:
-            result["params"] = {n: _full(p).detach().clone() for n, p in inner.named_parameters()}
-        opt.zero_grad(set_to_none=True)
+        _optimizer_step(opt, dict(inner.named_parameters()), result, first=step == 0)
     rec.remove()
     return result
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, named: dict[str, torch.Tensor], result: dict[str, Any], *,
+                    first: bool) -> None:
+    """`opt`'s step; on the `first`, the gradients before it and the parameters after it (whole tensors) go to
+    `result` ("param_grads", "params") by the names of `named`."""
+    if first:
+        result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
+                                 for n, p in named.items()}
+    opt.step()
+    if first:
+        result["params"] = {n: _full(p).detach().clone() for n, p in named.items()}
+    opt.zero_grad(set_to_none=True)
 
 
 def _run_pipeline_steps(pipe: nn.Module, local: dict[str, Any], steps: int, lr: float) -> dict[str, Any]:
@@ -158,11 +166,5 @@ def _run_pipeline_steps(pipe: nn.Module, local: dict[str, Any], steps: int, lr: 
                               "input_grads": {}, "pipeline": True}
     for step in range(steps):
         result["losses"].append(pipe.step(**local))
-        if step == 0:
-            result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
-                                     for n, p in named.items()}
-        opt.step()
-        if step == 0:
-            result["params"] = {n: _full(p).detach().clone() for n, p in named.items()}
-        opt.zero_grad(set_to_none=True)
+        _optimizer_step(opt, named, result, first=step == 0)
     return result

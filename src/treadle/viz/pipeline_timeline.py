@@ -110,14 +110,12 @@ def timeline_from_measured_pipeline(doc: dict) -> Timeline:
     track = {d["pp"]: f"pp rank {d['pp']} (stage{'s' if len(d['stages']) > 1 else ''} "
                       f"{', '.join(map(str, d['stages']))})" for d in ranks}
     step = max(float(d["end_s"]) for d in ranks)
-    acts = {d["pp"]: [a for a in d["actions"] if a[1] not in ("sync",)] for d in ranks}
-    makespan = max((a[4] for xs in acts.values() for a in xs), default=0.0)
+    makespan = max((a[4] for d in ranks for a in d["actions"] if a[1] != "sync"), default=0.0)
     spans: list[Span] = []
     idle = 0.0
-    fwd_end, first_f = 0.0, step
+    fwd_end = 0.0
     for d in ranks:
         r, t = d["pp"], 0.0
-        busy = 0.0
         for stage, kind, mb, start, end in sorted(d["actions"], key=lambda a: a[3]):
             if start > t:
                 spans.append(Span(track[r], BUBBLE, t, start - t, BUBBLE, start - t, {"rank": r}))
@@ -128,11 +126,9 @@ def timeline_from_measured_pipeline(doc: dict) -> Timeline:
             spans.append(Span(track[r], name, start, dur, phase, dur,
                               {"stage": stage, "micro_batch": mb, "action": kind, "rank": r}))
             t = max(t, end)
-            if kind != "sync":
-                busy += dur
             if kind == "F":
-                fwd_end, first_f = max(fwd_end, end), min(first_f, start)
-        idle += makespan - busy
+                fwd_end = max(fwd_end, end)
+        idle += makespan - busy_s(d["actions"])
         if float(d["end_s"]) > t:
             spans.append(Span(track[r], "optimizer", t, float(d["end_s"]) - t, "optimizer", float(d["end_s"]) - t,
                               {"rank": r}))
@@ -149,6 +145,9 @@ def timeline_from_measured_pipeline(doc: dict) -> Timeline:
     return Timeline(name, spans, [track[d["pp"]] for d in ranks], step, fwd_end, memory, float(mem), None,
                     int(doc.get("world_size", len(ranks))), totals, [MEASURED_NOTE])
 
+def busy_s(actions: list) -> float:
+    """Seconds a pp rank computed in its measured `actions` (its stages' actions and the loss; not the syncs)."""
+    return sum(end - start for _, kind, _, start, end in actions if kind != "sync")
 
 
 def pipeline_compare_rows(price: dict, measured: dict) -> list[list[str]]:
@@ -170,7 +169,7 @@ def pipeline_compare_rows(price: dict, measured: dict) -> list[list[str]]:
 
     rows = []
     for r in sorted(pred):
-        busy = sum(a[4] - a[3] for a in meas[r]["actions"] if a[1] != "sync")
+        busy = busy_s(meas[r]["actions"])
         rows.append([f"pp rank {r}", ", ".join(map(str, pred[r]["stages"])), f"{pred[r]['busy_s'] * 1e3:.2f}",
                      f"{busy * 1e3:.2f}", ratio(pred[r]["busy_s"], busy)])
     rows.append(["step", "", f"{price['step_s'] * 1e3:.2f}", f"{mtl.step_s * 1e3:.2f}",

@@ -107,12 +107,12 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             n_bwd[s] += 1
             if r.op.startswith(_MATMUL):
                 weight[s] += 0.5 * (r.time_s + hw.op_overhead_s)
+    split_host = [n * hw.split_backward_op_s for n in n_bwd]  # the split's own host cost (NOTE [framework overheads])
     duration: dict[tuple[int, str], float] = {}
     for s in range(n_stages):
         back = bwd[s] + rec[s]
         w = min(weight[s], back)
-        host = n_bwd[s] * hw.split_backward_op_s  # the split's own host cost (NOTE [framework overheads])
-        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + host, (s, "W"): w})
+        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + split_host[s], (s, "W"): w})
     link = cluster.link(axis)
     p2p = {}
     for b, c in enumerate(cuts):
@@ -216,7 +216,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     rows = _rows(segs, seg_stage, coll_rows, mine, m)
     stages = [{"stage": s, "rank": ranks_of[s], "forward_s": fwd[s], "backward_s": bwd[s] + rec[s],
                "weight_s": duration[(s, "W")] if split else 0.0, "tp_comm_s": tp[s], "saved_bytes": saved[s],
-               "split_host_s": n_bwd[s] * hw.split_backward_op_s if split else 0.0,
+               "split_host_s": split_host[s] if split else 0.0,
                "grad_bytes": grads[s], "transient_bytes": max(0.0, trans[s]),
                "send_bytes": reh.output_bytes.get(cuts[s], 0) if s < len(cuts) else 0,
                "send_s": p2p.get(s, 0.0)} for s in range(n_stages)]

@@ -140,7 +140,9 @@ class PipelineModel(nn.Module):
                  tied_here: list[str | None], last_rank: int, n_stages: int, tied_zeros: list[Any],
                  replica_group: Any = None, replicas: int = 1, axis: str = "pp",
                  canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None,
-                 log: ActionLog | None = None, loss_fn: Any = None):
+                 log: ActionLog | None = None, loss_fn: Any = None, schedule_kind: str = "1f1b",
+                 n_microbatches: int = 1, autocast_dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -162,6 +164,9 @@ class PipelineModel(nn.Module):
         self.last_rank = last_rank
         self.n_stages = n_stages
         self.log = log or ActionLog()
+        self.schedule_kind, self.n_microbatches = schedule_kind, n_microbatches
+        self.autocast_dtype = autocast_dtype  # NOTE [pipeline autocast]
+        self.device = device or torch.device("cpu")
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[ActionLog]:
@@ -169,8 +174,6 @@ class PipelineModel(nn.Module):
         pipeline timeline; the log is emptied first."""
         self.log.actions.clear()
         self.log.on = True
-        if isinstance(self._loss_fn, _LossFn):
-            self._loss_fn.calls = 0
         try:
             yield self.log
         finally:
@@ -375,14 +378,11 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     last_global = _rank_of(builder, coords)
     logger.info("pipeline: %d stages on %s=%d (%s, %d micro-batches), local stages %s, tied %s, data parallel %s", n,
                 axis, pp, kind, mbs, local, tied, dp)
-    pipe = PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
+    return PipelineModel(stages, local, modules, sched, group=group, stage0_inputs=stage0_inputs, target=cfg["target"],
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
                          replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders, log=log,
-                         loss_fn=loss_fn)
-    pipe.schedule_kind, pipe.n_microbatches = kind, mbs
-    pipe.autocast_dtype, pipe.device = amp, device
-    return pipe
+                         loss_fn=loss_fn, schedule_kind=kind, n_microbatches=mbs, autocast_dtype=amp, device=device)
 
 
 def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
