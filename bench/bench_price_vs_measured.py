@@ -80,7 +80,9 @@ PIPELINES = {  # world -> [(label, mesh shape, mesh names, schedule, cuts after 
         ("PP2 DualPipeV (4 stages)", (2,), ("pp",), "dualpipev", [0, 1, 2])],
     4: [("PP4 GPipe", (4,), ("pp",), "gpipe", [0, 1, 2]), ("PP4 1F1B", (4,), ("pp",), "1f1b", [0, 1, 2]),
         ("PP2 x TP2 GPipe", (2, 2), ("pp", "tp"), "gpipe", [1]), ("PP2 x TP2 1F1B", (2, 2), ("pp", "tp"), "1f1b", [1]),
-        ("PP2 x DP2 GPipe", (2, 2), ("pp", "dp"), "gpipe", [1]), ("PP2 x DP2 1F1B", (2, 2), ("pp", "dp"), "1f1b", [1])],
+        ("PP2 x DP2 GPipe", (2, 2), ("pp", "dp"), "gpipe", [1]), ("PP2 x DP2 1F1B", (2, 2), ("pp", "dp"), "1f1b", [1]),
+        ("PP2 x FSDP2 GPipe", (2, 2), ("pp", "dp"), "gpipe", [1]), ("PP2 x FSDP2 1F1B", (2, 2), ("pp", "dp"), "1f1b", [1]),
+        ("PP2 x FSDP2 interleaved (4 stages)", (2, 2), ("pp", "dp"), "interleaved_1f1b", [0, 1, 2])],
 }
 MICROBATCHES = 4
 
@@ -98,8 +100,8 @@ def pipeline_schedules(model_name: str, world: int, batch: int, seq: int) -> lis
         sch = treadle.create_schedule(model, mesh=Mesh(shape, names))
         if "tp" in names:
             meg(sch, tp="tp", vocab_parallel_head=False)
-        if "dp" in names:  # each replica its own pipeline, gradients averaged after the step
-            sch.data_parallel(axis="dp", shard=False)
+        if "dp" in names:  # each replica its own pipeline: gradients averaged after the step, or FSDP2 per stage
+            sch.data_parallel(axis="dp", shard="FSDP2" in label)
         for c in cuts:
             sch[f"{_blocks(model_name)}.{c}"].cut_pipeline_stage()
         sch.pipeline(axis="pp", schedule=kind, n_microbatches=MICROBATCHES, example_inputs=inputs)
@@ -399,6 +401,7 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
         if p.pipeline is not None:  # rank 0 is measured: its stages' gradients, its micro-batches in flight
             r0 = p.pipeline["ranks"]["0"]
             g0 = sum(st["grad_bytes"] for st in p.pipeline["stages"] if st["rank"] == 0)
+            g0 /= 2 if "FSDP2" in label else 1  # sharded over dp after the step
             state, act = g0 * 2 + g0 / 4 * 8, r0["activation_bytes"]
         rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": act + state,
                      "predicted_peak_bytes": p.peak_bytes,
@@ -485,7 +488,7 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None,
                     help="rounds visiting every schedule, order alternating (default 8; --quick 2)")
     ap.add_argument("--nominal-cpu", action="store_true", help="use the nominal CPU_CORE instead of calibrating")
-    ap.add_argument("--pipeline", action="store_true", help="add the pipelines of PIPELINES (PP2, PP4, PP2 x TP2, PP2 x DP2)")
+    ap.add_argument("--pipeline", action="store_true", help="add the pipelines of PIPELINES (PP2, PP4, PP2 x TP2, PP2 x DP2, PP2 x FSDP2)")
     ap.add_argument("--only-pipeline", action="store_true", help="the pipelines and DDP only")
     ap.add_argument("--rounds", type=int, default=15, help="calibration sweeps (default 15; treadle plan takes 5)")
     args = ap.parse_args()

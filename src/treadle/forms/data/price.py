@@ -64,6 +64,22 @@ def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Coll
     return out
 
 
+def prefetched_gathers(order: list[str], first_use: dict[str, int], unit_bytes: dict[str, float], phase: str,
+                       start: int, axis: str, n: int, link) -> list[Collective]:
+    """FSDP2's all-gathers of the units `order` in one pass (forward or backward) of a segment list: unit u is
+    needed before segment ``first_use[u]`` and gathered one unit ahead, issued when the unit before it starts (the
+    first at the pass's `start`)."""
+    out = []
+    prev_start = start
+    for u in order:
+        need = first_use[u]
+        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
+                              u, phase, min(prev_start, need) - 1, blocking=False, needed_before=need, source="fsdp",
+                              link=link))
+        prev_start = need
+    return out
+
+
 def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[list[Collective], float]:
     """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak.
 
@@ -100,22 +116,10 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[li
     if unit_bytes[""]:
         out.append(Collective("all_gather", axis, unit_bytes[""], collective_time_s("all_gather", unit_bytes[""], n, link),
                               "", "fwd", -1, blocking=False, needed_before=0, source="fsdp", link=link))
-    prev_start = 0
-    for u in fwd_order:  # gathered one unit ahead: issued when the previous unit starts
-        need = first_fwd[u]
-        issue = min(prev_start, need) - 1
-        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
-                              u, "fwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
-        prev_start = need
+    out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link)
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
-    prev_start = end_fwd + 1
-    for u in bwd_order:
-        need = first_bwd[u]
-        issue = min(prev_start, need) - 1
-        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
-                              u, "bwd", issue, blocking=False, needed_before=need, source="fsdp", link=link))
-        prev_start = need
+    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link)
     for u in units:
         if not unit_bytes[u]:
             continue

@@ -20,10 +20,24 @@ The timeline is `timeline.simulate` (NOTE [pipeline timeline]) over `facts.actio
 last action's end plus the optimizer step over its parameters, plus the all-reduce of tied gradients over pp,
 plus, under data parallelism (shard=False; each replica rehearsed on its part of the micro-batch), the replicas'
 gradient all-reduce after the step, in the runtime's buckets (`runtime.replica_buckets`) (blocking, nothing to hide behind);
-the price's step is the slowest rank's. A rank's peak is its static bytes, the largest sum over its stages of
+the price's step is the slowest rank's. Under FSDP2 / HSDP, NOTE [pipeline FSDP2 price]. A rank's peak is its static bytes, the largest sum over its stages of
 micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
 keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
 output bytes) — and its largest stage transient with the other local stages' gradients.
+
+NOTE [pipeline FSDP2 price]: with FSDP2 / HSDP beside the pipeline, each stage's units (`_stage_units`: the
+model's FSDP2 units inside it, the rest in its root) are gathered, held and reduced as NOTE [pipeline FSDP2] in
+`fsdp.py` states for the schedule's order, and priced per action (`fsdp.fsdp_terms`), inside the timeline:
+- an action that gathers its stage waits for the exposed part of gathering it one unit ahead over that pass's
+  segments (`treadle.forms.data.price.prefetched_gathers`, NOTE [overlap model]), plus FSDP2's copies;
+- an UNSHARD's prefetch is issued before an action and waited on by the stage's next compute action: blocking
+  where the device does not overlap, else exposed by what the actions between do not hide;
+- every F, B, I (and the first stage's W) runs the stage's FSDP2 hooks: half of `fsdp_host_s` per unit;
+- after a stage's last backward its REDUCE_GRAD reduce-scatters every unit (HSDP: then all-reduces the shard)
+  and waits for them.
+Memory: parameters and optimizer state are 1/n of the rank's (n the shard group), gradients full-size (they
+accumulate unsharded until the reduce-scatter), and while an action runs the rank holds every gathered stage in
+full (a forward that reshards about two units of its own).
 """
 
 from __future__ import annotations
@@ -42,8 +56,10 @@ from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
-from .runtime import replica_buckets, split_backward_conflict
+from ..data.facts import fsdp_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
+from .fsdp import fsdp_states, fsdp_terms
+from .runtime import fsdp_split_conflict, replica_buckets, split_backward_conflict
 from .timeline import simulate
 
 _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
@@ -51,8 +67,8 @@ _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "
 
 def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price | None:
     """The price of `sch` when it is a pipeline (NOTE [pipeline price]); None when it is not. Raises PlanError for
-    cuts without `pipeline(...)`, FSDP2 / HSDP beside a pipeline (not priced yet), or an order the schedule class
-    refuses."""
+    cuts without `pipeline(...)`, or what `build` refuses (an order the schedule class refuses, a split backward
+    under FSDP2 resharding after forward, a parameter two stages of a rank share under a split backward)."""
     v = sch.view()
     cfg = v.extras.get("pipeline")
     cuts = list(v.extras.get("pipeline_cuts", []))
@@ -62,10 +78,10 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                             f"pipelined; call pipeline(axis=..., schedule=..., n_microbatches=...)")
         return None
     dp = v.data_parallel
-    if dp is not None and dp.shard:
-        raise PlanError(f"price: data_parallel ({dp}) beside a pipeline is built and trained but not priced yet; "
-                        f"price it with shard=False (the replicas' gradient all-reduce after the step)")
     axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
+    sharded = dp is not None and dp.shard and dp.shard_size(sch.mesh) > 1
+    if (why := fsdp_split_conflict(kind, dp)) is not None:  # what build refuses is not priced
+        raise PlanError(f"price: {why}")
     mesh = sch.mesh
     pp, n_stages = mesh.size(axis), len(cuts) + 1
     order = action_order(kind, n_stages, pp, m)
@@ -112,13 +128,16 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     for s in range(n_stages):
         back = bwd[s] + rec[s]
         w = min(weight[s], back)
+        if s == 0:  # the first stage's I is empty and its W runs the whole backward (no input needs a gradient)
+            duration.update({(0, "F"): fwd[0], (0, "B"): back, (0, "I"): 0.0, (0, "W"): back})
+            split_host[0] = 0.0  # a whole backward: no split of its graph
+            continue
         duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + split_host[s], (s, "W"): w})
     link = cluster.link(axis)
     p2p = {}
     for b, c in enumerate(cuts):
         nbytes = reh.output_bytes.get(c, 0)
         p2p[b] = send_recv_time_s(nbytes, link) if nbytes and pp > 1 else 0.0
-    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p)
     # ---- per stage: parameters, activations, transients
     module_stage = _module_stages(recs, stage_of)  # a module outside the blocks: where its forward first ran
 
@@ -141,6 +160,12 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     conflict = split_backward_conflict(kind, pp, [(names[i], st) for i, st in holders.items()])
     if conflict:  # what build refuses is not priced
         raise PlanError(f"price: {conflict}")
+    fs = None
+    if sharded:  # NOTE [pipeline FSDP2 price]
+        fs = fsdp_terms(fsdp_states(kind, order, dp.reshard_after_forward), order,
+                        _stage_units(reh.model, param_stage), _unit_passes(segs, seg_stage, reh.model), duration,
+                        dp=dp, mesh=mesh, cluster=cluster, hw=hw, reshard_after_forward=dp.reshard_after_forward)
+    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
     saved = [0.0] * n_stages
@@ -164,22 +189,25 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     input_b = sum(t.numel() * t.element_size() for t in _tensors(dict(example_inputs)))
     tied = [i for i, stages in holders.items() if len({ranks_of[s] for s in stages}) > 1]
     tied_b = sum(objs[i].numel() * objs[i].element_size() for i in tied if objs[i].requires_grad)
-    tied_s = collective_time_s("all_reduce", tied_b, pp, link) if tied_b and pp > 1 else 0.0
-    replicas = dp.size(mesh) if dp is not None else 1
+    zero_n = fs.n if fs else 1  # the ranks parameters, optimizer state and (after the step) gradients split over
+    tied_s = collective_time_s("all_reduce", tied_b / zero_n, pp, link) if tied_b and pp > 1 else 0.0
+    replicas = dp.size(mesh) if dp is not None and not sharded else 1
     dp_link = cluster.group_link(dp.axes) if replicas > 1 else None
     split = any(a.kind == "W" for acts in order.values() for a in acts)
-    subclass = any(hasattr(p, "to_local") for p in objs.values())
+    subclass = fs is not None or any(hasattr(p, "to_local") for p in objs.values())
     ranks = {}
     for rank in range(pp):
         mine = [s for s in range(n_stages) if ranks_of[s] == rank]
         params = [objs[i] for i, st in holders.items() if any(s in mine for s in st)]
         trainable = [p for p in params if p.requires_grad]
-        static = sum(p.numel() * p.element_size() for p in params) + buffers + (input_b if 0 in mine else 0)
-        static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0)) for p in trainable)
-        opt_s = (math.fsum(adamw_tensor_s(p.numel(), p.dtype, opt_b, hw, subclass=subclass) for p in trainable)
-                 + adamw_fixed_s(hw, subclass=subclass))
+        static = sum(p.numel() * p.element_size() for p in params) / zero_n + buffers + (input_b if 0 in mine else 0)
+        static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0))
+                      for p in trainable) / zero_n
+        opt_s = (math.fsum(adamw_tensor_s(p.numel() / zero_n, p.dtype, opt_b, hw, subclass=subclass)
+                           for p in trainable) + adamw_fixed_s(hw, subclass=subclass))
         act = peak_act = 0.0
-        for slot in tl.slots[rank]:
+        gathered = fs.gathered[rank] if fs else [0.0] * len(tl.slots[rank])
+        for slot, held_b in zip(tl.slots[rank], gathered):
             a = slot.action
             if a.kind == "F":
                 act += saved[a.stage]
@@ -189,13 +217,17 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                 act -= saved[a.stage] + held[a.stage]
             elif a.kind == "B":
                 act -= saved[a.stage]
-            peak_act = max(peak_act, act)
+            peak_act = max(peak_act, act + held_b)  # with the parameters FSDP2 holds gathered meanwhile
         local_grads = sum(grads[s] for s in mine)
         transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
         end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
         dp_s, bucket_b = _replica_allreduce(trainable, replicas, dp_link)
         transient = max(transient, bucket_b)  # the flattened bucket beside the gradients
-        ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s + dp_s, "optimizer_s": opt_s, "dp_s": dp_s,
+        if fs:
+            dp_s = fs.gather_s[rank] + fs.reduce_s[rank]  # inside the actions' time (the timeline has them)
+        ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s + (0.0 if fs else dp_s), "optimizer_s": opt_s,
+                       "dp_s": dp_s, "fsdp_gather_s": fs.gather_s[rank] if fs else 0.0,
+                       "fsdp_reduce_s": fs.reduce_s[rank] if fs else 0.0,
                        "busy_s": tl.busy_s[rank], "bubble_s": end - tl.busy_s[rank],
                        "static_bytes": static, "activation_bytes": peak_act, "transient_bytes": max(0.0, transient),
                        "peak_bytes": static + peak_act + max(0.0, transient)}
@@ -228,14 +260,15 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     info = {"schedule": kind, "axis": axis, "n_microbatches": m, "n_stages": n_stages, "slowest_rank": slow,
             "largest_rank": big, "bubble_fraction": tl.bubble_fraction, "bubble_s": rs["bubble_s"],
             "makespan_s": tl.makespan_s, "tied_grad_allreduce_s": tied_s, "data_parallel": str(dp) if dp else None,
-            "dp_grad_allreduce_s": rs["dp_s"],
+            "dp_grad_allreduce_s": 0.0 if fs else rs["dp_s"], "fsdp_gather_s": rs["fsdp_gather_s"],
+            "fsdp_reduce_s": rs["fsdp_reduce_s"],
             "critical_path": [str(a) for a in tl.critical_path], "stages": stages,
             "ranks": {str(r): d for r, d in ranks.items()}, "slots": slots}
     rb = ranks[big]
     grad_b = sum(grads[s] for s in rb["stages"])
     return Price(step, compute, recompute, comm_total, exposed, max(0.0, comm_total - exposed), rb["peak_bytes"],
                  rb["static_bytes"], rb["activation_bytes"], rb["transient_bytes"], grad_b, mfu, useful, executed,
-                 cluster.rank_device(), f"pipeline {kind} over {axis}", rows, seg_dicts, [], info)
+                 cluster.rank_device(), f"pipeline {kind} over {axis}" + (f" x {dp}" if dp else ""), rows, seg_dicts, [], info)
 
 
 def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link) -> tuple[float, float]:
@@ -246,6 +279,31 @@ def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link)
         return 0.0, 0.0
     nbytes = [sum(p.numel() * p.element_size() for p in b) for b in replica_buckets(trainable)]
     return math.fsum(collective_time_s("all_reduce", b, replicas, link) for b in nbytes), float(max(nbytes))
+
+
+def _stage_units(model: torch.nn.Module, param_stage) -> dict[int, dict[str, tuple[float, float, int]]]:
+    """Stage -> FSDP2 unit -> (parameter bytes, trainable bytes, parameter count), as `build` wraps each stage: the
+    model's units inside it (NOTE [FSDP2 units]), the rest of its parameters in its root ""."""
+    units = fsdp_units(model)
+    out: dict[int, dict[str, list]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        u = next(x for x in units if within(name.rpartition(".")[0], x))
+        row = out.setdefault(param_stage(name), {}).setdefault(u, [0.0, 0.0, 0])
+        nbytes = p.numel() * p.element_size()
+        row[0] += nbytes
+        row[1] += nbytes if p.requires_grad else 0.0
+        row[2] += 1
+    return {s: {u: tuple(r) for u, r in us.items()} for s, us in out.items()}
+
+
+def _unit_passes(segs, seg_stage: list[int], model: torch.nn.Module) -> dict[tuple[int, str], list]:
+    """(stage, "fwd" / "bwd") -> the stage's segments of that pass in order, each with its FSDP2 unit."""
+    units = fsdp_units(model)
+    out: dict[tuple[int, str], list] = {}
+    for sg, s in zip(segs, seg_stage):
+        phase = "fwd" if sg.phase == "fwd" else "bwd"
+        out.setdefault((s, phase), []).append((sg, next(x for x in units if within(sg.module, x))))
+    return out
 
 
 def _module_stages(records, stage_of: list[int]) -> dict[str, int]:

@@ -10,7 +10,8 @@ NOTE [pipeline timeline]: the model, for actions A of stage s on micro-batch m:
 - a rank runs one action at a time, in order, never ahead of it; a send does not hold the sender (it is
   issued when the action ends and arrives `p2p_s` later; a send between stages of one rank costs nothing).
 An action's duration is its stage's per-micro-batch time of that kind (compute plus its blocking tensor-parallel
-collectives). The step's pipelined part ends at the latest action's end (`makespan_s`); each rank's bubble is
+collectives), plus what that one action adds (`extra_s`: FSDP2's gathers it waits for, the reduce-scatters after
+a stage's last backward). The step's pipelined part ends at the latest action's end (`makespan_s`); each rank's bubble is
 the makespan minus its busy time, and the pipeline's bubble fraction their sum over the ranks' total time. The
 critical path follows, from the last action back, whichever bound its start: its rank's previous action or
 the input it waited for.
@@ -49,12 +50,14 @@ class PipelineTimeline:
 
 
 def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], float], *,
-             stage_rank: dict[int, int], p2p_s: dict[int, float] | None = None) -> PipelineTimeline:
+             stage_rank: dict[int, int], p2p_s: dict[int, float] | None = None,
+             extra_s: dict[Action, float] | None = None) -> PipelineTimeline:
     """Time `order` (rank -> actions) with `duration[(stage, kind)]` seconds per action and `p2p_s[b]` seconds for
     a send across boundary b (between stages b and b+1; one number for the activation and its gradient) when
-    the two stages are on different ranks (NOTE [pipeline timeline]). Raises PlanError for an action whose
-    input never comes (an order that deadlocks)."""
+    the two stages are on different ranks, plus `extra_s[action]` seconds for that action (NOTE [pipeline
+    timeline]). Raises PlanError for an action whose input never comes (an order that deadlocks)."""
     p2p_s = p2p_s or {}
+    extra_s = extra_s or {}
     n_stages = 1 + max(stage_rank)
     done: dict[Action, float] = {}
     slots: dict[int, list[Slot]] = {r: [] for r in order}
@@ -100,7 +103,7 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
                 t_in, by = got
                 start = max(free[r], t_in)
                 after = by if t_in > free[r] else last[r]
-                end = start + duration.get((a.stage, a.kind), 0.0)
+                end = start + duration.get((a.stage, a.kind), 0.0) + extra_s.get(a, 0.0)
                 slots[r].append(Slot(a, r, start, end, after))
                 done[a] = end
                 free[r], last[r] = end, a
