@@ -203,3 +203,14 @@ def test_price_refuses_a_split_backward_under_fsdp2_resharding_after_forward():
     with pytest.raises(PlanError, match=r"price: schedule 'zbv' splits each backward .* reshard_after_forward=False"):
         _priced("zbv", [0, 1, 2], 2, True, raf=True)
     assert _priced("zbv", [0, 1, 2], 2, True, raf=False).pipeline["ranks"]["0"]["fsdp_gather_s"] > 0
+
+
+def test_price_lines_say_each_ranks_fsdp2_traffic():
+    from treadle.planner.explain import price_lines
+
+    p = _priced("1f1b", [1], 4, True).to_dict()
+    line = next(x for x in price_lines(p) if "reduce-scatters" in x)
+    r0 = p["pipeline"]["ranks"]["0"]
+    assert line.startswith(f"{p['pipeline']['data_parallel']} per step, ms (inside the actions above): rank 0 gathers "
+                           f"{r0['fsdp_gather_s'] * 1e3:.3f} reduce-scatters {r0['fsdp_reduce_s'] * 1e3:.3f}"), line
+    assert not any("reduce-scatters" in x for x in price_lines(_priced("1f1b", [1], 4, False).to_dict()))

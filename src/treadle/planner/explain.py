@@ -191,7 +191,18 @@ def _pipeline_lines(pi: dict) -> list[str]:
             f"{pi['n_microbatches']} micro-batches: bubble {pi['bubble_fraction'] * 100:.1f}% of rank time "
             f"({pi['bubble_s'] * 1e3:.3f} ms on the slowest, rank {slow}; in its exposed comm below); peak on rank "
             f"{big}; critical path {' '.join(pi['critical_path'])}",
-            f"per stage and micro-batch, ms: {stages}"]
+            f"per stage and micro-batch, ms: {stages}"] + _pipeline_fsdp_line(pi)
+
+
+def _pipeline_fsdp_line(pi: dict) -> list[str]:
+    """FSDP2 beside the pipeline (NOTE [pipeline FSDP2 price]): per rank the seconds of its stages' gathers and
+    reduce-scatters, inside its actions' time; nothing without FSDP2."""
+    ranks = pi["ranks"]
+    if not any(r.get("fsdp_gather_s") or r.get("fsdp_reduce_s") for r in ranks.values()):
+        return []
+    per = "; ".join(f"rank {k} gathers {r['fsdp_gather_s'] * 1e3:.3f} reduce-scatters {r['fsdp_reduce_s'] * 1e3:.3f}"
+                    for k, r in ranks.items())
+    return [f"{pi['data_parallel']} per step, ms (inside the actions above): {per}"]
 
 
 def explain_text(plan, *, top: int | None = None) -> str:

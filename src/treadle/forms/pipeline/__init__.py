@@ -8,6 +8,7 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `runtime.py`   what `build` installs: the local stages under the data parallelism, the schedule that runs
                  them, `PipelineModel` ("wrap" step);
 - `facts.py`     the action order each schedule class runs, the stage of each rank and of each rehearsed record;
+- `fsdp.py`      FSDP2 beside the pipeline: when each stage is gathered, held and reduced (NOTE [pipeline FSDP2]);
 - `timeline.py`  the step's timeline from that order (NOTE [pipeline timeline]);
 - `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face.
 """
