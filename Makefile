@@ -17,8 +17,10 @@ setup: $(BIN)/python
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo_gpt2.py
 
+# two workers, one test file each at a time (a file's module fixtures stay in one process): most files are one
+# process on one core, so two of them fill the 2-core CI host; a gloo test's ranks share the cores with the other.
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
