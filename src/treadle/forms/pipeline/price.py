@@ -37,7 +37,9 @@ model's FSDP2 units inside it, the rest in its root) are gathered, held and redu
   and waits for them.
 Memory: parameters and optimizer state are 1/n of the rank's (n the shard group), gradients full-size (they
 accumulate unsharded until the reduce-scatter), and while an action runs the rank holds every gathered stage in
-full (a forward that reshards about two units of its own).
+full (a forward that reshards about two units of its own): the largest sum of activations in flight and gathered
+bytes over the rank's actions, its excess over the activations' own peak counted as transient
+(`gathered_bytes` per rank).
 """
 
 from __future__ import annotations
@@ -205,10 +207,11 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                       for p in trainable) / zero_n
         opt_s = (math.fsum(adamw_tensor_s(p.numel() / zero_n, p.dtype, opt_b, hw, subclass=subclass)
                            for p in trainable) + adamw_fixed_s(hw, subclass=subclass))
-        act = peak_act = 0.0
+        act = peak_act = peak_held = 0.0
         gathered = fs.gathered[rank] if fs else [0.0] * len(tl.slots[rank])
         for slot, held_b in zip(tl.slots[rank], gathered):
             a = slot.action
+            before = act
             if a.kind == "F":
                 act += saved[a.stage]
             elif a.kind == "I":  # the graph is kept for W, with the output gradients W reads
@@ -217,12 +220,14 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                 act -= saved[a.stage] + held[a.stage]
             elif a.kind == "B":
                 act -= saved[a.stage]
-            peak_act = max(peak_act, act + held_b)  # with the parameters FSDP2 holds gathered meanwhile
+            peak_act = max(peak_act, act)
+            peak_held = max(peak_held, max(before, act) + held_b)  # with what FSDP2 holds gathered meanwhile
         local_grads = sum(grads[s] for s in mine)
         transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
         end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
         dp_s, bucket_b = _replica_allreduce(trainable, replicas, dp_link)
         transient = max(transient, bucket_b)  # the flattened bucket beside the gradients
+        transient = max(0.0, transient) + peak_held - peak_act  # FSDP2's gathered stages at the activations' worst
         if fs:
             dp_s = fs.gather_s[rank] + fs.reduce_s[rank]  # inside the actions' time (the timeline has them)
         ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s + (0.0 if fs else dp_s), "optimizer_s": opt_s,
@@ -230,6 +235,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                        "fsdp_reduce_s": fs.reduce_s[rank] if fs else 0.0,
                        "busy_s": tl.busy_s[rank], "bubble_s": end - tl.busy_s[rank],
                        "static_bytes": static, "activation_bytes": peak_act, "transient_bytes": max(0.0, transient),
+                       "gathered_bytes": peak_held - peak_act,
                        "peak_bytes": static + peak_act + max(0.0, transient)}
     slow = max(ranks, key=lambda r: ranks[r]["step_s"])
     big = max(ranks, key=lambda r: ranks[r]["peak_bytes"])
