@@ -111,7 +111,7 @@ class FsdpTerms:
 
 def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], units: dict[int, dict[str, tuple]],
                passes: dict[tuple[int, str], list], duration: dict[tuple[int, str], float], *, dp, mesh, cluster,
-               hw, reshard_after_forward: bool) -> FsdpTerms:
+               hw) -> FsdpTerms:
     """The seconds and bytes of `states` (`fsdp_states`). `units[stage][unit]`: (all parameter bytes, trainable
     bytes, parameter count) of each FSDP2 unit the stage holds ("" its root); `passes[(stage, "fwd" / "bwd")]`: the
     stage's compute segments of one micro-batch's forward / backward, with the unit of each (`(segment, unit)`);
@@ -188,6 +188,6 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
             r_s[rank] += t
         gathered[rank] = [sum(full[x] for x in held)  # a forward that reshards holds about two units at a time
                           - (full[a.stage] - two[a.stage] if a.kind == "F" and a in st.gathers
-                             and reshard_after_forward else 0.0)
+                             and dp.reshard_after_forward else 0.0)
                           for a, held in zip(acts, st.held)]
     return FsdpTerms(extra, gathered, n, g_s, r_s)

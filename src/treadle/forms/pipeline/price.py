@@ -166,7 +166,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     if sharded:  # NOTE [pipeline FSDP2 price]
         fs = fsdp_terms(fsdp_states(kind, order, dp.reshard_after_forward), order,
                         _stage_units(reh.model, param_stage), _unit_passes(segs, seg_stage, reh.model), duration,
-                        dp=dp, mesh=mesh, cluster=cluster, hw=hw, reshard_after_forward=dp.reshard_after_forward)
+                        dp=dp, mesh=mesh, cluster=cluster, hw=hw)
     tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
