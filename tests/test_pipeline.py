@@ -361,7 +361,13 @@ def _pp_autocast_rank(rank: int, world: int) -> list[float]:
         refused = ""
     except treadle.BuildError as exc:
         refused = str(exc)
-    return [loss, grads, dtypes, refused]
+    half = {k: (v[: BATCH // 2] if torch.is_tensor(v) else v) for k, v in _inputs().items()}
+    try:
+        plain.step(**half)
+        wrong_rows = ""
+    except treadle.BuildError as exc:
+        wrong_rows = str(exc)
+    return [loss, grads, dtypes, refused + "|" + wrong_rows]
 
 
 @pytest.mark.slow
@@ -369,14 +375,19 @@ def test_a_pipeline_under_bf16_autocast_matches_the_autocast_model():
     """NOTE [pipeline autocast]: built with autocast_dtype=bf16 (treadle.run --precision bf16 without FSDP), the
     capture is traced and the stages' forwards run under torch.autocast: bf16 compute from fp32 weights, fp32
     gradients; loss and gradient norms match the single-process model under the same autocast to bf16's precision
-    (the micro-batch split changes the rounding). A pipeline captured without autocast refuses a step under one."""
+    (the micro-batch split changes the rounding). A pipeline captured without autocast refuses a step under one;
+    a step of other rows than the capture's is refused by name (not a raw view error from inside the stages)."""
     from tiny_models import tiny_llama
 
     (l0, g0, d0, r0), (l1, g1, d1, r1) = spawn(_pp_autocast_rank, 2, timeout_s=240)
     assert d0 == d1 == ["torch.float32"]
     assert r0 == r1 == ("pipeline: step under torch.autocast('cpu', dtype=torch.bfloat16) but the stages were "
                         "captured without autocast; build with build(sch, autocast_dtype=...) and step without an "
-                        "autocast of your own")
+                        "autocast of your own|"
+                        f"pipeline step: input 'input_ids' has {BATCH // 2} rows but the stages were captured for "
+                        f"{BATCH} per replica (2 micro-batches of {BATCH // 2}: the example batch over the "
+                        f"data-parallel replicas); pass {BATCH} rows, or rebuild with example inputs of this "
+                        "replica's batch times the replica count")
     model = tiny_llama(4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(**_inputs()).loss

@@ -122,9 +122,11 @@ def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s
     from ..forms.pipeline.runtime import stage_rank
 
     world, pp_size = dist.get_world_size(), mesh.size(axis)
-    mine = torch.tensor([mem], dtype=torch.int64, device=mesh.device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)  # one int64 per rank: the memory; the stages follow from the schedule
+    from .step import sum_over_mesh
+
+    every = torch.zeros(world, dtype=torch.int64, device=mesh.device)
+    every[dist.get_rank()] = mem
+    sum_over_mesh(every, mesh)  # gathers one int64 per rank, the memory; the stages follow from the schedule
     per_pp = world // pp_size
     out = []
     for pp in range(pp_size):

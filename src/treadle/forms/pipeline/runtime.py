@@ -142,7 +142,7 @@ class PipelineModel(nn.Module):
                  canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None,
                  log: ActionLog | None = None, loss_fn: Any = None, schedule_kind: str = "1f1b",
                  n_microbatches: int = 1, autocast_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, rows: dict[str, int] | None = None):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -167,6 +167,7 @@ class PipelineModel(nn.Module):
         self.schedule_kind, self.n_microbatches = schedule_kind, n_microbatches
         self.autocast_dtype = autocast_dtype  # NOTE [pipeline autocast]
         self.device = device or torch.device("cpu")
+        self.rows = rows or {}  # input name -> the rows (batch) one replica's step takes: as captured
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[ActionLog]:
@@ -204,10 +205,27 @@ class PipelineModel(nn.Module):
         raise BuildError("a pipelined model runs whole batches: call .step(**inputs), not forward")
 
     def step(self, **inputs: Any) -> float:
+        """Forward and backward of one batch; the mean micro-batch loss of this replica, on every rank (broadcast
+        from the last stage's rank over the pp group)."""
+        mine = self.step_local(**inputs)
+        loss = torch.tensor(mine if mine is not None else 0.0, dtype=torch.float64)
+        dist.broadcast(loss, self.last_rank, group=self._group)
+        return float(loss)
+
+    def step_local(self, **inputs: Any) -> float | None:
+        """`step` without the loss broadcast: the mean micro-batch loss on the rank that holds the last stage, None
+        on the others (for a caller that reduces the loss with a collective of its own, as `treadle.run` does)."""
         self._check_autocast()
         for k, v in self.constants.items():
             if k in inputs and inputs[k] != v:
                 raise BuildError(f"pipeline step: input {k}={inputs[k]!r} differs from the captured {v!r}")
+        for k, n in self.rows.items():
+            got = inputs[k].shape[0] if k in inputs and torch.is_tensor(inputs[k]) and inputs[k].dim() else None
+            if got is not None and got != n:
+                raise BuildError(f"pipeline step: input {k!r} has {got} rows but the stages were captured for {n} "
+                                 f"per replica ({self.n_microbatches} micro-batches of {n // self.n_microbatches}: "
+                                 f"the example batch over the data-parallel replicas); pass {n} rows, or rebuild "
+                                 f"with example inputs of this replica's batch times the replica count")
         args = [inputs[n] for n in self.stage0_inputs]
         target = inputs[self.target] if self.target else None
         losses: list[torch.Tensor] = []
@@ -221,11 +239,7 @@ class PipelineModel(nn.Module):
         self._schedule.step(*(args if holds_first else ()), **kw)
         self.log.timed(-1, "sync", 0, self._sync_tied)
         self.log.timed(-1, "sync", 1, self._average_replicas)
-        loss = torch.zeros((), dtype=torch.float64)
-        if holds_last:
-            loss = torch.stack([x.detach().double() for x in losses]).mean()
-        dist.broadcast(loss, self.last_rank, group=self._group)
-        return float(loss)
+        return float(torch.stack([x.detach().double() for x in losses]).mean()) if holds_last else None
 
     def _check_autocast(self) -> None:
         """NOTE [pipeline autocast]: an ambient autocast must be the captured one (or none)."""
@@ -395,7 +409,8 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                          constants=constants, tied=tied, tied_here=tied_here, last_rank=last_global, n_stages=n,
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
                          replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders, log=log,
-                         loss_fn=loss_fn, schedule_kind=kind, n_microbatches=mbs, autocast_dtype=amp, device=device)
+                         loss_fn=loss_fn, schedule_kind=kind, n_microbatches=mbs, autocast_dtype=amp, device=device,
+                         rows=builder.scratch.get("_pipeline_rows"))
 
 
 def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

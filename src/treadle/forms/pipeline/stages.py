@@ -249,6 +249,7 @@ def capture_root(builder) -> None:
         logger.info("pipeline: leaf argument(s) %s read for their shape and dtype only: recomputed in each stage "
                     "instead of sent", ", ".join(standins[:4]))
     builder.scratch["_pipeline_graph"] = (gm, names, constants)
+    builder.scratch["_pipeline_rows"] = {k: size[k] * m for k in size}  # rows of each input a replica's step takes
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
 
