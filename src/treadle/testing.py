@@ -119,17 +119,22 @@ def _heartbeat(rank: int, beats: Any, stop: threading.Event) -> None:
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args: tuple, kwargs: dict, q,
-               beats) -> None:
+               beats, nodes=None) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    addr = "127.0.0.1"
+    if nodes is not None:  # first: the namespace holds for every socket and thread made from here on
+        from .emulated_nodes import enter
+
+        addr = enter(nodes, rank)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     stop = threading.Event()
     beats.cancel_join_thread()  # heartbeats left unread must never keep this process from exiting
     threading.Thread(target=_heartbeat, args=(rank, beats, stop), daemon=True).start()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args, **kwargs)
         q.put((rank, "ok", _dumps(out)))
@@ -204,7 +209,8 @@ def check_process_count(n: int, *, where: str) -> None:
                          f"smaller mesh, or set {MAX_PROCS_ENV}=N to allow N processes")
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, nodes: Any = None,
+          **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on `world_size` gloo ranks; return results by rank.
 
     `fn` must be importable by name (module level). Results travel back through `torch.save`, so tensors
@@ -214,10 +220,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     + traceback"); or, after `timeout_s` (counted from the call; the whole call ends within about 10% more),
     the ranks still running, each with where its heartbeat last saw it, the hung ones first. Every rank is
     killed before spawn returns or raises. Raises SpawnError before starting any when `world_size` exceeds
-    this host's NOTE [process count].
+    this host's NOTE [process count]. `nodes`: a running `treadle.emulated_nodes.EmulatedNodes` of `world_size`
+    ranks; each rank then runs in its node's network namespace (the slow link between nodes).
     """
     if world_size < 1:
         raise SpawnError(f"spawn: world_size must be >= 1, got {world_size}")
+    if nodes is not None and nodes.world_size != world_size:
+        raise SpawnError(f"spawn: {world_size} ranks on {nodes} ({nodes.world_size} ranks)")
     check_process_count(world_size, where="spawn")
     t0 = time.monotonic()
     deadline = t0 + timeout_s
@@ -249,8 +258,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
 
     try:
         for rank in range(world_size):
-            p = ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, timeout_s, args, kwargs, q, beats),
-                            daemon=True)
+            p = ctx.Process(target=_rank_main, daemon=True,
+                            args=(fn, rank, world_size, port, timeout_s, args, kwargs, q, beats, nodes))
             p.start()
             procs.append(p)
         while len(results) + len(errors) + len(deaths) < world_size:

@@ -2,6 +2,7 @@
 
     treadle cluster 8x8:h100 --meshes          # links per axis, then every logical mesh shape
     treadle calibrate --mesh 2x2 --cpu -o cluster.json  # a core, then 4 gloo ranks: links per collective, saved
+    treadle calibrate --mesh 2x2 --emulate-nodes 2 --inter-node-rate 200mbit  # dp across 2 emulated nodes (root)
 
 A saved spec is accepted wherever a cluster string is (`parse_cluster("cluster.json")`).
 """
@@ -9,6 +10,7 @@ A saved spec is accepted wherever a cluster string is (`parse_cluster("cluster.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -132,10 +134,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.chain < 1 or args.lead_ms < 0:
         raise TreadleError(f"calibrate: --rounds and --chain must be >= 1 and --lead-ms >= 0; got {args.rounds}, "
                            f"{args.chain}, {args.lead_ms}")
-    with progress(f"calibrating {mesh} on {mesh.world_size} gloo processes", quiet=is_quiet(args)):
+    nodes = contextlib.nullcontext()
+    if args.emulate_nodes:
+        from ..emulated_nodes import emulated_nodes
+
+        if args.emulate_nodes < 2 or mesh.world_size % args.emulate_nodes:
+            raise TreadleError(f"calibrate: --emulate-nodes {args.emulate_nodes} must be >= 2 and divide the "
+                               f"{mesh.world_size} ranks of --mesh {args.mesh}")
+        nodes = emulated_nodes(args.emulate_nodes, mesh.world_size // args.emulate_nodes, rate=args.inter_node_rate)
+    with nodes as cluster, progress(f"calibrating {mesh} on {mesh.world_size} gloo processes"
+                                    + (f" ({cluster})" if cluster else ""), quiet=is_quiet(args)):
         # the core (with --cpu) is measured before any rank starts; nothing is cached: it lands in the file
         cal = calibrate_this_host(mesh, rounds=args.rounds, held_out=args.held_out, lead_compute_s=args.lead_ms / 1e3,
-                                  chain=args.chain, cpu=args.cpu, timeout_s=args.timeout)
+                                  chain=args.chain, cpu=args.cpu, timeout_s=args.timeout, nodes=cluster)
     if args.output:
         Path(args.output).write_text(cal.cluster.to_json())
     if args.json:
@@ -177,6 +188,11 @@ def register(subparsers) -> None:
                    help="(compute, collective) pairs timed back to back per sample, as a step pays them, and the "
                         "links' drift measured (NOTE [collectives in a chain]; 1: each call alone after a barrier; "
                         "default %(default)s)")
+    c.add_argument("--emulate-nodes", type=int, default=0, metavar="N",
+                   help="run the ranks as N emulated nodes of this host (network namespaces, root; the ranks of a "
+                        "node consecutive, so the first mesh axes cross nodes): treadle.emulated_nodes")
+    c.add_argument("--inter-node-rate", default="100mbit",
+                   help="with --emulate-nodes: the tc rate between nodes (default %(default)s)")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
     c.add_argument("-o", "--output", help="write the calibrated ClusterSpec JSON here")
     c.add_argument("--cpu", action="store_true",

@@ -22,7 +22,8 @@ from ..errors import LayoutError
 from ..mesh import Mesh
 from .calibrate import (DEFAULT_CHAIN, DEFAULT_HELD_OUT_BYTES, DEFAULT_LEAD_COMPUTE_S, DEFAULT_ROUNDS, Calibration,
                         calibrate_cluster)
-from .cluster import ClusterSpec, default_axis_names
+from .cluster import ClusterSpec, axis_crosses_nodes, default_axis_names, device_copy_bytes_per_s
+from .links import LinkSpec, link_preset
 
 
 def measures_this_host(cluster: ClusterSpec, spec: str, *, nominal: bool = False) -> bool:
@@ -60,36 +61,53 @@ def host_clusters(cluster: ClusterSpec) -> list[ClusterSpec]:
     return [flat, cluster]
 
 
-def calibrate_group(mesh: Mesh, device, *, threads_per_rank: int, ranks_per_host: int, **kwargs) -> Calibration:
+def calibrate_group(mesh: Mesh, device, *, threads_per_rank: int, ranks_per_host: int,
+                    links: tuple | None = None, **kwargs) -> Calibration:
     """Every rank of the running gloo group (`mesh.world_size` ranks): `calibrate_cluster(mesh, **kwargs)` on
     `device` (a measured core, or "cpu"), the result placed as these ranks run: `threads_per_rank` threads,
-    `ranks_per_host` ranks on this host's `os.cpu_count()` cores. `calibrate_this_host` spawns ranks for it;
-    `python -m treadle.run --plan auto` calls it on its launched group."""
-    base = ClusterSpec.uniform(mesh, "loopback", device=device)
+    `ranks_per_host` ranks on this host's `os.cpu_count()` cores. `links`: the stated link of each axis before
+    measuring (default: loopback for all, one channel: NOTE [one channel, one link]). `calibrate_this_host`
+    spawns ranks for it; `python -m treadle.run --plan auto` calls it on its launched group."""
+    base = (ClusterSpec.uniform(mesh, "loopback", device=device) if links is None
+            else ClusterSpec(mesh, tuple(links), device, device_copy_bytes_per_s(device)))
     cal = calibrate_cluster(mesh, base=base, **kwargs)
     cluster = cal.cluster.with_ranks(threads_per_rank=threads_per_rank, ranks_per_host=ranks_per_host,
                                      cores_per_host=os.cpu_count() or 1)
     return dataclasses.replace(cal, cluster=cluster)
 
 
-def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], device, kwargs: dict
-                    ) -> str:
+def _calibrate_rank(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], device, kwargs: dict,
+                    links: tuple | None = None) -> str:
     import torch
 
     torch.set_num_threads(1)  # a rank of a training job here computes on one thread (NOTE [rank device])
-    return calibrate_group(Mesh(shape, names), device, threads_per_rank=1, ranks_per_host=world, **kwargs).to_json()
+    return calibrate_group(Mesh(shape, names), device, threads_per_rank=1, ranks_per_host=world, links=links,
+                           **kwargs).to_json()
+
+
+def emulated_links(mesh: Mesh, nodes) -> tuple[LinkSpec, ...]:
+    """The link each axis of `mesh` is stated to have on emulated nodes (`treadle.emulated_nodes`, ranks
+    node-major) before it is measured: loopback for an axis whose groups stay inside a node, the rate limit
+    between nodes for one that crosses them (named after it, so the two are never one channel)."""
+    if mesh.world_size != nodes.world_size:
+        raise LayoutError(f"calibrate: mesh {mesh} has {mesh.world_size} ranks but {nodes} has {nodes.world_size}")
+    inter = LinkSpec(name=f"emulated {nodes.rate}", latency_s=100e-6, bandwidth_bytes_per_s=nodes.rate_bytes_per_s)
+    loop = link_preset("loopback")
+    return tuple(inter if axis_crosses_nodes(mesh.shape, i, nodes.ranks_per_node) else loop
+                 for i in range(mesh.ndim))
 
 
 def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: bool = False,
                         lead_compute_s: float = DEFAULT_LEAD_COMPUTE_S, chain: int = DEFAULT_CHAIN,
-                        cpu: bool = True, timeout_s: float = 300.0) -> Calibration:
+                        cpu: bool = True, timeout_s: float = 300.0, nodes=None) -> Calibration:
     """Measure this host for a job of `mesh.world_size` gloo ranks, one thread each: one core first
     (`calibrate_cpu(threads=1)`, with no rank running; `cpu=False` keeps the nominal "cpu" device), then
     `calibrate_cluster(mesh)` on spawned ranks (`rounds` sweeps, the held-out sizes only with `held_out`).
     The returned Calibration's cluster states the placement (1 thread per rank, every rank on this host's
     `os.cpu_count()` cores) and its notes say what was measured, when and in how long. Raises SpawnError
     (treadle.testing.spawn) when the ranks fail or pass `timeout_s`; a mesh of one rank measures the core
-    alone."""
+    alone. `nodes`: running emulated nodes (`treadle.emulated_nodes`) the ranks run on, node-major: an axis
+    that crosses nodes is measured over their rate-limited link (`emulated_links`), and the notes say so."""
     from ..testing import spawn
 
     t0 = time.perf_counter()
@@ -108,10 +126,14 @@ def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: b
                                                   "nominal 'cpu' core"),))
     kwargs = {"rounds": rounds, "lead_compute_s": lead_compute_s, "chain": chain,
               "held_out_bytes": DEFAULT_HELD_OUT_BYTES if held_out else ()}
-    text = spawn(_calibrate_rank, mesh.world_size, tuple(mesh.shape), tuple(mesh.names), device, kwargs,
-                 timeout_s=timeout_s)[0]
+    links = emulated_links(mesh, nodes) if nodes is not None else None
+    text = spawn(_calibrate_rank, mesh.world_size, tuple(mesh.shape), tuple(mesh.names), device, kwargs, links,
+                 timeout_s=timeout_s, nodes=nodes)[0]
     cal = Calibration.from_json(text)
-    note = (f"measured on this host ({cores} cores, {mesh.world_size} gloo ranks of 1 thread) at "
+    where = "" if nodes is None else (
+        f" as {nodes} (axes across nodes: "
+        + (", ".join(a for a, link in zip(mesh.names, links) if link.name.startswith("emulated")) or "none") + ")")
+    note = (f"measured on this host ({cores} cores, {mesh.world_size} gloo ranks of 1 thread{where}) at "
             f"{time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.perf_counter() - t0:.0f} s"
             + ("" if cpu else "; the core is the nominal 'cpu' preset, not measured"))
     return dataclasses.replace(cal, notes=(note, *cal.notes))
