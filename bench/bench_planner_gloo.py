@@ -40,12 +40,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 NO_FILE = "planner, no calibration file"
 
 
-def no_file_plans(mesh) -> list:
+def no_file_plans(mesh, nodes=None) -> list:
     """[(label, clusters)]: what `treadle plan --cluster <world>:cpu` plans on without a file (NOTE [plan for
-    this host] in treadle.cli.plan): this host measured at `treadle plan`'s defaults, the meshes it searches."""
+    this host] in treadle.cli.plan): this host measured at `treadle plan`'s defaults, the meshes it searches.
+    On emulated nodes, measured on them (what `treadle calibrate --emulate-nodes` writes)."""
     from treadle.cost.this_host import calibrate_this_host, calibration_mesh, host_clusters
 
-    cal = calibrate_this_host(calibration_mesh(mesh.world_size), timeout_s=600)
+    cal = calibrate_this_host(calibration_mesh(mesh.world_size), timeout_s=1800, nodes=nodes)
     print(f"  {NO_FILE}: {cal.notes[0]}", flush=True)
     return [(NO_FILE, host_clusters(cal.cluster))]
 

@@ -351,8 +351,26 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def run_config(model_name: str, config: str, args, extra=None) -> dict:
-    """Price and measure every schedule of one configuration. `extra(mesh)` -> [(label, cluster or clusters)]:
-    more plans, each `plan_model` on its cluster (measured as any schedule, priced on this run's cluster)."""
+    """Price and measure every schedule of one configuration. `extra(mesh, nodes)` -> [(label, cluster or
+    clusters)]: more plans, each `plan_model` on its cluster (measured as any schedule, priced on this run's
+    cluster). With ``args.emulate_nodes`` every rank (calibration and measurement) runs on that many emulated
+    nodes (`treadle.emulated_nodes`, ``args.inter_node_rate`` between them; the first mesh axis crosses them)."""
+    import contextlib
+
+    if getattr(args, "emulate_nodes", 0):
+        from treadle.emulated_nodes import emulated_nodes
+
+        world = 1
+        for s in config.split("x"):
+            world *= int(s)
+        ctx = emulated_nodes(args.emulate_nodes, world // args.emulate_nodes, rate=args.inter_node_rate)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx as nodes:
+        return _run_config(model_name, config, args, extra, nodes)
+
+
+def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
     from treadle.errors import TreadleError
     from treadle.planner import plan_model
     from treadle.mesh import Mesh
@@ -369,7 +387,7 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
     # one core (unless --nominal-cpu), then the links, world-group link and FSDP2's host costs on spawned ranks,
     # placed as the ranks run (1 thread each, this host's cores): what `treadle plan --cluster 2x2:cpu` measures
     cal = calibrate_this_host(Mesh(shape, names), rounds=args.rounds, held_out=True, cpu=not args.nominal_cpu,
-                              timeout_s=900)
+                              timeout_s=1800, nodes=nodes)
     cluster = cal.cluster
     print(f"  {cal.notes[0]}", flush=True)
     RESULTS.mkdir(exist_ok=True)
@@ -380,7 +398,7 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
                        pipeline=getattr(args, "pipeline", False) or getattr(args, "only_pipeline", False))
     if getattr(args, "only_pipeline", False):
         scheds = [(label, t) for label, t in scheds if label.startswith(("PP", "DDP"))]
-    for label, other in (extra(Mesh(shape, names)) if extra is not None else []):  # more planners (bench_planner_gloo)
+    for label, other in (extra(Mesh(shape, names), nodes) if extra is not None else []):  # more planners (bench_planner_gloo)
         model, inputs = make_model(model_name, args.batch, args.seq)
         try:
             scheds.append((label, plan_model(model, inputs, cluster=other, price_top=PRICE_TOP).schedule.to_json()))
@@ -407,7 +425,7 @@ def run_config(model_name: str, config: str, args, extra=None) -> dict:
                      "predicted_peak_bytes": p.peak_bytes,
                      "predicted_saved_bytes": act, "exposed_comm_s": p.exposed_comm_s})
     res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
-                timeout_s=3000)
+                timeout_s=3000, nodes=nodes)
     r0 = res[0]
     # a schedule identical to another (the planner's often is DDP's) is the same program: its samples are pooled
     text_of = dict(priced)
@@ -491,6 +509,10 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap.add_argument("--pipeline", action="store_true", help="add the pipelines of PIPELINES (PP2, PP4, PP2 x TP2, PP2 x DP2, PP2 x FSDP2)")
     ap.add_argument("--only-pipeline", action="store_true", help="the pipelines and DDP only")
     ap.add_argument("--rounds", type=int, default=15, help="calibration sweeps (default 15; treadle plan takes 5)")
+    ap.add_argument("--emulate-nodes", type=int, default=0, metavar="N",
+                    help="run every rank on N emulated nodes (root: treadle.emulated_nodes); the first mesh axis "
+                         "crosses them")
+    ap.add_argument("--inter-node-rate", default="100mbit", help="with --emulate-nodes: tc rate between nodes")
     args = ap.parse_args()
     args.seq = args.seq or (32 if args.quick else 64)
     args.steps = args.steps or 2

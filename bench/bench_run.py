@@ -10,13 +10,16 @@ rounds of its median step after `--warmup` (first steps excluded).
     python bench/bench_run.py                       # tiny-llama, seq 128, batch 16, 30 steps, 4 ranks
     python bench/bench_run.py --model tiny-gpt2 --steps 20
     python bench/bench_run.py --pipeline            # PP2 x DP2 (1F1B, 4 micro-batches) vs a hand pipelining loop
+    python bench/bench_run.py --pipeline --in-process --steps 60   # the two steps alone, in one job
 
 `--pipeline` compares treadle.run on a PP2 x DP2 schedule (cut after the middle block, `pipeline(schedule="1f1b")`,
 `data_parallel(shard=False)`) with the loop a user writes on `torch.distributed.pipelining` over the same stages
 (a LLaMA-family model split by hand: embedding + first half of the blocks, second half + norm + head; the same
 1F1B schedule and micro-batches; the replicas' gradients averaged in one flat all-reduce; the global norm clip
 over both stages; the loss broadcast from the last stage).
-Prints a table and writes bench/results/bench_run.json (bench_run_pipeline.json). Timings on a shared CPU are
+`--in-process` builds both in the same torchrun job and alternates their steps after a barrier: the step alone
+(treadle's `run_step` against the hand step), without the job-to-job spread of this shared host.
+Prints a table and writes bench/results/bench_run.json (bench_run_pipeline.json, bench_run_pipeline_in_process.json). Timings on a shared CPU are
 noisy: run it twice.
 """
 
@@ -114,29 +117,20 @@ def _hand_stages(model, cut: int):
     return First(), Last()
 
 
-def plain_pipeline_main(args: argparse.Namespace) -> None:
-    """One rank of the hand-written PP2 x DP2 pipelining loop (mesh (pp, dp), rank = pp * 2 + dp)."""
+def _hand_pipeline(cfg, args: argparse.Namespace, rank: int):
+    """The hand PP2 x DP2 loop's model and step on this rank (mesh (pp, dp), rank = pp * 2 + dp): returns
+    (dp_rank, step(ids, lr) -> the replica's loss, float, on every rank)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from treadle.run.config import RunConfig
-    from treadle.run.data import ByteTokenizer, pack
-    from treadle.run.optim import lr_at
     from treadle.run.setup import load_run_model
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    rank = dist.get_rank()
-    if dist.get_world_size() != 4:
-        raise SystemExit("the hand pipelining loop runs PP2 x DP2: 4 ranks")
     pp_rank, dp_rank = divmod(rank, 2)
     pp_groups = [dist.new_group([d, 2 + d]) for d in range(2)]
     dp_groups = [dist.new_group([2 * p, 2 * p + 1]) for p in range(2)]
     pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
-    cfg = RunConfig(model=args.model, data=[str(CORPUS)], seq=args.seq, batch=args.batch, steps=args.steps,
-                    lr=3e-3, warmup_steps=5)
     model = load_run_model(cfg.model, seq=cfg.seq, seed=0)
     cut = len(model.model.layers) // 2
     mod = _hand_stages(model, cut)[pp_rank]
@@ -147,18 +141,12 @@ def plain_pipeline_main(args: argparse.Namespace) -> None:
         return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
 
     sched = Schedule1F1B(stage, args.microbatches, loss_fn=loss_fn)
-    samples = pack(cfg.data, seq=cfg.seq, tokenizer=ByteTokenizer(), vocab_size=256)
     opt = torch.optim.AdamW(mod.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    per = cfg.batch // 2
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
-    times, tokens = [], cfg.batch * cfg.seq
     params = list(mod.parameters())
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
+
+    def step(ids, lr: float) -> float:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        start = (step * cfg.batch + dp_rank * per) % (len(samples) - per)
-        ids = samples[order[start : start + per]]
+            g["lr"] = lr
         losses: list = []
         if pp_rank == 0:
             sched.step(ids)
@@ -179,14 +167,93 @@ def plain_pipeline_main(args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         loss = torch.stack(losses).mean().double() if losses else torch.zeros((), dtype=torch.float64)
         dist.broadcast(loss, 2 + dp_rank, group=pp_group)
+        return float(loss)
+
+    return dp_rank, step
+
+
+def plain_pipeline_main(args: argparse.Namespace) -> None:
+    """One rank of the hand-written PP2 x DP2 pipelining loop (mesh (pp, dp), rank = pp * 2 + dp)."""
+    import torch
+    import torch.distributed as dist
+
+    from treadle.run.config import RunConfig
+    from treadle.run.data import ByteTokenizer, pack
+    from treadle.run.optim import lr_at
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    rank = dist.get_rank()
+    if dist.get_world_size() != 4:
+        raise SystemExit("the hand pipelining loop runs PP2 x DP2: 4 ranks")
+    cfg = RunConfig(model=args.model, data=[str(CORPUS)], seq=args.seq, batch=args.batch, steps=args.steps,
+                    lr=3e-3, warmup_steps=5)
+    dp_rank, step_fn = _hand_pipeline(cfg, args, rank)
+    samples = pack(cfg.data, seq=cfg.seq, tokenizer=ByteTokenizer(), vocab_size=256)
+    per = cfg.batch // 2
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
+    times, tokens = [], cfg.batch * cfg.seq
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        start = (step * cfg.batch + dp_rank * per) % (len(samples) - per)
+        loss = step_fn(samples[order[start : start + per]], lr_at(step, cfg))
         times.append(time.perf_counter() - t0)
         if rank == 0:
-            print(json.dumps({"step": step + 1, "loss": float(loss), "step_s": times[-1],
+            print(json.dumps({"step": step + 1, "loss": loss, "step_s": times[-1],
                               "tokens_per_s": tokens / times[-1]}), flush=True)
     dist.destroy_process_group()
 
 
-def _pipeline_schedule(args: argparse.Namespace, path: Path) -> None:
+def in_process_main(args: argparse.Namespace) -> None:
+    """One rank of `--in-process`: treadle's step (`treadle.run.step.run_step` on the built PP2 x DP2 schedule:
+    the pipeline, the replicas' average, the agreement, the global-norm clip, AdamW) and the hand loop's step, both
+    built in this process, run alternately on the same batches, each after a barrier; rank 0 prints the medians."""
+    import torch
+    import torch.distributed as dist
+
+    from treadle import build
+    from treadle.run.config import RunConfig
+    from treadle.run.layout import layouts as param_layouts
+    from treadle.run.layout import shards_by_name
+    from treadle.run.optim import init_optimizer_state, lr_at, make_optimizer
+    from treadle.run.step import run_step
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    rank = dist.get_rank()
+    cfg = RunConfig(model=args.model, data=[str(CORPUS)], seq=args.seq, batch=args.batch, steps=args.steps,
+                    lr=3e-3, warmup_steps=5)
+    sch = _pipeline_schedule(args)
+    before = shards_by_name(sch)
+    pipe = build(sch)
+    layouts = param_layouts(pipe, before, sch.mesh, None)
+    opt = make_optimizer(pipe, layouts, cfg)
+    init_optimizer_state(opt)
+    _, hand = _hand_pipeline(cfg, args, rank)
+    per = args.batch // 2
+    micro = per // args.microbatches
+    gen = torch.Generator().manual_seed(rank // 2)  # one stream per replica: both stages see its batch
+    times: dict[str, list[float]] = {"treadle": [], "hand": []}
+    for step in range(args.steps):
+        ids = torch.randint(0, 256, (per, args.seq), generator=gen)
+        lr = lr_at(step, cfg)
+        for name in (("treadle", "hand") if step % 2 == 0 else ("hand", "treadle")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "hand":
+                hand(ids, lr)
+            else:
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                run_step(pipe, opt, layouts, sch.mesh, list(ids.split(micro)), clip_norm=cfg.clip_norm)
+            times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        print(json.dumps({k: v[args.warmup :] for k, v in times.items()}), flush=True)
+    dist.destroy_process_group()
+
+
+def _pipeline_schedule(args: argparse.Namespace, path: Path | None = None):
+    """The PP2 x DP2 schedule treadle.run trains here (written to `path` when given); returns it."""
     import torch
 
     from treadle import Mesh, create_schedule
@@ -199,7 +266,9 @@ def _pipeline_schedule(args: argparse.Namespace, path: Path) -> None:
     ids = torch.zeros(args.batch, args.seq, dtype=torch.int64)
     sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=args.microbatches,
                  example_inputs={"input_ids": ids, "labels": ids})
-    path.write_text(sch.to_json())
+    if path is not None:
+        path.write_text(sch.to_json())
+    return sch
 
 
 def _torchrun(nproc: int, *cmd: str) -> str:
@@ -212,6 +281,27 @@ def _torchrun(nproc: int, *cmd: str) -> str:
     if res.returncode:
         raise SystemExit(f"{' '.join(full)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return res.stdout
+
+
+def in_process(args: argparse.Namespace) -> None:
+    """`--pipeline --in-process`: the step alone, treadle's and the hand loop's in the same processes (no job-to-job
+    spread, no loop around the step: sampler, metrics and health are not in it); prints and writes the medians."""
+    if args.nproc != 4:
+        raise SystemExit("--in-process runs PP2 x DP2: 4 ranks")
+    out = _torchrun(4, str(Path(__file__).resolve()), "--in-process-rank", "--model", args.model, "--seq",
+                    str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--microbatches",
+                    str(args.microbatches), "--warmup", str(args.warmup))
+    times = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{args.model}, seq {args.seq}, batch {args.batch}, PP2 x DP2 1F1B x {args.microbatches}, 4 gloo ranks; "
+          f"rank 0, median of {len(times['hand'])} steps each, alternating after a barrier")
+    for k, v in med.items():
+        print(f"  {k:8} step {v * 1e3:7.1f} ms  tokens/s {args.batch * args.seq / v:9,.0f}")
+    print(f"  treadle / hand tokens/s: {med['hand'] / med['treadle']:.3f}")
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_run_pipeline_in_process.json").write_text(json.dumps({"args": vars(args), "median_s": med,
+                                                                            "step_s": times}, indent=1))
 
 
 def main() -> None:
@@ -227,11 +317,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each loop (median of their medians)")
     p.add_argument("--plain-rank", action="store_true", help=argparse.SUPPRESS)  # one rank of the plain loop
     p.add_argument("--plain-pipeline-rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--in-process", action="store_true",
+                   help="--pipeline: both steps in one torchrun job, alternating step by step after a barrier")
+    p.add_argument("--in-process-rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.plain_rank:
         return plain_ddp_main(args)
     if args.plain_pipeline_rank:
         return plain_pipeline_main(args)
+    if args.in_process_rank:
+        return in_process_main(args)
+    if args.in_process:
+        return in_process(args)
     if args.pipeline and args.nproc != 4:
         raise SystemExit("--pipeline runs PP2 x DP2: 4 ranks")
     ours, theirs = (("treadle.run (PP2 x DP2 schedule)", "hand pipelining loop") if args.pipeline
