@@ -351,6 +351,15 @@ register_zero(
     aten.cross_entropy_loss, aten.mse_loss, aten.mse_loss_backward, aten.cumsum, aten.cumprod, aten.topk,
     aten.sort, aten.argmax, aten.argmin, aten.max, aten.min, aten.var_mean, aten.norm, aten.linalg_vector_norm,
     kind="reduction")
+# pooling (CNNs: ResNet's stem max pool, the adaptive average pool before the head), forward and backward, and
+# inference batch norm: windowed reductions, no products; priced by the bytes they read and write
+register_zero(
+    aten.max_pool1d, aten.max_pool2d, aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward,
+    aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward, aten.avg_pool1d, aten.avg_pool2d,
+    aten.avg_pool2d_backward, aten.avg_pool3d, aten.avg_pool3d_backward, aten.adaptive_avg_pool1d,
+    aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d,
+    aten._adaptive_avg_pool3d_backward, aten.adaptive_max_pool2d, aten.adaptive_max_pool2d_backward,
+    aten._native_batch_norm_legit_no_training, kind="reduction")
 register_zero(
     aten.where, aten.min.other, aten.__and__, aten.__or__, aten.bitwise_and, aten.bitwise_or, aten.gelu,
     aten.gelu_backward, aten.silu, aten.silu_backward, aten.relu, aten.threshold_backward,

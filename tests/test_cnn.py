@@ -1,0 +1,55 @@
+"""CNNs (treadle.models.cnn, a plain-PyTorch bottleneck / wide ResNet): the profiler against independent
+references (FlopCounterMode, saved_tensors_hooks, a live-bytes tracker), the planner's plan verified against one
+process on gloo, priced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_profile import _real_peak_bytes, _real_saved_bytes
+from torch.utils.flop_counter import FlopCounterMode
+
+from treadle.models.cnn import resnet50, tiny_wide_resnet, wide_resnet50_2
+from treadle.models.zoo import load_model
+from treadle.profile import profile
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_cpu_calibration_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def test_the_shapes_are_torchvisions():
+    """Parameter counts of torchvision's resnet50 / wide_resnet50_2 (its model cards)."""
+    assert sum(p.numel() for p in resnet50(fake=True)[0].parameters()) == 25_557_032
+    assert sum(p.numel() for p in wide_resnet50_2(fake=True)[0].parameters()) == 68_883_240
+    model, inputs = load_model("treadle.models.cnn:tiny_wide_resnet", batch=3, seq=999)  # seq: not an image size
+    assert tuple(inputs["pixel_values"].shape) == (3, 3, 32, 32)
+    out = model(**inputs)
+    assert out.loss.dim() == 0 and tuple(out.logits.shape) == (3, 10)
+
+
+def test_profile_counts_every_flop_saved_byte_and_the_peak_of_a_real_step():
+    model, inputs = tiny_wide_resnet(batch=4)
+    with FlopCounterMode(display=False) as fc:
+        model(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+    prof = profile(model, inputs, hardware="a100-80gb", optimizer="adamw")
+    assert prof.total_flops == fc.get_total_flops()
+    assert sum(r.backward_flops for r in prof.ops) == prof.backward_flops
+    kinds = {r.op: r.kind for r in prof.ops}
+    assert kinds["aten.max_pool2d_with_indices.default"] == "reduction"
+    assert prof.saved_bytes + prof.saved_input_bytes == pytest.approx(_real_saved_bytes(model, inputs), rel=0.02)
+    assert prof.peak_bytes == pytest.approx(_real_peak_bytes(model, inputs), rel=0.05)
+
+
+def test_a_wide_resnet_profiles_on_fake_tensors():
+    """wide_resnet50_2 at ImageNet size, batch 32, on fake tensors: forward FLOPs as published for the shape
+    (11.4 GMACs per image, torchvision's model card), backward about twice."""
+    model, inputs = wide_resnet50_2(batch=32, fake=True)
+    prof = profile(model, inputs, hardware="a100-80gb")
+    per_image_gmacs = prof.forward_flops / 2 / 32 / 1e9
+    assert per_image_gmacs == pytest.approx(11.4, rel=0.02)
+    assert 1.8 < prof.backward_flops / prof.forward_flops < 2.0  # no input gradient for the images
