@@ -53,3 +53,48 @@ def test_a_wide_resnet_profiles_on_fake_tensors():
     per_image_gmacs = prof.forward_flops / 2 / 32 / 1e9
     assert per_image_gmacs == pytest.approx(11.4, rel=0.02)
     assert 1.8 < prof.backward_flops / prof.forward_flops < 2.0  # no input gradient for the images
+
+
+def test_the_planner_does_not_split_the_batch_of_a_training_batch_norm():
+    """NOTE [batch statistics]: data parallelism would normalise each replica by its own shard's statistics;
+    the planner proposes none for a model with a training-mode batch norm, says why, and refuses it when asked."""
+    from treadle import Mesh, PlanError
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.planner import plan_model
+
+    model, inputs = tiny_wide_resnet(batch=8)
+    cluster = ClusterSpec.uniform(Mesh((2,), ("dp",)), "loopback")
+    plan = plan_model(model, inputs, cluster=cluster)
+    assert "data_parallel" not in plan.schedule.to_json()
+    assert plan.solver["replicated"].startswith("data parallelism would change the batch statistics of 'bn1' and "
+                                                "14 more batch norms (training mode; NOTE [batch statistics])")
+    with pytest.raises(PlanError, match=r"data-parallel axis 'dp': 'bn1' normalises over the batch in training "
+                                        r"mode, which data parallelism splits"):
+        plan_model(model, inputs, cluster=cluster, dp_axis="dp")
+    model.eval()  # running statistics: per-sample, the batch splits exactly
+    assert "data_parallel" in plan_model(model, inputs, cluster=cluster, dp_axis="dp").schedule.to_json()
+
+
+def _ddp_bn_rank(rank: int, world: int) -> str:
+    import treadle
+    from treadle import Mesh, create_schedule
+
+    model, _ = tiny_wide_resnet(batch=4)
+    sch = create_schedule(model, mesh=Mesh((2,), ("dp",)))
+    sch.data_parallel(axis="dp")
+    try:
+        treadle.build(sch)
+    except treadle.BuildError as exc:
+        return str(exc)
+    return ""
+
+
+def test_build_refuses_data_parallelism_over_a_training_batch_norm():
+    from treadle.testing import spawn
+
+    got = spawn(_ddp_bn_rank, 2, timeout_s=120)
+    assert got[0] == got[1] == (
+        "data_parallel over dp (2 replicas): 'bn1' (BatchNorm2d) (and 14 more) normalises over the batch in training "
+        "mode, and data parallelism splits the batch: each replica would use its own shard's statistics, not the "
+        "model's. Convert the norms to torch.nn.SyncBatchNorm (GPU), put them in eval mode, or shard channels "
+        "instead (tensor parallelism of the convolutions and norms)")

@@ -366,3 +366,56 @@ def _getitem(node: Node, nodes: list[Node]) -> DimSpec | None:
     L = _Letters()
     ol = L.many(out.shape)
     return DimSpec([ol], [ol], L.sizes, partial_in=[(0,)])
+
+
+# ------------------------------------------------------------------------------------------- convolutional nets
+# Activations are (N, C, *spatial). Spatial dims never shard (a window would need its neighbours' rows); a
+# convolution's output channels shard like a column-parallel Linear, its input channels (groups=1, no bias) give a
+# Partial output like a row-parallel one; a batch norm in training normalises over N and the spatial dims, so only
+# its channels shard (NOTE [batch statistics] in treadle.forms.data.facts).
+@register_dims("conv1d", "conv2d", "conv3d")
+def _conv(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x, w = _meta(nodes[node.inputs[0]]), _meta(nodes[node.inputs[1]])
+    out = node.out[0] if isinstance(node.out, tuple) else node.out
+    if x is None or w is None or not isinstance(out, TensorMeta) or len(w.shape) < 3 or len(x.shape) != len(w.shape):
+        return None
+    L = _Letters()
+    n, c = L.new(x.shape[0]), L.new(x.shape[1])
+    sp_in, o = L.many(x.shape[2:]), L.new(w.shape[0])
+    grouped = _arg(node, 6, "groups", 1) != 1
+    wc = L.new(w.shape[1]) if grouped else c
+    kernel, sp_out = L.many(w.shape[2:]), L.many(out.shape[2:])
+    bias = len(node.inputs) > 2
+    ins: list = [(n, c) + sp_in, (o, wc) + kernel] + ([(o,)] if bias else [])
+    blocked = set(sp_in) | set(kernel) | set(sp_out) | ({c, o, wc} if grouped else set()) | ({c} if bias else set())
+    return DimSpec(ins, [(n, o) + sp_out], L.sizes, blocked=blocked, sum_letters=set() if grouped or bias else {c},
+                   partial_in=[] if bias else [(0,)])
+
+
+@register_dims("batch_norm")
+def _batch_norm(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x = _meta(nodes[node.inputs[0]])
+    if x is None or len(x.shape) < 2:
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    ins = [xl] + [(xl[1],) for _ in node.inputs[1:]]  # weight, bias, running mean / var: per channel
+    training = _arg(node, 5, "training", True)
+    blocked = {xl[0], *xl[2:]} if training else set(xl[2:])
+    return DimSpec(ins, [xl], L.sizes, blocked=blocked)
+
+
+@register_dims("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+               "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+               "adaptive_max_pool2d")
+def _pool(node: Node, nodes: list[Node]) -> DimSpec | None:
+    x = _meta(nodes[node.inputs[0]])
+    outs_meta = node.out if isinstance(node.out, tuple) else (node.out,)
+    if x is None or len(x.shape) < 3 or not all(isinstance(o, TensorMeta) for o in outs_meta):
+        return None
+    L = _Letters()
+    n, c = L.new(x.shape[0]), L.new(x.shape[1])
+    sp_in, sp_out = L.many(x.shape[2:]), L.many(outs_meta[0].shape[2:])
+    linear = "avg" in node.op_name  # an average of a pending sum is the pending sum of the averages
+    return DimSpec([(n, c) + sp_in], [(n, c) + sp_out for _ in outs_meta], L.sizes, blocked=set(sp_in) | set(sp_out),
+                   partial_in=[(0,)] if linear else [])

@@ -60,19 +60,21 @@ class TrainSpec:
 def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
                     forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
-                    replicate: tuple[str, ...] | None = None) -> list[Roles]:
+                    replicate: tuple[str, ...] | None = None, facts: dict | None = None) -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
     `replicate` fixing HSDP's replicate axes or None searching, `zero` None (both) / False (DDP) / True (ZeRO-3
     / HSDP), `reshard_after_forward` the FSDP2 flag or None (both)); the live axes no form takes are
-    tensor-parallel; forbidden and size-1 axes are off. Raises PlanError for a data-parallel axis that is not
+    tensor-parallel; forbidden and size-1 axes are off. `facts`: the capture's facts of the model
+    (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
+    [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
     live."""
     for a in forbid_axes:
         mesh.axis_index(a)
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
-    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate)
+    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {})
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -94,6 +96,7 @@ class _RoleRequest:
     zero: bool | None
     reshard_after_forward: bool | None
     replicate: tuple[str, ...] | None
+    facts: Any = None  # every form's capture facts ({form name: facts}, `Form.capture_facts`), or None
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],
@@ -113,6 +116,10 @@ def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_sharda
     reasons = []
     if role_request.get("dp_axis", "auto") is None:
         reasons.append("data parallelism was not allowed (dp_axis=None)")
+    elif norms := ((role_request.get("facts") or {}).get("data") or {}).get("batch_statistics"):
+        reasons.append(f"data parallelism would change the batch statistics of {norms[0]!r}"
+                       + (f" and {len(norms) - 1} more batch norms" if len(norms) > 1 else "")
+                       + " (training mode; NOTE [batch statistics])")
     elif any(r.dp for r in enumerate_roles(mesh, batch=batch, **role_request)):
         reasons.append("data parallelism was slower (the solver's estimate)")
     elif batch is not None and any(r.dp for r in enumerate_roles(mesh, batch=None, **role_request)):

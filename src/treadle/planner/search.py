@@ -187,7 +187,8 @@ def candidates(search: _Search) -> list[tuple[ClusterSpec, Roles]]:
             continue
         roles = enumerate_roles(mesh, batch=search.batch, dp_axis=req.dp_axis, zero=req.zero,
                                 forbid_axes=tuple(a for a in req.forbid_axes if a in mesh.names),
-                                reshard_after_forward=req.reshard_after_forward, replicate=req.replicate)
+                                reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,
+                                facts=search.graph.facts)
         tried += len(roles)
         out += [(cl, r) for r in roles]
     if not tried:
@@ -308,7 +309,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
         solver["replicated"] = why_replicated(
             cluster.mesh, cg.roles, batch=search.batch, tensor_shardable=_tensor_shardable(cg), dp_axis=req.dp_axis,
             zero=req.zero, forbid_axes=tuple(a for a in req.forbid_axes if a in cluster.mesh.names),
-            reshard_after_forward=req.reshard_after_forward, replicate=req.replicate)
+            reshard_after_forward=req.reshard_after_forward, replicate=req.replicate, facts=search.graph.facts)
     plan = Plan(req.model_spec, cluster, str(cg.roles), req.mode, req.memory_budget_bytes, decisions, est,
                 plan_rows(cg, sol), binding, solver, unknown_ops(graph.nodes), price=chosen_price,
                 _model=search.model)

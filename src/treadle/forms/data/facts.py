@@ -95,3 +95,19 @@ def fsdp_copy_s(full_bytes: float, n: int, hw: Any, dtype: torch.dtype = torch.f
     """FSDP2's local copies around one collective of a `full_bytes` unit over `n` ranks: 2 (full + shard) bytes
     moved, at the device's memory rate (NOTE [FSDP2 units])."""
     return op_time_s(0, int(2 * (full_bytes + full_bytes / n)), hw, dtype)
+
+
+# NOTE [batch statistics]: a batch norm in training mode (BatchNorm1d/2d/3d) normalises by the mean and variance of
+# the batch it sees. Data parallelism splits the batch, so under DDP / FSDP2 / HSDP each replica would normalise by
+# its own shard's statistics and update its running statistics from them: other numbers than the model as written
+# (and replicas whose buffers drift apart until DDP's next broadcast). torch's SyncBatchNorm computes the whole
+# batch's statistics across ranks (GPU only); it is exact and allowed. `build` refuses data parallelism over a
+# model with any other (`batch_statistics_modules`), and the planner does not propose it for one (the data form's
+# role options); sharding channels (tensor parallelism of the convolutions and norms) stays exact.
+def batch_statistics_modules(model: nn.Module) -> list[str]:
+    """Paths of the modules of `model` that normalise over the batch in training mode, SyncBatchNorm excepted
+    (NOTE [batch statistics])."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [p for p, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training]

@@ -31,8 +31,8 @@ from ...planner.capture import TensorMeta
 from ...planner.ilp import _BYTES, _SECONDS, _block_exprs, _mccormick, first_template, head_units
 from ...planner.node_costs import _tensor_axes_divisor
 from ...planner.to_schedule import DECISION_RANKS, Decision
-from .facts import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, buffer_broadcast_s, fsdp_copy_s, fsdp_host_s,
-                    fsdp_param_units)
+from .facts import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, batch_statistics_modules, buffer_broadcast_s,
+                    fsdp_copy_s, fsdp_host_s, fsdp_param_units)
 
 DECISION_RANK = DECISION_RANKS["data_parallel"]
 
@@ -58,8 +58,10 @@ def terms(cg) -> DataTerms | None:
 # ----------------------------------------------------------------------------- capture and roles
 def capture_facts(model) -> dict:
     """The FSDP2 units other than the root that own trainable parameters, counted before capture shortens the
-    model's lists (NOTE [FSDP2 units]: a unit without parameters costs nothing)."""
-    return {"block_units": len(set(fsdp_param_units(model)) - {""})}
+    model's lists (NOTE [FSDP2 units]: a unit without parameters costs nothing), and the training-mode batch
+    norms (NOTE [batch statistics])."""
+    return {"block_units": len(set(fsdp_param_units(model)) - {""}),
+            "batch_statistics": tuple(batch_statistics_modules(model))}
 
 
 def block_units(b) -> int:
@@ -74,8 +76,16 @@ def role_options(mesh, live: tuple[str, ...], *, batch: int | None, request) -> 
     (ZeRO-3 over some, replicated over the others; `request.replicate` fixes which, None searches).
     `request.zero`: None (DDP and ZeRO-3 / HSDP), False (DDP only), True (ZeRO-3 / HSDP only);
     `request.reshard_after_forward`: the FSDP2 flag (None: both). Raises PlanError for a data-parallel axis that
-    is not live."""
+    is not live; none over a model with training-mode batch norms (the capture's facts: NOTE [batch
+    statistics]), where an explicit data-parallel axis raises PlanError."""
     dp_axis, zero = request.dp_axis, request.zero
+    norms = ((request.facts or {}).get("data") or {}).get("batch_statistics")
+    if norms and dp_axis not in ("auto", None):
+        raise PlanError(f"data-parallel axis {dp_axis!r}: {norms[0]!r} normalises over the batch in training mode, "
+                        f"which data parallelism splits (NOTE [batch statistics]); plan with dp_axis='auto' or "
+                        f"None, or convert the norms to SyncBatchNorm")
+    if norms:
+        return [{"dp": ()}]
     if dp_axis == "auto":
         dps = [c for k in range(len(live) + 1) for c in itertools.combinations(live, k)]
     elif dp_axis is None:

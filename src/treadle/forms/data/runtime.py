@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from .facts import fsdp_units
+from ...errors import BuildError
+from .facts import batch_statistics_modules, fsdp_units
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +25,27 @@ def wrap_data_parallel(builder) -> nn.Module | None:
     return wrap_module(builder, builder.model, fsdp_units(builder.model)[:-1])
 
 
+def _refuse_batch_statistics(builder, module: nn.Module) -> None:
+    """NOTE [batch statistics]: data parallelism over more than one replica of a module with a training-mode
+    batch norm is refused."""
+    dp = builder.v.data_parallel
+    norms = batch_statistics_modules(module) if dp.size(builder.mesh) > 1 else []
+    if norms:
+        m = module.get_submodule(norms[0])
+        more = f" (and {len(norms) - 1} more)" if len(norms) > 1 else ""
+        raise BuildError(f"data_parallel over {dp.label()} ({dp.size(builder.mesh)} replicas): {norms[0]!r} "
+                         f"({type(m).__name__}){more} normalises over the batch in training mode, and data "
+                         f"parallelism splits the batch: each replica would use its own shard's statistics, not "
+                         f"the model's. Convert the norms to torch.nn.SyncBatchNorm (GPU), put them in eval mode, "
+                         f"or shard channels instead (tensor parallelism of the convolutions and norms)")
+
+
 def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | None:
     """`module` under the schedule's data parallelism: a DDP wrapper over the flattened group of its axes, or
     `module` itself after FSDP2 `fully_shard` on each of `units` (submodule paths of `module`), then on it. None
     for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
     dp = builder.v.data_parallel
+    _refuse_batch_statistics(builder, module)
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
