@@ -5,7 +5,6 @@ process on gloo, priced."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_profile import _real_peak_bytes, _real_saved_bytes
 from torch.utils.flop_counter import FlopCounterMode
 
