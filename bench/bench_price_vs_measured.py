@@ -409,7 +409,8 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
     for label, text in scheds:
         model, inputs = make_model(model_name, args.batch, args.seq)
         try:
-            p = price(load_schedule(model, text), inputs, cluster)
+            sch = load_schedule(model, text)
+            p = price(sch, inputs, cluster)
         except TreadleError as exc:
             print(f"    cannot price {label}: {exc}")
             continue
@@ -419,7 +420,9 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
         if p.pipeline is not None:  # rank 0 is measured: its stages' gradients, its micro-batches in flight
             r0 = p.pipeline["ranks"]["0"]
             g0 = sum(st["grad_bytes"] for st in p.pipeline["stages"] if st["rank"] == 0)
-            g0 /= 2 if "FSDP2" in label else 1  # sharded over dp after the step
+            dp = sch.view().data_parallel
+            for a in (dp.shard_axes if dp is not None and dp.shard else ()):
+                g0 /= sch.mesh.size(a)  # FSDP2 / HSDP: sharded over its shard axes after the step
             state, act = g0 * 2 + g0 / 4 * 8, r0["activation_bytes"]
         rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": act + state,
                      "predicted_peak_bytes": p.peak_bytes,
