@@ -123,5 +123,6 @@ def test_refuses_a_record_on_the_block_list_and_a_model_without_blocks():
     with pytest.raises(ScheduleError, match=r"block list 'model.layers' itself"):
         carry_schedule(sch, tiny_llama(2), mesh=MESH)
     flat = create_schedule(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=MESH)
-    with pytest.raises(ScheduleError, match="no nn.ModuleList of repeated blocks"):
+    with pytest.raises(ScheduleError, match=r"no nn.ModuleList \(or nn.ModuleDict keyed 0, 1, ...\) of repeated "
+                                            r"blocks"):
         carry_schedule(flat, torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=MESH)

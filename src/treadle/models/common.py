@@ -22,14 +22,23 @@ def path_of(sch: Schedule, module: nn.Module | None) -> str | None:
     return None
 
 
-def blocks_path(sch: Schedule) -> str:
-    """Path of the model's main stack of repeated blocks: its longest nn.ModuleList."""
+def block_container(model: nn.Module) -> str | None:
+    """Path of the model's main stack of repeated blocks: its longest nn.ModuleList, or nn.ModuleDict keyed "0",
+    "1", ... in order (torchtitan's layers), so that ``f"{path}.{i}"`` names block i either way; None if none."""
     best, best_len = None, 0
-    for p, m in sch.model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > best_len:
+    for p, m in model.named_modules():
+        indexed = isinstance(m, nn.ModuleList) or (
+            isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
+        if indexed and len(m) > best_len:
             best, best_len = p, len(m)
+    return best
+
+
+def blocks_path(sch: Schedule) -> str:
+    """Path of the model's main stack of repeated blocks (`block_container`)."""
+    best = block_container(sch.model)
     if best is None:
-        raise ScheduleError("no nn.ModuleList of repeated blocks found in the model")
+        raise ScheduleError("no nn.ModuleList (or nn.ModuleDict keyed 0, 1, ...) of repeated blocks found in the model")
     return best
 
 

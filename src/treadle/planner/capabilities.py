@@ -4,6 +4,7 @@ take."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable
 
@@ -41,11 +42,11 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         if has_leaf_rule(mod):  # the runtime replaces a sharded leaf's forward: its attributes are unused
             cache[key] = "ok"
             return "ok"
-        names = [k for k, v in vars(mod).items()
+        names = [k for k, v in _fields(mod).items()
                  if isinstance(v, int) and not isinstance(v, bool) and v == value and not k.startswith("_")]
         cfg = getattr(mod, "config", None)
         in_cfg = cfg is not None and any(isinstance(v, int) and not isinstance(v, bool) and v == value
-                                         for v in vars(cfg).values())
+                                         for v in _fields(cfg).values())
         if len(names) > 1 and prefer:  # a split's size: the attribute named for it (GPT-2's split_size)
             names = [k for k in names if prefer in k] or names
         r: Any = ("attr", names[0]) if len(names) == 1 else ("forbid" if names else "config" if in_cfg else "ok")
@@ -53,6 +54,17 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         return r
 
     return resolve
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """An object's attributes by name: its ``__dict__``, a slotted dataclass's fields, a dict's items, else none
+    (a model's `config` may be any of them: torchtitan's model args are a dataclass)."""
+    if isinstance(obj, dict):
+        return dict(obj)
+    if hasattr(obj, "__dict__"):
+        return vars(obj)
+    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else getattr(obj, "__slots__", ())
+    return {n: getattr(obj, n) for n in ([names] if isinstance(names, str) else names) if hasattr(obj, n)}
 
 
 def tied_leaf_holders(model: nn.Module) -> dict[str, set[str]]:

@@ -227,19 +227,25 @@ def _structure(mod: nn.Module) -> tuple:
             tuple((n, _structure(c)) for n, c in mod.named_children()))
 
 
-def _repeat_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+def _repeat_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList | nn.ModuleDict]]:
+    """The containers of repeated blocks: every ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan keeps its
+    layers in one, keyed "0", "1", ...) of >= 3 entries."""
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.ModuleList) and len(m) >= 3]
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) >= 3]
 
 
 @contextlib.contextmanager
 def _shortened_lists(model: nn.Module, enabled: bool) -> Iterator[dict[str, tuple[int, list[str]]]]:
-    """Temporarily shorten repeated ModuleLists; yields {kept entry path: (weight, member paths)}."""
+    """Temporarily shorten repeated ModuleLists / ModuleDicts (to their first entries, keys kept); yields {kept
+    entry path: (weight, member paths)}."""
     plan: dict[str, tuple[int, list[str]]] = {}
-    restore: list[tuple[nn.Module, str, nn.ModuleList]] = []
+    restore: list[tuple[nn.Module, str, nn.Module]] = []
     if enabled:
         for name, lst in _repeat_lists(model):
-            sigs = [_structure(m) for m in lst]
+            items = list(lst.named_children()) if isinstance(lst, nn.ModuleDict) else [
+                (str(i), m) for i, m in enumerate(lst)]
+            keys = [k for k, _ in items]
+            sigs = [_structure(m) for _, m in items]
             seen: dict[tuple, list[int]] = {}
             for i, s in enumerate(sigs):
                 seen.setdefault(s, []).append(i)
@@ -247,16 +253,17 @@ def _shortened_lists(model: nn.Module, enabled: bool) -> Iterator[dict[str, tupl
             if keep >= len(lst):
                 continue
             prefix = f"{name}." if name else ""
-            members: dict[int, list[str]] = {i: [f"{prefix}{i}"] for i in range(keep)}
+            members: dict[int, list[str]] = {i: [f"{prefix}{keys[i]}"] for i in range(keep)}
             for i in range(keep, len(lst)):
                 last_same = max(j for j in seen[sigs[i]] if j < keep)
-                members[last_same].append(f"{prefix}{i}")
+                members[last_same].append(f"{prefix}{keys[i]}")
             for i in range(keep):
-                plan[f"{prefix}{i}"] = (len(members[i]), members[i])
+                plan[f"{prefix}{keys[i]}"] = (len(members[i]), members[i])
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             restore.append((parent, attr, lst))
-            setattr(parent, attr, nn.ModuleList(list(lst)[:keep]))
+            setattr(parent, attr, nn.ModuleDict(items[:keep]) if isinstance(lst, nn.ModuleDict)
+                    else nn.ModuleList([m for _, m in items[:keep]]))
             logger.debug("capture: %s shortened from %d to %d blocks", name, len(lst), keep)
     try:
         yield plan

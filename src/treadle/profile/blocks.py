@@ -1,6 +1,6 @@
 """Repeated blocks: find runs of identical sub-modules, profile two of each run, and splice in the rest.
 
-NOTE [block reuse]: transformer layers in an `nn.ModuleList` (or `nn.Sequential`) are usually identical: same
+NOTE [block reuse]: transformer layers in an `nn.ModuleList` (or ModuleDict, Sequential) are usually identical: same
 class, same parameter and buffer shapes, dtypes and `requires_grad`, same plain attributes (numbering
 attributes such as `layer_idx` aside) and same hooks, recursively. For a run of n >= 4 such blocks b_0..b_{n-1},
 the profiler runs the model with only b_0, b_1 and b_{n-1} (the container is shortened in place and restored
@@ -77,12 +77,12 @@ class BlockRun:
 
 
 def find_block_runs(model: nn.Module, *, min_count: int = 4) -> list[BlockRun]:
-    """Runs of >= `min_count` consecutive identical children of every ModuleList/Sequential, outermost first
-    (containers inside a run's blocks are left alone: the template is profiled in full)."""
+    """Runs of >= `min_count` consecutive identical children of every ModuleList / ModuleDict / Sequential, outermost
+    first (containers inside a run's blocks are left alone: the template is profiled in full)."""
     runs: list[BlockRun] = []
     covered: list[str] = []
     for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         if any(path == c or path.startswith(c + ".") for c in covered):
             continue

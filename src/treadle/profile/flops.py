@@ -245,6 +245,13 @@ register_flops(aten.convolution, aten._convolution, kind="conv", backward=_conv_
     lambda a, kw, o, nd: _conv_args(a, o))
 
 
+# the composite forms the planner's capture sees (input, weight, bias, stride, padding, dilation, groups): never
+# transposed
+register_flops(aten.conv1d, aten.conv2d, aten.conv3d, kind="conv",
+               backward=lambda a, kw, o, nd: (nd(0) + nd(1)) * _conv(a[0].shape, a[1].shape, o.shape, False))(
+    lambda a, kw, o, nd: _conv(a[0].shape, a[1].shape, o.shape, False))
+
+
 @register_flops(aten.convolution_backward, kind="conv")
 def _conv_backward_fwd(a, kw, out, nd) -> int:
     # (grad_out, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..mesh import Mesh
+from ..models.common import block_container
 from ..schedule.core import Schedule, create_schedule
 from ..schedule.replay import replay
 from ..schedule.log import Record, Ref
@@ -82,12 +83,10 @@ class CarriedSchedule:
 
 
 def _blocks_path(model: nn.Module) -> str:
-    best, best_len = None, 0
-    for p, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > best_len:
-            best, best_len = p, len(m)
+    best = block_container(model)
     if best is None:
-        raise ScheduleError("carry_schedule: the model has no nn.ModuleList of repeated blocks")
+        raise ScheduleError("carry_schedule: the model has no nn.ModuleList (or nn.ModuleDict keyed 0, 1, ...) of "
+                            "repeated blocks")
     return best
 
 

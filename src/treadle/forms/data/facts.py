@@ -14,8 +14,8 @@ BatchNorm's running statistics) pays one collective's latency per step; one with
 The price and the planner's cost graph both charge `buffer_broadcast_s` for the bytes of
 `treadle.profile.memory.buffer_bytes`.
 
-NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList``, then on the root
-(`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per step
+NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList`` or ``nn.ModuleDict``,
+then on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per step
 FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
 `treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient
 in and the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
@@ -71,11 +71,12 @@ def within(path: str, prefix: str) -> bool:
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
-    """FSDP2 units as `build` wraps them (NOTE [FSDP2 units]): every entry of every ModuleList, then the root."""
+    """FSDP2 units as `build` wraps them (NOTE [FSDP2 units]): every entry of every ModuleList or ModuleDict (the
+    blocks, as torchtitan holds them), then the root."""
     units = []
     for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList):
-            units += [f"{path}.{i}" if path else str(i) for i in range(len(m))]
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            units += [f"{path}.{k}" if path else k for k, c in m.named_children()]
     return units + [""]
 
 
