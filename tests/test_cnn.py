@@ -98,3 +98,30 @@ def test_build_refuses_data_parallelism_over_a_training_batch_norm():
         "mode, and data parallelism splits the batch: each replica would use its own shard's statistics, not the "
         "model's. Convert the norms to torch.nn.SyncBatchNorm (GPU), put them in eval mode, or shard channels "
         "instead (tensor parallelism of the convolutions and norms)")
+
+
+@pytest.mark.slow
+def test_a_planned_channel_parallel_cnn_verifies_and_prices():
+    """On a GPU preset the planner shards the wide 3x3 convolutions over output channels (their FLOPs counted as
+    the capture sees them); the plan verifies against one process on 2 gloo ranks and prices as built."""
+    from treadle import Mesh
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.models.cnn import _build
+    from treadle.planner import plan_model
+    from treadle.pricing import price
+    from treadle.schedule.replay import load_schedule
+    from treadle.verify import verify
+
+    def make():
+        return _build((2, 2), width=4, batch=8, image=32, num_classes=10, base=32, fake=False)
+
+    model, inputs = make()
+    cluster = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="a100-80gb")
+    plan = plan_model(model, inputs, cluster=cluster, checkpoint="none")
+    lines = [r.to_python() for r in plan.schedule.records]
+    assert any(".conv2'].shard('weight', dim=0, axis='tp')" in x for x in lines), lines
+    report = verify(plan.schedule, inputs, timeout_s=300, raise_on_mismatch=False)
+    assert report.ok, report.summary()
+    fresh, fresh_inputs = make()
+    p = price(load_schedule(fresh, plan.schedule.to_json()), fresh_inputs, cluster)
+    assert p.step_s > 0 and p.peak_bytes > 0
