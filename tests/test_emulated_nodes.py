@@ -68,7 +68,7 @@ def test_a_transfer_across_nodes_runs_at_the_rate_limit_and_inside_one_does_not(
     assert nodes.tag not in _namespaces()  # removed on exit
     assert 0.8 * expected <= t["across"] <= 2 * expected, (t, expected)
     assert 1.6 * expected <= t["two across"] <= 4 * expected, (t, expected)
-    assert t["inside"] < t["across"] / 4, t
+    assert t["inside"] < t["across"] / 2, t  # loopback: no limit (loose: a loaded host slows the copy)
 
 
 @needs_netns
