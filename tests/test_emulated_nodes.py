@@ -104,3 +104,35 @@ def test_calibrate_refuses_a_node_count_that_does_not_divide_the_mesh(capsys):
     assert main(["calibrate", "--mesh", "2x2", "--emulate-nodes", "3"]) != 0
     err = capsys.readouterr().err
     assert "calibrate: --emulate-nodes 3 must be >= 2 and divide the 4 ranks of --mesh 2x2" in err
+
+
+@needs_netns
+@pytest.mark.slow
+def test_treadle_run_trains_across_emulated_nodes_with_the_losses_of_one_host(tmp_path):
+    """`run_torchrun`: a torchrun per node in its namespace; treadle.run's DDP job over 2 nodes x 1 rank logs the
+    same losses as the same job on one host (the link changes time, not numbers)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from treadle.emulated_nodes import run_torchrun
+    from treadle.testing import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+    def argv(metrics):
+        return ["-m", "treadle.run", "--model", "tiny-llama", "--data", str(root / "examples" / "data" / "village.txt"),
+                "--seq", "32", "--batch", "4", "--steps", "2", "--recipe", "ddp", "--hardware", "none",
+                "--metrics", str(metrics)]
+
+    with emulated_nodes(2, 1, rate="1gbit") as nodes:
+        run_torchrun(nodes, argv(tmp_path / "nodes.jsonl"), env=env, timeout_s=300)
+    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), *argv(tmp_path / "host.jsonl")], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / f).read_text().splitlines()] for f in ("nodes.jsonl",
+                                                                                                 "host.jsonl")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]

@@ -16,7 +16,8 @@ inside a node and the first crosses the slow link.
         spawn(fn, 4, nodes=cluster)                             # ranks 0, 1 on node 0; 2, 3 on node 1
 
 A spawned rank enters its node's namespace (`enter`) before it opens any socket, and rendezvous at node 0's
-address. Everything is removed on exit (deleting a namespace deletes its interfaces), also when the body raises;
+address. A launched job runs one torchrun per node inside its namespace (`run_torchrun(cluster, ["-m",
+"treadle.run", ...])`: static rendezvous at node 0, gloo on the node's interface). Everything is removed on exit (deleting a namespace deletes its interfaces), also when the body raises;
 `unavailable()` says why this host cannot do it (not root, no `ip` / `tc`, no namespaces), for a test to skip.
 Only addresses inside namespaces this module creates are used: nothing outside them is touched.
 """
@@ -28,6 +29,7 @@ import ctypes
 import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Iterator
@@ -181,3 +183,56 @@ def enter(cluster: EmulatedNodes, rank: int) -> str:
         os.close(fd)
     os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE
     return cluster.address(0)
+
+
+def torchrun_commands(cluster: EmulatedNodes, argv: list[str], *, port: int = 29500,
+                      python: str | None = None) -> list[list[str]]:
+    """One torchrun per node, inside its namespace (``ip netns exec``), rendezvousing at node 0's address (static:
+    node 0 hosts the store); `argv` is what follows torchrun's options (``-m treadle.run ...`` or a script)."""
+    import sys
+
+    return [["ip", "netns", "exec", cluster.namespace(k), python or sys.executable, "-m", "torch.distributed.run",
+             "--nnodes", str(cluster.nodes), "--node-rank", str(k), "--nproc-per-node", str(cluster.ranks_per_node),
+             "--master-addr", cluster.address(0), "--master-port", str(port), *argv] for k in range(cluster.nodes)]
+
+
+def run_torchrun(cluster: EmulatedNodes, argv: list[str], *, env: dict[str, str] | None = None, port: int = 29500,
+                 timeout_s: float = 600.0) -> list[str]:
+    """Launch `torchrun_commands` (gloo pointed at each node's interface), wait for all; returns each node's
+    stdout. Raises EmulationError naming the first node that failed or was stopped at `timeout_s` (its stderr's
+    tail); once one node fails, the others are killed too."""
+    import tempfile
+    import time
+
+    full_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": INTERFACE}
+    with tempfile.TemporaryDirectory() as tmp:  # files, not pipes: a node blocked on a full pipe would hang its peers
+        files = [(open(os.path.join(tmp, f"{k}.out"), "w+"), open(os.path.join(tmp, f"{k}.err"), "w+"))
+                 for k in range(cluster.nodes)]
+        procs = [subprocess.Popen(cmd, env=full_env, stdout=o, stderr=e, text=True, start_new_session=True)
+                 for cmd, (o, e) in zip(torchrun_commands(cluster, argv, port=port), files)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [p for p in procs if p.poll()]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:  # the whole session: torchrun and its ranks
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        texts = []
+        for o, e in files:
+            o.seek(0), e.seek(0)
+            texts.append((o.read(), e.read()))
+            o.close(), e.close()
+    order = sorted(range(cluster.nodes), key=lambda k: procs[k].returncode <= 0)  # a node that failed on its own first
+    for k in order:
+        p, err = procs[k], texts[k][1]
+        if p.returncode:
+            why = "was stopped at the timeout" if p.returncode < 0 else f"exited with {p.returncode}"
+            raise EmulationError(f"emulated nodes: node {k} of {cluster} {why} ({timeout_s:.0f} s limit):\n"
+                                 f"{err[-3000:]}")
+    return [out for out, _ in texts]
