@@ -106,14 +106,14 @@ def test_a_planned_channel_parallel_cnn_verifies_and_prices():
     the capture sees them); the plan verifies against one process on 2 gloo ranks and prices as built."""
     from treadle import Mesh
     from treadle.cost.cluster import ClusterSpec
-    from treadle.models.cnn import _build
+    from treadle.models.cnn import resnet
     from treadle.planner import plan_model
     from treadle.pricing import price
     from treadle.schedule.replay import load_schedule
     from treadle.verify import verify
 
     def make():
-        return _build((2, 2), width=4, batch=8, image=32, num_classes=10, base=32, fake=False)
+        return resnet((2, 2), width=4, batch=8, image=32, num_classes=10, base=32, fake=False)
 
     model, inputs = make()
     cluster = ClusterSpec.uniform(Mesh((2,), ("tp",)), "nvlink4", device="a100-80gb")
@@ -125,3 +125,16 @@ def test_a_planned_channel_parallel_cnn_verifies_and_prices():
     fresh, fresh_inputs = make()
     p = price(load_schedule(fresh, plan.schedule.to_json()), fresh_inputs, cluster)
     assert p.step_s > 0 and p.peak_bytes > 0
+
+
+def test_which_norms_normalise_over_the_batch():
+    """NOTE [batch statistics]: training mode, or any mode without running statistics (as _BatchNorm decides);
+    not SyncBatchNorm, not an eval-mode norm with running statistics."""
+    from torch import nn
+
+    from treadle.forms.data.facts import batch_statistics_modules
+
+    m = nn.ModuleDict({"in_training": nn.BatchNorm2d(4), "in_eval": nn.BatchNorm2d(4).eval(),
+                       "no_stats": nn.BatchNorm1d(4, track_running_stats=False).eval(),
+                       "sync": nn.SyncBatchNorm(4)})
+    assert batch_statistics_modules(m) == ["in_training", "no_stats"]

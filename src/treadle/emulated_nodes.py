@@ -8,18 +8,19 @@ traffic between two nodes passes the limit once each way out of a node and once 
 `rate`: the path runs at `rate`). A node has one link, shared by its ranks (one NIC per node): two transfers
 out of a node at once get half the rate each, as the groups of a data-parallel axis crossing nodes do when they
 reduce together. Ranks of one node reach each other at the node's own address, which Linux routes over the
-namespace's loopback: no limit. Ranks are laid out as `ClusterSpec` lays out a physical
-cluster: node-major, the ranks of one node consecutive, so on a (nodes, ranks_per_node) mesh the last axis stays
-inside a node and the first crosses the slow link.
+namespace's loopback: no limit. Ranks are laid out as `ClusterSpec` lays out a physical cluster: node-major, the
+ranks of one node consecutive, so on a (nodes, ranks_per_node) mesh the last axis stays inside a node and the
+first crosses the slow link.
 
     with emulated_nodes(2, 2, rate="200mbit") as cluster:       # root, `ip` and `tc` needed
         spawn(fn, 4, nodes=cluster)                             # ranks 0, 1 on node 0; 2, 3 on node 1
 
-A spawned rank enters its node's namespace (`enter`) before it opens any socket, and rendezvous at node 0's
-address. A launched job runs one torchrun per node inside its namespace (`run_torchrun(cluster, ["-m",
-"treadle.run", ...])`: static rendezvous at node 0, gloo on the node's interface). Everything is removed on exit (deleting a namespace deletes its interfaces), also when the body raises;
-`unavailable()` says why this host cannot do it (not root, no `ip` / `tc`, no namespaces), for a test to skip.
-Only addresses inside namespaces this module creates are used: nothing outside them is touched.
+A spawned rank enters its node's namespace (`enter`) before it opens any socket, and rendezvous at node 0's address. A
+launched job runs one torchrun per node inside its namespace (`run_torchrun(cluster, ["-m", "treadle.run", ...])`:
+static rendezvous at node 0, gloo on the node's interface). Everything is removed on exit (deleting a namespace deletes
+its interfaces), also when the body raises; `unavailable()` says why this host cannot do it (not root, no `ip` / `tc`,
+no namespaces), for a test to skip. Only addresses inside namespaces this module creates are used: nothing outside them
+is touched.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def run_torchrun(cluster: EmulatedNodes, argv: list[str], *, env: dict[str, str]
     for k in order:
         p, err = procs[k], texts[k][1]
         if p.returncode:
-            why = "was stopped at the timeout" if p.returncode < 0 else f"exited with {p.returncode}"
-            raise EmulationError(f"emulated nodes: node {k} of {cluster} {why} ({timeout_s:.0f} s limit):\n"
-                                 f"{err[-3000:]}")
+            why = (f"was killed by signal {-p.returncode} (the {timeout_s:.0f} s limit, or a node that failed "
+                   f"first)" if p.returncode < 0 else f"exited with {p.returncode}")
+            raise EmulationError(f"emulated nodes: node {k} of {cluster} {why}:\n{err[-3000:]}")
     return [out for out, _ in texts]

@@ -126,7 +126,11 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
     if nodes is not None:  # first: the namespace holds for every socket and thread made from here on
         from .emulated_nodes import enter
 
-        addr = enter(nodes, rank)
+        try:
+            addr = enter(nodes, rank)
+        except BaseException as exc:  # reported like any rank's failure, not as an exit without a result
+            q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            return
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)

@@ -130,9 +130,9 @@ def calibrate_this_host(mesh: Mesh, *, rounds: int = DEFAULT_ROUNDS, held_out: b
     text = spawn(_calibrate_rank, mesh.world_size, tuple(mesh.shape), tuple(mesh.names), device, kwargs, links,
                  timeout_s=timeout_s, nodes=nodes)[0]
     cal = Calibration.from_json(text)
-    where = "" if nodes is None else (
-        f" as {nodes} (axes across nodes: "
-        + (", ".join(a for a, link in zip(mesh.names, links) if link.name.startswith("emulated")) or "none") + ")")
+    across = [a for i, a in enumerate(mesh.names) if nodes is not None
+              and axis_crosses_nodes(mesh.shape, i, nodes.ranks_per_node)]
+    where = "" if nodes is None else f" as {nodes} (axes across nodes: {', '.join(across) or 'none'})"
     note = (f"measured on this host ({cores} cores, {mesh.world_size} gloo ranks of 1 thread{where}) at "
             f"{time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.perf_counter() - t0:.0f} s"
             + ("" if cpu else "; the core is the nominal 'cpu' preset, not measured"))

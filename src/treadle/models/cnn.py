@@ -9,6 +9,7 @@ takes them by name: ``treadle profile treadle.models.cnn:wide_resnet50_2 --batch
 
     model, inputs = wide_resnet50_2(batch=8)          # 68.9M parameters, 224 x 224 images
     model, inputs = tiny_wide_resnet(batch=4)         # 2 stages, 32 x 32 images: small enough to run in tests
+    model, inputs = resnet((2, 2), width=4, base=32, image=32, num_classes=10)   # any other shape
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ class ResNet(nn.Module):
         return ClassifierOutput(nn.functional.cross_entropy(logits, labels), logits)
 
 
-def _build(layers: Sequence[int], *, width: int, batch: int, image: int, num_classes: int, base: int, fake: bool,
+def resnet(layers: Sequence[int] = (3, 4, 6, 3), *, width: int = 1, batch: int = 8, image: int = 224,
+           num_classes: int = 1000, base: int = 64, fake: bool = False,
            seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Any `ResNet` (stages `layers`, inner `width`, `base` channels) in training mode with example inputs
+    (`batch` images of `image` x `image`, labels of `num_classes`); `fake=True` under one FakeTensorMode."""
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -106,19 +110,19 @@ def _build(layers: Sequence[int], *, width: int, batch: int, image: int, num_cla
 
 def wide_resnet50_2(batch: int = 8, image: int = 224, fake: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """torchvision's ``wide_resnet50_2`` shape (68.9M parameters), ImageNet-sized inputs."""
-    return _build((3, 4, 6, 3), width=2, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
+    return resnet((3, 4, 6, 3), width=2, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
 
 
 def wide_resnet101_2(batch: int = 8, image: int = 224, fake: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """torchvision's ``wide_resnet101_2`` shape (126.9M parameters)."""
-    return _build((3, 4, 23, 3), width=2, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
+    return resnet((3, 4, 23, 3), width=2, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
 
 
 def resnet50(batch: int = 8, image: int = 224, fake: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """torchvision's ``resnet50`` shape (25.6M parameters)."""
-    return _build((3, 4, 6, 3), width=1, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
+    return resnet((3, 4, 6, 3), width=1, batch=batch, image=image, num_classes=1000, base=64, fake=fake)
 
 
 def tiny_wide_resnet(batch: int = 4, image: int = 32, fake: bool = False) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Two stages of two wide bottlenecks, 8 base channels, 10 classes, 32 x 32 images: runs in tests."""
-    return _build((2, 2), width=2, batch=batch, image=image, num_classes=10, base=8, fake=fake)
+    return resnet((2, 2), width=2, batch=batch, image=image, num_classes=10, base=8, fake=fake)

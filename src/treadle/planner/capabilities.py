@@ -63,7 +63,8 @@ def _fields(obj: Any) -> dict[str, Any]:
         return dict(obj)
     if hasattr(obj, "__dict__"):
         return vars(obj)
-    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else getattr(obj, "__slots__", ())
+    names = ([f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj)
+             else getattr(obj, "__slots__", ()))
     return {n: getattr(obj, n) for n in ([names] if isinstance(names, str) else names) if hasattr(obj, n)}
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .config import RunConfig, RunError
+from .step import sum_over_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,6 @@ def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s
     from ..forms.pipeline.runtime import stage_rank
 
     world, pp_size = dist.get_world_size(), mesh.size(axis)
-    from .step import sum_over_mesh
-
     every = torch.zeros(world, dtype=torch.int64, device=mesh.device)
     every[dist.get_rank()] = mem
     sum_over_mesh(every, mesh)  # gathers one int64 per rank, the memory; the stages follow from the schedule

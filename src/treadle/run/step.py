@@ -56,10 +56,11 @@ def run_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, Pa
              micro_batches: list[torch.Tensor], *, clip_norm: float | None,
              autocast: contextlib.AbstractContextManager | None = None, stop_signal: int = 0) -> StepOutcome:
     """One optimizer step of the built `model` on this rank's `micro_batches` (each (b, S) token ids; gradients
-    accumulate over them, DDP syncing on the last only; a pipelined model runs them as its micro-batches). Collective: one all-reduce of 4 x world float64 (module
-    docstring); `stop_signal` is the number of a signal asking this rank to stop (0: none). Clips by the global
-    norm and applies AdamW only when every rank's loss and gradient are finite; else the gradients are dropped
-    and the parameters and optimizer state stay as they were."""
+    accumulate over them, DDP syncing on the last only; a pipelined model runs them as its micro-batches).
+    Collective: one sum of 4 x world float64 over the mesh (module docstring); `stop_signal` is the number of a
+    signal asking this rank to stop (0: none). Clips by the global norm and applies AdamW only when every rank's
+    loss and gradient are finite; else the gradients are dropped and the parameters and optimizer state stay as
+    they were."""
     device = mesh.device
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=device)

@@ -14,11 +14,11 @@ BatchNorm's running statistics) pays one collective's latency per step; one with
 The price and the planner's cost graph both charge `buffer_broadcast_s` for the bytes of
 `treadle.profile.memory.buffer_bytes`.
 
-NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList`` or ``nn.ModuleDict``,
-then on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per step
-FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
-`treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient
-in and the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
+NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList`` or ``nn.ModuleDict``, then
+on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per
+step FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
+`treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient in and
+the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
 """
 
 from __future__ import annotations
@@ -98,17 +98,18 @@ def fsdp_copy_s(full_bytes: float, n: int, hw: Any, dtype: torch.dtype = torch.f
     return op_time_s(0, int(2 * (full_bytes + full_bytes / n)), hw, dtype)
 
 
-# NOTE [batch statistics]: a batch norm in training mode (BatchNorm1d/2d/3d) normalises by the mean and variance of
-# the batch it sees. Data parallelism splits the batch, so under DDP / FSDP2 / HSDP each replica would normalise by
-# its own shard's statistics and update its running statistics from them: other numbers than the model as written
-# (and replicas whose buffers drift apart until DDP's next broadcast). torch's SyncBatchNorm computes the whole
-# batch's statistics across ranks (GPU only); it is exact and allowed. `build` refuses data parallelism over a
-# model with any other (`batch_statistics_modules`), and the planner does not propose it for one (the data form's
-# role options); sharding channels (tensor parallelism of the convolutions and norms) stays exact.
+# NOTE [batch statistics]: a batch norm in training mode (BatchNorm1d/2d/3d), or one without running statistics in any
+# mode, normalises by the mean and variance of the batch it sees. Data parallelism splits the batch, so under DDP /
+# FSDP2 / HSDP each replica would normalise by its own shard's statistics and update its running statistics from them:
+# other numbers than the model as written (and replicas whose buffers drift apart until DDP's next broadcast). torch's
+# SyncBatchNorm computes the whole batch's statistics across ranks (GPU only); it is exact and allowed. `build` refuses
+# data parallelism over a model with any other (`batch_statistics_modules`), and the planner does not propose it for one
+# (the data form's role options); sharding channels (tensor parallelism of the convolutions and norms) stays exact.
 def batch_statistics_modules(model: nn.Module) -> list[str]:
-    """Paths of the modules of `model` that normalise over the batch in training mode, SyncBatchNorm excepted
-    (NOTE [batch statistics])."""
+    """Paths of the modules of `model` that normalise over the batch (in training mode, or always without running
+    statistics, as `_BatchNorm.forward` decides), SyncBatchNorm excepted (NOTE [batch statistics])."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return [p for p, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training]
+            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+            and (m.training or (m.running_mean is None and m.running_var is None))]
