@@ -180,6 +180,8 @@ class _Builder:
         ruled = {path for path in by_module if has_leaf_rule(self.module(path))}
         covered = {id(p) for path in ruled for p in self.module(path)._parameters.values() if p is not None}
         for path, shards in by_module.items():
+            if path in self.leaf:
+                continue  # planned by a form's "pre_shard" step (an expert-parallel experts module)
             m = self.module(path)
             if path not in ruled and all(id(m._parameters[n]) in covered for n in shards):
                 # an alias of a parameter that a ruled leaf computes with (e.g. a head's tied bias)

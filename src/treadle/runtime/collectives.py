@@ -12,6 +12,7 @@ all_gather(d)      Shard(d) -> Replicate       split(d), or reduce_scatter(d) wh
 reduce_scatter(d)  Partial -> Shard(d)         all_gather(d)
 split(d)           Replicate -> Shard(d)       all_gather(d)
 all_to_all(s, c)   Shard(c) -> Shard(s)        all_to_all(c, s)
+exchange_rows      rows to their ranks         exchange_rows with the counts swapped
 =================  ==========================  ====================================
 
 NOTE [grad layouts]: treadle keeps every gradient *complete* on each rank (never a pending sum): a
@@ -173,6 +174,24 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, concat_dim, split_dim, ctx.group), None, None, None
 
 
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.counts, ctx.group = (send, recv), group
+        return _exchange_rows(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        send, recv = ctx.counts
+        return _exchange_rows(g.contiguous(), recv, send, ctx.group), None, None, None
+
+
+def _exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- public
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum a Partial tensor over `group` (Partial -> Replicate). Backward: identity."""
@@ -241,3 +260,25 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> torch
     """Re-shard from `concat_dim` to `split_dim` (Shard(concat_dim) -> Shard(split_dim)).
     Local shape: `split_dim` shrinks n-fold, `concat_dim` grows n-fold. Backward: the inverse all_to_all."""
     return _AllToAll.apply(x, split_dim, concat_dim, group)
+
+
+def exchange_counts(send: list[int], group, device: torch.device | None = None) -> list[int]:
+    """How many rows each rank of `group` sends this rank, given how many this rank sends each (`send`, one
+    count per rank in group order): one all-to-all of the counts (no gradient)."""
+    t = torch.tensor(send, dtype=torch.int64, device=device)
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    return [int(v) for v in out.tolist()]
+
+
+def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Uneven all-to-all of rows (dim 0): the first ``send[0]`` rows of `x` go to rank 0 of `group`, the next
+    ``send[1]`` to rank 1, ...; returns the ``sum(recv)`` rows received, in rank order (`recv` from
+    `exchange_counts`). Backward: the same exchange with the counts swapped (each gradient row returns to the
+    rank that sent the row). Raises LayoutError when `send` does not cover `x`'s rows."""
+    n = dist.get_world_size(group)
+    if len(send) != n or len(recv) != n or sum(send) != x.shape[0]:
+        raise LayoutError(f"exchange_rows: {x.shape[0]} rows, send counts {send}, receive counts {recv} over a "
+                          f"group of {n} ranks (one count per rank; the send counts must sum to the rows)")
+    return _ExchangeRows.apply(x, list(send), list(recv), group)
+

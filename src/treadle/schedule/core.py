@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
 from .data_parallel import make_data_parallel
+from .expert_primitive import ExpertPrimitive, expert_param_names
 from .log import Record, Ref, records_to_json
 from .state import ParamShard, _State
 from .sync import SyncPrimitive
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover - only while that layer is absent
         pass
 
 
-class Schedule(_GraphPrimitives, SyncPrimitive):
+class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive):
     """A schedule of one module of the model; the root schedule covers the whole model.
 
     Create with `treadle.create_schedule(model, mesh=...)`; index sub-modules by dotted path
@@ -400,13 +401,21 @@ class Schedule(_GraphPrimitives, SyncPrimitive):
             raise ScheduleError(f"data_parallel: already set ({self._state.data_parallel})")
         spec = make_data_parallel(self.mesh, axis=axis, shard=shard, replicate=replicate,
                                   reshard_after_forward=reshard_after_forward)
+        experts = expert_param_names(self.mod, self._state.extras)  # split over a data axis by design
         for ax in spec.axes:
-            on_axis = sorted({n for n, p in self.mod.named_parameters(remove_duplicate=False)
-                              if any(s.axis == ax for s in self._state.param_shards.get(id(p), []))})
+            on_axis = sorted({n for n, p in self.mod.named_parameters(remove_duplicate=False) if n not in experts
+                              and any(s.axis == ax for s in self._state.param_shards.get(id(p), []))})
             if on_axis:
                 raise ScheduleError(f"data_parallel: mesh axis {ax!r} already shards parameters {on_axis[:3]}"
                                     f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its "
                                     f"own (mesh axes: {list(self.mesh.names)}, data-parallel: {list(spec.axes)})")
+        outside = {path: ax for path, ax in self._state.extras.get("expert_parallel", {}).items()
+                   if ax not in spec.axes}
+        if outside:
+            path, ax = next(iter(outside.items()))
+            raise ScheduleError(f"data_parallel(axis={spec.label()!r}): sch[{path!r}] is expert-parallel over {ax!r}, "
+                                f"which is not one of its axes; experts split over an axis whose ranks route their "
+                                f"own tokens")
         self._state.data_parallel = spec
         args: dict[str, Any] = {"axis": axis if isinstance(axis, str) else list(axis), "shard": bool(shard)}
         if replicate:

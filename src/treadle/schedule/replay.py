@@ -23,7 +23,8 @@ from .log import Record, Ref, records_from_json, ref_targets
 # The primitives a log may hold (every method that records itself); `replay` calls nothing else.
 PRIMITIVES = frozenset({
     "replace", "replace_all", "shard", "sync", "checkpoint", "fork_rng", "reduce_grads", "annotate", "set_attr",
-    "shard_attr", "data_parallel",  # module-level (this file)
+    "shard_attr", "data_parallel",  # module-level (core.py)
+    "expert_parallel",  # expert_primitive.py
     "trace", "replace_match", "decompose", "fuse", "checkpoint_match", "checkpoint_selective",
     "cut_pipeline_stage", "pipeline",  # graph-level (graph_primitives.py)
 })

@@ -14,9 +14,11 @@ from ..loss import call_loss
 class _Recorder:
     """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient,
     per (data slice, call) — a module may run several times per forward (T5 calls its dropout twice).
-    Recording stops before backward, so checkpoint recomputation is not mistaken for calls."""
+    Recording stops before backward, so checkpoint recomputation is not mistaken for calls. The modules inside
+    an `opaque` path are not recorded: they run on rows the ranks exchange (an expert-parallel experts
+    module's activation runs on the rows its experts received), so no rank's call matches the reference's."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, opaque: tuple[str, ...] = ()):
         self.outputs: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         self.grads: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
         self.slice = 0
@@ -26,6 +28,8 @@ class _Recorder:
         self.handles = []
         self.stack: list[str] = []
         for path, m in model.named_modules():
+            if any(path.startswith(o + ".") for o in opaque):
+                continue
             self.handles.append(m.register_forward_pre_hook(self._pre(path)))
             self.handles.append(m.register_forward_hook(self._post(path)))  # not on failure: the stack then names where
 
@@ -97,12 +101,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: int, lr: float,
-               float_inputs: list[str], dp_scale: float) -> dict[str, Any]:
+               float_inputs: list[str], dp_scale: float, opaque: tuple[str, ...] = ()) -> dict[str, Any]:
     """Forward, backward and `steps` AdamW steps of `model` over `slices` (mean of the slice losses).
-    Returns losses, recorded outputs/grads, input grads, parameter grads and parameters after step 1."""
+    Returns losses, recorded outputs/grads, input grads, parameter grads and parameters after step 1 (the
+    modules inside `opaque` paths not recorded: `_Recorder`)."""
     inner = _unwrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    rec = _Recorder(inner)
+    rec = _Recorder(inner, opaque)
     result: dict[str, Any] = {"losses": []}
     for step in range(steps):
         rec.active = step == 0

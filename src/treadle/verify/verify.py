@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import SpawnError, TreadleError, VerifyError
 from ..mesh import Mesh
 from ..schedule.core import Schedule
+from ..schedule.expert_primitive import expert_paths
 from ..schedule.replay import load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
 from ..loss import default_loss
@@ -64,7 +65,8 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     if hasattr(built, "canonical_parameters"):  # a pipeline: its stages run whole batches (`.step`)
         res = _run_pipeline_steps(built, local, p["steps"], p["lr"])
     else:
-        res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0)
+        res = _run_steps(built, [local], p["loss_fn"], p["steps"], p["lr"], p["float_inputs"], 1.0,
+                         tuple(expert_paths(st.extras)))
     res["dp"] = (dp_axes, dp_n, dp_i)
     res["out_blocks"] = out_blocks
     res["fsdp"] = bool(st.data_parallel and st.data_parallel.shard)
@@ -170,7 +172,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     slices = [split_batch(example_inputs, dp_n, i, axis=",".join(dp_axes) or None, where="verify")
               for i in range(dp_n)]
     torch.manual_seed(seed)
-    ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n)
+    ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n, tuple(expert_paths(st.extras)))
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch))
     if report.first_divergence:
         report.first_divergence += nearest_primitive(sch, report.first_divergence)

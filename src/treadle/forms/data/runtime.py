@@ -14,6 +14,10 @@ from .facts import batch_statistics_modules, fsdp_units
 
 logger = logging.getLogger(__name__)
 
+# builder.scratch[IGNORED_KEY]: parameters another form reduces itself, which DDP and FSDP2 leave alone (the
+# local expert weights: NOTE [expert gradients] in `treadle.forms.expert.runtime`)
+IGNORED_KEY = "data_parallel_ignored"
+
 
 def wrap_data_parallel(builder) -> nn.Module | None:
     """The "wrap" build step of the recorded data parallelism (`treadle.schedule.data_parallel`): DDP on the
@@ -46,16 +50,22 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
     dp = builder.v.data_parallel
     _refuse_batch_statistics(builder, module)
+    ignored = {id(p) for p in builder.scratch.get(IGNORED_KEY, ())}
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
         group = builder.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(builder.mesh, dp.axes).get_group()
+        if ignored:
+            names = [n for n, p in module.named_parameters() if id(p) in ignored]
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
         return nn.parallel.DistributedDataParallel(module, process_group=group)
     from torch.distributed.fsdp import fully_shard
 
     kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
     if builder.mp_policy is not None:
         kw["mp_policy"] = builder.mp_policy
+    if ignored:
+        kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}
     sub = fsdp_mesh(builder)
     for path in units:
         fully_shard(module.get_submodule(path), mesh=sub, **kw)

@@ -1,0 +1,158 @@
+"""Token dispatch and combine of one expert-parallel experts module (the local forward `build` installs).
+
+NOTE [expert dispatch]: rank r of the expert axis (n ranks, E experts, El = E/n) holds experts r*El .. (r+1)*El-1.
+In forward, each rank
+
+1. lists the (token, slot) pairs it routes to a real expert (an index outside 0..E-1 is the model's own "no
+   expert" and is not sent), ordered by expert; pair p goes to rank ``index[p] // El``;
+2. exchanges the counts, then the pairs' rows and their local expert ids (two uneven all-to-alls);
+3. runs the module's own forward on the rows it received, each with its one local expert and weight 1, so
+   the experts compute as the model computes them (its loop, or its grouped product);
+4. sends the results back (the inverse all-to-all), weights each pair by its routing weight, and sums the
+   pairs of each token in ascending expert order, as the model's own loop adds them.
+
+Dropless: every routed pair is computed, whatever the load; the counts may differ per rank. The routing
+weights stay on the rank that routed them, so their gradient (and the router's) is the local one. The expert
+weights' gradient sums the tokens of every rank of the axis; `ExpertLeaf` averages it with the other
+data-parallel axes (NOTE [expert gradients]).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import BuildError
+from ...runtime import collectives as C
+
+
+class _ExpertGrads(torch.autograd.Function):
+    """Identity forward on the local expert weights; backward sums their gradients over `group` (the
+    data-parallel ranks outside the expert axis; None: none) and scales them by `scale` (NOTE [expert
+    gradients])."""
+
+    @staticmethod
+    def forward(ctx, group, scale, *ps):
+        ctx.group, ctx.scale, ctx.shapes = group, scale, [p.shape for p in ps]
+        return tuple(p.view_as(p) for p in ps)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        flat = torch.cat([(g if g is not None else ref.new_zeros(s)).reshape(-1) for g, s in zip(grads, ctx.shapes)])
+        if ctx.group is not None:
+            dist.all_reduce(flat, group=ctx.group)
+        flat = flat * ctx.scale
+        return (None, None, *(part.view(s) for part, s in zip(flat.split([s.numel() for s in ctx.shapes]),
+                                                                ctx.shapes)))
+
+
+class _Touch(torch.autograd.Function):
+    """``y`` unchanged; in backward, zero gradients for `ps` as well: every local expert weight gets a gradient
+    on every rank, even one that received no row, so the collectives of `_ExpertGrads` run everywhere."""
+
+    @staticmethod
+    def forward(ctx, y, *ps):
+        ctx.specs = [(p.shape, p.dtype, p.device) for p in ps]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.specs))
+
+
+@dataclass
+class ExpertLeaf:
+    """What one expert-parallel experts module computes with (NOTE [expert dispatch]).
+
+    `orig`: the module's own forward, taken before build wrapped it; `experts`: E; `group`, `rank`, `size`: the
+    expert axis's process group, this rank's coordinate and the axis size; `grad_group`: the data-parallel
+    ranks outside the expert axis (None: none); `grad_scale`: 1 / (data-parallel replicas); `count_attrs`:
+    the module's integer attributes that count its experts (set to E/n while it runs its local experts)."""
+
+    path: str
+    orig: Callable[..., Any]
+    experts: int
+    group: Any
+    rank: int
+    size: int
+    grad_group: Any
+    grad_scale: float
+    count_attrs: tuple[str, ...]
+
+    def forward(self, m: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden, index, weights = self._bind(args, kwargs)
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        t = x.shape[0]
+        index = index.reshape(t, -1)
+        k = index.shape[1]
+        weights = weights.reshape(t, k)
+        local_n = self.experts // self.size
+        flat = index.reshape(-1)
+        pairs = ((flat >= 0) & (flat < self.experts)).nonzero().squeeze(1)
+        order = pairs[torch.argsort(flat[pairs], stable=True)]
+        dest = torch.div(flat[order], local_n, rounding_mode="floor")
+        send = torch.bincount(dest, minlength=self.size).tolist()
+        recv = C.exchange_counts(send, self.group, device=x.device)
+        rows = C.exchange_rows(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)
+        with torch.no_grad():
+            ids = C.exchange_rows((flat[order] - dest * local_n).unsqueeze(1), send, recv, self.group)
+        y = self._local(m, rows, ids, weights.dtype)
+        back = C.exchange_rows(y, recv, send, self.group)
+        per_pair = back.new_zeros((t * k, back.shape[-1])).index_copy(0, order, back).view(t, k, -1)
+        contrib = (per_pair * weights.unsqueeze(-1)).to(x.dtype)
+        slots = torch.argsort(index, dim=1, stable=True)  # the model adds a token's experts in ascending order
+        contrib = contrib.gather(1, slots.unsqueeze(-1).expand(-1, -1, contrib.shape[-1]))
+        out = x.new_zeros(x.shape)
+        for j in range(k):
+            out = out + contrib[:, j]
+        return out.reshape(shape)
+
+    def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, wdtype: torch.dtype) -> torch.Tensor:
+        """The module's own forward on the rows it received (each with its local expert and weight 1)."""
+        names = [n for n, p in m._parameters.items() if p is not None]
+        saved = {n: m._parameters[n] for n in names}
+        counts = {a: getattr(m, a) for a in self.count_attrs}
+        track = torch.is_grad_enabled() and any(p.requires_grad for p in saved.values())
+        try:
+            if track:  # NOTE [expert gradients]
+                for n, p in zip(names, _ExpertGrads.apply(self.grad_group, self.grad_scale, *saved.values())):
+                    m._parameters[n] = p
+            for a in self.count_attrs:
+                setattr(m, a, self.experts // self.size)
+            y = self.orig(rows, ids, torch.ones(ids.shape, dtype=wdtype, device=rows.device))
+            if track:
+                y = _Touch.apply(y, *(m._parameters[n] for n in names))
+            return y
+        finally:
+            m._parameters.update(saved)
+            for a, v in counts.items():
+                setattr(m, a, v)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        try:
+            bound = inspect.signature(self.orig).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise BuildError(f"expert_parallel at sch[{self.path!r}]: cannot bind the experts' arguments ({exc})") \
+                from None
+        values = list(bound.arguments.values())
+        extra = [n for n, v in list(bound.arguments.items())[3:] if isinstance(v, torch.Tensor)]
+        if len(values) < 3 or extra:
+            raise BuildError(f"expert_parallel at sch[{self.path!r}]: the experts were called with "
+                             f"{list(bound.arguments)}; expert parallelism sends (hidden_states, top_k_index, "
+                             f"top_k_weights) to the experts' ranks and no other tensor")
+        hidden, index, weights = values[:3]
+        tokens = hidden.numel() // max(hidden.shape[-1], 1)
+        if index.dtype.is_floating_point or index.dtype == torch.bool or index.numel() % max(tokens, 1) \
+                or weights.shape != index.shape:
+            raise BuildError(f"expert_parallel at sch[{self.path!r}]: expert indices of dtype {index.dtype} and "
+                             f"shape {tuple(index.shape)}, weights of shape {tuple(weights.shape)}, for rows of "
+                             f"shape {tuple(hidden.shape)}; expected integer indices and their weights, k per row")
+        return hidden, index, weights

@@ -1,0 +1,82 @@
+"""What `build` installs for expert parallelism (`Schedule.expert_parallel`): the "pre_shard" step plans each
+experts module's local forward (NOTE [expert dispatch] in `dispatch.py`); the "post_hooks" step hands the local
+expert weights to the data-parallel form to leave alone (NOTE [expert gradients]).
+
+NOTE [expert gradients]: data parallelism averages a replicated weight's gradient over its D replicas:
+(1/D) * sum over ranks r of dL_r/dW. An expert's weight lives on one rank of the expert axis, and the token
+exchange already sums, into its gradient, the tokens of every rank of that axis. So it is summed further over
+the data-parallel ranks outside the expert axis (when there are any: the same expert's copies) and scaled by
+1/D, in the backward of the experts' local forward; DDP and FSDP2 are told to ignore those weights (DDP's
+ignore list, FSDP2's `ignored_params`), so no second reduction averages them over experts they do not share.
+Every rank's local weights get a gradient, zero where no row reached them, so the reduction runs on every rank
+in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ...errors import BuildError
+from ...schedule.expert_primitive import expert_paths
+from ...sharding_rules import LeafPlan
+from .dispatch import ExpertLeaf
+
+logger = logging.getLogger(__name__)
+
+def count_attrs(mod, experts: int) -> tuple[str, ...]:
+    """The integer attributes of experts module `mod` that count its experts (``num_experts``): named for
+    experts and equal to their number."""
+    return tuple(sorted(n for n, v in vars(mod).items() if "expert" in n.lower() and type(v) is int and v == experts))
+
+
+def plan_experts(builder) -> None:
+    """The "pre_shard" build step: each expert-parallel module's local forward (NOTE [expert dispatch]),
+    planned as its leaf. Raises BuildError for what expert parallelism cannot reproduce exactly: no data
+    parallelism over the expert axis, a pipeline, a mixed-precision policy, the experts' weights split over
+    another axis."""
+    paths = expert_paths(builder.v.extras)
+    if not paths:
+        return
+    from ..data.runtime import dp_device_mesh
+
+    dp = builder.v.data_parallel
+    for path, axis in paths.items():
+        where = f"build: expert_parallel at sch[{path!r}] over {axis!r}"
+        if dp is None or axis not in dp.axes:
+            raise BuildError(f"{where}: the experts' axis must be data-parallel (each of its ranks routes its own "
+                             f"tokens); add data_parallel(axis={axis!r}) or an axis tuple holding it")
+        if builder.v.extras.get("pipeline") is not None:
+            raise BuildError(f"{where}: expert parallelism inside pipeline stages is not supported yet")
+        if builder.mp_policy is not None:
+            raise BuildError(f"{where}: a mixed-precision policy casts the data-parallel weights only, not the "
+                             f"experts' (which data parallelism leaves alone); use autocast or one dtype")
+        m = builder.module(path)
+        for name, p in m.named_parameters(recurse=False):
+            other = [s for s in builder.param_shards.get(id(p), ()) if s.axis != axis]
+            if other:
+                raise BuildError(f"{where}: parameter {name!r} is also split on mesh axis {other[0].axis!r} (dim "
+                                 f"{other[0].dim}); tensor parallelism inside the experts is not supported yet")
+        experts = next(iter(m.parameters())).shape[0]
+        rest = tuple(a for a in dp.axes if a != axis)
+        rest_size = 1
+        for a in rest:
+            rest_size *= builder.sizes[a]
+        grad_group = dp_device_mesh(builder.mesh, rest).get_group() if rest_size > 1 else None
+        leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=builder.group(axis),
+                          rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
+                          grad_scale=1.0 / dp.size(builder.mesh), count_attrs=count_attrs(m, experts))
+        builder.leaf[path] = LeafPlan(forward=leaf.forward)
+        logger.info("expert parallel: %s: %d experts over %r (%d per rank)", path, experts, axis,
+                    experts // builder.sizes[axis])
+
+
+def hand_over_weights(builder) -> None:
+    """The "post_hooks" build step: the local expert weights, for the data-parallel form to ignore
+    (NOTE [expert gradients])."""
+    from ..data.runtime import IGNORED_KEY
+
+    paths = expert_paths(builder.v.extras)
+    if paths:
+        ignored = builder.scratch.setdefault(IGNORED_KEY, [])
+        for path in paths:
+            ignored.extend(p for _, p in builder.module(path).named_parameters(recurse=False))

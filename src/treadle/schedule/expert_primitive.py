@@ -1,0 +1,109 @@
+"""The `expert_parallel` primitive: a mixture-of-experts layer's experts split over a mesh axis, tokens sent to
+their experts' ranks and back (a mixin of `Schedule`; what build installs: `treadle.forms.expert`).
+
+The experts module is the model's own: a module whose direct parameters all stack the experts on dim 0
+(``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``, biases ``(E, O)``) and whose forward takes the routed
+rows, each row's expert indices and their weights (``forward(hidden (T, H), top_k_index (T, k),
+top_k_weights (T, k)) -> (T, H)``), as every Hugging Face MoE decoder's experts are since transformers 5.
+Rank r of the axis keeps experts ``r*E/n .. (r+1)*E/n - 1``; the axis must be a data-parallel axis (each rank
+routes its own tokens), as in torchtitan and Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+from ..errors import ScheduleError
+from .state import ParamShard
+
+if TYPE_CHECKING:  # (annotations only: core's Schedule mixes this class in)
+    from .core import Schedule
+
+EXTRAS_KEY = "expert_parallel"  # extras[EXTRAS_KEY]: {experts module path: axis}
+
+
+def expert_paths(extras) -> dict[str, str]:
+    """The expert-parallel modules a schedule recorded: path -> axis."""
+    return dict(extras.get(EXTRAS_KEY, {}))
+
+
+def expert_param_names(model, extras) -> set[str]:
+    """Names (every alias) of the parameters of `model` that expert parallelism splits."""
+    paths = expert_paths(extras)
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)
+            if n.rpartition(".")[0] in paths}
+
+
+def experts_shape(path: str, mod) -> int:
+    """The number of experts of experts module `mod` at `path` (the common dim 0 of its direct parameters).
+    Raises ScheduleError naming the path and the parameter that does not stack experts on dim 0."""
+    own = [(n, p) for n, p in mod.named_parameters(recurse=False)]
+    where = f"expert_parallel at sch[{path!r}] ({type(mod).__name__})"
+    if not own:
+        raise ScheduleError(f"{where}: the module has no parameters of its own; state expert parallelism on the "
+                            f"module that holds the stacked expert weights (e.g. '...mlp.experts')")
+    nested = [n for n, _ in mod.named_parameters() if "." in n]
+    if nested:
+        raise ScheduleError(f"{where}: its children hold parameters {nested[:3]}; an experts module keeps every "
+                            f"expert's weights itself, stacked on dim 0")
+    sizes = {n: tuple(p.shape) for n, p in own}
+    bad = [n for n, s in sizes.items() if len(s) < 2]
+    if bad or len({s[0] for s in sizes.values()}) != 1:
+        raise ScheduleError(f"{where}: its parameters {sizes} do not all stack the experts on dim 0 (each "
+                            f"parameter (E, ...) with one E); this is not an experts module")
+    try:
+        params = list(inspect.signature(mod.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ScheduleError(f"{where}: its forward takes {[p.name for p in positional]}; an experts module takes "
+                            f"the rows, their expert indices and their routing weights "
+                            f"(forward(hidden_states, top_k_index, top_k_weights))")
+    return next(iter(sizes.values()))[0]
+
+
+class ExpertPrimitive:
+    """`Schedule.expert_parallel` and its checks (the schedule provides `_state`, `mesh`, `mod`, `path`,
+    `_where`, `_check_axis`, `_check_not_built`, `_record`)."""
+
+    def expert_parallel(self: "Schedule", *, axis: str = "dp") -> "Schedule":
+        """Split this experts module's experts over mesh axis `axis` (expert parallelism): rank r keeps E/n
+        of the E experts (every parameter split on dim 0); in forward each rank sends every (token, expert)
+        pair it routes to the rank holding that expert, which runs the module's own forward on the rows it
+        receives, and the results come back to be weighted and summed as the model does (dropless: every
+        routed pair is computed; an index outside 0..E-1 is the model's own "no expert" and is not sent).
+
+        `axis` must be a data-parallel axis of the schedule (checked here when `data_parallel` came first, at
+        build otherwise): the experts' gradients are summed over the tokens of every rank of the axis and
+        averaged with the other data-parallel axes, as data parallelism averages the rest of the model.
+        Raises ScheduleError naming the path, parameter, axis and sizes at fault."""
+        self._check_not_built("expert_parallel")
+        self._check_axis(axis, "expert_parallel")
+        where = f"expert_parallel at {self._where()}"
+        if not self.path:
+            raise ScheduleError(f"{where}: state expert parallelism on an experts module, not the whole model")
+        paths = self._state.extras.setdefault(EXTRAS_KEY, {})
+        if self.path in paths:
+            raise ScheduleError(f"{where}: already expert-parallel over {paths[self.path]!r}")
+        e = experts_shape(self.path, self.mod)
+        n = self.mesh.size(axis)
+        if e % n:
+            raise ScheduleError(f"{where}: {e} experts do not divide over mesh axis {axis!r} of size {n}; use an "
+                                f"axis whose size divides {e}")
+        dp = self._state.data_parallel
+        if dp is not None and axis not in dp.axes:
+            raise ScheduleError(f"{where}: mesh axis {axis!r} is not data-parallel (data_parallel(axis="
+                                f"{dp.label()!r})); experts split over an axis whose ranks route their own tokens")
+        for name, p in self.mod.named_parameters(recurse=False):
+            prior = self._state.param_shards.get(id(p), [])
+            if prior:
+                raise ScheduleError(f"{where}: parameter {name!r} is already split on mesh axis {prior[0].axis!r} "
+                                    f"(dim {prior[0].dim}); an expert-parallel module's parameters are split "
+                                    f"over the expert axis only")
+        for _, p in self.mod.named_parameters(recurse=False):
+            self._state.param_shards.setdefault(id(p), []).append(ParamShard(0, axis))
+        paths[self.path] = axis
+        self._record("expert_parallel", axis=axis)
+        return self
