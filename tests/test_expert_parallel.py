@@ -1,0 +1,184 @@
+"""Expert parallelism (`Schedule.expert_parallel`, `treadle.forms.expert`): experts split over a data-parallel axis,
+tokens exchanged by uneven all-to-all. Numerics against one process (forward, every gradient, the router's
+included, and an optimizer step) on gloo, with skewed and dropped routing; the primitive's and build's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import treadle
+from treadle.errors import BuildError, ScheduleError
+from treadle.forms.expert import expert_parallel_moe
+from treadle.forms.expert.facts import expert_modules
+
+from test_moe import tiny_mixtral
+from tiny_models import VOCAB, lm_inputs
+
+
+# ------------------------------------------------------------------------------------------ a toy MoE layer
+class LoopExperts(nn.Module):
+    """Experts stacked on dim 0, run one by one as Hugging Face's eager loop does; an index E means "no expert"."""
+
+    def __init__(self, experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.randn(experts, inner, hidden) / hidden ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inner) / inner ** 0.5)
+        self.bias = nn.Parameter(torch.randn(experts, hidden) / 10)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            h = torch.relu(hidden_states[tok] @ self.up[e].T) @ self.down[e].T + self.bias[e]
+            out.index_add_(0, tok, h * top_k_weights[tok, slot, None])
+        return out
+
+
+class SkewedMoE(nn.Module):
+    """A router that sends most tokens to expert 0 (its bias) and drops the pairs whose weight is below
+    `drop` (index E, the model's own "no expert"), then the experts, then a head."""
+
+    def __init__(self, experts: int = 8, hidden: int = 16, k: int = 2, drop: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.k, self.drop, self.experts_n = k, drop, experts
+        self.router = nn.Linear(hidden, experts)
+        with torch.no_grad():
+            self.router.bias.zero_()
+            self.router.bias[0] = 3.0
+        self.experts = LoopExperts(experts, hidden, 24)
+        self.head = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(h), dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        if self.drop:
+            idx = torch.where(w < self.drop, torch.full_like(idx, self.experts_n), idx)
+        return self.head(self.experts(h, idx, w).reshape(x.shape))
+
+
+def _toy_inputs(rows: int = 16) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(rows, 3, 16, generator=torch.Generator().manual_seed(2))}
+
+
+def _ep_schedule(model, shape, names, *, ep, dp, shard=False):
+    sch = treadle.create_schedule(model, mesh=treadle.Mesh(shape, names))
+    expert_parallel_moe(sch, axis=ep)
+    sch.data_parallel(axis=dp, shard=shard)
+    return sch
+
+
+def test_the_toy_routing_is_uneven_and_drops_pairs():
+    m = SkewedMoE(drop=0.05)
+    h = _toy_inputs()["x"].reshape(-1, 16)
+    w, idx = torch.topk(torch.softmax(m.router(h), -1), 2, -1)
+    idx = torch.where(w < 0.05, torch.full_like(idx, 8), idx)
+    counts = torch.bincount(idx.reshape(-1), minlength=9)
+    assert counts[0] == h.shape[0]  # every token picks expert 0 first
+    assert counts[8] > 0 and counts[1:8].max() < counts[0] / 4  # some pairs dropped; the rest spread thinly
+    assert expert_modules(m) == {"experts": 8}
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.05])
+def test_skewed_and_dropped_routing_matches_one_process_on_4_ranks(drop):
+    # 8 experts over 4 ranks: rank 0 holds expert 0 and receives most rows; every gradient and a step compared
+    sch = _ep_schedule(SkewedMoE(drop=drop), (4,), ("dp",), ep="dp", dp="dp")
+    report = treadle.verify(sch, _toy_inputs(), steps=2, timeout_s=240)
+    names = {c.name for c in report.checks if c.kind == "param_grad"}
+    assert {"experts.up", "experts.down", "experts.bias", "router.weight", "router.bias"} <= names
+    assert report.ok
+
+
+def test_expert_axis_inside_a_larger_data_parallel_group_on_4_ranks():
+    # EP2 x DP2: each expert has two copies (dp); its gradient sums the ep tokens, then averages over dp
+    sch = _ep_schedule(SkewedMoE(), (2, 2), ("dp", "ep"), ep="ep", dp=("dp", "ep"))
+    assert treadle.verify(sch, _toy_inputs(), steps=2, timeout_s=240).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "fsdp2"])
+def test_mixtral_expert_parallel_verifies_on_4_ranks(shard):
+    sch = _ep_schedule(tiny_mixtral(), (2, 2), ("dp", "ep"), ep="ep", dp=("dp", "ep"), shard=shard)
+    assert [r.op for r in sch.records].count("expert_parallel") == 2
+    report = treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300)
+    grads = {c.name for c in report.checks if c.kind == "param_grad"}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in grads and "model.layers.1.mlp.gate.weight" in grads
+    assert report.ok
+
+
+def tiny_deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                           num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                           q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, vocab_size=VOCAB,
+                           max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_grouped_sigmoid_routing_with_shared_experts_verifies_on_4_ranks():
+    model = tiny_deepseek_v3()
+    assert expert_modules(model) == {"model.layers.1.mlp.experts": 8}  # the shared experts are a plain MLP
+    sch = _ep_schedule(model, (4,), ("dp",), ep="dp", dp="dp")
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_expert_parallel_refuses_what_it_cannot_split():
+    mesh = treadle.Mesh((3, 2), ("dp", "tp"))
+    sch = treadle.create_schedule(SkewedMoE(), mesh=mesh)
+    with pytest.raises(ScheduleError, match=r"sch\['head'\] \(Linear\).*do not all stack the experts on dim 0"):
+        sch["head"].expert_parallel(axis="dp")
+    with pytest.raises(ScheduleError, match=r"8 experts do not divide over mesh axis 'dp' of size 3"):
+        sch["experts"].expert_parallel(axis="dp")
+    with pytest.raises(ScheduleError, match=r"on an experts module, not the whole model"):
+        sch.expert_parallel(axis="tp")
+    sch.data_parallel(axis="dp")
+    with pytest.raises(ScheduleError, match=r"mesh axis 'tp' is not data-parallel"):
+        sch["experts"].expert_parallel(axis="tp")
+    sch2 = treadle.create_schedule(SkewedMoE(), mesh=treadle.Mesh((2, 2), ("dp", "tp")))
+    sch2["experts"].expert_parallel(axis="tp")
+    with pytest.raises(ScheduleError, match=r"sch\['experts'\] is expert-parallel over 'tp', which is not one of"):
+        sch2.data_parallel(axis="dp")
+    with pytest.raises(ScheduleError, match=r"already expert-parallel over 'tp'"):
+        sch2["experts"].expert_parallel(axis="tp")
+    with pytest.raises(ScheduleError, match="has no experts module"):
+        expert_parallel_moe(treadle.create_schedule(nn.Linear(4, 4), mesh=mesh), axis="dp")
+
+
+def test_build_refuses_experts_without_data_parallelism_or_split_over_another_axis():
+    from treadle.testing import spawn
+
+    for r in spawn(_build_refusals_rank, 4, timeout_s=120):
+        assert r == "ok"
+
+
+def _build_refusals_rank(rank, world):
+    mesh = treadle.Mesh((2, 2), ("dp", "tp"))
+    sch = treadle.create_schedule(SkewedMoE(), mesh=mesh)
+    sch["experts"].expert_parallel(axis="dp")
+    with pytest.raises(BuildError, match=r"expert_parallel at sch\['experts'\] over 'dp'.*must be data-parallel"):
+        treadle.build(sch)
+    sch = treadle.create_schedule(SkewedMoE(), mesh=mesh)
+    sch["experts"].expert_parallel(axis="dp")
+    sch["experts"].shard("up", dim=1, axis="tp")
+    sch.data_parallel(axis="dp")
+    with pytest.raises(BuildError, match=r"parameter 'up' is also split on mesh axis 'tp'"):
+        treadle.build(sch)
+    return "ok"
+
+
+def test_the_primitive_round_trips_through_a_schedule_file():
+    sch = _ep_schedule(SkewedMoE(), (2,), ("dp",), ep="dp", dp="dp")
+    again = treadle.load_schedule(SkewedMoE(), sch.to_json())
+    assert again.to_python() == sch.to_python()
+    assert "sch['experts'].expert_parallel(axis='dp')" in sch.to_python()
