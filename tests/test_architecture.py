@@ -190,7 +190,7 @@ def test_the_checks_see_a_cycle_and_an_upward_arrow():
     assert LAYER_OF["planner"] > LAYER_OF["pricing"]
 
 
-@pytest.mark.parametrize("form", ["tensor", "sequence", "vocab", "data"])
+@pytest.mark.parametrize("form", ["tensor", "sequence", "vocab", "data", "pipeline", "expert"])
 def test_every_parallel_form_is_one_package_registered_in_one_place(form):
     import treadle  # noqa: F401  (registers the forms)
     from treadle.form import forms

@@ -182,3 +182,41 @@ def test_the_primitive_round_trips_through_a_schedule_file():
     again = treadle.load_schedule(SkewedMoE(), sch.to_json())
     assert again.to_python() == sch.to_python()
     assert "sch['experts'].expert_parallel(axis='dp')" in sch.to_python()
+
+
+# ------------------------------------------------------------------------------------------ the price
+def test_the_price_counts_the_exchanges_and_the_local_experts_by_hand():
+    from treadle.cost.cluster import parse_cluster
+    from treadle.cost.collective_cost import collective_time_s
+
+    cl = parse_cluster("4x1:cpu")
+    inputs = lm_inputs(8, 16)
+    sch = _ep_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, ep="dp", dp="dp")
+    p = treadle.price(sch, inputs, cl)
+    ep = [c for c in p.collectives if c.get("source") == "ep"]
+    tokens, k, hidden, n = 8 // 4 * 16, 2, 64, 4  # this rank's tokens; balanced load (NOTE [expert load ...])
+    rows = tokens * k * hidden * 4
+    for layer in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        fwd = [(c["kind"], c["nbytes"]) for c in ep if c["module"] == layer and c["phase"] == "fwd"]
+        # counts (one int64 per rank), the rows, their local expert ids (int64), the results back
+        assert fwd == [("all_to_all", 8 * n), ("all_to_all", rows), ("all_to_all", tokens * k * 8),
+                       ("all_to_all", rows)]
+        bwd = [(c["kind"], c["nbytes"]) for c in ep if c["module"] == layer and c["phase"] == "bwd"]
+        assert bwd == [("all_to_all", rows)] * 2  # the two row exchanges' adjoints
+    c = ep[1]
+    assert c["time_s"] == pytest.approx(collective_time_s("all_to_all", rows, n, cl.link("dp")))
+    # DDP all-reduces every gradient but the experts' (summed by the exchanges: NOTE [expert gradients])
+    model = tiny_mixtral()
+    dense = sum(t.numel() * 4 for name, t in model.named_parameters() if ".experts." not in name)
+    experts = sum(t.numel() * 4 for name, t in model.named_parameters() if ".experts." in name)
+    assert sum(c["nbytes"] for c in p.collectives if c["source"] == "ddp" and c["kind"] == "all_reduce") == dense
+    # memory: each rank holds a quarter of the experts
+    ddp = treadle.price(_dp_only(tiny_mixtral(), cl.mesh), inputs, cl)
+    # (DDP-only: weight, two moments and the bucket copy of all; EP: weight and moments of a quarter, no copy)
+    assert ddp.static_bytes - p.static_bytes == pytest.approx(4 * experts - 3 * experts / 4, rel=1e-6)
+
+
+def _dp_only(model, mesh):
+    sch = treadle.create_schedule(model, mesh=mesh)
+    sch.data_parallel(axis="dp")
+    return sch

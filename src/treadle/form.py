@@ -12,6 +12,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
 (each docstring below names its caller):
 
 - capture (`treadle.planner.capture`): `capture_facts` — facts of the model a form's costs need later;
+- parameters (`treadle.forms.data`, at build and in the price): `own_params` — the parameters whose gradients a
+  form reduces itself, which data parallelism leaves alone (the local experts);
 - roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `role_label`;
 - cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
   `node_cost`, `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
@@ -54,6 +56,7 @@ class PriceTerms:
     param_divisor: int = 1
     subclass_params: bool = False
     label: str | None = None
+    foreign: frozenset = frozenset()
 
 
 class Form:
@@ -65,6 +68,11 @@ class Form:
     def capture_facts(self, model: Any) -> Any:
         """Facts of the model the form's costs need (`CapturedGraph.facts[name]`); None: none."""
         return None
+
+    def own_params(self, model: Any, view: Any) -> set[str]:
+        """Names of the parameters of `model` (every alias) whose gradients this form reduces itself, so data
+        parallelism leaves them alone (`view`: the schedule's `ScheduleView`)."""
+        return set()
 
     def role_options(self, mesh: Any, live: tuple[str, ...], *, batch: int | None, request: Any) -> list[dict] | None:
         """Role assignments this form can make of the `live` axes, as keyword arguments of

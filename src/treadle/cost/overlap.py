@@ -59,7 +59,8 @@ class Collective:
     """One collective of the step. `kind`: "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
     "broadcast"; `axis`: the mesh axis (or axes joined by ","); `nbytes` as the cost function takes it;
     `time_s` its alpha-beta time. Timing follows NOTE [overlap model]; `start_s`, `end_s` and
-    `exposed_s` are filled in by `simulate`. `source`: "tp" (inside a module), "ddp", "fsdp"."""
+    `exposed_s` are filled in by `simulate`. `source`: "tp" (inside a module), "ep" (an experts module's
+    exchanges), "ddp", "fsdp"."""
 
     kind: str
     axis: str

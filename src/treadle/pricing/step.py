@@ -20,6 +20,7 @@ from ..profile.profiler import model_flops
 from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
 from ..runtime.recompute import recompute_host_s
+from ..schedule.expert_primitive import expert_paths
 from .rehearsal import Rehearsal, rehearse
 from .result import Price, PriceRow
 
@@ -101,10 +102,13 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
     segs, seg_of = segments(reh.records, hw, reh.checkpoints)
     colls: list[Collective] = []
+    experts = expert_paths(reh.view.extras)
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
         t = collective_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
-        colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source="tp",
+        # what the built model issues itself: tensor parallelism's collectives, or an experts module's exchanges
+        source = "ep" if any(module == p or module.startswith(p + ".") for p in experts) else "tp"
+        colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source=source,
                                 link=cluster.link(axis)))
     # each parallel form's part of the step (data parallelism: DDP's buckets, FSDP2's gathers and copies)
     ctx = StepContext(reh, segs, cluster, hw)
@@ -118,8 +122,13 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     # the optimizer step: elementwise over the local parameters, one pass fused or eight (NOTE [AdamW traffic])
     n_opt = len(segs)
     local = trainable_params(reh.model)
-    opt_s = math.fsum(adamw_tensor_s(p.numel() / zero_n, p.dtype, optimizer_bytes_per_elem, hw, subclass=subclass)
-                      for _, p in local) + adamw_fixed_s(hw, subclass=subclass)
+    foreign = frozenset().union(*(t.foreign for t in terms))  # another form's parameters: not split, not copied
+
+    def divisor(name: str) -> int:
+        return 1 if name in foreign else zero_n
+
+    opt_s = math.fsum(adamw_tensor_s(p.numel() / divisor(n), p.dtype, optimizer_bytes_per_elem, hw,
+                                     subclass=subclass) for n, p in local) + adamw_fixed_s(hw, subclass=subclass)
     segs.append(Segment("", "optim", opt_s))
     for c in colls:
         if not c.blocking and c.needed_before is None:
@@ -127,20 +136,23 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     tl: Timeline = simulate(segs, colls, overlap=device.overlap)
     # ---- memory
     param_b = grad_b = opt_b = 0.0
-    for _, p in local:
-        elems = p.numel() / zero_n
+    for n, p in local:
+        elems = p.numel() / divisor(n)
         param_b += elems * p.element_size()
         grad_b += elems * p.element_size()
         opt_b += elems * (optimizer_bytes_per_elem + (4 if master_copy and p.dtype != torch.float32 else 0))
     frozen_b = sum(p.numel() * p.element_size() for p in reh.model.parameters() if not p.requires_grad)
     buffer_b = buffer_bytes(reh.model)
     input_b = sum(t.numel() * t.element_size() for t in _tensors(reh.inputs))
-    copies_b = sum(t.grad_copies for t in terms) * grad_b  # DDP's flat bucket buffers hold a copy of the grads
+    # DDP's flat bucket buffers hold a copy of the grads (of those it reduces)
+    copies_b = sum(t.grad_copies for t in terms) * math.fsum(p.numel() * p.element_size() / divisor(n)
+                                                             for n, p in local if n not in foreign)
     static = param_b + frozen_b + opt_b + buffer_b + input_b + copies_b
     saved = float(sum(r.saved_bytes for r in reh.records if r.phase == "forward"))
     peak_live = max((r.live_after_bytes for r in reh.records), default=0)
-    if zero_n > 1:
-        peak_live -= grad_b * (zero_n - 1)  # the recorded full gradients are reduce-scattered to 1/zero_n
+    if zero_n > 1:  # the recorded full gradients are reduce-scattered to 1/zero_n
+        peak_live -= (zero_n - 1) * math.fsum(p.numel() * p.element_size() / zero_n for n, p in local
+                                              if n not in foreign)
     transient = max(0.0, peak_live - saved) + gathered
     # ---- time split
     compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer

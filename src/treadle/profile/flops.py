@@ -341,7 +341,7 @@ register_zero(
 register_zero(
     aten.clone, aten._to_copy, aten.to, aten.copy_, aten.copy, aten.cat, aten.stack, aten.constant_pad_nd, aten.pad,
     aten.index, aten.index_select, aten.gather, aten.scatter, aten.scatter_add, aten.scatter_, aten.scatter_add_,
-    aten.index_put, aten.index_put_,
+    aten.index_put, aten.index_put_, aten.index_copy, aten.index_copy_,
     aten.index_add, aten.embedding, aten.embedding_dense_backward, aten.slice_backward, aten.select_backward,
     aten.unsqueeze_copy, aten.masked_fill, aten.masked_fill_, aten.tril, aten.triu, aten.repeat,
     aten.repeat_interleave, aten.roll, aten.flip, aten.fill_, aten.zero_, aten.bernoulli_, aten.bernoulli,

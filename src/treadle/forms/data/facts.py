@@ -65,6 +65,17 @@ def buffer_broadcast_s(buffer_bytes: float, n: int, link: Any) -> float:
     return cc.broadcast_time_s(buffer_bytes, n, link) if buffer_bytes and n > 1 else 0.0
 
 
+def foreign_params(model: nn.Module, view: Any) -> set[str]:
+    """Names of the parameters of `model` that another form reduces itself (`Form.own_params`: the local
+    experts of expert parallelism), which DDP and FSDP2 leave alone, at build and in the price alike."""
+    from ...form import forms
+
+    out: set[str] = set()
+    for f in forms():
+        out |= f.own_params(model, view)
+    return out
+
+
 def within(path: str, prefix: str) -> bool:
     """`path` is the module `prefix` or inside it ("" holds everything)."""
     return prefix == "" or path == prefix or path.startswith(prefix + ".")

@@ -13,8 +13,8 @@ from ...form import PriceTerms
 from ...pricing import Rehearsal, StepContext
 from ...profile.memory import buffer_bytes
 from ...runtime.optimizer import trainable_params
-from .facts import (buffer_broadcast_s, ddp_buckets, fsdp_copy_s, fsdp_host_s, fsdp_param_units, fsdp_units,
-                    within)
+from .facts import (buffer_broadcast_s, ddp_buckets, foreign_params, fsdp_copy_s, fsdp_host_s, fsdp_param_units,
+                    fsdp_units, within)
 
 
 def price_step(ctx: StepContext) -> PriceTerms | None:
@@ -23,16 +23,19 @@ def price_step(ctx: StepContext) -> PriceTerms | None:
     dp = reh.view.data_parallel
     if dp is None or dp.size(reh.mesh) <= 1:
         return None
+    foreign = foreign_params(reh.model, reh.view)  # another form reduces them (the local experts)
     if dp.shard:
-        colls, gathered = _fsdp(reh, ctx.segments, ctx.cluster)
+        colls, gathered = _fsdp(reh, ctx.segments, ctx.cluster, foreign)
         return PriceTerms(colls, gathered_bytes=gathered, param_divisor=dp.shard_size(reh.mesh),
-                          subclass_params=dp.shard_size(reh.mesh) > 1, label=str(dp))
-    return PriceTerms(_ddp(reh, ctx.segments, ctx.cluster), grad_copies=1, label=str(dp))
+                          subclass_params=dp.shard_size(reh.mesh) > 1, label=str(dp), foreign=frozenset(foreign))
+    return PriceTerms(_ddp(reh, ctx.segments, ctx.cluster, foreign), grad_copies=1, label=str(dp),
+                      foreign=frozenset(foreign))
 
 
-def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Collective]:
+def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec, foreign: set[str]) -> list[Collective]:
     """DDP's bucketed all-reduces over the flattened group of every data-parallel axis (prod of their sizes
-    ranks, `ClusterSpec.group_link`), each issued when the bucket's last gradient is ready."""
+    ranks, `ClusterSpec.group_link`), each issued when the bucket's last gradient is ready; the `foreign`
+    parameters (another form's) are in no bucket."""
     dp = reh.view.data_parallel
     axis, n, link = dp.label(), dp.size(reh.mesh), cluster.group_link(dp.axes)
     bwd_last: dict[str, int] = {}
@@ -42,6 +45,8 @@ def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> list[Coll
     last_bwd = max(bwd_last.values(), default=len(segs) - 1)
     grads = []
     for order, (name, p) in enumerate(reversed(trainable_params(reh.model))):
+        if name in foreign:
+            continue
         owner = name.rpartition(".")[0]
         ready = bwd_last.get(owner, last_bwd)
         grads.append((ready, order, name, p.numel() * p.element_size(), str(p.dtype)))
@@ -80,8 +85,10 @@ def prefetched_gathers(order: list[str], first_use: dict[str, int], unit_bytes: 
     return out
 
 
-def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[list[Collective], float]:
-    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak.
+def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
+          foreign: set[str]) -> tuple[list[Collective], float]:
+    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak. The
+    `foreign` parameters (another form's: `ignored_params`) are in no unit.
 
     Gathers and reduce-scatters run over the flattened group of the shard axes (n = prod of their sizes,
     `ClusterSpec.group_link`). HSDP adds, per unit, an all-reduce of the reduced shard (unit bytes / n) over the
@@ -94,6 +101,8 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec) -> tuple[li
     unit_bytes: dict[str, float] = {u: 0.0 for u in units}
     unit_params: dict[str, int] = {u: 0 for u in units}
     for (name, p), unit in zip(trainable_params(reh.model), fsdp_param_units(reh.model, units)):
+        if name in foreign:
+            continue
         unit_bytes[unit] += p.numel() * p.element_size()
         unit_params[unit] += 1
 

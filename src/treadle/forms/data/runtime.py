@@ -10,13 +10,9 @@ from typing import Any
 from torch import nn
 
 from ...errors import BuildError
-from .facts import batch_statistics_modules, fsdp_units
+from .facts import batch_statistics_modules, foreign_params, fsdp_units
 
 logger = logging.getLogger(__name__)
-
-# builder.scratch[IGNORED_KEY]: parameters another form reduces itself, which DDP and FSDP2 leave alone (the
-# local expert weights: NOTE [expert gradients] in `treadle.forms.expert.runtime`)
-IGNORED_KEY = "data_parallel_ignored"
 
 
 def wrap_data_parallel(builder) -> nn.Module | None:
@@ -50,7 +46,9 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
     dp = builder.v.data_parallel
     _refuse_batch_statistics(builder, module)
-    ignored = {id(p) for p in builder.scratch.get(IGNORED_KEY, ())}
+    # parameters another form reduces itself (the local experts: NOTE [expert gradients])
+    names = foreign_params(builder.model, builder.v)
+    ignored = {id(p) for n, p in builder.model.named_parameters(remove_duplicate=False) if n in names}
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None

@@ -15,7 +15,8 @@ for every experts module of a model. Everything else is here:
 from __future__ import annotations
 
 from ...form import Form
-from .runtime import hand_over_weights, plan_experts
+from ...schedule.expert_primitive import expert_param_names
+from .runtime import plan_experts
 from .steps import expert_parallel_moe
 
 
@@ -24,7 +25,10 @@ class ExpertParallelForm(Form):
 
     name = "expert"
 
+    def own_params(self, model, view):
+        return expert_param_names(model, view.extras)  # NOTE [expert gradients]
+
 
 FORM = ExpertParallelForm()
-BUILD_STEPS = {"pre_shard": plan_experts, "post_hooks": hand_over_weights}
+BUILD_STEPS = {"pre_shard": plan_experts}
 __all__ = ["FORM", "BUILD_STEPS", "expert_parallel_moe"]

@@ -15,6 +15,12 @@ Dropless: every routed pair is computed, whatever the load; the counts may diffe
 weights stay on the rank that routed them, so their gradient (and the router's) is the local one. The expert
 weights' gradient sums the tokens of every rank of the axis; `ExpertLeaf` averages it with the other
 data-parallel axes (NOTE [expert gradients]).
+
+NOTE [expert load in a rehearsal]: the price rehearses a step on fake tensors (`treadle.pricing.rehearsal`),
+where no routing decision exists. There the dispatch assumes the balanced load a load-balanced router aims at:
+every routed pair is sent, 1/n of them to each rank, and each rank receives as many rows as it sends, so the
+all-to-alls carry T*k rows each way and each rank's experts compute T*k rows. The price states that
+assumption (`treadle.forms.expert.price`); a skewed router makes the busiest rank slower than priced.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import BuildError
 from ...runtime import collectives as C
@@ -96,11 +103,18 @@ class ExpertLeaf:
         weights = weights.reshape(t, k)
         local_n = self.experts // self.size
         flat = index.reshape(-1)
-        pairs = ((flat >= 0) & (flat < self.experts)).nonzero().squeeze(1)
-        order = pairs[torch.argsort(flat[pairs], stable=True)]
+        if is_fake(flat):  # NOTE [expert load in a rehearsal]
+            order = torch.argsort(flat, stable=True)
+            send = [len(range(r, flat.numel(), self.size)) for r in range(self.size)]
+            C.exchange_counts(send, self.group, device=x.device)
+            recv = list(send)
+        else:
+            pairs = ((flat >= 0) & (flat < self.experts)).nonzero().squeeze(1)
+            order = pairs[torch.argsort(flat[pairs], stable=True)]
+            send = torch.bincount(torch.div(flat[order], local_n, rounding_mode="floor"),
+                                  minlength=self.size).tolist()
+            recv = C.exchange_counts(send, self.group, device=x.device)
         dest = torch.div(flat[order], local_n, rounding_mode="floor")
-        send = torch.bincount(dest, minlength=self.size).tolist()
-        recv = C.exchange_counts(send, self.group, device=x.device)
         rows = C.exchange_rows(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)
         with torch.no_grad():
             ids = C.exchange_rows((flat[order] - dest * local_n).unsqueeze(1), send, recv, self.group)

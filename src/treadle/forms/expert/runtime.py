@@ -1,6 +1,6 @@
 """What `build` installs for expert parallelism (`Schedule.expert_parallel`): the "pre_shard" step plans each
-experts module's local forward (NOTE [expert dispatch] in `dispatch.py`); the "post_hooks" step hands the local
-expert weights to the data-parallel form to leave alone (NOTE [expert gradients]).
+experts module's local forward (NOTE [expert dispatch] in `dispatch.py`); the form's `own_params` face names the
+local expert weights, which the data-parallel form leaves alone (NOTE [expert gradients]).
 
 NOTE [expert gradients]: data parallelism averages a replicated weight's gradient over its D replicas:
 (1/D) * sum over ranks r of dL_r/dW. An expert's weight lives on one rank of the expert axis, and the token
@@ -68,15 +68,3 @@ def plan_experts(builder) -> None:
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         logger.info("expert parallel: %s: %d experts over %r (%d per rank)", path, experts, axis,
                     experts // builder.sizes[axis])
-
-
-def hand_over_weights(builder) -> None:
-    """The "post_hooks" build step: the local expert weights, for the data-parallel form to ignore
-    (NOTE [expert gradients])."""
-    from ..data.runtime import IGNORED_KEY
-
-    paths = expert_paths(builder.v.extras)
-    if paths:
-        ignored = builder.scratch.setdefault(IGNORED_KEY, [])
-        for path in paths:
-            ignored.extend(p for _, p in builder.module(path).named_parameters(recurse=False))
