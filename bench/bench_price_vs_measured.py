@@ -62,13 +62,52 @@ def make_model(name: str, batch: int, seq: int):
                           num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
         cfg._attn_implementation = "sdpa"
         model = LlamaForCausalLM(cfg)
+    elif name in MOE_MODELS:
+        model = _moe_model(name)
     else:
-        raise SystemExit(f"unknown model {name!r}; use gpt2 or llama")
+        raise SystemExit(f"unknown model {name!r}; use gpt2, llama, {' or '.join(MOE_MODELS)}")
     model.config.use_cache = False
     model.train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 1024, (batch, seq), generator=g)
     return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+MOE_MODELS = ("mixtral", "deepseek")  # 8 experts, top-2, in every block (DeepSeek-V3: from block 1, + 1 shared)
+
+
+def _moe_model(name: str):
+    """A tiny Mixtral-style (softmax top-2 of 8) or DeepSeek-V3-style (grouped sigmoid routing with a bias, a
+    shared expert, a first dense block, latent attention) decoder: 4 blocks, 128 wide, vocab 1024."""
+    if name == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(
+            num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4,
+            num_local_experts=8, num_experts_per_tok=2, vocab_size=1024, max_position_embeddings=256))
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        num_hidden_layers=4, hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=8,
+        num_key_value_heads=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=16,
+        qk_nope_head_dim=16, vocab_size=1024, max_position_embeddings=256))
+
+
+def expert_schedules(shape: tuple, names: tuple, add) -> None:
+    """The expert-parallel hand plans (`add(label, fn)`): on a 1-D mesh EP over every rank; on a 2-D mesh EP over
+    the second axis inside DP over both (EP2 x DP2), and Megatron TP on the second axis with EP over the first."""
+    from treadle.forms.expert import expert_parallel_moe
+    from treadle.models import megatron as meg
+
+    n = math.prod(shape)
+    if len(shape) == 2:  # (one expert axis: EP over all four ranks is the 1-D configuration's EP4)
+        dp, tp = names
+        add(f"EP{shape[1]} x DP{shape[0]}", lambda s: (expert_parallel_moe(s, axis=tp), s.data_parallel(axis=(dp, tp))))
+        add(f"TP{shape[1]} x EP{shape[0]}", lambda s: (meg(s, tp=tp, dp=dp), expert_parallel_moe(s, axis=dp)))
+    else:
+        (ax,) = names
+        add(f"EP{n}", lambda s: (expert_parallel_moe(s, axis=ax), s.data_parallel(axis=ax)))
 
 
 # ----------------------------------------------------------------------------------------------- schedules
@@ -174,6 +213,8 @@ def schedules(model_name: str, shape: tuple, names: tuple, batch: int, seq: int,
             add("TP + SP + ckpt", lambda s: meg(s, tp=ax, sequence_parallel=True, checkpoint_fraction=1.0))
     if pipeline:
         out += pipeline_schedules(model_name, math.prod(shape), batch, seq)
+    if model_name in MOE_MODELS:
+        expert_schedules(shape, names, add)
     model, inputs = make_model(model_name, batch, seq)
     try:
         free = plan_model(model, inputs, cluster=cluster, price_top=PRICE_TOP)

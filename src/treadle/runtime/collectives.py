@@ -263,8 +263,12 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group) -> torch
 
 
 def exchange_counts(send: list[int], group, device: torch.device | None = None) -> list[int]:
-    """How many rows each rank of `group` sends this rank, given how many this rank sends each (`send`, one
-    count per rank in group order): one all-to-all of the counts (no gradient)."""
+    """How many rows each rank of `group` sends this rank, given how many this rank sends each: `send` holds m
+    counts per rank (m >= 1; rank r's are ``send[r*m:(r+1)*m]``, e.g. one per expert it holds), and the result
+    the m counts of each source rank, in group order: one all-to-all of the counts (no gradient)."""
+    n = dist.get_world_size(group)
+    if not send or len(send) % n:
+        raise LayoutError(f"exchange_counts: {len(send)} counts over a group of {n} ranks (m counts per rank)")
     t = torch.tensor(send, dtype=torch.int64, device=device)
     out = torch.empty_like(t)
     dist.all_to_all_single(out, t, group=group)

@@ -5,7 +5,9 @@ In forward, each rank
 
 1. lists the (token, slot) pairs it routes to a real expert (an index outside 0..E-1 is the model's own "no
    expert" and is not sent), ordered by expert; pair p goes to rank ``index[p] // El``;
-2. exchanges the counts, then the pairs' rows and their local expert ids (two uneven all-to-alls);
+2. exchanges its pair counts per expert (one all-to-all of E integers: each rank learns how many rows each
+   source sends each of its experts, hence every received row's local expert), then the pairs' rows (an
+   uneven all-to-all);
 3. runs the module's own forward on the rows it received, each with its one local expert and weight 1, so
    the experts compute as the model computes them (its loop, or its grouped product);
 4. sends the results back (the inverse all-to-all), weights each pair by its routing weight, and sums the
@@ -105,19 +107,20 @@ class ExpertLeaf:
         flat = index.reshape(-1)
         if is_fake(flat):  # NOTE [expert load in a rehearsal]
             order = torch.argsort(flat, stable=True)
-            send = [len(range(r, flat.numel(), self.size)) for r in range(self.size)]
-            C.exchange_counts(send, self.group, device=x.device)
-            recv = list(send)
+            per_expert = [len(range(e, flat.numel(), self.experts)) for e in range(self.experts)]
+            C.exchange_counts(per_expert, self.group, device=x.device)
+            got = list(per_expert)
         else:
             pairs = ((flat >= 0) & (flat < self.experts)).nonzero().squeeze(1)
             order = pairs[torch.argsort(flat[pairs], stable=True)]
-            send = torch.bincount(torch.div(flat[order], local_n, rounding_mode="floor"),
-                                  minlength=self.size).tolist()
-            recv = C.exchange_counts(send, self.group, device=x.device)
-        dest = torch.div(flat[order], local_n, rounding_mode="floor")
+            per_expert = torch.bincount(flat[order], minlength=self.experts).tolist()
+            got = C.exchange_counts(per_expert, self.group, device=x.device)  # per (source rank, local expert)
+        send = [sum(per_expert[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
+        recv = [sum(got[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
         rows = C.exchange_rows(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)
-        with torch.no_grad():
-            ids = C.exchange_rows((flat[order] - dest * local_n).unsqueeze(1), send, recv, self.group)
+        # each source sent its rows ordered by expert: the local expert of each received row, from the counts
+        ids = torch.repeat_interleave(torch.arange(local_n, device=x.device).repeat(self.size),
+                                      torch.tensor(got, device=x.device), output_size=sum(recv)).unsqueeze(1)
         y = self._local(m, rows, ids, weights.dtype)
         back = C.exchange_rows(y, recv, send, self.group)
         per_pair = back.new_zeros((t * k, back.shape[-1])).index_copy(0, order, back).view(t, k, -1)
