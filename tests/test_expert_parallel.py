@@ -219,3 +219,13 @@ def _dp_only(model, mesh):
     sch = treadle.create_schedule(model, mesh=mesh)
     sch.data_parallel(axis="dp")
     return sch
+
+
+@pytest.mark.slow
+def test_tensor_parallel_attention_with_experts_over_the_data_axis_verifies_on_4_ranks():
+    from treadle.models import megatron
+
+    sch = treadle.create_schedule(tiny_mixtral(), mesh=treadle.Mesh((2, 2), ("dp", "tp")))
+    megatron(sch, tp="tp", dp="dp")  # attention split over tp; the experts replicated over tp, split over dp
+    expert_parallel_moe(sch, axis="dp")
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
