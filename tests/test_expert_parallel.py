@@ -229,3 +229,70 @@ def test_tensor_parallel_attention_with_experts_over_the_data_axis_verifies_on_4
     megatron(sch, tp="tp", dp="dp")  # attention split over tp; the experts replicated over tp, split over dp
     expert_parallel_moe(sch, axis="dp")
     assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+EP_SCHEDULES = {"ep4": ((4, 1), "dp", "dp"), "ep2xdp2": ((2, 2), "tp", ("dp", "tp")), "ddp4": ((4, 1), None, "dp"),
+                "ep2-fsdp2x2": ((2, 2), "tp", ("dp", "tp"))}
+
+
+def _make_ep(name: str):
+    from treadle import Mesh, build, create_schedule
+    from treadle.run.config import RunConfig
+    from treadle.run.layout import layouts, shards_by_name
+    from treadle.run.optim import init_optimizer_state, make_optimizer
+
+    shape, ep, dp = EP_SCHEDULES[name]
+    sch = create_schedule(tiny_mixtral(), mesh=Mesh(shape, ("dp", "tp")))
+    if ep is not None:
+        expert_parallel_moe(sch, axis=ep)
+    sch.data_parallel(axis=dp, shard="fsdp" in name)
+    before = shards_by_name(sch)
+    built = build(sch)
+    spec = sch.view().data_parallel
+    lay = layouts(built, before, sch.mesh, spec.shard_axes if spec.shard else None)
+    opt = make_optimizer(built, lay, RunConfig(model="tiny-llama", data=["unused"], lr=1e-2, warmup_steps=0, steps=9))
+    init_optimizer_state(opt)
+    return sch, built, lay, opt
+
+
+def _ep_reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
+    from test_run_reshard import _batches, _step
+    from treadle.run import checkpoint as ckpt
+    from treadle.run.layout import unwrap
+
+    batches = _batches()
+    a = _make_ep(src)
+    first = _step(*a, batches[0], with_norm=True)
+    _step(*a, batches[1])
+    ckpt.Checkpointer(path).save(a[1], a[3], a[2], a[0].mesh, step=2)
+    full_a = {n: a[2][n].gather_full(p, a[0].mesh) for n, p in unwrap(a[1]).named_parameters()}
+    after_a = [_step(*a, b) for b in batches[2:]]
+    b_ = _make_ep(dst)
+    step = ckpt.load(ckpt.step_dir(path, 2), b_[1], b_[3], b_[2], b_[0].mesh)
+    full_b = {n: b_[2][n].gather_full(p, b_[0].mesh) for n, p in unwrap(b_[1]).named_parameters()}
+    after_b = [_step(*b_, b) for b in batches[2:]]
+    local = tuple(unwrap(a[1]).get_parameter("model.layers.0.mlp.experts.down_proj").shape)
+    return step, {n: float((full_a[n] - full_b[n]).abs().max()) for n in full_a}, after_a, after_b, first, local
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,dst", [("ep4", "ep2xdp2"), ("ep2-fsdp2x2", "ddp4"), ("ddp4", "ep4")])
+def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
+    from treadle.testing import spawn
+
+    ids = __import__("test_run_reshard")._batches()[0]
+    torch.manual_seed(0)
+    ref = tiny_mixtral()
+    loss = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    experts = ref.model.layers[0].mlp.experts.down_proj.shape[0]
+    ep = {"ep4": 4, "ep2xdp2": 2, "ep2-fsdp2x2": 2, "ddp4": 1}[src]
+    for step, max_diff, after_a, after_b, (loss0, norm0), local in spawn(_ep_reshard_rank, 4, src, dst,
+                                                                         str(tmp_path / "ck"), timeout_s=240):
+        assert local[0] == experts // ep  # this rank's experts only
+        # the norm over expert shards and replicas is the single-process norm
+        assert loss0 == pytest.approx(float(loss.detach()), rel=1e-5) and norm0 == pytest.approx(ref_norm, rel=1e-5)
+        assert step == 2 and max(max_diff.values()) == 0.0, {n: d for n, d in max_diff.items() if d}
+        torch.testing.assert_close(torch.tensor(after_b), torch.tensor(after_a), rtol=1e-5, atol=1e-6)
