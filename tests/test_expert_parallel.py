@@ -296,3 +296,70 @@ def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
         assert loss0 == pytest.approx(float(loss.detach()), rel=1e-5) and norm0 == pytest.approx(ref_norm, rel=1e-5)
         assert step == 2 and max(max_diff.values()) == 0.0, {n: d for n, d in max_diff.items() if d}
         torch.testing.assert_close(torch.tensor(after_b), torch.tensor(after_a), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ training
+def _loads_rank(rank: int, world: int):
+    from treadle.forms.expert.runtime import expert_loads
+
+    sch = _ep_schedule(SkewedMoE(drop=0.05), (2, 2), ("dp", "ep"), ep="ep", dp=("dp", "ep"))
+    built = treadle.build(sch)
+    x = _toy_inputs()["x"]
+    built(x=x.chunk(world)[rank]).sum().backward()
+    (load,) = expert_loads(built)
+    return load.module, load.rows, load.imbalance, expert_loads(built)[0].rows
+
+
+def test_expert_loads_count_every_replica_routed_rows_per_expert():
+    from treadle.testing import spawn
+
+    m = SkewedMoE(drop=0.05)
+    h = _toy_inputs()["x"].reshape(-1, 16)
+    w, idx = torch.topk(torch.softmax(m.router(h), -1), 2, -1)
+    idx = torch.where(w < 0.05, torch.full_like(idx, 8), idx)
+    want = torch.bincount(idx.reshape(-1), minlength=9)[:8].tolist()  # the dropped pairs are no expert's
+    for module, rows, imbalance, again in spawn(_loads_rank, 4, timeout_s=120):
+        assert (module, list(rows)) == ("experts", want)
+        assert imbalance == pytest.approx(max(want) / (sum(want) / 8))
+        assert sum(again) == 0  # read and reset
+
+
+@pytest.mark.slow
+def test_treadle_run_trains_an_expert_parallel_schedule_as_ddp_does(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from treadle.models.zoo import named_model
+    from treadle.testing import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    losses = {}
+    for name in ("ep4", "ddp4"):
+        model, _ = named_model("tiny-mixtral", batch=1, seq=16)
+        sch = treadle.create_schedule(model, mesh=treadle.Mesh((4,), ("dp",)))
+        if name == "ep4":
+            expert_parallel_moe(sch, axis="dp")
+        sch.data_parallel(axis="dp")
+        (tmp_path / f"{name}.json").write_text(sch.to_json())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-mixtral", "--data",
+               str(root / "examples" / "data" / "village.txt"), "--seq", "32", "--batch", "8", "--steps", "4",
+               "--schedule", str(tmp_path / f"{name}.json"), "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "2",
+               "--metrics", str(tmp_path / f"{name}.jsonl"), "--timeout-s", "60"]
+        env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows]
+        if name == "ep4":
+            assert "experts: busiest / mean rows" in res.stdout
+            logged = [r["experts"] for r in rows if r["experts"]]
+            assert len(logged) == 2 and all(len(e) == 2 for e in logged)  # steps 2 and 4; two MoE blocks
+            # each reading covers 2 steps x 8 x 32 tokens x 2 experts per token
+            assert all(sum(m["rows"]) == 2 * 8 * 32 * 2 for e in logged for m in e)
+        else:
+            assert all(r["experts"] is None for r in rows)
+    torch.testing.assert_close(torch.tensor(losses["ep4"]), torch.tensor(losses["ddp4"]), rtol=1e-5, atol=1e-5)

@@ -2,7 +2,7 @@
 
 `named_model("llama-2-70b", batch=1, seq=4096, fake=True)` builds the model under `FakeTensorMode`, so a 70B
 model costs no memory and no initialisation time; tiny configs (`tiny-gpt2`, `tiny-bert`, `tiny-llama`,
-`tiny-opt`, `tiny-t5`) are small enough to run for real in tests. `load_model("pkg.mod:function", ...)` calls
+`tiny-opt`, `tiny-t5`, `tiny-mixtral`, `tiny-deepseek-v3`) are small enough to run for real in tests. `load_model("pkg.mod:function", ...)` calls
 a user function returning ``(model, example_inputs)``. Example inputs are a dict of keyword arguments that
 includes ``labels``, so the model returns its own training loss.
 """
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class ModelConfig:
     """One named configuration: the transformers config and model class names, and config keyword arguments."""
 
-    family: str  # "gpt2" | "bert" | "llama" | "opt" | "t5"
+    family: str  # "gpt2" | "bert" | "llama" | "opt" | "t5" | "mixtral" | "qwen3_moe" | "deepseek_v3"
     config: dict[str, Any] = field(default_factory=dict)
     source: str = ""
 
@@ -41,6 +41,10 @@ _FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
     "t5": ("T5Config", "T5ForConditionalGeneration"),
+    # mixture-of-experts decoders (their experts stack on dim 0: `treadle.forms.expert`)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -85,6 +89,18 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     # T5 v1.0 base (Raffel et al. 2020)
     "t5-base": ModelConfig(family="t5", config=dict(d_model=768, d_ff=3072, num_layers=12, num_decoder_layers=12,
                                                     num_heads=12, d_kv=64, vocab_size=32128), source="t5-base"),
+    # Mixture-of-experts (HF config.json of each source)
+    "mixtral-8x7b": ModelConfig(family="mixtral", config=_llama(4096, 14336, 32, 32, 8, 32000,
+                                                                max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                                                rope_theta=1e6, num_local_experts=8,
+                                                                num_experts_per_tok=2),
+                                source="mistralai/Mixtral-8x7B-v0.1"),
+    "qwen3-30b-a3b": ModelConfig(family="qwen3_moe", config=_llama(2048, 6144, 48, 32, 4, 151936, head_dim=128,
+                                                                   moe_intermediate_size=768, num_experts=128,
+                                                                   num_experts_per_tok=8, norm_topk_prob=True,
+                                                                   max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                                                   rope_theta=1e6, tie_word_embeddings=False),
+                                 source="Qwen/Qwen3-30B-A3B"),
     # Tiny configs for tests: same architectures, a few layers, small widths.
     "tiny-gpt2": ModelConfig(family="gpt2", config=dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256,
                                                         n_positions=128, bos_token_id=255, eos_token_id=255)),
@@ -97,6 +113,12 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                                                       max_position_embeddings=128)),
     "tiny-t5": ModelConfig(family="t5", config=dict(d_model=64, d_ff=128, num_layers=5, num_decoder_layers=5,
                                                     num_heads=4, d_kv=16, vocab_size=256)),
+    "tiny-mixtral": ModelConfig(family="mixtral", config=_llama(64, 128, 2, 4, 2, 256, max_position_embeddings=128,
+                                                                num_local_experts=8, num_experts_per_tok=2)),
+    "tiny-deepseek-v3": ModelConfig(family="deepseek_v3", config=_llama(
+        64, 128, 2, 4, 4, 256, max_position_embeddings=128, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8)),
 }
 
 

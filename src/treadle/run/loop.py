@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TreadleError
+from ..forms.expert.runtime import expert_loads
 from . import checkpoint as ckpt
 from . import failure, health, preflight
 from .agree import JobError, agree
@@ -235,9 +236,13 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                 mfu = flops_per_step / step_s / (world * peak) if flops_per_step and peak else None
                 mem = memory_bytes(device)
                 stages = stage_metrics(built, mesh, per_stage_flops, step_s, peak, mem) if metrics.logs(done) else None
+                loads = expert_loads(built) if metrics.logs(done) else None  # collectives: at the same steps
+                experts = [{"module": e.module, "rows": list(e.rows), "imbalance": e.imbalance}
+                           for e in loads] if loads else None
                 metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
                                         tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                                        mfu=mfu, mem_bytes=mem, epoch=sampler.epoch(done), stages=stages))
+                                        mfu=mfu, mem_bytes=mem, epoch=sampler.epoch(done), stages=stages,
+                                        experts=experts))
                 health.mark(done)
                 if out.stop_ranks:
                     saved = checkpointer.save(built, opt, layouts, mesh, step=done) if checkpointer else None

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepMetrics:
     """One optimizer step, as logged. `loss` is the mean over data-parallel ranks; `step_s` wall seconds of
-    this rank; `mfu` None when no device peak is known."""
+    this rank; `mfu` None when no device peak is known; `experts` per expert-parallel experts module, the rows
+    each expert computed since the last logged step and the busiest over the mean (`treadle.forms.expert.runtime.
+    expert_loads`), None without one."""
 
     step: int
     loss: float
@@ -38,6 +40,7 @@ class StepMetrics:
     mem_bytes: int
     epoch: float
     stages: list[StageMetrics] | None = None
+    experts: list[dict] | None = None
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -197,6 +200,10 @@ class MetricsLogger:
             self._progress.update(self._task, completed=m.step, info=info)
         elif self.logs(m.step):
             print(f"step {m.step}/{self.cfg.steps} {info}", flush=True)
+        if m.experts and self.logs(m.step):
+            worst = max(m.experts, key=lambda e: e["imbalance"])
+            self.message(f"  experts: busiest / mean rows {worst['imbalance']:.2f} ({worst['module']}; "
+                         f"{len(m.experts)} expert-parallel modules)")
         for st in m.stages or ():
             self.message(f"  pp {st.pp} stages {st.stages}: " + (f"mfu {st.mfu * 100:.3g}% " if st.mfu is not None
                                                                    else "") + f"mem {st.mem_bytes / 2**20:.0f} MiB")
@@ -207,6 +214,8 @@ class MetricsLogger:
                 self._tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
             if m.mfu is not None:
                 self._tb.add_scalar("train/mfu", m.mfu, m.step)
+            if m.experts:
+                self._tb.add_scalar("train/expert_imbalance", max(e["imbalance"] for e in m.experts), m.step)
             for st in m.stages or ():
                 self._tb.add_scalar(f"train/pp{st.pp}_mem_bytes", st.mem_bytes, m.step)
                 if st.mfu is not None:

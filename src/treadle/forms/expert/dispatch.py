@@ -94,6 +94,13 @@ class ExpertLeaf:
     grad_group: Any
     grad_scale: float
     count_attrs: tuple[str, ...]
+    load: list[int] | None = None  # rows each local expert received since `take_load` (real runs only)
+
+    def take_load(self) -> list[int]:
+        """The rows each local expert received since the last call (every forward the experts ran, a
+        checkpointed block's recompute included), and reset."""
+        out, self.load = self.load or [0] * (self.experts // self.size), None
+        return out
 
     def forward(self, m: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, index, weights = self._bind(args, kwargs)
@@ -115,6 +122,8 @@ class ExpertLeaf:
             order = pairs[torch.argsort(flat[pairs], stable=True)]
             per_expert = torch.bincount(flat[order], minlength=self.experts).tolist()
             got = C.exchange_counts(per_expert, self.group, device=x.device)  # per (source rank, local expert)
+            mine = [sum(got[r * local_n + e] for r in range(self.size)) for e in range(local_n)]
+            self.load = mine if self.load is None else [a + b for a, b in zip(self.load, mine)]
         send = [sum(per_expert[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
         recv = [sum(got[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
         rows = C.exchange_rows(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)

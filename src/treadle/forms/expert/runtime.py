@@ -15,6 +15,10 @@ in the same order.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from ...errors import BuildError
 from ...schedule.expert_primitive import expert_paths
@@ -66,5 +70,46 @@ def plan_experts(builder) -> None:
                           rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
                           grad_scale=1.0 / dp.size(builder.mesh), count_attrs=count_attrs(m, experts))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
+        m._treadle_expert_leaf = leaf  # what `expert_loads` reads
         logger.info("expert parallel: %s: %d experts over %r (%d per rank)", path, experts, axis,
                     experts // builder.sizes[axis])
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """The routed rows each expert of one experts module computed over the steps since the last reading (every
+    data-parallel replica's tokens), and `imbalance`: the busiest expert's rows over the mean (1.0: balanced;
+    the step waits for the busiest rank of the expert axis)."""
+
+    module: str
+    rows: tuple[int, ...]
+
+    @property
+    def imbalance(self) -> float:
+        mean = sum(self.rows) / len(self.rows) if self.rows else 0.0
+        return max(self.rows) / mean if mean else 1.0
+
+
+def expert_loads(model: nn.Module) -> list[ExpertLoad] | None:
+    """Per expert-parallel experts module of a built `model`, the rows each of its experts computed since the
+    last call, summed over every rank (a collective: every rank calls it at the same steps); None when the model
+    has no expert-parallel module."""
+    leaves = [(p, m._treadle_expert_leaf) for p, m in model.named_modules() if hasattr(m, "_treadle_expert_leaf")]
+    if not leaves:
+        return None
+    import torch.distributed as dist
+
+    sizes = [leaf.experts for _, leaf in leaves]
+    vec = torch.zeros(sum(sizes), dtype=torch.int64, device=next(model.parameters()).device)
+    off = 0
+    for (_, leaf), e in zip(leaves, sizes):
+        local = leaf.take_load()
+        start = off + leaf.rank * len(local)
+        vec[start:start + len(local)] += torch.tensor(local, dtype=torch.int64, device=vec.device)
+        off += e
+    dist.all_reduce(vec)  # each expert's rows, from every replica of the expert axis that holds it
+    out, off = [], 0
+    for (path, _), e in zip(leaves, sizes):
+        out.append(ExpertLoad(path.removeprefix("module."), tuple(int(v) for v in vec[off:off + e].tolist())))
+        off += e
+    return out
