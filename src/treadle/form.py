@@ -14,7 +14,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
 - capture (`treadle.planner.capture`): `capture_facts` — facts of the model a form's costs need later;
 - parameters (`treadle.forms.data`, at build and in the price): `own_params` — the parameters whose gradients a
   form reduces itself, which data parallelism leaves alone (the local experts);
-- roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `role_label`;
+- roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `keep_roles`;
+  `role_label`;
 - cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
   `node_cost`, `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
 - ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
@@ -78,6 +79,11 @@ class Form:
         """Role assignments this form can make of the `live` axes, as keyword arguments of
         `treadle.planner.roles.Roles` (the axes it takes; the tensor axes are the rest); None: no say."""
         return None
+
+    def keep_roles(self, options: dict) -> bool:
+        """Whether a merged role assignment (every form's `role_options` combined: keyword arguments of `Roles`)
+        is one this form can run (the expert axis must be a data-parallel one)."""
+        return True
 
     def role_label(self, roles: Any) -> str | None:
         """This form's part of a role assignment's description ("data-parallel dp (ZeRO-3)"); None: absent."""

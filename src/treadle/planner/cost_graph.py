@@ -142,6 +142,9 @@ class _Builder(NodeCosts, Assembly):
         self.param_divisor = 1
         self.param_subclass = False
         self.gathered_kept = False
+        # parameter name -> the ranks a form other than data parallelism splits it over and reduces it itself
+        # (the expert form's `prepare`: the experts over the expert axis; data parallelism leaves them alone)
+        self.own_split: dict[str, int] = {}
         # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
         # a layout change is its collectives), so the copy rate is left out on purpose
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),

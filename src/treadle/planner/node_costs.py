@@ -195,20 +195,28 @@ class NodeCosts:
             if src.kind != "param" or self.param_owner.get(src.param) != i:
                 continue
             pl = tuple(o.ins[pos] for o in combo)
-            c.static_bytes += self.param_static_bytes(src.out, pl)
-            c.grad_bytes += src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) * src.out.dtype.itemsize
-            c.compute_s += self.optimizer_s(src.out, pl)
+            own = self.own_split.get(src.param)  # split and reduced by another form (the experts)
+            c.static_bytes += self.param_static_bytes(src.out, pl, own)
+            c.grad_bytes += (src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or 1)
+                             * src.out.dtype.itemsize)
+            c.compute_s += self.optimizer_s(src.out, pl, own)
+            if own is not None:
+                continue
             for f in forms():  # each form's terms of a parameter (data parallelism: its gradient sync, copies)
                 f.param_cost(self, src.out, pl, c)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
 
-    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
-        """Parameter, gradient and optimizer bytes of the local shard (1/`param_divisor` of it under ZeRO-3);
+    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None) -> float:
+        """Parameter, gradient and optimizer bytes of the local shard (1/`param_divisor` of it under ZeRO-3;
+        1/`own` of it for a parameter another form splits, `own_split`, which ZeRO-3 leaves alone);
         with `gathered_kept` (no reshard after forward), plus the gathered parameter, kept from forward to
         backward (the price: all units gathered at the end of forward)."""
         local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
+        if own is not None:
+            return local / own * (2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
+                                  + (4 if self.train.master_copy and meta.dtype != torch.float32 else 0))
         full = local
         local /= self.param_divisor
         per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
@@ -217,10 +225,10 @@ class NodeCosts:
         kept = full * meta.dtype.itemsize if self.gathered_kept else 0.0
         return local * per + kept
 
-    def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...]) -> float:
+    def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None) -> float:
         """AdamW's step on this parameter's local shard: `treadle.runtime.optimizer.adamw_tensor_s`, the price's
         own term (the list ops are the role's constant `CostGraph.host_s`)."""
-        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / self.param_divisor
+        elems = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or self.param_divisor)
         return adamw_tensor_s(elems, meta.dtype, self.train.optimizer_bytes_per_elem, self.hw,
                               subclass=self.param_subclass)
 

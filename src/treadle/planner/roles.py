@@ -18,7 +18,8 @@ class Roles:
     None are accepted), `zero` (ZeRO-3 / FSDP2 over the dp axes not in `replicate`), the tensor axes in mesh
     order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
     replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
-    from forward to backward (treadle.schedule.data_parallel)."""
+    from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
+    module's experts are split over (None: replicated)."""
 
     dp: tuple[str, ...]
     zero: bool
@@ -26,6 +27,7 @@ class Roles:
     off: tuple[str, ...] = ()
     replicate: tuple[str, ...] = ()
     reshard_after_forward: bool = True
+    ep: str | None = None  # the data-parallel axis the experts are split over (`treadle.forms.expert`)
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -33,6 +35,8 @@ class Roles:
         object.__setattr__(self, "replicate", tuple(self.replicate))
         if not set(self.replicate) <= set(dp) or (self.replicate and not self.zero):
             raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
+        if self.ep is not None and self.ep not in dp:
+            raise PlanError(f"Roles: the expert axis {self.ep!r} must be a data-parallel axis {dp}")
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -82,6 +86,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
             options = [{**o, **m} for o in options for m in mine]
     out = []
     for opt in options:
+        if not all(f.keep_roles(opt) for f in forms()):  # one form's choice the others' do not allow
+            continue
         taken = set(opt.get("dp", ()))
         out.append(Roles(tp=tuple(a for a in live if a not in taken), off=off,
                          **{"dp": (), "zero": False, **opt}))

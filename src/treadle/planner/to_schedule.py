@@ -63,7 +63,7 @@ class Decision:
 # the checkpoints, and data parallelism last. A form's buckets (`DecisionContext.bucket`) and its other decisions
 # (`treadle.form.Form.decisions`) take their rank from here.
 DECISION_RANKS = {"shards": 10, "syncs": 20, "sp_inputs": 30, "sp_entries": 40, "attrs": 50, "grads": 60,
-                  "rngs": 70, "loss": 75, "checkpoint": 80, "data_parallel": 90}
+                  "rngs": 70, "loss": 75, "checkpoint": 80, "data_parallel": 90, "expert_parallel": 95}
 
 
 def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
@@ -273,11 +273,14 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].set_attr(d.args["name"], decision_ref(d.args, where=f"decision set_attr at {d.path!r}"))
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
+        elif d.op == "expert_parallel":
+            sch[d.path].expert_parallel(axis=d.args["axis"])
         elif d.op != "shard":
             from ..errors import PlanError
 
             raise PlanError(f"apply_decisions: unknown decision op {d.op!r} at {d.path!r}; known: "
-                            f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel")
+                            f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel, "
+                            f"expert_parallel")
     return sch
 
 
@@ -303,6 +306,8 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
             extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
             axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
             lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
+        elif d.op == "expert_parallel":
+            lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r})")
         elif d.op == "set_attr":
             kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
             lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")

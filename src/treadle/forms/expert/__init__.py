@@ -9,13 +9,16 @@ for every experts module of a model. Everything else is here:
 - `dispatch.py`  the token dispatch and combine build installs (NOTE [expert dispatch]);
 - `runtime.py`   the build steps (the local forward, the experts' gradients: NOTE [expert gradients]);
 - `steps.py`     the recipe step;
-- `price.py`     its part of a priced step: the all-to-alls and the local experts' memory (`treadle.pricing`).
+- `plan.py`      the planner's role option, the experts' memory and exchanges in the cost graph, the decisions
+                 (NOTE [experts in the plan]).
+Its price needs no face of its own: the rehearsed step issues its exchanges (NOTE [expert load in a rehearsal]).
 """
 
 from __future__ import annotations
 
 from ...form import Form
 from ...schedule.expert_primitive import expert_param_names
+from . import plan as _plan
 from .runtime import plan_experts
 from .steps import expert_parallel_moe
 
@@ -27,6 +30,30 @@ class ExpertParallelForm(Form):
 
     def own_params(self, model, view):
         return expert_param_names(model, view.extras)  # NOTE [expert gradients]
+
+    def capture_facts(self, model):
+        return _plan.capture_facts(model)
+
+    def role_options(self, mesh, live, *, batch, request):
+        return _plan.role_options(mesh, live, batch=batch, request=request)
+
+    def keep_roles(self, options):
+        return _plan.keep_roles(options)
+
+    def role_label(self, roles):
+        return _plan.role_label(roles)
+
+    def prepare(self, b):
+        _plan.prepare(b)
+
+    def keep_strategy(self, b, n, spec, combo):
+        return _plan.keep_strategy(b, n, spec, combo)
+
+    def node_cost(self, b, n, combo, pub, cost, rec):
+        _plan.node_cost(b, n, combo, pub, cost, rec)
+
+    def decisions(self, cg, choice, ckpt, ctx):
+        return _plan.decisions(cg, choice, ckpt, ctx)
 
 
 FORM = ExpertParallelForm()
