@@ -363,3 +363,15 @@ def test_treadle_run_trains_an_expert_parallel_schedule_as_ddp_does(tmp_path):
         else:
             assert all(r["experts"] is None for r in rows)
     torch.testing.assert_close(torch.tensor(losses["ep4"]), torch.tensor(losses["ddp4"]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_experts_data_and_tensor_parallelism_together_verify_on_8_ranks():
+    # EP2 x DP2 x TP2: attention split over tp, the experts over ep, the batch over (dp, ep)
+    from treadle.models import megatron
+
+    sch = treadle.create_schedule(tiny_mixtral(), mesh=treadle.Mesh((2, 2, 2), ("dp", "ep", "tp")))
+    megatron(sch, tp="tp", dp=None)
+    expert_parallel_moe(sch, axis="ep")
+    sch.data_parallel(axis=("dp", "ep"))
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=400).ok
