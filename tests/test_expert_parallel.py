@@ -375,3 +375,27 @@ def test_experts_data_and_tensor_parallelism_together_verify_on_8_ranks():
     expert_parallel_moe(sch, axis="ep")
     sch.data_parallel(axis=("dp", "ep"))
     assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=400).ok
+
+
+@pytest.mark.slow
+def test_experts_split_inside_pipeline_stages_verify_and_price_on_4_ranks():
+    # PP2 x EP2: each data-parallel replica runs its own 1F1B pipeline; the experts of a stage over dp
+    from treadle.cost.cluster import parse_cluster
+
+    inputs = lm_inputs(8, 16)
+
+    def schedule(ep: bool):
+        model = tiny_mixtral()
+        model.config.use_cache = False
+        sch = treadle.create_schedule(model, mesh=treadle.Mesh((2, 2), ("pp", "dp")))
+        sch["model.layers.0"].cut_pipeline_stage()
+        if ep:
+            expert_parallel_moe(sch, axis="dp")
+        sch.data_parallel(axis="dp")
+        sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=inputs)
+        return sch
+
+    assert treadle.verify(schedule(True), inputs, steps=2, timeout_s=300).ok
+    cl = parse_cluster("2x2:cpu")
+    split, whole = (treadle.price(schedule(ep), inputs, cl) for ep in (True, False))
+    assert split.static_bytes < whole.static_bytes  # each stage keeps half of its experts

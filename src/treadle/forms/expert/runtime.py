@@ -35,9 +35,9 @@ def count_attrs(mod, experts: int) -> tuple[str, ...]:
 
 def plan_experts(builder) -> None:
     """The "pre_shard" build step: each expert-parallel module's local forward (NOTE [expert dispatch]),
-    planned as its leaf. Raises BuildError for what expert parallelism cannot reproduce exactly: no data
-    parallelism over the expert axis, a pipeline, a mixed-precision policy, the experts' weights split over
-    another axis."""
+    planned as its leaf (inside pipeline stages too: a stage calls the block's modules, and the replicas' average
+    leaves the experts alone). Raises BuildError for what expert parallelism cannot reproduce exactly: no data
+    parallelism over the expert axis, a mixed-precision policy, the experts' weights split over another axis."""
     paths = expert_paths(builder.v.extras)
     if not paths:
         return
@@ -49,8 +49,6 @@ def plan_experts(builder) -> None:
         if dp is None or axis not in dp.axes:
             raise BuildError(f"{where}: the experts' axis must be data-parallel (each of its ranks routes its own "
                              f"tokens); add data_parallel(axis={axis!r}) or an axis tuple holding it")
-        if builder.v.extras.get("pipeline") is not None:
-            raise BuildError(f"{where}: expert parallelism inside pipeline stages is not supported yet")
         if builder.mp_policy is not None:
             raise BuildError(f"{where}: a mixed-precision policy casts the data-parallel weights only, not the "
                              f"experts' (which data parallelism leaves alone); use autocast or one dtype")

@@ -58,7 +58,7 @@ from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
-from ..data.facts import fsdp_units, within
+from ..data.facts import foreign_params, fsdp_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .fsdp import fsdp_states, fsdp_terms
 from .runtime import fsdp_split_conflict, replica_buckets, split_backward_conflict
@@ -194,6 +194,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     zero_n = fs.n if fs else 1  # the ranks parameters, optimizer state and (after the step) gradients split over
     tied_s = collective_time_s("all_reduce", tied_b / zero_n, pp, link) if tied_b and pp > 1 else 0.0
     replicas = dp.size(mesh) if dp is not None and not sharded else 1
+    names = foreign_params(reh.model, reh.view)  # reduced by another form (the local experts): not averaged
+    foreign = {id(p) for n, p in reh.model.named_parameters(remove_duplicate=False) if n in names}
     dp_link = cluster.group_link(dp.axes) if replicas > 1 else None
     split = any(a.kind == "W" for acts in order.values() for a in acts)
     subclass = fs is not None or any(hasattr(p, "to_local") for p in objs.values())
@@ -225,7 +227,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         local_grads = sum(grads[s] for s in mine)
         transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
         end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
-        dp_s, bucket_b = _replica_allreduce(trainable, replicas, dp_link)
+        dp_s, bucket_b = _replica_allreduce([p for p in trainable if id(p) not in foreign], replicas, dp_link)
         transient = max(transient, bucket_b)  # the flattened bucket beside the gradients
         transient = max(0.0, transient) + peak_held - peak_act  # FSDP2's gathered stages at the activations' worst
         if fs:

@@ -142,7 +142,8 @@ class PipelineModel(nn.Module):
                  canonical: dict[str, str] | None = None, pp_holders: dict[str, int] | None = None,
                  log: ActionLog | None = None, loss_fn: Any = None, schedule_kind: str = "1f1b",
                  n_microbatches: int = 1, autocast_dtype: torch.dtype | None = None,
-                 device: torch.device | None = None, rows: dict[str, int] | None = None):
+                 device: torch.device | None = None, rows: dict[str, int] | None = None,
+                 foreign: frozenset[int] = frozenset()):
         super().__init__()
         self.stages = nn.ModuleList(modules)  # this rank's stages, under their data-parallel wrappers
         self.local_stage_indices = local
@@ -168,6 +169,7 @@ class PipelineModel(nn.Module):
         self.autocast_dtype = autocast_dtype  # NOTE [pipeline autocast]
         self.device = device or torch.device("cpu")
         self.rows = rows or {}  # input name -> the rows (batch) one replica's step takes: as captured
+        self._foreign = foreign  # ids of parameters another form reduces itself (the local experts): not averaged
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[ActionLog]:
@@ -254,7 +256,7 @@ class PipelineModel(nn.Module):
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in self._foreign]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -410,7 +412,16 @@ def wrap_pipeline(builder) -> PipelineModel | None:
                          tied_zeros=[_zero_share(builder, objs[i]) for i in tied_ids], replica_group=replica_group,
                          replicas=replicas, axis=axis, canonical=canonical, pp_holders=pp_holders, log=log,
                          loss_fn=loss_fn, schedule_kind=kind, n_microbatches=mbs, autocast_dtype=amp, device=device,
-                         rows=builder.scratch.get("_pipeline_rows"))
+                         rows=builder.scratch.get("_pipeline_rows"), foreign=_foreign_ids(builder))
+
+
+def _foreign_ids(builder) -> frozenset[int]:
+    """Ids of the parameters another form reduces itself (`treadle.forms.data.facts.foreign_params`: the local
+    experts, NOTE [expert gradients]), which the replicas' average leaves alone."""
+    from ..data.facts import foreign_params
+
+    names = foreign_params(builder.model, builder.v)
+    return frozenset(id(p) for n, p in builder.model.named_parameters(remove_duplicate=False) if n in names)
 
 
 def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
