@@ -399,3 +399,12 @@ def test_experts_split_inside_pipeline_stages_verify_and_price_on_4_ranks():
     cl = parse_cluster("2x2:cpu")
     split, whole = (treadle.price(schedule(ep), inputs, cl) for ep in (True, False))
     assert split.static_bytes < whole.static_bytes  # each stage keeps half of its experts
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_recompute_their_exchanges_on_4_ranks():
+    # a checkpointed block runs its dispatch again in backward: the same rows to the same ranks
+    sch = _ep_schedule(tiny_mixtral(), (2, 2), ("dp", "ep"), ep="ep", dp=("dp", "ep"))
+    for i in range(2):
+        sch[f"model.layers.{i}"].checkpoint()
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
