@@ -2,8 +2,8 @@
 
 `named_model("llama-2-70b", batch=1, seq=4096, fake=True)` builds the model under `FakeTensorMode`, so a 70B
 model costs no memory and no initialisation time; tiny configs (`tiny-gpt2`, `tiny-bert`, `tiny-llama`,
-`tiny-opt`, `tiny-t5`, `tiny-mixtral`, `tiny-deepseek-v3`) are small enough to run for real in tests. `load_model("pkg.mod:function", ...)` calls
-a user function returning ``(model, example_inputs)``. Example inputs are a dict of keyword arguments that
+`tiny-opt`, `tiny-t5`, `tiny-mixtral`, `tiny-deepseek-v3`) are small enough to run for real in tests.
+`load_model("pkg.mod:function", ...)` calls a user function returning ``(model, example_inputs)``. Example inputs are a dict of keyword arguments that
 includes ``labels``, so the model returns its own training loss.
 """
 
