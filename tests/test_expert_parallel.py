@@ -408,3 +408,36 @@ def test_checkpointed_blocks_recompute_their_exchanges_on_4_ranks():
     for i in range(2):
         sch[f"model.layers.{i}"].checkpoint()
     assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
+
+
+def _mixed_precision_rank(rank: int, world: int):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = []
+    for ep in (None, "ep"):
+        sch = treadle.create_schedule(tiny_mixtral(), mesh=treadle.Mesh((2, 2), ("dp", "ep")))
+        if ep:
+            expert_parallel_moe(sch, axis=ep)
+        sch.data_parallel(axis=("dp", "ep"), shard=True)
+        built = treadle.build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32))
+        ids = lm_inputs(8, 16)["input_ids"].chunk(world)[rank]
+        dtypes = []
+        built.get_submodule("model.layers.0.mlp.experts").register_forward_hook(
+            lambda m, a, o: dtypes.append(o.dtype))
+        loss = built(input_ids=ids, labels=ids).loss
+        loss.backward()
+        router = built.get_parameter("model.layers.0.mlp.gate.weight")
+        experts = built.get_parameter("model.layers.0.mlp.experts.down_proj")
+        out.append((float(loss.detach()), dtypes, router.grad.full_tensor(), experts.grad.dtype))
+    return out
+
+
+def test_fsdp2_mixed_precision_casts_the_experts_as_it_casts_the_rest():
+    from treadle.testing import spawn
+
+    for (loss0, out0, router0, _), (loss1, out1, router1, dtype1) in spawn(_mixed_precision_rank, 4, timeout_s=180):
+        assert out0 == out1 == [torch.bfloat16]  # the experts compute in bf16, split or not
+        assert dtype1 == torch.float32  # the master weights' gradients stay fp32
+        assert loss1 == pytest.approx(loss0, rel=1e-2)  # bf16 compute either way
+        torch.testing.assert_close(router1, router0, rtol=5e-2, atol=5e-3)

@@ -83,7 +83,8 @@ class ExpertLeaf:
     `orig`: the module's own forward, taken before build wrapped it; `experts`: E; `group`, `rank`, `size`: the
     expert axis's process group, this rank's coordinate and the axis size; `grad_group`: the data-parallel
     ranks outside the expert axis (None: none); `grad_scale`: 1 / (data-parallel replicas); `count_attrs`:
-    the module's integer attributes that count its experts (set to E/n while it runs its local experts)."""
+    the module's integer attributes that count its experts (set to E/n while it runs its local experts);
+    `param_dtype`: the dtype the weights are cast to for the compute (FSDP2's mixed-precision policy)."""
 
     path: str
     orig: Callable[..., Any]
@@ -94,6 +95,7 @@ class ExpertLeaf:
     grad_group: Any
     grad_scale: float
     count_attrs: tuple[str, ...]
+    param_dtype: torch.dtype | None = None  # FSDP2's mixed-precision compute dtype, which it does not cast these to
     load: list[int] | None = None  # rows each local expert received since `take_load` (real runs only)
 
     def take_load(self) -> list[int]:
@@ -151,6 +153,10 @@ class ExpertLeaf:
             if track:  # NOTE [expert gradients]
                 for n, p in zip(names, _ExpertGrads.apply(self.grad_group, self.grad_scale, *saved.values())):
                     m._parameters[n] = p
+            if self.param_dtype is not None:  # as FSDP2 casts the weights it gathers (gradients back in fp32)
+                for n in names:
+                    if m._parameters[n].is_floating_point() and m._parameters[n].dtype != self.param_dtype:
+                        m._parameters[n] = m._parameters[n].to(self.param_dtype)
             for a in self.count_attrs:
                 setattr(m, a, self.experts // self.size)
             y = self.orig(rows, ids, torch.ones(ids.shape, dtype=wdtype, device=rows.device))

@@ -36,8 +36,9 @@ def count_attrs(mod, experts: int) -> tuple[str, ...]:
 def plan_experts(builder) -> None:
     """The "pre_shard" build step: each expert-parallel module's local forward (NOTE [expert dispatch]),
     planned as its leaf (inside pipeline stages too: a stage calls the block's modules, and the replicas' average
-    leaves the experts alone). Raises BuildError for what expert parallelism cannot reproduce exactly: no data
-    parallelism over the expert axis, a mixed-precision policy, the experts' weights split over another axis."""
+    leaves the experts alone; under FSDP2's mixed-precision policy the experts, which FSDP2 leaves alone, are
+    cast to its compute dtype as it casts the rest). Raises BuildError for what expert parallelism cannot
+    reproduce exactly: no data parallelism over the expert axis, the experts' weights split over another axis."""
     paths = expert_paths(builder.v.extras)
     if not paths:
         return
@@ -49,9 +50,6 @@ def plan_experts(builder) -> None:
         if dp is None or axis not in dp.axes:
             raise BuildError(f"{where}: the experts' axis must be data-parallel (each of its ranks routes its own "
                              f"tokens); add data_parallel(axis={axis!r}) or an axis tuple holding it")
-        if builder.mp_policy is not None:
-            raise BuildError(f"{where}: a mixed-precision policy casts the data-parallel weights only, not the "
-                             f"experts' (which data parallelism leaves alone); use autocast or one dtype")
         m = builder.module(path)
         for name, p in m.named_parameters(recurse=False):
             other = [s for s in builder.param_shards.get(id(p), ()) if s.axis != axis]
@@ -66,7 +64,8 @@ def plan_experts(builder) -> None:
         grad_group = dp_device_mesh(builder.mesh, rest).get_group() if rest_size > 1 else None
         leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=builder.group(axis),
                           rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
-                          grad_scale=1.0 / dp.size(builder.mesh), count_attrs=count_attrs(m, experts))
+                          grad_scale=1.0 / dp.size(builder.mesh), count_attrs=count_attrs(m, experts),
+                          param_dtype=getattr(builder.mp_policy, "param_dtype", None))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
         logger.info("expert parallel: %s: %d experts over %r (%d per rank)", path, experts, axis,
