@@ -69,3 +69,16 @@ def test_mixtral_plans_prices_and_verifies_on_4_ranks():
     assert plan.price is not None and plan.estimate().peak_bytes <= budget  # fits as built (priced by default)
     report = treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300)
     assert report.ok
+
+
+def test_transformers_fallback_grouped_product_has_the_flops_of_one_product():
+    # transformers' own grouped product where aten._grouped_mm cannot run (fp32 weights on CPU), registered by name
+    from transformers.integrations import moe  # noqa: F401  (registers the custom op)
+
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    bwd = torch.ops.transformers.grouped_mm_fallback_backward.default
+    a, w, offs = torch.randn(10, 8), torch.randn(4, 8, 6), torch.tensor([3, 5, 9, 10])
+    out = op(a, w, offs)
+    assert op_kind(op) == "matmul" and forward_flops(op, (a, w, offs), {}, out) == 2 * 10 * 8 * 6
+    assert backward_flops(op, (a, w, offs), {}, out, needs_input_grad=[True, True, False]) == 2 * (2 * 10 * 8 * 6)
+    assert forward_flops(bwd, (a, w, offs, torch.randn(10, 6)), {}, None) == 2 * (2 * 10 * 8 * 6)

@@ -58,7 +58,9 @@ def _no_double_backward(args: Sequence[Any], kwargs: dict, out: Any, needs: Call
 
 def register_flops(*ops: Any, kind: str, backward: Formula | None = None) -> Callable[[Formula], Formula]:
     """Register a forward formula (and optionally a backward one; default: raise, as for backward ops) for `ops`
-    (OpOverloads or OpOverloadPackets). Raises ProfileError if an op is already registered or `kind` is unknown."""
+    (OpOverloads or OpOverloadPackets, or the qualified name of a library's custom op, ``"transformers::
+    grouped_mm_fallback"``: registering a name imports nothing). Raises ProfileError if an op is already
+    registered or `kind` is unknown."""
     if kind not in KINDS:
         raise ProfileError(f"unknown op kind {kind!r}; known: {KINDS}")
 
@@ -88,6 +90,8 @@ def rule_for(func: Any) -> OpRule:
     if rule is None:
         packet = getattr(func, "overloadpacket", None)
         rule = _REGISTRY.get(packet) if packet is not None else None
+    if rule is None and isinstance(func, torch._ops.OpOverload):  # a custom op registered by its name
+        rule = _REGISTRY.get(func._schema.name)
     if rule is None and isinstance(func, torch._ops.OpOverload):
         tags = set(func.tags)
         if func.is_view or torch.Tag.inplace_view in tags:
@@ -220,6 +224,13 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor) -> int:
 register_flops(aten._grouped_mm, kind="matmul",
                backward=lambda a, kw, o, nd: (nd(0) + nd(1)) * _grouped_mm(a[0], a[1]))(
     lambda a, kw, o, nd: _grouped_mm(a[0], a[1]))
+# transformers' own grouped product where `aten._grouped_mm` cannot run (fp32 weights): (S, K) x (G, K, N) with
+# offsets, one product per group; its backward op computes both input gradients (two products of that size)
+register_flops("transformers::grouped_mm_fallback", kind="matmul",
+               backward=lambda a, kw, o, nd: (nd(0) + nd(1)) * _grouped_mm(a[0], a[1]))(
+    lambda a, kw, o, nd: _grouped_mm(a[0], a[1]))
+register_flops("transformers::grouped_mm_fallback_backward", kind="matmul")(
+    lambda a, kw, o, nd: 2 * _grouped_mm(a[0], a[1]))
 
 
 # ------------------------------------------------------------------------------------------------ convolution
