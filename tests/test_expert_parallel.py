@@ -324,18 +324,28 @@ def test_expert_loads_count_every_replica_routed_rows_per_expert():
         assert sum(again) == 0  # read and reset
 
 
+def _run_main_rank(rank: int, world: int, argv: list[str]):
+    """`python -m treadle.run argv` on this rank: (exit status, stdout)."""
+    import contextlib
+    import io
+
+    from treadle.run.loop import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    return status, out.getvalue()
+
+
 @pytest.mark.slow
 def test_treadle_run_trains_an_expert_parallel_schedule_as_ddp_does(tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from treadle.models.zoo import named_model
-    from treadle.testing import free_port
+    from treadle.testing import spawn
 
-    root = Path(__file__).resolve().parents[1]
+    corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "village.txt"
     losses = {}
     for name in ("ep4", "ddp4"):
         model, _ = named_model("tiny-mixtral", batch=1, seq=16)
@@ -344,18 +354,15 @@ def test_treadle_run_trains_an_expert_parallel_schedule_as_ddp_does(tmp_path):
             expert_parallel_moe(sch, axis="dp")
         sch.data_parallel(axis="dp")
         (tmp_path / f"{name}.json").write_text(sch.to_json())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-mixtral", "--data",
-               str(root / "examples" / "data" / "village.txt"), "--seq", "32", "--batch", "8", "--steps", "4",
-               "--schedule", str(tmp_path / f"{name}.json"), "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "2",
-               "--metrics", str(tmp_path / f"{name}.jsonl"), "--timeout-s", "60"]
-        env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        argv = ["--model", "tiny-mixtral", "--data", str(corpus), "--seq", "32", "--batch", "8", "--steps", "4",
+                "--schedule", str(tmp_path / f"{name}.json"), "--lr", "3e-3", "--warmup-steps", "1", "--log-every", "2",
+                "--metrics", str(tmp_path / f"{name}.jsonl"), "--timeout-s", "60"]
+        res = spawn(_run_main_rank, 4, argv, timeout_s=240)
+        assert [status for status, _ in res] == [0] * 4, res[0][1][-3000:]
         rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in rows]
         if name == "ep4":
-            assert "experts: busiest / mean rows" in res.stdout
+            assert "experts: busiest / mean rows" in res[0][1]
             logged = [r["experts"] for r in rows if r["experts"]]
             assert len(logged) == 2 and all(len(e) == 2 for e in logged)  # steps 2 and 4; two MoE blocks
             # each reading covers 2 steps x 8 x 32 tokens x 2 experts per token
