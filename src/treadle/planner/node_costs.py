@@ -214,14 +214,13 @@ class NodeCosts:
         with `gathered_kept` (no reshard after forward), plus the gathered parameter, kept from forward to
         backward (the price: all units gathered at the end of forward)."""
         local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
-        if own is not None:
-            return local / own * (2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
-                                  + (4 if self.train.master_copy and meta.dtype != torch.float32 else 0))
-        full = local
-        local /= self.param_divisor
         per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
         if self.train.master_copy and meta.dtype != torch.float32:
             per += 4
+        if own is not None:
+            return local / own * per
+        full = local
+        local /= self.param_divisor
         kept = full * meta.dtype.itemsize if self.gathered_kept else 0.0
         return local * per + kept
 

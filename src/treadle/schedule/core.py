@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
 from .data_parallel import make_data_parallel
-from .expert_primitive import ExpertPrimitive, expert_param_names
+from .expert_primitive import ExpertPrimitive, expert_param_names, expert_paths
 from .log import Record, Ref, records_to_json
 from .state import ParamShard, _State
 from .sync import SyncPrimitive
@@ -409,8 +409,7 @@ class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive):
                 raise ScheduleError(f"data_parallel: mesh axis {ax!r} already shards parameters {on_axis[:3]}"
                                     f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its "
                                     f"own (mesh axes: {list(self.mesh.names)}, data-parallel: {list(spec.axes)})")
-        outside = {path: ax for path, ax in self._state.extras.get("expert_parallel", {}).items()
-                   if ax not in spec.axes}
+        outside = {path: ax for path, ax in expert_paths(self._state.extras).items() if ax not in spec.axes}
         if outside:
             path, ax = next(iter(outside.items()))
             raise ScheduleError(f"data_parallel(axis={spec.label()!r}): sch[{path!r}] is expert-parallel over {ax!r}, "

@@ -21,8 +21,9 @@ data-parallel axes (NOTE [expert gradients]).
 NOTE [expert load in a rehearsal]: the price rehearses a step on fake tensors (`treadle.pricing.rehearsal`),
 where no routing decision exists. There the dispatch assumes the balanced load a load-balanced router aims at:
 every routed pair is sent, 1/n of them to each rank, and each rank receives as many rows as it sends, so the
-all-to-alls carry T*k rows each way and each rank's experts compute T*k rows. The price states that
-assumption (`treadle.forms.expert.price`); a skewed router makes the busiest rank slower than priced.
+all-to-alls carry T*k rows each way and each rank's experts compute T*k rows. The planner assumes the same
+(NOTE [experts in the plan]); a skewed router makes the busiest rank slower than priced (`treadle.run` logs
+the imbalance: `runtime.expert_loads`).
 """
 
 from __future__ import annotations

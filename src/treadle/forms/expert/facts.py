@@ -1,5 +1,5 @@
-"""Which modules of a model are experts modules (NOTE [experts by structure]), found once for the recipe step and
-the price."""
+"""Which modules of a model are experts modules (NOTE [experts by structure]), read by the recipe step and the
+planner."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...cost.collective_cost import collective_time_s
+from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
@@ -30,7 +31,6 @@ DECISION_RANK = DECISION_RANKS["expert_parallel"]
 class Exchange:
     """One experts module's exchanges, per execution: forward and backward seconds (NOTE [experts in the plan])."""
 
-    module: str
     fwd_s: float
     bwd_s: float
 
@@ -85,31 +85,30 @@ def prepare(b) -> None:
         if not ops:
             continue
         rows, width = _rows(b, ops, path)
-        if rows is None:
-            continue
         e = experts[path]
         row_bytes = rows * width
         fwd = collective_time_s("all_to_all", e * 8, n, link) + 2 * collective_time_s("all_to_all", row_bytes, n, link)
         bwd = 2 * collective_time_s("all_to_all", row_bytes, n, link)
-        b.expert_exchanges[ops[0].index] = Exchange(path, fwd, bwd)
+        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd)
 
 
-def _rows(b, ops, path: str) -> tuple[float | None, int]:
+def _rows(b, ops, path: str) -> tuple[float, int]:
     """(routed pairs per rank, bytes of one row) of experts module `path`: read off the values its ops read from
-    outside it, the routed rows (T, H) and their expert indices (T, k)."""
+    outside it, the routed rows (T, H) and their expert indices (T, k). Raises PlanError when the graph shows
+    neither (the search then skips this role assignment, saying why, instead of pricing it without its
+    exchanges)."""
     inside = {x.index for x in ops}
     outer = [j for x in ops for j in x.inputs if j not in inside and b.nodes[j].kind != "param"
              and not _inside(b.nodes[j].module, (path,))]
     metas = [(j, b.nodes[j].out) for j in dict.fromkeys(outer) if isinstance(b.nodes[j].out, TensorMeta)]
     index = next(((j, m) for j, m in metas if not m.dtype.is_floating_point and len(m.shape) == 2), None)
-    if index is None:
-        return None, 0
+    hidden = index and next((mm for _, mm in metas if mm.dtype.is_floating_point and len(mm.shape) == 2
+                             and mm.shape[0] == index[1].shape[0] and mm.shape[1] != index[1].shape[1]), None)
+    if hidden is None:
+        raise PlanError(f"expert role: cannot read the routed rows (T, H) and their expert indices (T, k) of "
+                        f"{path!r} off the captured graph (its inputs: {[tuple(m.shape) for _, m in metas]})")
     j, m = index
     tokens, k = b.local_dp_shape(j, m.shape)
-    hidden = next((mm for _, mm in metas if mm.dtype.is_floating_point and len(mm.shape) == 2
-                   and mm.shape[0] == m.shape[0] and mm.shape[1] != m.shape[1]), None)
-    if hidden is None:
-        return None, 0
     return float(tokens * k), hidden.shape[1] * hidden.dtype.itemsize
 
 

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from ...errors import BuildError
-from ...schedule.expert_primitive import expert_paths
+from ...schedule.expert_primitive import expert_paths, experts_shape
 from ...sharding_rules import LeafPlan
 from .dispatch import ExpertLeaf
 
 logger = logging.getLogger(__name__)
+
 
 def count_attrs(mod, experts: int) -> tuple[str, ...]:
     """The integer attributes of experts module `mod` that count its experts (``num_experts``): named for
@@ -56,7 +57,7 @@ def plan_experts(builder) -> None:
             if other:
                 raise BuildError(f"{where}: parameter {name!r} is also split on mesh axis {other[0].axis!r} (dim "
                                  f"{other[0].dim}); tensor parallelism inside the experts is not supported yet")
-        experts = next(iter(m.parameters())).shape[0]
+        experts = experts_shape(path, m)
         rest = tuple(a for a in dp.axes if a != axis)
         rest_size = 1
         for a in rest:
