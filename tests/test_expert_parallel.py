@@ -239,7 +239,7 @@ EP_SCHEDULES = {"ep4": ((4, 1), "dp", "dp"), "ep2xdp2": ((2, 2), "tp", ("dp", "t
 def _make_ep(name: str):
     from treadle import Mesh, build, create_schedule
     from treadle.run.config import RunConfig
-    from treadle.run.layout import layouts, shards_by_name
+    from treadle.run.layout import fsdp_unit_axes, layouts, shards_by_name
     from treadle.run.optim import init_optimizer_state, make_optimizer
 
     shape, ep, dp = EP_SCHEDULES[name]
@@ -250,7 +250,7 @@ def _make_ep(name: str):
     before = shards_by_name(sch)
     built = build(sch)
     spec = sch.view().data_parallel
-    lay = layouts(built, before, sch.mesh, spec.shard_axes if spec.shard else None)
+    lay = layouts(built, before, sch.mesh, spec.shard_axes if spec.shard else None, fsdp_unit_axes(sch))
     opt = make_optimizer(built, lay, RunConfig(model="tiny-llama", data=["unused"], lr=1e-2, warmup_steps=0, steps=9))
     init_optimizer_state(opt)
     return sch, built, lay, opt
@@ -277,7 +277,8 @@ def _ep_reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("src,dst", [("ep4", "ep2xdp2"), ("ep2-fsdp2x2", "ddp4"), ("ddp4", "ep4")])
+@pytest.mark.parametrize("src,dst", [("ep4", "ep2xdp2"), ("ep2-fsdp2x2", "ddp4"), ("ddp4", "ep4"),
+                                     ("ep4", "ep2-fsdp2x2")])
 def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
     from treadle.testing import spawn
 

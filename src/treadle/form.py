@@ -13,7 +13,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
 
 - capture (`treadle.planner.capture`): `capture_facts` — facts of the model a form's costs need later;
 - parameters (`treadle.forms.data`, at build and in the price): `own_params` — the parameters whose gradients a
-  form reduces itself, which data parallelism leaves alone (the local experts);
+  form reduces itself, which data parallelism leaves alone (the local experts); `shard_units` — modules FSDP2
+  shards on other axes than the data-parallel ones (the local experts over the axes the expert axis leaves);
 - roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `keep_roles`;
   `role_label`;
 - cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
@@ -60,6 +61,16 @@ class PriceTerms:
     foreign: frozenset = frozenset()
 
 
+@dataclass(frozen=True, slots=True)
+class ShardUnit:
+    """A module FSDP2 shards on its own axes (`Form.shard_units`): `path` in the unbuilt model, sharded over the
+    flattened `shard_axes` and, when `replicate_axes` are given, replicated over them (HSDP's 2-D mesh)."""
+
+    path: str
+    shard_axes: tuple[str, ...]
+    replicate_axes: tuple[str, ...] = ()
+
+
 class Form:
     """One parallel form's faces; every face's default does nothing (see the module doc for the callers)."""
 
@@ -74,6 +85,12 @@ class Form:
         """Names of the parameters of `model` (every alias) whose gradients this form reduces itself, so data
         parallelism leaves them alone (`view`: the schedule's `ScheduleView`)."""
         return set()
+
+    def shard_units(self, model: Any, view: Any) -> list["ShardUnit"]:
+        """Modules of `model` whose parameters FSDP2 shards as units of their own, on other mesh axes than the
+        data-parallel ones (under a data parallelism with ZeRO-3; `treadle.forms.data` wraps them first and
+        prices them per unit); none by default."""
+        return []
 
     def role_options(self, mesh: Any, live: tuple[str, ...], *, batch: int | None, request: Any) -> list[dict] | None:
         """Role assignments this form can make of the `live` axes, as keyword arguments of

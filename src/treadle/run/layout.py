@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from ..forms.data.facts import shard_units
 from ..mesh import Mesh
 from ..runtime.params import local_slice, unchunk_dim
 from ..schedule.core import Schedule
@@ -140,11 +141,20 @@ def shards_by_name(sch: Schedule) -> dict[str, tuple[tuple[int, ...], tuple[Para
     return {n: (tuple(p.shape), st.shards_of(p)) for n, p in st.model.named_parameters()}
 
 
+def fsdp_unit_axes(sch: Schedule) -> dict[str, tuple[str, ...]]:
+    """Module path -> FSDP2 shard axes of the modules a form has FSDP2 shard on axes of their own
+    (`treadle.forms.data.facts.shard_units`: the local experts, NOTE [experts under FSDP2])."""
+    st = sch.view()
+    return {u.path: u.shard_axes for u in shard_units(st.model, st)}
+
+
 def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[ParamShard, ...]]],
-            mesh: Mesh, fsdp_axes: tuple[str, ...] | None = None) -> dict[str, ParamLayout]:
+            mesh: Mesh, fsdp_axes: tuple[str, ...] | None = None,
+            unit_axes: dict[str, tuple[str, ...]] | None = None) -> dict[str, ParamLayout]:
     """After build: the ParamLayout of every parameter of the built `model`, by name. `fsdp_axes`: the
     schedule's FSDP2 shard axes (``sch.view().data_parallel.shard_axes``); None reads the one axis from the
-    DTensor's mesh (a single-axis FSDP).
+    DTensor's mesh (a single-axis FSDP). `unit_axes`: module path -> shard axes of the modules FSDP2 shards on
+    axes of their own (`fsdp_unit_axes`: the local experts), for the parameters inside them.
 
     Raises RunError naming a parameter whose name did not exist before build, or whose local shape does not
     match its global shape under its splits (a layout this module cannot describe; never guessed)."""
@@ -166,6 +176,8 @@ def layouts(model: nn.Module, before: dict[str, tuple[tuple[int, ...], tuple[Par
             *reps, pl = p.placements
             names = p.device_mesh.mesh_dim_names or ()
             axes = tuple(fsdp_axes) if fsdp_axes is not None else tuple(names[-1:])
+            owner = name.rpartition(".")[0]
+            axes = next((a for u, a in (unit_axes or {}).items() if owner == u or owner.startswith(u + ".")), axes)
             ok = (isinstance(pl, Shard) and all(isinstance(r, Replicate) for r in reps) and axes
                   and all(a in mesh.names for a in axes) and tuple(p.shape) == tuple(local_shape)
                   and p.device_mesh.size(p.device_mesh.ndim - 1) == math.prod(sizes[a] for a in axes))

@@ -31,7 +31,7 @@ from . import failure, health, preflight
 from .agree import JobError, agree
 from .config import RunConfig, RunError
 from .data import Sampler, make_tokenizer, pack, split_batch
-from .layout import layouts as param_layouts, shards_by_name, unwrap
+from .layout import fsdp_unit_axes, layouts as param_layouts, shards_by_name, unwrap
 from .metrics import (MetricsLogger, StepMetrics, measured_pipeline_doc, memory_bytes, model_flops_per_step,
                       resolve_peak_flops_per_s, stage_metrics)
 from .optim import init_optimizer_state, lr_at, make_optimizer
@@ -170,7 +170,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
     built = build_for(sch, cfg)
     mesh = sch.mesh
     dp = sch.view().data_parallel
-    layouts = param_layouts(built, before, mesh, dp.shard_axes if dp is not None and dp.shard else None)
+    layouts = param_layouts(built, before, mesh, dp.shard_axes if dp is not None and dp.shard else None,
+                            fsdp_unit_axes(sch))
     if cfg.compile:
         logger.info("compiled %d blocks", _compile_blocks(built, device))
 

@@ -76,6 +76,14 @@ def foreign_params(model: nn.Module, view: Any) -> set[str]:
     return out
 
 
+def shard_units(model: nn.Module, view: Any) -> list:
+    """The modules another form has FSDP2 shard as units of their own, on their own axes (`Form.shard_units`: the
+    local experts, NOTE [experts under FSDP2]), wrapped before the blocks at build and priced per unit."""
+    from ...form import forms
+
+    return [u for f in forms() for u in f.shard_units(model, view)]
+
+
 def within(path: str, prefix: str) -> bool:
     """`path` is the module `prefix` or inside it ("" holds everything)."""
     return prefix == "" or path == prefix or path.startswith(prefix + ".")

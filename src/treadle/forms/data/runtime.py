@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from ...errors import BuildError
-from .facts import batch_statistics_modules, foreign_params, fsdp_units
+from .facts import batch_statistics_modules, foreign_params, fsdp_units, shard_units
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,13 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
         kw["mp_policy"] = builder.mp_policy
     if ignored:
         kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}
-    sub = fsdp_mesh(builder)
+    # another form's units first (the experts over the axes the expert axis leaves: NOTE [experts under FSDP2])
+    inside = {id(m) for m in module.modules()}
+    for unit in shard_units(builder.model, builder.v):
+        target = builder.model.get_submodule(unit.path)
+        if id(target) in inside:
+            fully_shard(target, mesh=fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes), **kw)
+    sub = fsdp_mesh(builder.mesh, dp.shard_axes, dp.replicate_axes)
     for path in units:
         fully_shard(module.get_submodule(path), mesh=sub, **kw)
     fully_shard(module, mesh=sub, **kw)
@@ -72,14 +78,13 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     return module
 
 
-def fsdp_mesh(builder):  # -> DeviceMesh
-    """The mesh FSDP2 shards on: the flattened shard axes, or (replicate, shard) for HSDP."""
-    dp = builder.v.data_parallel
-    sub = dp_device_mesh(builder.mesh, dp.shard_axes)
-    if dp.replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
+def fsdp_mesh(mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...] = ()):  # -> DeviceMesh
+    """The mesh FSDP2 shards on: the flattened `shard_axes`, or (replicate, shard) for HSDP."""
+    sub = dp_device_mesh(mesh, shard_axes)
+    if replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
         from torch.distributed.device_mesh import DeviceMesh
 
-        sub = DeviceMesh._concatenate([dp_device_mesh(builder.mesh, dp.replicate_axes), sub])
+        sub = DeviceMesh._concatenate([dp_device_mesh(mesh, replicate_axes), sub])
     return sub
 
 

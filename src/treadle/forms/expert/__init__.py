@@ -5,7 +5,8 @@ How a user states it: ``sch["model.layers.0.mlp.experts"].expert_parallel(axis="
 language (`treadle.schedule.expert_primitive` checks and records it), or the recipe step `expert_parallel_moe`
 for every experts module of a model. Everything else is here:
 
-- `facts.py`     which modules are experts modules, by structure (found once, for the recipe and the price);
+- `facts.py`     which modules are experts modules, by structure (found once, for the recipe and the price),
+                 and how FSDP2 shards them (NOTE [experts under FSDP2]);
 - `dispatch.py`  the token dispatch and combine build installs (NOTE [expert dispatch]);
 - `runtime.py`   the build steps (the local forward, the experts' gradients: NOTE [expert gradients]);
 - `steps.py`     the recipe step;
@@ -16,9 +17,10 @@ Its price needs no face of its own: the rehearsed step issues its exchanges (NOT
 
 from __future__ import annotations
 
-from ...form import Form
-from ...schedule.expert_primitive import expert_param_names
+from ...form import Form, ShardUnit
+from ...schedule.expert_primitive import expert_param_names, expert_paths
 from . import plan as _plan
+from .facts import expert_fsdp
 from .runtime import plan_experts
 from .steps import expert_parallel_moe
 
@@ -28,8 +30,17 @@ class ExpertParallelForm(Form):
 
     name = "expert"
 
-    def own_params(self, model, view):
-        return expert_param_names(model, view.extras)  # NOTE [expert gradients]
+    def own_params(self, model, view):  # NOTE [expert gradients]; FSDP2's units: NOTE [experts under FSDP2]
+        fsdp = {p for p, axis in expert_paths(view.extras).items() if expert_fsdp(view, axis)[0]}
+        return {n for n in expert_param_names(model, view.extras) if n.rpartition(".")[0] not in fsdp}
+
+    def shard_units(self, model, view):  # NOTE [experts under FSDP2]
+        out = []
+        for path, axis in sorted(expert_paths(view.extras).items()):
+            shard, rep = expert_fsdp(view, axis)
+            if shard:
+                out.append(ShardUnit(path, shard, rep))
+        return out
 
     def capture_facts(self, model):
         return _plan.capture_facts(model)

@@ -139,10 +139,10 @@ class ExpertLeaf:
         contrib = (per_pair * weights.unsqueeze(-1)).to(x.dtype)
         slots = torch.argsort(index, dim=1, stable=True)  # the model adds a token's experts in ascending order
         contrib = contrib.gather(1, slots.unsqueeze(-1).expand(-1, -1, contrib.shape[-1]))
-        out = x.new_zeros(x.shape)
+        out = x.new_zeros(shape)  # a new tensor, not a view (FSDP2's backward hook on a unit's output needs one)
         for j in range(k):
-            out = out + contrib[:, j]
-        return out.reshape(shape)
+            out = out + contrib[:, j].reshape(shape)
+        return out
 
     def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, wdtype: torch.dtype) -> torch.Tensor:
         """The module's own forward on the rows it received (each with its local expert and weight 1)."""

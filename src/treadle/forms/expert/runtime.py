@@ -9,12 +9,15 @@ the data-parallel ranks outside the expert axis (when there are any: the same ex
 1/D, in the backward of the experts' local forward; DDP and FSDP2 are told to ignore those weights (DDP's
 ignore list, FSDP2's `ignored_params`), so no second reduction averages them over experts they do not share.
 Every rank's local weights get a gradient, zero where no row reached them, so the reduction runs on every rank
-in the same order.
+in the same order. Under ZeRO-3 with shard axes besides the expert axis, FSDP2 shards the experts over those
+and averages their gradients there itself (NOTE [experts under FSDP2]); the local forward then only scales by
+1/|expert axis|.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,7 @@ from ...errors import BuildError
 from ...schedule.expert_primitive import expert_paths, experts_shape
 from ...sharding_rules import LeafPlan
 from .dispatch import ExpertLeaf
+from .facts import expert_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +62,16 @@ def plan_experts(builder) -> None:
                 raise BuildError(f"{where}: parameter {name!r} is also split on mesh axis {other[0].axis!r} (dim "
                                  f"{other[0].dim}); tensor parallelism inside the experts is not supported yet")
         experts = experts_shape(path, m)
-        rest = tuple(a for a in dp.axes if a != axis)
-        rest_size = 1
-        for a in rest:
-            rest_size *= builder.sizes[a]
-        grad_group = dp_device_mesh(builder.mesh, rest).get_group() if rest_size > 1 else None
+        if expert_fsdp(builder.v, axis)[0]:  # FSDP2 averages over the other data-parallel ranks
+            grad_group, grad_scale = None, 1.0 / builder.sizes[axis]  # NOTE [experts under FSDP2]
+        else:
+            rest = tuple(a for a in dp.axes if a != axis)
+            many = math.prod(builder.sizes[a] for a in rest) > 1
+            grad_group = dp_device_mesh(builder.mesh, rest).get_group() if many else None
+            grad_scale = 1.0 / dp.size(builder.mesh)
         leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=builder.group(axis),
                           rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
-                          grad_scale=1.0 / dp.size(builder.mesh), count_attrs=count_attrs(m, experts),
+                          grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
                           param_dtype=getattr(builder.mp_policy, "param_dtype", None))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
