@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import treadle
-from treadle.errors import BuildError, ScheduleError
+from treadle.errors import BuildError, PlanError, ScheduleError
 from treadle.forms.expert import expert_parallel_moe
 from treadle.forms.expert.facts import expert_modules
 
@@ -449,3 +449,106 @@ def test_fsdp2_mixed_precision_casts_the_experts_as_it_casts_the_rest():
         assert dtype1 == torch.float32  # the master weights' gradients stay fp32
         assert loss1 == pytest.approx(loss0, rel=1e-2)  # bf16 compute either way
         torch.testing.assert_close(router1, router0, rtol=5e-2, atol=5e-3)
+
+
+# ------------------------------------------------------------------------------------------ experts under FSDP2
+def _fsdp_experts_rank(rank: int, world: int):
+    sch = treadle.create_schedule(tiny_mixtral(), mesh=treadle.Mesh((2, 2), ("dp", "ep")))
+    expert_parallel_moe(sch, axis="ep")
+    sch.data_parallel(axis=("dp", "ep"), shard=True)
+    built = treadle.build(sch)
+    experts = built.get_parameter("model.layers.0.mlp.experts.down_proj")
+    dense = built.get_parameter("model.layers.0.mlp.gate.weight")
+    return (tuple(experts.shape), tuple(experts.to_local().shape), experts.device_mesh.mesh_dim_names,
+            dense.device_mesh.mesh_dim_names)
+
+
+def test_zero3_shards_the_experts_over_the_axes_the_expert_axis_leaves():
+    # EP2 x FSDP2 over (dp, ep): each rank keeps 2 of the 4 experts (ep), FSDP2 halves them again over dp
+    from treadle.testing import spawn
+
+    e, hidden, inner = tiny_mixtral().model.layers[0].mlp.experts.down_proj.shape
+    for shape, local, experts_mesh, dense_mesh in spawn(_fsdp_experts_rank, 4, timeout_s=120):
+        assert shape == (e // 2, hidden, inner) and local == (e // 4, hidden, inner)
+        assert experts_mesh == ("dp",) and dense_mesh == ("dp_ep",)
+
+
+def test_hsdp_shards_and_replicates_the_experts_on_8_ranks():
+    # HSDP: replicated over rep, sharded over (dp, ep); the experts split over ep, FSDP2 shards them over dp and
+    # replicates them over rep (their gradients: FSDP2's average over rep x dp, the exchanges' sum over ep)
+    sch = treadle.create_schedule(SkewedMoE(), mesh=treadle.Mesh((2, 2, 2), ("rep", "dp", "ep")))
+    expert_parallel_moe(sch, axis="ep")
+    sch.data_parallel(axis=("dp", "ep"), shard=True, replicate="rep")
+    assert [(u.path, u.shard_axes, u.replicate_axes) for u in treadle.form.get_form("expert").shard_units(
+        sch.model, sch.view())] == [("experts", ("dp",), ("rep",))]
+    assert treadle.verify(sch, _toy_inputs(), steps=2, timeout_s=300).ok
+
+
+def test_the_price_of_experts_under_zero3_by_hand():
+    from treadle.cost.cluster import parse_cluster
+    from treadle.cost.collective_cost import collective_time_s
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(8, 16)
+    sch = _ep_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, ep=b, dp=(a, b), shard=True)
+    p = treadle.price(sch, inputs, cl)
+    model = tiny_mixtral()
+    for layer in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        local = sum(t.numel() * 4 for t in model.get_submodule(layer).parameters()) / 2  # this rank's experts
+        mine = [(c["kind"], c["axis"], c["phase"], c["nbytes"]) for c in p.collectives
+                if c["source"] == "fsdp" and c["module"] == layer]
+        # the experts' own unit over the axis the expert axis leaves: gathered in forward and backward, reduced
+        assert sorted(mine) == sorted([("all_gather", a, "fwd", local), ("all_gather", a, "bwd", local),
+                                       ("reduce_scatter", a, "bwd", local)])
+        rs = next(c for c in p.collectives if c["module"] == layer and c["kind"] == "reduce_scatter")
+        assert rs["time_s"] == pytest.approx(collective_time_s("reduce_scatter", local, 2, cl.link(a)))
+    # the blocks' units hold no expert; every parameter is split 4 ways, as under FSDP4 without experts split
+    block = [c for c in p.collectives if c["module"] == "model.layers.0" and c["kind"] == "reduce_scatter"]
+    assert block[0]["nbytes"] == sum(t.numel() * 4 for n, t in model.model.layers[0].named_parameters()
+                                     if ".experts." not in n)
+    fsdp4 = treadle.create_schedule(tiny_mixtral(), mesh=cl.mesh)
+    fsdp4.data_parallel(axis=(a, b), shard=True)
+    assert p.static_bytes == pytest.approx(treadle.price(fsdp4, inputs, cl).static_bytes, rel=1e-9)
+    # the experts' gradients leave the exchanges' own reduction (no all-reduce over a)
+    assert not [c for c in p.collectives if c["source"] in ("ep", "tp") and c["kind"] == "all_reduce"]
+
+
+def test_experts_under_zero3_inside_pipeline_stages_are_refused():
+    from treadle.cost.cluster import parse_cluster
+
+    model = tiny_mixtral()
+    model.config.use_cache = False
+    sch = treadle.create_schedule(model, mesh=treadle.Mesh((2, 2, 2), ("pp", "dp", "ep")))
+    sch["model.layers.0"].cut_pipeline_stage()
+    expert_parallel_moe(sch, axis="ep")
+    sch.data_parallel(axis=("dp", "ep"), shard=True)
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=lm_inputs(8, 16))
+    with pytest.raises(PlanError, match=r"FSDP2 would shard 'model.layers.0.mlp.experts' as a unit of its own "
+                                        r"over dp .*stages' FSDP2 does not drive yet"):
+        treadle.price(sch, lm_inputs(8, 16), parse_cluster("1x8:cpu"))
+
+
+@pytest.mark.slow
+def test_experts_inside_pipeline_stages_under_zero3_over_the_expert_axis_on_4_ranks():
+    # PP2 x (EP2 = FSDP2 over dp): FSDP2 leaves the experts to the expert axis, so a rank keeps the same bytes
+    # as under FSDP2 without experts split (each expert weight: half of the experts, whole; the rest: half)
+    from treadle.cost.cluster import parse_cluster
+
+    inputs = lm_inputs(8, 16)
+
+    def schedule(ep: bool):
+        model = tiny_mixtral()
+        model.config.use_cache = False
+        sch = treadle.create_schedule(model, mesh=treadle.Mesh((2, 2), ("pp", "dp")))
+        sch["model.layers.0"].cut_pipeline_stage()
+        if ep:
+            expert_parallel_moe(sch, axis="dp")
+        sch.data_parallel(axis="dp", shard=True)
+        sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=inputs)
+        return sch
+
+    cl = parse_cluster("2x2:cpu")
+    split, whole = (treadle.price(schedule(ep), inputs, cl) for ep in (True, False))
+    assert split.static_bytes == pytest.approx(whole.static_bytes, rel=1e-9)
+    assert treadle.verify(schedule(True), inputs, steps=2, timeout_s=300).ok

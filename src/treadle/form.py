@@ -48,9 +48,10 @@ class PriceTerms:
     """What a form adds to one priced step (`Form.price_step`): collectives (`treadle.cost.overlap.Collective`)
     on the step's timeline; `gathered_bytes` held at the peak (FSDP2's gathered units); `grad_copies`: copies of
     the local gradients held for the whole step (DDP's flat buckets: 1); `param_divisor`: the ranks one
-    parameter, its gradient and its
-    optimizer state are split over (ZeRO-3); `subclass_params`: the parameters are tensor subclasses (DTensor)
-    in the optimizer step; `label`: how the step names the form ("ddp over dp", ...)."""
+    parameter, its gradient and its optimizer state are split over (ZeRO-3), and `divisors` the same per
+    parameter name where it differs (a unit on axes of its own: the experts, NOTE [experts under FSDP2]);
+    `subclass_params`: the parameters are tensor subclasses (DTensor) in the optimizer step; `label`: how the
+    step names the form ("ddp over dp", ...); `foreign`: names of parameters another form reduces itself."""
 
     collectives: list = field(default_factory=list)
     gathered_bytes: float = 0.0
@@ -59,6 +60,7 @@ class PriceTerms:
     subclass_params: bool = False
     label: str | None = None
     foreign: frozenset = frozenset()
+    divisors: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

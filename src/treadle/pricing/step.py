@@ -124,8 +124,10 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     local = trainable_params(reh.model)
     foreign = frozenset().union(*(t.foreign for t in terms))  # another form's parameters: not split, not copied
 
+    divisors = {n: d for t in terms for n, d in t.divisors.items()}  # a unit on axes of its own
+
     def divisor(name: str) -> int:
-        return 1 if name in foreign else zero_n
+        return 1 if name in foreign else divisors.get(name, zero_n)
 
     opt_s = math.fsum(adamw_tensor_s(p.numel() / divisor(n), p.dtype, optimizer_bytes_per_elem, hw,
                                      subclass=subclass) for n, p in local) + adamw_fixed_s(hw, subclass=subclass)
@@ -150,9 +152,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     static = param_b + frozen_b + opt_b + buffer_b + input_b + copies_b
     saved = float(sum(r.saved_bytes for r in reh.records if r.phase == "forward"))
     peak_live = max((r.live_after_bytes for r in reh.records), default=0)
-    if zero_n > 1:  # the recorded full gradients are reduce-scattered to 1/zero_n
-        peak_live -= (zero_n - 1) * math.fsum(p.numel() * p.element_size() / zero_n for n, p in local
-                                              if n not in foreign)
+    if zero_n > 1:  # the recorded full gradients are reduce-scattered to 1/zero_n (1/their unit's divisor)
+        peak_live -= math.fsum(p.numel() * p.element_size() * (1 - 1 / divisor(n)) for n, p in local)
     transient = max(0.0, peak_live - saved) + gathered
     # ---- time split
     compute = math.fsum(s.compute_s for s in segs if s.phase != "recompute")  # forward, backward, optimizer

@@ -5,6 +5,8 @@ each by the facts of `facts.py`."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 from ...cost.cluster import ClusterSpec
 from ...cost.collective_cost import collective_time_s
@@ -14,7 +16,7 @@ from ...pricing import Rehearsal, StepContext
 from ...profile.memory import buffer_bytes
 from ...runtime.optimizer import trainable_params
 from .facts import (buffer_broadcast_s, ddp_buckets, foreign_params, fsdp_copy_s, fsdp_host_s, fsdp_param_units,
-                    fsdp_units, within)
+                    fsdp_units, shard_units, within)
 
 
 def price_step(ctx: StepContext) -> PriceTerms | None:
@@ -25,9 +27,10 @@ def price_step(ctx: StepContext) -> PriceTerms | None:
         return None
     foreign = foreign_params(reh.model, reh.view)  # another form reduces them (the local experts)
     if dp.shard:
-        colls, gathered = _fsdp(reh, ctx.segments, ctx.cluster, foreign)
+        colls, gathered, divisors = _fsdp(reh, ctx.segments, ctx.cluster, foreign)
         return PriceTerms(colls, gathered_bytes=gathered, param_divisor=dp.shard_size(reh.mesh),
-                          subclass_params=dp.shard_size(reh.mesh) > 1, label=str(dp), foreign=frozenset(foreign))
+                          subclass_params=dp.shard_size(reh.mesh) > 1, label=str(dp), foreign=frozenset(foreign),
+                          divisors=divisors)
     return PriceTerms(_ddp(reh, ctx.segments, ctx.cluster, foreign), grad_copies=1, label=str(dp),
                       foreign=frozenset(foreign))
 
@@ -70,41 +73,53 @@ def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec, foreign: set
 
 
 def prefetched_gathers(order: list[str], first_use: dict[str, int], unit_bytes: dict[str, float], phase: str,
-                       start: int, axis: str, n: int, link) -> list[Collective]:
+                       start: int, axis: str, n: int, link, groups: dict | None = None) -> list[Collective]:
     """FSDP2's all-gathers of the units `order` in one pass (forward or backward) of a segment list: unit u is
     needed before segment ``first_use[u]`` and gathered one unit ahead, issued when the unit before it starts (the
-    first at the pass's `start`)."""
+    first at the pass's `start`); over (`axis`, `n`, `link`), or ``groups[u]``'s for a unit on axes of its own."""
     out = []
     prev_start = start
     for u in order:
         need = first_use[u]
-        out.append(Collective("all_gather", axis, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], n, link),
+        ax, size, ln = (groups or {}).get(u, (axis, n, link))[:3]
+        out.append(Collective("all_gather", ax, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], size, ln),
                               u, phase, min(prev_start, need) - 1, blocking=False, needed_before=need, source="fsdp",
-                              link=link))
+                              link=ln))
         prev_start = need
     return out
 
 
 def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
-          foreign: set[str]) -> tuple[list[Collective], float]:
-    """FSDP2's gathers and reduce-scatters (module doc); returns them and the gathered-buffer bytes at peak. The
-    `foreign` parameters (another form's: `ignored_params`) are in no unit.
+          foreign: set[str]) -> tuple[list[Collective], float, dict[str, int]]:
+    """FSDP2's gathers and reduce-scatters (module doc); returns them, the gathered-buffer bytes at peak and the
+    shard divisor of each parameter in a unit on axes of its own. The `foreign` parameters (another form's:
+    `ignored_params`) are in no unit.
 
     Gathers and reduce-scatters run over the flattened group of the shard axes (n = prod of their sizes,
     `ClusterSpec.group_link`). HSDP adds, per unit, an all-reduce of the reduced shard (unit bytes / n) over the
     replicate axes, after its reduce-scatter. ``reshard_after_forward=False``: no backward gathers, and every
-    unit stays gathered from its forward to its backward (gathered bytes at peak: all units)."""
+    unit stays gathered from its forward to its backward (gathered bytes at peak: all units). Another form's
+    units (`shard_units`: the local experts, NOTE [experts under FSDP2]) come first, each over its own axes;
+    a block's gathered bytes include the units nested in it."""
     dp = reh.view.data_parallel
     axis, n, link = ",".join(dp.shard_axes), dp.shard_size(reh.mesh), cluster.group_link(dp.shard_axes)
-    rep_axes = dp.replicate_axes
-    units = fsdp_units(reh.model)
+    own = shard_units(reh.model, reh.view)
+    groups = {u.path: (",".join(u.shard_axes), math.prod(reh.mesh.size(a) for a in u.shard_axes),
+                       cluster.group_link(u.shard_axes), u.replicate_axes) for u in own}
+    units = [u.path for u in own] + fsdp_units(reh.model)
     unit_bytes: dict[str, float] = {u: 0.0 for u in units}
     unit_params: dict[str, int] = {u: 0 for u in units}
+    divisors: dict[str, int] = {}
     for (name, p), unit in zip(trainable_params(reh.model), fsdp_param_units(reh.model, units)):
         if name in foreign:
             continue
         unit_bytes[unit] += p.numel() * p.element_size()
         unit_params[unit] += 1
+        if unit in groups:
+            divisors[name] = groups[unit][1]
+
+    def group(u: str) -> tuple[str, int, Any, tuple[str, ...]]:
+        return groups.get(u, (axis, n, link, dp.replicate_axes))
 
     def unit_of(module: str) -> str:
         return next(u for u in units if within(module, u))
@@ -125,25 +140,28 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
     if unit_bytes[""]:
         out.append(Collective("all_gather", axis, unit_bytes[""], collective_time_s("all_gather", unit_bytes[""], n, link),
                               "", "fwd", -1, blocking=False, needed_before=0, source="fsdp", link=link))
-    out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link)
+    out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link, groups)
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
-    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link)
+    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link, groups)
     for u in units:
         if not unit_bytes[u]:
             continue
         after = last_bwd.get(u, len(segs) - 1)
-        rs = Collective("reduce_scatter", axis, unit_bytes[u], collective_time_s("reduce_scatter", unit_bytes[u], n, link),
-                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp", link=link)
+        ax, un, ulink, rep_axes = group(u)
+        rs = Collective("reduce_scatter", ax, unit_bytes[u], collective_time_s("reduce_scatter", unit_bytes[u], un, ulink),
+                        u or "", "bwd", after, blocking=False, needed_before=None, source="fsdp", link=ulink)
         out.append(rs)
         if rep_axes:
-            shard_bytes = unit_bytes[u] / n
-            t = collective_time_s("all_reduce", shard_bytes, dp.replicate_size(reh.mesh), cluster.group_link(rep_axes))
-            out.append(Collective("all_reduce", ",".join(rep_axes), shard_bytes, t, u or "", "bwd", after,
-                                  blocking=False, needed_before=None, source="fsdp", follows=rs,
-                                  link=cluster.group_link(rep_axes)))
-    if dp.reshard_after_forward:
-        gathered = unit_bytes[""] + 2 * max((unit_bytes[u] for u in units if u), default=0.0)
+            shard_bytes = unit_bytes[u] / un
+            rep_n, rep_link = math.prod(reh.mesh.size(a) for a in rep_axes), cluster.group_link(rep_axes)
+            out.append(Collective("all_reduce", ",".join(rep_axes), shard_bytes,
+                                  collective_time_s("all_reduce", shard_bytes, rep_n, rep_link), u or "", "bwd", after,
+                                  blocking=False, needed_before=None, source="fsdp", follows=rs, link=rep_link))
+    if dp.reshard_after_forward:  # a block gathered with the units nested in it
+        tops = [u for u in fsdp_units(reh.model) if u]
+        nested = {t: unit_bytes[t] + sum(unit_bytes[g] for g in groups if within(g, t)) for t in tops}
+        gathered = unit_bytes[""] + 2 * max(nested.values(), default=0.0)
     else:
         gathered = sum(unit_bytes.values())
     # FSDP2's hooks per unit per step (NOTE [FSDP2 units]): half where its forward starts, half where its
@@ -163,8 +181,8 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
             continue
         where = c.needed_before if c.kind == "all_gather" else c.issue_after
         if where is not None and 0 <= where < len(segs):
-            cp = fsdp_copy_s(c.nbytes, n, hw)
+            cp = fsdp_copy_s(c.nbytes, group(c.module)[1], hw)
             segs[where] = dataclasses.replace(segs[where], compute_s=segs[where].compute_s + cp)
-    return out, gathered
+    return out, gathered, divisors
 
 

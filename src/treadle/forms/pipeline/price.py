@@ -61,7 +61,7 @@ from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from ..data.facts import foreign_params, fsdp_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .fsdp import fsdp_states, fsdp_terms
-from .runtime import fsdp_split_conflict, replica_buckets, split_backward_conflict
+from .runtime import fsdp_split_conflict, own_units_conflict, replica_buckets, split_backward_conflict
 from .timeline import simulate
 
 _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
@@ -82,7 +82,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     dp = v.data_parallel
     axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
     sharded = dp is not None and dp.shard and dp.shard_size(sch.mesh) > 1
-    if (why := fsdp_split_conflict(kind, dp)) is not None:  # what build refuses is not priced
+    if (why := fsdp_split_conflict(kind, dp) or own_units_conflict(v.model, v)) is not None:  # build refuses it
         raise PlanError(f"price: {why}")
     mesh = sch.mesh
     pp, n_stages = mesh.size(axis), len(cuts) + 1
@@ -162,10 +162,13 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     conflict = split_backward_conflict(kind, pp, [(names[i], st) for i, st in holders.items()])
     if conflict:  # what build refuses is not priced
         raise PlanError(f"price: {conflict}")
+    # reduced by another form (the local experts): not averaged, not in an FSDP2 unit, not sharded by it
+    foreign_names = foreign_params(reh.model, reh.view)
+    foreign = {id(p) for n, p in reh.model.named_parameters(remove_duplicate=False) if n in foreign_names}
     fs = None
     if sharded:  # NOTE [pipeline FSDP2 price]
         fs = fsdp_terms(fsdp_states(kind, order, dp.reshard_after_forward), order,
-                        _stage_units(reh.model, param_stage), _unit_passes(segs, seg_stage, reh.model), duration,
+                        _stage_units(reh.model, param_stage, foreign_names), _unit_passes(segs, seg_stage, reh.model), duration,
                         dp=dp, mesh=mesh, cluster=cluster, hw=hw)
     tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
     opt_b = options.get("optimizer_bytes_per_elem", 8)
@@ -194,8 +197,6 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     zero_n = fs.n if fs else 1  # the ranks parameters, optimizer state and (after the step) gradients split over
     tied_s = collective_time_s("all_reduce", tied_b / zero_n, pp, link) if tied_b and pp > 1 else 0.0
     replicas = dp.size(mesh) if dp is not None and not sharded else 1
-    names = foreign_params(reh.model, reh.view)  # reduced by another form (the local experts): not averaged
-    foreign = {id(p) for n, p in reh.model.named_parameters(remove_duplicate=False) if n in names}
     dp_link = cluster.group_link(dp.axes) if replicas > 1 else None
     split = any(a.kind == "W" for acts in order.values() for a in acts)
     subclass = fs is not None or any(hasattr(p, "to_local") for p in objs.values())
@@ -204,10 +205,13 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         mine = [s for s in range(n_stages) if ranks_of[s] == rank]
         params = [objs[i] for i, st in holders.items() if any(s in mine for s in st)]
         trainable = [p for p in params if p.requires_grad]
-        static = sum(p.numel() * p.element_size() for p in params) / zero_n + buffers + (input_b if 0 in mine else 0)
-        static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0))
-                      for p in trainable) / zero_n
-        opt_s = (math.fsum(adamw_tensor_s(p.numel() / zero_n, p.dtype, opt_b, hw, subclass=subclass)
+        def div(p) -> int:
+            return 1 if id(p) in foreign else zero_n
+
+        static = sum(p.numel() * p.element_size() / div(p) for p in params) + buffers + (input_b if 0 in mine else 0)
+        static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0)) / div(p)
+                      for p in trainable)
+        opt_s = (math.fsum(adamw_tensor_s(p.numel() / div(p), p.dtype, opt_b, hw, subclass=subclass)
                            for p in trainable) + adamw_fixed_s(hw, subclass=subclass))
         act = peak_act = peak_held = 0.0
         gathered = fs.gathered[rank] if fs else [0.0] * len(tl.slots[rank])
@@ -289,12 +293,16 @@ def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link)
     return math.fsum(collective_time_s("all_reduce", b, replicas, link) for b in nbytes), float(max(nbytes))
 
 
-def _stage_units(model: torch.nn.Module, param_stage) -> dict[int, dict[str, tuple[float, float, int]]]:
+def _stage_units(model: torch.nn.Module, param_stage,
+                 foreign: set[str] = frozenset()) -> dict[int, dict[str, tuple[float, float, int]]]:
     """Stage -> FSDP2 unit -> (parameter bytes, trainable bytes, parameter count), as `build` wraps each stage: the
-    model's units inside it (NOTE [FSDP2 units]), the rest of its parameters in its root ""."""
+    model's units inside it (NOTE [FSDP2 units]), the rest of its parameters in its root ""; the `foreign`
+    parameters (FSDP2's `ignored_params`: the local experts) in none."""
     units = fsdp_units(model)
     out: dict[int, dict[str, list]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
+        if name in foreign:
+            continue
         u = next(x for x in units if within(name.rpartition(".")[0], x))
         row = out.setdefault(param_stage(name), {}).setdefault(u, [0.0, 0.0, 0])
         nbytes = p.numel() * p.element_size()

@@ -318,6 +318,21 @@ def split_backward_conflict(schedule: str, pp: int, readers: list[tuple[str, set
     return None
 
 
+def own_units_conflict(model: nn.Module, view) -> str | None:
+    """Why the pipeline cannot run `view`'s data parallelism, or None: FSDP2 units on axes of their own
+    (`treadle.forms.data.facts.shard_units`: the experts over the axes the expert axis leaves, NOTE [experts
+    under FSDP2]), which the pipeline's per-stage FSDP2 (NOTE [pipeline FSDP2]) does not drive yet."""
+    from ..data.facts import shard_units
+
+    units = shard_units(model, view)
+    if not units:
+        return None
+    u = units[0]
+    return (f"FSDP2 would shard {u.path!r} as a unit of its own over {','.join(u.shard_axes)} (NOTE [experts under "
+            f"FSDP2]), which the stages' FSDP2 does not drive yet; state ZeRO-3 over the expert axis alone "
+            f"(data_parallel(axis=<expert axis>, shard=True)) or DDP beside the pipeline")
+
+
 def fsdp_split_conflict(schedule: str, dp) -> str | None:
     """Why `schedule` cannot run under data parallelism `dp`, or None: a split-backward schedule under FSDP2 / HSDP
     with ``reshard_after_forward``. A forward between a stage's I and W reshards the stage, and in torch 2.13 the
@@ -360,7 +375,8 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     conflict = split_backward_conflict(kind, pp, list(readers.values()))
     dp = builder.v.data_parallel
     if conflict is None and dp is not None:
-        conflict = shared_stage_conflict(kind, pp, list(readers.values()), str(dp)) or fsdp_split_conflict(kind, dp)
+        conflict = (shared_stage_conflict(kind, pp, list(readers.values()), str(dp)) or fsdp_split_conflict(kind, dp)
+                    or own_units_conflict(builder.model, builder.v))
     if conflict:
         raise BuildError(f"pipeline: {conflict}")
     tied_ids = sorted((i for i, r in holders.items() if len(r) > 1), key=lambda i: readers[i][0])
