@@ -97,3 +97,52 @@ def test_under_a_budget_the_plan_splits_the_experts_fits_as_priced_and_verifies(
     again = Plan.from_json(plan.to_json())  # a plan file holds the decisions and replays them
     assert again.schedule_for(tiny_mixtral()).to_python() == text
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+def test_under_zero3_the_experts_unit_shards_over_the_other_axes_by_hand(graph):
+    # 2x2 mesh, ZeRO-3 over both axes, experts over the second: FSDP2 shards the experts over the first as a unit
+    # of its own (NOTE [experts in the plan]); the experts hold 1/4 of their bytes, as every other parameter
+    from treadle.cost.collective_cost import all_gather_time_s, reduce_scatter_time_s
+    from treadle.forms.data.facts import fsdp_copy_s, fsdp_host_s
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    zero = build_cost_graph(graph, cl, Roles((a, b), True, ()))
+    ep = build_cost_graph(graph, cl, Roles((a, b), True, (), ep=b))
+    static = [sum(u.count * u.costs[0].static_bytes for u in cg.units) for cg in (zero, ep)]
+    assert static[1] == pytest.approx(static[0], rel=1e-9)  # 1/2 (experts) x 1/2 (FSDP2) = 1/4 (FSDP4)
+    link, hw = cl.group_link((a,)), cl.rank_hardware()
+    units = list(ep.form_terms["expert"].values())
+    assert len(units) == 2 and units[0] == units[1]  # one per MoE block
+    x = units[0]
+    local = sum(m.numel * 4 for name, m in graph.params.items()
+                if name.startswith("model.layers.0.mlp.experts.")) / 2  # this rank's experts of one layer
+    sync = 2 * (all_gather_time_s(local, 2, link) - all_gather_time_s(0.0, 2, link)) + (
+        reduce_scatter_time_s(local, 2, link) - reduce_scatter_time_s(0.0, 2, link))
+    assert x.fsdp_s == pytest.approx(sync, rel=1e-9)  # two gathers and a reduce-scatter of its own
+    assert x.copy_s == pytest.approx(3 * fsdp_copy_s(local, 2, hw) + fsdp_host_s(1, 0, hw), rel=1e-9)
+    lat = 2 * (2 * all_gather_time_s(0.0, 2, link) + reduce_scatter_time_s(0.0, 2, link))  # both layers' units
+    assert ep.form_terms["data"].latency_s - zero.form_terms["data"].latency_s == pytest.approx(lat, rel=1e-9)
+    # without a shard axis besides the expert axis (HSDP: shard the expert axis, replicate the other) no unit
+    hsdp = build_cost_graph(graph, cl, Roles((a, b), True, (), replicate=(a,), ep=b))
+    assert all(not x.fsdp_s for x in hsdp.form_terms["expert"].values())
+
+
+@pytest.mark.slow
+def test_a_budget_below_fsdp4_plans_experts_under_zero3_that_fit_as_priced_and_verify():
+    # FSDP2 over four ranks gathers every block with all its experts; split over an expert axis, the experts
+    # are gathered over the other axis only (NOTE [experts under FSDP2]): the plan that fits below FSDP4's peak
+    from treadle.planner import plan_model
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(BATCH, SEQ)
+    fsdp4 = treadle.create_schedule(tiny_mixtral(), mesh=cl.mesh)
+    fsdp4.data_parallel(axis=[a, b], shard=True)
+    budget = 0.97 * treadle.price(fsdp4, inputs, cl).peak_bytes
+    plan = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget)
+    assert "(ZeRO-3)" in plan.roles and "experts over" in plan.roles, plan.solver["alternatives"]
+    text = plan.schedule.to_python()
+    assert "expert_parallel(axis=" in text and "shard=True" in text
+    assert plan.estimate().peak_bytes <= budget
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

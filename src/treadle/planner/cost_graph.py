@@ -145,6 +145,9 @@ class _Builder(NodeCosts, Assembly):
         # parameter name -> the ranks a form other than data parallelism splits it over and reduces it itself
         # (the expert form's `prepare`: the experts over the expert axis; data parallelism leaves them alone)
         self.own_split: dict[str, int] = {}
+        # parameter name -> the ranks its gathered copy is split over, for such a parameter FSDP2 also shards on
+        # axes of its own (the experts under ZeRO-3: NOTE [experts in the plan]); kept without reshard
+        self.own_gathered: dict[str, int] = {}
         # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
         # a layout change is its collectives), so the copy rate is left out on purpose
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),

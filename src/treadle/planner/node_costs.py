@@ -196,7 +196,7 @@ class NodeCosts:
                 continue
             pl = tuple(o.ins[pos] for o in combo)
             own = self.own_split.get(src.param)  # split and reduced by another form (the experts)
-            c.static_bytes += self.param_static_bytes(src.out, pl, own)
+            c.static_bytes += self.param_static_bytes(src.out, pl, own, self.own_gathered.get(src.param))
             c.grad_bytes += (src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or 1)
                              * src.out.dtype.itemsize)
             c.compute_s += self.optimizer_s(src.out, pl, own)
@@ -208,17 +208,19 @@ class NodeCosts:
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
 
-    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None) -> float:
+    def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None,
+                           own_gathered: int | None = None) -> float:
         """Parameter, gradient and optimizer bytes of the local shard (1/`param_divisor` of it under ZeRO-3;
-        1/`own` of it for a parameter another form splits, `own_split`, which ZeRO-3 leaves alone);
-        with `gathered_kept` (no reshard after forward), plus the gathered parameter, kept from forward to
-        backward (the price: all units gathered at the end of forward)."""
+        1/`own` of it for a parameter another form splits, `own_split`); with `gathered_kept` (no reshard after
+        forward), plus the gathered parameter, kept from forward to backward (the price: all units gathered at
+        the end of forward) — for another form's parameter, 1/`own_gathered` of it where FSDP2 gathers it."""
         local = meta.numel / _tensor_axes_divisor(pl, self.tp_sizes)
         per = 2 * meta.dtype.itemsize + self.train.optimizer_bytes_per_elem
         if self.train.master_copy and meta.dtype != torch.float32:
             per += 4
         if own is not None:
-            return local / own * per
+            kept = local / own_gathered * meta.dtype.itemsize if self.gathered_kept and own_gathered else 0.0
+            return local / own * per + kept
         full = local
         local /= self.param_divisor
         kept = full * meta.dtype.itemsize if self.gathered_kept else 0.0

@@ -63,6 +63,9 @@ class ExpertParallelForm(Form):
     def node_cost(self, b, n, combo, pub, cost, rec):
         _plan.node_cost(b, n, combo, pub, cost, rec)
 
+    def graph_terms(self, b, cg):
+        _plan.graph_terms(b, cg)
+
     def decisions(self, cg, choice, ckpt, ctx):
         return _plan.decisions(cg, choice, ckpt, ctx)
 

@@ -8,20 +8,27 @@ gradients]), their gradient reduction leaves the data-parallel sync, and each ex
 node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts and
 two of the rows (R = local tokens x k, each H wide, in the rows' dtype), backward two of the rows, all blocking
 on `a`; a checkpointed block's recompute runs the forward ones again. The rows per rank assume the balanced load
-the price assumes (NOTE [expert load in a rehearsal]). The experts' nodes run replicated on the tensor axes (no
-sharding rule runs an experts module on shards). The ILP weighs this assignment against the others, jointly with
+the price assumes (NOTE [expert load in a rehearsal]). Under ZeRO-3 with shard axes besides `a` (NOTE [experts
+under FSDP2]) the experts are split further over those (m ranks: 1/(n m) of their bytes) and each experts
+module is an FSDP2 unit of its own: two gathers (one without reshard after forward) and a reduce-scatter of its
+local experts over those axes (HSDP: an all-reduce of the shard over the other replicate axes), bandwidth on its
+first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2's copies on its compute, the
+unit's latencies in the data form's constant; without reshard the gathered local experts are kept. The experts'
+nodes run replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP weighs this assignment against the others, jointly with
 checkpointing, through the same strategy costs and memory rows as every role.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ...cost.collective_cost import collective_time_s
+from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collective_time_s, reduce_scatter_time_s
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
+from ..data.facts import fsdp_copy_s, fsdp_host_s
 from .facts import expert_modules
 
 DECISION_RANK = DECISION_RANKS["expert_parallel"]
@@ -29,10 +36,15 @@ DECISION_RANK = DECISION_RANKS["expert_parallel"]
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """One experts module's exchanges, per execution: forward and backward seconds (NOTE [experts in the plan])."""
+    """One experts module's exchanges, per execution: forward and backward seconds; under ZeRO-3 its FSDP2 unit's
+    bandwidth seconds (`fsdp_s`), copies (`copy_s`) and latency (`latency_s`) per step (NOTE [experts in the
+    plan])."""
 
     fwd_s: float
     bwd_s: float
+    fsdp_s: float = 0.0
+    copy_s: float = 0.0
+    latency_s: float = 0.0
 
 
 def capture_facts(model) -> dict | None:
@@ -75,11 +87,21 @@ def prepare(b) -> None:
     experts = _experts(b.g.facts)
     if ep is None or not experts:
         return
-    n = b.cluster.mesh.size(ep)
+    mesh = b.cluster.mesh
+    n = mesh.size(ep)
     link = b.cluster.link(ep)
+    shard = tuple(a for a in b.roles.shard_axes if a != ep)  # NOTE [experts under FSDP2]
+    m = math.prod(mesh.size(a) for a in shard)
+    fsdp = m > 1
     for name, module in b.g.param_modules.items():
         if module in experts:
-            b.own_split[name] = n
+            b.own_split[name] = n * (m if fsdp else 1)
+            if fsdp:
+                b.own_gathered[name] = n
+    local_bytes: dict[str, float] = {}  # the local experts' bytes of each (captured) experts module
+    for x in b.nodes:
+        if x.kind == "param" and isinstance(x.out, TensorMeta) and (mod := b.g.param_modules.get(x.param)) in experts:
+            local_bytes[mod] = local_bytes.get(mod, 0.0) + x.out.numel * x.out.dtype.itemsize / n
     for path in sorted({m for node in b.nodes if node.kind == "op" and (m := _inside(node.module, experts))}):
         ops = [x for x in b.nodes if x.kind == "op" and _inside(x.module, (path,)) and b.canonical(x.index) == x.index]
         if not ops:
@@ -89,7 +111,25 @@ def prepare(b) -> None:
         row_bytes = rows * width
         fwd = collective_time_s("all_to_all", e * 8, n, link) + 2 * collective_time_s("all_to_all", row_bytes, n, link)
         bwd = 2 * collective_time_s("all_to_all", row_bytes, n, link)
-        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd)
+        unit = _unit_costs(b, local_bytes.get(path, 0.0), shard, ep) if fsdp else (0.0, 0.0, 0.0)
+        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, *unit)
+
+
+def _unit_costs(b, nbytes: float, shard: tuple[str, ...], ep: str) -> tuple[float, float, float]:
+    """(bandwidth s, copies s, latency s) per step of one experts unit of `nbytes` local expert bytes under
+    ZeRO-3 over `shard` (NOTE [experts in the plan]), as the data form prices a unit."""
+    mesh = b.cluster.mesh
+    m = math.prod(mesh.size(a) for a in shard)
+    zlink = b.cluster.group_link(shard)
+    gathers = 2 if b.roles.reshard_after_forward else 1
+    colls = [(all_gather_time_s, nbytes, m, zlink)] * gathers + [(reduce_scatter_time_s, nbytes, m, zlink)]
+    rep = tuple(a for a in b.roles.replicate if a != ep)
+    if rep:
+        colls.append((all_reduce_time_s, nbytes / m, math.prod(mesh.size(a) for a in rep), b.cluster.group_link(rep)))
+    bandwidth = sum(fn(x, k, ln) - fn(0.0, k, ln) for fn, x, k, ln in colls)
+    latency = sum(fn(0.0, k, ln) for fn, _, k, ln in colls)
+    copies = (gathers + 1) * fsdp_copy_s(nbytes, m, b.hw) + fsdp_host_s(1, 0, b.hw)
+    return bandwidth, copies, latency
 
 
 def _rows(b, ops, path: str) -> tuple[float, int]:
@@ -128,6 +168,20 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
     c.bwd_comm_s += x.bwd_s
     if rec != "none":  # a checkpointed block's recompute dispatches again
         c.rec_s += x.fwd_s
+    c.dp_comm_s += x.fsdp_s  # its FSDP2 unit (NOTE [experts in the plan])
+    c.compute_s += x.copy_s
+
+
+def graph_terms(b, cg) -> None:
+    """The experts modules' exchanges (`cg.form_terms["expert"]`: first node -> Exchange) and their FSDP2 units'
+    latencies, in the data form's constant (NOTE [bucketed data parallel])."""
+    exchanges = getattr(b, "expert_exchanges", {})
+    if exchanges:
+        cg.form_terms["expert"] = dict(exchanges)  # first node -> Exchange, for `explain` and the tests
+    lat = sum(x.latency_s * b.count(i) for i, x in exchanges.items())
+    terms = cg.form_terms.get("data")
+    if lat and terms is not None:
+        terms.latency_s += lat
 
 
 def decisions(cg, choice, ckpt, ctx) -> list:
