@@ -14,7 +14,7 @@ import torch
 
 import treadle
 from treadle import Mesh, create_schedule
-from treadle.forms.pipeline.runtime import shared_stage_conflict
+from treadle.forms.pipeline.conflicts import shared_stage_conflict
 from treadle.models import megatron
 from treadle.runtime.params import local_slice
 from treadle.testing import spawn

@@ -78,7 +78,7 @@ def _measure(rank: int, world: int) -> list[dict]:
         with pipe.recording():
             pipe.step(**inputs)
         out.append(list(events))
-    try:  # refused: a forward between I and W would reshard the stage (NOTE in runtime.fsdp_split_conflict)
+    try:  # refused: a forward between I and W would reshard the stage (NOTE in conflicts.fsdp_split_conflict)
         treadle.build(_schedule("zbv", [0, 1, 2], 2, True))
         out.append("built")
     except treadle.BuildError as exc:

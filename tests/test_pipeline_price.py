@@ -55,7 +55,7 @@ def test_multi_stage_orders_are_the_schedule_classes_own(kind):
         for mb in range(4):
             assert Action(s, "F", mb) in every
             assert Action(s, "B", mb) in every or {Action(s, "I", mb), Action(s, "W", mb)} <= every
-    from treadle.forms.pipeline.runtime import stage_rank
+    from treadle.forms.pipeline.conflicts import stage_rank
 
     assert ranks == {s: stage_rank(kind, s, 2) for s in range(4)}  # the order places stages as build does
     t = simulate(o, {(s, k): 1.0 for s in range(4) for k in "FBIW"}, stage_rank=ranks)  # runs to its end

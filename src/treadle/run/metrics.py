@@ -123,7 +123,7 @@ def stage_metrics(model: nn.Module, mesh, stage_flops_: list[int] | None, step_s
         return None
     import torch.distributed as dist
 
-    from ..forms.pipeline.runtime import stage_rank
+    from ..forms.pipeline.conflicts import stage_rank
 
     world, pp_size = dist.get_world_size(), mesh.size(axis)
     every = torch.zeros(world, dtype=torch.int64, device=mesh.device)

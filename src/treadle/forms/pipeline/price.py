@@ -61,7 +61,8 @@ from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from ..data.facts import foreign_params, fsdp_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .fsdp import fsdp_states, fsdp_terms
-from .runtime import fsdp_split_conflict, own_units_conflict, replica_buckets, split_backward_conflict
+from .conflicts import fsdp_split_conflict, own_units_conflict, split_backward_conflict
+from .runtime import replica_buckets
 from .timeline import simulate
 
 _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")

@@ -14,7 +14,7 @@ parameter once per micro-batch and fails an internal assert), so no DDP wrapper 
 A parameter read by stages on several ranks (tied input embedding / output head) gets its gradient summed over
 the ``pp`` group after each step, so the copies stay equal (on FSDP2 shards: the ranks of one pp group hold the
 same shard). One that two stages of one rank read is refused under data parallelism (each stage's wrapper would
-reduce it) and under split-backward schedules (`split_backward_conflict`).
+reduce it) and under split-backward schedules (`conflicts.split_backward_conflict`).
 
 Loss semantics (NOTE [pipeline loss]): each micro-batch loss is the model's own loss on that micro-batch
 (a mean over its tokens). With ``scale_grads=True`` (pipelining's default) the summed micro-batch gradients
@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...errors import BuildError
+from .conflicts import fsdp_split_conflict, own_units_conflict, shared_stage_conflict, split_backward_conflict, stage_rank
 from .stages import StagePlan, split_stages
 
 logger = logging.getLogger(__name__)
@@ -287,65 +288,6 @@ class PipelineModel(nn.Module):
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
                     "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-V_SCHEDULES = ("zbv", "dualpipev")
-SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input- and weight-gradient backward apart
-
-
-def stage_rank(schedule: str, stage: int, pp: int) -> int:
-    """The pp rank that holds `stage` under `schedule`: in a V for zbv / dualpipev (rank r holds r and
-    2 pp - 1 - r), else in a loop (stage mod pp) — as torch.distributed.pipelining places them."""
-    if schedule in V_SCHEDULES:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def split_backward_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]]) -> str | None:
-    """Why `schedule` cannot run these stages, or None: a split-backward schedule (input, then weight gradients,
-    per stage, around each weight's one gradient accumulator) on which two stages of one rank read one parameter
-    (`readers`: (parameter name, the stages that read it)) — its gradient comes out wrong in torch 2.13."""
-    if schedule not in SPLIT_BACKWARD:
-        return None
-    for name, stages in sorted(readers, key=lambda r: r[0]):
-        by_rank: dict[int, list[int]] = {}
-        for s in sorted(stages):
-            by_rank.setdefault(stage_rank(schedule, s, pp), []).append(s)
-        for same in by_rank.values():
-            if len(same) > 1:
-                return (f"schedule {schedule!r} places stages {same[0]} and {same[1]} on one rank and both read "
-                        f"{name}; its split backward (input, then weight gradients) cannot share a parameter "
-                        f"between two stages of a rank; untie it, or use a schedule that places them on different "
-                        f"ranks (interleaved_1f1b, looped_bfs)")
-    return None
-
-
-def own_units_conflict(model: nn.Module, view) -> str | None:
-    """Why the pipeline cannot run `view`'s data parallelism, or None: FSDP2 units on axes of their own
-    (`treadle.forms.data.facts.shard_units`: the experts over the axes the expert axis leaves, NOTE [experts
-    under FSDP2]), which the pipeline's per-stage FSDP2 (NOTE [pipeline FSDP2]) does not drive yet."""
-    from ..data.facts import shard_units
-
-    units = shard_units(model, view)
-    if not units:
-        return None
-    u = units[0]
-    return (f"FSDP2 would shard {u.path!r} as a unit of its own over {','.join(u.shard_axes)} (NOTE [experts under "
-            f"FSDP2]), which the stages' FSDP2 does not drive yet; state ZeRO-3 over the expert axis alone "
-            f"(data_parallel(axis=<expert axis>, shard=True)) or DDP beside the pipeline")
-
-
-def fsdp_split_conflict(schedule: str, dp) -> str | None:
-    """Why `schedule` cannot run under data parallelism `dp`, or None: a split-backward schedule under FSDP2 / HSDP
-    with ``reshard_after_forward``. A forward between a stage's I and W reshards the stage, and in torch 2.13 the
-    gradients of that W come out wrong (measured: `treadle.verify` of PP2 x FSDP2 on a tiny LLaMA fails for
-    interleaved_zb, zbv and dualpipev, and passes with ``reshard_after_forward=False``)."""
-    if schedule in SPLIT_BACKWARD and dp is not None and dp.shard and dp.reshard_after_forward:
-        return (f"schedule {schedule!r} splits each backward into input and weight gradients; under {dp} with "
-                f"reshard_after_forward=True a forward between them reshards the stage and torch 2.13 computes "
-                f"wrong weight gradients; state data_parallel(..., reshard_after_forward=False), or use a schedule "
-                f"without a split backward (1f1b, interleaved_1f1b, looped_bfs)")
-    return None
-
-
 def wrap_pipeline(builder) -> PipelineModel | None:
     """The "wrap" build step: split the captured graph (`stages.capture_root`) into stages, wrap this rank's under
     the data parallelism, and hand back the `PipelineModel` that runs them. None without a pipeline."""
@@ -451,22 +393,6 @@ def replica_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     names = ddp_buckets([(k, p.numel() * p.element_size(), str(p.dtype)) for k, p in by.items()],
                         first_bucket_bytes=DDP_BUCKET_BYTES)
     return [[by[k] for k in b] for b in names]
-
-
-def shared_stage_conflict(schedule: str, pp: int, readers: list[tuple[str, set[int]]], dp: str) -> str | None:
-    """Why data parallelism `dp` cannot wrap these stages, or None: two stages of one rank read one parameter
-    (`readers`: (parameter name, the stages that read it)), and each stage's wrapper would reduce its gradient."""
-    for name, stages in sorted(readers, key=lambda r: r[0]):
-        by_rank: dict[int, list[int]] = {}
-        for s in sorted(stages):
-            by_rank.setdefault(stage_rank(schedule, s, pp), []).append(s)
-        for same in by_rank.values():
-            if len(same) > 1:
-                return (f"stages {same[0]} and {same[1]} of schedule {schedule!r} are on one rank and both read "
-                        f"{name}; under data parallelism ({dp}) each stage's wrapper reduces its own gradients, so "
-                        f"they cannot share a parameter; untie it, or cut the stages so that one rank's stages "
-                        f"share none")
-    return None
 
 
 def _under_data_parallel(builder, module: fx.GraphModule) -> nn.Module:
