@@ -198,10 +198,13 @@ def test_the_price_counts_the_exchanges_and_the_local_experts_by_hand():
     rows = tokens * k * hidden * 4
     for layer in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
         fwd = [(c["kind"], c["nbytes"]) for c in ep if c["module"] == layer and c["phase"] == "fwd"]
-        # the pair counts (one int64 per expert: tiny Mixtral has 4), the rows, the results back
-        assert fwd == [("all_to_all", 8 * 4), ("all_to_all", rows), ("all_to_all", rows)]
+        # the pair counts (one int64 per expert: tiny Mixtral has 4), the rows, their routing weights (fp32),
+        # the results back
+        weights = tokens * k * 4
+        assert fwd == [("all_to_all", 8 * 4), ("all_to_all", rows), ("all_to_all", weights), ("all_to_all", rows)]
         bwd = [(c["kind"], c["nbytes"]) for c in ep if c["module"] == layer and c["phase"] == "bwd"]
-        assert bwd == [("all_to_all", rows)] * 2  # the two row exchanges' adjoints
+        # the adjoints in reverse: the results' gradients there, the weights' and the rows' gradients back
+        assert sorted(bwd) == sorted([("all_to_all", rows), ("all_to_all", weights), ("all_to_all", rows)])
     c = ep[1]
     assert c["time_s"] == pytest.approx(collective_time_s("all_to_all", rows, n, cl.link("dp")))
     # DDP all-reduces every gradient but the experts' (summed by the exchanges: NOTE [expert gradients])
@@ -459,8 +462,12 @@ def _fsdp_experts_rank(rank: int, world: int):
     built = treadle.build(sch)
     experts = built.get_parameter("model.layers.0.mlp.experts.down_proj")
     dense = built.get_parameter("model.layers.0.mlp.gate.weight")
+    # NOTE [nested prefetch]: the units whose gathers each unit's backward issues, where not FSDP2's default
+    states = {id(m._get_fsdp_state()): p for p, m in built.named_modules() if hasattr(m, "_get_fsdp_state")}
+    prefetch = {p: [states[id(s)] for s in m._get_fsdp_state()._states_to_backward_prefetch or []]
+                for p, m in built.named_modules() if hasattr(m, "_get_fsdp_state")}
     return (tuple(experts.shape), tuple(experts.to_local().shape), experts.device_mesh.mesh_dim_names,
-            dense.device_mesh.mesh_dim_names)
+            dense.device_mesh.mesh_dim_names, {p: t for p, t in prefetch.items() if t})
 
 
 def test_zero3_shards_the_experts_over_the_axes_the_expert_axis_leaves():
@@ -468,9 +475,24 @@ def test_zero3_shards_the_experts_over_the_axes_the_expert_axis_leaves():
     from treadle.testing import spawn
 
     e, hidden, inner = tiny_mixtral().model.layers[0].mlp.experts.down_proj.shape
-    for shape, local, experts_mesh, dense_mesh in spawn(_fsdp_experts_rank, 4, timeout_s=120):
+    for shape, local, experts_mesh, dense_mesh, prefetch in spawn(_fsdp_experts_rank, 4, timeout_s=120):
         assert shape == (e // 2, hidden, inner) and local == (e // 4, hidden, inner)
         assert experts_mesh == ("dp",) and dense_mesh == ("dp_ep",)
+        # the last unit of block 1 to start its backward gathers block 0 and its experts at once
+        assert prefetch == {"model.layers.1.mlp.experts": ["model.layers.0", "model.layers.0.mlp.experts"]}
+
+
+def test_backward_prefetch_issues_the_next_block_and_its_nested_units_at_once():
+    from treadle.forms.data.facts import backward_prefetch
+
+    blocks = ["a.0", "a.1", "a.2"]
+    nested = ["a.0.x", "a.0.y", "a.1.x", "a.1.y", "a.2.x", "a.2.y"]
+    # the first nested unit of a block (forward order) is the last of the block to start its backward
+    assert backward_prefetch(blocks, nested) == {"a.2.x": ["a.1", "a.1.y", "a.1.x"], "a.1.x": ["a.0", "a.0.y", "a.0.x"]}
+    assert backward_prefetch(blocks, []) == {}  # FSDP2's default order
+    # a block without nested units: its own start issues the next block's; a nested unit's, the plain block
+    assert backward_prefetch(blocks, ["a.1.x"]) == {"a.2": ["a.1", "a.1.x"], "a.1.x": ["a.0"]}
+    assert backward_prefetch(["a.1", "a.10"], ["a.10.x"]) == {"a.10.x": ["a.1"]}  # a prefix is not a parent
 
 
 def test_hsdp_shards_and_replicates_the_experts_on_8_ranks():
@@ -512,6 +534,24 @@ def test_the_price_of_experts_under_zero3_by_hand():
     assert p.static_bytes == pytest.approx(treadle.price(fsdp4, inputs, cl).static_bytes, rel=1e-9)
     # the experts' gradients leave the exchanges' own reduction (no all-reduce over a)
     assert not [c for c in p.collectives if c["source"] in ("ep", "tp") and c["kind"] == "all_reduce"]
+
+
+def test_the_price_issues_the_nested_units_backward_gathers_as_build_prefetches_them():
+    # NOTE [nested prefetch]: block 1's experts, the last of its units to start backward, issue block 0's gather
+    # and block 0's experts' gather at once (on a host where the gathers overlap compute)
+    from treadle.cost.cluster import parse_cluster
+
+    cl = parse_cluster("2x2:h100")
+    a, b = cl.mesh.names
+    sch = _ep_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, ep=b, dp=(a, b), shard=True)
+    p = treadle.price(sch, lm_inputs(8, 16), cl)
+    bwd = {c["module"]: c for c in p.collectives
+           if c["source"] == "fsdp" and c["kind"] == "all_gather" and c["phase"] == "bwd"}
+    assert set(bwd) == {"model.layers.0", "model.layers.0.mlp.experts", "model.layers.1",
+                        "model.layers.1.mlp.experts"}
+    assert not bwd["model.layers.0.mlp.experts"]["blocking"]
+    assert bwd["model.layers.0.mlp.experts"]["start_s"] == pytest.approx(bwd["model.layers.0"]["start_s"])
+    assert bwd["model.layers.0.mlp.experts"]["exposed_s"] == 0.0  # hidden behind block 1's experts' backward
 
 
 def test_experts_under_zero3_inside_pipeline_stages_are_refused():

@@ -10,6 +10,7 @@ import pytest
 import treadle
 from treadle.cost.cluster import parse_cluster
 from treadle.cost.collective_cost import collective_time_s
+from treadle.profile.roofline import memory_time_s
 from treadle.planner.capture import capture
 from treadle.planner.cost_graph import build_cost_graph
 from treadle.planner.roles import Roles, enumerate_roles
@@ -38,27 +39,44 @@ def test_the_expert_axis_is_a_data_parallel_axis_that_divides_the_experts():
         Roles(("dp",), False, ("tp",), ep="tp")
 
 
-def test_the_exchanges_and_the_experts_memory_by_hand(graph):
+def test_the_exchanges_and_the_experts_memory_by_hand(graph, monkeypatch):
+    from treadle.forms.expert import plan as expert_plan
+
     cl = parse_cluster("4x1:cpu")
     dp = build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",)))
     ep = build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",), ep="dp"))
     n, e, k, hidden = 4, 4, 2, 64
     rows = BATCH * SEQ // n * k  # this rank's routed pairs (balanced load)
     link = cl.link("dp")
-    fwd = collective_time_s("all_to_all", e * 8, n, link) + 2 * collective_time_s("all_to_all", rows * hidden * 4, n,
-                                                                                   link)
-    bwd = 2 * collective_time_s("all_to_all", rows * hidden * 4, n, link)
+    # the rows there and back and their routing weights there (fp32), forward; their adjoints backward
+    pairs = 2 * collective_time_s("all_to_all", rows * hidden * 4, n, link) + \
+        collective_time_s("all_to_all", rows * 4, n, link)
+    fwd = collective_time_s("all_to_all", e * 8, n, link) + pairs
+    bwd = pairs
+    # the dispatch's own memory traffic on compute: 7 + 6 reads or writes of every row (NOTE [expert dispatch])
+    hw = cl.rank_hardware()
+    work = (memory_time_s(7 * rows * hidden * 4, hw), memory_time_s(6 * rows * hidden * 4, hw))
 
     def totals(cg):
         choice = [0] * len(cg.units)  # the first strategy of every unit: all replicated here
         comm = sum(u.count * u.costs[0].comm_s for u in cg.units)
         static = sum(u.count * u.costs[0].static_bytes for u in cg.units)
         sync = sum(u.count * u.costs[0].dp_comm_s for u in cg.units)
-        return choice, comm, static, sync
+        compute = sum(u.count * u.costs[0].compute_s for u in cg.units)
+        return compute, comm, static, sync
 
-    _, comm_dp, static_dp, sync_dp = totals(dp)
-    _, comm_ep, static_ep, sync_ep = totals(ep)
+    compute_dp, comm_dp, static_dp, sync_dp = totals(dp)
+    compute_ep, comm_ep, static_ep, sync_ep = totals(ep)
     assert comm_ep - comm_dp == pytest.approx(2 * (fwd + bwd), rel=1e-9)  # two MoE blocks
+    exchanges = ep.form_terms["expert"]
+    assert len(exchanges) == 2
+    for x in exchanges.values():
+        assert (x.fwd_s, x.bwd_s) == pytest.approx((fwd, bwd), rel=1e-9)
+        assert (x.work_fwd_s, x.work_bwd_s) == pytest.approx(work, rel=1e-9)
+    # the dispatch's traffic is on compute, forward and backward, in each of the two MoE blocks
+    monkeypatch.setattr(expert_plan, "dispatch_traffic", lambda pairs, row_bytes: (0.0, 0.0))
+    compute_bare = totals(build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",), ep="dp")))[0]
+    assert compute_ep - compute_bare == pytest.approx(2 * sum(work), rel=1e-9)
     experts = sum(m.numel for name, m in graph.params.items() if ".experts." in name)
     per = 2 * 4 + 8  # weight and gradient (fp32), AdamW's two moments
     assert static_dp - static_ep == pytest.approx(experts * per * (1 - 1 / n), rel=1e-9)

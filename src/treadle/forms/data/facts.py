@@ -19,6 +19,15 @@ on the root (`fsdp_units`); a parameter belongs to the first unit holding its mo
 step FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
 `treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient in and
 the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
+
+NOTE [nested prefetch]: in backward FSDP2 by default prefetches one unit ahead, in the reverse of the order the
+units' forwards ended. With a unit nested in a block (another form's, the experts: NOTE [experts under FSDP2])
+that order interleaves ..., block i-1, experts i-1, block i, experts i (a nested unit's forward ends first):
+block i's backward would prefetch experts i, needed almost at once (the MLP is the end of a block), so that gather
+would wait in the open. `build` instead has the last unit of each block to start its backward (the nested unit
+whose forward started first) prefetch the next block and every unit nested in it, at once
+(`backward_prefetch`, FSDP2's ``set_modules_to_backward_prefetch``): the next block's gathers overlap this
+block's remaining backward. Blocks without nested units keep FSDP2's default. The price issues the gathers so.
 """
 
 from __future__ import annotations
@@ -97,6 +106,18 @@ def fsdp_units(model: nn.Module) -> list[str]:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             units += [f"{path}.{k}" if path else k for k, c in m.named_children()]
     return units + [""]
+
+
+def backward_prefetch(blocks: list[str], nested: list[str]) -> dict[str, list[str]]:
+    """Unit -> the units it prefetches when its backward starts, where that is not FSDP2's default (NOTE [nested
+    prefetch]). `blocks`: the block units in forward order (the root excluded); `nested`: units nested in them,
+    in forward order."""
+    inner = {b: [u for u in nested if u != b and within(u, b)] for b in blocks}
+    out: dict[str, list[str]] = {}
+    for prev, cur in zip(blocks, blocks[1:]):
+        if inner[cur] or inner[prev]:
+            out[inner[cur][0] if inner[cur] else cur] = [prev, *reversed(inner[prev])]
+    return out
 
 
 def fsdp_param_units(model: nn.Module, units: list[str] | None = None) -> list[str]:

@@ -15,8 +15,8 @@ from ...form import PriceTerms
 from ...pricing import Rehearsal, StepContext
 from ...profile.memory import buffer_bytes
 from ...runtime.optimizer import trainable_params
-from .facts import (buffer_broadcast_s, ddp_buckets, foreign_params, fsdp_copy_s, fsdp_host_s, fsdp_param_units,
-                    fsdp_units, shard_units, within)
+from .facts import (backward_prefetch, buffer_broadcast_s, ddp_buckets, foreign_params, fsdp_copy_s, fsdp_host_s,
+                    fsdp_param_units, fsdp_units, shard_units, within)
 
 
 def price_step(ctx: StepContext) -> PriceTerms | None:
@@ -73,17 +73,21 @@ def _ddp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec, foreign: set
 
 
 def prefetched_gathers(order: list[str], first_use: dict[str, int], unit_bytes: dict[str, float], phase: str,
-                       start: int, axis: str, n: int, link, groups: dict | None = None) -> list[Collective]:
+                       start: int, axis: str, n: int, link, groups: dict | None = None,
+                       issued_by: dict[str, str] | None = None) -> list[Collective]:
     """FSDP2's all-gathers of the units `order` in one pass (forward or backward) of a segment list: unit u is
     needed before segment ``first_use[u]`` and gathered one unit ahead, issued when the unit before it starts (the
-    first at the pass's `start`); over (`axis`, `n`, `link`), or ``groups[u]``'s for a unit on axes of its own."""
+    first at the pass's `start`), or when unit ``issued_by[u]`` starts (NOTE [nested prefetch]); over (`axis`, `n`,
+    `link`), or ``groups[u]``'s for a unit on axes of its own."""
     out = []
     prev_start = start
     for u in order:
         need = first_use[u]
         ax, size, ln = (groups or {}).get(u, (axis, n, link))[:3]
+        issuer = (issued_by or {}).get(u)
+        at = first_use[issuer] if issuer in first_use else prev_start
         out.append(Collective("all_gather", ax, unit_bytes[u], collective_time_s("all_gather", unit_bytes[u], size, ln),
-                              u, phase, min(prev_start, need) - 1, blocking=False, needed_before=need, source="fsdp",
+                              u, phase, min(at, need) - 1, blocking=False, needed_before=need, source="fsdp",
                               link=ln))
         prev_start = need
     return out
@@ -143,7 +147,10 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
     out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link, groups)
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
-    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link, groups)
+    index = {p: i for i, (p, _) in enumerate(reh.model.named_modules())}
+    explicit = backward_prefetch(fsdp_units(reh.model)[:-1], sorted(groups, key=index.__getitem__))
+    issued_by = {t: u for u, targets in explicit.items() for t in targets}  # NOTE [nested prefetch]
+    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link, groups, issued_by)
     for u in units:
         if not unit_bytes[u]:
             continue

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from ...errors import BuildError
-from .facts import batch_statistics_modules, foreign_params, fsdp_units, shard_units
+from .facts import backward_prefetch, batch_statistics_modules, foreign_params, fsdp_units, shard_units
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +66,31 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
         kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}
     # another form's units first (the experts over the axes the expert axis leaves: NOTE [experts under FSDP2])
     inside = {id(m) for m in module.modules()}
-    for unit in shard_units(builder.model, builder.v):
-        target = builder.model.get_submodule(unit.path)
-        if id(target) in inside:
-            fully_shard(target, mesh=fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes), **kw)
+    own = [u for u in shard_units(builder.model, builder.v) if id(builder.model.get_submodule(u.path)) in inside]
+    for unit in own:
+        fully_shard(builder.model.get_submodule(unit.path),
+                    mesh=fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes), **kw)
     sub = fsdp_mesh(builder.mesh, dp.shard_axes, dp.replicate_axes)
     for path in units:
         fully_shard(module.get_submodule(path), mesh=sub, **kw)
     fully_shard(module, mesh=sub, **kw)
+    if dp.reshard_after_forward:  # NOTE [nested prefetch]
+        rel = {u.path: _relative(builder.model, module, u.path) for u in own}
+        for u, targets in backward_prefetch(units, sorted(rel.values(), key=_order(module))).items():
+            module.get_submodule(u).set_modules_to_backward_prefetch([module.get_submodule(t) for t in targets])
     logger.info("data parallel: %s", dp)
     return module
+
+
+def _relative(model: nn.Module, module: nn.Module, path: str) -> str:
+    """`path` (in `model`) as a path in `module`, a submodule of it (a pipeline stage) or `model` itself."""
+    target = model.get_submodule(path)
+    return next(p for p, m in module.named_modules() if m is target)
+
+
+def _order(module: nn.Module):
+    index = {p: i for i, (p, _) in enumerate(module.named_modules())}
+    return index.__getitem__
 
 
 def fsdp_mesh(mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...] = ()):  # -> DeviceMesh

@@ -6,17 +6,21 @@ In forward, each rank
 1. lists the (token, slot) pairs it routes to a real expert (an index outside 0..E-1 is the model's own "no
    expert" and is not sent), ordered by expert; pair p goes to rank ``index[p] // El``;
 2. exchanges its pair counts per expert (one all-to-all of E integers: each rank learns how many rows each
-   source sends each of its experts, hence every received row's local expert), then the pairs' rows (an
-   uneven all-to-all);
-3. runs the module's own forward on the rows it received, each with its one local expert and weight 1, so
-   the experts compute as the model computes them (its loop, or its grouped product);
-4. sends the results back (the inverse all-to-all), weights each pair by its routing weight, and sums the
-   pairs of each token in ascending expert order, as the model's own loop adds them.
+   source sends each of its experts, hence every received row's local expert), then the pairs' rows and their
+   routing weights (two uneven all-to-alls);
+3. runs the module's own forward on the rows it received, each with its one local expert and its routing
+   weight, so the experts compute and weight a pair as the model does (its loop, or its grouped product);
+4. sends the results back (the inverse all-to-all) and sums the pairs of each token in ascending expert order,
+   one addition at a time, as the model's own loop adds them.
 
-Dropless: every routed pair is computed, whatever the load; the counts may differ per rank. The routing
-weights stay on the rank that routed them, so their gradient (and the router's) is the local one. The expert
-weights' gradient sums the tokens of every rank of the axis; `ExpertLeaf` averages it with the other
-data-parallel axes (NOTE [expert gradients]).
+Dropless: every routed pair is computed, whatever the load; the counts may differ per rank. A routing weight's
+gradient comes back with its row's (the inverse exchange), so the router's gradient is the local one. The
+expert weights' gradient sums the tokens of every rank of the axis; `ExpertLeaf` averages it with the other
+data-parallel axes (NOTE [expert gradients]). Besides the model's own expert compute the dispatch moves each
+routed row through memory a fixed number of times (`dispatch_traffic`, which the planner adds to the experts'
+cost): forward the gather of the rows to send and the gather of the results by token, and the k slot
+additions; backward those gathers' adjoints and one stack of the slots' gradients. Autograd keeps only the
+positions of the gathers, no row.
 
 NOTE [expert load in a rehearsal]: the price rehearses a step on fake tensors (`treadle.pricing.rehearsal`),
 where no routing decision exists. There the dispatch assumes the balanced load a load-balanced router aims at:
@@ -40,6 +44,36 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import BuildError
 from ...runtime import collectives as C
+
+
+def _combine(back: torch.Tensor, order: torch.Tensor, index: torch.Tensor, shape: torch.Size,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Each token's output: the sum of its pairs' weighted rows `back` (pair ``order[i]`` is row i; a pair not
+    sent, the model's "no expert", adds nothing) in ascending expert order, one addition at a time in `dtype`
+    (the hidden states'), as the model's own loop adds them. Gathers by index (autograd keeps only the
+    positions) and adds the slots unbound, so backward is one gather's adjoint and one stack (NOTE [expert
+    dispatch])."""
+    t, k = index.shape
+    sent = order.numel()
+    if sent < t * k:  # a zero row for the pairs not sent
+        back = torch.cat([back, back.new_zeros((1, back.shape[-1]))])
+    pos = torch.full((t * k,), sent, dtype=torch.long, device=back.device)
+    pos[order] = torch.arange(sent, device=back.device)
+    pos = pos.view(t, k).gather(1, torch.argsort(index, dim=1, stable=True))  # a token's pairs by expert
+    out = torch.zeros(shape, dtype=dtype, device=back.device)  # a new tensor, not a view (FSDP2's backward
+    for contrib in back[pos].to(dtype).unbind(1):                # hook on a unit's output needs one)
+        out = out + contrib.reshape(shape)
+    return out
+
+
+def dispatch_traffic(pairs: float, row_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes the dispatch moves through memory for `pairs` routed rows of `row_bytes` each,
+    besides the exchanges and the model's own expert compute (NOTE [expert dispatch]): forward the gather of the
+    rows to send and the gather of the results by token (each a read and a write of every row) and the k slot
+    additions (two reads and a write of every row); backward the two gathers' adjoints and the stack of the
+    slots' gradients (a read and a write each)."""
+    rows = pairs * row_bytes
+    return 7.0 * rows, 6.0 * rows
 
 
 class _ExpertGrads(torch.autograd.Function):
@@ -130,22 +164,15 @@ class ExpertLeaf:
         send = [sum(per_expert[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
         recv = [sum(got[r * local_n:(r + 1) * local_n]) for r in range(self.size)]
         rows = C.exchange_rows(x[torch.div(order, k, rounding_mode="floor")], send, recv, self.group)
+        w = C.exchange_rows(weights.reshape(-1, 1)[order], send, recv, self.group)  # each row's routing weight
         # each source sent its rows ordered by expert: the local expert of each received row, from the counts
         ids = torch.repeat_interleave(torch.arange(local_n, device=x.device).repeat(self.size),
                                       torch.tensor(got, device=x.device), output_size=sum(recv)).unsqueeze(1)
-        y = self._local(m, rows, ids, weights.dtype)
-        back = C.exchange_rows(y, recv, send, self.group)
-        per_pair = back.new_zeros((t * k, back.shape[-1])).index_copy(0, order, back).view(t, k, -1)
-        contrib = (per_pair * weights.unsqueeze(-1)).to(x.dtype)
-        slots = torch.argsort(index, dim=1, stable=True)  # the model adds a token's experts in ascending order
-        contrib = contrib.gather(1, slots.unsqueeze(-1).expand(-1, -1, contrib.shape[-1]))
-        out = x.new_zeros(shape)  # a new tensor, not a view (FSDP2's backward hook on a unit's output needs one)
-        for j in range(k):
-            out = out + contrib[:, j].reshape(shape)
-        return out
+        back = C.exchange_rows(self._local(m, rows, ids, w), recv, send, self.group)  # weighted by the model
+        return _combine(back, order, index, shape, x.dtype)
 
-    def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, wdtype: torch.dtype) -> torch.Tensor:
-        """The module's own forward on the rows it received (each with its local expert and weight 1)."""
+    def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The module's own forward on the rows it received, each with its local expert and routing weight."""
         names = [n for n, p in m._parameters.items() if p is not None]
         saved = {n: m._parameters[n] for n in names}
         counts = {a: getattr(m, a) for a in self.count_attrs}
@@ -160,7 +187,7 @@ class ExpertLeaf:
                         m._parameters[n] = m._parameters[n].to(self.param_dtype)
             for a in self.count_attrs:
                 setattr(m, a, self.experts // self.size)
-            y = self.orig(rows, ids, torch.ones(ids.shape, dtype=wdtype, device=rows.device))
+            y = self.orig(rows, ids, w)
             if track:
                 y = _Touch.apply(y, *(m._parameters[n] for n in names))
             return y

@@ -5,17 +5,18 @@ NOTE [experts in the plan]: a role assignment with ``Roles.ep = a`` (a data-para
 divides every experts module's E) splits every experts module's weights over `a`: their parameter, gradient and
 optimizer bytes are 1/n (`own_split`; ZeRO-3 does not shard them further, DDP does not reduce them: NOTE [expert
 gradients]), their gradient reduction leaves the data-parallel sync, and each experts module adds, on its first
-node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts and
-two of the rows (R = local tokens x k, each H wide, in the rows' dtype), backward two of the rows, all blocking
-on `a`; a checkpointed block's recompute runs the forward ones again. The rows per rank assume the balanced load
-the price assumes (NOTE [expert load in a rehearsal]). Under ZeRO-3 with shard axes besides `a` (NOTE [experts
-under FSDP2]) the experts are split further over those (m ranks: 1/(n m) of their bytes) and each experts
-module is an FSDP2 unit of its own: two gathers (one without reshard after forward) and a reduce-scatter of its
-local experts over those axes (HSDP: an all-reduce of the shard over the other replicate axes), bandwidth on its
-first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2's copies on its compute, the
-unit's latencies in the data form's constant; without reshard the gathered local experts are kept. The experts'
-nodes run replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP weighs this assignment against the others, jointly with
-checkpointing, through the same strategy costs and memory rows as every role.
+node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts, two of
+the rows (R = local tokens x k, each H wide, in the rows' dtype) and one of their routing weights, backward their
+adjoints (two of the rows, one of the weights), all blocking on `a`, and the dispatch's own memory traffic on
+compute (`dispatch_traffic`); a checkpointed block's recompute runs the forward ones again. The rows per rank assume
+the balanced load the price assumes (NOTE [expert load in a rehearsal]). Under ZeRO-3 with shard axes besides `a`
+(NOTE [experts under FSDP2]) the experts are split further over those (m ranks: 1/(n m) of their bytes) and each
+experts module is an FSDP2 unit of its own: two gathers (one without reshard after forward) and a reduce-scatter of
+its local experts over those axes (HSDP: an all-reduce of the shard over the other replicate axes), bandwidth on its
+first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2's copies on its compute, the unit's
+latencies in the data form's constant; without reshard the gathered local experts are kept. The experts' nodes run
+replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP weighs this assignment
+against the others, jointly with checkpointing, through the same strategy costs and memory rows as every role.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collective_time_s, reduce_scatter_time_s
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
+from ...profile.roofline import op_time_s
 from ..data.facts import fsdp_copy_s, fsdp_host_s
+from .dispatch import dispatch_traffic
 from .facts import expert_modules
 
 DECISION_RANK = DECISION_RANKS["expert_parallel"]
@@ -37,14 +42,16 @@ DECISION_RANK = DECISION_RANKS["expert_parallel"]
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One experts module's exchanges, per execution: forward and backward seconds; under ZeRO-3 its FSDP2 unit's
-    bandwidth seconds (`fsdp_s`), copies (`copy_s`) and latency (`latency_s`) per step (NOTE [experts in the
-    plan])."""
+    bandwidth seconds (`fsdp_s`), copies (`copy_s`) and latency (`latency_s`) per step; the dispatch's own memory
+    traffic, forward and backward seconds (`work_*_s`; NOTE [experts in the plan])."""
 
     fwd_s: float
     bwd_s: float
     fsdp_s: float = 0.0
     copy_s: float = 0.0
     latency_s: float = 0.0
+    work_fwd_s: float = 0.0
+    work_bwd_s: float = 0.0
 
 
 def capture_facts(model) -> dict | None:
@@ -106,13 +113,17 @@ def prepare(b) -> None:
         ops = [x for x in b.nodes if x.kind == "op" and _inside(x.module, (path,)) and b.canonical(x.index) == x.index]
         if not ops:
             continue
-        rows, width = _rows(b, ops, path)
+        rows, width, wbytes = _rows(b, ops, path)
         e = experts[path]
-        row_bytes = rows * width
-        fwd = collective_time_s("all_to_all", e * 8, n, link) + 2 * collective_time_s("all_to_all", row_bytes, n, link)
-        bwd = 2 * collective_time_s("all_to_all", row_bytes, n, link)
+        row_bytes, weight_bytes = rows * width, rows * wbytes
+        exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link) + \
+            collective_time_s("all_to_all", weight_bytes, n, link)  # rows there and back, the weights there
+        fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges
+        bwd = exchanges  # the adjoints: the results' gradients there, the rows' and the weights' back
+        moved = dispatch_traffic(rows, width)
+        work = tuple(op_time_s(0, int(x), b.hw, torch.float32) for x in moved)
         unit = _unit_costs(b, local_bytes.get(path, 0.0), shard, ep) if fsdp else (0.0, 0.0, 0.0)
-        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, *unit)
+        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, *unit, *work)
 
 
 def _unit_costs(b, nbytes: float, shard: tuple[str, ...], ep: str) -> tuple[float, float, float]:
@@ -133,8 +144,9 @@ def _unit_costs(b, nbytes: float, shard: tuple[str, ...], ep: str) -> tuple[floa
 
 
 def _rows(b, ops, path: str) -> tuple[float, int]:
-    """(routed pairs per rank, bytes of one row) of experts module `path`: read off the values its ops read from
-    outside it, the routed rows (T, H) and their expert indices (T, k). Raises PlanError when the graph shows
+    """(routed pairs per rank, bytes of one row, bytes of one routing weight) of experts module `path`: read off
+    the values its ops read from outside it, the routed rows (T, H), their expert indices (T, k) and routing
+    weights (T, k; absent from the graph: the rows' dtype). Raises PlanError when the graph shows
     neither (the search then skips this role assignment, saying why, instead of pricing it without its
     exchanges)."""
     inside = {x.index for x in ops}
@@ -147,9 +159,10 @@ def _rows(b, ops, path: str) -> tuple[float, int]:
     if hidden is None:
         raise PlanError(f"expert role: cannot read the routed rows (T, H) and their expert indices (T, k) of "
                         f"{path!r} off the captured graph (its inputs: {[tuple(m.shape) for _, m in metas]})")
+    weights = next((mm for _, mm in metas if mm.dtype.is_floating_point and mm.shape == index[1].shape), hidden)
     j, m = index
     tokens, k = b.local_dp_shape(j, m.shape)
-    return float(tokens * k), hidden.shape[1] * hidden.dtype.itemsize
+    return float(tokens * k), hidden.shape[1] * hidden.dtype.itemsize, weights.dtype.itemsize
 
 
 def keep_strategy(b, n, spec, combo: tuple) -> bool:
@@ -164,10 +177,12 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
     if x is None:
         return
     c.comm_s += x.fwd_s + x.bwd_s
-    c.fwd_s += x.fwd_s
+    c.compute_s += x.work_fwd_s + x.work_bwd_s
+    c.fwd_s += x.fwd_s + x.work_fwd_s
+    c.bwd_s += x.work_bwd_s
     c.bwd_comm_s += x.bwd_s
     if rec != "none":  # a checkpointed block's recompute dispatches again
-        c.rec_s += x.fwd_s
+        c.rec_s += x.fwd_s + x.work_fwd_s
     c.dp_comm_s += x.fsdp_s  # its FSDP2 unit (NOTE [experts in the plan])
     c.compute_s += x.copy_s
 
