@@ -485,14 +485,19 @@ def test_zero3_shards_the_experts_over_the_axes_the_expert_axis_leaves():
 def test_backward_prefetch_issues_the_next_block_and_its_nested_units_at_once():
     from treadle.forms.data.facts import backward_prefetch
 
+    def block():
+        return torch.nn.ModuleDict({"x": torch.nn.Linear(2, 2), "y": torch.nn.Linear(2, 2)})
+
+    model = torch.nn.ModuleDict({"a": torch.nn.ModuleDict({str(i): block() for i in (0, 1, 2, 10)})})
     blocks = ["a.0", "a.1", "a.2"]
-    nested = ["a.0.x", "a.0.y", "a.1.x", "a.1.y", "a.2.x", "a.2.y"]
+    nested = ["a.2.y", "a.0.x", "a.0.y", "a.1.x", "a.1.y", "a.2.x"]  # taken in the model's order
     # the first nested unit of a block (forward order) is the last of the block to start its backward
-    assert backward_prefetch(blocks, nested) == {"a.2.x": ["a.1", "a.1.y", "a.1.x"], "a.1.x": ["a.0", "a.0.y", "a.0.x"]}
-    assert backward_prefetch(blocks, []) == {}  # FSDP2's default order
+    assert backward_prefetch(model, blocks, nested) == {"a.2.x": ["a.1", "a.1.y", "a.1.x"],
+                                                        "a.1.x": ["a.0", "a.0.y", "a.0.x"]}
+    assert backward_prefetch(model, blocks, []) == {}  # FSDP2's default order
     # a block without nested units: its own start issues the next block's; a nested unit's, the plain block
-    assert backward_prefetch(blocks, ["a.1.x"]) == {"a.2": ["a.1", "a.1.x"], "a.1.x": ["a.0"]}
-    assert backward_prefetch(["a.1", "a.10"], ["a.10.x"]) == {"a.10.x": ["a.1"]}  # a prefix is not a parent
+    assert backward_prefetch(model, blocks, ["a.1.x"]) == {"a.2": ["a.1", "a.1.x"], "a.1.x": ["a.0"]}
+    assert backward_prefetch(model, ["a.1", "a.10"], ["a.10.x"]) == {"a.10.x": ["a.1"]}  # a prefix is no parent
 
 
 def test_hsdp_shards_and_replicates_the_experts_on_8_ranks():

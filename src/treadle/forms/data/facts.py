@@ -108,10 +108,12 @@ def fsdp_units(model: nn.Module) -> list[str]:
     return units + [""]
 
 
-def backward_prefetch(blocks: list[str], nested: list[str]) -> dict[str, list[str]]:
+def backward_prefetch(module: nn.Module, blocks: list[str], nested: list[str]) -> dict[str, list[str]]:
     """Unit -> the units it prefetches when its backward starts, where that is not FSDP2's default (NOTE [nested
-    prefetch]). `blocks`: the block units in forward order (the root excluded); `nested`: units nested in them,
-    in forward order."""
+    prefetch]). `blocks`: the block units of `module` in forward order (the root excluded); `nested`: units
+    nested in them (paths in `module`), taken in `module`'s order."""
+    index = {p: i for i, (p, _) in enumerate(module.named_modules())}
+    nested = sorted(nested, key=index.__getitem__)
     inner = {b: [u for u in nested if u != b and within(u, b)] for b in blocks}
     out: dict[str, list[str]] = {}
     for prev, cur in zip(blocks, blocks[1:]):

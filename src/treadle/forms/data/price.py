@@ -147,8 +147,7 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
     out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link, groups)
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
-    index = {p: i for i, (p, _) in enumerate(reh.model.named_modules())}
-    explicit = backward_prefetch(fsdp_units(reh.model)[:-1], sorted(groups, key=index.__getitem__))
+    explicit = backward_prefetch(reh.model, fsdp_units(reh.model)[:-1], list(groups))
     issued_by = {t: u for u, targets in explicit.items() for t in targets}  # NOTE [nested prefetch]
     out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link, groups, issued_by)
     for u in units:

@@ -75,8 +75,8 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
         fully_shard(module.get_submodule(path), mesh=sub, **kw)
     fully_shard(module, mesh=sub, **kw)
     if dp.reshard_after_forward:  # NOTE [nested prefetch]
-        rel = {u.path: _relative(builder.model, module, u.path) for u in own}
-        for u, targets in backward_prefetch(units, sorted(rel.values(), key=_order(module))).items():
+        nested = [_relative(builder.model, module, u.path) for u in own]
+        for u, targets in backward_prefetch(module, units, nested).items():
             module.get_submodule(u).set_modules_to_backward_prefetch([module.get_submodule(t) for t in targets])
     logger.info("data parallel: %s", dp)
     return module
@@ -86,11 +86,6 @@ def _relative(model: nn.Module, module: nn.Module, path: str) -> str:
     """`path` (in `model`) as a path in `module`, a submodule of it (a pipeline stage) or `model` itself."""
     target = model.get_submodule(path)
     return next(p for p, m in module.named_modules() if m is target)
-
-
-def _order(module: nn.Module):
-    index = {p: i for i, (p, _) in enumerate(module.named_modules())}
-    return index.__getitem__
 
 
 def fsdp_mesh(mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...] = ()):  # -> DeviceMesh

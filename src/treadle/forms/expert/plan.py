@@ -24,14 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collective_time_s, reduce_scatter_time_s
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
-from ...profile.roofline import op_time_s
+from ...profile.roofline import memory_time_s
 from ..data.facts import fsdp_copy_s, fsdp_host_s
 from .dispatch import dispatch_traffic
 from .facts import expert_modules
@@ -121,7 +119,7 @@ def prepare(b) -> None:
         fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges
         bwd = exchanges  # the adjoints: the results' gradients there, the rows' and the weights' back
         moved = dispatch_traffic(rows, width)
-        work = tuple(op_time_s(0, int(x), b.hw, torch.float32) for x in moved)
+        work = tuple(memory_time_s(int(x), b.hw) for x in moved)
         unit = _unit_costs(b, local_bytes.get(path, 0.0), shard, ep) if fsdp else (0.0, 0.0, 0.0)
         b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, *unit, *work)
 
@@ -143,7 +141,7 @@ def _unit_costs(b, nbytes: float, shard: tuple[str, ...], ep: str) -> tuple[floa
     return bandwidth, copies, latency
 
 
-def _rows(b, ops, path: str) -> tuple[float, int]:
+def _rows(b, ops, path: str) -> tuple[float, int, int]:
     """(routed pairs per rank, bytes of one row, bytes of one routing weight) of experts module `path`: read off
     the values its ops read from outside it, the routed rows (T, H), their expert indices (T, k) and routing
     weights (T, k; absent from the graph: the rows' dtype). Raises PlanError when the graph shows
