@@ -21,12 +21,12 @@ from tiny_models import VOCAB, lm_inputs
 class LoopExperts(nn.Module):
     """Experts stacked on dim 0, run one by one as Hugging Face's eager loop does; an index E means "no expert"."""
 
-    def __init__(self, experts: int, hidden: int, inner: int):
+    def __init__(self, experts: int, hidden: int, inner: int, bias: bool = True):
         super().__init__()
         self.num_experts = experts
         self.up = nn.Parameter(torch.randn(experts, inner, hidden) / hidden ** 0.5)
         self.down = nn.Parameter(torch.randn(experts, hidden, inner) / inner ** 0.5)
-        self.bias = nn.Parameter(torch.randn(experts, hidden) / 10)
+        self.bias = nn.Parameter(torch.randn(experts, hidden) / 10) if bias else None
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
@@ -34,7 +34,9 @@ class LoopExperts(nn.Module):
             tok, slot = torch.where(top_k_index == e)
             if tok.numel() == 0:
                 continue
-            h = torch.relu(hidden_states[tok] @ self.up[e].T) @ self.down[e].T + self.bias[e]
+            h = torch.relu(hidden_states[tok] @ self.up[e].T) @ self.down[e].T
+            if self.bias is not None:
+                h = h + self.bias[e]
             out.index_add_(0, tok, h * top_k_weights[tok, slot, None])
         return out
 
@@ -43,7 +45,7 @@ class SkewedMoE(nn.Module):
     """A router that sends most tokens to expert 0 (its bias) and drops the pairs whose weight is below
     `drop` (index E, the model's own "no expert"), then the experts, then a head."""
 
-    def __init__(self, experts: int = 8, hidden: int = 16, k: int = 2, drop: float = 0.0):
+    def __init__(self, experts: int = 8, hidden: int = 16, k: int = 2, drop: float = 0.0, bias: bool = True):
         super().__init__()
         torch.manual_seed(0)
         self.k, self.drop, self.experts_n = k, drop, experts
@@ -51,7 +53,7 @@ class SkewedMoE(nn.Module):
         with torch.no_grad():
             self.router.bias.zero_()
             self.router.bias[0] = 3.0
-        self.experts = LoopExperts(experts, hidden, 24)
+        self.experts = LoopExperts(experts, hidden, 24, bias)
         self.head = nn.Linear(hidden, 4)
 
     def forward(self, x):
@@ -172,7 +174,8 @@ def _build_refusals_rank(rank, world):
     sch["experts"].expert_parallel(axis="dp")
     sch["experts"].shard("up", dim=1, axis="tp")
     sch.data_parallel(axis="dp")
-    with pytest.raises(BuildError, match=r"parameter 'up' is also split on mesh axis 'tp'"):
+    with pytest.raises(BuildError, match=r"the experts' weights split over 'tp' as \(dim, blocks\) \{'up': \(1, 1\)\}: "
+                                         r"its forward fails on the slices"):  # down not split with it
         treadle.build(sch)
     return "ok"
 
@@ -236,7 +239,7 @@ def test_tensor_parallel_attention_with_experts_over_the_data_axis_verifies_on_4
 
 # ------------------------------------------------------------------------------------------ checkpoints
 EP_SCHEDULES = {"ep4": ((4, 1), "dp", "dp"), "ep2xdp2": ((2, 2), "tp", ("dp", "tp")), "ddp4": ((4, 1), None, "dp"),
-                "ep2-fsdp2x2": ((2, 2), "tp", ("dp", "tp"))}
+                "ep2-fsdp2x2": ((2, 2), "tp", ("dp", "tp")), "ep2-etp2": ((2, 2), "dp", "dp", "tp")}
 
 
 def _make_ep(name: str):
@@ -245,10 +248,10 @@ def _make_ep(name: str):
     from treadle.run.layout import fsdp_unit_axes, layouts, shards_by_name
     from treadle.run.optim import init_optimizer_state, make_optimizer
 
-    shape, ep, dp = EP_SCHEDULES[name]
+    shape, ep, dp, *tensor = EP_SCHEDULES[name]
     sch = create_schedule(tiny_mixtral(), mesh=Mesh(shape, ("dp", "tp")))
     if ep is not None:
-        expert_parallel_moe(sch, axis=ep)
+        expert_parallel_moe(sch, axis=ep, tensor=tensor[0] if tensor else None)  # each expert split over tp too
     sch.data_parallel(axis=dp, shard="fsdp" in name)
     before = shards_by_name(sch)
     built = build(sch)
@@ -281,7 +284,7 @@ def _ep_reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("src,dst", [("ep4", "ep2xdp2"), ("ep2-fsdp2x2", "ddp4"), ("ddp4", "ep4"),
-                                     ("ep4", "ep2-fsdp2x2")])
+                                     ("ep4", "ep2-fsdp2x2"), ("ep2-etp2", "ep4")])
 def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
     from treadle.testing import spawn
 
@@ -292,7 +295,7 @@ def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
     loss.backward()
     ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
     experts = ref.model.layers[0].mlp.experts.down_proj.shape[0]
-    ep = {"ep4": 4, "ep2xdp2": 2, "ep2-fsdp2x2": 2, "ddp4": 1}[src]
+    ep = {"ep4": 4, "ep2xdp2": 2, "ep2-fsdp2x2": 2, "ddp4": 1, "ep2-etp2": 2}[src]
     for step, max_diff, after_a, after_b, (loss0, norm0), local in spawn(_ep_reshard_rank, 4, src, dst,
                                                                          str(tmp_path / "ck"), timeout_s=240):
         assert local[0] == experts // ep  # this rank's experts only

@@ -106,8 +106,10 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
         t = collective_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
-        # what the built model issues itself: tensor parallelism's collectives, or an experts module's exchanges
-        source = "ep" if any(module == p or module.startswith(p + ".") for p in experts) else "tp"
+        # what the built model issues itself: tensor parallelism's collectives (an experts module's sum over the
+        # tensor axis splitting each expert included), or an experts module's exchanges on its expert axis
+        owner = next((p for p in experts if module == p or module.startswith(p + ".")), None)
+        source = "ep" if owner is not None and axis == experts[owner] else "tp"
         colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source=source,
                                 link=cluster.link(axis)))
     # each parallel form's part of the step (data parallelism: DDP's buckets, FSDP2's gathers and copies)

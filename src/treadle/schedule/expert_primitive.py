@@ -68,7 +68,7 @@ class ExpertPrimitive:
     """`Schedule.expert_parallel` and its checks (the schedule provides `_state`, `mesh`, `mod`, `path`,
     `_where`, `_check_axis`, `_check_not_built`, `_record`)."""
 
-    def expert_parallel(self: "Schedule", *, axis: str = "dp") -> "Schedule":
+    def expert_parallel(self: "Schedule", *, axis: str = "dp", tensor: str | None = None) -> "Schedule":
         """Split this experts module's experts over mesh axis `axis` (expert parallelism): rank r keeps E/n
         of the E experts (every parameter split on dim 0); in forward each rank sends every (token, expert)
         pair it routes to the rank holding that expert, which runs the module's own forward on the rows it
@@ -78,6 +78,12 @@ class ExpertPrimitive:
         `axis` must be a data-parallel axis of the schedule (checked here when `data_parallel` came first, at
         build otherwise): the experts' gradients are summed over the tokens of every rank of the axis and
         averaged with the other data-parallel axes, as data parallelism averages the rest of the model.
+
+        `tensor`: a tensor-parallel mesh axis that also splits each expert's weights (Megatron-Core's expert
+        tensor parallelism): the split whose parts sum to the whole is found by running the module's own forward
+        on random weights of one expert (NOTE [experts split by tensor] in `expert_split.py`; a fused gate|up is
+        split in its two blocks, the down projection on its contraction) and recorded as shards on `tensor`;
+        each rank of a `tensor` group routes the same rows and their combined results are summed over it.
         Raises ScheduleError naming the path, parameter, axis and sizes at fault."""
         self._check_not_built("expert_parallel")
         self._check_axis(axis, "expert_parallel")
@@ -96,14 +102,31 @@ class ExpertPrimitive:
         if dp is not None and axis not in dp.axes:
             raise ScheduleError(f"{where}: mesh axis {axis!r} is not data-parallel (data_parallel(axis="
                                 f"{dp.label()!r})); experts split over an axis whose ranks route their own tokens")
+        split = self._expert_split(tensor, axis, where)
         for name, p in self.mod.named_parameters(recurse=False):
             prior = self._state.param_shards.get(id(p), [])
             if prior:
                 raise ScheduleError(f"{where}: parameter {name!r} is already split on mesh axis {prior[0].axis!r} "
-                                    f"(dim {prior[0].dim}); an expert-parallel module's parameters are split "
-                                    f"over the expert axis only")
-        for _, p in self.mod.named_parameters(recurse=False):
+                                    f"(dim {prior[0].dim}); state expert_parallel first (its axis splits the "
+                                    f"experts' dim 0), then any split of each expert's weights")
+        for name, p in self.mod.named_parameters(recurse=False):
             self._state.param_shards.setdefault(id(p), []).append(ParamShard(0, axis))
+            if name in split:
+                self._state.param_shards[id(p)].append(split[name])
         paths[self.path] = axis
-        self._record("expert_parallel", axis=axis)
+        self._record("expert_parallel", axis=axis, **({"tensor": tensor} if tensor is not None else {}))
         return self
+
+    def _expert_split(self: "Schedule", tensor: str | None, axis: str, where: str) -> dict[str, ParamShard]:
+        """The split of each expert's weights over tensor axis `tensor` (NOTE [experts split by tensor])."""
+        if tensor is None:
+            return {}
+        from .expert_split import as_axis, find_split
+
+        self._check_axis(tensor, "expert_parallel")
+        dp = self._state.data_parallel
+        if tensor == axis or (dp is not None and tensor in dp.axes):
+            what = "the expert axis" if tensor == axis else "data-parallel"
+            raise ScheduleError(f"{where}: tensor={tensor!r} is {what}; each expert's weights split over a "
+                                f"tensor-parallel axis (one whose ranks see the same rows)")
+        return as_axis(find_split(self.mod, self.mesh.size(tensor), where=where), tensor)

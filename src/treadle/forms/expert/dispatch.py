@@ -131,6 +131,9 @@ class ExpertLeaf:
     grad_scale: float
     count_attrs: tuple[str, ...]
     param_dtype: torch.dtype | None = None  # FSDP2's mixed-precision compute dtype, which it does not cast these to
+    tensor_group: Any = None  # the tensor axis splitting each expert's weights (NOTE [experts split by tensor])
+    tensor_axis: str | None = None
+    rows_checked: bool = False  # the rows were found the same on every rank of the tensor axis (once, real runs)
     load: list[int] | None = None  # rows each local expert received since `take_load` (real runs only)
 
     def take_load(self) -> list[int]:
@@ -141,6 +144,9 @@ class ExpertLeaf:
 
     def forward(self, m: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, index, weights = self._bind(args, kwargs)
+        if self.tensor_group is not None:  # NOTE [experts split by tensor]: a replicated input to split experts
+            self._check_same_rows(hidden, index)
+            hidden, weights = C.grad_all_reduce_many([hidden, weights], self.tensor_group)
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         t = x.shape[0]
@@ -169,7 +175,24 @@ class ExpertLeaf:
         ids = torch.repeat_interleave(torch.arange(local_n, device=x.device).repeat(self.size),
                                       torch.tensor(got, device=x.device), output_size=sum(recv)).unsqueeze(1)
         back = C.exchange_rows(self._local(m, rows, ids, w), recv, send, self.group)  # weighted by the model
-        return _combine(back, order, index, shape, x.dtype)
+        out = _combine(back, order, index, shape, x.dtype)
+        return out if self.tensor_group is None else C.all_reduce(out, self.tensor_group)  # the parts' sum
+
+    def _check_same_rows(self, hidden: torch.Tensor, index: torch.Tensor) -> None:
+        """Raise BuildError when the ranks of the tensor axis do not hold the same rows (a sequence-parallel
+        input): their parts would sum different tokens. Once per module, on real tensors (a layout, not data)."""
+        if self.rows_checked or is_fake(hidden):
+            return
+        with torch.no_grad():
+            mine = torch.stack([torch.tensor(float(hidden.numel()), device=hidden.device),
+                                hidden.detach().double().sum(), index.double().sum()])
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.tensor_group))]
+            dist.all_gather(every, mine, group=self.tensor_group)
+        if any(not torch.equal(e, mine) for e in every):
+            raise BuildError(f"expert_parallel at sch[{self.path!r}]: the ranks of tensor axis "
+                             f"{self.tensor_axis!r} route different rows (sequence parallel?); each expert's "
+                             f"weights split over an axis whose ranks hold the same rows")
+        self.rows_checked = True
 
     def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The module's own forward on the rows it received, each with its local expert and routing weight."""

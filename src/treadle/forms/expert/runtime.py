@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...errors import BuildError
+from ...errors import BuildError, ScheduleError
 from ...schedule.expert_primitive import expert_paths, experts_shape
+from ...schedule.expert_split import check_split
 from ...sharding_rules import LeafPlan
 from .dispatch import ExpertLeaf
 from .facts import expert_fsdp
@@ -43,7 +44,8 @@ def plan_experts(builder) -> None:
     planned as its leaf (inside pipeline stages too: a stage calls the block's modules, and the replicas' average
     leaves the experts alone; under FSDP2's mixed-precision policy the experts, which FSDP2 leaves alone, are
     cast to its compute dtype as it casts the rest). Raises BuildError for what expert parallelism cannot
-    reproduce exactly: no data parallelism over the expert axis, the experts' weights split over another axis."""
+    reproduce exactly: no data parallelism over the expert axis, a split of each expert's weights whose parts
+    do not sum to the whole (NOTE [experts split by tensor])."""
     paths = expert_paths(builder.v.extras)
     if not paths:
         return
@@ -56,11 +58,7 @@ def plan_experts(builder) -> None:
             raise BuildError(f"{where}: the experts' axis must be data-parallel (each of its ranks routes its own "
                              f"tokens); add data_parallel(axis={axis!r}) or an axis tuple holding it")
         m = builder.module(path)
-        for name, p in m.named_parameters(recurse=False):
-            other = [s for s in builder.param_shards.get(id(p), ()) if s.axis != axis]
-            if other:
-                raise BuildError(f"{where}: parameter {name!r} is also split on mesh axis {other[0].axis!r} (dim "
-                                 f"{other[0].dim}); tensor parallelism inside the experts is not supported yet")
+        tensor = _tensor_axis(builder, m, axis, where)
         experts = experts_shape(path, m)
         if expert_fsdp(builder.v, axis)[0]:  # FSDP2 averages over the other data-parallel ranks
             grad_group, grad_scale = None, 1.0 / builder.sizes[axis]  # NOTE [experts under FSDP2]
@@ -72,11 +70,38 @@ def plan_experts(builder) -> None:
         leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=builder.group(axis),
                           rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
                           grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
-                          param_dtype=getattr(builder.mp_policy, "param_dtype", None))
+                          param_dtype=getattr(builder.mp_policy, "param_dtype", None),
+                          tensor_group=builder.group(tensor) if tensor and builder.sizes[tensor] > 1 else None,
+                          tensor_axis=tensor)
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
-        logger.info("expert parallel: %s: %d experts over %r (%d per rank)", path, experts, axis,
-                    experts // builder.sizes[axis])
+        logger.info("expert parallel: %s: %d experts over %r (%d per rank)%s", path, experts, axis,
+                    experts // builder.sizes[axis], f", each split over {tensor!r}" if tensor else "")
+
+
+def _tensor_axis(builder, m: nn.Module, axis: str, where: str) -> str | None:
+    """The tensor axis that splits each expert's weights (None: none), after checking that the split makes the
+    parts sum to the whole (NOTE [experts split by tensor]). Raises BuildError for a split over several axes,
+    over a data-parallel axis, or one whose parts do not sum to the whole."""
+    other: dict[str, dict[str, list]] = {}
+    for name, p in m.named_parameters(recurse=False):
+        for s in builder.param_shards.get(id(p), ()):
+            if s.axis != axis:
+                other.setdefault(s.axis, {}).setdefault(name, []).append(s)
+    if not other:
+        return None
+    if len(other) > 1:
+        raise BuildError(f"{where}: the experts' weights are split over mesh axes {sorted(other)}; each expert's "
+                         f"weights split over one tensor axis at most")
+    (tensor, shards), = other.items()
+    if tensor in builder.v.data_parallel.axes:
+        raise BuildError(f"{where}: the experts' weights {sorted(shards)} are split over data-parallel axis "
+                         f"{tensor!r}, whose ranks route different rows; split them over a tensor axis")
+    try:
+        check_split(m, shards, tensor, builder.sizes[tensor], where=where)
+    except ScheduleError as exc:
+        raise BuildError(str(exc)) from None
+    return tensor
 
 
 @dataclass(frozen=True)
