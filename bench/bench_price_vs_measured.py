@@ -96,7 +96,8 @@ def _moe_model(name: str):
 
 def expert_schedules(shape: tuple, names: tuple, add) -> None:
     """The expert-parallel hand plans (`add(label, fn)`): on a 1-D mesh EP over every rank; on a 2-D mesh EP over
-    the second axis inside DP over both (EP2 x DP2), and Megatron TP on the second axis with EP over the first."""
+    the second axis inside DP over both (EP2 x DP2), and Megatron TP on the second axis with EP over the first, the
+    experts replicated over TP or each expert's weights split over it (`expert_parallel(tensor=)`)."""
     from treadle.forms.expert import expert_parallel_moe
     from treadle.models import megatron as meg
 
@@ -105,6 +106,8 @@ def expert_schedules(shape: tuple, names: tuple, add) -> None:
         dp, tp = names
         add(f"EP{shape[1]} x DP{shape[0]}", lambda s: (expert_parallel_moe(s, axis=tp), s.data_parallel(axis=(dp, tp))))
         add(f"TP{shape[1]} x EP{shape[0]}", lambda s: (meg(s, tp=tp, dp=dp), expert_parallel_moe(s, axis=dp)))
+        add(f"TP{shape[1]} x EP{shape[0]}, experts split over tp",  # each expert's weights over tp as well
+            lambda s: (meg(s, tp=tp, dp=dp), expert_parallel_moe(s, axis=dp, tensor=tp)))
     else:
         (ax,) = names
         add(f"EP{n}", lambda s: (expert_parallel_moe(s, axis=ax), s.data_parallel(axis=ax)))

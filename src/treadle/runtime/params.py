@@ -9,16 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule.state import ParamShard
-
-
-def chunk_dim(t: torch.Tensor, dim: int, n: int, index: int, blocks: int = 1) -> torch.Tensor:
-    """Chunk `index` of `n` along `dim`, taken inside each of `blocks` parts and concatenated.
-    Shape (.., S, ..) -> (.., S / n, ..). The caller checked that S divides by blocks * n."""
-    if blocks == 1:
-        return t.chunk(n, dim=dim)[index]
-    parts = t.chunk(blocks, dim=dim)
-    return torch.cat([p.chunk(n, dim=dim)[index] for p in parts], dim=dim)
+from ..schedule.state import ParamShard, chunk_dim  # chunk_dim: one definition of a shard's slice
 
 
 def unchunk_dim(pieces: list[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import ScheduleError
-from ..runtime.params import local_slice
-from .state import ParamShard
+from .state import ParamShard, chunk_dim
 
 _PROBED: dict[tuple, bool] = {}  # (module type, shapes, split, t) -> the parts sum to the whole
 
@@ -89,7 +88,7 @@ def _sums_to_whole(mod: nn.Module, split: dict[str, ParamShard], size: int) -> t
             parts = []
             try:
                 for r in range(size):
-                    local = {n: local_slice(t, [split[n]] if n in split else [], {"t": r}, {"t": size})
+                    local = {n: chunk_dim(t, split[n].dim, size, r, split[n].blocks) if n in split else t
                              for n, t in whole.items()}
                     parts.append(_run(mod, local, rows, counts))
             except Exception as exc:  # noqa: BLE001 - reported: this split cannot run the module's code

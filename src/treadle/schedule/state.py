@@ -11,11 +11,21 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..mesh import Mesh
 from .data_parallel import DataParallel
 from .log import Record
+
+
+def chunk_dim(t: torch.Tensor, dim: int, n: int, index: int, blocks: int = 1) -> torch.Tensor:
+    """Chunk `index` of `n` along `dim`, taken inside each of `blocks` parts and concatenated.
+    Shape (.., S, ..) -> (.., S / n, ..). The caller checked that S divides by blocks * n."""
+    if blocks == 1:
+        return t.chunk(n, dim=dim)[index]
+    parts = t.chunk(blocks, dim=dim)
+    return torch.cat([p.chunk(n, dim=dim)[index] for p in parts], dim=dim)
 
 
 @dataclass(frozen=True)
