@@ -117,11 +117,12 @@ def test_under_a_budget_the_plan_splits_the_experts_fits_as_priced_and_verifies(
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
 
 
-def test_under_zero3_the_experts_unit_shards_over_the_other_axes_by_hand(graph):
+def test_under_zero3_the_experts_unit_shards_over_the_other_axes_by_hand(graph, monkeypatch):
     # 2x2 mesh, ZeRO-3 over both axes, experts over the second: FSDP2 shards the experts over the first as a unit
     # of its own (NOTE [experts in the plan]); the experts hold 1/4 of their bytes, as every other parameter
     from treadle.cost.collective_cost import all_gather_time_s, reduce_scatter_time_s
     from treadle.forms.data.facts import fsdp_copy_s, fsdp_host_s
+    from treadle.forms.expert import plan as expert_plan
 
     cl = parse_cluster("2x2:cpu")
     a, b = cl.mesh.names
@@ -137,13 +138,31 @@ def test_under_zero3_the_experts_unit_shards_over_the_other_axes_by_hand(graph):
                 if name.startswith("model.layers.0.mlp.experts.")) / 2  # this rank's experts of one layer
     sync = 2 * (all_gather_time_s(local, 2, link) - all_gather_time_s(0.0, 2, link)) + (
         reduce_scatter_time_s(local, 2, link) - reduce_scatter_time_s(0.0, 2, link))
-    assert x.fsdp_s == pytest.approx(sync, rel=1e-9)  # two gathers and a reduce-scatter of its own
-    assert x.copy_s == pytest.approx(3 * fsdp_copy_s(local, 2, hw) + fsdp_host_s(1, 0, hw), rel=1e-9)
+    # charged per weight, on the node that owns it: its local slice's two gathers and reduce-scatter, and copies
+    owned = _owner_costs(ep, graph, "model.layers.0.mlp.experts.")
+    assert sum(c.dp_comm_s for c in owned) == pytest.approx(sync, rel=1e-9)
+    assert sum(c.dp_comm_s for c in _owner_costs(ep, graph, "model.layers.1.mlp.experts.")) == pytest.approx(sync)
+    monkeypatch.setattr(expert_plan.UnitLinks, "copy_s", lambda self, nbytes, hw: 0.0)
+    bare = _owner_costs(build_cost_graph(graph, cl, Roles((a, b), True, (), ep=b)), graph, "model.layers.0.mlp.experts.")
+    copies = sum(c.compute_s for c in owned) - sum(c.compute_s for c in bare)
+    assert copies == pytest.approx(3 * fsdp_copy_s(local, 2, hw), rel=1e-6)
+    assert x.host_s == pytest.approx(fsdp_host_s(1, 0, hw), rel=1e-9)  # the unit's host cost, once a step
     lat = 2 * (2 * all_gather_time_s(0.0, 2, link) + reduce_scatter_time_s(0.0, 2, link))  # both layers' units
     assert ep.form_terms["data"].latency_s - zero.form_terms["data"].latency_s == pytest.approx(lat, rel=1e-9)
     # without a shard axis besides the expert axis (HSDP: shard the expert axis, replicate the other) no unit
     hsdp = build_cost_graph(graph, cl, Roles((a, b), True, (), replicate=(a,), ep=b))
-    assert all(not x.fsdp_s for x in hsdp.form_terms["expert"].values())
+    assert all(not x.host_s and not x.latency_s for x in hsdp.form_terms["expert"].values())
+    assert not sum(c.dp_comm_s for c in _owner_costs(hsdp, graph, "model.layers.0.mlp.experts."))
+
+
+def _owner_costs(cg, graph, prefix):
+    """The first strategy's costs of each node that owns (first reads) an experts weight under `prefix`."""
+    out = []
+    for p in graph.nodes:
+        if p.kind == "param" and p.param.startswith(prefix) and p.users:
+            u = cg.unit_of[min(p.users)][0]
+            out.append(cg.units[u].costs[0])
+    return out
 
 
 @pytest.mark.slow
@@ -158,9 +177,127 @@ def test_a_budget_below_fsdp4_plans_experts_under_zero3_that_fit_as_priced_and_v
     fsdp4 = treadle.create_schedule(tiny_mixtral(), mesh=cl.mesh)
     fsdp4.data_parallel(axis=[a, b], shard=True)
     budget = 0.97 * treadle.price(fsdp4, inputs, cl).peak_bytes
-    plan = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget)
+    # both axes data-parallel, as FSDP4's (with a tensor axis each expert may split over it instead: the test below)
+    plan = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget, dp_axis=(a, b))
     assert "(ZeRO-3)" in plan.roles and "experts over" in plan.roles, plan.solver["alternatives"]
     text = plan.schedule.to_python()
     assert "expert_parallel(axis=" in text and "shard=True" in text
     assert plan.estimate().peak_bytes <= budget
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------ each expert's weights split over a tensor axis
+def _node(graph, op, module):
+    return next(n for n in graph.nodes if n.kind == "op" and n.op_name == op and n.module == module)
+
+
+def test_the_grouped_product_and_the_row_gather_have_dimension_rules(graph):
+    from treadle.planner.dims import dim_spec, split_blocks
+
+    mod = "model.layers.0.mlp.experts"
+    gate_up = _node(graph, "grouped_mm_fallback", mod)  # rows (R, H) x (E, H, 2I) -> (R, 2I)
+    spec = dim_spec(gate_up, graph.nodes)
+    (m, k), (g, k2, n), offs = spec.ins
+    assert k == k2 and spec.outs == [(m, n)] and spec.sum_letters == {k}
+    assert {m, g} <= spec.blocked and set(offs) <= spec.blocked  # the offsets index rows and experts
+    assert spec.partial_in == [(0,), (1,)]  # linear in each operand
+    chunk = _node(graph, "chunk", mod)
+    assert split_blocks(chunk, graph.nodes) == 2  # gate|up in two blocks (NOTE [blocked split])
+    gather = next(x for x in graph.nodes if x.kind == "op" and x.op_name == "index" and x.module == mod
+                  and x.out.dtype.is_floating_point and len(x.out.shape) == 2)  # the routed rows, x[idx]
+    spec = dim_spec(gather, graph.nodes)
+    (r, h), (i,) = spec.ins
+    assert spec.outs == [(i, h)] and {r, i} <= spec.blocked and h not in spec.blocked
+    assert spec.partial_in == [(0,)]
+
+
+def test_the_split_build_makes_is_offered_only_under_an_expert_axis(graph):
+    from treadle.planner.capabilities import runtime_capabilities, shardable_fn, tied_leaf_holders
+
+    model = tiny_mixtral()
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    mod = "model.layers.0.mlp.experts"
+    assert graph.facts["expert"]["splits"][mod] == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}  # the probe's
+    shardable = shardable_fn(graph, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
+    assert shardable(f"{mod}.gate_up_proj", mod) == {(1,)} and shardable(f"{mod}.down_proj", mod) == {(2,)}
+    assert shardable(f"{mod}.gate_up_proj", "model.layers.0.mlp") == set()  # only where the module reads it
+
+    def sharded_weights(cg):
+        out = set()
+        for u in cg.units:
+            for members in u.strategies:
+                for i, (combo, _) in members.items():
+                    x = graph.nodes[i]
+                    out |= {graph.nodes[j].param for pos, j in enumerate(x.inputs)
+                            if graph.nodes[j].kind == "param" and ".experts." in graph.nodes[j].param
+                            and combo[0].ins[pos] >= 0}
+        return out
+
+    ep = build_cost_graph(graph, cl, Roles((a,), False, (b,), ep=a), shardable=shardable)
+    assert sharded_weights(ep) == {f"model.layers.{j}.mlp.experts.{w}" for j in (0, 1)
+                                   for w in ("gate_up_proj", "down_proj")}
+    assert sharded_weights(build_cost_graph(graph, cl, Roles((a,), False, (b,)), shardable=shardable)) == set()
+
+
+def test_the_split_costs_half_the_products_and_an_all_reduce_at_the_experts_exit(graph):
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.cost.convert import plan_conversion
+    from treadle.cost.layout import Layout
+    from treadle.mesh import Mesh
+    from treadle.planner.capabilities import runtime_capabilities, shardable_fn, tied_leaf_holders
+
+    model = tiny_mixtral()
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    shardable = shardable_fn(graph, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
+    cg = build_cost_graph(graph, cl, Roles((a,), False, (b,), ep=a), shardable=shardable)
+    mod = "model.layers.0.mlp.experts"
+    gate_up = _node(graph, "grouped_mm_fallback", mod)
+    u = cg.unit_of[gate_up.index][0]
+    unit = cg.units[u]
+    by_layout = {members[gate_up.index][0][0].outs[0]: c for members, c in zip(unit.strategies, unit.costs)}
+    whole, split = by_layout[-1], by_layout[1]  # replicated; the inner width split (Shard(1) of (R, 2I))
+    assert split.act_bytes == pytest.approx(whole.act_bytes / 2)  # the inner width's saved activations halve
+    assert split.compute_s < whole.compute_s
+    # the combined result leaves the experts module whole: a P -> R all-reduce of (T, H) on the tensor axis
+    exit_node = next(x for x in graph.nodes if x.kind == "op" and x.module == mod
+                     and any(not graph.nodes[v].module.startswith(mod) for v in x.users))
+    ux = cg.units[cg.unit_of[exit_node.index][0]]
+    pubs = {members[exit_node.index] for members in ux.strategies}
+    assert all(all(p == -1 for p in pub) for _, pub in pubs)  # never handed on partial or sharded
+    t_local = BATCH * SEQ // cl.mesh.size(a)
+    tensor_axis = ClusterSpec(Mesh((2,), (b,)), (cl.link(b),), cl.device)
+    conv = plan_conversion(Layout.from_codes((-2,)), Layout.from_codes((-1,)), global_shape=(t_local, 64),
+                           itemsize=4, cluster=tensor_axis)
+    partial = [c for members, c in zip(ux.strategies, ux.costs) if members[exit_node.index][0][0].outs[0] == -2]
+    replicated = [c for members, c in zip(ux.strategies, ux.costs) if members[exit_node.index][0][0].outs[0] == -1]
+    assert partial and replicated
+    assert partial[0].comm_s - replicated[0].comm_s == pytest.approx(conv.time_s + conv.backward_time_s, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_budget_below_expert_parallelism_splits_each_expert_over_the_tensor_axis_and_verifies():
+    # on 2x2 (dp x tp) the experts split over dp alone do not fit half of DDP's peak; each expert's weights split
+    # over tp as well (expert tensor parallelism) do: the plan states it, fits as priced and verifies
+    from treadle.planner import Plan, plan_model
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(BATCH, SEQ)
+    ddp = treadle.create_schedule(tiny_mixtral(), mesh=cl.mesh)
+    ddp.data_parallel(axis=[a, b])
+    budget = 0.5 * treadle.price(ddp, inputs, cl).peak_bytes
+    plan = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget)
+    text = plan.schedule.to_python()
+    assert f"expert_parallel(axis={a!r}, tensor={b!r})" in text, plan.solver["alternatives"]
+    experts_lines = [line for line in text.splitlines() if ".experts'" in line]
+    assert all("expert_parallel(" in line for line in experts_lines)  # no shard or sync of its own
+    priced = plan.estimate()
+    assert priced.peak_bytes <= budget
+    assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.1)  # solver and price agree
+    assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.1)
+    again = Plan.from_json(plan.to_json())  # the plan file holds tensor= and replays it
+    assert again.schedule_for(tiny_mixtral()).to_python() == text
+    assert "experts" in plan.explain()
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

@@ -15,6 +15,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
 - parameters (`treadle.forms.data`, at build and in the price): `own_params` — the parameters whose gradients a
   form reduces itself, which data parallelism leaves alone (the local experts); `shard_units` — modules FSDP2
   shards on other axes than the data-parallel ones (the local experts over the axes the expert axis leaves);
+- what build can shard (`treadle.planner.capabilities`): `param_placements` — placements of parameters no leaf rule
+  shards but the form computes on (each expert's weights over a tensor axis);
 - roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `keep_roles`;
   `role_label`;
 - cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
@@ -93,6 +95,12 @@ class Form:
         data-parallel ones (under a data parallelism with ZeRO-3; `treadle.forms.data` wraps them first and
         prices them per unit); none by default."""
         return []
+
+    def param_placements(self, facts: Any, param: str, module: str, n_tp: int) -> set[tuple[int, ...]]:
+        """Placements over `n_tp` tensor axes (placement codes, one per axis) that build can give parameter `param`
+        where `module` reads it, besides those of the runtime's leaf rules: a form that computes on shards its own
+        way (each expert's weights split over a tensor axis). `facts`: the capture's facts of the model."""
+        return set()
 
     def role_options(self, mesh: Any, live: tuple[str, ...], *, batch: int | None, request: Any) -> list[dict] | None:
         """Role assignments this form can make of the `live` axes, as keyword arguments of

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..form import forms
 from ..placement import R
 from ..sharding_rules import has_leaf_rule
 from .capture import CapturedGraph
@@ -83,7 +84,8 @@ def shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_t
                   holders: dict[str, set[str]] | None = None):
     """Per parameter: every placement over the tensor axes with each tensor dim on at most one axis
     (the runtime's leaf rules reject a dim split over several axes), for leaf parameters only, where the
-    consuming module is the owner or another leaf holding the same parameter (`tied_leaf_holders`)."""
+    consuming module is the owner or another leaf holding the same parameter (`tied_leaf_holders`); and the
+    placements a parallel form builds its own way (`treadle.form.Form.param_placements`: the experts' split)."""
     cache: dict[tuple[str, str], set] = {}
     holders = holders or {}
 
@@ -97,6 +99,8 @@ def shardable_fn(graph: CapturedGraph, is_leaf_param: Callable[[str], bool], n_t
                 dims = [d for d in combo if d >= 0]
                 if dims and len(dims) == len(set(dims)):
                     out.add(tuple(combo))
+        for f in forms():
+            out |= f.param_placements(graph.facts, param, module, n_tp)
         cache[(param, module)] = out
         return out
 

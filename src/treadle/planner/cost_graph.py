@@ -148,6 +148,10 @@ class _Builder(NodeCosts, Assembly):
         # parameter name -> the ranks its gathered copy is split over, for such a parameter FSDP2 also shards on
         # axes of its own (the experts under ZeRO-3: NOTE [experts in the plan]); kept without reshard
         self.own_gathered: dict[str, int] = {}
+        # modules whose outputs leave them replicated on every tensor axis, whatever their ops' layouts: a form's
+        # own module forward reduces at its exit (the experts' local forward sums over the experts' tensor axis:
+        # NOTE [experts in the plan]); set by a form's `prepare`
+        self.replicated_exits: set[str] = set()
         # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
         # a layout change is its collectives), so the copy rate is left out on purpose
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
@@ -232,6 +236,9 @@ class _Builder(NodeCosts, Assembly):
             # a row-parallel op with a bias: the runtime adds the bias once, when the sum is reduced at the
             # module's exit, so a Partial value leaving a module that holds such an op must be reduced there
             affine_partial = P in raw and self._leaves(n) and n.module in self.biased_modules
+            if any(p != R for p in raw) and self._leaves_replicated(n):
+                out.append((combo, tuple(R for _ in raw)))  # the module's own forward hands its output on whole
+                continue
             if (not is_output or all(p == R for p in raw)) and not affine_partial:
                 out.append((combo, raw))
             if exitable and any(p != R for p in raw) and not (fused and fused in raw):
@@ -244,6 +251,14 @@ class _Builder(NodeCosts, Assembly):
         """Whether some user of `n` runs outside n's innermost module."""
         q = n.module
         return any(not (self.nodes[u].module == q or self.nodes[u].module.startswith(q + ".")) for u in n.users)
+
+    def _leaves_replicated(self, n: Node) -> bool:
+        """Whether `n` hands a value out of a module in `replicated_exits` (which publishes it Replicate)."""
+        for q in self.replicated_exits:
+            if n.module == q or n.module.startswith(q + "."):
+                return any(not (self.nodes[u].module == q or self.nodes[u].module.startswith(q + "."))
+                           for u in n.users)
+        return False
 
     def _divisible(self, n: Node, combo: tuple[AxisOption, ...]) -> bool:
         """Every sharded dim divides on the data-parallel-local shape (the dims rules checked global sizes)."""

@@ -64,7 +64,7 @@ DECISION_ARGS: dict[str, dict[str, str]] = {
     "checkpoint": {},
     "set_attr": {"name": "str", "ref": "str", "kwargs": "kwargs"},
     "data_parallel": {"axis": "str|strs", "shard": "bool", "replicate": "str|strs?", "reshard_after_forward": "bool?"},
-    "expert_parallel": {"axis": "str"},
+    "expert_parallel": {"axis": "str", "tensor": "str?"},
 }
 
 

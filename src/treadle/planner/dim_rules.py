@@ -4,6 +4,8 @@ every tensor (NOTE [one-axis options] in `dims.py` says what the planner does wi
 
 from __future__ import annotations
 
+import torch
+
 from ..sharding_rules import register_dims
 from .capture import Node, TensorMeta
 from .dims import DimSpec, _arg, _broadcast, _dim, _inputs_meta, _is_ref, _Letters, _meta, split_blocks
@@ -288,7 +290,7 @@ def _view(node: Node, nodes: list[Node]) -> DimSpec | None:
                    partial_in=[(0,)])
 
 
-@register_dims("slice", "narrow", "select", "index_select", "gather", "index", "split", "split_with_sizes",
+@register_dims("slice", "narrow", "select", "index_select", "gather", "split", "split_with_sizes",
                "chunk", "unbind", "cat", "stack", "pad", "constant_pad_nd", "roll", "flip", "diff", "repeat",
                "repeat_interleave", "masked_select", "index_put", "scatter", "scatter_add")
 def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
@@ -319,7 +321,7 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
         ol = tuple(L.new(s) if j == d else xl[j] for j, s in enumerate(out.shape))
         return DimSpec(ins, [ol], L.sizes, blocked={l for t in ins if t for l in t if l not in xl} | {ol[d], xl[d]},
                        partial_in=[tuple(i for i, e in enumerate(empty) if not e)])
-    if name in ("index", "index_put", "masked_select", "index_select", "gather", "scatter", "scatter_add",
+    if name in ("index_put", "masked_select", "index_select", "gather", "scatter", "scatter_add",
                 "repeat", "repeat_interleave", "pad", "constant_pad_nd", "diff", "unbind"):
         return None  # shape changes that need more than one dim: replicate only
     if name == "select":
@@ -351,6 +353,57 @@ def _dim_op(node: Node, nodes: list[Node]) -> DimSpec | None:
             outs.append(tuple(L.new(o.shape[j]) if j == d else xl[j] for j in range(rank)))
     ins: list = [xl] + [None] * (len(node.inputs) - 1)
     return DimSpec(ins, outs, L.sizes, blocked={xl[d]}, partial_in=[(0,)])
+
+
+@register_dims("index")
+def _index(node: Node, nodes: list[Node]) -> DimSpec | None:
+    """``x[idx]`` with one index tensor on dim 0 (a row gather: the experts' routed rows, their results put back
+    in token order): the indexed dim and the index's dims never shard; x's other dims keep their letters; the
+    gather is linear in x, so a pending sum passes through. Other index forms: replicate only."""
+    x = _meta(nodes[node.inputs[0]]) if node.inputs else None
+    indices = _arg(node, 1, "indices")
+    out = _meta(node)
+    if x is None or out is None or not isinstance(indices, (list, tuple)) or len(indices) != 1 \
+            or not _is_ref(indices[0]) or len(node.inputs) != 2:
+        return None
+    idx = _meta(nodes[indices[0][1]])
+    if idx is None or idx.dtype.is_floating_point or idx.dtype == torch.bool or not x.shape \
+            or out.shape != tuple(idx.shape) + tuple(x.shape[1:]):
+        return None
+    L = _Letters()
+    xl = L.many(x.shape)
+    il = L.many(idx.shape)
+    return DimSpec([xl, il], [il + xl[1:]], L.sizes, blocked={xl[0], *il}, partial_in=[(0,)])
+
+
+_GROUPED_MM = ("grouped_mm_fallback", "_grouped_mm")
+
+
+@register_dims(*_GROUPED_MM)
+def _grouped_mm(node: Node, nodes: list[Node]) -> DimSpec | None:
+    """The experts' grouped product: rows (M, K) grouped by offsets times one (K, N) matrix per group (G, K, N)
+    -> (M, N), or batched (G, M, K) x (G, K, N). N shards like a column-parallel linear, K gives a pending sum
+    like a row-parallel one; the rows and the groups never shard (the offsets index them). Linear in each
+    operand."""
+    metas = _inputs_meta(node, nodes)
+    if len(metas) < 2 or metas[0] is None or metas[1] is None or len(metas[1].shape) != 3 \
+            or any(m is not None and m.dtype.is_floating_point for m in metas[2:]):
+        return None
+    a, w = metas[0], metas[1]
+    L = _Letters()
+    g, k, n = L.many(w.shape)
+    if len(a.shape) == 2:
+        m = L.new(a.shape[0])
+        ins: list = [(m, k), (g, k, n)]
+        out = (m, n)
+    elif len(a.shape) == 3 and a.shape[0] == w.shape[0]:
+        m = L.new(a.shape[1])
+        ins, out = [(g, m, k), (g, k, n)], (g, m, n)
+    else:
+        return None
+    ins += [None if x is None else L.many(x.shape) for x in metas[2:]]
+    blocked = {g, m} | {l for t in ins[2:] if t for l in t}
+    return DimSpec(ins, [out], L.sizes, blocked=blocked, sum_letters={k}, partial_in=[(0,), (1,)])
 
 
 @register_dims("getitem")

@@ -142,6 +142,15 @@ def _broadcast(node: Node, nodes: list[Node], out_shape: tuple[int, ...], L: _Le
 # by ``shard_attr`` (NOTE [fixed view sizes] in planner/views.py).
 _CHAIN_VIEWS = {"view", "reshape", "_unsafe_view", "alias", "contiguous", "clone", "_to_copy", "to"}
 _CHAIN_MAKERS = {"linear", "addmm", "mm"}
+_GROUPED_MAKERS = {"grouped_mm_fallback", "_grouped_mm"}
+
+
+def _param_through_views(nodes: list[Node], j: int) -> bool:
+    """Whether value j is a parameter, or a parameter through single-user views (an experts weight's transpose)."""
+    while nodes[j].kind == "op" and nodes[j].op_name in _CHAIN_VIEWS | {"transpose", "permute", "t"} \
+            and nodes[j].inputs and len(nodes[j].users) == 1:
+        j = nodes[j].inputs[0]
+    return nodes[j].kind == "param"
 
 
 def split_blocks(node: Node, nodes: list[Node]) -> int:
@@ -177,6 +186,12 @@ def block_chain(node: Node, nodes: list[Node]) -> tuple[list[int], int] | None:
         if src.kind != "op" or m is None or not m.shape or m.shape[-1] != x.shape[d] or len(src.users) != 1:
             return None
         chain.append(j)
+        if src.op_name in _GROUPED_MAKERS:
+            # the experts' grouped product (rows, per-expert weights, offsets): the weights must be a parameter
+            # read through views (its transpose), the offsets integers (NOTE [experts in the plan])
+            ok = len(src.inputs) >= 2 and _param_through_views(nodes, src.inputs[1]) and all(
+                (m := _meta(nodes[i])) is not None and not m.dtype.is_floating_point for i in src.inputs[2:])
+            return (chain, k) if ok else None
         if src.op_name in _CHAIN_MAKERS:
             # only a parameter's shard can carry the blocked meaning (``shard(..., blocks=k)``): every operand
             # but the activation must be a parameter (an activation sharded plainly would be misread)

@@ -274,7 +274,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
         elif d.op == "expert_parallel":
-            sch[d.path].expert_parallel(axis=d.args["axis"])
+            sch[d.path].expert_parallel(axis=d.args["axis"], tensor=d.args.get("tensor"))
         elif d.op != "shard":
             from ..errors import PlanError
 
@@ -307,7 +307,8 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
             axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])
             lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
         elif d.op == "expert_parallel":
-            lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r})")
+            tensor = f", tensor={a['tensor']!r}" if "tensor" in a else ""
+            lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r}{tensor})")
         elif d.op == "set_attr":
             kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
             lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")

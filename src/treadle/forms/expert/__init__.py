@@ -45,6 +45,9 @@ class ExpertParallelForm(Form):
     def capture_facts(self, model):
         return _plan.capture_facts(model)
 
+    def param_placements(self, facts, param, module, n_tp):
+        return _plan.param_placements(facts, param, module, n_tp)
+
     def role_options(self, mesh, live, *, batch, request):
         return _plan.role_options(mesh, live, batch=batch, request=request)
 
@@ -65,6 +68,9 @@ class ExpertParallelForm(Form):
 
     def graph_terms(self, b, cg):
         _plan.graph_terms(b, cg)
+
+    def decide_node(self, ctx, i, n, combo, raw, pub):
+        return _plan.decide_node(ctx, i, n, combo, raw, pub)
 
     def decisions(self, cg, choice, ckpt, ctx):
         return _plan.decisions(cg, choice, ckpt, ctx)

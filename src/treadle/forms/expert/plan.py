@@ -17,6 +17,19 @@ first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2'
 latencies in the data form's constant; without reshard the gathered local experts are kept. The experts' nodes run
 replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP weighs this assignment
 against the others, jointly with checkpointing, through the same strategy costs and memory rows as every role.
+
+Each expert's weights may also split over a tensor axis (expert tensor parallelism, NOTE [experts split by tensor]):
+the split build would make (`find_split`, probed once per experts module at capture: `capture_facts`) is offered as
+the weights' placements on any one tensor axis (`param_placements`), and the dimension algebra prices it as it
+prices a column- then row-parallel MLP: the grouped products' rules (`dim_rules._grouped_mm`; the fused gate|up in
+two blocks, NOTE [blocked split]), the inner width's compute and saved activations divided by t, the routed rows'
+input-gradient sum over the axis in backward, and the pending sum leaving the experts module reduced at its exit —
+the all-reduce of T x H the local forward issues. So whether and on which axis to split the experts' weights is a
+choice per node of each block template, made in the MILP jointly with checkpointing and the memory budget; it
+needs an expert axis (build splits each expert only inside expert parallelism), and the plan states it as
+``expert_parallel(axis=, tensor=)`` (`decide_node` takes those layouts out of the core's shards and exit syncs). Under
+ZeRO-3 each experts unit's gathers and reduce-scatter are charged per parameter on its local slice
+(`node_cost`), so a split over t ranks moves 1/t of the bytes.
 """
 
 from __future__ import annotations
@@ -25,11 +38,12 @@ import math
 from dataclasses import dataclass
 
 from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collective_time_s, reduce_scatter_time_s
-from ...errors import PlanError
+from ...errors import PlanError, ScheduleError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
-from ...planner.to_schedule import DECISION_RANKS, Decision
+from ...planner.to_schedule import DECISION_RANKS, Decision, _members
 from ...profile.roofline import memory_time_s
+from ...schedule.expert_split import find_split
 from ..data.facts import fsdp_copy_s, fsdp_host_s
 from .dispatch import dispatch_traffic
 from .facts import expert_modules
@@ -40,22 +54,75 @@ DECISION_RANK = DECISION_RANKS["expert_parallel"]
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One experts module's exchanges, per execution: forward and backward seconds; under ZeRO-3 its FSDP2 unit's
-    bandwidth seconds (`fsdp_s`), copies (`copy_s`) and latency (`latency_s`) per step; the dispatch's own memory
-    traffic, forward and backward seconds (`work_*_s`; NOTE [experts in the plan])."""
+    host cost (`host_s`) and collectives' latency (`latency_s`) per step (their bandwidth and copies are charged
+    per parameter: `UnitLinks`); the dispatch's own memory traffic, forward and backward seconds (`work_*_s`; NOTE
+    [experts in the plan])."""
 
     fwd_s: float
     bwd_s: float
-    fsdp_s: float = 0.0
-    copy_s: float = 0.0
+    host_s: float = 0.0
     latency_s: float = 0.0
     work_fwd_s: float = 0.0
     work_bwd_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class UnitLinks:
+    """An experts module's FSDP2 unit under ZeRO-3 (NOTE [experts under FSDP2]): sharded over `m` ranks on
+    `link`, gathered `gathers` times a step, its shard all-reduced over `rep` ranks on `rep_link` under HSDP."""
+
+    m: int
+    link: object
+    gathers: int
+    rep: int = 1
+    rep_link: object = None
+
+    def collectives(self, nbytes: float) -> list:
+        colls = [(all_gather_time_s, nbytes, self.m, self.link)] * self.gathers + \
+            [(reduce_scatter_time_s, nbytes, self.m, self.link)]
+        if self.rep > 1:
+            colls.append((all_reduce_time_s, nbytes / self.m, self.rep, self.rep_link))
+        return colls
+
+    def bandwidth_s(self, nbytes: float) -> float:
+        """Seconds per step beyond the latency of the unit's collectives on `nbytes` of its local experts."""
+        return sum(fn(x, k, ln) - fn(0.0, k, ln) for fn, x, k, ln in self.collectives(nbytes))
+
+    def latency_s(self) -> float:
+        return sum(fn(0.0, k, ln) for fn, _, k, ln in self.collectives(0.0))
+
+    def copy_s(self, nbytes: float, hw) -> float:
+        """FSDP2's copies around the unit's collectives on `nbytes` of its local experts."""
+        return (self.gathers + 1) * fsdp_copy_s(nbytes, self.m, hw)
+
+
 def capture_facts(model) -> dict | None:
-    """The experts modules of the whole model (path -> E), before capture shortens its lists; None without."""
+    """The experts modules of the whole model (path -> E), before capture shortens its lists, and the split of each
+    one's weights over a tensor axis that build would make (path -> {parameter: (dim, blocks)}, probed for two
+    ranks: NOTE [experts split by tensor]; absent where no split is exact); None without experts."""
     found = expert_modules(model)
-    return {"experts": found} if found else None
+    if not found:
+        return None
+    splits = {}
+    for path in found:
+        try:
+            split = find_split(model.get_submodule(path), 2, where=f"expert tensor split of {path!r}")
+        except ScheduleError:
+            continue
+        splits[path] = {name: (sh.dim, sh.blocks) for name, sh in split.items()}
+    return {"experts": found, "splits": splits}
+
+
+def param_placements(facts, param: str, module: str, n_tp: int) -> set[tuple[int, ...]]:
+    """The placements of an expert weight build makes under ``expert_parallel(tensor=)``: its split dim on any one
+    tensor axis (NOTE [experts in the plan]); nothing for other parameters."""
+    splits = ((facts or {}).get("expert") or {}).get("splits") or {}
+    owner, _, name = param.rpartition(".")
+    split = splits.get(owner)
+    if owner != module or not split or name not in split:
+        return set()
+    dim = split[name][0]
+    return {tuple(dim if j == a else R for j in range(n_tp)) for a in range(n_tp)}
 
 
 def _experts(facts) -> dict[str, int]:
@@ -85,9 +152,10 @@ def _inside(module: str, paths) -> str | None:
 
 
 def prepare(b) -> None:
-    """Under an expert axis: the experts' parameters split over it (`own_split`), and each experts module's
-    exchanges on its first canonical node (`b.expert_exchanges`)."""
+    """Under an expert axis: the experts' parameters split over it (`own_split`), each experts module's exchanges on
+    its first canonical node (`b.expert_exchanges`) and, under ZeRO-3, its FSDP2 unit (`b.expert_units`)."""
     b.expert_exchanges = {}
+    b.expert_units = {}
     ep = b.roles.ep
     experts = _experts(b.g.facts)
     if ep is None or not experts:
@@ -98,15 +166,17 @@ def prepare(b) -> None:
     shard = tuple(a for a in b.roles.shard_axes if a != ep)  # NOTE [experts under FSDP2]
     m = math.prod(mesh.size(a) for a in shard)
     fsdp = m > 1
+    b.replicated_exits |= set(experts)  # the local forward hands the combined result on whole (NOTE [experts in the plan])
     for name, module in b.g.param_modules.items():
         if module in experts:
             b.own_split[name] = n * (m if fsdp else 1)
             if fsdp:
                 b.own_gathered[name] = n
-    local_bytes: dict[str, float] = {}  # the local experts' bytes of each (captured) experts module
-    for x in b.nodes:
-        if x.kind == "param" and isinstance(x.out, TensorMeta) and (mod := b.g.param_modules.get(x.param)) in experts:
-            local_bytes[mod] = local_bytes.get(mod, 0.0) + x.out.numel * x.out.dtype.itemsize / n
+    unit = None
+    if fsdp:
+        rep = tuple(a for a in b.roles.replicate if a != ep)
+        unit = UnitLinks(m, b.cluster.group_link(shard), 2 if b.roles.reshard_after_forward else 1,
+                         math.prod(mesh.size(a) for a in rep), b.cluster.group_link(rep) if rep else None)
     for path in sorted({m for node in b.nodes if node.kind == "op" and (m := _inside(node.module, experts))}):
         ops = [x for x in b.nodes if x.kind == "op" and _inside(x.module, (path,)) and b.canonical(x.index) == x.index]
         if not ops:
@@ -120,25 +190,10 @@ def prepare(b) -> None:
         bwd = exchanges  # the adjoints: the results' gradients there, the rows' and the weights' back
         moved = dispatch_traffic(rows, width)
         work = tuple(memory_time_s(int(x), b.hw) for x in moved)
-        unit = _unit_costs(b, local_bytes.get(path, 0.0), shard, ep) if fsdp else (0.0, 0.0, 0.0)
-        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, *unit, *work)
-
-
-def _unit_costs(b, nbytes: float, shard: tuple[str, ...], ep: str) -> tuple[float, float, float]:
-    """(bandwidth s, copies s, latency s) per step of one experts unit of `nbytes` local expert bytes under
-    ZeRO-3 over `shard` (NOTE [experts in the plan]), as the data form prices a unit."""
-    mesh = b.cluster.mesh
-    m = math.prod(mesh.size(a) for a in shard)
-    zlink = b.cluster.group_link(shard)
-    gathers = 2 if b.roles.reshard_after_forward else 1
-    colls = [(all_gather_time_s, nbytes, m, zlink)] * gathers + [(reduce_scatter_time_s, nbytes, m, zlink)]
-    rep = tuple(a for a in b.roles.replicate if a != ep)
-    if rep:
-        colls.append((all_reduce_time_s, nbytes / m, math.prod(mesh.size(a) for a in rep), b.cluster.group_link(rep)))
-    bandwidth = sum(fn(x, k, ln) - fn(0.0, k, ln) for fn, x, k, ln in colls)
-    latency = sum(fn(0.0, k, ln) for fn, _, k, ln in colls)
-    copies = (gathers + 1) * fsdp_copy_s(nbytes, m, b.hw) + fsdp_host_s(1, 0, b.hw)
-    return bandwidth, copies, latency
+        if unit is not None:
+            b.expert_units[path] = unit
+        host, lat = (fsdp_host_s(1, 0, b.hw), unit.latency_s()) if unit is not None else (0.0, 0.0)
+        b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, host, lat, *work)
 
 
 def _rows(b, ops, path: str) -> tuple[float, int, int]:
@@ -164,25 +219,37 @@ def _rows(b, ops, path: str) -> tuple[float, int, int]:
 
 
 def keep_strategy(b, n, spec, combo: tuple) -> bool:
-    """Under an expert axis the experts' nodes run replicated on the tensor axes (NOTE [experts in the plan])."""
-    if b.roles.ep is None or not _inside(n.module, _experts(b.g.facts)):
+    """Inside an experts module: without an expert axis every tensor axis replicated (build splits each expert's
+    weights only under expert parallelism); with one, sharded on one tensor axis at most (the split build makes is
+    over one axis; which placements its weights may take is `param_placements`'s; NOTE [experts in the plan])."""
+    if not _inside(n.module, _experts(b.g.facts)):
         return True
-    return all(p == R for o in combo for p in o.ins + o.outs)
+    sharded = {a for a, o in enumerate(combo) if any(p != R for p in o.ins + o.outs)}
+    return not sharded if b.roles.ep is None else len(sharded) <= 1
 
 
 def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
     x = getattr(b, "expert_exchanges", {}).get(n.index)
-    if x is None:
+    if x is not None:
+        c.comm_s += x.fwd_s + x.bwd_s
+        c.compute_s += x.work_fwd_s + x.work_bwd_s + x.host_s
+        c.fwd_s += x.fwd_s + x.work_fwd_s
+        c.bwd_s += x.work_bwd_s
+        c.bwd_comm_s += x.bwd_s
+        if rec != "none":  # a checkpointed block's recompute dispatches again
+            c.rec_s += x.fwd_s + x.work_fwd_s
+    units = getattr(b, "expert_units", None)
+    if not units:
         return
-    c.comm_s += x.fwd_s + x.bwd_s
-    c.compute_s += x.work_fwd_s + x.work_bwd_s
-    c.fwd_s += x.fwd_s + x.work_fwd_s
-    c.bwd_s += x.work_bwd_s
-    c.bwd_comm_s += x.bwd_s
-    if rec != "none":  # a checkpointed block's recompute dispatches again
-        c.rec_s += x.fwd_s + x.work_fwd_s
-    c.dp_comm_s += x.fsdp_s  # its FSDP2 unit (NOTE [experts in the plan])
-    c.compute_s += x.copy_s
+    for pos, j in enumerate(n.inputs):  # its FSDP2 unit, on the local slice of each weight it owns
+        src = b.nodes[j]
+        unit = units.get(b.g.param_modules.get(src.param)) if src.kind == "param" else None
+        if unit is None or b.param_owner.get(src.param) != n.index:
+            continue
+        split = math.prod(size for o, size in zip(combo, b.tp_sizes) if o.ins[pos] >= 0)
+        nbytes = src.out.numel * src.out.dtype.itemsize / split / b.cluster.mesh.size(b.roles.ep)
+        c.dp_comm_s += unit.bandwidth_s(nbytes)  # hidden behind compute as the other units' are
+        c.compute_s += unit.copy_s(nbytes, b.hw)
 
 
 def graph_terms(b, cg) -> None:
@@ -197,11 +264,37 @@ def graph_terms(b, cg) -> None:
         terms.latency_s += lat
 
 
+def decide_node(ctx, i: int, n, combo: tuple, raw: tuple, pub: tuple) -> set[str]:
+    """A node inside an experts module: the split of the experts' weights over a tensor axis is stated by
+    ``expert_parallel(tensor=)`` (build finds the same split, NOTE [experts split by tensor]), not by shards, and
+    the pending sum leaving the module is the sum the local forward issues, not a sync: the core's shards of its
+    weights are taken back and every axis of its exit is stated here."""
+    cg = ctx.cg
+    experts = _experts(cg.graph.facts)
+    path = _inside(n.module, experts) if cg.roles.ep is not None else None
+    if path is None:
+        return set()
+    shards = ctx.bucket("shards")
+    tensor = ctx.memo.setdefault("expert_tensor", {})
+    own = set(_members(cg, path, i))
+    for key in [k for k in shards if k[0] in own]:
+        del shards[key]
+        for m in own:
+            tensor[m] = key[3]
+    return set(ctx.axes)
+
+
 def decisions(cg, choice, ckpt, ctx) -> list:
-    """``expert_parallel(axis=ep)`` on every experts module of the model (the capture's facts: all blocks)."""
+    """``expert_parallel(axis=ep)`` on every experts module of the model (the capture's facts: all blocks), with
+    ``tensor=`` where the plan splits each expert's weights over a tensor axis (`decide_node`)."""
     ep = cg.roles.ep
     if ep is None:
         return []
-    return [(DECISION_RANK, path, Decision("expert_parallel", path, {"axis": ep},
-                                           f"{e} experts over {ep} (NOTE [experts in the plan])"))
-            for path, e in sorted(_experts(cg.graph.facts).items())]
+    tensor = ctx.memo.get("expert_tensor", {})
+    out = []
+    for path, e in sorted(_experts(cg.graph.facts).items()):
+        args = {"axis": ep, **({"tensor": tensor[path]} if path in tensor else {})}
+        why = f"{e} experts over {ep}" + (f", each split over {tensor[path]}" if path in tensor else "")
+        out.append((DECISION_RANK, path, Decision("expert_parallel", path, args,
+                                                  why + " (NOTE [experts in the plan])")))
+    return out
