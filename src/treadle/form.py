@@ -22,7 +22,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
 - cost graph (`treadle.planner.cost_graph`): `prepare`, `keep_strategy`, `extra_publishes`, `conversion`,
   `node_cost`, `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
 - ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
-  families, and the same terms computed directly for a choice;
+  families, and the same terms computed directly for a choice; `solve` — the whole MILP, for a form that owns the
+  step's formula (the pipeline);
 - decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
   form; explanation (`treadle.planner.rows`): `adjust_rows`;
 - price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step;
@@ -154,6 +155,13 @@ class Form:
     def evaluate(self, cg: Any, choice: list[int], acc: dict) -> None:
         """Add this form's terms of a choice to `acc` (compute_s, comm_s, window_s, ...), as `ilp_rows` states
         them (`treadle.planner.ilp.evaluate`)."""
+
+    def solve(self, cg: Any, *, budget_bytes: float | None, checkpoint: bool, time_limit_s: float, rel_gap: float,
+              min_ckpt: dict, minimise: str) -> Any:
+        """The best plan of a role assignment (a `treadle.planner.ilp.Solution`) when this form owns the step's
+        formula (a pipeline: its stages, micro-batches and bubble), else None (`treadle.planner.ilp.solve` asks
+        every form first; the arguments are its own)."""
+        return None
 
     def memory_rows(self, m: Any, cg: Any, v: Any) -> list[tuple[dict, float]]:
         """Further points of the step whose memory must fit the budget, as (terms, constant) rows."""

@@ -145,9 +145,14 @@ def form_cases() -> dict:
         sch = treadle.create_schedule(model, mesh=mesh)
         apply(sch)
         out[f"price {label}"] = _price_entry(treadle.price(sch, inputs, cluster))
+    # the forms before pipelines were planned (pp_axis=None keeps these plans the same), then the pipeline form's
     for label, kw in {"ddp": dict(dp_axis="dp", zero=False), "zero": dict(zero=True, reshard_after_forward=None),
                       "no dp": dict(dp_axis=None), "budget": dict(memory_budget_bytes=3 * 2**20),
                       "tight budget": dict(memory_budget_bytes=2.4 * 2**20)}.items():
+        model, inputs = fresh()
+        out[f"plan {label}"] = _plan_entry(plan_model(model, inputs, cluster=cluster, price_top=2, pp_axis=None, **kw))
+    for label, kw in {"pipeline tp": dict(pp_axis="tp"),
+                      "pipeline tp budget": dict(pp_axis="tp", memory_budget_bytes=3 * 2**20)}.items():
         model, inputs = fresh()
         out[f"plan {label}"] = _plan_entry(plan_model(model, inputs, cluster=cluster, price_top=2, **kw))
     return {"forms tiny-llama 2x2:cpu": out}

@@ -137,6 +137,8 @@ class _Builder(NodeCosts, Assembly):
         self.tp_axes = roles.tp
         self.tp_sizes = tuple(mesh.size(a) for a in self.tp_axes)
         self.dp_size = math.prod(mesh.size(a) for a in roles.dp)  # replicas: the batch divisor
+        if roles.pp is not None:  # a pipeline's costs are per micro-batch (`treadle.forms.pipeline.plan`)
+            self.dp_size *= roles.pp_microbatches
         # how parameters live (the data-parallel form's `prepare` sets them under ZeRO-3): split over
         # `param_divisor` ranks, tensor subclasses in the optimizer step, kept gathered from forward to backward
         self.param_divisor = 1
@@ -402,6 +404,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.bwd_s += c.bwd_s
     total.bwd_comm_s += c.bwd_comm_s
     total.dp_comm_s += c.dp_comm_s
+    total.opt_s += c.opt_s
     total.act_bytes += c.act_bytes
     total.static_bytes += c.static_bytes
     total.grad_bytes += c.grad_bytes

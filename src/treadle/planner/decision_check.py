@@ -51,9 +51,20 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and not math.isfinite(x)
 
 
+def _inputs(v: Any) -> bool:
+    """Example inputs as a spec: name -> {"shape": [ints >= 0], "dtype": name} or a JSON scalar (the sizes and the
+    dtype's name are checked again where inputs are made: `treadle.schedule.graph_primitives.make_inputs`)."""
+    def one(x: Any) -> bool:
+        if isinstance(x, dict):
+            return (set(x) == {"shape", "dtype"} and isinstance(x["shape"], list)
+                    and all(_int(d) and d >= 0 for d in x["shape"]) and _str(x["dtype"]))
+        return x is None or (isinstance(x, _SCALARS) and not _nan(x))
+    return isinstance(v, dict) and all(_str(k) and one(x) for k, x in v.items())
+
+
 _CHECKS = {"str": _str, "strs": _strs, "str|strs": lambda v: _str(v) or _strs(v), "int": _int, "count": _count,
            "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES, "placement": _placement,
-           "layout": _layout, "kwargs": _kwargs}
+           "layout": _layout, "kwargs": _kwargs, "inputs": _inputs}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
     "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},
@@ -65,6 +76,9 @@ DECISION_ARGS: dict[str, dict[str, str]] = {
     "set_attr": {"name": "str", "ref": "str", "kwargs": "kwargs"},
     "data_parallel": {"axis": "str|strs", "shard": "bool", "replicate": "str|strs?", "reshard_after_forward": "bool?"},
     "expert_parallel": {"axis": "str", "tensor": "str?"},
+    "cut_pipeline_stage": {},
+    "pipeline": {"axis": "str", "schedule": "str", "n_microbatches": "count", "example_inputs": "inputs",
+                 "target": "str?"},
 }
 
 

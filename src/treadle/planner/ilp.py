@@ -43,6 +43,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +75,7 @@ class Solution:
     n_vars: int = 0
     n_cons: int = 0
     terms: dict[str, float] = field(default_factory=dict)
+    stages: Any = None  # a pipeline's stages, micro-batches and per-stage checkpoints (`treadle.forms.pipeline.plan`)
 
 
 class _Model:
@@ -197,35 +199,60 @@ def _upper(cg: CostGraph, units: list[int], attr: str) -> float:
     return sum(max(getattr(c, attr) for c in cg.units[u].costs) for u in units)
 
 
+@dataclass(slots=True)
+class CheckpointVars:
+    """One checkpoint count c of blocks like a template (`checkpoint_vars`): its bits `ys` (c = sum 2^b ys[b]),
+    q (c > 0), and the McCormick products per bit zA = y A, zF = y F, zI = y In, and zT = q A."""
+
+    ys: list[int]
+    q: int
+    zA: list[int]
+    zF: list[int]
+    zI: list[int]
+    zT: int
+
+
+def checkpoint_vars(m: _Model, count: int, A: dict, F: dict, In: dict, bounds: tuple[float, float, float], *,
+                    host: float, enabled: bool, least: int = 0) -> CheckpointVars:
+    """A checkpoint count in [least, count] of blocks whose saved bytes, recomputed seconds and kept input are the
+    linear expressions `A`, `F`, `In` (scaled: NOTE [row scaling]; `bounds` their upper bounds), each
+    checkpointed block costing `host` (scaled) in the objective, its recompute zF at cost 1 (ckpt_count,
+    ckpt_linearise, ckpt_any)."""
+    Amax, Fmax, Imax = bounds
+    nb = max(1, math.ceil(math.log2(count + 1)))
+    ys = [m.var(ub=1.0 if enabled else 0.0, integer=True, cost=float(2 ** b) * host) for b in range(nb)]
+    m.row({y: float(2 ** b) for b, y in enumerate(ys)}, float(least), float(count), "ckpt_count")
+    zA, zF, zI = [], [], []
+    for b, y in enumerate(ys):
+        w = float(2 ** b)
+        for expr, ub, store, cost in ((A, Amax, zA, 0.0), (F, Fmax, zF, w), (In, Imax, zI, 0.0)):
+            z = m.var(ub=ub, cost=cost)
+            store.append(z)
+            _mccormick(m, z, y, expr, ub)
+    q = m.var(integer=True)
+    for y in ys:
+        m.row({q: 1.0, y: -1.0}, 0.0, math.inf, "ckpt_any")
+    zt = m.var(ub=Amax)
+    _mccormick(m, zt, q, A, Amax)
+    return CheckpointVars(ys, q, zA, zF, zI, zt)
+
+
+def block_bounds(cg: CostGraph, t: int) -> tuple[float, float, float]:
+    """Upper bounds (scaled) of a block of template t's saved bytes, recomputed seconds and kept input."""
+    info = cg.templates[t]
+    return (max(_upper(cg, info.units, "act_bytes") * _BYTES, 1e-9), max(_upper(cg, info.units, "rec_s") * _SECONDS, 1e-9),
+            max(info.input_bytes, default=0.0) * _BYTES or 1e-9)
+
+
 def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dict[int, int]) -> _Vars:
     """Checkpoint counts per template (binary expansion) and the McCormick products (ckpt_linearise)."""
     bits, q, zA, zF, zI, zT = {}, {}, {}, {}, {}, {}
     for t, info in cg.templates.items():
-        L = info.count
         A, F, In = _block_exprs(cg, s, t)
-        Amax = max(_upper(cg, info.units, "act_bytes") * _BYTES, 1e-9)
-        Fmax = max(_upper(cg, info.units, "rec_s") * _SECONDS, 1e-9)
-        Imax = max(info.input_bytes, default=0.0) * _BYTES or 1e-9
-        nb = max(1, math.ceil(math.log2(L + 1)))
         host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS  # NOTE [framework overheads]: per checkpointed block
-        ys = [m.var(ub=1.0 if enabled else 0.0, integer=True, cost=float(2 ** b) * host) for b in range(nb)]
-        bits[t] = ys
-        count_terms = {y: float(2 ** b) for b, y in enumerate(ys)}
-        m.row(count_terms, float(min_ckpt.get(t, 0)), float(L), "ckpt_count")
-        zA[t], zF[t], zI[t] = [], [], []
-        for b, y in enumerate(ys):
-            w = float(2 ** b)
-            for expr, ub, store, cost in ((A, Amax, zA[t], 0.0), (F, Fmax, zF[t], w), (In, Imax, zI[t], 0.0)):
-                z = m.var(ub=ub, cost=cost)
-                store.append(z)
-                _mccormick(m, z, y, expr, ub)
-        qt = m.var(integer=True)
-        q[t] = qt
-        for y in ys:
-            m.row({qt: 1.0, y: -1.0}, 0.0, math.inf, "ckpt_any")
-        zt = m.var(ub=Amax)
-        zT[t] = zt
-        _mccormick(m, zt, qt, A, Amax)
+        cv = checkpoint_vars(m, info.count, A, F, In, block_bounds(cg, t), host=host, enabled=enabled,
+                             least=min_ckpt.get(t, 0))
+        bits[t], q[t], zA[t], zF[t], zI[t], zT[t] = cv.ys, cv.q, cv.zA, cv.zF, cv.zI, cv.zT
     return _Vars(s, bits, q, zA, zF, zI, zT, None, {}, 0.0)
 
 
@@ -303,7 +330,13 @@ def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True,
     budget]). `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
     the peak instead of the step time (used to report the smallest feasible budget); ``memory="static"``
     constrains only parameters, gradients and optimizer state (stage one of the two-stage mode).
-    Returns a Solution with status "infeasible" (and empty choice) when no plan fits."""
+    Returns a Solution with status "infeasible" (and empty choice) when no plan fits. A parallel form that owns
+    the step's formula solves it instead (`treadle.form.Form.solve`: a pipeline's stages)."""
+    for f in forms():
+        own = f.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,
+                      rel_gap=rel_gap, min_ckpt=min_ckpt or {}, minimise=minimise)
+        if own is not None:
+            return own
     limit = budget_bytes
     sol = _solve_once(cg, budget_bytes=limit, checkpoint=checkpoint, time_limit_s=time_limit_s, rel_gap=rel_gap,
                       min_ckpt=min_ckpt, minimise=minimise, memory=memory)

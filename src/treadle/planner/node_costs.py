@@ -55,6 +55,7 @@ class StrategyCost:
     bwd_s: float = 0.0  # backward compute (the window data-parallel reductions overlap with)
     bwd_comm_s: float = 0.0  # tensor-parallel communication of the backward (blocking, on the tensor axes)
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
+    opt_s: float = 0.0  # of compute_s, the optimizer step on the parameters it owns: once a step, not per micro-batch
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
     grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in treadle.forms.data.plan)
@@ -199,7 +200,9 @@ class NodeCosts:
             c.static_bytes += self.param_static_bytes(src.out, pl, own, self.own_gathered.get(src.param))
             c.grad_bytes += (src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or 1)
                              * src.out.dtype.itemsize)
-            c.compute_s += self.optimizer_s(src.out, pl, own)
+            opt = self.optimizer_s(src.out, pl, own)
+            c.compute_s += opt
+            c.opt_s += opt
             if own is not None:
                 continue
             for f in forms():  # each form's terms of a parameter (data parallelism: its gradient sync, copies)

@@ -19,7 +19,9 @@ class Roles:
     order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
     replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
     from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
-    module's experts are split over (None: replicated)."""
+    module's experts are split over (None: replicated); `pp`: the pipeline axis (None: no pipeline), whose ranks
+    each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them over
+    `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`)."""
 
     dp: tuple[str, ...]
     zero: bool
@@ -28,6 +30,9 @@ class Roles:
     replicate: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     ep: str | None = None  # the data-parallel axis the experts are split over (`treadle.forms.expert`)
+    pp: str | None = None  # the pipeline axis (`treadle.forms.pipeline`)
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -37,6 +42,8 @@ class Roles:
             raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
         if self.ep is not None and self.ep not in dp:
             raise PlanError(f"Roles: the expert axis {self.ep!r} must be a data-parallel axis {dp}")
+        if self.pp is not None and (self.pp in dp or self.pp in self.tp):
+            raise PlanError(f"Roles: the pipeline axis {self.pp!r} is also data-parallel {dp} or tensor {self.tp}")
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -64,13 +71,15 @@ class TrainSpec:
 def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
                     forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
-                    replicate: tuple[str, ...] | None = None, facts: dict | None = None) -> list[Roles]:
+                    replicate: tuple[str, ...] | None = None, facts: dict | None = None,
+                    pp_axis: str | None | Literal["auto"] = "auto") -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
     `replicate` fixing HSDP's replicate axes or None searching, `zero` None (both) / False (DDP) / True (ZeRO-3
-    / HSDP), `reshard_after_forward` the FSDP2 flag or None (both)); the live axes no form takes are
-    tensor-parallel; forbidden and size-1 axes are off. `facts`: the capture's facts of the model
+    / HSDP), `reshard_after_forward` the FSDP2 flag or None (both); a pipeline over one live axis — `pp_axis`
+    "auto": any, None: none, an axis: that one — with its schedule and micro-batch count); the live axes no form
+    takes are tensor-parallel; forbidden and size-1 axes are off. `facts`: the capture's facts of the model
     (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
     [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
     live."""
@@ -78,7 +87,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
         mesh.axis_index(a)
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
-    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {})
+    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis)
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -88,7 +97,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     for opt in options:
         if not all(f.keep_roles(opt) for f in forms()):  # one form's choice the others' do not allow
             continue
-        taken = set(opt.get("dp", ()))
+        taken = set(opt.get("dp", ())) | ({opt["pp"]} if opt.get("pp") else set())
         out.append(Roles(tp=tuple(a for a in live if a not in taken), off=off,
                          **{"dp": (), "zero": False, **opt}))
     return out
@@ -103,6 +112,7 @@ class _RoleRequest:
     reshard_after_forward: bool | None
     replicate: tuple[str, ...] | None
     facts: Any = None  # every form's capture facts ({form name: facts}, `Form.capture_facts`), or None
+    pp_axis: Any = "auto"  # the pipeline axis: "auto" (any live axis), None (no pipeline) or an axis name
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],

@@ -53,7 +53,8 @@ class PlanRequest:
     glob: {axis: dim or "R"}}. `dp_axis`: "auto" (search every subset of the axes), None (no data parallelism),
     an axis or a tuple (exactly those); `zero`: force ZeRO-3 / HSDP on or off (None: search); `replicate`:
     HSDP's replicate axes (None: search); `reshard_after_forward`: the FSDP2 flag (None: search both).
-    `forbid_axes`: axes every op stays replicated on. `ckpt_paths`: blocks that must be checkpointed.
+    `forbid_axes`: axes every op stays replicated on. `pp_axis`: "auto" (a pipeline over any live axis is weighed),
+    None (no pipeline), an axis (a pipeline over it). `ckpt_paths`: blocks that must be checkpointed.
     `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none". `price_top`: NOTE [final
     choice by price] — the best plans of that many role assignments are priced as built and the fastest that
     fits wins (0: the solver's choice). `given`: the keyword arguments as given (`Plan.what_if` re-plans)."""
@@ -67,6 +68,7 @@ class PlanRequest:
     replicate: tuple[str, ...] | None = None
     reshard_after_forward: bool | None = True
     forbid_axes: tuple[str, ...] = ()
+    pp_axis: Any = "auto"
     ckpt_paths: tuple[str, ...] = ()
     train: TrainSpec = TrainSpec()
     time_limit_s: float = 30.0
@@ -101,7 +103,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                partial_schedule: Any = None, train: TrainSpec = TrainSpec(), time_limit_s: float = 30.0,
                model_spec: dict | None = None, graph: CapturedGraph | None = None,
                checkpoint: Literal["auto", "all", "none"] = "auto", progress: Callable[[str], None] | None = None,
-               loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int | None = None) -> Plan:
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int | None = None,
+               pp_axis: str | None | Literal["auto"] = "auto") -> Plan:
     """Plan `model` on `cluster` (one ClusterSpec, or a list: every mesh is searched) under
     `memory_budget_bytes` per device. `example_inputs`: keyword arguments (a dict) or positional args, global
     batch, real or fake tensors. The other arguments are `PlanRequest`'s; `partial_schedule`: a Schedule whose
@@ -114,7 +117,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     given = dict(cluster=cluster, memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
                  zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
                  partial_schedule=partial_schedule, train=train, time_limit_s=time_limit_s, model_spec=model_spec,
-                 checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top)
+                 checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top, pp_axis=pp_axis)
     t0 = time.perf_counter()
     req = make_request(model, given)
     args, kwargs = _split_inputs(example_inputs)
@@ -154,7 +157,8 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
         dp_axis=role.get("dp", given["dp_axis"]), zero=role.get("zero", given["zero"]),
         replicate=role.get("replicate"), reshard_after_forward=role.get("reshard_after_forward",
                                                                         given["reshard_after_forward"]),
-        forbid_axes=tuple(given["forbid_axes"]), ckpt_paths=tuple(ckpt_paths), train=given["train"],
+        forbid_axes=tuple(given["forbid_axes"]), pp_axis=role.get("pp_axis", given.get("pp_axis", "auto")),
+        ckpt_paths=tuple(ckpt_paths), train=given["train"],
         time_limit_s=given["time_limit_s"], model_spec=given["model_spec"], checkpoint=given["checkpoint"],
         loss_fn=given["loss_fn"], price_top=price_top, say=given["progress"] or (lambda s: None), given=given)
 
@@ -188,7 +192,7 @@ def candidates(search: _Search) -> list[tuple[ClusterSpec, Roles]]:
         roles = enumerate_roles(mesh, batch=search.batch, dp_axis=req.dp_axis, zero=req.zero,
                                 forbid_axes=tuple(a for a in req.forbid_axes if a in mesh.names),
                                 reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,
-                                facts=search.graph.facts)
+                                facts=search.graph.facts, pp_axis=req.pp_axis)
         tried += len(roles)
         out += [(cl, r) for r in roles]
     if not tried:
@@ -253,16 +257,17 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     sol, cg = feasible[0]
     priced: list[dict] = []
     chosen_price = None
-    if req.price_top > 0 and inputs:
+    top = _priced_candidates(feasible, req.price_top)
+    if top and inputs:
         req.say("price the best role assignments")
 
         def choose_among(cands):
             return choose_by_price(search.model, inputs, cands, search.is_leaf_param, budget, req.loss_fn,
                                    lambda cg_, b_: solve_for(search, cg_, b_))
 
-        sol, cg, chosen_price, priced = choose_among(feasible[:req.price_top])
+        sol, cg, chosen_price, priced = choose_among(top)
         # none of the K fits as built: the next role assignments, one at a time, until one does
-        for extra in feasible[req.price_top:] if budget is not None and chosen_price is None else []:
+        for extra in [x for x in feasible if x not in top] if budget is not None and chosen_price is None else []:
             s2, c2, p2, rows2 = choose_among([extra])
             priced += rows2
             if p2 is not None:
@@ -282,13 +287,31 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     return sol, cg, chosen_price, priced
 
 
+# NOTE [pipelined against unpipelined]: a pipeline role assignment is solved by the pipeline form's own MILP (its
+# stages' timeline: NOTE [pipeline in the plan]), the others by the sum over ops; the two linear models err
+# differently against the plan as built, so their estimates do not rank a pipelined plan against an unpipelined one.
+# Where both kinds are feasible, the `price_top` best of each kind (at least one of each) are priced as built
+# (`treadle.price`), and the price decides (NOTE [final choice by price]).
+def _priced_candidates(feasible: list, price_top: int) -> list:
+    """The candidates to price, best first by the solver: the `price_top` best, or — where pipelined and unpipelined
+    plans are both feasible — the `price_top` best (at least one) of each kind (NOTE [pipelined against
+    unpipelined])."""
+    kinds: dict[bool, list] = {}
+    for sc in feasible:
+        kinds.setdefault(sc[1].roles.pp is not None, []).append(sc)
+    if len(kinds) < 2:
+        return list(feasible[:price_top])
+    keep = {id(sc) for group in kinds.values() for sc in group[:max(1, price_top)]}
+    return [sc for sc in feasible if id(sc) in keep]
+
+
 def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | None, priced: list, results: list,
          *, planning_s: float) -> Plan:
     """The `Plan` of the chosen solution: its decisions, the solver's estimate, rows, binding constraint and
     statistics."""
     req, graph = search.req, search.graph
     cluster = cg.cluster
-    decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=search.is_leaf_param)
+    decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=search.is_leaf_param, stages=sol.stages)
     hw = cluster.rank_hardware()
     dtype = next((m.dtype for m in graph.params.values()), torch.float32)
     est = Estimate(sol.step_s, sol.peak_bytes,

@@ -63,7 +63,8 @@ class Decision:
 # the checkpoints, and data parallelism last. A form's buckets (`DecisionContext.bucket`) and its other decisions
 # (`treadle.form.Form.decisions`) take their rank from here.
 DECISION_RANKS = {"shards": 10, "syncs": 20, "sp_inputs": 30, "sp_entries": 40, "attrs": 50, "grads": 60,
-                  "rngs": 70, "loss": 75, "checkpoint": 80, "data_parallel": 90, "expert_parallel": 95}
+                  "rngs": 70, "loss": 75, "checkpoint": 80, "cut_pipeline_stage": 85, "pipeline": 86,
+                  "data_parallel": 90, "expert_parallel": 95}
 
 
 def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
@@ -109,15 +110,17 @@ class DecisionContext:
 
 
 def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, int], *,
-                            leaf_param: "callable[[str], bool]") -> list[Decision]:
+                            leaf_param: "callable[[str], bool]", stages: Any = None) -> list[Decision]:
     """The module-level decisions of a solution, in a stable order (shards, syncs, the forms' own, grads, rng,
-    ckpt, dp: `DECISION_RANKS`)."""
+    ckpt, dp: `DECISION_RANKS`). `stages`: a pipeline solution's stages (`Solution.stages`), for the pipeline
+    form's decisions (``ctx.memo["stages"]``)."""
     from .cost_graph import block_chains, exit_module
     from .views import view_attr_needs
 
     g = cg.graph
     axes = cg.roles.tp
     ctx = DecisionContext(cg, choice, axes)
+    ctx.memo["stages"] = stages
     shards = ctx.bucket("shards", DECISION_RANKS["shards"], _emit_shards(axes))
     syncs = ctx.bucket("syncs", DECISION_RANKS["syncs"], _emit_syncs)
     attrs = ctx.bucket("attrs", DECISION_RANKS["attrs"], _emit_attrs)
@@ -275,12 +278,17 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
         elif d.op == "expert_parallel":
             sch[d.path].expert_parallel(axis=d.args["axis"], tensor=d.args.get("tensor"))
+        elif d.op == "cut_pipeline_stage":
+            sch[d.path].cut_pipeline_stage()
+        elif d.op == "pipeline":  # the example inputs as a spec (shapes and dtypes: data, NOTE [files are data])
+            sch.pipeline(axis=d.args["axis"], schedule=d.args["schedule"], n_microbatches=d.args["n_microbatches"],
+                         example_inputs=d.args["example_inputs"], target=d.args.get("target"))
         elif d.op != "shard":
             from ..errors import PlanError
 
             raise PlanError(f"apply_decisions: unknown decision op {d.op!r} at {d.path!r}; known: "
                             f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel, "
-                            f"expert_parallel")
+                            f"expert_parallel, cut_pipeline_stage, pipeline")
     return sch
 
 
@@ -309,6 +317,11 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
         elif d.op == "expert_parallel":
             tensor = f", tensor={a['tensor']!r}" if "tensor" in a else ""
             lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r}{tensor})")
+        elif d.op == "cut_pipeline_stage":
+            lines.append(f"sch[{d.path!r}].cut_pipeline_stage()")
+        elif d.op == "pipeline":
+            lines.append(f"sch.pipeline(axis={a['axis']!r}, schedule={a['schedule']!r}, "
+                         f"n_microbatches={a['n_microbatches']}, example_inputs=..., target={a.get('target')!r})")
         elif d.op == "set_attr":
             kw = ", ".join(f"{k}={v!r}" for k, v in a["kwargs"].items())
             lines.append(f"sch[{d.path!r}].set_attr({a['name']!r}, Ref({a['ref']!r}, {kw}))")

@@ -10,12 +10,15 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `facts.py`     the action order each schedule class runs, the stage of each rank and of each rehearsed record;
 - `fsdp.py`      FSDP2 beside the pipeline: when each stage is gathered, held and reduced (NOTE [pipeline FSDP2]);
 - `timeline.py`  the step's timeline from that order (NOTE [pipeline timeline]);
-- `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face.
+- `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face;
+- `plan.py`      the planner's pipeline role: stage cuts, the MILP of a pipelined step, the decisions (NOTE
+                 [pipeline in the plan]).
 """
 
 from __future__ import annotations
 
 from ...form import Form
+from . import plan as _plan
 from .price import price_pipeline
 from .runtime import wrap_pipeline
 from .stages import capture_root
@@ -25,6 +28,28 @@ class PipelineForm(Form):
     """The faces of pipeline parallelism (each delegates to the module that holds it)."""
 
     name = "pipeline"
+
+    def capture_facts(self, model):
+        return _plan.capture_facts(model)
+
+    def role_options(self, mesh, live, *, batch, request):
+        return _plan.role_options(mesh, live, batch=batch, request=request)
+
+    def keep_roles(self, options):
+        return _plan.keep_roles(options)
+
+    def role_label(self, roles):
+        return _plan.role_label(roles)
+
+    def prepare(self, b):
+        _plan.prepare(b)
+
+    def solve(self, cg, *, budget_bytes, checkpoint, time_limit_s, rel_gap, min_ckpt, minimise):
+        return _plan.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,
+                           rel_gap=rel_gap, min_ckpt=min_ckpt, minimise=minimise)
+
+    def decisions(self, cg, choice, ckpt, ctx):
+        return _plan.decisions(cg, choice, ckpt, ctx)
 
     def price_schedule(self, sch, example_inputs, cluster, options):
         return price_pipeline(sch, example_inputs, cluster, options)
