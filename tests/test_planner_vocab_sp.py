@@ -231,7 +231,7 @@ def test_gpt2_on_two_tensor_axes_with_row_shards_verifies():
     """Both axes of a 2x2 mesh tensor-parallel: row shards on one axis and feature shards on the other change
     together at one module's exit, converted in one typed sync from the whole source layout."""
     model, inp = gpt2(n_layer=4), inputs(seq=64)
-    plan = plan_model(model, inp, cluster=cluster((2, 2), ("a", "b")), dp_axis=None)
+    plan = plan_model(model, inp, cluster=cluster((2, 2), ("a", "b")), dp_axis=None, pp_axis=None)
     syncs = [d for d in plan.decisions if d.op == "sync"]
     assert any(d.args["to"] in ("S0", "S1") for d in syncs)  # a row shard
     whole = [d for d in syncs if "layout" in d.args]

@@ -56,8 +56,8 @@ class PlanRequest:
     `forbid_axes`: axes every op stays replicated on. `pp_axis`: "auto" (a pipeline over any live axis is weighed),
     None (no pipeline), an axis (a pipeline over it). `ckpt_paths`: blocks that must be checkpointed.
     `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none". `price_top`: NOTE [final
-    choice by price] — the best plans of that many role assignments are priced as built and the fastest that
-    fits wins (0: the solver's choice). `given`: the keyword arguments as given (`Plan.what_if` re-plans)."""
+    choice by price] — the best plans of that many role assignments (of each kind, pipelined and unpipelined: NOTE
+    [pipelined against unpipelined]) are priced as built and the fastest that fits wins (0: the solver's choice). `given`: the keyword arguments as given (`Plan.what_if` re-plans)."""
 
     clusters: tuple[ClusterSpec, ...]
     memory_budget_bytes: float | None = None
@@ -289,19 +289,19 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
 
 # NOTE [pipelined against unpipelined]: a pipeline role assignment is solved by the pipeline form's own MILP (its
 # stages' timeline: NOTE [pipeline in the plan]), the others by the sum over ops; the two linear models err
-# differently against the plan as built, so their estimates do not rank a pipelined plan against an unpipelined one.
-# Where both kinds are feasible, the `price_top` best of each kind (at least one of each) are priced as built
-# (`treadle.price`), and the price decides (NOTE [final choice by price]).
+# differently against the plan as built, so their estimates rank a pipelined plan against an unpipelined one less
+# well than each ranks its own kind. With `price_top` K >= 1, where both kinds are feasible, the K best of each kind
+# are priced as built (`treadle.price`) and the price decides (NOTE [final choice by price]); with K = 0 the
+# solver's choice stands, unpriced.
 def _priced_candidates(feasible: list, price_top: int) -> list:
-    """The candidates to price, best first by the solver: the `price_top` best, or — where pipelined and unpipelined
-    plans are both feasible — the `price_top` best (at least one) of each kind (NOTE [pipelined against
-    unpipelined])."""
+    """The candidates to price, best first by the solver: the `price_top` best of each kind, pipelined and
+    unpipelined (NOTE [pipelined against unpipelined]); none for `price_top` 0."""
+    if price_top <= 0:
+        return []
     kinds: dict[bool, list] = {}
     for sc in feasible:
         kinds.setdefault(sc[1].roles.pp is not None, []).append(sc)
-    if len(kinds) < 2:
-        return list(feasible[:price_top])
-    keep = {id(sc) for group in kinds.values() for sc in group[:max(1, price_top)]}
+    keep = {id(sc) for group in kinds.values() for sc in group[:price_top]}
     return [sc for sc in feasible if id(sc) in keep]
 
 
@@ -326,6 +326,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
     solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
               **search.timing, "planning_s": planning_s, "alternatives": alternatives,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
+              "stages": asdict(sol.stages) if sol.stages is not None else None,
               "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,
               "param_dtype": str(dtype).removeprefix("torch.")}
     if not cg.roles.dp and not any(d.op in ("shard", "shard_attr") for d in decisions):
@@ -388,6 +389,8 @@ def _raise_pin_conflict(search: _Search, attempts: list) -> None:
 
 
 def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solution:
+    if cg.roles.pp is not None:  # a pipeline's stages are solved whole (NOTE [pipeline in the plan])
+        return solve(cg, budget_bytes=budget, time_limit_s=time_limit_s)
     sol = solve(cg, budget_bytes=budget, checkpoint=False, time_limit_s=time_limit_s, memory="static")
     if sol.status == "infeasible":
         return sol

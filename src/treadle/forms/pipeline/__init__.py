@@ -11,8 +11,8 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `fsdp.py`      FSDP2 beside the pipeline: when each stage is gathered, held and reduced (NOTE [pipeline FSDP2]);
 - `timeline.py`  the step's timeline from that order (NOTE [pipeline timeline]);
 - `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face;
-- `plan.py`      the planner's pipeline role: stage cuts, the MILP of a pipelined step, the decisions (NOTE
-                 [pipeline in the plan]).
+- `plan.py`      the planner's pipeline role and its decisions (NOTE [pipeline in the plan]);
+- `milp.py`      the stage cuts proposed and the MILP of a pipelined step, per cut, with its direct evaluation.
 """
 
 from __future__ import annotations

@@ -1,0 +1,474 @@
+"""The MILP of a pipelined step (NOTE [pipeline in the plan] in `plan.py`): the stages of a cost graph, the cuts
+proposed, the micro-batches in flight at each moment of the schedule's own order, one MILP per cut, the same step and
+peak computed directly for a choice (`evaluate`), and the exhaustive oracle the tests hold the MILP to."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from ...cost.collective_cost import collective_time_s, send_recv_time_s
+from ...errors import PlanError
+from ...form import forms
+from ...planner.capture import TensorMeta
+from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
+                            add_one_strategy, add_strategy_vars, block_bounds, checkpoint_vars)
+from ...planner.to_schedule import _spread
+from .facts import action_order
+from .plan import SCHEDULES, PipelineChoice
+
+
+@dataclass(slots=True)
+class _Layout:
+    """What a cut needs of a cost graph: the real blocks in order with their templates, which units run before
+    the blocks (head: stage 0) and after them (tail: last stage), each template's units."""
+
+    blocks: list[tuple[str, int]]  # (real path, template), container order
+    head: list[int]
+    tail: list[int]
+    p: int
+    v: int
+    m: int
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+
+def _layout(cg) -> _Layout:
+    g = cg.graph
+    blocks = sorted(((mb, t) for t, info in cg.templates.items() for mb in info.members),
+                    key=lambda x: int(x[0].rpartition(".")[2]))
+    first = min(i for blk in g.blocks for i in blk.nodes)
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    head = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader < first]
+    tail = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader >= first]
+    roles = cg.roles
+    p = cg.cluster.mesh.size(roles.pp)
+    return _Layout(blocks, head, tail, p, SCHEDULES[roles.pp_schedule], roles.pp_microbatches)
+
+
+def _step_time(c) -> float:
+    """One execution's (micro-batch's) forward and backward seconds of a strategy: all but the optimizer step."""
+    return c.compute_s - c.opt_s + c.comm_s
+
+
+def _tail_time(c) -> float:
+    """What a strategy costs once a step after the pipelined part: the optimizer step and the replicas' sync."""
+    return c.opt_s + c.dp_comm_s
+
+
+def _weights(cg, lay: _Layout) -> tuple[dict[int, float], float, float]:
+    """Per template a block's seconds under each unit's cheapest strategy, and the head's and tail's (the cut's
+    weights)."""
+    def cheapest(units) -> float:
+        return sum(min(_step_time(c) for c, ok in zip(cg.units[u].costs, cg.units[u].allowed) if ok)
+                   for u in units)
+    return ({t: cheapest(info.units) for t, info in cg.templates.items()}, cheapest(lay.head), cheapest(lay.tail))
+
+
+def partitions(cg, lay: _Layout) -> list[tuple[tuple[int, ...], ...]]:
+    """Cuts of the real blocks into S contiguous stages (each a tuple of block positions): the one that minimises
+    the largest stage's weight (head on stage 0, tail on the last; exact by dynamic programming over the
+    prefix sums) and the even one."""
+    per, head, tail = _weights(cg, lay)
+    w = [per[t] for _, t in lay.blocks]
+    n, S = len(w), lay.n_stages
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+
+    def cost(i: int, j: int, s: int) -> float:  # blocks i..j-1 as stage s
+        return prefix[j] - prefix[i] + (head if s == 0 else 0.0) + (tail if s == S - 1 else 0.0)
+
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(S + 1)]
+    arg = [[0] * (n + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for j in range(s, n - (S - s) + 1):
+            for i in range(s - 1, j):
+                x = max(best[s - 1][i], cost(i, j, s - 1))
+                if x < best[s][j] - 1e-15:
+                    best[s][j], arg[s][j] = x, i
+    cuts, j = [], n
+    for s in range(S, 0, -1):
+        i = arg[s][j]
+        cuts.append(tuple(range(i, j)))
+        j = i
+    minmax = tuple(reversed(cuts))
+    base, extra = divmod(n, S)
+    sizes = [base + (1 if s < extra else 0) for s in range(S)]
+    even = tuple(tuple(range(sum(sizes[:s]), sum(sizes[:s + 1]))) for s in range(S))
+    return list(dict.fromkeys((minmax, even)))
+
+
+def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
+    """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
+    of its action order that no other moment dominates (NOTE [pipeline in the plan])."""
+    order = action_order(_schedule_of(lay), lay.n_stages, lay.p, lay.m)
+    out: dict[int, list[dict[int, int]]] = {}
+    for r, acts in order.items():
+        cur: dict[int, int] = {}
+        seen: list[dict[int, int]] = []
+        for a in acts:
+            if a.kind == "F":
+                cur[a.stage] = cur.get(a.stage, 0) + 1
+                seen.append(dict(cur))
+            elif a.kind in ("B", "W"):
+                cur[a.stage] = cur.get(a.stage, 0) - 1
+        keep = []
+        for x in seen:
+            if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in seen) and x not in keep:
+                keep.append(x)
+        out[r] = keep
+    return out
+
+
+def _schedule_of(lay: _Layout) -> str:
+    return next(k for k, v in SCHEDULES.items() if v == lay.v)
+
+
+# ----------------------------------------------------------------------------- the MILP of one cut
+@dataclass(slots=True)
+class _Cut:
+    """A cut of the blocks: per stage, how many blocks of each template (`n[s][t]`), and each unit's stages with
+    their multiplicity (`mult[u]`: [(stage, n)])."""
+
+    stages: tuple[tuple[int, ...], ...]
+    n: list[dict[int, int]]
+    mult: dict[int, list[tuple[int, int]]]
+
+
+def _cut(cg, lay: _Layout, stages) -> _Cut:
+    S = lay.n_stages
+    n = [dict() for _ in range(S)]
+    for s, positions in enumerate(stages):
+        for i in positions:
+            t = lay.blocks[i][1]
+            n[s][t] = n[s].get(t, 0) + 1
+    mult: dict[int, list[tuple[int, int]]] = {}
+    for t, info in cg.templates.items():
+        for u in info.units:
+            mult[u] = [(s, n[s][t]) for s in range(S) if n[s].get(t)]
+    for u in lay.head:
+        mult[u] = [(0, 1)]
+    for u in lay.tail:
+        mult[u] = [(S - 1, 1)]
+    return _Cut(tuple(stages), n, mult)
+
+
+def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
+    """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
+    it, whose stages run it; seconds per execution)."""
+    from ..tensor.plan import grad_sum_keys
+
+    first: dict[tuple, int] = {}
+    for u, unit in enumerate(cg.units):
+        for c in unit.costs:
+            for (j, a) in c.grad_sums:
+                first.setdefault((j, a, unit.count), u)
+    return {key: (first[key], t) for key, t in grad_sum_keys(cg).items()}
+
+
+def _send_s(cg, lay: _Layout, cut: _Cut, s: int) -> list[tuple[int, float]] | float:
+    """Seconds of the send across boundary s (into stage s + 1): per strategy of the next block's input unit, as
+    [(unit strategy variable key, seconds)], or a constant."""
+    link = cg.cluster.link(cg.roles.pp)
+    first = cut.stages[s + 1][0] if cut.stages[s + 1] else None
+    if first is None:
+        return 0.0
+    info = cg.templates[lay.blocks[first][1]]
+    if info.input_unit is None:
+        return 0.0
+    return [((info.input_unit, k), send_recv_time_s(b, link)) for k, b in enumerate(info.input_bytes)]
+
+
+def _tied_s(cg, lay: _Layout) -> float:
+    """The all-reduce over pp of the gradients of parameters both the first and the last stage read (a tied
+    embedding and head), at their full size (an upper bound under tensor parallelism)."""
+    g = cg.graph
+    node_unit = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
+    head, tail = set(lay.head), set(lay.tail)
+    nbytes = 0
+    for n in g.nodes:
+        if n.kind == "param" and isinstance(n.out, TensorMeta):
+            users = {node_unit.get(u) for u in n.users}
+            if users & head and users & tail:
+                nbytes += n.out.nbytes
+    p = cg.cluster.mesh.size(cg.roles.pp)
+    return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
+
+
+def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
+               rel_gap: float, min_ckpt: dict, minimise: str):
+    """The MILP of NOTE [pipeline in the plan] for one cut; returns (Solution without stages, per-stage counts) or
+    None when infeasible."""
+    t0 = time.perf_counter()
+    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+    m = _Model()
+    s = add_strategy_vars(m, cg)
+    add_one_strategy(m, cg, s)
+    shared: dict = {}
+    for f in forms():  # every form's constraint families (the tensor form's gradient sums: their variables)
+        f.ilp_rows(m, cg, s, shared)
+    add_layout_match(m, cg, s)
+    T: list[dict[int, float]] = [dict() for _ in range(S)]
+    A: list[dict[int, float]] = [dict() for _ in range(S)]  # activations per micro-batch (scaled bytes)
+    static: list[dict[int, float]] = [dict() for _ in range(S)]
+    tail: list[dict[int, float]] = [dict() for _ in range(S)]
+
+    def add(d: dict, j: int, x: float) -> None:
+        if x:
+            d[j] = d.get(j, 0.0) + x
+
+    in_template = {u: t for t, info in cg.templates.items() for u in info.units}
+    for u, unit in enumerate(cg.units):
+        for st, k_n in cut.mult.get(u, []):
+            for k, c in enumerate(unit.costs):
+                add(T[st], s[u, k], k_n * _step_time(c) * _SECONDS)
+                add(static[st], s[u, k], k_n * c.static_bytes * _BYTES)
+                add(tail[st], s[u, k], k_n * _tail_time(c) * _SECONDS)
+                if u not in in_template:
+                    add(A[st], s[u, k], c.act_bytes * _BYTES)
+    ys = shared.get("grad_sum_vars", {})
+    for key, (u, sec) in _grad_sum_units(cg).items():
+        if key in ys:
+            for st, k_n in cut.mult.get(u, []):
+                add(T[st], ys[key], k_n * sec * _SECONDS)
+    ck: dict[tuple[int, int], object] = {}
+    zts: dict[int, list[int]] = {r: [] for r in range(p)}
+    for t, info in cg.templates.items():
+        At, Ft, It = _block_exprs(cg, s, t)
+        host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS
+        stages_t = [st for st in range(S) if cut.n[st].get(t)]
+        left = min_ckpt.get(t, 0)
+        for st in stages_t:
+            n_t = cut.n[st][t]
+            cv = checkpoint_vars(m, n_t, At, Ft, It, block_bounds(cg, t), host=host, enabled=checkpoint,
+                                 least=n_t if left >= info.count else 0)
+            ck[(t, st)] = cv
+            for j, x in At.items():
+                add(A[st], j, n_t * x)
+            for b_, (za, zf, zi, y) in enumerate(zip(cv.zA, cv.zF, cv.zI, cv.ys)):
+                w = float(2 ** b_)
+                add(A[st], za, -w)
+                add(A[st], zi, w)
+                add(T[st], zf, w)
+                add(T[st], y, w * host)
+            zts[st % p].append(cv.zT)
+        if 0 < left < info.count:  # some of this template's blocks must be checkpointed: at least that many in all
+            m.row({y: float(2 ** b_) for st in stages_t for b_, y in enumerate(ck[(t, st)].ys)}, float(left),
+                  math.inf, "ckpt_count")
+    m.c = [0.0] * len(m.c)  # the objective is the pipelined step, stated below
+    R = m.var(ub=math.inf)
+    Q = m.var(ub=math.inf)
+    for r in range(p):
+        mine = [st for st in range(S) if st % p == r]
+        row = {R: 1.0}
+        for st in mine:
+            for j, x in T[st].items():
+                row[j] = row.get(j, 0.0) - x
+        m.row(row, 0.0, math.inf, "pp_rank_time")
+        row = {Q: 1.0}
+        for st in mine:
+            for j, x in tail[st].items():
+                row[j] = row.get(j, 0.0) - x
+        m.row(row, 0.0, math.inf, "pp_rank_tail")
+    alpha = (p - 1) / (p * v)
+    obj: dict[int, float] = {R: float(M), Q: 1.0}
+    for st in range(S):
+        for j, x in T[st].items():
+            obj[j] = obj.get(j, 0.0) + alpha * x
+    for b_ in range(S - 1):
+        send = _send_s(cg, lay, cut, b_)
+        if isinstance(send, list):
+            for (u, k), sec in send:
+                obj[s[u, k]] = obj.get(s[u, k], 0.0) + 2 * sec * _SECONDS
+    # memory per rank: static + activations in flight at each undominated moment + one recomputed block
+    moments = inflight(lay)
+    fixed = cg.fixed_static_bytes * _BYTES
+    mem_rows: list[dict[int, float]] = []
+    for r in range(p):
+        mine = [st for st in range(S) if st % p == r]
+        trans = m.var(ub=math.inf)
+        for z in zts[r]:
+            m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
+        base: dict[int, float] = {trans: 1.0}
+        for st in mine:
+            for j, x in static[st].items():
+                base[j] = base.get(j, 0.0) + x
+        for kv in moments[r]:
+            row = dict(base)
+            for st, k_ in kv.items():
+                for j, x in A[st].items():
+                    row[j] = row.get(j, 0.0) + k_ * x
+            mem_rows.append(row)
+    if minimise == "memory":
+        P = m.var(ub=math.inf)
+        for row in mem_rows:
+            m.row({P: 1.0, **{j: -x for j, x in row.items()}}, fixed, math.inf, "peak")
+        obj = {P: 1.0}
+    for j, x in obj.items():
+        m.c[j] += x
+    if budget_bytes is not None:
+        for row in mem_rows:
+            add_memory(m, row, fixed, budget_bytes)
+    res = m.solve(time_limit_s, rel_gap)
+    solve_s = time.perf_counter() - t0
+    if res.x is None:
+        return None, solve_s, len(m.c), len(m.clb)
+    x = res.x
+    choice = [next(k for k in range(len(unit.costs)) if x[s[u, k]] > 0.5) for u, unit in enumerate(cg.units)]
+    counts = {key: int(round(sum(2 ** b_ * x[y] for b_, y in enumerate(cv.ys)))) for key, cv in ck.items()}
+    status = "optimal" if res.status == 0 else "time_limit"
+    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    return (choice, counts, status, gap), solve_s, len(m.c), len(m.clb)
+
+
+def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[int, int], int]):
+    """The step and each rank's peak of a choice and per-stage checkpoint counts ((template, stage) -> count), as
+    the MILP states them (NOTE [pipeline in the plan]), computed directly. Returns (step_s, peak_bytes, terms)."""
+    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+    T = [0.0] * S
+    A = [0.0] * S
+    static = [0.0] * S
+    tail = [0.0] * S
+    rec = [0.0] * S
+    trans = [0.0] * p
+    in_template = {u: t for t, info in cg.templates.items() for u in info.units}
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[choice[u]]
+        for st, k_n in cut.mult.get(u, []):
+            T[st] += k_n * _step_time(c)
+            static[st] += k_n * c.static_bytes
+            tail[st] += k_n * _tail_time(c)
+            if u not in in_template:
+                A[st] += c.act_bytes
+    needed = {(j, a, cg.units[u].count) for u, unit in enumerate(cg.units)
+              for (j, a) in unit.costs[choice[u]].grad_sums}
+    for key, (u, sec) in _grad_sum_units(cg).items():
+        if key in needed:
+            for st, k_n in cut.mult.get(u, []):
+                T[st] += k_n * sec
+    for t, info in cg.templates.items():
+        At = sum(cg.units[u].costs[choice[u]].act_bytes for u in info.units)
+        Ft = sum(cg.units[u].costs[choice[u]].rec_s for u in info.units)
+        It = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
+        host = cg.ckpt_host_s.get(t, 0.0)
+        for st in range(S):
+            n_t = cut.n[st].get(t, 0)
+            if not n_t:
+                continue
+            c_ = counts.get((t, st), 0)
+            A[st] += (n_t - c_) * At + c_ * It
+            T[st] += c_ * (Ft + host)
+            rec[st] += c_ * (Ft + host)
+            if c_:
+                trans[st % p] = max(trans[st % p], At)
+    ranks = [[st for st in range(S) if st % p == r] for r in range(p)]
+    R = max(sum(T[st] for st in mine) for mine in ranks)
+    Q = max(sum(tail[st] for st in mine) for mine in ranks)
+    sends = 0.0
+    link = cg.cluster.link(cg.roles.pp)
+    for b_ in range(S - 1):
+        nxt = cut.stages[b_ + 1]
+        if nxt:
+            info = cg.templates[lay.blocks[nxt[0]][1]]
+            if info.input_unit is not None:
+                sends += 2 * send_recv_time_s(info.input_bytes[choice[info.input_unit]], link)
+    tied = _tied_s(cg, lay)
+    alpha = (p - 1) / (p * v)
+    step = M * R + alpha * sum(T) + Q + sends + tied
+    moments = inflight(lay)
+    peaks = []
+    for r, mine in enumerate(ranks):
+        st_b = sum(static[st] for st in mine) + cg.fixed_static_bytes
+        act = max((sum(k_ * A[st] for st, k_ in kv.items()) for kv in moments[r]), default=0.0)
+        peaks.append((st_b + act + trans[r], st_b, act, trans[r]))
+    peak = max(peaks)
+    busiest = max(range(p), key=lambda r: sum(T[st] for st in ranks[r]))
+    recompute = M * sum(rec[st] for st in ranks[busiest])
+    terms = {"compute_s": step - sends - tied - recompute, "comm_s": sends + tied, "recompute_s": recompute,
+             "static_bytes": peak[1] - cg.fixed_static_bytes, "activation_bytes": peak[2], "transient_bytes": peak[3],
+             "fixed_bytes": cg.fixed_static_bytes, "bubble_s": alpha * sum(T), "rank_s": R, "tail_s": Q}
+    return step, peak[0], terms
+
+
+def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int]) -> PipelineChoice:
+    paths = [tuple(lay.blocks[i][0] for i in st) for st in cut.stages]
+    ckpt = []
+    for st, positions in enumerate(cut.stages):
+        chosen: list[str] = []
+        for t in sorted({lay.blocks[i][1] for i in positions}):
+            members = [lay.blocks[i][0] for i in positions if lay.blocks[i][1] == t]
+            chosen += _spread(members, counts.get((t, st), 0))
+        ckpt.append(tuple(sorted(chosen, key=lambda pth: int(pth.rpartition(".")[2]))))
+    roles = cg.roles
+    return PipelineChoice(roles.pp, roles.pp_schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt))
+
+
+def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
+          minimise: str) -> Solution | None:
+    """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each proposed cut
+    (`partitions`), the fastest (with ``minimise="memory"``: the smallest peak) kept. None without a pp axis."""
+    if cg.roles.pp is None:
+        return None
+    lay = _layout(cg)
+    best: Solution | None = None
+    n_vars = n_cons = 0
+    spent = 0.0
+    for stages in partitions(cg, lay):
+        cut = _cut(cg, lay, stages)
+        got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
+                                          time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
+                                          minimise=minimise)
+        spent += solve_s
+        n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
+        if got is None:
+            continue
+        choice, counts, status, gap = got
+        step, peak, terms = evaluate(cg, lay, cut, choice, counts)
+        if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
+            continue
+        sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, terms,
+                       stages=_choice_of(cg, lay, cut, counts))
+        key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
+        if best is None or key(sol) < key(best):
+            best = sol
+    if best is None:
+        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, spent, n_vars, n_cons)
+    best.solve_s = spent
+    return best
+
+
+def solve_exhaustive(cg, stages, *, budget_bytes: float | None, limit: int = 2_000_000) -> Solution:
+    """Every strategy choice and per-stage checkpoint count of one cut, evaluated directly (the MILP's test
+    oracle on tiny graphs). Raises PlanError when the space exceeds `limit`."""
+    from ...planner.ilp import feasible_choice
+
+    lay = _layout(cg)
+    cut = _cut(cg, lay, stages)
+    keys = [(t, st) for st in range(lay.n_stages) for t, n_t in cut.n[st].items()]
+    ranges = [range(cut.n[st][t] + 1) for t, st in keys]
+    sizes = [len(u.costs) for u in cg.units]
+    space = math.prod(sizes) * math.prod(len(r) for r in ranges)
+    if space > limit:
+        raise PlanError(f"solve_exhaustive: {space} combinations exceed the limit {limit}")
+    best: Solution | None = None
+    for choice in itertools.product(*[range(n) for n in sizes]):
+        if not all(cg.units[u].allowed[k] for u, k in enumerate(choice)) or not feasible_choice(cg, list(choice)):
+            continue
+        for cs in itertools.product(*ranges):
+            counts = dict(zip(keys, cs))
+            step, peak, terms = evaluate(cg, lay, cut, list(choice), counts)
+            if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
+                continue
+            if best is None or step < best.step_s - 1e-15:
+                best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=terms,
+                                stages=_choice_of(cg, lay, cut, counts))
+    return best or Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
+
+

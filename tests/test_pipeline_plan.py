@@ -1,0 +1,268 @@
+"""The planner's pipeline role (NOTE [pipeline in the plan] in `treadle.forms.pipeline.plan`): the role options and
+pins, the proposed cuts, the micro-batches in flight read off the schedule classes' own order, the MILP of one cut
+against the exhaustive oracle and by hand, per-stage checkpoints under a budget, the solver against the price, and a
+planned pipeline that verifies on gloo and replays from its plan file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import treadle
+from treadle.cost.cluster import ClusterSpec, parse_cluster
+from treadle.errors import PlanError
+from treadle.forms.pipeline import milp
+from treadle.forms.pipeline.plan import PipelineChoice, capture_facts, microbatch_counts
+from treadle.mesh import Mesh
+from treadle.models.zoo import named_model
+from treadle.planner import Plan, plan_model
+from treadle.planner.capabilities import runtime_capabilities, shardable_fn, tied_leaf_holders
+from treadle.planner.capture import capture
+from treadle.planner.cost_graph import build_cost_graph
+from treadle.planner.ilp import solve
+from treadle.planner.roles import Roles, enumerate_roles
+
+
+class Block(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, 2 * h)
+        self.proj = nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return x + self.proj(torch.relu(self.fc(self.ln(x))))
+
+
+class Stack(nn.Module):
+    """An input projection, `n` blocks in a ModuleList, a head; returns a scalar loss."""
+
+    def __init__(self, h: int, n: int):
+        super().__init__()
+        self.inp = nn.Linear(h, h)
+        self.blocks = nn.ModuleList([Block(h) for _ in range(n)])
+        self.head = nn.Linear(h, h)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+def _graph(h=32, n=4, batch=8):
+    torch.manual_seed(0)
+    model = Stack(h, n)
+    x = torch.randn(batch, 8, h)
+    return model, capture(model, (x,))
+
+
+# ----------------------------------------------------------------------------- roles
+def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_by_pp_axis():
+    facts = {"pipeline": {"container": "blocks", "blocks": 4}}
+    mesh = Mesh((2, 2), ("a", "b"))
+    roles = enumerate_roles(mesh, batch=8, facts=facts)
+    piped = [r for r in roles if r.pp]
+    assert {r.pp for r in piped} == {"a", "b"}
+    assert {(r.pp_schedule, r.pp_microbatches) for r in piped} == {(k, m) for k in ("1f1b", "interleaved_1f1b")
+                                                                    for m in (2, 4, 8)}
+    assert all(r.pp not in r.dp and r.pp not in r.tp and not r.zero for r in piped)  # FSDP2 beside: not planned
+    assert "pipeline a (1f1b, 2 micro-batches)" in {part for r in piped for part in str(r).split("; ")}
+    assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, pp_axis=None) if r.pp]  # forbidden
+    pinned = enumerate_roles(mesh, batch=8, facts=facts, pp_axis="b")
+    assert pinned and all(r.pp == "b" for r in pinned)  # pinned: every assignment pipelines over b
+    with pytest.raises(PlanError, match="pipeline axis 'c' is not a live mesh axis"):
+        enumerate_roles(mesh, batch=8, facts=facts, pp_axis="c")
+    with pytest.raises(PlanError, match="no sequential container"):
+        enumerate_roles(mesh, batch=8, facts={}, pp_axis="a")
+    # three blocks make no interleaved stages on 2 ranks (2 x 2 = 4 stages)
+    few = enumerate_roles(mesh, batch=8, facts={"pipeline": {"container": "blocks", "blocks": 3}})
+    assert {r.pp_schedule for r in few if r.pp} == {"1f1b"}
+    assert microbatch_counts(4, 12) == [4]  # 8 and 16 do not divide 12
+
+
+def test_capture_facts_name_the_largest_sequential_container():
+    model = Stack(8, 5)
+    assert capture_facts(model) == {"container": "blocks", "blocks": 5}
+    assert capture_facts(nn.Linear(2, 2)) is None
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_skips_the_role_with_a_reason():
+    model, g = _graph(batch=8)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    with pytest.raises(PlanError, match="does not split into 2 replicas x 8 micro-batches"):
+        build_cost_graph(g, cl, Roles((b,), False, (), pp=a, pp_microbatches=8))
+
+
+# ----------------------------------------------------------------------------- cuts and micro-batches in flight
+def _layout(g, cl, roles):
+    cg = build_cost_graph(g, cl, roles)
+    return cg, milp._layout(cg)
+
+
+def test_the_min_max_cut_is_exact_and_the_even_cut_is_proposed_beside_it():
+    model, g = _graph(n=6)
+    cl = parse_cluster("1x2:cpu")
+    cg, lay = _layout(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
+    per, head, tail = milp._weights(cg, lay)
+    cuts = milp.partitions(cg, lay)
+    w = [per[t] for _, t in lay.blocks]
+
+    def worst(stages):
+        return max(sum(w[i] for i in st) + (head if s == 0 else 0) + (tail if s == len(stages) - 1 else 0)
+                   for s, st in enumerate(stages))
+
+    every = [(tuple(range(0, k)), tuple(range(k, 6))) for k in range(1, 6)]
+    assert worst(cuts[0]) == pytest.approx(min(worst(c) for c in every))  # exact min-max
+    assert ((0, 1, 2), (3, 4, 5)) in cuts  # the even cut
+    assert all(sorted(i for st in c for i in st) == list(range(6)) for c in cuts)
+
+
+def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_schedule_class():
+    lay = milp._Layout([], [], [], p=4, v=1, m=8)
+    got = milp.inflight(lay)
+    assert {r: [x for x in v] for r, v in got.items()} == {r: [{r: 4 - r}] for r in range(4)}
+    lay2 = milp._Layout([], [], [], p=2, v=2, m=4)
+    from treadle.forms.pipeline.facts import action_order
+
+    order = action_order("interleaved_1f1b", 4, 2, 4)
+    for r, moments in milp.inflight(lay2).items():
+        # every undominated moment is a real moment of the order, and none is dominated by another
+        cur, seen = {}, []
+        for a in order[r]:
+            if a.kind == "F":
+                cur[a.stage] = cur.get(a.stage, 0) + 1
+                seen.append(dict(cur))
+            elif a.kind == "B":
+                cur[a.stage] -= 1
+        assert all(m in seen for m in moments)
+        assert all(any(all(m.get(s, 0) >= k for s, k in x.items()) for m in moments) for x in seen)
+
+
+# ----------------------------------------------------------------------------- the MILP
+def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_budget():
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    shardable = shardable_fn(g, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
+    cg = build_cost_graph(g, cl, Roles((), False, (b,), pp=a, pp_microbatches=2), shardable=shardable)
+    lay = milp._layout(cg)
+    stages = milp.partitions(cg, lay)[0]
+    free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None)
+    cut = milp._cut(cg, lay, stages)
+    got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
+                              min_ckpt={}, minimise="time")
+    step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
+    assert step == pytest.approx(free_oracle.step_s, rel=1e-6)
+    budget = free_oracle.peak_bytes * 0.8
+    tight_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget)
+    got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
+                              min_ckpt={}, minimise="time")
+    if tight_oracle.choice:
+        step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
+        assert step == pytest.approx(tight_oracle.step_s, rel=1e-6) and peak <= budget
+        assert tight_oracle.step_s >= free_oracle.step_s
+    else:
+        assert got is None
+
+
+def test_the_step_of_a_cut_by_hand():
+    # one axis of 2 ranks, no tensor axis: every unit has one strategy; 1F1B over M = 4 micro-batches
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
+    lay = milp._layout(cg)
+    cut = milp._cut(cg, lay, ((0, 1), (2, 3)))
+    choice = [0] * len(cg.units)
+    step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
+    T = [0.0, 0.0]
+    tail = [0.0, 0.0]
+    static = [0.0, 0.0]
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[0]
+        for s, n in cut.mult[u]:
+            T[s] += n * (c.compute_s - c.opt_s + c.comm_s)
+            tail[s] += n * (c.opt_s + c.dp_comm_s)
+            static[s] += n * c.static_bytes
+    info = next(iter(cg.templates.values()))
+    send = treadle.cost.collective_cost.send_recv_time_s(info.input_bytes[0], cl.link(pp))
+    # M R + (p - 1)/p sum T + the slowest tail + the first micro-batch's two sends
+    assert step == pytest.approx(4 * max(T) + 0.5 * sum(T) + max(tail) + 2 * send, rel=1e-9)
+    # rank 0 keeps 2 micro-batches of stage 0 (p - s), rank 1 one of stage 1
+    A = [0.0, 0.0]
+    at = sum(cg.units[u].costs[0].act_bytes for u in info.units)
+    for s in (0, 1):
+        A[s] = 2 * at + sum(cg.units[u].costs[0].act_bytes for u in (lay.head if s == 0 else lay.tail))
+    fixed = cg.fixed_static_bytes
+    assert peak == pytest.approx(max(static[0] + 2 * A[0], static[1] + A[1]) + fixed, rel=1e-9)
+    # checkpointing both blocks of stage 0 recomputes them (its time grows) and keeps their inputs instead
+    t = next(iter(cg.templates))
+    step2, peak2, _ = milp.evaluate(cg, lay, cut, choice, {(t, 0): 2})
+    rec = sum(cg.units[u].costs[0].rec_s for u in info.units) + cg.ckpt_host_s[t]
+    T2 = [T[0] + 2 * rec, T[1]]
+    assert step2 == pytest.approx(4 * max(T2) + 0.5 * sum(T2) + max(tail) + 2 * send, rel=1e-9)
+    A0 = 2 * info.input_bytes[0] + sum(cg.units[u].costs[0].act_bytes for u in lay.head)
+    assert peak2 == pytest.approx(max(static[0] + 2 * A0 + at, static[1] + A[1]) + fixed, rel=1e-9)  # + one block
+
+
+def test_under_a_budget_the_first_stage_checkpoints_more_than_the_last():
+    # 1F1B: stage 0 keeps p micro-batches in flight, the last stage one; a budget binds on the first rank first
+    torch.manual_seed(0)
+    model = Stack(64, 8)
+    x = torch.randn(16, 512, 64)
+    cl = ClusterSpec.uniform(Mesh((4,), ("pp",)), "nvlink4", device="h100-sxm")
+    free = plan_model(model, (x,), cluster=cl, pp_axis="pp", dp_axis=None)
+    budget = free.estimated.peak_bytes * 0.6
+    plan = plan_model(model, (x,), cluster=cl, pp_axis="pp", dp_axis=None, memory_budget_bytes=budget)
+    sp = plan.solver["stages"]
+    assert plan.estimated.peak_bytes <= budget
+    ck = [len(s) for s in sp["checkpointed"]]
+    assert ck == sorted(ck, reverse=True) and ck[0] > ck[-1], sp  # the earlier the stage, the more it keeps
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_a_planned_pipeline_prices_near_its_estimate_replays_from_its_file_and_verifies():
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=a, price_top=1)
+    assert plan.roles.startswith("data-parallel") and f"pipeline {a}" in plan.roles, plan.roles
+    text = plan.schedule.to_python()
+    assert "cut_pipeline_stage()" in text and f"sch.pipeline(axis={a!r}" in text
+    priced = plan.estimate()
+    assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)  # the MILP's step against the price
+    assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.10)
+    again = Plan.from_json(plan.to_json())
+    assert again.schedule_for(named_model("tiny-llama", batch=8, seq=32, dropout=False)[0]).to_python() == text
+    report = treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300)
+    assert report.ok
+
+
+@pytest.mark.slow
+def test_a_planned_gpt2_pipeline_with_tied_embedding_and_checkpoints_verifies():
+    model, inputs = named_model("tiny-gpt2", batch=8, seq=32, dropout=False)
+    cl = ClusterSpec.uniform(Mesh((2, 2), ("pp", "dp")), "nvlink4", device="h100-sxm")
+    free = plan_model(model, inputs, cluster=cl, pp_axis="pp", dp_axis="dp", zero=False)
+    plan = plan_model(model, inputs, cluster=cl, pp_axis="pp", dp_axis="dp", zero=False,
+                      memory_budget_bytes=0.7 * free.estimate().peak_bytes)
+    assert "pipeline pp" in plan.roles and any(d.op == "checkpoint" for d in plan.decisions), plan.decisions
+    assert plan.estimate().peak_bytes <= 0.7 * free.estimate().peak_bytes
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+def test_a_plan_file_pipeline_decision_is_checked_as_data():
+    from treadle.planner.to_schedule import Decision
+
+    good = {"axis": "pp", "schedule": "1f1b", "n_microbatches": 2,
+            "example_inputs": {"input_ids": {"shape": [8, 16], "dtype": "int64"}}, "target": "labels"}
+    Decision.from_dict({"op": "pipeline", "path": "", "args": good})
+    bad = dict(good, example_inputs={"input_ids": {"shape": [8, -1], "dtype": "int64"}})
+    with pytest.raises(PlanError, match="argument 'example_inputs' must be inputs"):
+        Decision.from_dict({"op": "pipeline", "path": "", "args": bad})
+    with pytest.raises(PlanError, match="unknown arguments"):
+        Decision.from_dict({"op": "cut_pipeline_stage", "path": "model.layers.0", "args": {"x": 1}})
+    assert PipelineChoice("pp", "1f1b", 2, (("b.0",), ("b.1",)), ((), ())).n_stages == 2
