@@ -5,6 +5,7 @@ planned pipeline that verifies on gloo and replays from its plan file."""
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 import treadle
 from treadle.cost.cluster import ClusterSpec, parse_cluster
 from treadle.errors import PlanError
-from treadle.forms.pipeline import milp
+from treadle.forms.pipeline import cuts, milp
 from treadle.forms.pipeline.plan import PipelineChoice, capture_facts, microbatch_counts
 from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
@@ -99,15 +100,15 @@ def test_a_batch_that_does_not_split_into_micro_batches_skips_the_role_with_a_re
 # ----------------------------------------------------------------------------- cuts and micro-batches in flight
 def _layout(g, cl, roles):
     cg = build_cost_graph(g, cl, roles)
-    return cg, milp._layout(cg)
+    return cg, cuts._layout(cg)
 
 
 def test_the_min_max_cut_is_exact_and_the_even_cut_is_proposed_beside_it():
     model, g = _graph(n=6)
     cl = parse_cluster("1x2:cpu")
     cg, lay = _layout(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
-    per, head, tail = milp._weights(cg, lay)
-    cuts = milp.partitions(cg, lay)
+    per, head, tail = cuts._weights(cg, lay)
+    proposed = cuts.partitions(cg, lay)
     w = [per[t] for _, t in lay.blocks]
 
     def worst(stages):
@@ -115,20 +116,20 @@ def test_the_min_max_cut_is_exact_and_the_even_cut_is_proposed_beside_it():
                    for s, st in enumerate(stages))
 
     every = [(tuple(range(0, k)), tuple(range(k, 6))) for k in range(1, 6)]
-    assert worst(cuts[0]) == pytest.approx(min(worst(c) for c in every))  # exact min-max
-    assert ((0, 1, 2), (3, 4, 5)) in cuts  # the even cut
-    assert all(sorted(i for st in c for i in st) == list(range(6)) for c in cuts)
+    assert worst(proposed[0]) == pytest.approx(min(worst(c) for c in every))  # exact min-max
+    assert ((0, 1, 2), (3, 4, 5)) in proposed  # the even cut
+    assert all(sorted(i for st in c for i in st) == list(range(6)) for c in proposed)
 
 
 def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_schedule_class():
-    lay = milp._Layout([], [], [], p=4, v=1, m=8)
-    got = milp.inflight(lay)
+    lay = cuts._Layout([], [], [], p=4, v=1, m=8)
+    got = cuts.inflight(lay)
     assert {r: [x for x in v] for r, v in got.items()} == {r: [{r: 4 - r}] for r in range(4)}
-    lay2 = milp._Layout([], [], [], p=2, v=2, m=4)
+    lay2 = cuts._Layout([], [], [], p=2, v=2, m=4)
     from treadle.forms.pipeline.facts import action_order
 
     order = action_order("interleaved_1f1b", 4, 2, 4)
-    for r, moments in milp.inflight(lay2).items():
+    for r, moments in cuts.inflight(lay2).items():
         # every undominated moment is a real moment of the order, and none is dominated by another
         cur, seen = {}, []
         for a in order[r]:
@@ -148,10 +149,10 @@ def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_
     a, b = cl.mesh.names
     shardable = shardable_fn(g, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
     cg = build_cost_graph(g, cl, Roles((), False, (b,), pp=a, pp_microbatches=2), shardable=shardable)
-    lay = milp._layout(cg)
-    stages = milp.partitions(cg, lay)[0]
+    lay = cuts._layout(cg)
+    stages = cuts.partitions(cg, lay)[0]
     free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None)
-    cut = milp._cut(cg, lay, stages)
+    cut = cuts._cut(cg, lay, stages)
     got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
                               min_ckpt={}, minimise="time")
     step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
@@ -174,8 +175,8 @@ def test_the_step_of_a_cut_by_hand():
     cl = parse_cluster("1x2:cpu")
     pp = cl.mesh.names[1]
     cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
-    lay = milp._layout(cg)
-    cut = milp._cut(cg, lay, ((0, 1), (2, 3)))
+    lay = cuts._layout(cg)
+    cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
     choice = [0] * len(cg.units)
     step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
     T = [0.0, 0.0]
@@ -240,6 +241,10 @@ def test_a_planned_pipeline_prices_near_its_estimate_replays_from_its_file_and_v
     assert again.schedule_for(named_model("tiny-llama", batch=8, seq=32, dropout=False)[0]).to_python() == text
     report = treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300)
     assert report.ok
+    # treadle.train runs a pipeline by its own step: the losses of one process's training of the same model
+    piped = treadle.train(plan.schedule, inputs, steps=2, timeout_s=300).losses
+    single = treadle.create_schedule(copy.deepcopy(model), mesh=Mesh((1,), ("x",)))
+    assert piped == pytest.approx(treadle.train(single, inputs, steps=2).losses, rel=1e-4)
 
 
 @pytest.mark.slow
@@ -266,3 +271,28 @@ def test_a_plan_file_pipeline_decision_is_checked_as_data():
     with pytest.raises(PlanError, match="unknown arguments"):
         Decision.from_dict({"op": "cut_pipeline_stage", "path": "model.layers.0", "args": {"x": 1}})
     assert PipelineChoice("pp", "1f1b", 2, (("b.0",), ("b.1",)), ((), ())).n_stages == 2
+
+
+def test_a_partial_schedule_pins_stage_boundaries_and_the_pipeline():
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    part = treadle.create_schedule(model, mesh=cl.mesh)
+    part["model.layers.0"].cut_pipeline_stage()  # an uneven cut: stage 0 holds one block, stage 1 three
+    part.pipeline(axis=a, schedule="1f1b", n_microbatches=4, example_inputs=inputs)
+    plan = plan_model(model, inputs, cluster=cl, partial_schedule=part)
+    sp = plan.solver["stages"]
+    assert sp["blocks"] == (("model.layers.0",), ("model.layers.1", "model.layers.2", "model.layers.3"))
+    assert (sp["axis"], sp["schedule"], sp["n_microbatches"]) == (a, "1f1b", 4)
+    assert "pipeline" in plan.roles and f"pipeline {a}" in plan.roles
+    # a boundary alone: every pipelined plan keeps it (the others chosen), an unpipelined plan may still win
+    roles = enumerate_roles(cl.mesh, batch=8, facts={"pipeline": {"container": "model.layers", "blocks": 4}},
+                            pp_cuts=("model.layers.2",))
+    assert any(not r.pp for r in roles) and all(r.pp_cuts == ("model.layers.2",) for r in roles if r.pp)
+    only = treadle.create_schedule(model, mesh=cl.mesh)
+    only["model.layers.2"].cut_pipeline_stage()
+    piped = plan_model(model, inputs, cluster=cl, partial_schedule=only, pp_axis=a)
+    assert any(st[-1] == "model.layers.2" for st in piped.solver["stages"]["blocks"])
+    with pytest.raises(PlanError, match="pinned stage boundary 'model.layers.9'"):
+        enumerate_roles(cl.mesh, batch=8, facts={"pipeline": {"container": "model.layers", "blocks": 4}},
+                        pp_cuts=("model.layers.9",))

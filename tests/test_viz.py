@@ -522,8 +522,10 @@ def _demo_gpt2_plan() -> Plan:
     ids = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids}
     model, cluster = demo.gpt2(), parse_cluster("2x2:cpu")
-    free = plan_model(model, inputs, cluster=cluster)
-    return plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimated.peak_bytes)
+    # one step's timeline (pipelined plans draw a track per pp rank: test_a_pipelined_plan_draws_its_stages)
+    free = plan_model(model, inputs, cluster=cluster, pp_axis=None)
+    return plan_model(model, inputs, cluster=cluster, memory_budget_bytes=0.6 * free.estimated.peak_bytes,
+                      pp_axis=None)
 
 
 def _readme_llama_plan() -> Plan:
@@ -546,6 +548,28 @@ def test_acceptance_plans_trace_and_report(make) -> None:
     p = _Sections()
     p.feed(plan_html(plan))
     assert p.sections == list(PLAN_SECTIONS) and not p.urls
+
+
+@pytest.mark.slow
+def test_a_pipelined_plan_draws_its_stages() -> None:
+    """A planned pipeline is drawn from its price: a track per pp rank whose slices cover the step, and its HTML
+    report has every section."""
+    from treadle.models.zoo import named_model
+
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    planned = plan_model(model, inputs, cluster=parse_cluster("2x2:cpu"), pp_axis="dp")
+    est = planned.estimate()
+    plan = Plan.from_json(planned.to_json())
+    tl = timeline_from_plan(plan)
+    ranks = [t for t in tl.tracks if t.startswith("pp rank")]
+    assert len(ranks) == 2
+    for track in ranks:
+        assert sum(s.duration_s for s in tl.spans if s.track == track) == pytest.approx(est.step_s)
+    assert validate_chrome_trace(chrome_trace(tl)) == []
+    p = _Sections()
+    p.feed(plan_html(plan))
+    assert p.sections == list(PLAN_SECTIONS) and not p.urls
+    assert "stages over dp (" in plan.explain()  # the stages, each with its blocks and time
 
 
 def test_plan_whose_schedule_cannot_be_priced_is_drawn_from_its_rows(fixed_plan: Plan, monkeypatch) -> None:

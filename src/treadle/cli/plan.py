@@ -69,6 +69,9 @@ def register(subparsers) -> None:
                    help="data-parallel axes: auto (search), none, an axis name, or names joined by ','")
     p.add_argument("--zero", choices=["auto", "on", "off"], default="auto", help="ZeRO-3 over the dp axis")
     p.add_argument("--forbid-axis", action="append", default=[], help="keep every op replicated on this axis")
+    p.add_argument("--pp-axis", default="auto",
+                   help="pipeline stages: auto (weigh a pipeline over any axis), none (no pipeline), or an axis name "
+                        "(pipeline over it)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
     p.add_argument("--price-top", type=int, default=None, metavar="K",
                    help="price the best plans of the K best role assignments with treadle.price and keep the "
@@ -156,6 +159,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             plan = plan_model(model, inputs, cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=budget, mode=args.mode, pins=pins,
                               dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
+                              pp_axis=None if args.pp_axis == "none" else args.pp_axis,
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},

@@ -116,6 +116,7 @@ def summary_lines(plan) -> list[str]:
     lines.append(f"solver: {s.get('status')} (gap {s.get('gap', 0):.2g}), {s.get('n_vars')} vars, "
                  f"{s.get('n_constraints')} constraints, planning {s.get('planning_s', 0):.2f} s")
     unit = _mem_unit([plan.estimated.peak_bytes])
+    lines += pipeline_lines(plan, unit)
     ck = s.get("checkpoints") or {}
     if ck:
         lines.append("checkpointed blocks: " + ", ".join(f"{c} like {p}" for p, c in ck.items()))
@@ -137,6 +138,54 @@ def summary_lines(plan) -> list[str]:
     if s.get("unknown_flops"):
         lines.append("ops without a FLOP formula (priced by bytes only): " +
                      ", ".join(f"{k} x{v}" for k, v in sorted(s["unknown_flops"].items())))
+    return lines
+
+
+def pipeline_lines(plan, unit) -> list[str]:
+    """A pipelined plan's stages (NOTE [pipeline in the plan]): per stage its blocks, checkpointed blocks and
+    seconds per micro-batch, per pp rank its peak, the fill; and why this pipeline — the best plan without one,
+    and the best over another pp axis (another degree), by price where they were priced, else the solver's."""
+    sp = plan.solver.get("stages")
+    if not sp:
+        return []
+    blocks, ck = sp["blocks"], sp["checkpointed"]
+    times = sp.get("stage_s") or ()
+    out = [f"pipeline: {len(blocks)} stages over {sp['axis']} ({sp['schedule']}, {sp['n_microbatches']} "
+           f"micro-batches), fill (bubble) {sp.get('bubble_s', 0.0) * 1e3:.3f} ms (solver's)"]
+    for s_, b in enumerate(blocks):
+        span = f"{b[0]}..{b[-1].rpartition('.')[2]}" if len(b) > 1 else (b[0] if b else "-")
+        t = f", {times[s_] * 1e3:.3f} ms a micro-batch" if s_ < len(times) else ""
+        out.append(f"  stage {s_}: {len(b)} blocks {span}{t}, {len(ck[s_])} checkpointed")
+    peaks = sp.get("rank_peak_bytes") or ()
+    if peaks:
+        out.append("  peak per pp rank: " + ", ".join(_fmt(x, unit) for x in peaks))
+    out += _why_pipeline(plan, sp["axis"])
+    return out
+
+
+def _why_pipeline(plan, axis: str) -> list[str]:
+    """The runner-ups of a pipelined plan: the best without a pipeline and the best over each other pp axis."""
+    priced = {r["roles"]: r for r in plan.solver.get("priced") or []}
+    alts = [a for a in plan.solver.get("alternatives") or [] if a["status"] != "infeasible"]
+
+    def fig(a) -> tuple[float, str]:
+        r = priced.get(a["roles"])
+        return (r["step_s"], "priced") if r else (a["step_s"], "solver's")
+
+    chosen = plan.price["step_s"] if plan.price else plan.estimated.step_s
+    lines = []
+    flat = [a for a in alts if "pipeline " not in a["roles"]]
+    others: dict[str, dict] = {}
+    for a in alts:
+        pp = next((part.split()[1] for part in a["roles"].split("; ") if part.startswith("pipeline ")), None)
+        if pp and pp != axis and pp not in others:
+            others[pp] = a
+    for label, a in ([("without a pipeline", flat[0])] if flat else []) + [
+            (f"pipelined over {pp} instead", a) for pp, a in others.items()]:
+        t, whose = fig(a)
+        lines.append(f"  {label}: {a['roles']} {t * 1e3:.3f} ms ({whose}; {(t / chosen - 1) * 100:+.1f}%)")
+    if not flat:
+        lines.append("  without a pipeline: no plan fits (or pipelining was pinned)")
     return lines
 
 

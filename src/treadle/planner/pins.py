@@ -62,7 +62,9 @@ def pins_for(graph: CapturedGraph, pins: dict[str, dict[str, int | str]], roles:
 
 
 def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], list[str]]:
-    """A partial schedule's records as constraints: shard -> pins, data_parallel -> role, checkpoint -> paths."""
+    """A partial schedule's records as constraints: shard -> pins, data_parallel -> role, checkpoint -> paths,
+    cut_pipeline_stage -> stage boundaries every pipelined plan keeps, pipeline -> its axis, schedule and
+    micro-batch count (role keys pp_axis, pp_cuts, pp_schedule, pp_microbatches)."""
     pins: dict[str, dict[str, int]] = {}
     role: dict[str, Any] = {}
     ckpts: list[str] = []
@@ -81,9 +83,14 @@ def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], 
                     "reshard_after_forward": bool(args.get("reshard_after_forward", True))}
         elif op == "checkpoint":
             ckpts.append(path)
+        elif op == "cut_pipeline_stage":  # a stage boundary every pipeline plan keeps (NOTE [pipeline in the plan])
+            role["pp_cuts"] = (*role.get("pp_cuts", ()), path)
+        elif op == "pipeline":  # the pipeline's axis, schedule and micro-batches
+            role.update(pp_axis=args["axis"], pp_schedule=args["schedule"], pp_microbatches=int(args["n_microbatches"]))
         else:
             raise PlanError(f"partial schedule: primitive {op!r} at {path!r} cannot be a planner constraint; "
-                            f"use shard, data_parallel and checkpoint in a partial schedule")
+                            f"use shard, data_parallel, checkpoint, cut_pipeline_stage and pipeline in a partial "
+                            f"schedule")
     return pins, role, ckpts
 
 

@@ -33,6 +33,7 @@ class Roles:
     pp: str | None = None  # the pipeline axis (`treadle.forms.pipeline`)
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
+    pp_cuts: tuple[str, ...] = ()  # stage boundaries a partial schedule pins (blocks that end a stage)
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -72,14 +73,16 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     dp_axis: str | tuple[str, ...] | None | Literal["auto"] = "auto", zero: bool | None = None,
                     forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
                     replicate: tuple[str, ...] | None = None, facts: dict | None = None,
-                    pp_axis: str | None | Literal["auto"] = "auto") -> list[Roles]:
+                    pp_axis: str | None | Literal["auto"] = "auto", pp_cuts: tuple[str, ...] = (),
+                    pp_schedule: str | None = None, pp_microbatches: int | None = None) -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
     `replicate` fixing HSDP's replicate axes or None searching, `zero` None (both) / False (DDP) / True (ZeRO-3
     / HSDP), `reshard_after_forward` the FSDP2 flag or None (both); a pipeline over one live axis — `pp_axis`
     "auto": any, None: none, an axis: that one — with its schedule and micro-batch count); the live axes no form
-    takes are tensor-parallel; forbidden and size-1 axes are off. `facts`: the capture's facts of the model
+    takes are tensor-parallel; forbidden and size-1 axes are off. `pp_cuts`, `pp_schedule`, `pp_microbatches`: a
+    pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `facts`: the capture's facts of the model
     (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
     [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
     live."""
@@ -87,7 +90,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
         mesh.axis_index(a)
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
-    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis)
+    request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis, tuple(pp_cuts),
+                           pp_schedule, pp_microbatches)
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -113,6 +117,9 @@ class _RoleRequest:
     replicate: tuple[str, ...] | None
     facts: Any = None  # every form's capture facts ({form name: facts}, `Form.capture_facts`), or None
     pp_axis: Any = "auto"  # the pipeline axis: "auto" (any live axis), None (no pipeline) or an axis name
+    pp_cuts: tuple[str, ...] = ()  # stage boundaries pinned (blocks that end a stage)
+    pp_schedule: str | None = None  # the pipeline's schedule and micro-batch count, pinned (None: searched)
+    pp_microbatches: int | None = None
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],

@@ -54,7 +54,8 @@ class PlanRequest:
     an axis or a tuple (exactly those); `zero`: force ZeRO-3 / HSDP on or off (None: search); `replicate`:
     HSDP's replicate axes (None: search); `reshard_after_forward`: the FSDP2 flag (None: search both).
     `forbid_axes`: axes every op stays replicated on. `pp_axis`: "auto" (a pipeline over any live axis is weighed),
-    None (no pipeline), an axis (a pipeline over it). `ckpt_paths`: blocks that must be checkpointed.
+    None (no pipeline), an axis (a pipeline over it); `pp_cuts`, `pp_schedule`, `pp_microbatches`: a partial
+    schedule's stage boundaries and pipeline(...) record, pinned. `ckpt_paths`: blocks that must be checkpointed.
     `checkpoint`: "auto" (the solver decides), "all" (every repeated block), "none". `price_top`: NOTE [final
     choice by price] — the best plans of that many role assignments (of each kind, pipelined and unpipelined: NOTE
     [pipelined against unpipelined]) are priced as built and the fastest that fits wins (0: the solver's choice). `given`: the keyword arguments as given (`Plan.what_if` re-plans)."""
@@ -69,6 +70,9 @@ class PlanRequest:
     reshard_after_forward: bool | None = True
     forbid_axes: tuple[str, ...] = ()
     pp_axis: Any = "auto"
+    pp_cuts: tuple[str, ...] = ()
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
     ckpt_paths: tuple[str, ...] = ()
     train: TrainSpec = TrainSpec()
     time_limit_s: float = 30.0
@@ -158,6 +162,8 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
         replicate=role.get("replicate"), reshard_after_forward=role.get("reshard_after_forward",
                                                                         given["reshard_after_forward"]),
         forbid_axes=tuple(given["forbid_axes"]), pp_axis=role.get("pp_axis", given.get("pp_axis", "auto")),
+        pp_cuts=tuple(role.get("pp_cuts", ())), pp_schedule=role.get("pp_schedule"),
+        pp_microbatches=role.get("pp_microbatches"),
         ckpt_paths=tuple(ckpt_paths), train=given["train"],
         time_limit_s=given["time_limit_s"], model_spec=given["model_spec"], checkpoint=given["checkpoint"],
         loss_fn=given["loss_fn"], price_top=price_top, say=given["progress"] or (lambda s: None), given=given)
@@ -189,10 +195,13 @@ def candidates(search: _Search) -> list[tuple[ClusterSpec, Roles]]:
         if len(req.clusters) > 1 and req.dp_axis not in ("auto", None) and not set(
                 (req.dp_axis,) if isinstance(req.dp_axis, str) else req.dp_axis) <= set(mesh.names):
             continue
+        if len(req.clusters) > 1 and req.pp_axis not in ("auto", None) and req.pp_axis not in mesh.names:
+            continue
         roles = enumerate_roles(mesh, batch=search.batch, dp_axis=req.dp_axis, zero=req.zero,
                                 forbid_axes=tuple(a for a in req.forbid_axes if a in mesh.names),
                                 reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,
-                                facts=search.graph.facts, pp_axis=req.pp_axis)
+                                facts=search.graph.facts, pp_axis=req.pp_axis, pp_cuts=req.pp_cuts,
+                                pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches)
         tried += len(roles)
         out += [(cl, r) for r in roles]
     if not tried:

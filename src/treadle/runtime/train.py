@@ -49,22 +49,28 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
         inputs = split_batch(inputs, dp.size(mesh), dp.local_index(mesh), axis=dp.label(), where="train")
     loss_fn = p["loss_fn"] or default_loss
     opt = adamw(model.parameters(), lr=p["lr"])  # NOTE [fused optimizer]
+    own_step = callable(getattr(type(model), "step", None))  # a pipeline runs forward and backward itself
     losses, times = [], []
     for _ in range(p["steps"]):
         t0 = time.perf_counter()
-        loss = call_loss(loss_fn, model(**inputs), "train")
-        loss.backward()
+        if own_step:
+            value = model.step(**inputs)  # the mean micro-batch loss, on every rank
+        else:
+            loss = call_loss(loss_fn, model(**inputs), "train")
+            loss.backward()
+            value = float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+        losses.append(value)
     return losses, times
 
 
 def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
           steps: int = 5, lr: float = 1e-3, seed: int = 0, timeout_s: float = 600.0) -> TrainResult:
     """Train `sch` for `steps` AdamW steps on `example_inputs` (keyword arguments of forward, global batch) on
-    the mesh's world of gloo ranks. Returns a TrainResult.
+    the mesh's world of gloo ranks (a pipeline schedule by its own step over its micro-batches). Returns a
+    TrainResult.
 
     `loss_fn(output)` defaults to `treadle.loss.default_loss` (``output.loss``, e.g. a Hugging Face
     model given ``labels``, else the mean square of the first floating output), as in verify and profile.
@@ -79,6 +85,9 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
         raise TreadleError("train: example_inputs must be a dict of keyword arguments of forward")
     if st.data_parallel is not None:
         check_batch(example_inputs, st.data_parallel.size(sch.mesh), axis=st.data_parallel.label(), where="train")
+    if loss_fn is not None and st.extras.get("pipeline") is not None:
+        raise TreadleError("train: a pipeline computes the loss it captured (the model's own, on its last stage); "
+                           "train it without loss_fn")
     model: nn.Module = st.reference
     buf = io.BytesIO()
     torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,

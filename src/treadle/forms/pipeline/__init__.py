@@ -12,7 +12,8 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `timeline.py`  the step's timeline from that order (NOTE [pipeline timeline]);
 - `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face;
 - `plan.py`      the planner's pipeline role and its decisions (NOTE [pipeline in the plan]);
-- `milp.py`      the stage cuts proposed and the MILP of a pipelined step, per cut, with its direct evaluation.
+- `cuts.py`      the stages of a cost graph, the cuts proposed, the micro-batches in flight;
+- `milp.py`      the MILP of a pipelined step, per cut, with its direct evaluation and exhaustive oracle.
 """
 
 from __future__ import annotations

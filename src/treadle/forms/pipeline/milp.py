@@ -1,13 +1,11 @@
-"""The MILP of a pipelined step (NOTE [pipeline in the plan] in `plan.py`): the stages of a cost graph, the cuts
-proposed, the micro-batches in flight at each moment of the schedule's own order, one MILP per cut, the same step and
-peak computed directly for a choice (`evaluate`), and the exhaustive oracle the tests hold the MILP to."""
+"""The MILP of a pipelined step (NOTE [pipeline in the plan] in `plan.py`): one per proposed cut (`cuts.py`), the
+same step and peak computed directly for a choice (`evaluate`), and the exhaustive oracle the tests hold it to."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
-from dataclasses import dataclass
 
 from ...cost.collective_cost import collective_time_s, send_recv_time_s
 from ...errors import PlanError
@@ -16,149 +14,7 @@ from ...planner.capture import TensorMeta
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, block_bounds, checkpoint_vars)
 from ...planner.to_schedule import _spread
-from .facts import action_order
-from .plan import SCHEDULES, PipelineChoice
-
-
-@dataclass(slots=True)
-class _Layout:
-    """What a cut needs of a cost graph: the real blocks in order with their templates, which units run before
-    the blocks (head: stage 0) and after them (tail: last stage), each template's units."""
-
-    blocks: list[tuple[str, int]]  # (real path, template), container order
-    head: list[int]
-    tail: list[int]
-    p: int
-    v: int
-    m: int
-
-    @property
-    def n_stages(self) -> int:
-        return self.p * self.v
-
-
-def _layout(cg) -> _Layout:
-    g = cg.graph
-    blocks = sorted(((mb, t) for t, info in cg.templates.items() for mb in info.members),
-                    key=lambda x: int(x[0].rpartition(".")[2]))
-    first = min(i for blk in g.blocks for i in blk.nodes)
-    in_template = {u for info in cg.templates.values() for u in info.units}
-    head = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader < first]
-    tail = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader >= first]
-    roles = cg.roles
-    p = cg.cluster.mesh.size(roles.pp)
-    return _Layout(blocks, head, tail, p, SCHEDULES[roles.pp_schedule], roles.pp_microbatches)
-
-
-def _step_time(c) -> float:
-    """One execution's (micro-batch's) forward and backward seconds of a strategy: all but the optimizer step."""
-    return c.compute_s - c.opt_s + c.comm_s
-
-
-def _tail_time(c) -> float:
-    """What a strategy costs once a step after the pipelined part: the optimizer step and the replicas' sync."""
-    return c.opt_s + c.dp_comm_s
-
-
-def _weights(cg, lay: _Layout) -> tuple[dict[int, float], float, float]:
-    """Per template a block's seconds under each unit's cheapest strategy, and the head's and tail's (the cut's
-    weights)."""
-    def cheapest(units) -> float:
-        return sum(min(_step_time(c) for c, ok in zip(cg.units[u].costs, cg.units[u].allowed) if ok)
-                   for u in units)
-    return ({t: cheapest(info.units) for t, info in cg.templates.items()}, cheapest(lay.head), cheapest(lay.tail))
-
-
-def partitions(cg, lay: _Layout) -> list[tuple[tuple[int, ...], ...]]:
-    """Cuts of the real blocks into S contiguous stages (each a tuple of block positions): the one that minimises
-    the largest stage's weight (head on stage 0, tail on the last; exact by dynamic programming over the
-    prefix sums) and the even one."""
-    per, head, tail = _weights(cg, lay)
-    w = [per[t] for _, t in lay.blocks]
-    n, S = len(w), lay.n_stages
-    prefix = [0.0]
-    for x in w:
-        prefix.append(prefix[-1] + x)
-
-    def cost(i: int, j: int, s: int) -> float:  # blocks i..j-1 as stage s
-        return prefix[j] - prefix[i] + (head if s == 0 else 0.0) + (tail if s == S - 1 else 0.0)
-
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(S + 1)]
-    arg = [[0] * (n + 1) for _ in range(S + 1)]
-    best[0][0] = 0.0
-    for s in range(1, S + 1):
-        for j in range(s, n - (S - s) + 1):
-            for i in range(s - 1, j):
-                x = max(best[s - 1][i], cost(i, j, s - 1))
-                if x < best[s][j] - 1e-15:
-                    best[s][j], arg[s][j] = x, i
-    cuts, j = [], n
-    for s in range(S, 0, -1):
-        i = arg[s][j]
-        cuts.append(tuple(range(i, j)))
-        j = i
-    minmax = tuple(reversed(cuts))
-    base, extra = divmod(n, S)
-    sizes = [base + (1 if s < extra else 0) for s in range(S)]
-    even = tuple(tuple(range(sum(sizes[:s]), sum(sizes[:s + 1]))) for s in range(S))
-    return list(dict.fromkeys((minmax, even)))
-
-
-def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
-    """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
-    of its action order that no other moment dominates (NOTE [pipeline in the plan])."""
-    order = action_order(_schedule_of(lay), lay.n_stages, lay.p, lay.m)
-    out: dict[int, list[dict[int, int]]] = {}
-    for r, acts in order.items():
-        cur: dict[int, int] = {}
-        seen: list[dict[int, int]] = []
-        for a in acts:
-            if a.kind == "F":
-                cur[a.stage] = cur.get(a.stage, 0) + 1
-                seen.append(dict(cur))
-            elif a.kind in ("B", "W"):
-                cur[a.stage] = cur.get(a.stage, 0) - 1
-        keep = []
-        for x in seen:
-            if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in seen) and x not in keep:
-                keep.append(x)
-        out[r] = keep
-    return out
-
-
-def _schedule_of(lay: _Layout) -> str:
-    return next(k for k, v in SCHEDULES.items() if v == lay.v)
-
-
-# ----------------------------------------------------------------------------- the MILP of one cut
-@dataclass(slots=True)
-class _Cut:
-    """A cut of the blocks: per stage, how many blocks of each template (`n[s][t]`), and each unit's stages with
-    their multiplicity (`mult[u]`: [(stage, n)])."""
-
-    stages: tuple[tuple[int, ...], ...]
-    n: list[dict[int, int]]
-    mult: dict[int, list[tuple[int, int]]]
-
-
-def _cut(cg, lay: _Layout, stages) -> _Cut:
-    S = lay.n_stages
-    n = [dict() for _ in range(S)]
-    for s, positions in enumerate(stages):
-        for i in positions:
-            t = lay.blocks[i][1]
-            n[s][t] = n[s].get(t, 0) + 1
-    mult: dict[int, list[tuple[int, int]]] = {}
-    for t, info in cg.templates.items():
-        for u in info.units:
-            mult[u] = [(s, n[s][t]) for s in range(S) if n[s].get(t)]
-    for u in lay.head:
-        mult[u] = [(0, 1)]
-    for u in lay.tail:
-        mult[u] = [(S - 1, 1)]
-    return _Cut(tuple(stages), n, mult)
-
+from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight, partitions
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -393,11 +249,12 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     recompute = M * sum(rec[st] for st in ranks[busiest])
     terms = {"compute_s": step - sends - tied - recompute, "comm_s": sends + tied, "recompute_s": recompute,
              "static_bytes": peak[1] - cg.fixed_static_bytes, "activation_bytes": peak[2], "transient_bytes": peak[3],
-             "fixed_bytes": cg.fixed_static_bytes, "bubble_s": alpha * sum(T), "rank_s": R, "tail_s": Q}
+             "fixed_bytes": cg.fixed_static_bytes, "bubble_s": alpha * sum(T), "rank_s": R, "tail_s": Q,
+             "stage_s": tuple(T), "rank_peak_bytes": tuple(x[0] for x in peaks)}
     return step, peak[0], terms
 
 
-def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int]) -> PipelineChoice:
+def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], terms: dict) -> PipelineChoice:
     paths = [tuple(lay.blocks[i][0] for i in st) for st in cut.stages]
     ckpt = []
     for st, positions in enumerate(cut.stages):
@@ -407,7 +264,12 @@ def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int]) 
             chosen += _spread(members, counts.get((t, st), 0))
         ckpt.append(tuple(sorted(chosen, key=lambda pth: int(pth.rpartition(".")[2]))))
     roles = cg.roles
-    return PipelineChoice(roles.pp, roles.pp_schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt))
+    return PipelineChoice(roles.pp, roles.pp_schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt),
+                          terms["stage_s"], terms["rank_peak_bytes"], terms["bubble_s"])
+
+
+def _scalars(terms: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in terms.items() if isinstance(v, (int, float))}
 
 
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
@@ -433,8 +295,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         step, peak, terms = evaluate(cg, lay, cut, choice, counts)
         if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
             continue
-        sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, terms,
-                       stages=_choice_of(cg, lay, cut, counts))
+        sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
+                       stages=_choice_of(cg, lay, cut, counts, terms))
         key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
         if best is None or key(sol) < key(best):
             best = sol
@@ -467,8 +329,8 @@ def solve_exhaustive(cg, stages, *, budget_bytes: float | None, limit: int = 2_0
             if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
                 continue
             if best is None or step < best.step_s - 1e-15:
-                best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=terms,
-                                stages=_choice_of(cg, lay, cut, counts))
+                best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=_scalars(terms),
+                                stages=_choice_of(cg, lay, cut, counts, terms))
     return best or Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
 
 

@@ -46,33 +46,14 @@ gathers are priced as the gradient sums they replace).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.to_schedule import DECISION_RANKS, Decision
 from .facts import action_order
-
-SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2}  # what the planner proposes: schedule -> stages per rank
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineChoice:
-    """A pipeline plan's stages (`Solution.stages`): the pp `axis`, the `schedule` and `n_microbatches`, the real
-    block paths of each stage (`blocks`, in order) and of those checkpointed (`checkpointed`)."""
-
-    axis: str
-    schedule: str
-    n_microbatches: int
-    blocks: tuple[tuple[str, ...], ...]
-    checkpointed: tuple[tuple[str, ...], ...]
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.blocks)
-
+from .cuts import SCHEDULES, PipelineChoice  # noqa: F401  (PipelineChoice: the plan's stages, as data)
+from .milp import solve  # noqa: F401  (the form's face)
 
 # ----------------------------------------------------------------------------- capture and roles
 def capture_facts(model: nn.Module) -> dict | None:
@@ -102,8 +83,10 @@ def microbatch_counts(p: int, batch: int | None) -> list[int]:
 def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] | None:
     """No pipeline, or one over a live axis of p >= 2 ranks whose container has at least p v blocks, with each
     proposed schedule (`SCHEDULES`) and micro-batch count (`microbatch_counts`). `request.pp_axis`: "auto" (any
-    live axis), None (no pipeline), an axis name (a pipeline over it, nothing else). Raises PlanError for a pp
-    axis that is not live or a model without a sequential container of blocks."""
+    live axis), None (no pipeline), an axis name (a pipeline over it, nothing else); `request.pp_schedule`,
+    `request.pp_microbatches` pin those; `request.pp_cuts` (stage boundaries every pipelined plan keeps) leave the
+    schedules whose stage count can keep them. Raises PlanError for a pp axis that is not live, a model without a
+    sequential container of blocks, or pins no pipeline meets."""
     want = request.pp_axis
     facts = _facts(request.facts)
     if want is None:
@@ -116,16 +99,28 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
                             f"nn.Sequential) of blocks to cut into stages")
     if facts is None:
         return None
+    cuts = tuple(getattr(request, "pp_cuts", ()) or ())
+    ends = {f"{facts['container']}.{i}" if facts["container"] else str(i) for i in range(facts["blocks"] - 1)}
+    for c in cuts:
+        if c not in ends:
+            raise PlanError(f"pinned stage boundary {c!r}: not a block of {facts['container']!r} that can end a stage "
+                            f"(its blocks 0 .. {facts['blocks'] - 2}: e.g. {sorted(ends)[:1]})")
+    kinds = {k: v for k, v in SCHEDULES.items() if getattr(request, "pp_schedule", None) in (None, k)}
+    if getattr(request, "pp_schedule", None) not in (None, *SCHEDULES):
+        raise PlanError(f"pipeline schedule {request.pp_schedule!r}: the planner plans {sorted(SCHEDULES)}")
     out: list[dict] = [] if want != "auto" else [{}]
     for a in (live if want == "auto" else (want,)):
         p = mesh.size(a)
-        for kind, v in SCHEDULES.items():
-            if p < 2 or facts["blocks"] < p * v:
+        for kind, v in kinds.items():
+            if p < 2 or facts["blocks"] < p * v or len(cuts) >= p * v:
                 continue
-            out += [{"pp": a, "pp_schedule": kind, "pp_microbatches": m} for m in microbatch_counts(p, batch)]
-    if not out:
+            counts = ([request.pp_microbatches] if getattr(request, "pp_microbatches", None)
+                      else microbatch_counts(p, batch))
+            out += [{"pp": a, "pp_schedule": kind, "pp_microbatches": m, "pp_cuts": cuts} for m in counts]
+    if want != "auto" and not out:
         raise PlanError(f"pipeline axis {want!r}: {facts['blocks']} blocks in {facts['container']!r} do not make "
-                        f"{mesh.size(want)} stages, or the batch {batch} does not split into micro-batches of them")
+                        f"{mesh.size(want)} stages a rank's worth of a planned schedule, or the batch {batch} does not "
+                        f"split into its micro-batches, or {len(cuts)} pinned boundaries need more stages")
     return out
 
 
@@ -163,13 +158,6 @@ def prepare(b) -> None:
                         f"{container!r} the stages cut")
     p = b.cluster.mesh.size(roles.pp)
     action_order(roles.pp_schedule, p * SCHEDULES[roles.pp_schedule], p, m)  # raises PlanError where refused
-
-
-def solve(cg, **kw):
-    """The pipeline role's MILP (NOTE [pipeline in the plan]; `milp.solve`), None without a pp axis."""
-    from .milp import solve as _solve
-
-    return _solve(cg, **kw)
 
 
 # ----------------------------------------------------------------------------- decisions
