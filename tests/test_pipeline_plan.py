@@ -85,7 +85,7 @@ def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_
 
 def test_capture_facts_name_the_largest_sequential_container():
     model = Stack(8, 5)
-    assert capture_facts(model) == {"container": "blocks", "blocks": 5}
+    assert capture_facts(model) == {"container": "blocks", "blocks": 5, "use_cache": False}
     assert capture_facts(nn.Linear(2, 2)) is None
 
 

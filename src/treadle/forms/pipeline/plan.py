@@ -46,6 +46,8 @@ gathers are priced as the gradient sums they replace).
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from ...errors import PlanError
@@ -58,7 +60,9 @@ from .milp import solve  # noqa: F401  (the form's face)
 # ----------------------------------------------------------------------------- capture and roles
 def capture_facts(model: nn.Module) -> dict | None:
     """The sequential container (nn.ModuleList / nn.Sequential) with the most elements that hold parameters: the
-    blocks a pipeline cuts (`cut_pipeline_stage`); None without one."""
+    blocks a pipeline cuts (`cut_pipeline_stage`), and whether the model's forward takes ``use_cache`` (a KV cache
+    it would build inside the blocks, which a pipeline's capture refuses: the plan turns it off); None without
+    one."""
     best: tuple[str, int] | None = None
     for path, m in model.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2 or (not path and m is not model):
@@ -67,7 +71,13 @@ def capture_facts(model: nn.Module) -> dict | None:
             continue
         if best is None or len(m) > best[1]:
             best = (path, len(m))
-    return {"container": best[0], "blocks": best[1]} if best else None
+    if best is None:
+        return None
+    try:
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    return {"container": best[0], "blocks": best[1], "use_cache": takes_cache}
 
 
 def _facts(facts) -> dict | None:
@@ -169,8 +179,8 @@ def input_spec(cg) -> dict:
 
 def decisions(cg, choice, ckpt, ctx) -> list:
     """``cut_pipeline_stage`` after each stage's last block, ``pipeline(axis, schedule, n_microbatches,
-    example_inputs, target)`` (the labels, where the model reads them, go to the last stage) and each stage's
-    checkpointed blocks."""
+    example_inputs, target)`` (the labels, where the model reads them, go to the last stage; ``use_cache=False``
+    where the forward takes it, as training runs without a KV cache) and each stage's checkpointed blocks."""
     sp: PipelineChoice | None = ctx.memo.get("stages")
     if cg.roles.pp is None or sp is None:
         return []
@@ -179,6 +189,8 @@ def decisions(cg, choice, ckpt, ctx) -> list:
         out.append((DECISION_RANKS["cut_pipeline_stage"], blocks[-1],
                     Decision("cut_pipeline_stage", blocks[-1], {}, f"stage {s} ends ({len(blocks)} blocks)")))
     spec = input_spec(cg)
+    if (_facts(cg.graph.facts) or {}).get("use_cache") and "use_cache" not in spec:
+        spec["use_cache"] = False  # no KV cache in training (the pipeline's capture refuses one built in a block)
     args = {"axis": sp.axis, "schedule": sp.schedule, "n_microbatches": sp.n_microbatches, "example_inputs": spec}
     if "labels" in spec:
         args["target"] = "labels"
