@@ -1,0 +1,175 @@
+"""Pipelines on GPU presets, predicted: the planner (with its pipeline role) against the 3D recipes experts publish.
+
+Issue 27's second benchmark. bf16 mixed precision (fp32 master weights and AdamW states), 80 GiB per device, nodes
+of 8 H100 (NVLink 4 inside a node, InfiniBand NDR between). Every schedule, the plans' too, is priced by the same
+function, `treadle.price` (a pipeline: its stages timed from one rehearsed micro-batch and laid out in the
+schedule class's own order, NOTE [pipeline price]). Cases, each at its recipe's global batch, micro-batch 1:
+
+- Llama-2-70B on 64 H100, seq 4096, global batch 128: NeMo's recipe, TP4 PP4 with 20 virtual stages a rank (80
+  stages of one block), DP4 — mesh (pp 4, dp 4, tp 4), interleaved 1F1B over 32 micro-batches.
+- Llama-3-70B on 64 H100, seq 8192, global batch 128: Megatron-LM's, TP4 PP8 with 5 virtual stages a rank (40 stages
+  of two blocks), DP2 — mesh (pp 8, dp 2, tp 4), interleaved 1F1B over 64 micro-batches.
+- Llama-3.1-405B on 512 H100, seq 8192, global batch 256: torchtitan's (benchmarks/llama3_h100_202412_torchtitan.md,
+  Table 5: FSDP 8, TP 8, PP 8, local batch 32, full activation checkpointing; 1F1B 100 and interleaved 1F1B 128
+  tokens/s/GPU measured with Float8 and torch.compile, which treadle does not price) — mesh (pp 8, dp 8, tp 8),
+  FSDP2 over dp, 1F1B over 8 stages and interleaved 1F1B over 16, 32 micro-batches, every block checkpointed.
+
+The recipes' tensor parallelism is treadle's Megatron recipe (column / row-parallel attention and MLP; no sequence
+parallelism or vocab-parallel head inside stages). Against them: the planner as `treadle plan --cluster` runs it
+(every mesh of up to 3 axes whose inner axis stays inside a node; price_top=1: the best pipelined and unpipelined
+plans priced, NOTE [pipelined against unpipelined]), and the planner without pipelines (`pp_axis=None`).
+Columns: predicted step, tokens/s per GPU, MFU (bf16 peak), peak memory, planner/recipe step ratio (< 1: faster),
+planning seconds. Target (issue 27): the planner at least as fast as every recipe that fits, >= 1.2x faster than
+one; planning <= 60 s for 405B on 512 GPUs. Writes bench/results/bench_pipeline_gpu.json.
+
+    .venv/bin/python bench/bench_pipeline_gpu.py [--models llama-2-70b llama-3-70b llama-3.1-405b] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GiB = 2**30
+# model: (cluster, global batch, seq, [(recipe label, mesh shape, names, pp schedule, stages, microbatches, fsdp,
+# full ac, source)])
+CASES = {
+    "llama-2-70b": ("8x8:h100", 128, 4096, [
+        ("NeMo TP4 PP4 VP20 (DP4)", (4, 4, 4), "interleaved_1f1b", 80, 32, False, False,
+         "NeMo performance summary: Llama-2-70B, 64 H100, TP4 PP4 VP20 (issue 27)")]),
+    "llama-3-70b": ("8x8:h100", 128, 8192, [
+        ("Megatron-LM TP4 PP8 VP5 (DP2)", (8, 2, 4), "interleaved_1f1b", 40, 64, False, False,
+         "Megatron-LM Llama-3-70B, 64 H100, TP4 PP8 VP5 (issue 27)")]),
+    "llama-3.1-405b": ("64x8:h100", 256, 8192, [
+        ("torchtitan FSDP8 x TP8 x PP8 1F1B + full AC", (8, 8, 8), "1f1b", 8, 32, True, True,
+         "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 5"),
+        ("torchtitan FSDP8 x TP8 x PP8 interleaved + full AC", (8, 8, 8), "interleaved_1f1b", 16, 32, True, True,
+         "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 5")]),
+    "tiny-llama": ("2x4:h100", 16, 64, [
+        ("smoke: TP2 PP2 VP2 (DP2)", (2, 2, 2), "interleaved_1f1b", 4, 4, False, False, "(smoke test)")]),
+}
+
+
+def _build(name: str, batch: int, seq: int):
+    from treadle.models.zoo import named_model
+
+    model, inputs = named_model(name, batch=batch, seq=seq, fake=True, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    return model, inputs
+
+
+def _cluster(physical, shape, names):
+    """`physical`'s links on a 3-axis mesh (pp, dp, tp): the last axis inside a node, the others between."""
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.mesh import Mesh
+
+    inter, intra = physical.links
+    return ClusterSpec(Mesh(tuple(shape), tuple(names)),
+                       tuple(intra if i == len(shape) - 1 else inter for i in range(len(shape))), physical.device)
+
+
+def _recipe(name, inputs, physical, spec):
+    """(schedule, cluster) of one published recipe on a fresh fake model."""
+    from treadle.mesh import Mesh
+    from treadle.models import megatron
+    from treadle.models.common import blocks_path
+    from treadle.schedule.core import create_schedule
+
+    label, shape, kind, stages, m, fsdp, full_ac, _ = spec
+    model, _ = _build(name, *inputs["input_ids"].shape)
+    names = ("pp", "dp", "tp")
+    sch = create_schedule(model, mesh=Mesh(shape, names))
+    megatron(sch, tp="tp", sequence_parallel=False, vocab_parallel_head=False)
+    sch.data_parallel(axis="dp", shard=fsdp)
+    blocks = blocks_path(sch)
+    n = len(sch[blocks].mod)
+    ends = sorted({(s + 1) * n // stages - 1 for s in range(stages - 1)})
+    for e in ends:
+        sch[f"{blocks}.{e}"].cut_pipeline_stage()
+    if full_ac:
+        for i in range(n):
+            sch[f"{blocks}.{i}"].checkpoint()
+    sch.pipeline(axis="pp", schedule=kind, n_microbatches=m, example_inputs=inputs)
+    return sch, _cluster(physical, shape, names)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=["llama-2-70b", "llama-3-70b", "llama-3.1-405b"])
+    ap.add_argument("--tiny", action="store_true", help="tiny-llama only (a smoke test of the script)")
+    ap.add_argument("--max-axes", type=int, default=3, help="most mesh axes the planner searches (default 3)")
+    args = ap.parse_args()
+    from treadle.cost.cluster import parse_cluster
+    from treadle.errors import TreadleError
+    from treadle.planner import plan_model
+    from treadle.planner.meshes import search_clusters
+    from treadle.pricing import price
+
+    rows = []
+    for name in (["tiny-llama"] if args.tiny else args.models):
+        ctext, batch, seq, recipes = CASES[name]
+        physical = parse_cluster(ctext)
+        world = physical.world_size
+        tokens = batch * seq
+        case = []
+        for spec in recipes:
+            t0 = time.perf_counter()
+            try:
+                model, inputs = _build(name, batch, seq)
+                sch, cl = _recipe(name, inputs, physical, spec)
+                p = price(sch, inputs, cl)
+                case.append({"plan": spec[0], "source": spec[-1], "mesh": str(cl.mesh), "step_s": p.step_s,
+                             "mfu": p.mfu, "peak_bytes": p.peak_bytes, "price_s": time.perf_counter() - t0,
+                             "bubble": (p.pipeline or {}).get("bubble_fraction")})
+            except TreadleError as exc:
+                case.append({"plan": spec[0], "source": spec[-1], "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  {name}: {spec[0]}: {case[-1].get('step_s', float('nan')) * 1e3:.1f} ms "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        for label, pp_axis in (("planner", "auto"), ("planner without pipelines", None)):
+            t0 = time.perf_counter()
+            try:
+                model, inputs = _build(name, batch, seq)
+                plan = plan_model(model, inputs, cluster=search_clusters(physical, max_axes=args.max_axes),
+                                  memory_budget_bytes=80 * GiB, price_top=1, pp_axis=pp_axis)
+                est = plan.estimate()
+                case.append({"plan": label, "roles": plan.roles, "mesh": str(plan.cluster.mesh), "step_s": est.step_s,
+                             "mfu": est.mfu, "peak_bytes": est.peak_bytes, "solver_step_s": plan.estimated.step_s,
+                             "planning_s": plan.solver["planning_s"], "stages": plan.solver.get("stages")})
+            except TreadleError as exc:
+                case.append({"plan": label, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  {name}: {label}: {case[-1].get('step_s', float('nan')) * 1e3:.1f} ms "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        planner = next(r for r in case if r["plan"] == "planner")
+        for r in case:
+            r.update(model=name, cluster=ctext, batch=batch, seq=seq, fits=r.get("peak_bytes", float("inf")) <= 80 * GiB)
+            if "step_s" in r:
+                r["tokens_per_s_per_gpu"] = tokens / r["step_s"] / world
+                if r is not planner and "step_s" in planner:
+                    r["planner_over_it"] = planner["step_s"] / r["step_s"]
+        rows += case
+    print(f"\n{'model':15} {'plan':52} {'mesh':20} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} {'peak GiB':>8} "
+          f"{'fits':>4} {'planner/it':>10} {'plan s':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:15} {r['plan']:52} n/a: {r['error'][:150]}")
+            continue
+        label = r["plan"] + (f" ({r['roles']})" if "roles" in r else "")
+        ratio = f"{r['planner_over_it']:.3f}" if "planner_over_it" in r else ""
+        plan_s = f"{r['planning_s']:.0f}" if "planning_s" in r else ""
+        print(f"{r['model']:15} {label[:52]:52} {r['mesh'][5:-1]:20} {r['step_s']:8.3f} "
+              f"{r['tokens_per_s_per_gpu']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_bytes'] / GiB:8.1f} "
+              f"{'yes' if r['fits'] else 'NO':>4} {ratio:>10} {plan_s:>6}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / ("bench_pipeline_gpu_tiny.json" if args.tiny else "bench_pipeline_gpu.json")
+    path.write_text(json.dumps(rows, indent=1, default=str))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
