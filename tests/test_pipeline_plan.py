@@ -66,10 +66,10 @@ def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_
     roles = enumerate_roles(mesh, batch=8, facts=facts)
     piped = [r for r in roles if r.pp]
     assert {r.pp for r in piped} == {"a", "b"}
-    assert {(r.pp_schedule, r.pp_microbatches) for r in piped} == {(k, m) for k in ("1f1b", "interleaved_1f1b")
-                                                                    for m in (2, 4, 8)}
+    # one assignment per micro-batch count (1F1B needs at least p); the schedule is the pipeline solve's choice
+    assert {(r.pp_schedule, r.pp_microbatches) for r in piped} == {(None, m) for m in (2, 4, 8)}  # 16 > batch 8
     assert all(r.pp not in r.dp and r.pp not in r.tp and not r.zero for r in piped)  # FSDP2 beside: not planned
-    assert "pipeline a (1f1b, 2 micro-batches)" in {part for r in piped for part in str(r).split("; ")}
+    assert "pipeline a (2 micro-batches)" in {part for r in piped for part in str(r).split("; ")}
     assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, pp_axis=None) if r.pp]  # forbidden
     pinned = enumerate_roles(mesh, batch=8, facts=facts, pp_axis="b")
     assert pinned and all(r.pp == "b" for r in pinned)  # pinned: every assignment pipelines over b
@@ -77,10 +77,9 @@ def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_
         enumerate_roles(mesh, batch=8, facts=facts, pp_axis="c")
     with pytest.raises(PlanError, match="no sequential container"):
         enumerate_roles(mesh, batch=8, facts={}, pp_axis="a")
-    # three blocks make no interleaved stages on 2 ranks (2 x 2 = 4 stages)
-    few = enumerate_roles(mesh, batch=8, facts={"pipeline": {"container": "blocks", "blocks": 3}})
-    assert {r.pp_schedule for r in few if r.pp} == {"1f1b"}
-    assert microbatch_counts(4, 12) == [4]  # 8 and 16 do not divide 12
+    pinned = enumerate_roles(mesh, batch=8, facts=facts, pp_schedule="interleaved_1f1b", pp_microbatches=4)
+    assert {(r.pp_schedule, r.pp_microbatches) for r in pinned if r.pp} == {("interleaved_1f1b", 4)}
+    assert microbatch_counts(4, 12) == [4]  # 8, 16 and 32 do not divide 12
 
 
 def test_capture_facts_name_the_largest_sequential_container():
@@ -97,10 +96,36 @@ def test_a_batch_that_does_not_split_into_micro_batches_skips_the_role_with_a_re
         build_cost_graph(g, cl, Roles((b,), False, (), pp=a, pp_microbatches=8))
 
 
+def test_the_solve_weighs_each_schedule_the_blocks_allow():
+    model, g = _graph(n=3)  # three blocks: no interleaved stages on 2 ranks (2 x 2 = 4 stages)
+    cl = parse_cluster("1x2:cpu")
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
+    assert milp.schedules(cg) == ["1f1b"]
+    model, g = _graph(n=4)
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
+    assert milp.schedules(cg) == ["1f1b", "interleaved_1f1b"]
+    sol = solve(cg, budget_bytes=None)
+    per = {k: milp.solve(build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_schedule=k,
+                                                         pp_microbatches=2)), budget_bytes=None, checkpoint=True,
+                         time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time") for k in ("1f1b", "interleaved_1f1b")}
+    best = min(per, key=lambda k: per[k].step_s)
+    assert sol.stages.schedule == best and sol.step_s == pytest.approx(per[best].step_s)
+
+
+def test_a_pipeline_is_weighed_on_the_slowest_link_unless_pinned():
+    from treadle.planner.search import _pipeline_on_slowest_link
+
+    cl = ClusterSpec.from_physical(2, 4, intra="nvlink4", inter="ib-ndr", device="h100-sxm")  # (2 nodes, 4 each)
+    across, inside = cl.mesh.names
+    assert _pipeline_on_slowest_link(cl, Roles((), False, (inside,), pp=across, pp_microbatches=2))
+    assert not _pipeline_on_slowest_link(cl, Roles((across,), False, (), pp=inside, pp_microbatches=4))
+    assert _pipeline_on_slowest_link(parse_cluster("2x2:cpu"), Roles(("dp",), False, (), pp="tp", pp_microbatches=2))
+
+
 # ----------------------------------------------------------------------------- cuts and micro-batches in flight
 def _layout(g, cl, roles):
     cg = build_cost_graph(g, cl, roles)
-    return cg, cuts._layout(cg)
+    return cg, cuts._layout(cg, "1f1b")
 
 
 def test_the_min_max_cut_is_exact_and_the_even_cut_is_proposed_beside_it():
@@ -125,7 +150,7 @@ def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_
     lay = cuts._Layout([], [], [], p=4, v=1, m=8)
     got = cuts.inflight(lay)
     assert {r: [x for x in v] for r, v in got.items()} == {r: [{r: 4 - r}] for r in range(4)}
-    lay2 = cuts._Layout([], [], [], p=2, v=2, m=4)
+    lay2 = cuts._Layout([], [], [], p=2, v=2, m=4)  # interleaved_1f1b
     from treadle.forms.pipeline.facts import action_order
 
     order = action_order("interleaved_1f1b", 4, 2, 4)
@@ -149,7 +174,7 @@ def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_
     a, b = cl.mesh.names
     shardable = shardable_fn(g, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
     cg = build_cost_graph(g, cl, Roles((), False, (b,), pp=a, pp_microbatches=2), shardable=shardable)
-    lay = cuts._layout(cg)
+    lay = cuts._layout(cg, "1f1b")
     stages = cuts.partitions(cg, lay)[0]
     free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None)
     cut = cuts._cut(cg, lay, stages)
@@ -175,7 +200,7 @@ def test_the_step_of_a_cut_by_hand():
     cl = parse_cluster("1x2:cpu")
     pp = cl.mesh.names[1]
     cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
-    lay = cuts._layout(cg)
+    lay = cuts._layout(cg, "1f1b")
     cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
     choice = [0] * len(cg.units)
     step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})

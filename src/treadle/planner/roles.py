@@ -20,8 +20,8 @@ class Roles:
     replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
     from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
     module's experts are split over (None: replicated); `pp`: the pipeline axis (None: no pipeline), whose ranks
-    each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them over
-    `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`)."""
+    each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them (None: the pipeline
+    form's solve chooses it) over `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`)."""
 
     dp: tuple[str, ...]
     zero: bool
@@ -31,7 +31,7 @@ class Roles:
     reshard_after_forward: bool = True
     ep: str | None = None  # the data-parallel axis the experts are split over (`treadle.forms.expert`)
     pp: str | None = None  # the pipeline axis (`treadle.forms.pipeline`)
-    pp_schedule: str = "1f1b"
+    pp_schedule: str | None = None
     pp_microbatches: int = 1
     pp_cuts: tuple[str, ...] = ()  # stage boundaries a partial schedule pins (blocks that end a stage)
 

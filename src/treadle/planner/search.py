@@ -203,7 +203,7 @@ def candidates(search: _Search) -> list[tuple[ClusterSpec, Roles]]:
                                 facts=search.graph.facts, pp_axis=req.pp_axis, pp_cuts=req.pp_cuts,
                                 pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches)
         tried += len(roles)
-        out += [(cl, r) for r in roles]
+        out += [(cl, r) for r in roles if req.pp_axis != "auto" or _pipeline_on_slowest_link(cl, r)]
     if not tried:
         raise PlanError(f"no axis role assignment of {[str(c.mesh) for c in req.clusters]} fits batch "
                         f"{search.batch}: a data-parallel axis must divide the batch; use a divisible batch or "
@@ -294,6 +294,23 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
                         f"budget {_fmt_bytes(budget)} by {sol.peak_bytes - budget:.0f} B; this is a solver "
                         f"tolerance problem, please report it")
     return sol, cg, chosen_price, priced
+
+
+# NOTE [pipelines on the slowest link]: a pipeline sends one activation (and its gradient) per micro-batch across
+# each stage boundary, far less than the tensor axes' collectives or the data-parallel gradient sync, which is why
+# every published recipe puts pp on the links between nodes. With `pp_axis="auto"` the search weighs a pipeline
+# only over an axis whose link is among the slowest of the live axes (every axis on one node of equal links); a
+# pinned pp axis is planned wherever it is.
+def _pipeline_on_slowest_link(cluster: ClusterSpec, roles: Roles) -> bool:
+    if roles.pp is None:
+        return True
+    live = [a for a in cluster.mesh.names if cluster.mesh.size(a) > 1 and a not in roles.off]
+
+    def rate(a: str) -> float:
+        link = cluster.link(a)
+        return link.bandwidth_bytes_per_s * link.efficiency
+
+    return rate(roles.pp) <= min(rate(a) for a in live) * (1 + 1e-9)
 
 
 # NOTE [pipelined against unpipelined]: a pipeline role assignment is solved by the pipeline form's own MILP (its

@@ -51,7 +51,7 @@ class _Layout:
         return self.p * self.v
 
 
-def _layout(cg) -> _Layout:
+def _layout(cg, schedule: str) -> _Layout:
     g = cg.graph
     blocks = sorted(((mb, t) for t, info in cg.templates.items() for mb in info.members),
                     key=lambda x: int(x[0].rpartition(".")[2]))
@@ -61,7 +61,7 @@ def _layout(cg) -> _Layout:
     tail = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader >= first]
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
-    return _Layout(blocks, head, tail, p, SCHEDULES[roles.pp_schedule], roles.pp_microbatches)
+    return _Layout(blocks, head, tail, p, SCHEDULES[schedule], roles.pp_microbatches)
 
 
 def _step_time(c) -> float:

@@ -14,7 +14,9 @@ from ...planner.capture import TensorMeta
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, block_bounds, checkpoint_vars)
 from ...planner.to_schedule import _spread
-from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight, partitions
+from .cuts import (SCHEDULES, PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
+                   partitions)
+from .facts import action_order
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -255,6 +257,8 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
 
 
 def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], terms: dict) -> PipelineChoice:
+    from .cuts import _schedule_of
+
     paths = [tuple(lay.blocks[i][0] for i in st) for st in cut.stages]
     ckpt = []
     for st, positions in enumerate(cut.stages):
@@ -264,7 +268,7 @@ def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], 
             chosen += _spread(members, counts.get((t, st), 0))
         ckpt.append(tuple(sorted(chosen, key=lambda pth: int(pth.rpartition(".")[2]))))
     roles = cg.roles
-    return PipelineChoice(roles.pp, roles.pp_schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt),
+    return PipelineChoice(roles.pp, _schedule_of(lay), roles.pp_microbatches, tuple(paths), tuple(ckpt),
                           terms["stage_s"], terms["rank_peak_bytes"], terms["bubble_s"])
 
 
@@ -272,46 +276,69 @@ def _scalars(terms: dict) -> dict[str, float]:
     return {k: float(v) for k, v in terms.items() if isinstance(v, (int, float))}
 
 
+def schedules(cg) -> list[str]:
+    """The schedules the pipeline solve weighs for a role assignment: the pinned one, else every one of `SCHEDULES`
+    whose stage count the blocks and the pinned boundaries allow and whose class takes the micro-batch count."""
+    from ...errors import PlanError as _PlanError
+
+    roles = cg.roles
+    p = cg.cluster.mesh.size(roles.pp)
+    n = sum(info.count for info in cg.templates.values())
+    out = []
+    for kind in ([roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES)):
+        if not len(roles.pp_cuts) < p * SCHEDULES[kind] <= n:
+            continue
+        try:
+            action_order(kind, p * SCHEDULES[kind], p, roles.pp_microbatches)
+        except _PlanError:
+            continue
+        out.append(kind)
+    return out
+
+
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
           minimise: str) -> Solution | None:
-    """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each proposed cut
-    (`partitions`), the fastest (with ``minimise="memory"``: the smallest peak) kept. None without a pp axis."""
+    """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each schedule
+    (`schedules`) and each proposed cut (`partitions`), the fastest (with ``minimise="memory"``: the smallest peak)
+    kept. None without a pp axis."""
     if cg.roles.pp is None:
         return None
-    lay = _layout(cg)
     best: Solution | None = None
     n_vars = n_cons = 0
     spent = 0.0
-    for stages in partitions(cg, lay):
-        cut = _cut(cg, lay, stages)
-        got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
-                                          time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
-                                          minimise=minimise)
-        spent += solve_s
-        n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
-        if got is None:
-            continue
-        choice, counts, status, gap = got
-        step, peak, terms = evaluate(cg, lay, cut, choice, counts)
-        if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
-            continue
-        sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
-                       stages=_choice_of(cg, lay, cut, counts, terms))
-        key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
-        if best is None or key(sol) < key(best):
-            best = sol
+    key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
+    for kind in schedules(cg):
+        lay = _layout(cg, kind)
+        for stages in partitions(cg, lay):
+            cut = _cut(cg, lay, stages)
+            got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
+                                              time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
+                                              minimise=minimise)
+            spent += solve_s
+            n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
+            if got is None:
+                continue
+            choice, counts, status, gap = got
+            step, peak, terms = evaluate(cg, lay, cut, choice, counts)
+            if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
+                continue
+            sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
+                           stages=_choice_of(cg, lay, cut, counts, terms))
+            if best is None or key(sol) < key(best):
+                best = sol
     if best is None:
         return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, spent, n_vars, n_cons)
     best.solve_s = spent
     return best
 
 
-def solve_exhaustive(cg, stages, *, budget_bytes: float | None, limit: int = 2_000_000) -> Solution:
-    """Every strategy choice and per-stage checkpoint count of one cut, evaluated directly (the MILP's test
-    oracle on tiny graphs). Raises PlanError when the space exceeds `limit`."""
+def solve_exhaustive(cg, stages, *, budget_bytes: float | None, schedule: str = "1f1b",
+                     limit: int = 2_000_000) -> Solution:
+    """Every strategy choice and per-stage checkpoint count of one cut under `schedule`, evaluated directly (the
+    MILP's test oracle on tiny graphs). Raises PlanError when the space exceeds `limit`."""
     from ...planner.ilp import feasible_choice
 
-    lay = _layout(cg)
+    lay = _layout(cg, schedule)
     cut = _cut(cg, lay, stages)
     keys = [(t, st) for st in range(lay.n_stages) for t, n_t in cut.n[st].items()]
     ranges = [range(cut.n[st][t] + 1) for t, st in keys]

@@ -85,9 +85,9 @@ def _facts(facts) -> dict | None:
 
 
 def microbatch_counts(p: int, batch: int | None) -> list[int]:
-    """The micro-batch counts proposed for p stages a rank's worth: p, 2p, 4p (1F1B needs at least p), those that
-    divide the global batch."""
-    return [m for m in (p, 2 * p, 4 * p) if batch is None or batch % m == 0]
+    """The micro-batch counts proposed for a pipeline of p ranks: p, 2p, 4p and 8p (1F1B needs at least p), those
+    that divide the global batch (a count the replicas' share does not divide is refused by `prepare`)."""
+    return [m for m in (p, 2 * p, 4 * p, 8 * p) if batch is None or batch % m == 0]
 
 
 def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] | None:
@@ -118,15 +118,15 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
     kinds = {k: v for k, v in SCHEDULES.items() if getattr(request, "pp_schedule", None) in (None, k)}
     if getattr(request, "pp_schedule", None) not in (None, *SCHEDULES):
         raise PlanError(f"pipeline schedule {request.pp_schedule!r}: the planner plans {sorted(SCHEDULES)}")
+    pinned = getattr(request, "pp_schedule", None)
     out: list[dict] = [] if want != "auto" else [{}]
     for a in (live if want == "auto" else (want,)):
         p = mesh.size(a)
-        for kind, v in kinds.items():
-            if p < 2 or facts["blocks"] < p * v or len(cuts) >= p * v:
-                continue
-            counts = ([request.pp_microbatches] if getattr(request, "pp_microbatches", None)
-                      else microbatch_counts(p, batch))
-            out += [{"pp": a, "pp_schedule": kind, "pp_microbatches": m, "pp_cuts": cuts} for m in counts]
+        if p < 2 or not any(facts["blocks"] >= p * v and len(cuts) < p * v for v in kinds.values()):
+            continue
+        counts = ([request.pp_microbatches] if getattr(request, "pp_microbatches", None)
+                  else microbatch_counts(p, batch))
+        out += [{"pp": a, "pp_schedule": pinned, "pp_microbatches": m, "pp_cuts": cuts} for m in counts]
     if want != "auto" and not out:
         raise PlanError(f"pipeline axis {want!r}: {facts['blocks']} blocks in {facts['container']!r} do not make "
                         f"{mesh.size(want)} stages a rank's worth of a planned schedule, or the batch {batch} does not "
@@ -144,7 +144,12 @@ def keep_roles(options: dict) -> bool:
 def role_label(roles) -> str | None:
     if roles.pp is None:
         return None
-    return f"pipeline {roles.pp} ({roles.pp_schedule}, {roles.pp_microbatches} micro-batches)"
+    kind = f"{roles.pp_schedule}, " if roles.pp_schedule else ""
+    return f"pipeline {roles.pp} ({kind}{roles.pp_microbatches} micro-batches)"
+
+
+def _blocks(b) -> list[str]:
+    return [mb for blk in b.g.blocks for mb in blk.members]
 
 
 def prepare(b) -> None:
@@ -167,7 +172,12 @@ def prepare(b) -> None:
         raise PlanError(f"pipeline over {roles.pp!r}: repeated blocks {outside[:2]} are outside the container "
                         f"{container!r} the stages cut")
     p = b.cluster.mesh.size(roles.pp)
-    action_order(roles.pp_schedule, p * SCHEDULES[roles.pp_schedule], p, m)  # raises PlanError where refused
+    kinds = [roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES)
+    fits = [k for k in kinds if len(roles.pp_cuts) < p * SCHEDULES[k] <= len(_blocks(b))]
+    if not fits:
+        raise PlanError(f"pipeline over {roles.pp!r}: {len(_blocks(b))} blocks make no {kinds} stages of {p} ranks "
+                        f"keeping {len(roles.pp_cuts)} pinned boundaries")
+    action_order(fits[0], p * SCHEDULES[fits[0]], p, m)  # raises PlanError where torch refuses the count
 
 
 # ----------------------------------------------------------------------------- decisions
