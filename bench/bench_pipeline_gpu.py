@@ -15,7 +15,9 @@ schedule class's own order, NOTE [pipeline price]). Cases, each at its recipe's 
   FSDP2 over dp, 1F1B over 8 stages and interleaved 1F1B over 16, 32 micro-batches, every block checkpointed.
 
 The recipes' tensor parallelism is treadle's Megatron recipe (column / row-parallel attention and MLP; no sequence
-parallelism or vocab-parallel head inside stages). Against them: the planner as `treadle plan --cluster` runs it
+parallelism or vocab-parallel head inside stages). Megatron's distributed optimizer (AdamW states sharded over DP)
+has no treadle primitive: each Megatron / NeMo recipe is priced with plain DDP replicas (states whole: an upper
+bound on memory) and with FSDP2 over dp beside the pipeline (parameters sharded too: a lower bound). Against them: the planner as `treadle plan --cluster` runs it
 (every mesh of up to 3 axes whose inner axis stays inside a node; price_top=1: the best pipelined and unpipelined
 plans priced, NOTE [pipelined against unpipelined]), and the planner without pipelines (`pp_axis=None`).
 Columns: predicted step, tokens/s per GPU, MFU (bf16 peak), peak memory, planner/recipe step ratio (< 1: faster),
@@ -42,10 +44,14 @@ GiB = 2**30
 CASES = {
     "llama-2-70b": ("8x8:h100", 128, 4096, [
         ("NeMo TP4 PP4 VP20 (DP4)", (4, 4, 4), "interleaved_1f1b", 80, 32, False, False,
-         "NeMo performance summary: Llama-2-70B, 64 H100, TP4 PP4 VP20 (issue 27)")]),
+         "NeMo performance summary: Llama-2-70B, 64 H100, TP4 PP4 VP20 (issue 27)"),
+        ("NeMo TP4 PP4 VP20 (ZeRO-3 over DP4)", (4, 4, 4), "interleaved_1f1b", 80, 32, True, False,
+         "as above; FSDP2 over dp: the nearest treadle states to Megatron's distributed optimizer")]),
     "llama-3-70b": ("8x8:h100", 128, 8192, [
         ("Megatron-LM TP4 PP8 VP5 (DP2)", (8, 2, 4), "interleaved_1f1b", 40, 64, False, False,
-         "Megatron-LM Llama-3-70B, 64 H100, TP4 PP8 VP5 (issue 27)")]),
+         "Megatron-LM Llama-3-70B, 64 H100, TP4 PP8 VP5 (issue 27)"),
+        ("Megatron-LM TP4 PP8 VP5 (ZeRO-3 over DP2)", (8, 2, 4), "interleaved_1f1b", 40, 64, True, False,
+         "as above; FSDP2 over dp: the nearest treadle states to Megatron's distributed optimizer")]),
     "llama-3.1-405b": ("64x8:h100", 256, 8192, [
         ("torchtitan FSDP8 x TP8 x PP8 1F1B + full AC", (8, 8, 8), "1f1b", 8, 32, True, True,
          "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 5"),

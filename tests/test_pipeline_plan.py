@@ -6,6 +6,8 @@ planned pipeline that verifies on gloo and replays from its plan file."""
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import pytest
 import torch
 from torch import nn
@@ -321,3 +323,26 @@ def test_a_partial_schedule_pins_stage_boundaries_and_the_pipeline():
     with pytest.raises(PlanError, match="pinned stage boundary 'model.layers.9'"):
         enumerate_roles(cl.mesh, batch=8, facts={"pipeline": {"container": "model.layers", "blocks": 4}},
                         pp_cuts=("model.layers.9",))
+
+
+@pytest.mark.parametrize("n", [6, 8])
+def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n):
+    # every contiguous cut of n blocks into 4 stages, each solved exhaustively (choices and per-stage checkpoint
+    # counts): the MILP over the proposed cuts finds the same step. Under a budget the memory-aware cut matters:
+    # the first stages of 1F1B keep the most micro-batches, so the best cut gives them fewer blocks
+    torch.manual_seed(0)
+    model = Stack(32, n)
+    g = capture(model, (torch.randn(8, 64, 32),))
+    cl = parse_cluster("1x4:cpu")
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_schedule="1f1b", pp_microbatches=4))
+    kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time")
+    free = milp.solve(cg, budget_bytes=None, **kw)
+    for frac in (None, 0.8, 0.6):
+        budget = None if frac is None else free.peak_bytes * frac
+        got = milp.solve(cg, budget_bytes=budget, **kw)
+        best = math.inf
+        for bounds in itertools.combinations(range(1, n), 3):
+            edges = (0, *bounds, n)
+            stages = tuple(tuple(range(edges[i], edges[i + 1])) for i in range(4))
+            best = min(best, milp.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
+        assert got.step_s == pytest.approx(best, rel=1e-6), (frac, got.stages.blocks if got.stages else None)

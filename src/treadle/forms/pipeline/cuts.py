@@ -74,62 +74,113 @@ def _tail_time(c) -> float:
     return c.opt_s + c.dp_comm_s
 
 
+def _cheapest(cg, units, attr) -> float:
+    """The sum over `units` of each one's smallest `attr` over its allowed strategies (a lower bound)."""
+    return sum(min(attr(c) for c, ok in zip(cg.units[u].costs, cg.units[u].allowed) if ok) for u in units)
+
+
 def _weights(cg, lay: _Layout) -> tuple[dict[int, float], float, float]:
     """Per template a block's seconds under each unit's cheapest strategy, and the head's and tail's (the cut's
-    weights)."""
-    def cheapest(units) -> float:
-        return sum(min(_step_time(c) for c, ok in zip(cg.units[u].costs, cg.units[u].allowed) if ok)
-                   for u in units)
-    return ({t: cheapest(info.units) for t, info in cg.templates.items()}, cheapest(lay.head), cheapest(lay.tail))
+    time weights)."""
+    return ({t: _cheapest(cg, info.units, _step_time) for t, info in cg.templates.items()},
+            _cheapest(cg, lay.head, _step_time), _cheapest(cg, lay.tail, _step_time))
 
 
-def partitions(cg, lay: _Layout) -> list[tuple[tuple[int, ...], ...]]:
+def _stage_in_flight(lay: _Layout) -> list[int]:
+    """Per stage the most micro-batches it holds in flight at once (`inflight`; 1F1B: min(M, p - s))."""
+    k = [1] * lay.n_stages
+    for moments in inflight(lay).values():
+        for kv in moments:
+            for s_, n in kv.items():
+                k[s_] = max(k[s_], n)
+    return k
+
+
+def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tuple[tuple[int, ...], ...]]:
     """Cuts of the real blocks into S contiguous stages (each a tuple of block positions) that keep every pinned
-    boundary (`Roles.pp_cuts`: a stage ends after each): the one that minimises the largest stage's weight (head
-    on stage 0, tail on the last; exact by dynamic programming over the prefix sums) and the even one. Raises
-    PlanError for a pinned boundary that is not one of the blocks, or pins no cut into S stages keeps."""
+    boundary (`Roles.pp_cuts`: a stage ends after each), each exact by dynamic programming over the blocks:
+    the one that minimises the largest stage's time (head on stage 0, tail on the last; each unit at its cheapest
+    strategy); under `budget_bytes`, the fastest whose every stage's memory lower bound (each unit's smallest
+    static bytes, and its smallest saved bytes times the micro-batches the stage keeps in flight,
+    `_stage_in_flight`: the first stages of 1F1B keep the most) fits, and the one that minimises the largest
+    stage's memory (for budgets that need checkpoints); and the even one. Raises PlanError for a pinned boundary
+    that is not one of the blocks, or pins no cut into S stages keeps."""
     per, head, tail = _weights(cg, lay)
-    w = [per[t] for _, t in lay.blocks]
-    n, S = len(w), lay.n_stages
+    n, S = len(lay.blocks), lay.n_stages
     where = {path: i for i, (path, _) in enumerate(lay.blocks)}
     bad = [c for c in cg.roles.pp_cuts if c not in where or where[c] == n - 1]
     if bad:
         raise PlanError(f"pipeline: pinned stage boundary {bad[0]!r} is not a block of the container that can end a "
                         f"stage (blocks {lay.blocks[0][0]} .. {lay.blocks[-1][0]}, the last excepted)")
     pinned = {where[c] for c in cg.roles.pp_cuts}  # a stage ends after each of these blocks
-    prefix = [0.0]
+    time_w = _prefix([per[t] for _, t in lay.blocks])
+
+    def seconds(i: int, j: int, s_: int) -> float:
+        return time_w[j] - time_w[i] + (head if s_ == 0 else 0.0) + (tail if s_ == S - 1 else 0.0)
+
+    out = [_minmax(n, S, pinned, seconds)]
+    if budget_bytes is not None:
+        k = _stage_in_flight(lay)
+        static = {t: _cheapest(cg, info.units, lambda c: c.static_bytes) for t, info in cg.templates.items()}
+        act = {t: _cheapest(cg, info.units, lambda c: c.act_bytes) for t, info in cg.templates.items()}
+        ends = {0: lay.head, S - 1: lay.tail}
+        end_static = {s_: _cheapest(cg, us, lambda c: c.static_bytes) for s_, us in ends.items()}
+        end_act = {s_: _cheapest(cg, us, lambda c: c.act_bytes) for s_, us in ends.items()}
+        st_w = _prefix([static[t] for _, t in lay.blocks])
+        ac_w = _prefix([act[t] for _, t in lay.blocks])
+
+        def memory(i: int, j: int, s_: int) -> float:
+            return (st_w[j] - st_w[i] + end_static.get(s_, 0.0) + cg.fixed_static_bytes
+                    + k[s_] * (ac_w[j] - ac_w[i] + end_act.get(s_, 0.0)))
+
+        share = budget_bytes / lay.v  # a rank's stages share its memory
+        fits = _minmax(n, S, pinned, lambda i, j, s_: seconds(i, j, s_) if memory(i, j, s_) <= share else math.inf,
+                       must=False)
+        out += [c for c in (fits, _minmax(n, S, pinned, memory)) if c is not None]
+    base, extra = divmod(n, S)
+    sizes = [base + (1 if s_ < extra else 0) for s_ in range(S)]
+    even = tuple(tuple(range(sum(sizes[:s_]), sum(sizes[:s_ + 1]))) for s_ in range(S))
+    if all(any(st and st[-1] == k_ for st in even) for k_ in pinned):
+        out.append(even)
+    return list(dict.fromkeys(out))
+
+
+def _prefix(w: list[float]) -> list[float]:
+    out = [0.0]
     for x in w:
-        prefix.append(prefix[-1] + x)
+        out.append(out[-1] + x)
+    return out
 
-    def cost(i: int, j: int, s: int) -> float:  # blocks i..j-1 as stage s
-        if any(i <= k < j - 1 for k in pinned):
-            return math.inf  # the stage would run across a pinned boundary
-        return prefix[j] - prefix[i] + (head if s == 0 else 0.0) + (tail if s == S - 1 else 0.0)
 
+def _minmax(n: int, S: int, pinned: set[int], cost, *, must: bool = True) -> tuple[tuple[int, ...], ...] | None:
+    """The cut of n blocks into S contiguous stages minimising the largest `cost(i, j, s)` of a stage (blocks i..j-1
+    as stage s), keeping the `pinned` boundaries (a stage never runs across one); None when every cut costs inf
+    (`must`: raise PlanError instead)."""
     inf = math.inf
+
+    def c(i: int, j: int, s_: int) -> float:
+        return inf if any(i <= k < j - 1 for k in pinned) else cost(i, j, s_)
+
     best = [[inf] * (n + 1) for _ in range(S + 1)]
     arg = [[0] * (n + 1) for _ in range(S + 1)]
     best[0][0] = 0.0
-    for s in range(1, S + 1):
-        for j in range(s, n - (S - s) + 1):
-            for i in range(s - 1, j):
-                x = max(best[s - 1][i], cost(i, j, s - 1))
-                if x < best[s][j] - 1e-15:
-                    best[s][j], arg[s][j] = x, i
+    for s_ in range(1, S + 1):
+        for j in range(s_, n - (S - s_) + 1):
+            for i in range(s_ - 1, j):
+                x = max(best[s_ - 1][i], c(i, j, s_ - 1))
+                if x < best[s_][j] - 1e-15:
+                    best[s_][j], arg[s_][j] = x, i
     if math.isinf(best[S][n]):
-        raise PlanError(f"pipeline: no cut of {n} blocks into {S} stages keeps the pinned boundaries "
-                        f"{list(cg.roles.pp_cuts)}")
+        if must:
+            raise PlanError(f"pipeline: no cut of {n} blocks into {S} stages keeps the pinned boundaries "
+                            f"{sorted(pinned)}")
+        return None
     cuts, j = [], n
-    for s in range(S, 0, -1):
-        i = arg[s][j]
+    for s_ in range(S, 0, -1):
+        i = arg[s_][j]
         cuts.append(tuple(range(i, j)))
         j = i
-    minmax = tuple(reversed(cuts))
-    base, extra = divmod(n, S)
-    sizes = [base + (1 if s < extra else 0) for s in range(S)]
-    even = tuple(tuple(range(sum(sizes[:s]), sum(sizes[:s + 1]))) for s in range(S))
-    keeps = all(any(st and st[-1] == k for st in even) for k in pinned)
-    return list(dict.fromkeys((minmax, even) if keeps else (minmax,)))
+    return tuple(reversed(cuts))
 
 
 def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:

@@ -309,7 +309,7 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
     for kind in schedules(cg):
         lay = _layout(cg, kind)
-        for stages in partitions(cg, lay):
+        for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,

@@ -11,9 +11,14 @@ a template's layout once; checkpoints are per stage). The ops before the first b
 those after the last (final norm, head, loss) on stage S - 1.
 
 The cuts are not a variable of the MILP: stage time is the sum over its blocks of a per-block cost that the MILP
-chooses, so a variable cut would multiply two variables. `partitions` proposes the contiguous cut that minimises the
-largest stage (exact min-max over the blocks' costs under their cheapest strategies, embeddings and head included)
-and the even cut; the MILP is solved for each and the faster kept. For a fixed cut everything is linear:
+chooses, so a variable cut would multiply two variables. `cuts.partitions` proposes, each exact by dynamic
+programming over the blocks' costs under their cheapest strategies (embeddings and head included): the cut that
+minimises the largest stage's time; under a budget, the fastest whose stages' memory lower bounds fit (a stage's
+blocks' static bytes and saved bytes times the micro-batches it keeps in flight: 1F1B's first stages keep the most,
+so they get fewer blocks) and the one that minimises the largest stage's memory; and the even cut. The MILP is
+solved for each (and each schedule, 1F1B and interleaved 1F1B) and the fastest kept; on small cases this finds the
+best cut of all (tests/test_pipeline_plan.py holds it to every contiguous cut solved exhaustively). For a fixed
+cut everything is linear:
 
     T_s = sum_u n_s(u) sum_k (compute - optimizer + comm)[u,k] s[u,k]        (per micro-batch, F + B)
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
