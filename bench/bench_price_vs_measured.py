@@ -454,7 +454,7 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
         model, inputs = make_model(model_name, args.batch, args.seq)
         try:
             sch = load_schedule(model, text)
-            p = price(sch, inputs, cluster)
+            p = price(sch, inputs, _by_position(cluster, sch.mesh))
         except TreadleError as exc:
             print(f"    cannot price {label}: {exc}")
             continue
@@ -536,6 +536,19 @@ def median_rel_ci95(samples: list[float], resamples: int = 400, seed: int = 0) -
     boot = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(resamples))
     lo, hi = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
     return max(med - lo, hi - med) / med
+
+
+def _by_position(cluster, mesh):
+    """The calibrated `cluster` under a schedule's own axis names (the pipelines' ("pp", "dp"), ("pp", "tp")): the
+    links by position, as the ranks are laid out (axis 0 the outer one, across emulated nodes). `price` maps links
+    by name (`ClusterSpec.for_mesh`), which would give the schedule's inner "dp" the calibrated outer "dp" link."""
+    import dataclasses
+
+    if tuple(mesh.shape) != tuple(cluster.mesh.shape) or tuple(mesh.names) == tuple(cluster.mesh.names):
+        return cluster
+    rename = dict(zip(cluster.mesh.names, mesh.names))
+    return dataclasses.replace(cluster, mesh=mesh, group_links=tuple(
+        (tuple(rename[a] for a in axes), link) for axes, link in cluster.group_links))
 
 
 def parse_args(description: str, extra=None) -> argparse.Namespace:
