@@ -16,9 +16,10 @@ programming over the blocks' costs under their cheapest strategies (embeddings a
 minimises the largest stage's time; under a budget, the fastest whose stages' memory lower bounds fit (a stage's
 blocks' static bytes and saved bytes times the micro-batches it keeps in flight: 1F1B's first stages keep the most,
 so they get fewer blocks) and the one that minimises the largest stage's memory; and the even cut. The MILP is
-solved for each (and each schedule, 1F1B and interleaved 1F1B) and the fastest kept; on small cases this finds the
-best cut of all (tests/test_pipeline_plan.py holds it to every contiguous cut solved exhaustively). For a fixed
-cut everything is linear:
+solved for each (and each schedule, 1F1B and interleaved 1F1B) and the fastest kept. Held to every contiguous cut
+solved exhaustively on small cases (tests/test_pipeline_plan.py: 6 and 8 blocks over 4 stages, two block types,
+three budgets) it finds the best cut in 11 of 12, and a cut 4.7% slower in the last (a tight budget where the
+best cut checkpoints less by balancing memory and time at once). For a fixed cut everything is linear:
 
     T_s = sum_u n_s(u) sum_k (compute - optimizer + comm)[u,k] s[u,k]        (per micro-batch, F + B)
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
