@@ -70,7 +70,12 @@ def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_
     assert {r.pp for r in piped} == {"a", "b"}
     # one assignment per micro-batch count (1F1B needs at least p); the schedule is the pipeline solve's choice
     assert {(r.pp_schedule, r.pp_microbatches) for r in piped} == {(None, m) for m in (2, 4, 8)}  # 16 > batch 8
-    assert all(r.pp not in r.dp and r.pp not in r.tp and not r.zero for r in piped)  # FSDP2 beside: not planned
+    assert all(r.pp not in r.dp and r.pp not in r.tp for r in piped)
+    # FSDP2 / HSDP beside the pipeline: with reshard after forward only (NOTE [pipeline FSDP2 in the plan])
+    assert any(r.zero for r in piped) and all(r.reshard_after_forward for r in piped if r.zero)
+    from treadle.forms.pipeline.plan import keep_roles
+
+    assert not keep_roles({"pp": "a", "dp": ("b",), "zero": True, "ep": "b"})  # FSDP2 experts units in stages
     assert "pipeline a (2 micro-batches)" in {part for r in piped for part in str(r).split("; ")}
     assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, pp_axis=None) if r.pp]  # forbidden
     pinned = enumerate_roles(mesh, batch=8, facts=facts, pp_axis="b")
@@ -352,3 +357,72 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
             best = min(best, milp.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
         gap = 0.047 if (block, n, frac) == ("gelu", 6, 0.6) else 0.0
         assert got.step_s == pytest.approx(best * (1 + gap), rel=1e-3), (frac, got.stages.blocks if got.stages else None)
+
+
+# ----------------------------------------------------------------------------- ZeRO-3 beside the pipeline
+def test_zero3_beside_the_pipeline_by_hand():
+    # NOTE [pipeline FSDP2 in the plan]: each micro-batch gathers a stage's units twice; the stage takes the longer of
+    # its compute and its gathers where the device overlaps; the reduce-scatter ends the step in the tail; a rank
+    # holds its stages' full gradients and gathered parameters beside the sharded state
+    from treadle.forms.pipeline.zero import zero_terms
+
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    cg = build_cost_graph(g, cl, Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2))
+    zt = zero_terms(cg)
+    assert zt is not None and zt.n == 2
+    head = next(i for i, n in enumerate(g.nodes) if n.kind == "op" and n.module == "head" and n.op_name == "linear")
+    assert zt.gathered[cg.unit_of[head][0]][0] == (32 * 32 + 32) * 4  # the head's weight and bias, fp32, whole
+    lay = cuts._layout(cg, "1f1b")
+    cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
+    choice = [0] * len(cg.units)
+    step, peak, _ = milp.evaluate(cg, lay, cut, choice, {})
+    T, G, tail, static = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[0]
+        for s_, k in cut.mult[u]:
+            T[s_] += k * (c.compute_s - c.opt_s + c.comm_s)
+            G[s_] += k * 2 * zt.ag_per_byte * zt.gathered[u][0]
+            tail[s_] += k * (c.opt_s + zt.rs_per_byte * zt.gathered[u][0])
+            static[s_] += k * (c.static_bytes + zt.grads[u][0] / 2 + zt.gathered[u][0])
+    units = [3, 3]  # each stage: its two blocks and a root (the embedding on stage 0, norm and head on stage 1)
+    stage = [(max(T[i], G[i] + 2 * units[i] * zt.ag_lat_s) if zt.overlap else T[i] + G[i] + 2 * units[i] * zt.ag_lat_s)
+             + units[i] * zt.unit_host_s for i in (0, 1)]
+    info = next(iter(cg.templates.values()))
+    send = treadle.cost.collective_cost.send_recv_time_s(info.input_bytes[0], cl.link(a))
+    want = 2 * max(stage) + 0.5 * sum(stage) + max(tail[i] + units[i] * zt.rs_lat_s for i in (0, 1)) + 2 * send
+    assert step == pytest.approx(want, rel=1e-9)
+    assert peak > max(static)  # plus the micro-batches in flight
+
+
+def test_the_milp_with_zero3_beside_agrees_with_the_oracle_and_a_planned_pp_x_fsdp2_verifies():
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    cg = build_cost_graph(g, cl, Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2))
+    lay = cuts._layout(cg, "1f1b")
+    stages = cuts.partitions(cg, lay)[0]
+    cut = cuts._cut(cg, lay, stages)
+    kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time")
+    for budget in (None, 0.8 * milp.solve_exhaustive(cg, stages, budget_bytes=None).peak_bytes):
+        oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget)
+        got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, **kw)
+        if not oracle.choice:
+            assert got is None
+            continue
+        assert milp.evaluate(cg, lay, cut, got[0], got[1])[0] == pytest.approx(oracle.step_s, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_planned_pipeline_beside_fsdp2_prices_near_its_estimate_and_verifies():
+    model, inputs = named_model("tiny-llama", batch=8, seq=64, dropout=False)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=a, dp_axis=b, zero=True, price_top=0)
+    assert "(ZeRO-3)" in plan.roles and f"pipeline {a}" in plan.roles, plan.roles
+    assert "shard=True" in plan.schedule.to_python()
+    priced = plan.estimate()
+    assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)
+    assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.10)
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

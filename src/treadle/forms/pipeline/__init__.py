@@ -13,7 +13,8 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `price.py`     the price of a pipelined step (NOTE [pipeline price]), the `price_schedule` face;
 - `plan.py`      the planner's pipeline role and its decisions (NOTE [pipeline in the plan]);
 - `cuts.py`      the stages of a cost graph, the cuts proposed, the micro-batches in flight;
-- `milp.py`      the MILP of a pipelined step, per cut, with its direct evaluation and exhaustive oracle.
+- `milp.py`      the MILP of a pipelined step, per cut, with its direct evaluation and exhaustive oracle;
+- `zero.py`      ZeRO-3 / HSDP beside a planned pipeline (NOTE [pipeline FSDP2 in the plan]).
 """
 
 from __future__ import annotations

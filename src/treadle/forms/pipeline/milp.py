@@ -17,6 +17,7 @@ from ...planner.to_schedule import _spread
 from .cuts import (SCHEDULES, PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
 from .facts import action_order
+from .zero import zero_terms
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -60,6 +61,20 @@ def _tied_s(cg, lay: _Layout) -> float:
     return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
 
 
+def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage its gathers' latency per micro-batch (two of each unit: its blocks and a root) and FSDP2's hooks on
+    its units (host time, beside the overlap), per rank the step-end reduce-scatters' latency (NOTE [pipeline FSDP2
+    in the plan]); zeros without ZeRO-3."""
+    S = len(cut.stages)
+    if zt is None:
+        return [0.0] * S, [0.0] * S, [0.0] * p
+    # a stage's FSDP2 units: its blocks, and a root where it holds parameters besides them (the embedding on the
+    # first stage, the final norm and head on the last)
+    units = [len(st) + (1 if i in (0, S - 1) else 0) for i, st in enumerate(cut.stages)]
+    return ([2 * u * zt.ag_lat_s for u in units], [u * zt.unit_host_s for u in units],
+            [sum(units[st] for st in range(S) if st % p == r) * zt.rs_lat_s for r in range(p)])
+
+
 def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
                rel_gap: float, min_ckpt: dict, minimise: str):
     """The MILP of NOTE [pipeline in the plan] for one cut; returns (Solution without stages, per-stage counts) or
@@ -82,13 +97,19 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if x:
             d[j] = d.get(j, 0.0) + x
 
+    zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
+    G: list[dict[int, float]] = [dict() for _ in range(S)]  # a micro-batch's gathers of each stage
+    Gc, Tc, Qc = _zero_constants(zt, cut, p)
     in_template = {u: t for t, info in cg.templates.items() for u in info.units}
     for u, unit in enumerate(cg.units):
         for st, k_n in cut.mult.get(u, []):
             for k, c in enumerate(unit.costs):
                 add(T[st], s[u, k], k_n * _step_time(c) * _SECONDS)
-                add(static[st], s[u, k], k_n * c.static_bytes * _BYTES)
-                add(tail[st], s[u, k], k_n * _tail_time(c) * _SECONDS)
+                add(static[st], s[u, k], k_n * (c.static_bytes + (zt.held(u, k) if zt else 0.0)) * _BYTES)
+                add(tail[st], s[u, k], k_n * (_tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k))
+                    * _SECONDS)
+                if zt is not None:
+                    add(G[st], s[u, k], k_n * zt.gather_s(u, k) * _SECONDS)
                 if u not in in_template:
                     add(A[st], s[u, k], c.act_bytes * _BYTES)
     ys = shared.get("grad_sum_vars", {})
@@ -120,6 +141,17 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if 0 < left < info.count:  # some of this template's blocks must be checkpointed: at least that many in all
             m.row({y: float(2 ** b_) for st in stages_t for b_, y in enumerate(ck[(t, st)].ys)}, float(left),
                   math.inf, "ckpt_count")
+    if zt is not None:  # a stage takes the longer of its compute and its gathers (overlapped), else their sum
+        for st in range(S):
+            if zt.overlap:
+                V = m.var(ub=math.inf)
+                m.row({V: 1.0, **{j: -x for j, x in T[st].items()}}, 0.0, math.inf, "pp_fsdp_compute")
+                m.row({V: 1.0, **{j: -x for j, x in G[st].items()}}, Gc[st] * _SECONDS, math.inf, "pp_fsdp_gather")
+                T[st] = {V: 1.0}
+            else:
+                for j, x in G[st].items():
+                    add(T[st], j, x)
+                Tc[st] += Gc[st]
     m.c = [0.0] * len(m.c)  # the objective is the pipelined step, stated below
     R = m.var(ub=math.inf)
     Q = m.var(ub=math.inf)
@@ -129,12 +161,12 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         for st in mine:
             for j, x in T[st].items():
                 row[j] = row.get(j, 0.0) - x
-        m.row(row, 0.0, math.inf, "pp_rank_time")
+        m.row(row, sum(Tc[st] for st in mine) * _SECONDS, math.inf, "pp_rank_time")
         row = {Q: 1.0}
         for st in mine:
             for j, x in tail[st].items():
                 row[j] = row.get(j, 0.0) - x
-        m.row(row, 0.0, math.inf, "pp_rank_tail")
+        m.row(row, Qc[r] * _SECONDS, math.inf, "pp_rank_tail")
     alpha = (p - 1) / (p * v)
     obj: dict[int, float] = {R: float(M), Q: 1.0}
     for st in range(S):
@@ -196,13 +228,19 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     tail = [0.0] * S
     rec = [0.0] * S
     trans = [0.0] * p
+    zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
+    G = [0.0] * S
+    Gc, Tc, Qc = _zero_constants(zt, cut, p)
     in_template = {u: t for t, info in cg.templates.items() for u in info.units}
     for u, unit in enumerate(cg.units):
-        c = unit.costs[choice[u]]
+        k = choice[u]
+        c = unit.costs[k]
         for st, k_n in cut.mult.get(u, []):
             T[st] += k_n * _step_time(c)
-            static[st] += k_n * c.static_bytes
-            tail[st] += k_n * _tail_time(c)
+            static[st] += k_n * (c.static_bytes + (zt.held(u, k) if zt else 0.0))
+            tail[st] += k_n * (_tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k))
+            if zt is not None:
+                G[st] += k_n * zt.gather_s(u, k)
             if u not in in_template:
                 A[st] += c.act_bytes
     needed = {(j, a, cg.units[u].count) for u, unit in enumerate(cg.units)
@@ -226,9 +264,12 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
             rec[st] += c_ * (Ft + host)
             if c_:
                 trans[st % p] = max(trans[st % p], At)
+    if zt is not None:
+        T = [max(T[st], G[st] + Gc[st]) if zt.overlap else T[st] + G[st] + Gc[st] for st in range(S)]
+    T = [t_ + c_ for t_, c_ in zip(T, Tc)]
     ranks = [[st for st in range(S) if st % p == r] for r in range(p)]
     R = max(sum(T[st] for st in mine) for mine in ranks)
-    Q = max(sum(tail[st] for st in mine) for mine in ranks)
+    Q = max(sum(tail[st] for st in mine) + Qc[r] for r, mine in enumerate(ranks))
     sends = 0.0
     link = cg.cluster.link(cg.roles.pp)
     for b_ in range(S - 1):

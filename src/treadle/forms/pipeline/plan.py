@@ -45,9 +45,10 @@ per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s)), p
 (pp_transient). So the first stages, which keep the most micro-batches, checkpoint more. `evaluate` computes the
 same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
-planner's final choice by price (NOTE [final choice by price]) reads that. Not planned (refused as role options):
-FSDP2 / HSDP beside a pipeline, zero-bubble and V schedules, sequence parallelism's credit inside the stages (its
-gathers are priced as the gradient sums they replace).
+planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
+[pipeline FSDP2 in the plan] in `zero.py`. Not planned: zero-bubble and V schedules, no reshard after forward beside
+a pipeline, sequence parallelism's credit inside the stages (its gathers are priced as the gradient sums they
+replace).
 """
 
 from __future__ import annotations
@@ -141,10 +142,15 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
 
 
 def keep_roles(options: dict) -> bool:
-    """The pipeline axis is not also data-parallel; a pipeline beside ZeRO-3 / HSDP is not planned (NOTE [pipeline
-    in the plan])."""
+    """The pipeline axis is not also data-parallel; beside it ZeRO-3 / HSDP only with reshard after forward (NOTE
+    [pipeline FSDP2 in the plan]) and without experts split over an axis (build refuses FSDP2 experts units in
+    stages)."""
     pp = options.get("pp")
-    return not pp or (pp not in options.get("dp", ()) and not options.get("zero"))
+    if not pp:
+        return True
+    if pp in options.get("dp", ()):
+        return False
+    return not options.get("zero") or (options.get("reshard_after_forward", True) and not options.get("ep"))
 
 
 def role_label(roles) -> str | None:

@@ -1,0 +1,110 @@
+"""ZeRO-3 (FSDP2, HSDP) beside a planned pipeline: its terms in the pipeline MILP (NOTE [pipeline FSDP2 in the
+plan]).
+
+NOTE [pipeline FSDP2 in the plan]: with FSDP2 on each local stage (NOTE [pipeline FSDP2] in `fsdp.py`: every forward
+gathers its stage and reshards after it, every backward gathers it again and keeps it, one reduce-scatter after the
+stage's last backward), a stage's micro-batch moves, besides its compute, two all-gathers of each of its units (the
+stage's blocks and its root) over the shard group: per micro-batch, 2 x (gathered bytes x the all-gather's slope +
+units x its latency), and FSDP2's hooks on each unit in both (host time, `fsdp_host_s`). FSDP2 prefetches the next unit while the current one computes, so where the device overlaps
+communication the stage takes the longer of its compute and its gathers (a variable bounded below by both), else
+their sum. The reduce-scatter (HSDP: and the all-reduce of the shard over the replicate axes) runs once a step after
+the last backward: in the rank's tail beside the optimizer, instead of the data form's per-step sync. Memory: the
+parameters and optimizer states are the shard (the core's static bytes), but the gradients stay full-size until
+the reduce-scatter, and while a stage runs it is gathered in full: each rank adds its stages' gradients' other
+(n - 1)/n and its stages' gathered bytes. The slope of each collective is taken at a unit's size (a block's gathered
+bytes), as the data form takes it (NOTE [bandwidth per byte]). Reshard after forward only (the flag the runtime
+defaults to and the state machine of `fsdp.py` is checked for); FSDP2 copies stay the cost graph's (per step,
+charged per micro-batch: an over-count by at most 3M / (2M + 1)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+from ...planner.capture import TensorMeta
+from ...planner.node_costs import _tensor_axes_divisor
+from ..data.facts import fsdp_host_s
+
+
+@dataclass(slots=True)
+class ZeroTerms:
+    """A role assignment's ZeRO-3 beside its pipeline: `gathered[u][k]` bytes a unit's strategy gathers (its owned
+    parameters in full, tensor shards divided), `grads[u][k]` its local gradients' bytes, the shard size `n`, the
+    seconds per gathered byte of an all-gather (`ag_per_byte`) and of the step's reduce-scatter and HSDP all-reduce
+    (`rs_per_byte`), one all-gather's latency (`ag_lat_s`), one unit's step-end latency (`rs_lat_s`), whether the
+    device overlaps communication with compute (`overlap`), and FSDP2's host cost of one unit's hooks over a
+    micro-batch (`unit_host_s`: half of `fsdp_host_s` a unit in its forward and in its backward, as the pipeline's
+    price charges them)."""
+
+    gathered: list[list[float]]
+    grads: list[list[float]]
+    n: int
+    ag_per_byte: float
+    rs_per_byte: float
+    ag_lat_s: float
+    rs_lat_s: float
+    overlap: bool
+    unit_host_s: float = 0.0  # FSDP2's hooks on one unit over a micro-batch's forward and backward
+
+    def gather_s(self, u: int, k: int) -> float:
+        """Seconds of one micro-batch's two gathers of unit u's bytes under strategy k (bandwidth part)."""
+        return 2 * self.ag_per_byte * self.gathered[u][k]
+
+    def reduce_s(self, u: int, k: int) -> float:
+        """Seconds of the step's reduce-scatter (and HSDP all-reduce) of unit u's bytes (bandwidth part)."""
+        return self.rs_per_byte * self.gathered[u][k]
+
+    def held(self, u: int, k: int) -> float:
+        """Bytes a rank holds beyond the cost graph's sharded static bytes: the gradients' other (n - 1)/n and the
+        gathered parameters."""
+        return self.grads[u][k] * (1 - 1 / self.n) + self.gathered[u][k]
+
+
+def zero_terms(cg) -> ZeroTerms | None:
+    """The ZeRO-3 terms of a pipeline role assignment (NOTE [pipeline FSDP2 in the plan]); None without ZeRO-3 over
+    more than one rank."""
+    roles = cg.roles
+    mesh = cg.cluster.mesh
+    n = math.prod(mesh.size(a) for a in roles.shard_axes) if roles.zero else 1
+    if n <= 1:
+        return None
+    g = cg.graph
+    tp_sizes = tuple(mesh.size(a) for a in roles.tp)
+    owner: dict[str, int] = {}
+    for i, node in enumerate(g.nodes):
+        if node.kind == "op":
+            for j in node.inputs:
+                if g.nodes[j].kind == "param":
+                    owner.setdefault(g.nodes[j].param, i)
+    gathered = []
+    for unit in cg.units:
+        gu = []
+        for members in unit.strategies:
+            b = 0.0
+            for i, (combo, _) in members.items():
+                node = g.nodes[i]
+                for pos, j in enumerate(node.inputs):
+                    src = g.nodes[j]
+                    if src.kind == "param" and owner.get(src.param) == i and isinstance(src.out, TensorMeta):
+                        pl = tuple(o.ins[pos] for o in combo)
+                        b += src.out.numel * src.out.dtype.itemsize / _tensor_axes_divisor(pl, tp_sizes)
+            gu.append(b)
+        gathered.append(gu)
+    link = cg.cluster.group_link(roles.shard_axes)
+    blocks = max(1, sum(info.count for info in cg.templates.values()))
+    ref = max(1.0, sum(max(gu) for gu in gathered) / blocks)  # a unit's gathered bytes, about a block's
+    ag_lat = all_gather_time_s(0.0, n, link)
+    rs_lat = reduce_scatter_time_s(0.0, n, link)
+    ag = (all_gather_time_s(ref, n, link) - ag_lat) / ref
+    rs = (reduce_scatter_time_s(ref, n, link) - rs_lat) / ref
+    if roles.replicate:
+        reps = math.prod(mesh.size(a) for a in roles.replicate)
+        rlink = cg.cluster.group_link(roles.replicate)
+        r_lat = all_reduce_time_s(0.0, reps, rlink)
+        rs += (all_reduce_time_s(ref / n, reps, rlink) - r_lat) / ref
+        rs_lat += r_lat
+    # the gradients have the parameters' dtype and shards (every captured parameter trains)
+    return ZeroTerms(gathered, gathered, n, ag, rs, ag_lat, rs_lat, cg.cluster.rank_device().overlap,
+                     fsdp_host_s(1, 0, cg.cluster.rank_hardware()))
