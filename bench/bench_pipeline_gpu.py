@@ -24,7 +24,10 @@ Columns: predicted step, tokens/s per GPU, MFU (bf16 peak), peak memory, planner
 planning seconds. Target (issue 27): the planner at least as fast as every recipe that fits, >= 1.2x faster than
 one; planning <= 60 s for 405B on 512 GPUs. Writes bench/results/bench_pipeline_gpu.json.
 
-    .venv/bin/python bench/bench_pipeline_gpu.py [--models llama-2-70b llama-3-70b llama-3.1-405b] [--tiny]
+With ``--verify`` each recipe is carried onto a tiny LLaMA of 8 blocks on a (pp 2, dp 2, tp 2) mesh
+(`treadle.verify.shrink.carry_schedule`) and verified against one process on 8 gloo ranks instead.
+
+    .venv/bin/python bench/bench_pipeline_gpu.py [--models llama-2-70b llama-3-70b llama-3.1-405b] [--tiny] [--verify]
 """
 
 from __future__ import annotations
@@ -105,12 +108,53 @@ def _recipe(name, inputs, physical, spec):
     return sch, _cluster(physical, shape, names)
 
 
+def verify_shrunken(name, spec, physical) -> dict:
+    """One recipe carried onto a tiny LLaMA of 8 blocks on a (pp 2, dp 2, tp 2) mesh (`carry_schedule`: its stages a
+    rank as far as 8 blocks allow, its micro-batches where batch 8 splits so) and verified on 8 gloo ranks."""
+    import treadle
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treadle.mesh import Mesh
+    from treadle.verify.shrink import carry_schedule
+
+    def tiny():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                                            max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                            pad_token_id=0, use_cache=False))
+
+    big, inputs = _build(name, *CASES[name][1:3])
+    sch, _ = _recipe(name, inputs, physical, spec)
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    small = {"input_ids": ids, "labels": ids}
+    t0 = time.perf_counter()
+    carried = carry_schedule(sch, tiny(), mesh=Mesh((2, 2, 2), ("pp", "dp", "tp")), example_inputs=small)
+    stages = sum(r.op == "cut_pipeline_stage" for r in carried.schedule.records) + 1
+    report = treadle.verify(carried.schedule, small, steps=2, timeout_s=600, raise_on_mismatch=False)
+    return {"plan": spec[0], "model": name, "stages": stages, "ok": report.ok, "error": report.error,
+            "verify_s": time.perf_counter() - t0, "carried": carried.summary()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["llama-2-70b", "llama-3-70b", "llama-3.1-405b"])
     ap.add_argument("--tiny", action="store_true", help="tiny-llama only (a smoke test of the script)")
     ap.add_argument("--max-axes", type=int, default=3, help="most mesh axes the planner searches (default 3)")
+    ap.add_argument("--verify", action="store_true", help="only carry each recipe onto a tiny LLaMA of 8 blocks on a "
+                    "(pp 2, dp 2, tp 2) mesh and verify it on 8 gloo ranks")
     args = ap.parse_args()
+    if args.verify:
+        from treadle.cost.cluster import parse_cluster
+
+        out = [verify_shrunken(name, spec, parse_cluster(CASES[name][0]))
+               for name in args.models for spec in CASES[name][3]]
+        for r in out:
+            print(f"{r['model']:15} {r['plan']:52} {r['stages']:3d} stages  {'ok' if r['ok'] else 'FAILED'} "
+                  f"({r['verify_s']:.0f} s) {r['error'] or ''}")
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "bench_pipeline_gpu_verify.json").write_text(json.dumps(out, indent=1, default=str))
+        return
     from treadle.cost.cluster import parse_cluster
     from treadle.errors import TreadleError
     from treadle.planner import plan_model

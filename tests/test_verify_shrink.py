@@ -126,3 +126,49 @@ def test_refuses_a_record_on_the_block_list_and_a_model_without_blocks():
     with pytest.raises(ScheduleError, match=r"no nn.ModuleList \(or nn.ModuleDict keyed 0, 1, ...\) of repeated "
                                             r"blocks"):
         carry_schedule(flat, torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=MESH)
+
+
+def _pipelined_llama(n_layer: int, v: int, mesh: Mesh, batch: int = 16, microbatches: int = 8):
+    from tiny_models import lm_inputs
+
+    sch = create_schedule(tiny_llama(n_layer), mesh=mesh)
+    schedule_llama(sch, tp="tp", vocab_parallel_head=False)
+    stages = v * mesh.size("pp")
+    for s in range(stages - 1):
+        sch[f"model.layers.{(s + 1) * n_layer // stages - 1}"].cut_pipeline_stage()
+    sch.pipeline(axis="pp", schedule="interleaved_1f1b" if v > 1 else "1f1b", n_microbatches=microbatches,
+                 example_inputs={**lm_inputs(batch, 16), "use_cache": False})
+    return sch
+
+
+def test_a_pipeline_is_carried_with_its_stages_per_rank_as_far_as_the_blocks_allow():
+    from tiny_models import lm_inputs
+
+    mesh = Mesh((2, 2), ("pp", "tp"))
+    big = _pipelined_llama(8, 4, mesh)  # 8 stages of one block, 4 a rank
+    small = lm_inputs(8, 16)
+    out = carry_schedule(big, tiny_llama(4), mesh=mesh, example_inputs=small).schedule
+    cuts = [r.path for r in out.records if r.op == "cut_pipeline_stage"]
+    assert cuts == ["model.layers.0", "model.layers.1", "model.layers.2"]  # 2 a rank: what 4 blocks allow
+    (pipe,) = [r for r in out.records if r.op == "pipeline"]
+    assert pipe.args["schedule"] == "interleaved_1f1b" and pipe.args["n_microbatches"] == 8
+    assert pipe.args["example_inputs"]["input_ids"]["shape"] == [8, 16]
+    assert pipe.args["example_inputs"]["use_cache"] is False  # the large schedule's flag, carried
+    with pytest.raises(ScheduleError, match="give the shrunken model's example_inputs"):
+        carry_schedule(big, tiny_llama(4), mesh=mesh)
+    with pytest.raises(ScheduleError, match="use at least 4 blocks"):
+        carry_schedule(big, tiny_llama(2), mesh=mesh, example_inputs=small)
+    # a smaller batch: the most micro-batches it splits into
+    out = carry_schedule(big, tiny_llama(4), mesh=mesh, example_inputs=lm_inputs(4, 16)).schedule
+    assert [r for r in out.records if r.op == "pipeline"][0].args["n_microbatches"] == 4
+
+
+@pytest.mark.slow
+def test_a_carried_pipeline_verifies():
+    import treadle
+    from tiny_models import lm_inputs
+
+    mesh = Mesh((2, 2), ("pp", "tp"))
+    small = lm_inputs(8, 16)
+    out = carry_schedule(_pipelined_llama(8, 4, mesh), tiny_llama(4), mesh=mesh, example_inputs=small).schedule
+    assert treadle.verify(out, small, steps=2, timeout_s=300).ok

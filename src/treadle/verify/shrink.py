@@ -17,10 +17,17 @@ blocks and smaller widths, on a mesh with the same axis names and fewer ranks, t
   ``round(c * n / N)`` of the ``n`` shrunken blocks, at least one when ``c > 0`` and at least one left out when
   ``c < N`` (both kinds of block are exercised), spread as the planner spreads them.
 
+* a pipeline (`cut_pipeline_stage` + `pipeline(...)`) keeps its axis and schedule, and its stages per rank v as far
+  as the shrunken blocks allow (at least 2 for a multi-stage schedule): the shrunken model is cut evenly into
+  v x (the shrunken mesh's pp size) stages, over the shrunken example inputs
+  (`example_inputs`, required then, with the large schedule's plain flags such as ``use_cache=False``) in as many
+  micro-batches as the large schedule's where the shrunken batch
+  splits so, else the most it splits into (at least one per stage).
+
 Sizes are not carried: every primitive re-checks divisibility on the shrunken model and mesh. Only primitives
 whose arguments hold no module, graph or integer sized for the large model are carried (shard, sync,
 shard_attr, reduce_grads, fork_rng, checkpoint, checkpoint_selective, annotate, set_attr of a Ref or a plain
-flag, data_parallel); any other raises ScheduleError naming it.
+flag, data_parallel, and a pipeline as above); any other raises ScheduleError naming it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from ..schedule.log import Record, Ref
 logger = logging.getLogger(__name__)
 
 CARRIED_OPS = ("shard", "sync", "shard_attr", "reduce_grads", "fork_rng", "checkpoint", "checkpoint_selective",
-               "annotate", "set_attr", "data_parallel")
+               "annotate", "set_attr", "data_parallel", "cut_pipeline_stage", "pipeline")
+PIPELINE_OPS = ("cut_pipeline_stage", "pipeline")
 CHECKPOINT_OPS = ("checkpoint", "checkpoint_selective")
 
 
@@ -117,10 +125,12 @@ def checkpoint_count(c: int, n_big: int, n: int) -> int:
     return min(max(round(c * n / n_big), 1), max(n - 1, 1))
 
 
-def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str | None = None) -> CarriedSchedule:
+def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str | None = None,
+                   example_inputs: dict | None = None) -> CarriedSchedule:
     """Replay `sch`'s records on `model` (same architecture, fewer blocks, smaller sizes) on `mesh`; see the
     module doc for what is carried. `blocks` is the path of the repeated blocks (default: the longest
-    nn.ModuleList of `sch.model`), the same path in both models.
+    nn.ModuleList of `sch.model`), the same path in both models. `example_inputs`: the shrunken model's batch, for
+    a pipeline (its micro-batches split it).
 
     Raises ScheduleError when `mesh` has other axis names than `sch.mesh`, the shrunken model has more blocks
     than the large one or none, a primitive cannot be carried, a large block's primitives are carried by no
@@ -141,8 +151,11 @@ def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str |
     per: dict[int, list[tuple[Record, str]]] = {i: [] for i in range(n_big)}
     ckpts: dict[int, list[tuple[Record, str]]] = {}
     order: list[tuple[Record, int | None, str]] = []  # (record, block index or None, path below the block)
+    piped = [r for r in sch.records if r.op in PIPELINE_OPS]
     for r in sch.records:
         _check_carriable(r)
+        if r.op in PIPELINE_OPS:  # carried as a pipeline of the shrunken model (`_carry_pipeline`)
+            continue
         if r.path == blocks:
             raise ScheduleError(f"carry_schedule: primitive {r.op!r} on the block list {blocks!r} itself has no "
                                 f"per-block meaning and cannot be carried")
@@ -191,6 +204,7 @@ def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str |
         elif not ck_done:  # the shrunken model's checkpoints, where the first one was
             ck_done = True
             records += [at(j, c, crel) for j in ck_small for c, crel in ck_template]
+    records += _carry_pipeline(piped, sch, blocks, n, mesh, example_inputs)
     out = replay(create_schedule(model, mesh=mesh), records)
     logger.info("carry_schedule: %d -> %d blocks, %d records", n_big, n, len(records))
     return CarriedSchedule(
@@ -199,6 +213,44 @@ def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str |
         shared_records=tuple(r.to_python() for r in shared), checkpointed_big=len(ckpts), checkpointed=ck_small,
         checkpoint_op=ck_template[0][0].op if ck_template else None,
         block_records=tuple(at(0, r, rel).to_python() for r, rel in per[src[0]]))
+
+
+def _carry_pipeline(piped: list[Record], sch: Schedule, blocks: str, n: int, mesh: Mesh,
+                    example_inputs: dict | None) -> list[Record]:
+    """The shrunken model's pipeline records (module doc): even cuts into v x pp stages, the large schedule's
+    micro-batches where the shrunken batch splits so. Raises ScheduleError without example inputs, with cuts but no
+    pipeline, or with fewer blocks than stages."""
+    if not piped:
+        return []
+    pipe = next((r for r in piped if r.op == "pipeline"), None)
+    cuts = [r for r in piped if r.op == "cut_pipeline_stage"]
+    if pipe is None:
+        raise ScheduleError(f"carry_schedule: {len(cuts)} cut_pipeline_stage without pipeline(...): nothing to carry")
+    if example_inputs is None:
+        raise ScheduleError("carry_schedule: the schedule is a pipeline; give the shrunken model's example_inputs "
+                            "(its micro-batches split them)")
+    args = dict(pipe.args)
+    axis = args["axis"]
+    big_v = (len(cuts) + 1) // sch.mesh.size(axis)
+    v = min(big_v, n // mesh.size(axis))  # as many stages a rank as the shrunken blocks allow...
+    if v < (2 if big_v > 1 else 1):  # ...keeping a multi-stage schedule multi-stage
+        raise ScheduleError(f"carry_schedule: the pipeline runs {big_v} stages a rank over {axis!r}; the shrunken "
+                            f"model's {n} blocks make {n // mesh.size(axis)} a rank on {mesh.size(axis)} ranks; use "
+                            f"at least {min(big_v, 2) * mesh.size(axis)} blocks")
+    stages = v * mesh.size(axis)
+    dp = sch.view().data_parallel
+    replicas = dp.size(mesh) if dp is not None else 1
+    batch = next(int(t.shape[0]) for t in example_inputs.values() if hasattr(t, "shape") and len(t.shape))
+    per = batch // replicas
+    m = next((k for k in range(int(args["n_microbatches"]), 0, -1) if per % k == 0 and k >= stages // v), None)
+    if m is None:
+        raise ScheduleError(f"carry_schedule: a batch of {batch} over {replicas} replicas splits into no micro-batch "
+                            f"count of at least {stages // v}; use a larger shrunken batch")
+    out = [Record("cut_pipeline_stage", f"{blocks}.{(s + 1) * n // stages - 1}", {}) for s in range(stages - 1)]
+    flags = {k: x for k, x in (args.get("example_inputs") or {}).items() if not isinstance(x, dict)}  # use_cache=...
+    args.update(n_microbatches=m, example_inputs={**flags, **example_inputs})
+    out.append(Record("pipeline", "", args))
+    return out
 
 
 __all__ = ["CarriedSchedule", "carry_schedule", "checkpoint_count", "CARRIED_OPS"]
