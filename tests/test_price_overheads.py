@@ -136,13 +136,36 @@ def test_hardware_spec_overheads_round_trip_and_are_validated(tmp_path):
 def test_overhead_probes_fit_two_points_and_measure_positive_costs():
     assert ov._fit_line(2, 5.0, 6, 13.0) == (1.0, 2.0)
     assert ov._fit_line(1, 5.0, 3, 1.0) == (5.0, 0.0)  # a negative slope (noise) clamps to 0
+    # the probes are differences of timings: under a loaded runner a difference can measure 0 (clamped), so only
+    # their sign and a loose upper bound are facts here, no timing
     region_s, op_s = ov.checkpoint_overheads_s(reps=2)
-    assert region_s >= 0 and op_s > 0
+    assert region_s >= 0 and op_s >= 0
     sub, unit_s, param_s = ov.distributed_overheads_s(reps=2)
-    assert sub > 0 and unit_s + param_s > 0
+    assert sub > 0 and unit_s >= 0 and param_s >= 0
     # a split stage backward walks the graph and runs autograd twice: more host time per backward op, bounded
     # by a few times a whole op's (~15 us nominal)
-    assert 0 < ov.split_backward_op_s(reps=3) < 200e-6
+    assert 0 <= ov.split_backward_op_s(reps=3) < 200e-6
+
+
+def test_the_split_backward_probe_times_the_same_gradients_as_the_whole_one():
+    """What `split_backward_op_s` differences is the same work done two ways: torch's split stage backward
+    (input, then weight gradients) gives the whole backward's gradients exactly."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[ov._TinyBlock() for _ in range(3)])
+    params = list(model.parameters())
+    x = torch.randn(2, 4, requires_grad=True)
+    g = torch.ones(2, 4)
+    (dx,) = stage_backward(model(x), g, [x])
+    whole = [dx] + [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    (dx,), groups = stage_backward_input([model(x)], [g], [x], iter(params))
+    stage_backward_weight(iter(params), groups)
+    split = [dx] + [p.grad for p in params]
+    assert len(whole) == len(split) == 1 + 6 * 3
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ NOTE [kernel rates]
