@@ -153,6 +153,46 @@ def test_the_min_max_cut_is_exact_and_the_even_cut_is_proposed_beside_it():
     assert all(sorted(i for st in c for i in st) == list(range(6)) for c in proposed)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_min_max_dynamic_programme_is_exact_against_every_cut(seed):
+    """`cuts._minmax` (a stage at a time over every (i, j) at once) against every contiguous cut: stage-dependent
+    costs (a first stage that keeps more micro-batches, a last stage with the head), pinned boundaries kept, stages
+    whose every cut costs inf refused or None."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n, S = int(rng.integers(4, 9)), int(rng.integers(2, 5))
+    w = rng.uniform(0.5, 2.0, n)
+    pre = np.concatenate([[0.0], np.cumsum(w)])
+    scale = rng.uniform(1.0, 3.0, S)  # per stage (1F1B's first stages keep the most in flight)
+    pinned = set(int(x) for x in rng.choice(n - 1, size=int(rng.integers(0, 2)), replace=False))
+    cap = float(np.quantile(w, 0.9)) * 3.0
+
+    def cost(s_):
+        span = pre[None, :] - pre[:, None]
+        return np.where(span * scale[s_] <= cap * 2.5, span * scale[s_], math.inf)
+
+    def every():
+        for ends in itertools.combinations(range(1, n), S - 1):
+            b = (0, *ends, n)
+            yield tuple(tuple(range(b[k], b[k + 1])) for k in range(S))
+
+    def worst(stages):
+        if any(st[0] <= k < st[-1] for st in stages for k in pinned):
+            return math.inf
+        return max(cost(s_)[st[0], st[-1] + 1] for s_, st in enumerate(stages))
+
+    truth = min((worst(c) for c in every()), default=math.inf)
+    got = cuts._minmax(n, S, pinned, cost, must=False)
+    if math.isinf(truth):
+        assert got is None
+        with pytest.raises(PlanError, match=f"no cut of {n} blocks into {S} stages"):
+            cuts._minmax(n, S, pinned, cost)
+    else:
+        assert got is not None and [i for st in got for i in st] == list(range(n)) and len(got) == S
+        assert all(st for st in got) and worst(got) == pytest.approx(truth, rel=1e-12)
+
+
 def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_schedule_class():
     lay = cuts._Layout([], [], [], p=4, v=1, m=8)
     got = cuts.inflight(lay)
@@ -336,8 +376,9 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
     # every contiguous cut of n blocks into 4 stages, each solved exhaustively (choices and per-stage checkpoint
     # counts), against the MILP over the proposed cuts. Under a budget the memory-aware cut matters: the first stages
     # of 1F1B keep the most micro-batches, so the best cut gives them fewer blocks. The proposals are not every cut:
-    # on the GELU stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks the best cut (2, 1, 1, 2)
-    # is 4.7% faster than the best proposed one (1, 1, 2, 2); everywhere else they find it
+    # on the GELU stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks, which of the equal
+    # min-max time cuts the dynamic programme keeps decides whether the best cut is proposed (with the tie broken
+    # the other way the best proposed was 4.7% slower): that case is held to 4.7%, every other to the best cut
     from test_planner import Stack as GeluStack
 
     torch.manual_seed(0)
@@ -355,8 +396,10 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
             edges = (0, *bounds, n)
             stages = tuple(tuple(range(edges[i], edges[i + 1])) for i in range(4))
             best = min(best, milp.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
-        gap = 0.047 if (block, n, frac) == ("gelu", 6, 0.6) else 0.0
-        assert got.step_s == pytest.approx(best * (1 + gap), rel=1e-3), (frac, got.stages.blocks if got.stages else None)
+        if (block, n, frac) == ("gelu", 6, 0.6):
+            assert best * (1 - 1e-3) <= got.step_s <= best * 1.047 * (1 + 1e-3), got.stages.blocks
+        else:
+            assert got.step_s == pytest.approx(best, rel=1e-3), (frac, got.stages.blocks if got.stages else None)
 
 
 # ----------------------------------------------------------------------------- ZeRO-3 beside the pipeline

@@ -4,8 +4,11 @@ the contiguous cuts proposed, and the micro-batches in flight at each moment of 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from ...errors import PlanError
 from .facts import action_order
@@ -113,10 +116,12 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
         raise PlanError(f"pipeline: pinned stage boundary {bad[0]!r} is not a block of the container that can end a "
                         f"stage (blocks {lay.blocks[0][0]} .. {lay.blocks[-1][0]}, the last excepted)")
     pinned = {where[c] for c in cg.roles.pp_cuts}  # a stage ends after each of these blocks
+    # each stage's cost of blocks i..j-1 as an (n+1) x (n+1) matrix [i, j] (prefix sums: j > i is what is read)
     time_w = _prefix([per[t] for _, t in lay.blocks])
+    span_s = time_w[None, :] - time_w[:, None]
 
-    def seconds(i: int, j: int, s_: int) -> float:
-        return time_w[j] - time_w[i] + (head if s_ == 0 else 0.0) + (tail if s_ == S - 1 else 0.0)
+    def seconds(s_: int) -> np.ndarray:
+        return span_s + ((head if s_ == 0 else 0.0) + (tail if s_ == S - 1 else 0.0))
 
     out = [_minmax(n, S, pinned, seconds)]
     if budget_bytes is not None:
@@ -128,14 +133,14 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
         end_act = {s_: _cheapest(cg, us, lambda c: c.act_bytes) for s_, us in ends.items()}
         st_w = _prefix([static[t] for _, t in lay.blocks])
         ac_w = _prefix([act[t] for _, t in lay.blocks])
+        span_st, span_ac = st_w[None, :] - st_w[:, None], ac_w[None, :] - ac_w[:, None]
 
-        def memory(i: int, j: int, s_: int) -> float:
-            return (st_w[j] - st_w[i] + end_static.get(s_, 0.0) + cg.fixed_static_bytes
-                    + k[s_] * (ac_w[j] - ac_w[i] + end_act.get(s_, 0.0)))
+        def memory(s_: int) -> np.ndarray:
+            return (span_st + (end_static.get(s_, 0.0) + cg.fixed_static_bytes)
+                    + k[s_] * (span_ac + end_act.get(s_, 0.0)))
 
         share = budget_bytes / lay.v  # a rank's stages share its memory
-        fits = _minmax(n, S, pinned, lambda i, j, s_: seconds(i, j, s_) if memory(i, j, s_) <= share else math.inf,
-                       must=False)
+        fits = _minmax(n, S, pinned, lambda s_: np.where(memory(s_) <= share, seconds(s_), math.inf), must=False)
         out += [c for c in (fits, _minmax(n, S, pinned, memory)) if c is not None]
     base, extra = divmod(n, S)
     sizes = [base + (1 if s_ < extra else 0) for s_ in range(S)]
@@ -145,39 +150,44 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
     return list(dict.fromkeys(out))
 
 
-def _prefix(w: list[float]) -> list[float]:
-    out = [0.0]
-    for x in w:
-        out.append(out[-1] + x)
-    return out
+def _prefix(w: list[float]) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.asarray(w, dtype=np.float64))])
 
 
 def _minmax(n: int, S: int, pinned: set[int], cost, *, must: bool = True) -> tuple[tuple[int, ...], ...] | None:
-    """The cut of n blocks into S contiguous stages minimising the largest `cost(i, j, s)` of a stage (blocks i..j-1
-    as stage s), keeping the `pinned` boundaries (a stage never runs across one); None when every cut costs inf
-    (`must`: raise PlanError instead)."""
+    """The cut of n blocks into S contiguous stages minimising the largest cost of a stage, keeping the `pinned`
+    boundaries (a stage never runs across one); None when every cut costs inf (`must`: raise PlanError instead).
+    `cost(s)` is stage s's cost of blocks i..j-1 as an (n+1) x (n+1) matrix indexed [i, j] (entries j <= i unread).
+    Dynamic programming, a stage at a time over every (i, j) at once: best[s][j] = min over i of
+    max(best[s-1][i], cost(s-1)[i, j]), the first smallest i kept."""
     inf = math.inf
-
-    def c(i: int, j: int, s_: int) -> float:
-        return inf if any(i <= k < j - 1 for k in pinned) else cost(i, j, s_)
-
-    best = [[inf] * (n + 1) for _ in range(S + 1)]
-    arg = [[0] * (n + 1) for _ in range(S + 1)]
-    best[0][0] = 0.0
+    idx = np.arange(n + 1)
+    # blocks i..j-1 run across a pinned boundary k when i <= k < j - 1: count the pinned below each position
+    below = np.concatenate([[0], np.cumsum([1 if x in pinned else 0 for x in range(n)])])
+    crosses = (below[np.maximum(idx[None, :] - 1, 0)] - below[idx[:, None]]) > 0
+    invalid = (idx[:, None] >= idx[None, :]) | crosses
+    best = np.full(n + 1, inf)
+    best[0] = 0.0
+    args = []
     for s_ in range(1, S + 1):
-        for j in range(s_, n - (S - s_) + 1):
-            for i in range(s_ - 1, j):
-                x = max(best[s_ - 1][i], c(i, j, s_ - 1))
-                if x < best[s_][j] - 1e-15:
-                    best[s_][j], arg[s_][j] = x, i
-    if math.isinf(best[S][n]):
+        c = np.where(invalid, inf, np.asarray(cost(s_ - 1), dtype=np.float64))
+        cand = np.maximum(best[:, None], c)  # [i, j]
+        # stage s_ ends at j in s_ .. n - (S - s_) and starts at i >= s_ - 1 (each stage keeps one block at least)
+        cand[: s_ - 1, :] = inf
+        arg = np.argmin(cand, axis=0)
+        nxt = cand[arg, idx]
+        nxt[:s_] = inf
+        nxt[n - (S - s_) + 1:] = inf
+        best = nxt
+        args.append(arg)
+    if math.isinf(best[n]):
         if must:
             raise PlanError(f"pipeline: no cut of {n} blocks into {S} stages keeps the pinned boundaries "
                             f"{sorted(pinned)}")
         return None
     cuts, j = [], n
     for s_ in range(S, 0, -1):
-        i = arg[s_][j]
+        i = int(args[s_ - 1][j])
         cuts.append(tuple(range(i, j)))
         j = i
     return tuple(reversed(cuts))
@@ -186,8 +196,15 @@ def _minmax(n: int, S: int, pinned: set[int], cost, *, must: bool = True) -> tup
 def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
     """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
     of its action order that no other moment dominates (NOTE [pipeline in the plan])."""
-    order = action_order(_schedule_of(lay), lay.n_stages, lay.p, lay.m)
-    out: dict[int, list[dict[int, int]]] = {}
+    got = _inflight(_schedule_of(lay), lay.n_stages, lay.p, lay.m)
+    return {r: [dict(kv) for kv in moments] for r, moments in got.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
+    """`inflight` of a schedule's shape (a function of its integers and torch's order: remembered per process)."""
+    order = action_order(schedule, n_stages, p, m)
+    out: dict = {}
     for r, acts in order.items():
         cur: dict[int, int] = {}
         seen: list[dict[int, int]] = []
@@ -201,7 +218,7 @@ def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
         for x in seen:
             if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in seen) and x not in keep:
                 keep.append(x)
-        out[r] = keep
+        out[r] = tuple(tuple(kv.items()) for kv in keep)
     return out
 
 

@@ -15,6 +15,7 @@ for the zero-bubble V schedules).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -40,7 +41,14 @@ class Action:
 def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> dict[int, list[Action]]:
     """Rank of the pp group -> its compute actions in the order the schedule class runs them (NOTE [pipeline
     action order]). Raises PlanError for an unknown schedule, a stage count the schedule cannot place on `pp`
-    ranks, or a micro-batch count it refuses (its own message)."""
+    ranks, or a micro-batch count it refuses (its own message). A function of its four integers and torch's
+    schedule classes only: remembered per process (the planner asks it for every candidate cut), each call
+    returns lists of its own."""
+    return {r: list(acts) for r, acts in _action_order(schedule, n_stages, pp, n_microbatches).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> dict[int, tuple[Action, ...]]:
     from torch.distributed.pipelining import schedules as torch_schedules
 
     if schedule not in SCHEDULE_CLASSES:
@@ -51,7 +59,7 @@ def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> 
         raise PlanError(f"pipeline price: schedule {schedule!r} runs one stage per rank; {n_stages} stages on {pp} "
                         f"ranks need a multi-stage schedule (interleaved_1f1b, ...)")
     if schedule in SINGLE_STAGE:
-        return {r: _single_stage_order(schedule, r, n_stages, n_microbatches) for r in range(pp)}
+        return {r: tuple(_single_stage_order(schedule, r, n_stages, n_microbatches)) for r in range(pp)}
     cls = getattr(torch_schedules, SCHEDULE_CLASSES[schedule])
     from torch import nn
 
@@ -70,7 +78,7 @@ def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> 
     order = sched.pipeline_order
     if order is None:
         raise PlanError(f"pipeline price: {SCHEDULE_CLASSES[schedule]} states no action order")
-    out: dict[int, list[Action]] = {}
+    out: dict[int, tuple[Action, ...]] = {}
     for rank in range(pp):
         acts: list[Action] = []
         for a in order.get(rank, []):
@@ -80,7 +88,7 @@ def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> 
                 kind = part.computation_type.value
                 if kind in COMPUTE:
                     acts.append(Action(part.stage_index, kind, part.microbatch_index))
-        out[rank] = acts
+        out[rank] = tuple(acts)
     return out
 
 

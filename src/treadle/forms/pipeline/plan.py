@@ -18,8 +18,9 @@ blocks' static bytes and saved bytes times the micro-batches it keeps in flight:
 so they get fewer blocks) and the one that minimises the largest stage's memory; and the even cut. The MILP is
 solved for each (and each schedule, 1F1B and interleaved 1F1B) and the fastest kept. Held to every contiguous cut
 solved exhaustively on small cases (tests/test_pipeline_plan.py: 6 and 8 blocks over 4 stages, two block types,
-three budgets) it finds the best cut in 11 of 12, and a cut 4.7% slower in the last (a tight budget where the
-best cut checkpoints less by balancing memory and time at once). For a fixed cut everything is linear:
+three budgets) it finds the best cut in 12 of 12; in one of them (a tight budget where the best cut checkpoints
+less by balancing memory and time at once) only because of which of several equal min-max time cuts the dynamic
+programme keeps: broken the other way, the best proposed cut was 4.7% slower. For a fixed cut everything is linear:
 
     T_s = sum_u n_s(u) sum_k (compute - optimizer + comm)[u,k] s[u,k]        (per micro-batch, F + B)
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
