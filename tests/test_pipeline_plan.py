@@ -469,3 +469,45 @@ def test_a_planned_pipeline_beside_fsdp2_prices_near_its_estimate_and_verifies()
     assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)
     assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.10)
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+def test_role_assignments_that_solve_alike_are_solved_once():
+    """NOTE [role assignments that solve alike]: every candidate of a 3-axis search on 8 nodes x 2 devices (the
+    pipeline over either outer axis of (2, 2, 2), or over the 4 of (4, 2) and (2, 4, ...)) solved, each group of
+    candidates the search merges gives the same step and peak; the search solves one of each."""
+    from treadle.planner import search as S
+    from treadle.planner.meshes import search_clusters
+
+    model, inputs = named_model("tiny-llama", batch=16, seq=16, dropout=False)
+    clusters = search_clusters(parse_cluster("8x2:h100"), max_axes=3)
+    assert any(c.mesh.ndim == 3 for c in clusters)
+    given = dict(cluster=clusters, memory_budget_bytes=None, mode="joint", pins=None, dp_axis="auto", zero=None,
+                 reshard_after_forward=True, forbid_axes=(), partial_schedule=None, train=S.TrainSpec(),
+                 time_limit_s=30, model_spec=None, checkpoint="auto", progress=None, loss_fn=None, price_top=0,
+                 pp_axis="auto")
+    req = S.make_request(model, given)
+    args, kwargs = S._split_inputs(inputs)
+    search = S.capture_model(model, args, kwargs, req)
+    every = S.candidates(search, distinct=False)
+    kept = S.candidates(search)
+    groups: dict = {}
+    for cl, roles in every:
+        groups.setdefault(S._alike(cl, roles), []).append((cl, roles))
+    merged = [g for g in groups.values() if len(g) > 1]
+    assert len(kept) == len(groups) < len(every) and merged
+    assert any(r.pp for g in merged for _, r in g) and any(
+        len({tuple(c.mesh.shape) for c, _ in g}) > 1 for g in merged)  # across meshes, and pipelined
+    for group in merged:
+        got = []
+        for cl, roles in group:
+            rp = S.pins_for(search.graph, req.pins, roles)
+            try:
+                cg = build_cost_graph(search.graph, cl, roles, train=req.train, pins=rp,
+                                      shardable=shardable_fn(search.graph, search.is_leaf_param, len(roles.tp),
+                                                             search.holders), attr_resolver=search.resolver)
+            except PlanError as exc:
+                got.append(("unbuilt", str(exc).replace(roles.pp or "-", "PP")[:40]))
+                continue
+            sol = S.solve_for(search, cg, None)
+            got.append((sol.status, round(sol.step_s, 15), round(sol.peak_bytes)))
+        assert len(set(got)) == 1, (group[0][1], got)
