@@ -24,8 +24,11 @@ Columns: predicted step, tokens/s per GPU, MFU (bf16 peak), peak memory, planner
 planning seconds. Target (issue 27): the planner at least as fast as every recipe that fits, >= 1.2x faster than
 one; planning <= 60 s for 405B on 512 GPUs. Writes bench/results/bench_pipeline_gpu.json.
 
-With ``--verify`` each recipe is carried onto a tiny LLaMA of 8 blocks on a (pp 2, dp 2, tp 2) mesh
-(`treadle.verify.shrink.carry_schedule`) and verified against one process on 8 gloo ranks instead.
+With ``--verify`` each recipe, and the planner's plans (with and without pipelines; the solver's choice on meshes of
+up to 2 axes), is carried onto a tiny LLaMA of 8 blocks on 8 ranks with the same axis names
+(`treadle.verify.shrink.carry_schedule`; a pipeline keeps at least 4 stages: a 1F1B recipe on pp 4, an interleaved
+one on pp 2 with 2+ stages a rank) and verified against one process on 8 gloo ranks instead
+(bench/results/bench_pipeline_gpu_verify.json).
 
     .venv/bin/python bench/bench_pipeline_gpu.py [--models llama-2-70b llama-3-70b llama-3.1-405b] [--tiny] [--verify]
 """
@@ -108,32 +111,82 @@ def _recipe(name, inputs, physical, spec):
     return sch, _cluster(physical, shape, names)
 
 
-def verify_shrunken(name, spec, physical) -> dict:
-    """One recipe carried onto a tiny LLaMA of 8 blocks on a (pp 2, dp 2, tp 2) mesh (`carry_schedule`: its stages a
-    rank as far as 8 blocks allow, its micro-batches where batch 8 splits so) and verified on 8 gloo ranks."""
-    import treadle
+SMALL_BATCH, SMALL_SEQ, SMALL_BLOCKS = 8, 32, 8
+
+
+def _tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=SMALL_BLOCKS, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                                        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                        pad_token_id=0, use_cache=False))
+
+
+def _small_shape(sch) -> tuple[int, ...]:
+    """A shrunken mesh of 8 ranks with the schedule's axis names that runs at least 4 pipeline stages: a single-stage
+    schedule (1F1B, GPipe) on pp 4 (the innermost other axis 2, the others 1); a multi-stage one on pp 2 (its 2+
+    stages a rank) with 2 on each of the two innermost others; without a pipeline 2 on each axis of up to 3 (4 x 2
+    for 2, 8 for 1)."""
+    names = list(sch.mesh.names)
+    piped = next((r for r in sch.records if r.op == "pipeline"), None)
+    if piped is None:
+        return {1: (8,), 2: (4, 2), 3: (2, 2, 2)}[len(names)]
+    pp = piped.args["axis"]
+    single = piped.args.get("schedule") in ("1f1b", "gpipe")
+    size, left = {pp: 4 if single else 2}, 8 // (4 if single else 2)
+    for a in reversed(names):  # the inner (tensor) axes first
+        if a != pp:
+            size[a] = min(2, left)
+            left //= size[a]
+    return tuple(size[a] for a in names)
+
+
+def verify_carried(label: str, name: str, sch) -> dict:
+    """`sch` (a schedule of the large model) carried onto a tiny LLaMA of 8 blocks (`carry_schedule`: its stages a
+    rank as far as 8 blocks allow, its micro-batches where batch 8 splits so) on a mesh of 8 ranks with at least 4
+    stages where it pipelines (`_small_shape`), verified against one process on 8 gloo ranks."""
+    import treadle
     from treadle.mesh import Mesh
     from treadle.verify.shrink import carry_schedule
 
-    def tiny():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4,
-                                            num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-                                            max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-                                            pad_token_id=0, use_cache=False))
-
-    big, inputs = _build(name, *CASES[name][1:3])
-    sch, _ = _recipe(name, inputs, physical, spec)
-    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (SMALL_BATCH, SMALL_SEQ), generator=torch.Generator().manual_seed(0))
     small = {"input_ids": ids, "labels": ids}
     t0 = time.perf_counter()
-    carried = carry_schedule(sch, tiny(), mesh=Mesh((2, 2, 2), ("pp", "dp", "tp")), example_inputs=small)
-    stages = sum(r.op == "cut_pipeline_stage" for r in carried.schedule.records) + 1
+    shape = _small_shape(sch)
+    row = {"plan": label, "model": name, "small_mesh": dict(zip(sch.mesh.names, shape))}
+    try:
+        carried = carry_schedule(sch, _tiny(), mesh=Mesh(shape, tuple(sch.mesh.names)), example_inputs=small)
+    except Exception as exc:  # a schedule that cannot be carried is a result of this bench, not a crash of it
+        return {**row, "stages": 0, "ok": False, "error": f"{type(exc).__name__}: {exc}", "verify_s": 0.0}
+    piped = any(r.op == "pipeline" for r in carried.schedule.records)
+    stages = sum(r.op == "cut_pipeline_stage" for r in carried.schedule.records) + 1 if piped else 0
     report = treadle.verify(carried.schedule, small, steps=2, timeout_s=600, raise_on_mismatch=False)
-    return {"plan": spec[0], "model": name, "stages": stages, "ok": report.ok, "error": report.error,
+    return {**row, "stages": stages, "ok": report.ok, "error": report.error,
             "verify_s": time.perf_counter() - t0, "carried": carried.summary()}
+
+
+def verify_shrunken(name, spec, physical) -> dict:
+    """One recipe carried and verified (`verify_carried`)."""
+    big, inputs = _build(name, *CASES[name][1:3])
+    sch, _ = _recipe(name, inputs, physical, spec)
+    return verify_carried(spec[0], name, sch)
+
+
+def verify_planned(name, physical, max_axes: int) -> list[dict]:
+    """The planner's plans of `name` (pipelines weighed, and without them; the solver's choice, `price_top=0`, on
+    meshes of up to `max_axes` axes) carried and verified (`verify_carried`)."""
+    from treadle.planner import plan_model
+    from treadle.planner.meshes import search_clusters
+
+    out = []
+    for label, pp_axis in (("planner", "auto"), ("planner without pipelines", None)):
+        model, inputs = _build(name, *CASES[name][1:3])
+        plan = plan_model(model, inputs, cluster=search_clusters(physical, max_axes=max_axes),
+                          memory_budget_bytes=80 * GiB, price_top=0, pp_axis=pp_axis)
+        out.append(verify_carried(f"{label}: {plan.roles} on {plan.cluster.mesh}", name, plan.schedule_for(model)))
+    return out
 
 
 def main() -> None:
@@ -141,17 +194,22 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["llama-2-70b", "llama-3-70b", "llama-3.1-405b"])
     ap.add_argument("--tiny", action="store_true", help="tiny-llama only (a smoke test of the script)")
     ap.add_argument("--max-axes", type=int, default=3, help="most mesh axes the planner searches (default 3)")
-    ap.add_argument("--verify", action="store_true", help="only carry each recipe onto a tiny LLaMA of 8 blocks on a "
-                    "(pp 2, dp 2, tp 2) mesh and verify it on 8 gloo ranks")
+    ap.add_argument("--verify", action="store_true", help="only carry each recipe and the planner's plans (solver's "
+                    "choice, meshes of up to 2 axes) onto a tiny LLaMA of 8 blocks on 8 ranks (a pipeline: at least 4 "
+                    "stages) and verify each on 8 gloo ranks")
     args = ap.parse_args()
     if args.verify:
         from treadle.cost.cluster import parse_cluster
 
-        out = [verify_shrunken(name, spec, parse_cluster(CASES[name][0]))
-               for name in args.models for spec in CASES[name][3]]
+        out = []
+        for name in args.models:
+            physical = parse_cluster(CASES[name][0])
+            out += [verify_shrunken(name, spec, physical) for spec in CASES[name][3]]
+            out += verify_planned(name, physical, min(args.max_axes, 2))
         for r in out:
-            print(f"{r['model']:15} {r['plan']:52} {r['stages']:3d} stages  {'ok' if r['ok'] else 'FAILED'} "
-                  f"({r['verify_s']:.0f} s) {r['error'] or ''}")
+            mesh = "x".join(f"{a}{n}" for a, n in r["small_mesh"].items())
+            print(f"{r['model']:15} {r['plan'][:60]:60} {mesh:14} {r['stages']:3d} stages  "
+                  f"{'ok' if r['ok'] else 'FAILED'} ({r['verify_s']:.0f} s) {r['error'] or ''}")
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "bench_pipeline_gpu_verify.json").write_text(json.dumps(out, indent=1, default=str))
         return
