@@ -100,7 +100,7 @@ def test_rank_hardware_scales_every_overhead_by_the_cores_a_rank_gets():
 def test_cost_graph_charges_checkpointed_blocks_and_fsdp_units_like_price():
     from treadle.models.zoo import named_model
     from treadle.planner.capture import capture
-    from treadle.planner.cost_graph import Roles, TrainSpec, build_cost_graph
+    from treadle.planner.cost_graph import Roles, build_cost_graph
     from treadle.planner.ilp import evaluate
 
     model, inputs = named_model("tiny-gpt2", batch=4, seq=16, dropout=False)
