@@ -492,7 +492,7 @@ def test_role_assignments_that_solve_alike_are_solved_once():
     kept = S.candidates(search)
     groups: dict = {}
     for cl, roles in every:
-        groups.setdefault(S._alike(cl, roles), []).append((cl, roles))
+        groups.setdefault(S.alike_key(cl, roles), []).append((cl, roles))
     merged = [g for g in groups.values() if len(g) > 1]
     assert len(kept) == len(groups) < len(every) and merged
     assert any(r.pp for g in merged for _, r in g) and any(

@@ -34,7 +34,7 @@ from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
-from .roles import enumerate_roles, why_replicated
+from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import plan_rows
 from .to_schedule import decisions_from_solution
 from .validate import validate_plan_args
@@ -207,7 +207,7 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
         out += [(cl, r) for r in roles if req.pp_axis != "auto" or _pipeline_on_slowest_link(cl, r)]
     if distinct:
         seen: set = set()
-        out = [x for x in out if not (_alike(*x) in seen or seen.add(_alike(*x)))]
+        out = [x for x in out if not (alike_key(*x) in seen or seen.add(alike_key(*x)))]
     if not tried:
         raise PlanError(f"no axis role assignment of {[str(c.mesh) for c in req.clusters]} fits batch "
                         f"{search.batch}: a data-parallel axis must divide the batch; use a divisible batch or "
@@ -298,35 +298,6 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
                         f"budget {_fmt_bytes(budget)} by {sol.peak_bytes - budget:.0f} B; this is a solver "
                         f"tolerance problem, please report it")
     return sol, cg, chosen_price, priced
-
-
-# NOTE [role assignments that solve alike]: the cost graph of a role assignment reads a mesh axis only through its
-# role (tensor, data-parallel with its replicate / expert flags, unused), its size and its link, in the mesh's order
-# of the axes it shards over; a pipeline axis shards nothing (its stages run on the other axes), so where it sits in
-# the mesh is read nowhere. Two candidates with the same sequence of (size, link, role) over their non-pipeline
-# axes, the same pipeline axis size and link and the same flags build the same cost graph up to axis names and
-# solve alike: on 3-axis meshes of nodes x devices, (8, 8, 8) with the pipeline over either outer axis, or
-# (2, 32, 8) with it over 32 and (32, 2, 8) with it over 32 (405B on 512 GPUs: 1447 candidates, 1015 distinct). The
-# search solves the first of each. A cluster with measured links per group of axes (`group_links`, keyed by names)
-# is never merged. tests/test_pipeline_plan.py solves every candidate of a 3-axis search and checks each group alike.
-def _alike(cluster: ClusterSpec, roles: Roles) -> tuple:
-    """What a candidate's cost graph reads of its mesh and roles (NOTE [role assignments that solve alike])."""
-    mesh = cluster.mesh
-    if cluster.group_links:
-        return (id(cluster), roles)
-
-    names = [a for a in mesh.names if a != roles.pp]
-
-    def role(a: str) -> tuple:
-        kind = "dp" if a in roles.dp else "tp" if a in roles.tp else "off"
-        return kind, a in roles.replicate, a == roles.ep
-
-    axes = tuple((mesh.size(a), cluster.link(a), role(a)) for a in names)
-    order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))
-    pp = (mesh.size(roles.pp), cluster.link(roles.pp)) if roles.pp is not None else None
-    return (axes, order, pp, roles.zero, roles.reshard_after_forward, roles.pp_schedule, roles.pp_microbatches,
-            roles.pp_cuts, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
-            cluster.ranks_per_host, cluster.cores_per_host)
 
 
 # NOTE [pipelines on the slowest link]: a pipeline sends one activation (and its gradient) per micro-batch across
