@@ -120,7 +120,7 @@ def test_the_solve_weighs_each_schedule_the_blocks_allow():
 
 
 def test_a_pipeline_is_weighed_on_the_slowest_link_unless_pinned():
-    from treadle.planner.search import _pipeline_on_slowest_link
+    from treadle.planner.candidates import pipeline_on_slowest_link as _pipeline_on_slowest_link
 
     cl = ClusterSpec.from_physical(2, 4, intra="nvlink4", inter="ib-ndr", device="h100-sxm")  # (2 nodes, 4 each)
     across, inside = cl.mesh.names
@@ -511,3 +511,51 @@ def test_role_assignments_that_solve_alike_are_solved_once():
             sol = S.solve_for(search, cg, None)
             got.append((sol.status, round(sol.step_s, 15), round(sol.peak_bytes)))
         assert len(set(got)) == 1, (group[0][1], got)
+
+
+@pytest.mark.parametrize("price_top", [0, 1])
+def test_a_cutoff_from_the_best_plan_found_prunes_only_what_could_not_be_chosen(price_top):
+    """NOTE [a cutoff from the best plan found]: every pruned role assignment, solved without the cutoff, is slower
+    than (or as slow as) the plan the search keeps in its place (with price_top 0 the chosen plan; with K = 1 the
+    best of its own kind, pipelined), or does not fit; the chosen plan is the best of every candidate solved
+    without cutoffs."""
+    from treadle.planner import search as S
+    from treadle.planner.meshes import search_clusters
+
+    model, inputs = named_model("tiny-llama", batch=16, seq=16, dropout=False)
+    clusters = search_clusters(parse_cluster("8x2:h100"), max_axes=3)
+    plan = plan_model(model, inputs, cluster=clusters, price_top=0) if price_top == 0 else None
+    given = dict(cluster=clusters, memory_budget_bytes=None, mode="joint", pins=None, dp_axis="auto", zero=None,
+                 reshard_after_forward=True, forbid_axes=(), partial_schedule=None, train=S.TrainSpec(),
+                 time_limit_s=30, model_spec=None, checkpoint="auto", progress=None, loss_fn=None,
+                 price_top=price_top, pp_axis="auto")
+    req = S.make_request(model, given)
+    args, kwargs = S._split_inputs(inputs)
+    search = S.capture_model(model, args, kwargs, req)
+    results, _ = S.solve_roles(search)
+    assert search.pruned, "nothing pruned: the test no longer exercises the cutoff"
+    pruned = {(p["mesh"], p["roles"]) for p in search.pruned}
+    kept = {(str(c.cluster.mesh), str(c.roles)): s.step_s for s, c in results if s.status != "infeasible"}
+    uncut = {}
+    for cl, roles in S.candidates(search):
+        rp = S.pins_for(search.graph, req.pins, roles)
+        try:
+            cg = build_cost_graph(search.graph, cl, roles, train=req.train, pins=rp,
+                                  shardable=shardable_fn(search.graph, search.is_leaf_param, len(roles.tp),
+                                                         search.holders), attr_resolver=search.resolver)
+        except PlanError:
+            continue
+        sol = S.solve_for(search, cg, None)
+        uncut[(str(cl.mesh), str(roles))] = (sol.step_s if sol.status != "infeasible" else math.inf, roles.pp is not None)
+    assert pruned <= set(uncut) and not pruned & set(kept)
+    for key, (step, piped) in uncut.items():
+        if key in kept:
+            assert kept[key] == pytest.approx(step, rel=1e-6), key
+    if price_top == 0:
+        best = min(step for step, _ in uncut.values())
+        assert plan.estimated.step_s == pytest.approx(best, rel=1e-6)
+        assert all(uncut[k][0] >= best * (1 - 1e-6) for k in pruned)
+    else:
+        for kind in (False, True):
+            best_kind = min(kept[k] for k in kept if uncut[k][1] == kind)
+            assert all(uncut[k][0] >= best_kind * (1 - 1e-6) for k in pruned if uncut[k][1] == kind)

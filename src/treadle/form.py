@@ -157,10 +157,10 @@ class Form:
         them (`treadle.planner.ilp.evaluate`)."""
 
     def solve(self, cg: Any, *, budget_bytes: float | None, checkpoint: bool, time_limit_s: float, rel_gap: float,
-              min_ckpt: dict, minimise: str) -> Any:
+              min_ckpt: dict, minimise: str, cutoff_s: float | None = None) -> Any:
         """The best plan of a role assignment (a `treadle.planner.ilp.Solution`) when this form owns the step's
         formula (a pipeline: its stages, micro-batches and bubble), else None (`treadle.planner.ilp.solve` asks
-        every form first; the arguments are its own)."""
+        every form first; the arguments are its own; `cutoff_s`: NOTE [a cutoff from the best plan found])."""
         return None
 
     def memory_rows(self, m: Any, cg: Any, v: Any) -> list[tuple[dict, float]]:

@@ -325,16 +325,17 @@ _BUDGET_RETRIES = 4
 
 def solve(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True, time_limit_s: float = 20.0,
           rel_gap: float = 1e-4, min_ckpt: dict[int, int] | None = None,
-          minimise: str = "time", memory: str = "all") -> Solution:
+          minimise: str = "time", memory: str = "all", cutoff_s: float | None = None) -> Solution:
     """Solve the MILP; with a budget, the returned plan's peak is within it to the byte (NOTE [exact
     budget]). `budget_bytes=None` drops the memory constraint; ``minimise="memory"`` minimises
     the peak instead of the step time (used to report the smallest feasible budget); ``memory="static"``
     constrains only parameters, gradients and optimizer state (stage one of the two-stage mode).
     Returns a Solution with status "infeasible" (and empty choice) when no plan fits. A parallel form that owns
-    the step's formula solves it instead (`treadle.form.Form.solve`: a pipeline's stages)."""
+    the step's formula solves it instead (`treadle.form.Form.solve`: a pipeline's stages), and may take
+    `cutoff_s` (NOTE [a cutoff from the best plan found]: status "pruned" when no plan of it is faster)."""
     for f in forms():
         own = f.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                      rel_gap=rel_gap, min_ckpt=min_ckpt or {}, minimise=minimise)
+                      rel_gap=rel_gap, min_ckpt=min_ckpt or {}, minimise=minimise, cutoff_s=cutoff_s)
         if own is not None:
             return own
     limit = budget_bytes

@@ -34,6 +34,7 @@ from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
+from .candidates import cutoff_s, pipeline_on_slowest_link, priced_candidates
 from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import plan_rows
 from .to_schedule import decisions_from_solution
@@ -97,6 +98,7 @@ class _Search:
     holders: dict
     resolver: Any
     timing: dict = field(default_factory=lambda: {"capture_s": 0.0, "cost_graph_s": 0.0, "solve_s": 0.0})
+    pruned: list = field(default_factory=list)  # role assignments cut off (NOTE [a cutoff from the best plan found])
 
 
 def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec | list[ClusterSpec],
@@ -204,7 +206,7 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
                                 facts=search.graph.facts, pp_axis=req.pp_axis, pp_cuts=req.pp_cuts,
                                 pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches)
         tried += len(roles)
-        out += [(cl, r) for r in roles if req.pp_axis != "auto" or _pipeline_on_slowest_link(cl, r)]
+        out += [(cl, r) for r in roles if req.pp_axis != "auto" or pipeline_on_slowest_link(cl, r)]
     if distinct:
         seen: set = set()
         out = [x for x in out if not (alike_key(*x) in seen or seen.add(alike_key(*x)))]
@@ -215,15 +217,16 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
     return out
 
 
-def solve_for(search: _Search, cg: CostGraph, budget: float | None) -> Solution:
-    """The best plan of one role assignment under `budget` (the planning mode, pins and checkpoint policy)."""
+def solve_for(search: _Search, cg: CostGraph, budget: float | None, cutoff_s: float | None = None) -> Solution:
+    """The best plan of one role assignment under `budget` (the planning mode, pins and checkpoint policy);
+    `cutoff_s`: NOTE [a cutoff from the best plan found]."""
     req = search.req
     min_ck = min_ckpt(cg, list(req.ckpt_paths)) if req.ckpt_paths else {}
     if req.checkpoint == "all":
         min_ck = {t: info.count for t, info in cg.templates.items()}
     if req.mode == "joint":
         return solve(cg, budget_bytes=budget, time_limit_s=req.time_limit_s, min_ckpt=min_ck,
-                     checkpoint=req.checkpoint != "none")
+                     checkpoint=req.checkpoint != "none", cutoff_s=cutoff_s)
     return _two_stage(cg, budget, req.time_limit_s)
 
 
@@ -233,7 +236,9 @@ def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list
     req, graph = search.req, search.graph
     results: list[tuple[Solution, CostGraph]] = []
     unbuilt: list = []
-    for cl, roles in candidates(search):
+    steps: dict[bool, list[float]] = {False: [], True: []}  # the feasible steps found, by kind (pipelined or not)
+    # NOTE [a cutoff from the best plan found]: the role assignments without a pipeline first (cheap to solve)
+    for cl, roles in sorted(candidates(search), key=lambda x: x[1].pp is not None):
         rpins = pins_for(graph, req.pins, roles)
         if rpins is None:
             continue
@@ -251,8 +256,15 @@ def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list
         search.timing["cost_graph_s"] += time.perf_counter() - tb
         req.say(f"{where}: solve ({len(cg.units)} units)")
         ts = time.perf_counter()
-        sol = solve_for(search, cg, req.memory_budget_bytes)
+        kind = roles.pp is not None
+        sol = solve_for(search, cg, req.memory_budget_bytes, cutoff_s=cutoff_s(steps, kind, req.price_top))
         search.timing["solve_s"] += time.perf_counter() - ts
+        if sol.status == "pruned":
+            search.pruned.append({"mesh": str(cl.mesh), "roles": str(roles)})
+            logger.info("%s: pruned (no plan faster than the cutoff)", where)
+            continue
+        if sol.status != "infeasible":
+            steps[kind].append(sol.step_s)
         logger.info("%s: %s step %.4g s peak %.4g GiB", where, sol.status, sol.step_s, sol.peak_bytes / GiB)
         results.append((sol, cg))
     return results, unbuilt
@@ -270,7 +282,7 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     sol, cg = feasible[0]
     priced: list[dict] = []
     chosen_price = None
-    top = _priced_candidates(feasible, req.price_top)
+    top = priced_candidates(feasible, req.price_top)
     if top and inputs:
         req.say("price the best role assignments")
 
@@ -300,41 +312,6 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     return sol, cg, chosen_price, priced
 
 
-# NOTE [pipelines on the slowest link]: a pipeline sends one activation (and its gradient) per micro-batch across
-# each stage boundary, far less than the tensor axes' collectives or the data-parallel gradient sync, which is why
-# every published recipe puts pp on the links between nodes. With `pp_axis="auto"` the search weighs a pipeline
-# only over an axis whose link is among the slowest of the live axes (every axis on one node of equal links); a
-# pinned pp axis is planned wherever it is.
-def _pipeline_on_slowest_link(cluster: ClusterSpec, roles: Roles) -> bool:
-    if roles.pp is None:
-        return True
-    live = [a for a in cluster.mesh.names if cluster.mesh.size(a) > 1 and a not in roles.off]
-
-    def rate(a: str) -> float:
-        link = cluster.link(a)
-        return link.bandwidth_bytes_per_s * link.efficiency
-
-    return rate(roles.pp) <= min(rate(a) for a in live) * (1 + 1e-9)
-
-
-# NOTE [pipelined against unpipelined]: a pipeline role assignment is solved by the pipeline form's own MILP (its
-# stages' timeline: NOTE [pipeline in the plan]), the others by the sum over ops; the two linear models err
-# differently against the plan as built, so their estimates rank a pipelined plan against an unpipelined one less
-# well than each ranks its own kind. With `price_top` K >= 1, where both kinds are feasible, the K best of each kind
-# are priced as built (`treadle.price`) and the price decides (NOTE [final choice by price]); with K = 0 the
-# solver's choice stands, unpriced.
-def _priced_candidates(feasible: list, price_top: int) -> list:
-    """The candidates to price, best first by the solver: the `price_top` best of each kind, pipelined and
-    unpipelined (NOTE [pipelined against unpipelined]); none for `price_top` 0."""
-    if price_top <= 0:
-        return []
-    kinds: dict[bool, list] = {}
-    for sc in feasible:
-        kinds.setdefault(sc[1].roles.pp is not None, []).append(sc)
-    keep = {id(sc) for group in kinds.values() for sc in group[:price_top]}
-    return [sc for sc in feasible if id(sc) in keep]
-
-
 def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | None, priced: list, results: list,
          *, planning_s: float) -> Plan:
     """The `Plan` of the chosen solution: its decisions, the solver's estimate, rows, binding constraint and
@@ -354,7 +331,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
                             "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
                           key=lambda a: a["step_s"])
     solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
-              **search.timing, "planning_s": planning_s, "alternatives": alternatives,
+              **search.timing, "planning_s": planning_s, "alternatives": alternatives, "pruned": search.pruned,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
               "stages": asdict(sol.stages) if sol.stages is not None else None,
               "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,

@@ -46,9 +46,9 @@ class PipelineForm(Form):
     def prepare(self, b):
         _plan.prepare(b)
 
-    def solve(self, cg, *, budget_bytes, checkpoint, time_limit_s, rel_gap, min_ckpt, minimise):
+    def solve(self, cg, *, budget_bytes, checkpoint, time_limit_s, rel_gap, min_ckpt, minimise, cutoff_s=None):
         return _plan.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                           rel_gap=rel_gap, min_ckpt=min_ckpt, minimise=minimise)
+                           rel_gap=rel_gap, min_ckpt=min_ckpt, minimise=minimise, cutoff_s=cutoff_s)
 
     def decisions(self, cg, choice, ckpt, ctx):
         return _plan.decisions(cg, choice, ckpt, ctx)

@@ -76,7 +76,7 @@ def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], li
 
 
 def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
-               rel_gap: float, min_ckpt: dict, minimise: str):
+               rel_gap: float, min_ckpt: dict, minimise: str, cutoff_s: float | None = None):
     """The MILP of NOTE [pipeline in the plan] for one cut; returns (Solution without stages, per-stage counts) or
     None when infeasible."""
     t0 = time.perf_counter()
@@ -203,6 +203,8 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         obj = {P: 1.0}
     for j, x in obj.items():
         m.c[j] += x
+    if cutoff_s is not None and minimise == "time":  # NOTE [a cutoff from the best plan found]
+        m.row({j: x for j, x in enumerate(m.c) if x}, -math.inf, cutoff_s * _SECONDS, "cutoff")
     if budget_bytes is not None:
         for row in mem_rows:
             add_memory(m, row, fixed, budget_bytes)
@@ -338,10 +340,11 @@ def schedules(cg) -> list[str]:
 
 
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
-          minimise: str) -> Solution | None:
+          minimise: str, cutoff_s: float | None = None) -> Solution | None:
     """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each schedule
     (`schedules`) and each proposed cut (`partitions`), the fastest (with ``minimise="memory"``: the smallest peak)
-    kept. None without a pp axis."""
+    kept. None without a pp axis. `cutoff_s` (NOTE [a cutoff from the best plan found]): only plans faster are
+    sought, each cut's MILP held below the best so far; status "pruned" when none is."""
     if cg.roles.pp is None:
         return None
     best: Solution | None = None
@@ -352,9 +355,11 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         lay = _layout(cg, kind)
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
+            bound = cutoff_s if best is None or minimise != "time" else (
+                best.step_s if cutoff_s is None else min(cutoff_s, best.step_s))
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
-                                              minimise=minimise)
+                                              minimise=minimise, cutoff_s=bound)
             spent += solve_s
             n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
             if got is None:
@@ -368,7 +373,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
             if best is None or key(sol) < key(best):
                 best = sol
     if best is None:
-        return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, spent, n_vars, n_cons)
+        status = "pruned" if cutoff_s is not None and minimise == "time" else "infeasible"
+        return Solution([], {}, math.inf, math.inf, status, math.inf, spent, n_vars, n_cons)
     best.solve_s = spent
     return best
 

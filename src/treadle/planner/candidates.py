@@ -1,0 +1,58 @@
+"""Which role assignments the search solves and prices, beyond enumerating them (`roles.py`): a pipeline only on the
+slowest link, a cutoff from the best plan found, and the candidates priced of each kind."""
+
+from __future__ import annotations
+
+from ..cost.cluster import ClusterSpec
+from .roles import Roles
+
+
+# NOTE [a cutoff from the best plan found]: a role assignment whose own solve states the step's formula (a
+# pipeline's MILPs, one per schedule and cut: NOTE [pipeline in the plan]) is asked only for plans faster than what
+# the search must keep anyway: with `price_top` 0 the best plan found so far of any kind, with K >= 1 the K-th best
+# of its own kind (the K best of each kind are priced: NOTE [pipelined against unpipelined]); inside it, each cut's
+# MILP also below its best cut so far. The cutoff is one row (objective <= cutoff, the step's constants left out, so
+# it never removes a faster plan); HiGHS then proves most MILPs infeasible from their relaxation. A role assignment
+# with no plan below its cutoff is "pruned": it could not change the choice, and is listed in
+# `plan.solver["pruned"]` instead of the alternatives. The searches without a pipeline run first, so the cutoff
+# starts low. Not exact on one path: when a budget is given and none of the K priced plans fits as built, the next
+# ones tried are the solved alternatives, not the pruned ones.
+def cutoff_s(steps: dict[bool, list[float]], kind: bool, price_top: int) -> float | None:
+    found = sorted(steps[False] + steps[True]) if price_top <= 0 else sorted(steps[kind])
+    k = max(price_top, 1)
+    return found[k - 1] if len(found) >= k else None
+
+
+# NOTE [pipelines on the slowest link]: a pipeline sends one activation (and its gradient) per micro-batch across
+# each stage boundary, far less than the tensor axes' collectives or the data-parallel gradient sync, which is why
+# every published recipe puts pp on the links between nodes. With `pp_axis="auto"` the search weighs a pipeline
+# only over an axis whose link is among the slowest of the live axes (every axis on one node of equal links); a
+# pinned pp axis is planned wherever it is.
+def pipeline_on_slowest_link(cluster: ClusterSpec, roles: Roles) -> bool:
+    if roles.pp is None:
+        return True
+    live = [a for a in cluster.mesh.names if cluster.mesh.size(a) > 1 and a not in roles.off]
+
+    def rate(a: str) -> float:
+        link = cluster.link(a)
+        return link.bandwidth_bytes_per_s * link.efficiency
+
+    return rate(roles.pp) <= min(rate(a) for a in live) * (1 + 1e-9)
+
+
+# NOTE [pipelined against unpipelined]: a pipeline role assignment is solved by the pipeline form's own MILP (its
+# stages' timeline: NOTE [pipeline in the plan]), the others by the sum over ops; the two linear models err
+# differently against the plan as built, so their estimates rank a pipelined plan against an unpipelined one less
+# well than each ranks its own kind. With `price_top` K >= 1, where both kinds are feasible, the K best of each kind
+# are priced as built (`treadle.price`) and the price decides (NOTE [final choice by price]); with K = 0 the
+# solver's choice stands, unpriced.
+def priced_candidates(feasible: list, price_top: int) -> list:
+    """The candidates to price, best first by the solver: the `price_top` best of each kind, pipelined and
+    unpipelined (NOTE [pipelined against unpipelined]); none for `price_top` 0."""
+    if price_top <= 0:
+        return []
+    kinds: dict[bool, list] = {}
+    for sc in feasible:
+        kinds.setdefault(sc[1].roles.pp is not None, []).append(sc)
+    keep = {id(sc) for group in kinds.values() for sc in group[:price_top]}
+    return [sc for sc in feasible if id(sc) in keep]
