@@ -195,6 +195,17 @@ def _block_exprs(cg: CostGraph, s, t: int):
     return A, F, In
 
 
+def as_var(m: _Model, expr: dict[int, float]) -> dict[int, float]:
+    """`expr` as one variable e (a row e = expr, "block_expr") where it has more than one term: a block's
+    expression read by several rows (the checkpoint products, a pipeline's stages and memory moments) is then
+    stated once, the same MILP with far fewer matrix entries."""
+    if len(expr) <= 1:
+        return expr
+    e = m.var(ub=math.inf)
+    m.row({e: 1.0, **{j: -x for j, x in expr.items()}}, 0.0, 0.0, "block_expr")
+    return {e: 1.0}
+
+
 def _upper(cg: CostGraph, units: list[int], attr: str) -> float:
     return sum(max(getattr(c, attr) for c in cg.units[u].costs) for u in units)
 

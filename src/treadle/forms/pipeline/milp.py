@@ -12,7 +12,7 @@ from ...errors import PlanError
 from ...form import forms
 from ...planner.capture import TensorMeta
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
-                            add_one_strategy, add_strategy_vars, block_bounds, checkpoint_vars)
+                            add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
 from ...planner.to_schedule import _spread
 from .cuts import (SCHEDULES, PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
@@ -120,7 +120,9 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     ck: dict[tuple[int, int], object] = {}
     zts: dict[int, list[int]] = {r: [] for r in range(p)}
     for t, info in cg.templates.items():
-        At, Ft, It = _block_exprs(cg, s, t)
+        # a block's saved bytes, recompute and kept input, each one variable (stated once, read by every stage's
+        # checkpoint rows and memory rows: the same MILP, far fewer matrix entries)
+        At, Ft, It = (as_var(m, e) for e in _block_exprs(cg, s, t))
         host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS
         stages_t = [st for st in range(S) if cut.n[st].get(t)]
         left = min_ckpt.get(t, 0)
