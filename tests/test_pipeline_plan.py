@@ -554,6 +554,7 @@ def test_a_cutoff_from_the_best_plan_found_prunes_only_what_could_not_be_chosen(
     if price_top == 0:
         best = min(step for step, _ in uncut.values())
         assert plan.estimated.step_s == pytest.approx(best, rel=1e-6)
+        assert f"pruned: {len(plan.solver['pruned'])} pipelined role assignments" in plan.explain()
         assert all(uncut[k][0] >= best * (1 - 1e-6) for k in pruned)
     else:
         for kind in (False, True):

@@ -126,6 +126,10 @@ def summary_lines(plan) -> list[str]:
             f"{a.get('mesh', '')} {a['roles']}: {a['status']}" +
             (f" {a['step_s'] * 1e3:.2f} ms {_fmt(a['peak_bytes'], unit)}" if a["status"] != "infeasible" else "")
             for a in alts[:8]) + (f"; ... {len(alts) - 8} more" if len(alts) > 8 else ""))
+    pruned = s.get("pruned") or []
+    if pruned:  # NOTE [a cutoff from the best plan found] in candidates.py
+        lines.append(f"pruned: {len(pruned)} pipelined role assignments had no plan faster than one the search kept "
+                     f"(e.g. {pruned[0].get('mesh', '')} {pruned[0]['roles']})")
     priced = s.get("priced") or []
     if priced:  # NOTE [final choice by price] in plan.py
         lines.append("final choice by price: " + "; ".join(
