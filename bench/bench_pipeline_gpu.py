@@ -148,6 +148,7 @@ def verify_carried(label: str, name: str, sch) -> dict:
     rank as far as 8 blocks allow, its micro-batches where batch 8 splits so) on a mesh of 8 ranks with at least 4
     stages where it pipelines (`_small_shape`), verified against one process on 8 gloo ranks."""
     import treadle
+    from treadle.errors import TreadleError
     from treadle.mesh import Mesh
     from treadle.verify.shrink import carry_schedule
 
@@ -158,7 +159,7 @@ def verify_carried(label: str, name: str, sch) -> dict:
     row = {"plan": label, "model": name, "small_mesh": dict(zip(sch.mesh.names, shape))}
     try:
         carried = carry_schedule(sch, _tiny(), mesh=Mesh(shape, tuple(sch.mesh.names)), example_inputs=small)
-    except Exception as exc:  # a schedule that cannot be carried is a result of this bench, not a crash of it
+    except TreadleError as exc:  # a schedule that cannot be carried is a result of this bench, not a crash of it
         return {**row, "stages": 0, "ok": False, "error": f"{type(exc).__name__}: {exc}", "verify_s": 0.0}
     piped = any(r.op == "pipeline" for r in carried.schedule.records)
     stages = sum(r.op == "cut_pipeline_stage" for r in carried.schedule.records) + 1 if piped else 0

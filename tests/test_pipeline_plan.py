@@ -471,10 +471,8 @@ def test_a_planned_pipeline_beside_fsdp2_prices_near_its_estimate_and_verifies()
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
 
 
-def test_role_assignments_that_solve_alike_are_solved_once():
-    """NOTE [role assignments that solve alike]: every candidate of a 3-axis search on 8 nodes x 2 devices (the
-    pipeline over either outer axis of (2, 2, 2), or over the 4 of (4, 2) and (2, 4, ...)) solved, each group of
-    candidates the search merges gives the same step and peak; the search solves one of each."""
+def _tiny_3axis_search(price_top: int):
+    """The search of a tiny LLaMA on 8 nodes x 2 devices over meshes of up to 3 axes, captured, not yet solved."""
     from treadle.planner import search as S
     from treadle.planner.meshes import search_clusters
 
@@ -483,11 +481,30 @@ def test_role_assignments_that_solve_alike_are_solved_once():
     assert any(c.mesh.ndim == 3 for c in clusters)
     given = dict(cluster=clusters, memory_budget_bytes=None, mode="joint", pins=None, dp_axis="auto", zero=None,
                  reshard_after_forward=True, forbid_axes=(), partial_schedule=None, train=S.TrainSpec(),
-                 time_limit_s=30, model_spec=None, checkpoint="auto", progress=None, loss_fn=None, price_top=0,
-                 pp_axis="auto")
-    req = S.make_request(model, given)
+                 time_limit_s=30, model_spec=None, checkpoint="auto", progress=None, loss_fn=None,
+                 price_top=price_top, pp_axis="auto")
     args, kwargs = S._split_inputs(inputs)
-    search = S.capture_model(model, args, kwargs, req)
+    return S.capture_model(model, args, kwargs, S.make_request(model, given))
+
+
+def _solved_without_cutoff(search, cl, roles):
+    """A candidate's solution with no cutoff, or None where its cost graph cannot be built."""
+    from treadle.planner import search as S
+
+    try:
+        cg = S.cost_graph_for(search, cl, roles, S.pins_for(search.graph, search.req.pins, roles))
+    except PlanError:
+        return None
+    return S.solve_for(search, cg, None)
+
+
+def test_role_assignments_that_solve_alike_are_solved_once():
+    """NOTE [role assignments that solve alike]: every candidate of a 3-axis search on 8 nodes x 2 devices (the
+    pipeline over either outer axis of (2, 2, 2), or over the 4 of (4, 2) and (2, 4, ...)) solved, each group of
+    candidates the search merges gives the same step and peak; the search solves one of each."""
+    from treadle.planner import search as S
+
+    search = _tiny_3axis_search(0)
     every = S.candidates(search, distinct=False)
     kept = S.candidates(search)
     groups: dict = {}
@@ -495,22 +512,13 @@ def test_role_assignments_that_solve_alike_are_solved_once():
         groups.setdefault(S.alike_key(cl, roles), []).append((cl, roles))
     merged = [g for g in groups.values() if len(g) > 1]
     assert len(kept) == len(groups) < len(every) and merged
+    assert kept == [g[0] for g in groups.values()]  # the first of each, in search order
     assert any(r.pp for g in merged for _, r in g) and any(
         len({tuple(c.mesh.shape) for c, _ in g}) > 1 for g in merged)  # across meshes, and pipelined
     for group in merged:
-        got = []
-        for cl, roles in group:
-            rp = S.pins_for(search.graph, req.pins, roles)
-            try:
-                cg = build_cost_graph(search.graph, cl, roles, train=req.train, pins=rp,
-                                      shardable=shardable_fn(search.graph, search.is_leaf_param, len(roles.tp),
-                                                             search.holders), attr_resolver=search.resolver)
-            except PlanError as exc:
-                got.append(("unbuilt", str(exc).replace(roles.pp or "-", "PP")[:40]))
-                continue
-            sol = S.solve_for(search, cg, None)
-            got.append((sol.status, round(sol.step_s, 15), round(sol.peak_bytes)))
-        assert len(set(got)) == 1, (group[0][1], got)
+        sols = [_solved_without_cutoff(search, cl, roles) for cl, roles in group]
+        got = {None if x is None else (x.status, round(x.step_s, 15), round(x.peak_bytes)) for x in sols}
+        assert len(got) == 1, (group[0][1], got)
 
 
 @pytest.mark.parametrize("price_top", [0, 1])
@@ -520,39 +528,26 @@ def test_a_cutoff_from_the_best_plan_found_prunes_only_what_could_not_be_chosen(
     best of its own kind, pipelined), or does not fit; the chosen plan is the best of every candidate solved
     without cutoffs."""
     from treadle.planner import search as S
-    from treadle.planner.meshes import search_clusters
 
-    model, inputs = named_model("tiny-llama", batch=16, seq=16, dropout=False)
-    clusters = search_clusters(parse_cluster("8x2:h100"), max_axes=3)
-    plan = plan_model(model, inputs, cluster=clusters, price_top=0) if price_top == 0 else None
-    given = dict(cluster=clusters, memory_budget_bytes=None, mode="joint", pins=None, dp_axis="auto", zero=None,
-                 reshard_after_forward=True, forbid_axes=(), partial_schedule=None, train=S.TrainSpec(),
-                 time_limit_s=30, model_spec=None, checkpoint="auto", progress=None, loss_fn=None,
-                 price_top=price_top, pp_axis="auto")
-    req = S.make_request(model, given)
-    args, kwargs = S._split_inputs(inputs)
-    search = S.capture_model(model, args, kwargs, req)
-    results, _ = S.solve_roles(search)
+    search = _tiny_3axis_search(price_top)
+    results, unbuilt = S.solve_roles(search)
     assert search.pruned, "nothing pruned: the test no longer exercises the cutoff"
     pruned = {(p["mesh"], p["roles"]) for p in search.pruned}
     kept = {(str(c.cluster.mesh), str(c.roles)): s.step_s for s, c in results if s.status != "infeasible"}
     uncut = {}
     for cl, roles in S.candidates(search):
-        rp = S.pins_for(search.graph, req.pins, roles)
-        try:
-            cg = build_cost_graph(search.graph, cl, roles, train=req.train, pins=rp,
-                                  shardable=shardable_fn(search.graph, search.is_leaf_param, len(roles.tp),
-                                                         search.holders), attr_resolver=search.resolver)
-        except PlanError:
-            continue
-        sol = S.solve_for(search, cg, None)
-        uncut[(str(cl.mesh), str(roles))] = (sol.step_s if sol.status != "infeasible" else math.inf, roles.pp is not None)
+        sol = _solved_without_cutoff(search, cl, roles)
+        if sol is not None:
+            uncut[(str(cl.mesh), str(roles))] = (sol.step_s if sol.status != "infeasible" else math.inf,
+                                                 roles.pp is not None)
     assert pruned <= set(uncut) and not pruned & set(kept)
     for key, (step, piped) in uncut.items():
         if key in kept:
             assert kept[key] == pytest.approx(step, rel=1e-6), key
     if price_top == 0:
         best = min(step for step, _ in uncut.values())
+        sol, cg, _, priced = S.choose(search, results, unbuilt, None)
+        plan = S.emit(search, sol, cg, None, priced, results, planning_s=0.0)
         assert plan.estimated.step_s == pytest.approx(best, rel=1e-6)
         assert f"pruned: {len(plan.solver['pruned'])} pipelined role assignments" in plan.explain()
         assert all(uncut[k][0] >= best * (1 - 1e-6) for k in pruned)

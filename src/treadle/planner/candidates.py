@@ -17,7 +17,9 @@ from .roles import Roles
 # `plan.solver["pruned"]` instead of the alternatives. The searches without a pipeline run first, so the cutoff
 # starts low. Not exact on one path: when a budget is given and none of the K priced plans fits as built, the next
 # ones tried are the solved alternatives, not the pruned ones.
-def cutoff_s(steps: dict[bool, list[float]], kind: bool, price_top: int) -> float | None:
+def cutoff_for(steps: dict[bool, list[float]], kind: bool, price_top: int) -> float | None:
+    """The step a role assignment of `kind` (pipelined or not) must beat, from the feasible `steps` found so far by
+    kind; None while fewer than the plans the search keeps are found."""
     found = sorted(steps[False] + steps[True]) if price_top <= 0 else sorted(steps[kind])
     k = max(price_top, 1)
     return found[k - 1] if len(found) >= k else None

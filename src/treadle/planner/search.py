@@ -34,7 +34,7 @@ from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
-from .candidates import cutoff_s, pipeline_on_slowest_link, priced_candidates
+from .candidates import cutoff_for, pipeline_on_slowest_link, priced_candidates
 from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import plan_rows
 from .to_schedule import decisions_from_solution
@@ -207,14 +207,25 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
                                 pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches)
         tried += len(roles)
         out += [(cl, r) for r in roles if req.pp_axis != "auto" or pipeline_on_slowest_link(cl, r)]
-    if distinct:
-        seen: set = set()
-        out = [x for x in out if not (alike_key(*x) in seen or seen.add(alike_key(*x)))]
+    if distinct:  # the first of each group that solves alike, in search order
+        first: dict = {}
+        for cl, r in out:
+            first.setdefault(alike_key(cl, r), (cl, r))
+        out = list(first.values())
     if not tried:
         raise PlanError(f"no axis role assignment of {[str(c.mesh) for c in req.clusters]} fits batch "
                         f"{search.batch}: a data-parallel axis must divide the batch; use a divisible batch or "
                         f"dp_axis=None")
     return out
+
+
+def cost_graph_for(search: _Search, cluster: ClusterSpec, roles: Roles, pins: dict) -> CostGraph:
+    """The cost graph of one role assignment with its pins (what `solve_roles` and the pin-conflict probe build).
+    Raises PlanError where an op has no strategy."""
+    g = search.graph
+    return build_cost_graph(g, cluster, roles, train=search.req.train, pins=pins,
+                            shardable=shardable_fn(g, search.is_leaf_param, len(roles.tp), search.holders),
+                            attr_resolver=search.resolver)
 
 
 def solve_for(search: _Search, cg: CostGraph, budget: float | None, cutoff_s: float | None = None) -> Solution:
@@ -246,9 +257,7 @@ def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list
         req.say(f"{where}: cost graph")
         tb = time.perf_counter()
         try:
-            cg = build_cost_graph(graph, cl, roles, train=req.train, pins=rpins,
-                                  shardable=shardable_fn(graph, search.is_leaf_param, len(roles.tp), search.holders),
-                                  attr_resolver=search.resolver)
+            cg = cost_graph_for(search, cl, roles, rpins)
         except PlanError as exc:
             logger.info("%s skipped: %s", where, exc)
             unbuilt.append((cl, roles, None, getattr(exc, "node_index", None), str(exc)))
@@ -257,7 +266,7 @@ def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list
         req.say(f"{where}: solve ({len(cg.units)} units)")
         ts = time.perf_counter()
         kind = roles.pp is not None
-        sol = solve_for(search, cg, req.memory_budget_bytes, cutoff_s=cutoff_s(steps, kind, req.price_top))
+        sol = solve_for(search, cg, req.memory_budget_bytes, cutoff_s=cutoff_for(steps, kind, req.price_top))
         search.timing["solve_s"] += time.perf_counter() - ts
         if sol.status == "pruned":
             search.pruned.append({"mesh": str(cl.mesh), "roles": str(roles)})
@@ -375,11 +384,8 @@ def _raise_pin_conflict(search: _Search, attempts: list) -> None:
     model, graph, req = search.model, search.graph, search.req
 
     def probe(sub: dict, cl: ClusterSpec, roles: Roles):
-        rp = pins_for(graph, sub, roles) or {}
         try:
-            cg = build_cost_graph(graph, cl, roles, train=req.train, pins=rp,
-                                  shardable=shardable_fn(graph, search.is_leaf_param, len(roles.tp)),
-                                  attr_resolver=search.resolver)
+            cg = cost_graph_for(search, cl, roles, pins_for(graph, sub, roles) or {})
         except PlanError as exc:
             return (cl, roles, None, getattr(exc, "node_index", None), str(exc))
         free = solve(cg, budget_bytes=None, time_limit_s=req.time_limit_s, minimise="memory")

@@ -357,8 +357,9 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         lay = _layout(cg, kind)
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
-            bound = cutoff_s if best is None or minimise != "time" else (
-                best.step_s if cutoff_s is None else min(cutoff_s, best.step_s))
+            bound = cutoff_s  # and below this role assignment's best cut so far
+            if best is not None and minimise == "time":
+                bound = best.step_s if bound is None else min(bound, best.step_s)
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
                                               minimise=minimise, cutoff_s=bound)
