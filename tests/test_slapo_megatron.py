@@ -109,7 +109,7 @@ def test_megatron_by_structure_verifies(make):
 
 
 class Odd(nn.Module):
-    """Three Linear leaves in a chain: no column/row pairing."""
+    """Three Linear leaves in a chain: no attention, no MLP pair."""
 
     def __init__(self):
         super().__init__()
@@ -119,10 +119,10 @@ class Odd(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
-class OddModel(nn.Module):
-    def __init__(self):
+class Stack(nn.Module):
+    def __init__(self, *blocks: nn.Module):
         super().__init__()
-        self.layers = nn.ModuleList([Odd(), Odd()])
+        self.layers = nn.ModuleList(blocks)
 
     def forward(self, x):
         for layer in self.layers:
@@ -130,8 +130,20 @@ class OddModel(nn.Module):
         return x
 
 
-def test_megatron_names_what_it_could_not_recognise():
-    sch = create_schedule(OddModel(), mesh=TP2)
-    with pytest.raises(ScheduleError, match=r"megatron at sch\['layers.0'\] \(Odd\): could not recognise attention "
-                                            r"and MLP: the Linear leaves form levels \[1, 2, 3\]"):
-        treadle.models.megatron(sch, tp="tp", example_inputs={"x": torch.randn(2, 8)})
+def test_megatron_splits_any_chain_of_linears_by_data_flow_and_it_verifies():
+    """No named recipe knows the block: the constrained plan splits every weight over tp (each block's dims
+    by data flow) and adds the reductions the layouts need."""
+    sch = create_schedule(Stack(Odd(), Odd()), mesh=TP2)
+    treadle.models.megatron(sch, tp="tp", example_inputs={"x": torch.randn(2, 8)})
+    shards = {r.path for r in sch.records if r.op == "shard"}
+    assert shards == {f"layers.{i}.{m}" for i in (0, 1) for m in "abc"}
+    assert treadle.verify(sch, {"x": torch.randn(4, 8)}, steps=1).ok
+
+
+def test_megatron_names_the_weight_that_cannot_be_split():
+    sch = create_schedule(Stack(nn.Linear(3, 3), nn.Linear(3, 3)), mesh=TP2)
+    with pytest.raises(ScheduleError, match=r"megatron on Stack: the recipe's layout cannot be built: pin "
+                                            r"'layers\.\*\.weight' \(axis 'tp': Shard\(any dim\)\) cannot hold: .*"
+                                            r"shape \(3, 3\), no dim of which divides over axis 'tp' of size 2"):
+        treadle.models.megatron(sch, tp="tp", example_inputs={"x": torch.randn(2, 3)})
+    assert not sch.records  # nothing half-applied

@@ -15,6 +15,13 @@ from .errors import LayoutError
 
 R = -1  # Replicate()
 P = -2  # Partial() (sum)
+# not a placement: a planner pin's wildcard, "sharded on this axis, on whichever dim the solver picks" (pin value "S")
+ANY_SHARD = -3
+
+
+def pin_holds(pl: tuple[int, ...], pin: tuple[int, ...]) -> bool:
+    """Whether placement codes `pl` (one per tensor axis) meet a pin's codes (ANY_SHARD: any Shard on that axis)."""
+    return all(q == c or (c == ANY_SHARD and q >= 0) for q, c in zip(pl, pin, strict=True))
 
 
 def code_of(p: Placement | str, axis: int | str = 0) -> int:

@@ -23,15 +23,23 @@ def path_of(sch: Schedule, module: nn.Module | None) -> str | None:
 
 
 def block_container(model: nn.Module) -> str | None:
-    """Path of the model's main stack of repeated blocks: its longest nn.ModuleList, or nn.ModuleDict keyed "0",
-    "1", ... in order (torchtitan's layers), so that ``f"{path}.{i}"`` names block i either way; None if none."""
-    best, best_len = None, 0
+    """Path of the model's main stack of repeated blocks: of its nn.ModuleLists and nn.ModuleDicts keyed "0",
+    "1", ... in order (torchtitan's layers), the one holding the most parameters (then the longest: not a list of
+    per-head norms inside a block), so that ``f"{path}.{i}"`` names block i either way; None if none."""
+    best, best_key = None, (0, 0)
     for p, m in model.named_modules():
-        indexed = isinstance(m, nn.ModuleList) or (
-            isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
-        if indexed and len(m) > best_len:
-            best, best_len = p, len(m)
+        if not is_block_stack(m):
+            continue
+        key = (sum(q.numel() for q in m.parameters()), len(m))  # the stack that holds most, not a per-head list
+        if key > best_key:
+            best, best_key = p, key
     return best
+
+
+def is_block_stack(m: nn.Module) -> bool:
+    """An nn.ModuleList, or an nn.ModuleDict keyed "0", "1", ... in order."""
+    return isinstance(m, nn.ModuleList) or (
+        isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
 
 
 def blocks_path(sch: Schedule) -> str:

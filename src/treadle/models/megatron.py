@@ -1,23 +1,32 @@
-"""Ready-made Megatron-LM schedules: GPT-2, BERT and LLaMA by module structure, any other transformer by the
-data flow of its blocks (`schedule_by_structure`).
+"""Ready-made Megatron-LM schedules: GPT-2, BERT and LLaMA blocks by module names, any other model as a
+constrained plan (`schedule_by_plan`): the planner's own data-flow analysis and emission with the roles fixed.
 
-Each is a short recipe of primitives over the stock model: column-parallel then row-parallel linears
-(one all-reduce forward and one backward per attention and per MLP), head-sharded attention,
-vocab-parallel embedding and LM head with vocab-parallel cross-entropy, optional sequence parallelism in
-the norm/dropout regions (reduce-scatter / all-gather instead of all-reduce), a fraction of the layers
-checkpointed, and data parallelism (DDP or ZeRO-3) on a second mesh axis.
+The named recipes are short compositions of the forms' steps over the stock model: column-parallel then
+row-parallel linears (one all-reduce forward and one backward per attention and per MLP), head-sharded
+attention, vocab-parallel embedding and LM head with vocab-parallel cross-entropy, optional sequence
+parallelism in the norm/dropout regions (reduce-scatter / all-gather instead of all-reduce), a fraction of the
+layers checkpointed, and data parallelism (DDP or ZeRO-3) on a second mesh axis. A named recipe is used only
+when every module of the block that holds parameters is one it names (NOTE [a named recipe only for its own
+blocks]); anything else goes to the plan.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
 
-from ..errors import ScheduleError
+from ..errors import ScheduleError, TreadleError
 from ..forms.sequence import steps as seq
 from ..forms.tensor.steps import check_heads, column, row
 from ..forms.vocab import vocab_parallel
 from ..schedule.core import Schedule
-from .common import blocks_path, finish, has_children
+from .common import blocks_path, checkpoint_layers, finish, has_children, is_block_stack, path_of
+
+logger = logging.getLogger(__name__)
 
 
 def _row_to(sp: bool):
@@ -119,54 +128,184 @@ def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
 
 
-# structure signature of one block -> recipe
+# NOTE [a named recipe only for its own blocks]: a recipe by module names knows what each named module
+# computes and nothing else. A block that also holds parameters in modules the recipe does not name (Qwen3's
+# per-head q/k norms, whose weight every head shares and whose gradient must then be summed over the tensor
+# axis; OLMo-2's q/k norm over the whole projection) would be built without what those modules need: silently
+# wrong gradients or a crash in forward. So a family is chosen only when its named modules exist and every
+# parameter-holding module of block 0 is one of them; otherwise the constrained plan decides by data flow.
+
+# family: (the modules that identify it, every parameter-holding module it may hold), recipe
 _FAMILIES = (
-    (("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), schedule_gpt2),
+    (("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), ("ln_1", "ln_2"), schedule_gpt2),
     (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), schedule_llama),
+      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), ("input_layernorm", "post_attention_layernorm"),
+     schedule_llama),
     (("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-      "intermediate.dense", "output.dense"), schedule_bert),
+      "intermediate.dense", "output.dense"), ("attention.output.LayerNorm", "output.LayerNorm"), schedule_bert),
 )
 
 
-def schedule_by_structure(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
-                          checkpoint_fraction: float = 0.0, example_inputs: dict | None = None,
-                          sequence_parallel: bool = False, vocab_parallel_head: bool = False) -> Schedule:
-    """Megatron for any block whose Linear leaves alternate column/row by data flow (`models.structure`):
-    separate, fused or grouped q/k/v, rotary or learned positions, parallel or sequential residual, plain or
-    gated MLP. Embeddings and head stay replicated. `example_inputs` (keyword inputs of the model; default a
-    few token ids) run it once to capture the first block. Raises ScheduleError naming what it could not
-    recognise."""
-    from .structure import default_example_inputs, find_block_layout
+def _family(block: nn.Module) -> Callable[..., Schedule] | None:
+    """The named recipe whose modules block 0 has, and nothing else holding parameters (NOTE [a named recipe
+    only for its own blocks]); None when no recipe knows the whole block."""
+    holders = {p for p, m in block.named_modules() if p and any(True for _ in m.parameters(recurse=False))}
+    for names, others, recipe in _FAMILIES:
+        if has_children(block, *names) and holders <= set(names) | set(others):
+            if recipe is schedule_gpt2 and not _equal_qkv(block.get_submodule("attn.c_attn")):
+                continue  # GPT-2's names over another attention (multi-query q|k|v of unequal pieces)
+            return recipe
+    return None
 
-    if sequence_parallel or vocab_parallel_head:
-        raise ScheduleError("megatron by structure: sequence parallelism and a vocab-parallel head need a recipe "
-                            "by name (GPT-2, BERT, LLaMA); use sequence_parallel=False, vocab_parallel_head=False")
+
+def _equal_qkv(mod: nn.Module) -> bool:
+    """A fused projection of three equal pieces, q|k|v (what `schedule_gpt2` splits in 3 blocks)."""
+    from ..forms.tensor.leaf_rules import matmul_dims
+
+    dims = matmul_dims(mod)
+    return dims is not None and dims[0] == 3 * dims[1]
+
+
+def _stack_of(model: nn.Module, path: str) -> str | None:
+    """The outermost stack of repeated blocks (an nn.ModuleList, or an nn.ModuleDict keyed 0, 1, ...) module
+    `path` sits in an entry of, of the main stack or any other (an encoder's, a decoder's); None if none."""
+    parts = path.split(".")
+    for k in range(1, len(parts)):
+        if is_block_stack(model.get_submodule(".".join(parts[:k]))):
+            return ".".join(parts[:k])
+    return None
+
+
+def megatron_pins(sch: Schedule, *, tp: str, vocab_parallel_head: bool) -> dict[str, dict[str, str]]:
+    """The recipe's pins: every weight of a Linear-like leaf (nn.Linear, transformers' Conv1D) inside a repeated
+    block is sharded over `tp`, on the dim the solver picks by data flow (column- or row-parallel: a pin "S"), one
+    pattern per place in the block (``layers.*.mlp.up.weight``: every block alike); with `vocab_parallel_head`, the
+    input embedding's and the output head's weights over the vocabulary."""
+    from ..forms.tensor.leaf_rules import matmul_dims
+
+    model = sch.model
+    pins: dict[str, dict[str, str]] = {}
+    for path, mod in model.named_modules():
+        stack = _stack_of(model, path) if path and matmul_dims(mod) is not None else None
+        if stack is not None:
+            rel = path[len(stack) + 1:].partition(".")[2]
+            pins[f"{stack}.*.{rel}.weight" if rel else f"{stack}.*.weight"] = {tp: "S"}
+    if vocab_parallel_head:
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            mod = getattr(model, getter, lambda: None)()
+            where = path_of(sch, mod)
+            if mod is None or where is None:
+                raise ScheduleError(f"megatron: vocab_parallel_head needs the model's {getter}() (a Hugging Face "
+                                    f"method) to find the vocabulary; {type(model).__name__} has none: pass "
+                                    f"vocab_parallel_head=False")
+            pins[f"{where}.weight"] = {tp: "S0"}
+    return pins
+
+
+def _example_batch(sch: Schedule, dp: str | None) -> dict:
+    """A small batch of token ids for a model that takes ``input_ids`` (zeros are valid ids), as many rows as the
+    data-parallel axis has ranks, without a KV cache (a graph cannot hold one)."""
+    import inspect
+
+    rows = sch.mesh.size(dp) if dp is not None else 1
+    out: dict = {"input_ids": torch.zeros(rows, 7, dtype=torch.long)}  # 7: a sequence unlike a head count
+    try:
+        params = inspect.signature(sch.model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "input_ids" not in params and not any(q.kind == q.VAR_KEYWORD for q in params.values()):
+        raise ScheduleError(f"megatron: {type(sch.model).__name__}.forward takes no input_ids; pass example_inputs= "
+                            f"(the model's keyword inputs, e.g. pixel_values and labels)")
+    if "use_cache" in params or any(q.kind == q.VAR_KEYWORD for q in params.values()):
+        out["use_cache"] = False
+    return out
+
+
+def schedule_by_plan(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero3: bool = False,
+                     checkpoint_fraction: float = 0.0, example_inputs: dict | None = None,
+                     sequence_parallel: bool = False, vocab_parallel_head: bool = False) -> Schedule:
+    """Megatron for any model, as a constrained plan: the planner's capture, data-flow analysis and emission
+    with the roles fixed (`tp` tensor-parallel, `dp` DDP or ZeRO-3, every other axis replicated, no pipeline) and
+    the recipe's layouts pinned (`megatron_pins`: every Linear-like weight of the repeated blocks sharded over
+    `tp`, the vocabulary split when `vocab_parallel_head`). The analysis decides what is column-, row- or
+    head-parallel, which gradients need a sum over `tp` (a norm every head shares), which inputs are split per
+    head (ALiBi) and which attributes count heads; a layout no data flow can hold raises ScheduleError naming the
+    weight and the op that blocks it. `example_inputs`: the model's keyword inputs (default: a few token ids);
+    the schedule does not depend on their sizes. A fraction of the blocks is checkpointed as in the named
+    recipes. Sequence parallelism needs a named recipe."""
+    from ..planner.capabilities import runtime_capabilities
+    from ..planner.to_schedule import apply_decisions
+
+    if sequence_parallel:
+        raise ScheduleError("megatron as a plan: sequence parallelism needs a recipe by name (GPT-2, BERT, LLaMA "
+                            "blocks); use sequence_parallel=False, or plan the model (treadle.planner.plan_model "
+                            "weighs sequence parallelism itself)")
+    names = sch.mesh.names
+    for axis, what in ((tp, "tp"), (dp, "dp")):
+        if axis is not None and axis not in names:
+            raise ScheduleError(f"megatron: {what}={axis!r} is not an axis of the mesh {names}")
     blocks = blocks_path(sch)
-    lay = find_block_layout(sch, blocks, example_inputs or default_example_inputs(sch), sch.mesh.size(tp))
-    for i in range(len(sch[blocks].mod)):
-        b = sch[f"{blocks}.{i}"]
-        for path, nb in lay.columns.items():
-            column(b[path], tp, blocks=nb)
-        for path in lay.rows:
-            row(b[path], tp)
-        for path, attr in lay.head_attrs:
-            b[path].shard_attr(attr, axis=tp)
-        for path in lay.attention:
-            b[path].fork_rng(axis=tp)  # dropout on head-sharded attention probabilities
-        for name, dim, inner in lay.per_head_inputs:  # ALiBi biases: this rank's heads only
-            b.sync("fwd_pre", op="split", dim=dim, axis=tp, arg=name, **({"inner": inner} if inner > 1 else {}))
-    return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
+    pins = megatron_pins(sch, tp=tp, vocab_parallel_head=vocab_parallel_head)
+    if not pins:
+        raise ScheduleError(f"megatron: no Linear-like weight inside the repeated blocks at {blocks!r} "
+                            f"({type(sch[f'{blocks}.0'].mod).__name__}); nothing to split over {tp!r}")
+    inputs = example_inputs if example_inputs is not None else _example_batch(sch, dp)
+    plan = _plan_holding(sch, inputs, pins, tp=tp, dp=dp, zero3=zero3)
+    _, is_leaf_module = runtime_capabilities(sch.model)
+    apply_decisions(sch, [d for d in plan.decisions if d.op != "checkpoint"], leaf_module=is_leaf_module)
+    checkpoint_layers(sch, blocks, checkpoint_fraction)
+    return sch
+
+
+def _plan_holding(sch: Schedule, inputs: Any, pins: dict, *, tp: str, dp: str | None, zero3: bool) -> Any:
+    """The constrained plan with every pin of `pins` that can hold: all of them when they hold together; else the
+    weights are added one pattern at a time, in model order, each kept when a plan still exists, and the ones
+    that cannot hold stay replicated on `tp` (Megatron's answer to key/value heads that do not divide), each
+    named in a warning with the reason. Raises ScheduleError when none can hold or the roles have no plan."""
+    from ..cost.cluster import ClusterSpec
+    from ..errors import PlanError
+    from ..planner import plan_model
+    from ..planner.capture import capture
+
+    where = f"megatron on {type(sch.model).__name__}"
+    names = sch.mesh.names
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+    try:
+        graph = capture(sch.model, args, kwargs, gpu_attention=False)
+    except TreadleError as e:
+        raise ScheduleError(f"{where}: the model cannot be captured: {e}") from e
+
+    def plan(p: dict) -> Any:
+        return plan_model(sch.model, inputs, cluster=ClusterSpec.uniform(sch.mesh, "loopback"), pins=p,
+                          dp_axis=dp, zero=bool(zero3) if dp else None, graph=graph, pp_axis=None,
+                          forbid_axes=tuple(a for a in names if a not in (tp, dp)), checkpoint="none", price_top=0)
+
+    try:
+        return plan(pins)
+    except PlanError as whole:
+        first = str(whole)
+    kept: dict = {}
+    dropped: dict[str, str] = {}
+    for pattern, per_axis in pins.items():
+        try:
+            plan({**kept, pattern: per_axis})
+            kept[pattern] = per_axis
+        except PlanError as e:
+            dropped[pattern] = str(e)
+    if not kept or any(pins[p] != {tp: "S"} for p in dropped):  # a vocabulary split asked for is not optional
+        raise ScheduleError(f"{where}: the recipe's layout cannot be built: {first}")
+    for pattern, why in dropped.items():
+        logger.warning("%s: %s stays replicated over %r: %s", where, pattern, tp, why)
+    return plan(kept)
 
 
 def megatron(sch: Schedule, **kwargs) -> Schedule:
-    """Apply the Megatron recipe matching the model's block structure: GPT-2, LLaMA or BERT style by their
-    module names, else found by data flow (`schedule_by_structure`; pass ``example_inputs=`` for a model that
-    does not take ``input_ids``). Keyword arguments go to the recipe. Raises ScheduleError naming what could
-    not be recognised."""
-    first = sch[blocks_path(sch)].mod[0]
-    for sig, recipe in _FAMILIES:
-        if has_children(first, *sig):
-            kwargs.pop("example_inputs", None)
-            return recipe(sch, **kwargs)
-    return schedule_by_structure(sch, **kwargs)
+    """Apply the Megatron recipe: the named recipe (GPT-2, LLaMA or BERT) when block 0 holds exactly that
+    family's modules (NOTE [a named recipe only for its own blocks]), else the constrained plan
+    (`schedule_by_plan`; pass ``example_inputs=`` for a model that does not take ``input_ids``). Keyword
+    arguments go to the recipe. Raises ScheduleError naming what cannot be built."""
+    recipe = _family(sch[f"{blocks_path(sch)}.0"].mod)
+    if recipe is not None:
+        kwargs.pop("example_inputs", None)
+        return recipe(sch, **kwargs)
+    return schedule_by_plan(sch, **kwargs)

@@ -229,9 +229,16 @@ def _structure(mod: nn.Module) -> tuple:
 
 def _repeat_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList | nn.ModuleDict]]:
     """The containers of repeated blocks: every ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan keeps its
-    layers in one, keyed "0", "1", ...) of >= 3 entries."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) >= 3]
+    layers in one, keyed "0", "1", ...) of >= 3 entries that is not inside an entry of another such container
+    (NOTE [only outer stacks are shortened])."""
+    # NOTE [only outer stacks are shortened]: shortening a list is exact only when the model runs its entries one
+    # after another as a chain. A list inside a block is often not one: StableLM's per-head norms are zipped with
+    # the heads, a list of experts is indexed by the router. Those are captured whole; the outer stacks (a
+    # decoder's layers, an encoder's and a decoder's blocks) are the chains worth shortening.
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    inner = {name for name, _ in lists for outer, o in lists
+             if outer != name and len(o) >= 2 and name.startswith(f"{outer}." if outer else "")}
+    return [(name, m) for name, m in lists if len(m) >= 3 and name not in inner]
 
 
 @contextlib.contextmanager

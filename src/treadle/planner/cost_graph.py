@@ -40,7 +40,7 @@ from ..cost.cluster import ClusterSpec
 from ..errors import PlanError
 from ..form import forms
 from ..mesh import Mesh
-from ..placement import P, R
+from ..placement import P, R, pin_holds
 from ..runtime.optimizer import adamw_fixed_s
 from ..runtime.recompute import recompute_host_s
 from .capture import CapturedGraph, Node, TensorMeta
@@ -291,7 +291,7 @@ class _Builder(NodeCosts, Assembly):
                 if any(p == P for p in pl):
                     return False
                 pin = self.pins.get(src.param)
-                if pin is not None and pl != pin:
+                if pin is not None and not pin_holds(pl, pin):
                     return False
                 if any(p != R for p in pl) and pl not in self.shardable(src.param, n.module):
                     return False

@@ -26,8 +26,9 @@ from typing import Any, Callable
 from ..cost.cluster import ClusterSpec
 from .capture import CapturedGraph, Node, TensorMeta
 from .cost_graph import CostGraph, Roles
-from ..placement import R, placement_str
+from ..placement import ANY_SHARD, R, pin_holds, placement_str
 from .dims import dim_spec, strategies, unknown_ops
+from .pins import pin_code
 
 _RESHAPES = ("view", "reshape", "_unsafe_view", "expand")
 # (cluster, roles, cost graph or None, index of the op without a strategy or None, the builder's message)
@@ -35,12 +36,14 @@ Attempt = tuple[ClusterSpec, Roles, "CostGraph | None", "int | None", str]
 
 
 def _pl(p: int) -> str:
+    if p == ANY_SHARD:
+        return "Shard(any dim)"
     return "Replicate" if p == R else placement_str(p).replace("S(", "Shard(")
 
 
 def _layout(pl: tuple[int, ...], axes: tuple[str, ...]) -> str:
-    """(2,) on ("tp",) -> "tp:S(2)"; (R, 2) on ("dp", "tp") -> "dp:R,tp:S(2)"."""
-    return ",".join(f"{a}:{placement_str(p)}" for a, p in zip(axes, pl)) or "replicated"
+    """(2,) on ("tp",) -> "tp:S(2)"; (R, 2) on ("dp", "tp") -> "dp:R,tp:S(2)"; a pin's ANY_SHARD -> "tp:S(any)"."""
+    return ",".join(f"{a}:{'S(any)' if p == ANY_SHARD else placement_str(p)}" for a, p in zip(axes, pl)) or "replicated"
 
 
 def _where(n: Node) -> str:
@@ -51,7 +54,7 @@ def describe_pin(pattern: str, per_axis: dict) -> str:
     """"pin 'blocks.*.fc.weight' (axis 'tp': Shard(1))"."""
     parts = []
     for axis, v in per_axis.items():
-        code = R if v in ("R", "replicate", None) else int(str(v).lstrip("S"))
+        code = pin_code(v)
         parts.append(f"axis {axis!r}: {_pl(code)}")
     return f"pin {pattern!r} ({', '.join(parts)})"
 
@@ -70,9 +73,12 @@ def _node_reason(graph: CapturedGraph, n: Node, roles: Roles, cluster: ClusterSp
             if 0 <= d < len(meta.shape) and meta.shape[d] % s:
                 return (f"{p!r} has size {meta.shape[d]} on dim {d}, which does not divide over axis {a!r} of size "
                         f"{s} (read by {_where(n)})")
+            if d == ANY_SHARD and all(x % s for x in meta.shape):
+                return (f"{p!r} has shape {tuple(meta.shape)}, no dim of which divides over axis {a!r} of size {s} "
+                        f"(read by {_where(n)})")
     combos = strategies(n, nodes, dim_spec(n, nodes), sizes)
     for pos, p in pinned:
-        combos = [c for c in combos if tuple(o.ins[pos] for o in c) == rpins[p]]
+        combos = [c for c in combos if pin_holds(tuple(o.ins[pos] for o in c), rpins[p])]
         if not combos:
             why = ("it has no sharding rule (it runs replicated)" if n.op_name in unknown_ops([n])
                    else "its dimension rule has no option")

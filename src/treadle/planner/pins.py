@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import PlanError
-from ..placement import R
+from ..placement import ANY_SHARD, R, pin_holds  # noqa: F401  (pin_holds: the pins' matching rule)
 from .capture import CapturedGraph
 from .cost_graph import CostGraph, Roles
 
@@ -51,14 +51,23 @@ def pins_for(graph: CapturedGraph, pins: dict[str, dict[str, int | str]], roles:
         if not matched:
             raise PlanError(f"pin {pattern!r} matches no parameter; parameters look like {sorted(graph.params)[:4]}")
         for axis, val in per_axis.items():
-            code = R if val in ("R", "replicate", None) else int(str(val).lstrip("S"))
-            if axis not in roles.tp and code != R:
+            if axis not in roles.tp and pin_code(val) != R:
                 return None
-        pl = tuple((R if per_axis.get(a, "R") in ("R", "replicate", None) else int(str(per_axis[a]).lstrip("S")))
-                   for a in roles.tp)
+        pl = tuple(pin_code(per_axis.get(a, "R")) for a in roles.tp)
         for p in matched:
             out[p] = pl
     return out
+
+
+def pin_code(val: Any) -> int:
+    """A pin value's code on one axis: R ("R", "replicate", None), ANY_SHARD ("S": sharded, the solver picks the
+    dim) or the dim (an int, "S<dim>")."""
+    if val in ("R", "replicate", None):
+        return R
+    if isinstance(val, str) and val.strip().upper() == "S":
+        return ANY_SHARD
+    return int(str(val).lstrip("S"))
+
 
 
 def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], list[str]]:

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import PlanError
+from ..placement import ANY_SHARD
 
 _REPLICATE = ("R", "replicate", None)
 
@@ -29,18 +30,26 @@ def _axes(cluster: Any) -> list[str]:
     return names
 
 
+def _dim_text(dim: int) -> str:
+    return "a dim" if dim == ANY_SHARD else f"dim {dim}"
+
+
 def _pin_dim(pattern: str, axis: str, value: Any) -> int | None:
-    """The tensor dim a pin value names (None: Replicate). Raises PlanError for anything else."""
+    """The tensor dim a pin value names (None: Replicate; `ANY_SHARD` for "S", sharded on a dim the solver picks).
+    Raises PlanError for anything else."""
     if value in _REPLICATE:
         return None
+    if isinstance(value, str) and value.strip().upper() == "S":
+        return ANY_SHARD
     if isinstance(value, bool):
-        raise PlanError(f"pin {pattern!r} axis {axis!r}: {value!r} is not a dim; use an int dim, 'S<dim>' or 'R'")
+        raise PlanError(f"pin {pattern!r} axis {axis!r}: {value!r} is not a dim; use an int dim, 'S<dim>', 'S' or 'R'")
     if isinstance(value, int):
         dim = value
     elif isinstance(value, str) and value.lstrip("S").isdigit():
         dim = int(value.lstrip("S"))
     else:
-        raise PlanError(f"pin {pattern!r} axis {axis!r}: cannot read {value!r}; use an int dim, 'S<dim>' or 'R'")
+        raise PlanError(f"pin {pattern!r} axis {axis!r}: cannot read {value!r}; use an int dim, 'S<dim>', 'S' "
+                        f"(sharded, the solver picks the dim) or 'R'")
     if dim < 0:
         raise PlanError(f"pin {pattern!r} axis {axis!r}: dim {dim} is negative; use a dim >= 0")
     return dim
@@ -93,12 +102,12 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
             if dim is None:
                 continue
             for n in matched:
-                if dim >= len(params[n]):
-                    raise PlanError(f"pin {pattern!r} axis {axis!r}: dim {dim} is out of range for {n!r} of shape "
-                                    f"{params[n]}")
+                if dim >= len(params[n]) or (dim == ANY_SHARD and not params[n]):
+                    raise PlanError(f"pin {pattern!r} axis {axis!r}: dim {'S' if dim == ANY_SHARD else dim} is out of "
+                                    f"range for {n!r} of shape {params[n]}")
             if axis in (forbid_axes or ()):
-                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but forbid_axes keeps every op "
+                raise PlanError(f"pin {pattern!r} shards {_dim_text(dim)} over axis {axis!r}, but forbid_axes keeps every op "
                                 f"replicated on {axis!r}; drop one of them")
             if axis in dp_axes:
-                raise PlanError(f"pin {pattern!r} shards dim {dim} over axis {axis!r}, but dp_axis={dp_axis!r} gives "
+                raise PlanError(f"pin {pattern!r} shards {_dim_text(dim)} over axis {axis!r}, but dp_axis={dp_axis!r} gives "
                                 f"it to data parallelism; pin on another axis or set dp_axis")
