@@ -8,6 +8,7 @@ return identical weights). `ARCHS` maps a short name to (builder, what it exerci
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -186,6 +187,103 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class TimmBlock(nn.Module):
+    """timm's ViT block: fused qkv reshaped to (3, batch, heads, tokens, head dim) by permute; LayerScale."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.gamma1 = nn.Parameter(torch.full((dim,), 0.1))
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        x = x + self.gamma1 * self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class TimmViT(nn.Module):
+    """timm's VisionTransformer code shape: a patch convolution, a class token, learned positions, blocks in an
+    nn.Sequential, a linear head on the class token."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, depth: int = 2, patch: int = 8, image: int = 32,
+                 classes: int = 10):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[TimmBlock(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        logits = self.head(self.norm(self.blocks(x))[:, 0])
+        return F.cross_entropy(logits, labels)
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a depthwise 7x7 convolution, LayerNorm over channels (channels last), a 4x pointwise MLP
+    as Linear layers with GELU, layer scale, residual."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.gamma * self.pwconv2(F.gelu(self.pwconv1(y)))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """torchvision's ConvNeXt code shape, one stage: a patchify stem (4x4 stride-4 convolution + LayerNorm), blocks
+    in an nn.ModuleList, global average pooling, LayerNorm, a linear classifier."""
+
+    def __init__(self, dim: int = 32, depth: int = 2, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, stride=4)
+        self.stem_norm = nn.LayerNorm(dim)
+        self.stages = nn.ModuleList([ConvNeXtBlock(dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.classifier = nn.Linear(dim, classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.stem_norm(self.stem(pixel_values).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        for blk in self.stages:
+            x = blk(x)
+        logits = self.classifier(self.norm(F.adaptive_avg_pool2d(x, 1).flatten(1)))
+        return F.cross_entropy(logits, labels)
+
+
+def _images(classes: int = 10) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, classes, (4,), generator=g)}
+
+
+def _timm_vit() -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    return TimmViT(), _images()
+
+
+def _convnext() -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    return ConvNeXt(), _images()
+
+
 def _titan() -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     return TitanLlama(TitanArgs()), _lm()
@@ -252,6 +350,8 @@ ARCHS: dict[str, tuple[Callable[[], tuple[nn.Module, dict]], str]] = {
     "vit": (_vit, "vision transformer, patch convolution, CLS head"),
     "titan_llama": (_titan, "plain PyTorch, blocks in an nn.ModuleDict (torchtitan's code shape)"),
     "nanogpt": (_nanogpt, "plain PyTorch, nanoGPT's code shape (no Hugging Face methods)"),
+    "timm_vit": (_timm_vit, "plain PyTorch, timm's ViT code shape (fused qkv permuted, blocks in nn.Sequential)"),
+    "convnext": (_convnext, "CNN: ConvNeXt blocks (depthwise convolution, channels-last LayerNorm, Linear MLP)"),
     "resnet": (_resnet, "CNN: bottleneck ResNet, batch norm"),
     "wide_resnet": (_wide_resnet, "CNN: wide bottleneck ResNet"),
 }
@@ -260,3 +360,95 @@ ARCHS: dict[str, tuple[Callable[[], tuple[nn.Module, dict]], str]] = {
 def build(name: str) -> tuple[nn.Module, dict]:
     """A fresh (model, example inputs) of architecture `name`."""
     return ARCHS[name][0]()
+
+
+# ----------------------------------------------------------------------------- the steps
+STEPS = ("profile", "plan", "plan_budget", "verify_plan", "price", "train", "megatron", "kernels")
+
+
+def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 240) -> dict[str, tuple[str, str]]:
+    """Run the generality steps on architecture `name` over 2 gloo ranks; {step: (outcome, detail)} where outcome
+    is "ok", "refused" (a treadle error raised at schedule / plan time, before anything is built: `detail` is its
+    message) or "FAIL" (anything else: a raw exception, a build or forward crash, a verify difference).
+
+    profile: FLOPs and saved bytes of one step. plan: the planner on 2 ranks (roles searched). plan_budget: the
+    planner under 0.6x the unconstrained plan's predicted peak. verify_plan: that plan against one process
+    (forward, every gradient, 2 optimizer steps). price: it priced as built. train: 2 AdamW steps of it.
+    megatron: `treadle.models.megatron` on tp=2, verified. kernels: `treadle.models.kernel_schedule`, verified."""
+    import treadle
+    import treadle.models
+    from treadle import Mesh
+    from treadle.cost.cluster import ClusterSpec
+    from treadle.errors import PlanError, ScheduleError
+    from treadle.planner import plan_model
+    from treadle.profile import profile
+
+    out: dict[str, tuple[str, str]] = {}
+    model, inputs = build(name)
+    cluster = ClusterSpec.uniform(Mesh((2,), ("x",)), "loopback")
+    plans: dict[str, object] = {}
+
+    def attempt(step: str, fn: Callable[[], str]) -> None:
+        if step not in steps:
+            return
+        try:
+            out[step] = ("ok", fn())
+        except (ScheduleError, PlanError) as e:
+            out[step] = ("refused", str(e))
+        except Exception as e:  # noqa: BLE001  (the suite reports every other failure)
+            out[step] = ("FAIL", f"{type(e).__name__}: {e}")
+
+    def do_profile() -> str:
+        prof = profile(model, inputs, hardware="cpu")
+        assert prof.forward_flops > 0 and prof.backward_flops > 0, prof
+        return f"{prof.forward_flops + prof.backward_flops:.3g} FLOP"
+
+    def do_plan() -> str:
+        plans["free"] = plan = plan_model(model, inputs, cluster=cluster, pp_axis=None)
+        return plan.roles
+
+    def do_budget() -> str:
+        if "free" not in plans:
+            do_plan()
+        peak = plans["free"].estimated.peak_bytes
+        plans["budget"] = plan = plan_model(model, inputs, cluster=cluster, pp_axis=None,
+                                            memory_budget_bytes=0.6 * peak)
+        assert plan.estimated.peak_bytes <= 0.6 * peak
+        return f"{plan.roles}, peak {plan.estimated.peak_bytes / peak:.2f}x"
+
+    def chosen():
+        if "budget" not in plans:
+            do_budget()
+        return plans["budget"]
+
+    def do_verify() -> str:
+        report = treadle.verify(chosen().schedule_for(model), inputs, steps=2, timeout_s=timeout_s)
+        return f"{report.n_checks} checks" if hasattr(report, "n_checks") else "ok"
+
+    def do_price() -> str:
+        p = treadle.price(chosen().schedule_for(model), inputs, cluster)
+        assert p.step_s > 0 and p.peak_bytes > 0, p
+        return f"{p.step_s * 1e3:.3g} ms, {p.peak_bytes / 2**20:.3g} MiB"
+
+    def do_train() -> str:
+        res = treadle.train(chosen().schedule_for(model), inputs, steps=2, timeout_s=timeout_s)
+        assert len(res.losses) == 2 and all(map(math.isfinite, res.losses)), res
+        return f"losses {[round(x, 4) for x in res.losses]}"
+
+    def do_megatron() -> str:
+        sch = treadle.create_schedule(build(name)[0], mesh=Mesh((2,), ("tp",)))
+        treadle.models.megatron(sch, tp="tp", example_inputs=inputs)
+        treadle.verify(sch, inputs, steps=1, timeout_s=timeout_s)
+        return f"{sum(r.op == 'shard' for r in sch.records)} shards"
+
+    def do_kernels() -> str:
+        sch = treadle.create_schedule(build(name)[0], mesh=Mesh((1,), ("x",)))
+        treadle.models.kernel_schedule(sch, example_inputs=inputs, compiler="eager")
+        treadle.verify(sch, inputs, steps=1, timeout_s=timeout_s)
+        return f"{sum(r.op in ('replace', 'fuse') for r in sch.records)} replaced / fused"
+
+    for step, fn in (("profile", do_profile), ("plan", do_plan), ("plan_budget", do_budget),
+                     ("verify_plan", do_verify), ("price", do_price), ("train", do_train),
+                     ("megatron", do_megatron), ("kernels", do_kernels)):
+        attempt(step, fn)
+    return out

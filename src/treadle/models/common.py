@@ -23,8 +23,8 @@ def path_of(sch: Schedule, module: nn.Module | None) -> str | None:
 
 
 def block_container(model: nn.Module) -> str | None:
-    """Path of the model's main stack of repeated blocks: of its nn.ModuleLists and nn.ModuleDicts keyed "0",
-    "1", ... in order (torchtitan's layers), the one holding the most parameters (then the longest: not a list of
+    """Path of the model's main stack of repeated blocks: of its nn.ModuleLists, nn.ModuleDicts keyed "0",
+    "1", ... in order (torchtitan's layers) and nn.Sequentials of one block class, the one holding the most parameters (then the longest: not a list of
     per-head norms inside a block), so that ``f"{path}.{i}"`` names block i either way; None if none."""
     best, best_key = None, (0, 0)
     for p, m in model.named_modules():
@@ -37,7 +37,10 @@ def block_container(model: nn.Module) -> str | None:
 
 
 def is_block_stack(m: nn.Module) -> bool:
-    """An nn.ModuleList, or an nn.ModuleDict keyed "0", "1", ... in order."""
+    """An nn.ModuleList, an nn.ModuleDict keyed "0", "1", ... in order, or an nn.Sequential of two or more
+    entries of one class (timm's ``blocks``; not a Linear-GELU-Linear MLP)."""
+    if isinstance(m, nn.Sequential):
+        return len(m) >= 2 and len({type(c) for c in m}) == 1
     return isinstance(m, nn.ModuleList) or (
         isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
 
@@ -46,7 +49,8 @@ def blocks_path(sch: Schedule) -> str:
     """Path of the model's main stack of repeated blocks (`block_container`)."""
     best = block_container(sch.model)
     if best is None:
-        raise ScheduleError("no nn.ModuleList (or nn.ModuleDict keyed 0, 1, ...) of repeated blocks found in the model")
+        raise ScheduleError("no nn.ModuleList (or nn.ModuleDict keyed 0, 1, ..., or nn.Sequential of one block class) of "
+                            "repeated blocks found in the model")
     return best
 
 
@@ -76,3 +80,37 @@ def finish(sch: Schedule, *, blocks: str, dp: str | None, zero3: bool, checkpoin
     if dp is not None:
         sch.data_parallel(axis=dp, shard=zero3)
     return sch
+
+
+# NOTE [a named recipe only for its own blocks]: a recipe by module names (the Megatron recipes, the kernel
+# schedules) knows what each named module computes and nothing else. A block that also holds parameters in
+# modules the recipe does not name (Qwen3's per-head q/k norms, whose weight every head shares and whose gradient
+# must then be summed over the tensor axis; OLMo-2's q/k norm over the whole projection) would be built without
+# what those modules need: silently wrong gradients, or a crash in forward. So a family is chosen only when its
+# naming modules exist and every parameter-holding module of block 0 is one it knows; otherwise the data-flow
+# paths decide (the constrained plan for Megatron).
+
+# family: (the modules that identify it, the other parameter-holding modules it may hold)
+FAMILY_MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "gpt2": (("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), ("ln_1", "ln_2")),
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj"), ("input_layernorm", "post_attention_layernorm")),
+    "bert": (("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+              "intermediate.dense", "output.dense"), ("attention.output.LayerNorm", "output.LayerNorm")),
+}
+
+
+def named_family(block: nn.Module) -> str | None:
+    """The family of `FAMILY_MODULES` whose modules `block` has and nothing else holding parameters (NOTE [a named
+    recipe only for its own blocks]); GPT-2's only over a fused q|k|v of three equal pieces. None otherwise."""
+    from ..forms.tensor.leaf_rules import matmul_dims
+
+    holders = {p for p, m in block.named_modules() if p and any(True for _ in m.parameters(recurse=False))}
+    for family, (names, others) in FAMILY_MODULES.items():
+        if has_children(block, *names) and holders <= set(names) | set(others):
+            if family == "gpt2":  # not GPT-2's names over another attention (multi-query q|k|v of unequal pieces)
+                dims = matmul_dims(block.get_submodule("attn.c_attn"))
+                if dims is None or dims[0] != 3 * dims[1]:
+                    continue
+            return family
+    return None

@@ -26,7 +26,7 @@ from ..forms.tensor.leaf_rules import HF_CONV1D
 from ..graph.pattern import register_form_probe, register_module_form
 from ..graph.rewrite import register_decomposition
 from ..schedule.core import Schedule
-from .common import blocks_path, has_children
+from .common import blocks_path, has_children, named_family
 
 logger = logging.getLogger(__name__)
 
@@ -309,18 +309,19 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
     decomposed GPT-2 ``c_fc`` gets its input-gradient reduction at build). Raises ScheduleError for other
     block structures or when a pattern is missing from a block."""
     blocks = blocks_path(sch)
-    first = sch[blocks].mod[0]
-    if has_children(first, "attn.c_attn", "mlp.c_fc", "ln_2"):
-        family = "gpt2"
-    elif has_children(first, "self_attn.q_proj", "mlp.gate_proj", "post_attention_layernorm"):
-        family = "llama"
-    elif has_children(first, "attention.output.LayerNorm", "intermediate.dense", "output.LayerNorm"):
+    first = sch[f"{blocks}.0"].mod
+    family = named_family(first)  # NOTE [a named recipe only for its own blocks] in common.py
+    if family == "bert":
         return _bert_kernels(sch, blocks, example_inputs=example_inputs, compiler=compiler, fuse_mlp=fuse_mlp,
                              fuse_norm=fuse_norm)
-    else:
-        raise ScheduleError(f"kernel_schedule: no kernel schedule for blocks of type {type(first).__name__}; "
-                            f"known: GPT-2 (attn.c_attn, mlp.c_fc), LLaMA (self_attn.q_proj, mlp.gate_proj) and BERT "
-                            f"(attention.output.LayerNorm, intermediate.dense)")
+    norm = {"gpt2": "ln_2", "llama": "post_attention_layernorm"}.get(family or "")
+    if norm is None or not has_children(first, norm):
+        extra = sorted(p for p, m in first.named_modules() if p and any(True for _ in m.parameters(recurse=False)))
+        raise ScheduleError(f"kernel_schedule: no kernel schedule for blocks of type {type(first).__name__} (modules "
+                            f"holding parameters: {extra}); known: GPT-2 (attn.c_attn of equal q|k|v, mlp.c_fc), "
+                            f"LLaMA (self_attn.q_proj, mlp.gate_proj, post_attention_layernorm) and BERT "
+                            f"(attention.output.LayerNorm, intermediate.dense), each with no other module holding "
+                            f"parameters")
     gated = None
     if family == "llama":  # LLaMA-like: check every part before anything is replaced or traced
         gated = _check_llama_like(sch, blocks, fuse_mlp=fuse_mlp, fuse_norm=fuse_norm)

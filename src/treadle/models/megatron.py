@@ -7,7 +7,7 @@ attention, vocab-parallel embedding and LM head with vocab-parallel cross-entrop
 parallelism in the norm/dropout regions (reduce-scatter / all-gather instead of all-reduce), a fraction of the
 layers checkpointed, and data parallelism (DDP or ZeRO-3) on a second mesh axis. A named recipe is used only
 when every module of the block that holds parameters is one it names (NOTE [a named recipe only for its own
-blocks]); anything else goes to the plan.
+blocks] in common.py); anything else goes to the plan.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..forms.sequence import steps as seq
 from ..forms.tensor.steps import check_heads, column, row
 from ..forms.vocab import vocab_parallel
 from ..schedule.core import Schedule
-from .common import blocks_path, checkpoint_layers, finish, has_children, is_block_stack, path_of
+from .common import blocks_path, checkpoint_layers, finish, is_block_stack, named_family, path_of
 
 logger = logging.getLogger(__name__)
 
@@ -128,42 +128,8 @@ def schedule_llama(sch: Schedule, *, tp: str = "tp", dp: str | None = None, zero
     return finish(sch, blocks=blocks, dp=dp, zero3=zero3, checkpoint_fraction=checkpoint_fraction)
 
 
-# NOTE [a named recipe only for its own blocks]: a recipe by module names knows what each named module
-# computes and nothing else. A block that also holds parameters in modules the recipe does not name (Qwen3's
-# per-head q/k norms, whose weight every head shares and whose gradient must then be summed over the tensor
-# axis; OLMo-2's q/k norm over the whole projection) would be built without what those modules need: silently
-# wrong gradients or a crash in forward. So a family is chosen only when its named modules exist and every
-# parameter-holding module of block 0 is one of them; otherwise the constrained plan decides by data flow.
-
-# family: (the modules that identify it, every parameter-holding module it may hold), recipe
-_FAMILIES = (
-    (("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), ("ln_1", "ln_2"), schedule_gpt2),
-    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), ("input_layernorm", "post_attention_layernorm"),
-     schedule_llama),
-    (("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-      "intermediate.dense", "output.dense"), ("attention.output.LayerNorm", "output.LayerNorm"), schedule_bert),
-)
-
-
-def _family(block: nn.Module) -> Callable[..., Schedule] | None:
-    """The named recipe whose modules block 0 has, and nothing else holding parameters (NOTE [a named recipe
-    only for its own blocks]); None when no recipe knows the whole block."""
-    holders = {p for p, m in block.named_modules() if p and any(True for _ in m.parameters(recurse=False))}
-    for names, others, recipe in _FAMILIES:
-        if has_children(block, *names) and holders <= set(names) | set(others):
-            if recipe is schedule_gpt2 and not _equal_qkv(block.get_submodule("attn.c_attn")):
-                continue  # GPT-2's names over another attention (multi-query q|k|v of unequal pieces)
-            return recipe
-    return None
-
-
-def _equal_qkv(mod: nn.Module) -> bool:
-    """A fused projection of three equal pieces, q|k|v (what `schedule_gpt2` splits in 3 blocks)."""
-    from ..forms.tensor.leaf_rules import matmul_dims
-
-    dims = matmul_dims(mod)
-    return dims is not None and dims[0] == 3 * dims[1]
+# the named recipes (NOTE [a named recipe only for its own blocks] in common.py)
+_RECIPES: dict[str, Callable[..., Schedule]] = {"gpt2": schedule_gpt2, "llama": schedule_llama, "bert": schedule_bert}
 
 
 def _stack_of(model: nn.Module, path: str) -> str | None:
@@ -301,11 +267,11 @@ def _plan_holding(sch: Schedule, inputs: Any, pins: dict, *, tp: str, dp: str | 
 
 def megatron(sch: Schedule, **kwargs) -> Schedule:
     """Apply the Megatron recipe: the named recipe (GPT-2, LLaMA or BERT) when block 0 holds exactly that
-    family's modules (NOTE [a named recipe only for its own blocks]), else the constrained plan
+    family's modules (NOTE [a named recipe only for its own blocks] in common.py), else the constrained plan
     (`schedule_by_plan`; pass ``example_inputs=`` for a model that does not take ``input_ids``). Keyword
     arguments go to the recipe. Raises ScheduleError naming what cannot be built."""
-    recipe = _family(sch[f"{blocks_path(sch)}.0"].mod)
-    if recipe is not None:
+    family = named_family(sch[f"{blocks_path(sch)}.0"].mod)
+    if family is not None:
         kwargs.pop("example_inputs", None)
-        return recipe(sch, **kwargs)
+        return _RECIPES[family](sch, **kwargs)
     return schedule_by_plan(sch, **kwargs)
