@@ -118,7 +118,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     callback told each step; `loss_fn(output)`: the loss, as in verify / train (`treadle.loss.default_loss`);
     `price_top` defaults to 1 with a budget (a budget is a promise about the plan as built), else 0; `model_spec`
     (e.g. {"name": "tiny-gpt2", "batch": 4, "seq": 16}) is kept in the plan for `treadle verify plan.json`.
-    Raises PlanError when no plan meets the budget (stating the smallest budget any plan meets), when a pin
+    Raises PlanError when no plan meets the budget (stating the smallest budget any plan meets, also as its
+    attribute ``smallest_budget_bytes``), when a pin
     matches nothing or cannot hold (naming the op that blocks it), or when the axes cannot take the batch."""
     given = dict(cluster=cluster, memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
                  zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
@@ -309,10 +310,12 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
                 break
         if budget is not None and chosen_price is None and priced:
             low = min(priced, key=lambda r: r["peak_bytes"])
-            raise PlanError(f"plan_model: no plan fits {_fmt_bytes(budget)} per device as built: every role "
+            err = PlanError(f"plan_model: no plan fits {_fmt_bytes(budget)} per device as built: every role "
                             f"assignment's plan, priced (`treadle.price`) and re-solved, needs more; the smallest is "
                             f"{_fmt_bytes(low['peak_bytes'])} ({low['roles']} on {low['mesh']}) — raise the budget "
                             f"to at least that, or add devices")
+            err.smallest_budget_bytes = float(low["peak_bytes"])
+            raise err
     # NOTE [exact budget] in ilp.py: the plan's memory as built (its price) when priced, else the solver's
     if budget is not None and chosen_price is None and sol.peak_bytes > budget:
         raise PlanError(f"plan_model: the solver's plan needs {_fmt_bytes(sol.peak_bytes)} per device, over the "
@@ -371,10 +374,12 @@ def _raise_infeasible(search: _Search, results: list, unbuilt: list) -> None:
     if req.pins and smallest == math.inf:  # no plan even without the memory row: a pin cannot hold
         _raise_pin_conflict(search, unbuilt + [(c.cluster, c.roles, c, None, "") for _, c in results])
     where = req.clusters[0] if len(req.clusters) == 1 else f"{len(req.clusters)} meshes"
-    raise PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(req.memory_budget_bytes)} per "
+    err = PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(req.memory_budget_bytes)} per "
                     f"device (constraint 'memory' binds for every role assignment tried: "
                     f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
                     f"{_fmt_bytes(smallest)} — raise the budget to at least that, or add devices")
+    err.smallest_budget_bytes = float(smallest)
+    raise err
 
 
 def _raise_pin_conflict(search: _Search, attempts: list) -> None:
