@@ -12,16 +12,12 @@ import pytest
 
 import arch_suite
 
-_LLAMA_KERNELS = {"llama", "qwen2", "mistral"}  # LLaMA's module names and nothing else, F.rms_norm norms
-_KERNELS = {"gpt2", "bert", "gemma"} | _LLAMA_KERNELS
-
 # (architecture, step) -> a phrase the refusal's message holds
 REFUSED: dict[tuple[str, str], str] = {
     ("falcon", "megatron"): "cannot hold",  # FalconLinear multiplies by weight.T: no sharded rule reads it
     ("resnet", "megatron"): "no Linear-like weight inside the repeated blocks",
     ("wide_resnet", "megatron"): "no Linear-like weight inside the repeated blocks",
-    **{(a, "kernels"): "no kernel schedule for blocks of type" for a in arch_suite.ARCHS if a not in _KERNELS},
-    ("gemma", "kernels"): "GemmaRMSNorm is not an F.rms_norm of its weight",  # x * (1 + weight)
+    ("gemma", "kernels"): "GemmaRMSNorm is not an F.rms_norm of its weight",  # x * (1 + weight): fuse_norm=False
 }
 
 

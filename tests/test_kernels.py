@@ -97,14 +97,41 @@ def test_fuse_refuses_to_swallow_a_leaf_with_recorded_primitives():
         sch["bert.encoder.layer.0.intermediate"].fuse(m, compiler="aot_eager")
 
 
-def test_kernel_schedule_names_the_structures_it_knows():
+def test_kernel_schedule_by_data_flow_on_a_block_no_recipe_names_reports_and_verifies():
+    """OPT: no named schedule; the block's own ReLU after a biased fc1 is fused (decomposed), its norms are
+    skipped with the reason (a reshape sits between the residual sum and the final norm), and it verifies."""
     from transformers import OPTConfig, OPTForCausalLM
 
+    torch.manual_seed(0)
     model = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, ffn_dim=128,
-                                     vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64))
+                                     vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64,
+                                     dropout=0.0))
     sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
-    with pytest.raises(ScheduleError, match=r"no kernel schedule for blocks of type OPTDecoderLayer; known: GPT-2"):
-        kernel_schedule(sch, example_inputs=_inputs())
+    report: list[str] = []
+    kernel_schedule(sch, example_inputs=_inputs(), compiler="aot_eager", report=report)
+    assert report == ["model.decoder.layers.0: block: fused 1 x bias+activation; skipped self_attn_layer_norm (its "
+                      "input is not directly a residual sum made in the block); final_layer_norm (its input is not "
+                      "directly a residual sum made in the block)"]
+    assert len(_fused(sch, "model.decoder.layers.0")) == 1
+    assert treadle.verify(sch, _inputs()).ok
+
+
+def test_kernel_schedule_by_data_flow_keeps_what_a_named_schedule_does_not_know():
+    """Qwen3 has LLaMA's module names plus per-head q/k norms: not the LLaMA schedule (whose SDPA module would
+    drop the norms), but its residual+RMSNorm and SwiGLU regions by data flow; the attention stays the model's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+                                         max_position_embeddings=64))
+    sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
+    report: list[str] = []
+    kernel_schedule(sch, example_inputs=_inputs(), compiler="aot_eager", report=report)
+    assert report == ["model.layers.0: residual+norm -> post_attention_layernorm; mlp: fused 1 x swiglu; skipped "
+                      "input_layernorm (its input is not directly a residual sum made in the block)"]
+    assert type(sch["model.layers.0.self_attn"].mod).__name__ == "Qwen3Attention"
+    assert treadle.verify(sch, _inputs()).ok
 
 
 def test_sdpa_attention_matches_eager_attention_with_padding_mask():

@@ -73,6 +73,11 @@ def _name_of(op: str) -> str:
     return _ALIASES.get(op, op)
 
 
+def canonical_op(node: fx.Node) -> str | None:
+    """The canonical name of a call_function / call_method node's op (NOTE [canonical ops]); None otherwise."""
+    return _canon_target(node)
+
+
 def _canon_target(node: fx.Node) -> str | None:
     t = node.target
     if node.op == "call_method":
