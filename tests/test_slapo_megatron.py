@@ -147,3 +147,21 @@ def test_megatron_names_the_weight_that_cannot_be_split():
                                             r"shape \(3, 3\), no dim of which divides over axis 'tp' of size 2"):
         treadle.models.megatron(sch, tp="tp", example_inputs={"x": torch.randn(2, 3)})
     assert not sch.records  # nothing half-applied
+
+
+@pytest.mark.slow
+def test_megatron_as_a_plan_on_t5_with_zero3_a_split_vocabulary_and_checkpoints_verifies_on_4_ranks():
+    """An encoder-decoder no named recipe knows, every option of the recipe at once: both stacks split over tp,
+    the shared embedding and head (one tied weight, stated at lm_head) over the vocabulary, ZeRO-3 over dp (T5's blocks hold lists of layers: FSDP2
+    wraps the blocks only, NOTE [FSDP2 units]), half the decoder blocks checkpointed."""
+    from arch_suite import build
+
+    model, inputs = build("t5")
+    sch = create_schedule(model, mesh=Mesh((2, 2), ("dp", "tp")))
+    treadle.models.megatron(sch, tp="tp", dp="dp", zero3=True, vocab_parallel_head=True, checkpoint_fraction=0.5,
+                            example_inputs=inputs)
+    shards = {r.path for r in sch.records if r.op == "shard"}
+    assert {"lm_head", "encoder.block.1.layer.1.DenseReluDense.wi", "decoder.block.0.layer.1.EncDecAttention.o"} <= shards
+    assert [r.path for r in sch.records if r.op == "checkpoint"] == ["decoder.block.0"]
+    assert [r.args.get("shard") for r in sch.records if r.op == "data_parallel"] == [True]
+    assert treadle.verify(sch, inputs, steps=1, timeout_s=300).ok

@@ -14,8 +14,9 @@ BatchNorm's running statistics) pays one collective's latency per step; one with
 The price and the planner's cost graph both charge `buffer_broadcast_s` for the bytes of
 `treadle.profile.memory.buffer_bytes`.
 
-NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList`` or ``nn.ModuleDict``, then
-on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per
+NOTE [FSDP2 units]: `build` calls ``fully_shard`` on every entry of every ``nn.ModuleList`` or ``nn.ModuleDict`` that
+is not inside such an entry already (T5's blocks, not the list of layers each block holds: wrapping the block first
+and then a list inside it would shard its parameters twice, which FSDP2 refuses), then on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per
 step FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
 `treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient in and
 the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
@@ -99,11 +100,11 @@ def within(path: str, prefix: str) -> bool:
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
-    """FSDP2 units as `build` wraps them (NOTE [FSDP2 units]): every entry of every ModuleList or ModuleDict (the
-    blocks, as torchtitan holds them), then the root."""
-    units = []
+    """FSDP2 units as `build` wraps them (NOTE [FSDP2 units]): every entry of every ModuleList or ModuleDict not
+    inside another unit (the blocks, as torchtitan holds them), then the root."""
+    units: list[str] = []
     for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and not any(within(path, u) for u in units):
             units += [f"{path}.{k}" if path else k for k, c in m.named_children()]
     return units + [""]
 
