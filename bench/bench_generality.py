@@ -34,10 +34,33 @@ def main(names: list[str]) -> None:
                      "steps": {k: {"outcome": v[0], "detail": v[1]} for k, v in res.items()}})
         cells = [res[s][0] if s in res else "-" for s in arch_suite.STEPS]
         print(f"| {name} | {arch_suite.ARCHS[name][1]} | " + " | ".join(cells) + f" | {dt:.0f} |", flush=True)
+    print()
+    print(readme_table(rows))
     out = Path(__file__).parent / "results" / "bench_generality.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {out}")
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's table: the five general steps in one column, the budget plan's roles, the two recipes."""
+    out = ["| architecture (tiny config): what it exercises | profile, plan, verify, price, train | plan under a budget "
+           "(x the unconstrained peak) | `megatron`, tp=2 | `kernel_schedule` |", "|---|---|---|---|---|"]
+    for r in rows:
+        st = r["steps"]
+        five = all(st[k]["outcome"] == "ok" for k in ("profile", "plan", "verify_plan", "price", "train"))
+        b = st["plan_budget"]
+        budget = b["outcome"]
+        if budget == "ok":
+            roles, _, frac = b["detail"].partition(" under ")
+            budget = f"{frac.split()[0]}: {roles.replace(' x', '')}"
+        m, k = st["megatron"], st["kernels"]
+        meg = f"verifies ({m['detail']})" if m["outcome"] == "ok" else m["outcome"]
+        n = k["detail"].split(" replaced")[0]
+        ker = k["outcome"] if k["outcome"] != "ok" else (f"verifies ({n} replaced or fused)" if n != "0"
+                                                         else "verifies (nothing matched)")
+        out.append(f"| {r['arch']}: {r['what']} | {'ok' if five else 'FAIL'} | {budget} | {meg} | {ker} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ class TitanLlama(nn.Module):
 
 
 class NanoBlock(nn.Module):
-    """nanoGPT's block: fused c_attn (q|k|v), c_proj; a GELU MLP; pre-LayerNorm with bias."""
+    """nanoGPT's block: fused c_attn (qkv), c_proj; a GELU MLP; pre-LayerNorm with bias."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -309,7 +309,7 @@ def _wide_resnet() -> tuple[nn.Module, dict]:
 ARCHS: dict[str, tuple[Callable[[], tuple[nn.Module, dict]], str]] = {
     "gpt2": (_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
                  n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-             "fused q|k|v Conv1D, learned positions, tied head"),
+             "fused qkv Conv1D, learned positions, tied head"),
     "llama": (_decoder("LlamaConfig", "LlamaForCausalLM"), "GQA, RMSNorm, rotary, SwiGLU"),
     "qwen2": (_decoder("Qwen2Config", "Qwen2ForCausalLM"), "q/k/v biases"),
     "qwen3": (_decoder("Qwen3Config", "Qwen3ForCausalLM", head_dim=16), "q/k RMSNorm per head"),
@@ -324,11 +324,11 @@ ARCHS: dict[str, tuple[Callable[[], tuple[nn.Module, dict]], str]] = {
     "falcon": (_hf("FalconConfig", "FalconForCausalLM", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                    vocab_size=VOCAB, multi_query=True, parallel_attn=True, new_decoder_architecture=False,
                    hidden_dropout=0.0, attention_dropout=0.0, **_COMMON),
-               "multi-query attention (fused q|k|v of unequal pieces), parallel attention"),
+               "multi-query attention (fused qkv of unequal pieces), parallel attention"),
     "gpt_neox": (_hf("GPTNeoXConfig", "GPTNeoXForCausalLM", num_hidden_layers=2, hidden_size=64,
                      num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB, rotary_pct=0.25,
                      use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0, **_COMMON),
-                 "q|k|v interleaved per head, partial rotary, parallel residual"),
+                 "qkv interleaved per head, partial rotary, parallel residual"),
     "gpt_bigcode": (_hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=64, n_head=4,
                         vocab_size=VOCAB, n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0, **_COMMON), "multi-query attention in one Linear"),
@@ -336,7 +336,7 @@ ARCHS: dict[str, tuple[Callable[[], tuple[nn.Module, dict]], str]] = {
                  n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_COMMON),
              "parallel attention + MLP, rotary on part of each head"),
     "bloom": (_hf("BloomConfig", "BloomForCausalLM", n_layer=2, hidden_size=64, n_head=4, vocab_size=VOCAB,
-                  hidden_dropout=0.0, attention_dropout=0.0, **_COMMON), "ALiBi, fused q|k|v per head"),
+                  hidden_dropout=0.0, attention_dropout=0.0, **_COMMON), "ALiBi, fused qkv per head"),
     "opt": (_hf("OPTConfig", "OPTForCausalLM", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                 ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0,
                 attention_dropout=0.0, **_COMMON), "learned positions with offset, ReLU MLP"),
@@ -463,3 +463,11 @@ def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 2
                      ("megatron", do_megatron), ("kernels", do_kernels)):
         attempt(step, fn)
     return out
+
+
+def qwen3_for_run(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """The qwen3 architecture as ``treadle.run --model arch_suite:qwen3_for_run`` loads it (byte-level vocab)."""
+    model, _ = build("qwen3")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    return model, {"input_ids": ids, "labels": ids.clone()}

@@ -169,8 +169,8 @@ def megatron_pins(sch: Schedule, *, tp: str, vocab_parallel_head: bool) -> dict[
 
 
 def _example_batch(sch: Schedule, dp: str | None) -> dict:
-    """A small batch of token ids for a model that takes ``input_ids`` (zeros are valid ids), as many rows as the
-    data-parallel axis has ranks, without a KV cache (a graph cannot hold one)."""
+    """A small batch of token ids for a model that takes ``input_ids`` (zeros are valid ids; as labels too when it
+    takes them), as many rows as the data-parallel axis has ranks, without a KV cache (a graph cannot hold one)."""
     import inspect
 
     rows = sch.mesh.size(dp) if dp is not None else 1
@@ -182,6 +182,8 @@ def _example_batch(sch: Schedule, dp: str | None) -> dict:
     if "input_ids" not in params and not any(q.kind == q.VAR_KEYWORD for q in params.values()):
         raise ScheduleError(f"megatron: {type(sch.model).__name__}.forward takes no input_ids; pass example_inputs= "
                             f"(the model's keyword inputs, e.g. pixel_values and labels)")
+    if "labels" in params:  # the model's own training loss, as training computes it
+        out["labels"] = out["input_ids"]
     if "use_cache" in params or any(q.kind == q.VAR_KEYWORD for q in params.values()):
         out["use_cache"] = False
     return out

@@ -143,8 +143,8 @@ def _plan_auto(model: nn.Module, cfg: RunConfig, clusters: list) -> str:
 
 
 def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) -> Schedule:
-    """The run's schedule over a world of `world` ranks (a collective for ``--plan auto``: rank 0 plans, then
-    broadcasts). Raises RunError when the schedule's mesh does not match the world size or the schedule does
+    """The run's schedule over a world of `world` ranks (a collective for ``--plan auto`` and the recipes: rank 0
+    plans or writes the recipe, then broadcasts it as JSON, so every rank builds the same schedule). Raises RunError when the schedule's mesh does not match the world size or the schedule does
     not fit the model."""
     if cfg.plan == "auto":
         try:
@@ -163,8 +163,19 @@ def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) ->
         text = box[0]
     elif cfg.schedule or cfg.plan:
         text = read_schedule_text(cfg.schedule or cfg.plan)
-    else:
+    elif world == 1 or not dist.is_initialized():
         return _recipe(model, cfg, world)
+    else:  # rank 0 writes the recipe (a constrained plan for a model no named recipe knows), the others load it
+        box = [None]
+        if rank == 0:
+            try:
+                box[0] = _recipe(model, cfg, world).to_json()
+            except TreadleError as exc:
+                box[0] = RunError(f"treadle.run: --recipe {cfg.recipe} failed on rank 0: {exc}")
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        text = box[0]
     check_schedule_world(text, world)
     try:
         sch = load_schedule(model, text)
