@@ -174,7 +174,8 @@ def _example_batch(sch: Schedule, dp: str | None) -> dict:
     import inspect
 
     rows = sch.mesh.size(dp) if dp is not None else 1
-    out: dict = {"input_ids": torch.zeros(rows, 7, dtype=torch.long)}  # 7: a sequence unlike a head count
+    device = next((p.device for p in sch.model.parameters()), torch.device("cpu"))  # meta for a meta-device model
+    out: dict = {"input_ids": torch.zeros(rows, 7, dtype=torch.long, device=device)}  # 7: unlike a head count
     try:
         params = inspect.signature(sch.model.forward).parameters
     except (TypeError, ValueError):
