@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -142,40 +142,37 @@ def _plan_auto(model: nn.Module, cfg: RunConfig, clusters: list) -> str:
     return plan.schedule.to_json()
 
 
+def _from_rank0(rank: int, write: Callable[[], str], what: str) -> str:
+    """The schedule JSON rank 0 writes (`write`), broadcast to every rank; a treadle error on rank 0 is raised on
+    every rank as a RunError naming `what`."""
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = write()
+        except TreadleError as exc:
+            box[0] = RunError(f"treadle.run: {what} failed on rank 0: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def make_schedule(model: nn.Module, cfg: RunConfig, *, world: int, rank: int) -> Schedule:
     """The run's schedule over a world of `world` ranks (a collective for ``--plan auto`` and the recipes: rank 0
-    plans or writes the recipe, then broadcasts it as JSON, so every rank builds the same schedule). Raises RunError when the schedule's mesh does not match the world size or the schedule does
-    not fit the model."""
+    plans or writes the recipe, then broadcasts it as JSON, so every rank builds the same schedule). Raises
+    RunError when the schedule's mesh does not match the world size or the schedule does not fit the model."""
     if cfg.plan == "auto":
         try:
             clusters = _auto_clusters(cfg, world, rank)  # a collective on CPU (every rank measures the links)
         except TreadleError as exc:
             raise RunError(f"treadle.run: --plan auto: {exc}") from exc
-        box: list[Any] = [None]
-        if rank == 0:
-            try:
-                box[0] = _plan_auto(model, cfg, clusters)
-            except TreadleError as exc:
-                box[0] = RunError(f"treadle.run: --plan auto failed on rank 0: {exc}")
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        text = box[0]
+        text = _from_rank0(rank, lambda: _plan_auto(model, cfg, clusters), "--plan auto")
     elif cfg.schedule or cfg.plan:
         text = read_schedule_text(cfg.schedule or cfg.plan)
     elif world == 1 or not dist.is_initialized():
         return _recipe(model, cfg, world)
-    else:  # rank 0 writes the recipe (a constrained plan for a model no named recipe knows), the others load it
-        box = [None]
-        if rank == 0:
-            try:
-                box[0] = _recipe(model, cfg, world).to_json()
-            except TreadleError as exc:
-                box[0] = RunError(f"treadle.run: --recipe {cfg.recipe} failed on rank 0: {exc}")
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        text = box[0]
+    else:  # a constrained plan (a model no named recipe knows) solved on every rank could differ between ranks
+        text = _from_rank0(rank, lambda: _recipe(model, cfg, world).to_json(), f"--recipe {cfg.recipe}")
     check_schedule_world(text, world)
     try:
         sch = load_schedule(model, text)
