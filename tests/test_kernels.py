@@ -109,8 +109,8 @@ def test_kernel_schedule_by_data_flow_on_a_block_no_recipe_names_reports_and_ver
     sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
     report: list[str] = []
     kernel_schedule(sch, example_inputs=_inputs(), compiler="aot_eager", report=report)
-    assert report == ["model.decoder.layers.0: block: fused 1 x bias+activation; skipped self_attn_layer_norm (its "
-                      "input is not directly a residual sum made in the block); final_layer_norm (its input is not "
+    assert report == ["model.decoder.layers.0: block: fused 1 x bias+activation; self_attn: attention already SDPA; "
+                      "skipped self_attn_layer_norm (its input is not directly a residual sum made in the block); final_layer_norm (its input is not "
                       "directly a residual sum made in the block)"]
     assert len(_fused(sch, "model.decoder.layers.0")) == 1
     assert treadle.verify(sch, _inputs()).ok
@@ -118,7 +118,8 @@ def test_kernel_schedule_by_data_flow_on_a_block_no_recipe_names_reports_and_ver
 
 def test_kernel_schedule_by_data_flow_keeps_what_a_named_schedule_does_not_know():
     """Qwen3 has LLaMA's module names plus per-head q/k norms: not the LLaMA schedule (whose SDPA module would
-    drop the norms), but its residual+RMSNorm and SwiGLU regions by data flow; the attention stays the model's."""
+    drop the norms), but its residual+RMSNorm and SwiGLU regions by data flow; its attention (transformers' SDPA
+    implementation) keeps its q/k norms."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -128,9 +129,10 @@ def test_kernel_schedule_by_data_flow_keeps_what_a_named_schedule_does_not_know(
     sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
     report: list[str] = []
     kernel_schedule(sch, example_inputs=_inputs(), compiler="aot_eager", report=report)
-    assert report == ["model.layers.0: residual+norm -> post_attention_layernorm; mlp: fused 1 x swiglu; skipped "
-                      "input_layernorm (its input is not directly a residual sum made in the block)"]
-    assert type(sch["model.layers.0.self_attn"].mod).__name__ == "Qwen3Attention"
+    assert report == ["model.layers.0: residual+norm -> post_attention_layernorm; self_attn: attention already SDPA; "
+                      "mlp: fused 1 x swiglu; skipped input_layernorm (its input is not directly a residual sum made in the block)"]
+    names = {type(m).__name__ for m in sch["model.layers.0.self_attn"].mod.modules()}
+    assert "Qwen3RMSNorm" in names and "SdpaCore" not in names  # its norms kept; SDPA was already its kernel
     assert treadle.verify(sch, _inputs()).ok
 
 
@@ -146,3 +148,73 @@ def test_sdpa_attention_matches_eager_attention_with_padding_mask():
                         fuse_mlp=False, fuse_norm=False)
         got = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+class _MinGPTBlock(torch.nn.Module):
+    """minGPT's block: attention written out (scores scaled, masked_fill with -inf, softmax, value product)."""
+
+    def __init__(self, d: int = 32, heads: int = 4, n: int = 16):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.c_attn, self.c_proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.proj = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(1, 1, n, n))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (c // self.heads) ** 0.5)
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        y = torch.softmax(att, dim=-1) @ v
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+class _MinGPT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_MinGPTBlock(), _MinGPTBlock()])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+
+def test_kernel_schedule_puts_attention_written_out_on_sdpa_by_data_flow():
+    """minGPT writes attention out in the block (masked_fill with -inf): the core becomes one SDPA call with the
+    negated fill mask and the block's scale, beside the residual+LayerNorm and bias+GeLU regions."""
+    from treadle.models.fusions import SdpaCore
+
+    torch.manual_seed(0)
+    sch = create_schedule(_MinGPT(), mesh=Mesh((1,), ("tp",)))
+    report: list[str] = []
+    inputs = {"x": torch.randn(2, 16, 32)}
+    kernel_schedule(sch, example_inputs=inputs, compiler="aot_eager", report=report)
+    assert report[0] == ("blocks.0: 1 attention core(s) on SDPA; residual+norm -> ln_2; block: fused 1 x "
+                         "bias+activation; skipped ln_1 (its input is not directly a residual sum made in the block)")
+    cores = [m for m in sch["blocks.0"].mod.modules() if isinstance(m, SdpaCore)]
+    assert len(cores) == 1 and cores[0].filled and cores[0].scale == pytest.approx(1 / 8 ** 0.5)
+    assert treadle.verify(sch, inputs).ok
+
+
+def test_kernel_schedule_puts_transformers_eager_attention_on_sdpa():
+    """Qwen3 in eager attention: the self_attn graph's core (GQA-repeated k/v, additive mask, softmax in fp32, a
+    dropout of p=0) becomes SDPA; the probabilities it also returned, which the block drops, become None."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from treadle.models.fusions import SdpaCore
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+                                         max_position_embeddings=64))
+    model.config._attn_implementation = "eager"
+    sch = create_schedule(model, mesh=Mesh((1,), ("tp",)))
+    report: list[str] = []
+    kernel_schedule(sch, example_inputs=_inputs(), compiler="aot_eager", report=report)
+    assert "self_attn: 1 attention core(s) on SDPA" in report[0]
+    cores = [m for m in sch["model.layers.0.self_attn"].mod.modules() if isinstance(m, SdpaCore)]
+    assert len(cores) == 1 and cores[0].returns_probs and not cores[0].filled and cores[0].scale == 0.25
+    assert treadle.verify(sch, _inputs()).ok

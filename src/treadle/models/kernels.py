@@ -183,7 +183,7 @@ def kernel_schedule(sch: Schedule, *, example_inputs: dict[str, Any], compiler: 
         from .fusions import data_flow_kernels
 
         return data_flow_kernels(sch, blocks, example_inputs=example_inputs, compiler=compiler, fuse_mlp=fuse_mlp,
-                                 fuse_norm=fuse_norm, report=report)
+                                 fuse_norm=fuse_norm, attention=attention, report=report)
     gated = None
     if family == "llama":  # LLaMA-like: check every part before anything is replaced or traced
         gated = _check_llama_like(sch, blocks, fuse_mlp=fuse_mlp, fuse_norm=fuse_norm)
