@@ -1,5 +1,6 @@
 """Kernel schedules by data flow, for blocks no named schedule knows (NOTE [kernels by data flow]): the residual +
-norm and MLP activation regions found in each block's graph, fused with the compiler, each skip reported."""
+norm and MLP activation regions found in each block's graph, fused with the compiler, and eager attention cores put
+on SDPA (NOTE [attention by data flow]), each skip reported."""
 
 from __future__ import annotations
 
