@@ -85,14 +85,22 @@ def _attention_like(m: nn.Module) -> bool:
     return sum(matmul_dims(c) is not None for c in kids) >= 2 and not any(probe_activation(c) for c in kids)
 
 
-def _sdpa_attention(sch: Schedule, path: str, *, example_inputs: dict[str, Any]) -> str:
-    """Trace the module at `path` (unless it is) and put each eager attention core of its graph on SDPA."""
+def _traced(sch: Schedule, path: str, example_inputs: dict[str, Any]) -> tuple[Schedule, str]:
+    """The sub-schedule at `path`, traced (unless it is); and why not, when its graph cannot be captured."""
     mod = sch[path]
     if not isinstance(mod.mod, torch.fx.GraphModule):
         try:
             mod.trace(example_inputs=example_inputs)
         except ScheduleError as e:
-            return f"its graph cannot be captured ({str(e)[:120]})"
+            return mod, f"its graph cannot be captured ({str(e)[:120]})"
+    return mod, ""
+
+
+def _sdpa_attention(sch: Schedule, path: str, *, example_inputs: dict[str, Any]) -> str:
+    """Trace the module at `path` (unless it is) and put each eager attention core of its graph on SDPA."""
+    mod, why = _traced(sch, path, example_inputs)
+    if why:
+        return why
     if any(canonical_op(n) == "scaled_dot_product_attention" for n in mod.mod.graph.nodes):
         return "attention already SDPA"
     cores = attention_cores(mod.mod, unread=_unread_outputs(sch, path))
@@ -144,12 +152,9 @@ def _mlp_paths(block: nn.Module) -> list[str]:
 
 def _fuse_activation(sch: Schedule, path: str, *, example_inputs: dict[str, Any], compiler: str) -> str:
     """Trace the module at `path` (unless it is) and fuse its gated product, else its bias + activation regions."""
-    mod = sch[path]
-    if not isinstance(mod.mod, torch.fx.GraphModule):
-        try:
-            mod.trace(example_inputs=example_inputs)
-        except ScheduleError as e:
-            return f"its graph cannot be captured ({str(e)[:120]})"
+    mod, why = _traced(sch, path, example_inputs)
+    if why:
+        return why
     for gated in (swiglu, geglu_tanh, geglu):
         ms = mod.find_pattern(gated)
         if ms:
