@@ -53,7 +53,7 @@ def readme_table(rows: list[dict]) -> str:
         budget = b["outcome"]
         if budget == "ok":
             roles, _, frac = b["detail"].partition(" under ")
-            budget = f"{frac.split()[0]}: {roles.replace(' x', '')}"
+            budget = f"{frac.split()[0]}: {roles}"
         m, k = st["megatron"], st["kernels"]
         meg = f"verifies ({m['detail']})" if m["outcome"] == "ok" else m["outcome"]
         n = k["detail"].split(" replaced")[0]
