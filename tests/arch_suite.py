@@ -471,3 +471,29 @@ def qwen3_for_run(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
     return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+# ----------------------------------------------------------------------------- what the suite expects
+# (architecture, step) -> a phrase the refusal's message holds
+REFUSED: dict[tuple[str, str], str] = {
+    ("falcon", "megatron"): "cannot hold",  # FalconLinear multiplies by weight.T: no sharded rule reads it
+    ("resnet", "megatron"): "no Linear-like weight inside the repeated blocks",
+    ("wide_resnet", "megatron"): "no Linear-like weight inside the repeated blocks",
+    ("gemma", "kernels"): "GemmaRMSNorm is not an F.rms_norm of its weight",  # x * (1 + weight): fuse_norm=False
+}
+
+
+def check_steps(name: str) -> None:
+    """Run every step on architecture `name` and assert each passed, or was refused as `REFUSED` says."""
+    res = run_steps(name)
+    assert set(res) == set(STEPS)
+    for step, (outcome, detail) in res.items():
+        want = REFUSED.get((name, step))
+        if want is None:
+            assert outcome == "ok", f"{name} {step}: {outcome}: {detail}"
+        else:
+            assert outcome == "refused" and want in detail, f"{name} {step}: {outcome}: {detail}"
+
+
+# the suite in three test files, so that pytest-xdist's --dist loadfile spreads it over the workers
+PARTS = [list(ARCHS)[i::3] for i in range(3)]

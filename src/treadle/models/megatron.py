@@ -145,8 +145,9 @@ def _stack_of(model: nn.Module, path: str) -> str | None:
 def megatron_pins(sch: Schedule, *, tp: str, vocab_parallel_head: bool) -> dict[str, dict[str, str]]:
     """The recipe's pins: every weight of a Linear-like leaf (nn.Linear, transformers' Conv1D) inside a repeated
     block is sharded over `tp`, on the dim the solver picks by data flow (column- or row-parallel: a pin "S"), one
-    pattern per place in the block (``layers.*.mlp.up.weight``: every block alike); with `vocab_parallel_head`, the
-    input embedding's and the output head's weights over the vocabulary."""
+    pattern per place in the block (``layers.*.mlp.up.weight``: every block alike); the input embedding's and the
+    output head's weights (where the model names them) split over the vocabulary with `vocab_parallel_head`, else
+    replicated."""
     from ..forms.tensor.leaf_rules import matmul_dims
 
     model = sch.model
@@ -156,15 +157,18 @@ def megatron_pins(sch: Schedule, *, tp: str, vocab_parallel_head: bool) -> dict[
         if stack is not None:
             rel = path[len(stack) + 1:].partition(".")[2]
             pins[f"{stack}.*.{rel}.weight" if rel else f"{stack}.*.weight"] = {tp: "S"}
-    if vocab_parallel_head:
-        for getter in ("get_input_embeddings", "get_output_embeddings"):
-            mod = getattr(model, getter, lambda: None)()
-            where = path_of(sch, mod)
-            if mod is None or where is None:
-                raise ScheduleError(f"megatron: vocab_parallel_head needs the model's {getter}() (a Hugging Face "
-                                    f"method) to find the vocabulary; {type(model).__name__} has none: pass "
-                                    f"vocab_parallel_head=False")
-            pins[f"{where}.weight"] = {tp: "S0"}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            mod = getattr(model, getter)()
+        except (AttributeError, NotImplementedError, TypeError):  # not a Hugging Face model, or none of its own
+            mod = None
+        where = path_of(sch, mod)
+        if vocab_parallel_head and (mod is None or where is None):
+            raise ScheduleError(f"megatron: vocab_parallel_head needs the model's {getter}() (a Hugging Face "
+                                f"method) to find the vocabulary; {type(model).__name__} has none: pass "
+                                f"vocab_parallel_head=False")
+        if where is not None and isinstance(getattr(mod, "weight", None), torch.Tensor):
+            pins[f"{where}.weight"] = {tp: "S0" if vocab_parallel_head else "R"}  # the user's word, either way
     return pins
 
 
@@ -196,10 +200,9 @@ def schedule_by_plan(sch: Schedule, *, tp: str = "tp", dp: str | None = None, ze
     """Megatron for any model, as a constrained plan: the planner's capture, data-flow analysis and emission
     with the roles fixed (`tp` tensor-parallel, `dp` DDP or ZeRO-3, every other axis replicated, no pipeline) and
     the recipe's layouts pinned (`megatron_pins`: every Linear-like weight of the repeated blocks sharded over
-    `tp`, the vocabulary split when `vocab_parallel_head`). The analysis decides what is column-, row- or
-    head-parallel, which gradients need a sum over `tp` (a norm every head shares), which inputs are split per
-    head (ALiBi) and which attributes count heads; a layout no data flow can hold raises ScheduleError naming the
-    weight and the op that blocks it. `example_inputs`: the model's keyword inputs (default: a few token ids);
+    `tp`, the vocabulary split or kept whole as `vocab_parallel_head` says). The analysis decides what is column-,
+    row- or head-parallel, which gradients need a sum over `tp` (a norm every head shares) and which attributes
+    count heads; weights no data flow can split stay replicated (`_plan_holding`). `example_inputs`: the model's keyword inputs (default: a few token ids);
     the schedule does not depend on their sizes. A fraction of the blocks is checkpointed as in the named
     recipes. Sequence parallelism needs a named recipe."""
     from ..planner.capabilities import runtime_capabilities
