@@ -417,7 +417,8 @@ def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 2
         for _ in range(3):
             try:
                 plans["budget"] = plan = plan_model(model, inputs, cluster=cluster, pp_axis=None,
-                                                    memory_budget_bytes=budget)
+                                                    memory_budget_bytes=budget,
+                                                    graph=plans["free"]._context["kwargs"]["graph"])  # one capture
                 plans["budget_bytes"] = budget
                 return f"{plan.roles} under {budget / peak:.2f}x the unconstrained peak"
             except PlanError as e:

@@ -233,7 +233,8 @@ def _plan_holding(sch: Schedule, inputs: Any, pins: dict, *, tp: str, dp: str | 
     """The constrained plan with every pin of `pins` that can hold: all of them when they hold together; else the
     weights are added one pattern at a time, in model order, each kept when a plan still exists, and the ones
     that cannot hold stay replicated on `tp` (Megatron's answer to key/value heads that do not divide), each
-    named in a warning with the reason. Raises ScheduleError when none can hold or the roles have no plan."""
+    named in a warning with the reason. Raises ScheduleError when no block weight can be split, when the
+    vocabulary cannot be kept as asked, or when the roles have no plan."""
     from ..cost.cluster import ClusterSpec
     from ..errors import PlanError
     from ..planner import plan_model
@@ -264,7 +265,8 @@ def _plan_holding(sch: Schedule, inputs: Any, pins: dict, *, tp: str, dp: str | 
             kept[pattern] = per_axis
         except PlanError as e:
             dropped[pattern] = str(e)
-    if not kept or any(pins[p] != {tp: "S"} for p in dropped):  # a vocabulary split asked for is not optional
+    split = [p for p in kept if kept[p] == {tp: "S"}]
+    if not split or any(pins[p] != {tp: "S"} for p in dropped):  # nothing split; or the vocabulary as asked
         raise ScheduleError(f"{where}: the recipe's layout cannot be built: {first}")
     for pattern, why in dropped.items():
         logger.warning("%s: %s stays replicated over %r: %s", where, pattern, tp, why)
