@@ -373,7 +373,7 @@ def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 2
 
     profile: FLOPs and saved bytes of one step. plan: the planner on 2 ranks (roles searched). plan_budget: the
     planner under 0.6x the unconstrained plan's predicted peak. verify_plan: that plan against one process
-    (forward, every gradient, 2 optimizer steps). price: it priced as built. train: 2 AdamW steps of it.
+    (forward, every gradient, an optimizer step). price: it priced as built. train: 2 AdamW steps of it.
     megatron: `treadle.models.megatron` on tp=2, verified. kernels: `treadle.models.kernel_schedule`, verified."""
     import treadle
     import treadle.models
@@ -434,7 +434,7 @@ def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 2
         return plans["budget"]
 
     def do_verify() -> str:
-        report = treadle.verify(chosen().schedule_for(model), inputs, steps=2, timeout_s=timeout_s)
+        report = treadle.verify(chosen().schedule_for(model), inputs, steps=1, timeout_s=timeout_s)
         return f"{report.n_checks} checks" if hasattr(report, "n_checks") else "ok"
 
     def do_price() -> str:
@@ -443,7 +443,7 @@ def run_steps(name: str, steps: tuple[str, ...] = STEPS, *, timeout_s: float = 2
         return f"{p.step_s * 1e3:.3g} ms, {p.peak_bytes / 2**20:.3g} MiB"
 
     def do_train() -> str:
-        res = treadle.train(chosen().schedule_for(model), inputs, steps=2, timeout_s=timeout_s)
+        res = treadle.train(chosen().schedule_for(model), inputs, steps=2, timeout_s=timeout_s)  # the loss must move
         assert len(res.losses) == 2 and all(map(math.isfinite, res.losses)), res
         return f"losses {[round(x, 4) for x in res.losses]}"
 
@@ -496,5 +496,10 @@ def check_steps(name: str) -> None:
             assert outcome == "refused" and want in detail, f"{name} {step}: {outcome}: {detail}"
 
 
-# the suite in three test files, so that pytest-xdist's --dist loadfile spreads it over the workers
-PARTS = [list(ARCHS)[i::3] for i in range(3)]
+# In CI the suite runs the 21 architectures no other test file trains, plans and verifies; the zoo's own (GPT-2,
+# LLaMA, BERT, OPT, T5, Mixtral: test_planner_build, test_models_verify, test_kernels, test_moe, ...) run in the
+# bench (`bench/bench_generality.py`: all 27), which keeps CI under its 20 minutes.
+COVERED_ELSEWHERE = ("gpt2", "llama", "bert", "opt", "t5", "mixtral")
+CI_ARCHS = [a for a in ARCHS if a not in COVERED_ELSEWHERE]
+# in three test files, so that pytest-xdist's --dist loadfile spreads the suite over the workers
+PARTS = [CI_ARCHS[i::3] for i in range(3)]
