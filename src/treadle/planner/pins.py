@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import PlanError
-from ..placement import ANY_SHARD, R, pin_holds  # noqa: F401  (pin_holds: the pins' matching rule)
+from ..placement import ANY_SHARD, R
 from .capture import CapturedGraph
 from .cost_graph import CostGraph, Roles
 
