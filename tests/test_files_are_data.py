@@ -308,7 +308,7 @@ def test_classes_pickles_and_primitives_a_file_may_not_use(marker):
 def test_selective_checkpoint_op_names_resolve_private_aten_ops_but_no_dunder():
     """The op-level SAC policy of the bench's torchtitan recipe saves aten._scaled_dot_product_* outputs: a
     private op is an op (only a dunder is refused, as above)."""
-    from treadle.schedule.graph_primitives import resolve_ops
+    from treadle.schedule.checkpoint_policies import resolve_ops
 
     ops = resolve_ops(["aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu"], "test")
     assert [o._qualified_op_name for o in ops] == ["aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"]

@@ -166,8 +166,22 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
                 h.remove()
     finally:
         dist.destroy_process_group()
-    ckpts = tuple(sorted(v2.checkpoints, key=lambda p: -p.count(".")))
+    ckpts = tuple(sorted(v2.checkpoints + selective_regions(v2), key=lambda p: -p.count(".")))
     return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes)
+
+
+def selective_regions(v: ScheduleView) -> tuple[str, ...]:
+    """The module paths of the checkpointed regions selective checkpoints make: the module itself, or for the
+    "attention-core" policy the attention core build adds to it (NOTE [checkpoint policies as peers define
+    them]): each pays checkpointing's region cost when it is recomputed."""
+    from ..runtime.graph_steps import ATTENTION_CORE
+    from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES
+
+    out = []
+    for path, save in v.extras.get("selective", []):
+        calls = isinstance(save, str) and CHECKPOINT_POLICIES[save].how == "attention-calls"
+        out.append(f"{path}.{ATTENTION_CORE}" if calls and path else (ATTENTION_CORE if calls else path))
+    return tuple(out)
 
 
 def _output_bytes(path: str, into: dict[str, int]):

@@ -5,7 +5,7 @@
   (`rewrite.leaf_input`); a row-sharded weight would need its output reduction too, which a graph of loose
   ops cannot place safely, so it is a BuildError.
 * post_hooks: modules with ``checkpoint_selective`` run under non-reentrant checkpoint with a
-  save-these-ops policy.
+  save-these-ops policy, or a named one (NOTE [checkpoint policies as peers define them]).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ import logging
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import BuildError
 from ..graph.rewrite import decomposition_dims, leaf_input
-from ..schedule.graph_primitives import resolve_ops
+from ..schedule.checkpoint_policies import checkpoint_policy, resolve_ops
 from . import collectives as C
+from .recompute import checkpointed_forward
 from .steps import register_build_extension, wrap_forward
 
 logger = logging.getLogger(__name__)
@@ -89,15 +93,132 @@ class SavePolicy:
         return CheckpointPolicy.MUST_SAVE if packet in self.packets else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _ops(names) -> tuple[frozenset, frozenset]:
+    """(packets, overloads) named by ``ns.op`` / ``ns.op.overload``; a name this torch does not have is skipped
+    (a kernel of another backend or version: no op of it can run here)."""
+    packets, overloads = set(), set()
+    for name in names:
+        ns, op, *ov = name.split(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op)
+        except (AttributeError, RuntimeError):
+            continue
+        if ov:
+            overload = getattr(packet, ov[0], None)
+            if overload is not None:
+                overloads.add(overload)
+        else:
+            packets.add(packet)
+    return frozenset(packets), frozenset(overloads)
+
+
+_SDPA_FUNCS = frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})
+
+
+class NamedPolicy:
+    """A named checkpoint policy (`treadle.schedule.checkpoint_policies`) as `torch.utils.checkpoint` asks it,
+    one instance per run of the module's forward (the alternate ops are counted within that run, apart in the
+    forward and in its recomputation, so both make the same choices)."""
+
+    def __init__(self, spec) -> None:
+        self.keep = _ops(spec.keep)
+        self.alternate = _ops(spec.alternate)
+        self.recompute = _ops(spec.recompute)
+        self.default_keep = spec.default == "keep"
+        self.counts: dict[tuple[bool, object], int] = {}
+
+    @staticmethod
+    def _is(func, ops) -> bool:
+        return func in ops[1] or getattr(func, "overloadpacket", None) in ops[0]
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if self._is(func, self.recompute):
+            keep = False
+        elif self._is(func, self.keep):
+            keep = True
+            if self._is(func, self.alternate):
+                key = (ctx.is_recompute, getattr(func, "overloadpacket", func))
+                self.counts[key] = self.counts.get(key, 0) + 1
+                keep = self.counts[key] % 2 == 1
+        else:
+            keep = self.default_keep
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class AttentionCore(nn.Module):
+    """`F.scaled_dot_product_attention` as a module, so that its recomputation runs its forward hooks (the
+    price's recorder names it "recompute"). Build adds one to a module with the "attention-core" policy."""
+
+    def forward(self, *args, **kwargs):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+ATTENTION_CORE = "_treadle_attention_core"  # the submodule name build gives it
+_warned_no_core: set[str] = set()
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """While a module with the "attention-core" policy runs forward with gradients: each SDPA call goes through
+    its `AttentionCore` under a checkpoint of its own (NOTE [checkpoint policies as peers define them])."""
+
+    def __init__(self, core: nn.Module) -> None:
+        super().__init__()
+        self.core = core
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA_FUNCS and torch.is_grad_enabled():
+            self.calls += 1
+            return checkpoint(self.core, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _attention_calls(m: nn.Module, path: str):
+    core = AttentionCore()
+    m.add_module(ATTENTION_CORE, core)
+
+    def wrap(orig):
+        def forward(*a, **k):
+            if not (m.training and torch.is_grad_enabled()):
+                return orig(*a, **k)
+            mode = _AttentionCalls(core)
+            with mode:
+                out = orig(*a, **k)
+            if mode.calls == 0 and path not in _warned_no_core:
+                _warned_no_core.add(path)
+                logger.warning("checkpoint %s: policy 'attention-core' found no scaled_dot_product_attention call "
+                               "in its forward, so nothing is recomputed; put an eager attention core on SDPA "
+                               "first (treadle.models.kernel_schedule)", path)
+            return out
+        return forward
+
+    wrap_forward(m, wrap)
+
+
+def _policy_contexts(spec):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(NamedPolicy(spec))
+
+
 def _selective(builder) -> None:
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     for path, save in builder.v.extras.get("selective", []):
         m = builder.module(path)
-        policy = SavePolicy(resolve_ops(save, f"sch[{path!r}]"))
-        ctx = functools.partial(create_selective_checkpoint_contexts, policy)
-        wrap_forward(m, lambda orig, ctx=ctx: (lambda *a, **k: checkpoint(orig, *a, use_reentrant=False,
-                                                                           context_fn=ctx, **k)))
+        if isinstance(save, str):  # a named policy (NOTE [checkpoint policies as peers define them])
+            spec = checkpoint_policy(save, f"sch[{path!r}]")
+            if spec.how == "attention-calls":
+                _attention_calls(m, path)
+                continue
+            ctx = functools.partial(_policy_contexts, spec)
+        else:
+            policy = SavePolicy(resolve_ops(save, f"sch[{path!r}]"))
+            ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+        wrap_forward(m, lambda orig, m=m, path=path, ctx=ctx: checkpointed_forward(m, orig, path, ctx))
 
 
 register_build_extension("pre_shard", _sync_decomposed)

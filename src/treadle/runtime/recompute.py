@@ -34,13 +34,15 @@ _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _warned_cache: set[str] = set()
 
 
-def checkpointed_forward(m: nn.Module, orig: Callable, path: str) -> Callable:
-    """`orig` under non-reentrant activation checkpointing, without the KV cache for a layer that declares it
-    writes one (NOTE [checkpoint and the KV cache])."""
+def checkpointed_forward(m: nn.Module, orig: Callable, path: str, context_fn: Callable | None = None) -> Callable:
+    """`orig` under non-reentrant activation checkpointing (selective with `context_fn`, as
+    `torch.utils.checkpoint.checkpoint` takes it), without the KV cache for a layer that declares it writes one
+    (NOTE [checkpoint and the KV cache])."""
     from torch.utils.checkpoint import checkpoint
 
+    opts = {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
     if getattr(type(m), "_can_checkpoint_with_cache", True):
-        return lambda *a, **k: checkpoint(orig, *a, use_reentrant=False, **k)
+        return lambda *a, **k: checkpoint(orig, *a, **opts, **k)
     sig = inspect.signature(orig)
     var_kw = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
 
@@ -49,7 +51,7 @@ def checkpointed_forward(m: nn.Module, orig: Callable, path: str) -> Callable:
             try:
                 bound = sig.bind(*a, **k)
             except TypeError:  # the call itself is wrong: let the module say so
-                return checkpoint(orig, *a, use_reentrant=False, **k)
+                return checkpoint(orig, *a, **opts, **k)
             args = bound.arguments
             extra = args.get(var_kw, {}) if var_kw else {}
             dropped = []
@@ -71,7 +73,7 @@ def checkpointed_forward(m: nn.Module, orig: Callable, path: str) -> Callable:
                                        path, kind, ", ".join(f"{n}=False" if n == "use_cache" else f"{n}=None"
                                                              for n in dict.fromkeys(dropped)))
                 a, k = bound.args, bound.kwargs
-        return checkpoint(orig, *a, use_reentrant=False, **k)
+        return checkpoint(orig, *a, **opts, **k)
 
     return forward
 

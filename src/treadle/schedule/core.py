@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import MeshError, ScheduleError
 from ..mesh import Mesh
+from .checkpoint_policies import checkpoint_policy
 from .data_parallel import make_data_parallel
 from .expert_primitive import ExpertPrimitive, expert_param_names, expert_paths
 from .log import Record, Ref, records_to_json
@@ -298,25 +299,50 @@ class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive):
         return self
 
     # ================================================================== primitives: regions
-    def checkpoint(self, match: Any = None, *, save: list[str] | None = None) -> "Schedule":
+    def checkpoint(self, match: Any = None, *, save: list[str] | None = None, policy: str = "full") -> "Schedule":
         """Recompute this module's forward in backward instead of saving its activations
         (non-reentrant `torch.utils.checkpoint`; dropout recomputes the same mask).
         With `match` (from `find`): checkpoint only that subgraph of the traced module (`checkpoint_match`).
-        With `save=[ops]`: selective checkpointing that keeps those ops' outputs (`checkpoint_selective`)."""
-        if match is not None and save is not None:
-            raise ScheduleError(f"checkpoint at {self._where()}: give match= or save=, not both")
+        With `save=[ops]`: selective checkpointing that keeps those ops' outputs (`checkpoint_selective`).
+        With `policy`: "full" (the default), or a selective policy as a peer project defines it:
+        "alternate-matmuls" (torchtitan's op-level SAC), "attention-core" (Megatron's selective recomputation);
+        NOTE [checkpoint policies as peers define them]. Layer-level every-k is `checkpoint_every(k)` on the
+        stack of blocks."""
+        if sum(x is not None for x in (match, save)) + (policy != "full") > 1:
+            raise ScheduleError(f"checkpoint at {self._where()}: give one of match=, save= or policy=")
         if match is not None:
             return self.checkpoint_match(match)
         if save is not None:
             return self.checkpoint_selective(save=save)
+        if checkpoint_policy(policy, self._where()) is not None:
+            return self.checkpoint_selective(policy=policy)
         self._check_not_built("checkpoint")
         if isinstance(self.mod, (nn.ModuleList, nn.ModuleDict)):
             raise ScheduleError(f"checkpoint at {self._where()}: a {type(self.mod).__name__} has no forward to "
-                                f"recompute; checkpoint its items, e.g. sch[{(_join(self.path, '0'))!r}]")
-        if self.path in self._state.checkpoints:
+                                f"recompute; checkpoint its items, e.g. sch[{(_join(self.path, '0'))!r}], or "
+                                f"every k-th of them: checkpoint_every(k)")
+        if self.path in self._state.checkpoints or any(p == self.path for p, _ in self._state.extras.get("selective", [])):
             raise ScheduleError(f"checkpoint at {self._where()}: already checkpointed")
         self._state.checkpoints.append(self.path)
         self._record("checkpoint")
+        return self
+
+    def checkpoint_every(self, k: int, *, policy: str = "full") -> "Schedule":
+        """Layer-level checkpointing of this stack of blocks (an nn.ModuleList, nn.Sequential or indexed
+        nn.ModuleDict): checkpoint every `k`-th block, blocks k-1, 2k-1, ... (torchtitan's layer-level selective
+        AC, ``selective_ac_option = "k"``; k=1 checkpoints every block), each with `policy` (`checkpoint`).
+        Records one ``checkpoint`` per chosen block, so a file names the blocks. Raises ScheduleError for a
+        module that is no stack, k < 1, or a block already checkpointed."""
+        self._check_not_built("checkpoint_every")
+        if not isinstance(self.mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            raise ScheduleError(f"checkpoint_every at {self._where()}: a {type(self.mod).__name__} is no stack of "
+                                f"blocks; call it on the nn.ModuleList / nn.Sequential holding them")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ScheduleError(f"checkpoint_every at {self._where()}: k must be an int >= 1, got {k!r:.40}")
+        names = [n for n, _ in self.mod.named_children()]
+        for i, name in enumerate(names):
+            if (i + 1) % k == 0:
+                self[name].checkpoint(policy=policy)
         return self
 
     def fork_rng(self, *, axis: str = "tp") -> "Schedule":

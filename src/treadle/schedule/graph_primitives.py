@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
 
+from .checkpoint_policies import CHECKPOINT_POLICIES, checkpoint_policy, resolve_ops
 from ..errors import ScheduleError
 from ..lazy import load_registrations
 from .log import Ref
@@ -304,17 +305,33 @@ class GraphPrimitives:
         self._state.records.append(_record("checkpoint_match", path, match=spec))
         return self
 
-    def checkpoint_selective(self: "Schedule", *, save: Sequence[str]) -> "Schedule":
-        """Checkpoint this module selectively: outputs of the ops named in `save` (aten op names such as
-        ``"aten.mm"``, ``"aten.addmm"``, ``"aten._scaled_dot_product_flash_attention"``) are saved, every
-        other op is recomputed in backward (`torch.utils.checkpoint.create_selective_checkpoint_contexts`).
-        Raises ScheduleError for an unknown op or a module already checkpointed."""
+    def checkpoint_selective(self: "Schedule", *, save: Sequence[str] | None = None,
+                             policy: str | None = None) -> "Schedule":
+        """Checkpoint this module selectively (`torch.utils.checkpoint.create_selective_checkpoint_contexts`).
+        With `save`: outputs of the ops named (aten op names such as ``"aten.mm"``, ``"aten.addmm"``,
+        ``"aten._scaled_dot_product_flash_attention"``) are saved, every other op is recomputed in backward.
+        With `policy`: a named policy as a peer project defines it ("alternate-matmuls": torchtitan's op-level
+        SAC; "attention-core": Megatron's selective recomputation; NOTE [checkpoint policies as peers define
+        them]). Raises ScheduleError for an unknown op or policy, both or neither given, or a module already
+        checkpointed."""
         self._check_not_built("checkpoint_selective")
-        resolve_ops(save, self._where())
+        if (save is None) == (policy is None):
+            raise ScheduleError(f"checkpoint_selective at {self._where()}: give save=[ops] or policy=name "
+                                f"(one of {list(CHECKPOINT_POLICIES)})")
+        if policy is not None:
+            if checkpoint_policy(policy, self._where()) is None:  # "full" is a plain checkpoint
+                raise ScheduleError(f"checkpoint_selective at {self._where()}: policy 'full' is checkpoint(); "
+                                    f"a selective policy is one of {list(CHECKPOINT_POLICIES)}")
+        else:
+            resolve_ops(save, self._where())
         if self.path in self._state.checkpoints or any(p == self.path for p, _ in self._state.extras.get("selective", [])):
             raise ScheduleError(f"checkpoint_selective at {self._where()}: already checkpointed")
-        self._state.extras.setdefault("selective", []).append((self.path, list(save)))
-        self._record("checkpoint_selective", save=list(save))
+        # an entry is (path, list of op names) or (path, policy name)
+        self._state.extras.setdefault("selective", []).append((self.path, policy if policy is not None else list(save)))
+        if policy is not None:
+            self._record("checkpoint_selective", policy=policy)
+        else:
+            self._record("checkpoint_selective", save=list(save))
         return self
 
     # ------------------------------------------------------------------ pipeline
@@ -473,26 +490,3 @@ def _traced_ancestor(sch: "Schedule") -> tuple[fx.GraphModule, str]:
             return mod, prefix
     raise ScheduleError(f"{sch._where()}: no traced ancestor; trace its parent first "
                         f"(e.g. sch[{sch.path.rpartition('.')[0]!r}].trace(...))")
-
-
-def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
-    """aten op packets from names like ``"aten.mm"``. Raises ScheduleError naming unknown ones."""
-    out, bad = [], []
-    for name in names:
-        ns, _, op = name.partition(".") if isinstance(name, str) else ("", "", "")
-        packet = None
-        # a plain namespace and op name (private ops such as aten._scaled_dot_product_flash_attention are ops;
-        # no dunder: nothing but an op packet is looked up)
-        if ns.isidentifier() and op.isidentifier() and not ns.startswith("_") and not op.startswith("__"):
-            try:
-                packet = getattr(getattr(torch.ops, ns), op)
-            except (AttributeError, RuntimeError):  # torch.ops says "no such op" either way
-                packet = None
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            bad.append(name)
-        else:
-            out.append(packet)
-    if bad:
-        raise ScheduleError(f"checkpoint_selective at {where}: unknown ops {bad}; name aten ops as 'aten.<op>', "
-                            f"e.g. 'aten.mm', 'aten.addmm'")
-    return out
