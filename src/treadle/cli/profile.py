@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     p.add_argument("--hardware", default="h100-sxm",
-                   help="v100-32gb, a100-40gb, a100-80gb, h100-sxm, h200, cpu (one nominal core), or a spec .json")
+                   help="v100-32gb, a100-40gb, a100-80gb, h100-sxm, h100-hbm2e-500w, h200, cpu (one nominal core), or a spec .json")
     p.add_argument("--recalibrate", action="store_true", help="measure this machine per core now (cpu only; not cached)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation")

@@ -31,6 +31,9 @@ DEVICE_ALIASES: dict[str, tuple[str, str, str]] = {
     "a100-80gb": ("a100-80gb", "nvlink3", "ib-hdr"),
     "h100": ("h100-sxm", "nvlink4", "ib-ndr"),
     "h100-sxm": ("h100-sxm", "nvlink4", "ib-ndr"),
+    # Meta's Grand Teton hosts (torchtitan's benchmark tables): NVSwitch inside, 400 Gb/s RoCE per GPU across
+    "h100-96gb": ("h100-hbm2e-500w", "nvlink4", "ib-ndr"),
+    "h100-hbm2e-500w": ("h100-hbm2e-500w", "nvlink4", "ib-ndr"),
     "h200": ("h200", "nvlink4", "ib-ndr"),
     "cpu": ("cpu", "loopback", "loopback"),
 }

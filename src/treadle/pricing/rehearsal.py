@@ -114,6 +114,7 @@ class Rehearsal:
     inputs: dict
     checkpoints: tuple[str, ...] = ()
     output_bytes: dict = field(default_factory=dict)  # watched module path -> bytes its forward returned
+    flows: list = field(default_factory=list)  # per record: (reads, writes) storage identities (StepRecorder.flows)
 
 
 def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpipelined: bool = False,
@@ -160,14 +161,14 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         out_bytes: dict[str, int] = {}
         hooks = [built.get_submodule(p).register_forward_hook(_output_bytes(p, out_bytes)) for p in watch]
         try:
-            records, coll, saved_in = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
+            records, coll, saved_in, flows = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
         finally:
             for h in hooks:
                 h.remove()
     finally:
         dist.destroy_process_group()
     ckpts = tuple(sorted(v2.checkpoints + selective_regions(v2), key=lambda p: -p.count(".")))
-    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes)
+    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flows)
 
 
 def selective_regions(v: ScheduleView) -> tuple[str, ...]:
@@ -204,6 +205,7 @@ def _tensor_leaves(x: Any) -> list[torch.Tensor]:
 def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
+    rec.flows = []  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]
@@ -226,6 +228,6 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     finally:
         for h in handles:
             h.remove()
-    return rec.records, mode.collectives, rec.saved_input_bytes
+    return rec.records, mode.collectives, rec.saved_input_bytes, rec.flows
 
 

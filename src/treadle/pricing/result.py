@@ -70,7 +70,9 @@ class Price:
     A pipeline (`treadle.forms.pipeline.price`) is priced for its slowest pp rank: `exposed_comm_s` then also
     holds that rank's bubble (waiting for other stages), `peak_bytes` is the largest rank's, and `pipeline`
     says the rest: {schedule, n_microbatches, stages: per-stage rows, ranks: per pp rank its step, busy,
-    bubble and peak, bubble_fraction, bubble_s, critical_path, slots}.
+    bubble and peak, bubble_fraction, bubble_s, critical_path, slots}. `execution`: "eager", or "compiled"
+    (the blocks under torch.compile, as ``treadle.run --compile``; NOTE [compiled step] in
+    `treadle.pricing.compiled`).
     """
 
     step_s: float
@@ -93,6 +95,7 @@ class Price:
     segments: list[dict]
     collectives: list[dict]
     pipeline: dict | None = None
+    execution: str = "eager"  # or "compiled": the blocks under torch.compile (NOTE [compiled step])
 
     def estimate(self) -> Estimate:
         """This price as an `Estimate` (comm = exposed communication)."""
@@ -107,4 +110,5 @@ class Price:
                 f"{self.recompute_s * 1e3:.3f}, comm {self.comm_s * 1e3:.3f} of which exposed "
                 f"{self.exposed_comm_s * 1e3:.3f}), peak {self.peak_bytes / 2**20:.2f} MiB (static "
                 f"{self.static_bytes / 2**20:.2f}, activations {self.activation_bytes / 2**20:.2f}, transient "
-                f"{self.transient_bytes / 2**20:.2f}), MFU {self.mfu * 100:.2f}% on {self.device.name}")
+                f"{self.transient_bytes / 2**20:.2f}), MFU {self.mfu * 100:.2f}% on {self.device.name}"
+                + (", compiled" if self.execution == "compiled" else ""))

@@ -21,6 +21,7 @@ from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
 from ..runtime.recompute import recompute_host_s
 from ..schedule.expert_primitive import expert_paths
+from .compiled import EXECUTIONS, compiled_times, compiled_units
 from .rehearsal import Rehearsal, rehearse
 from .result import Price, PriceRow
 
@@ -45,9 +46,11 @@ def within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
-def segments(records, hw, regions: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
+def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None
+             ) -> tuple[list[Segment], list[int]]:
     """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's per-op
-    overhead (`hw.op_overhead_s`); a recomputed op also pays checkpointing's host cost, and each checkpointed
+    overhead (`hw.op_overhead_s`), or its `times` entry where given (a compiled step: `treadle.pricing.compiled`);
+    a recomputed op also pays checkpointing's host cost, and each checkpointed
     region of `regions` (module paths) once, at its first recomputed op (`treadle.runtime.recompute
     .recompute_host_s`: NOTE [framework overheads]). Returns segments and, per record, its segment."""
     segs: list[Segment] = []
@@ -55,13 +58,13 @@ def segments(records, hw, regions: tuple[str, ...] = ()) -> tuple[list[Segment],
     acc = 0.0
     key = None
     seen: set[str] = set()
-    for r in records:
+    for i, r in enumerate(records):
         k = (r.module, _PHASE.get(r.phase, r.phase))
         if k != key:
             if key is not None:
                 segs.append(Segment(key[0], key[1], acc))
             key, acc = k, 0.0
-        acc += r.time_s + hw.op_overhead_s
+        acc += r.time_s + hw.op_overhead_s if times is None else times[i]
         if r.phase == "recompute":
             acc += recompute_host_s(hw, ops=1, regions=0)
             region = next((p for p in regions if within(r.module, p)), None)
@@ -75,13 +78,15 @@ def segments(records, hw, regions: tuple[str, ...] = ()) -> tuple[list[Segment],
 
 
 def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_per_elem: int = 8,
-          master_copy: bool = True, loss_fn=None) -> Price:
+          master_copy: bool = True, loss_fn=None, execution: str = "eager") -> Price:
     """Price one training step of `sch` (an unbuilt Schedule) on `cluster` (see `treadle.pricing`).
 
     `example_inputs`: keyword arguments of forward, global batch (the data-parallel axis splits dim 0).
     `optimizer_bytes_per_elem` (AdamW: 8) and `master_copy` (fp32 copy of lower-precision parameters)
     as in the planner's `TrainSpec`. `loss_fn(output)` defaults to `treadle.loss.default_loss`.
     `cluster` is seen through the schedule's mesh (`ClusterSpec.for_mesh`: same world size).
+    `execution`: "eager", or "compiled" (the blocks under `torch.compile` as `treadle.run --compile` runs them:
+    NOTE [compiled step] in `treadle.pricing.compiled`); the price says which (`Price.execution`).
     Raises PlanError for a schedule that cannot be rehearsed (pipeline, already built, a batch the
     data-parallel axis does not divide, a mesh mismatch, inside a running process group).
     """
@@ -90,8 +95,11 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     if cluster.world_size != sch.mesh.world_size:
         raise PlanError(f"price: the schedule is written for {sch.mesh} ({sch.mesh.world_size} ranks) but the "
                         f"cluster has {cluster.world_size} ranks ({cluster.mesh}); give a cluster of that size")
+    if execution not in EXECUTIONS:
+        raise PlanError(f"price: execution must be one of {list(EXECUTIONS)}, got {execution!r:.40}")
     cluster = cluster.for_mesh(sch.mesh)
-    options = {"optimizer_bytes_per_elem": optimizer_bytes_per_elem, "master_copy": master_copy, "loss_fn": loss_fn}
+    options = {"optimizer_bytes_per_elem": optimizer_bytes_per_elem, "master_copy": master_copy, "loss_fn": loss_fn,
+               "execution": execution}
     for f in forms():  # a form that owns the step's timeline prices it whole (the pipeline)
         if (whole := f.price_schedule(sch, example_inputs, cluster, options)) is not None:
             return whole
@@ -100,7 +108,9 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     # the model's useful FLOPs of the whole step (MFU's numerator, the same rules as `treadle.run`'s)
     useful = float(model_flops(sch.view().reference, dict(example_inputs), loss_fn=loss_fn))
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
-    segs, seg_of = segments(reh.records, hw, reh.checkpoints)
+    times = (compiled_times(reh.records, reh.flows, compiled_units(reh.model), hw) if execution == "compiled"
+             else None)
+    segs, seg_of = segments(reh.records, hw, reh.checkpoints, times)
     colls: list[Collective] = []
     experts = expert_paths(reh.view.extras)
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
@@ -180,7 +190,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
                    "end_s": c.end_s, "exposed_s": c.exposed_s} for c in tl.collectives]
     out = Price(tl.step_s, compute, recompute, tl.comm_s, tl.exposed_comm_s, tl.overlapped_comm_s,
                 static + saved + transient, static, saved, transient, grad_b, mfu, useful, executed, device,
-                dp_kind, rows, seg_dicts, coll_dicts)
+                dp_kind, rows, seg_dicts, coll_dicts, execution=execution)
     logger.info("price %s: %s", sch.mesh, out)
     return out
 

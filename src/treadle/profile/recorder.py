@@ -84,6 +84,10 @@ class StepRecorder:
         self._names: dict[Any, str] = {}
         self.leaf_owner: dict[int, str] = {}  # id of a parameter leaf -> path of the module owning it
         self.failed_at: tuple[str, str, str] | None = None  # (op, module, phase) of an op that raised
+        # per record, when a caller sets a list here: ((storage identity, bytes) read, (identity, bytes) written),
+        # an identity being (storage id, index of the record that allocated it; -1 before the step): the data
+        # flow between ops that a compiled step's fusion groups need (`treadle.pricing.compiled`)
+        self.flows: list[tuple[tuple, tuple]] | None = None
 
     # ------------------------------------------------------------------------------------------ module tracking
     def _boundary(self, path: str) -> None:
@@ -178,6 +182,15 @@ class StepRecorder:
                 self.saved_input_bytes += st.nbytes()
         return t
 
+    def _ident(self, t: torch.Tensor, *, logical: bool) -> tuple[tuple[int, int], int]:
+        try:
+            key = id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # no storage: an identity of its own
+            return (id(t), -2), t.numel() * t.element_size()
+        entry = self.alive.get(key)
+        nbytes = _logical_bytes(t) if logical else t.numel() * t.element_size()
+        return (key, entry[1] if entry is not None else -1), nbytes
+
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -230,6 +243,9 @@ class StepRecorder:
                 rec.write_bytes = sum(t.numel() * t.element_size() for t in outs)
         for t in outs:
             self._track(t, rec)
+        if self.flows is not None:
+            self.flows.append((tuple(self._ident(t, logical=True) for t in ins),
+                               tuple(self._ident(t, logical=False) for t in outs) if rule.kind != "view" else ()))
         rec.live_after_bytes = self.live_bytes
         try:
             rec.time_s = op_time_s(rec.flops, rec.read_bytes + rec.write_bytes, self.hw, rec.dtype, kind=rule.kind,

@@ -80,6 +80,9 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             raise PlanError(f"price: cut_pipeline_stage at {cuts} without sch.pipeline(...): the model is not "
                             f"pipelined; call pipeline(axis=..., schedule=..., n_microbatches=...)")
         return None
+    if options.get("execution", "eager") != "eager":
+        raise PlanError("price: a pipeline schedule runs eager (treadle.run refuses --compile for it: its stages "
+                        "are graphs of the captured model); price it with execution='eager'")
     dp = v.data_parallel
     axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
     sharded = dp is not None and dp.shard and dp.shard_size(sch.mesh) > 1
