@@ -103,3 +103,24 @@ def test_execution_is_checked_and_a_pipeline_runs_eager():
     pp.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=inputs)
     with pytest.raises(PlanError, match="a pipeline schedule runs eager"):
         treadle.price(pp, inputs, parse_cluster("1x2:h100"), execution="compiled")
+
+
+def test_run_compiles_the_blocks_the_price_fuses():
+    """One fact: `treadle.run --compile` compiles exactly `compiled_units` (outer stacks' blocks, not a stack
+    nested inside a block)."""
+    from torch import nn
+
+    from treadle.run.loop import _compile_blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    model.head = nn.Linear(4, 4)
+    assert compiled_units(model) == ("layers.0", "layers.1")
+    assert _compile_blocks(model, torch.device("cpu")) == 2
+    compiled = {p for p, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {"layers.0", "layers.1"}

@@ -84,7 +84,7 @@ def _price_cmd(args: argparse.Namespace) -> int:
             Plan.from_dict(doc, source=args.file)
         model, inputs = named_model(name, batch=batch, seq=seq, dropout=False)  # zoo names only: nothing imported
         sch = load_schedule(model, text, source=args.file)
-        p = price(sch, inputs, cluster)
+        p = price(sch, inputs, cluster, execution="compiled" if args.compile else "eager")
     except (ValueError, KeyError) as exc:  # the file's values (TreadleError and OSError: said by treadle.cli)
         raise TreadleError(f"{args.file}: {exc}") from exc
     console = table_console()
@@ -164,6 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="threads each rank computes on (default: the cluster file's, else 1)")
     p.add_argument("--cores-per-host", type=int, default=None,
                    help="cores the ranks of one host share (default: the cluster file's, else not shared)")
+    p.add_argument("--compile", action="store_true",
+                   help="price the blocks under torch.compile, as treadle.run --compile runs them (NOTE [compiled step])")
     p.add_argument("--json", help="write the price (with its per-module breakdown and timeline) here")
     p.add_argument("--trace", metavar="FILE", help="write the priced step as a Chrome trace (Perfetto)")
     p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page of the price")

@@ -197,16 +197,16 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h100-sxm": _gpu("h100-sxm", fp32=67 * TFLOPS, tf32=494.7 * TFLOPS, half=989.4 * TFLOPS,
                      bf16=989.4 * TFLOPS, fp8=1978.9 * TFLOPS, hbm=3350 * GB, mem=80 * GIB,
                      source="NVIDIA H100 datasheet (SXM5), dense"),
-    # H100 96 GB HBM2e at 500 W (Meta's Grand Teton part, on which torchtitan's benchmark tables were measured):
-    # no datasheet exists. The torchtitan paper (arXiv 2410.06511, Sec. 3) says its peak lies between the SXM's
-    # (989.4 TF BF16 dense) and the NVL's (835 TF, the H100 NVL datasheet); the midpoint of that range is taken,
-    # FP8 twice it as on every Hopper part. Memory: six HBM2e stacks at the H100 PCIe's per-stack rate (2.0 TB/s
-    # over five stacks, the H100 PCIe datasheet) = 2.4 TB/s; capacity as torch reports it in torchtitan's logs
-    # (memory rows of 95.0 GiB = 100%).
+    # H100 96 GB HBM2e at 500 W (Meta's Grand Teton part, on which torchtitan's benchmark tables were measured;
+    # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: "96GB HBM2e with 2.4 TB/sec peak memory
+    # bandwidth", "500W power limit"). No datasheet gives its compute: the same file says its peak lies between
+    # the SXM's (989.4 TF BF16 dense) and the NVL's (835 TF, the H100 NVL datasheet); the midpoint of that range
+    # is taken (FP32, TF32, FP8 likewise). Capacity as torch reports it there (memory rows of 95.0 GiB = 100%).
     "h100-hbm2e-500w": _gpu("h100-hbm2e-500w", fp32=(67 + 60) / 2 * TFLOPS, tf32=(494.7 + 417.5) / 2 * TFLOPS,
                             half=(989.4 + 835) / 2 * TFLOPS, bf16=(989.4 + 835) / 2 * TFLOPS,
                             fp8=(1978.9 + 1670) / 2 * TFLOPS, hbm=2400 * GB, mem=95 * GIB,
-                            source="torchtitan (arXiv 2410.06511): between H100 SXM and NVL; 6 x HBM2e stacks"),
+                            source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 2.4 TB/s, 500 W; "
+                                   "peak midway between H100 SXM and NVL"),
     # H200 SXM datasheet: H100 compute; HBM3e 141 GB at 4.8 TB/s
     "h200": _gpu("h200", fp32=67 * TFLOPS, tf32=494.7 * TFLOPS, half=989.4 * TFLOPS, bf16=989.4 * TFLOPS,
                  fp8=1978.9 * TFLOPS, hbm=4800 * GB, mem=141 * GB, source="NVIDIA H200 datasheet (SXM), dense"),

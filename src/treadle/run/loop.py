@@ -105,15 +105,17 @@ def autocast_for(sch, cfg: RunConfig, device: torch.device) -> contextlib.Abstra
 
 
 def _compile_blocks(model: nn.Module, device: torch.device) -> int:
-    """torch.compile every block of every ModuleList in place (names unchanged); returns how many."""
+    """torch.compile in place (names unchanged) every block of every ModuleList not inside another such block
+    (`treadle.pricing.compiled.compiled_units`: the price of ``execution="compiled"`` reads the same rule);
+    returns how many."""
+    from ..pricing.compiled import compiled_units
+
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    n = 0
-    for m in unwrap(model).modules():
-        if isinstance(m, nn.ModuleList):
-            for block in m:
-                block.compile(backend=backend)
-                n += 1
-    return n
+    base = unwrap(model)
+    units = compiled_units(base)
+    for path in units:
+        base.get_submodule(path).compile(backend=backend)
+    return len(units)
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict, mesh, micro_batches: list[torch.Tensor], *,
