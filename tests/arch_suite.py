@@ -484,10 +484,15 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
-def check_steps(name: str) -> None:
-    """Run every step on architecture `name` and assert each passed, or was refused as `REFUSED` says."""
-    res = run_steps(name)
-    assert set(res) == set(STEPS)
+# In CI the "train" step (2 AdamW steps of the plan under treadle.train) is left to the bench: verify_plan already
+# builds the same plan and steps its optimizer against one process, and CI stays under its 20 minutes.
+CI_STEPS = tuple(s for s in STEPS if s != "train")
+
+
+def check_steps(name: str, steps: tuple[str, ...] = CI_STEPS) -> None:
+    """Run `steps` on architecture `name` and assert each passed, or was refused as `REFUSED` says."""
+    res = run_steps(name, steps)
+    assert set(res) == set(steps)
     for step, (outcome, detail) in res.items():
         want = REFUSED.get((name, step))
         if want is None:

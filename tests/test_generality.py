@@ -5,7 +5,8 @@ encoder-decoder, an audio encoder-decoder, a vision transformer; torchtitan's, n
 code shapes; three CNNs). Each step passes or is refused at schedule / plan time with a treadle error; nothing
 builds a model that crashes or differs. The refusals are listed in `arch_suite.REFUSED`, so a new one (or a lost
 one) fails the test. In CI it runs the 21 of them no other test file covers (`arch_suite.CI_ARCHS`), split over
-three files (`arch_suite.PARTS`) so that the test workers share it.
+three files (`arch_suite.PARTS`) so that the test workers share it, every step but "train" (`arch_suite.CI_STEPS`:
+verify_plan already steps the same plan's optimizer against one process; the bench trains).
 The README's table comes from `bench/bench_generality.py`, which runs the same steps."""
 
 from __future__ import annotations
