@@ -14,9 +14,11 @@ published memory (torchtitan logs the allocator's peak *reserved* memory, treadl
 caching allocator's fragmentation is not in the prediction) and their ratio (target: within 10%). Float8 rows
 (Table 1 row 3, Tables 2 and 4-6) are listed as not priced: treadle has no float8 primitive yet.
 
-Writes bench/results/bench_published.json.
+With ``--plan``, each eager row's configuration is also planned (`plan_model` with the same model, cluster, batch,
+sequence and the device's memory) and the plan's price is set beside the recipe's (target: the plan predicted at
+least as fast). Writes bench/results/bench_published.json.
 
-    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu]
+    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu] [--plan]
 """
 
 from __future__ import annotations
@@ -72,11 +74,32 @@ def price_row(row) -> dict:
             "exposed_comm_s": p.exposed_comm_s, "recompute_s": p.recompute_s, "price_s": time.perf_counter() - t0}
 
 
+def plan_row(row) -> dict:
+    """Part 6: the planner's own choice for the same model, cluster, batch, sequence and memory (the device's),
+    priced by the same function (`plan.estimate()`: the price of `plan.schedule`, eager)."""
+    from treadle.cost.cluster import parse_cluster
+    from treadle.models.zoo import named_model
+    from treadle.planner import plan_model
+
+    key, label, source, cluster_spec, world, local, seq, execution, tps, mem = row
+    model, inputs = named_model("llama-3-8b", batch=local * world, seq=seq, fake=True, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    cluster = parse_cluster(cluster_spec)
+    t0 = time.perf_counter()
+    plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=cluster.rank_hardware().memory_bytes,
+                      price_top=1)
+    est = plan.estimate()
+    return {"against": label, "roles": str(plan.roles), "mesh": str(plan.cluster.mesh), "step_s": est.step_s,
+            "predicted_tokens_per_s_per_gpu": local * seq / est.step_s, "predicted_peak_gib": est.peak_bytes / GiB,
+            "planning_s": time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=["8gpu", "128gpu"], help="which row groups (8gpu, 128gpu)")
+    ap.add_argument("--plan", action="store_true", help="also plan each eager row's configuration and compare")
     args = ap.parse_args()
-    out = []
+    out, plans = [], []
     print(f"{'configuration':48} {'pred tok/s':>10} {'published':>9} {'ratio':>6} {'pred GiB':>8} {'pub GiB':>7} "
           f"{'ratio':>6}")
     for row in ROWS:
@@ -87,6 +110,13 @@ def main() -> None:
         print(f"{r['row']:48} {r['predicted_tokens_per_s_per_gpu']:10,.0f} {r['published_tokens_per_s_per_gpu']:9,} "
               f"{r['tokens_ratio']:6.2f} {r['predicted_peak_gib']:8.1f} {r['published_memory_gib']:7.1f} "
               f"{r['memory_ratio']:6.2f}", flush=True)
+        if args.plan and row[7] == "eager":
+            q = plan_row(row)
+            q["speedup_vs_recipe"] = r["step_s"] / q["step_s"]
+            plans.append(q)
+            print(f"  planner: {q['roles']} on {q['mesh']}: {q['predicted_tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
+                  f"{q['predicted_peak_gib']:.1f} GiB, {q['speedup_vs_recipe']:.2f}x the recipe's predicted step "
+                  f"(planned in {q['planning_s']:.0f} s)", flush=True)
     for source, what, why in NOT_PRICED:
         print(f"not priced: {what} ({source}): needs {why}")
     inside = [abs(r["tokens_ratio"] - 1) <= 0.1 for r in out]
@@ -94,7 +124,8 @@ def main() -> None:
           f"{sum(abs(r['memory_ratio'] - 1) <= 0.1 for r in out)} of {len(out)}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_published.json").write_text(json.dumps(
-        {"device": "h100-hbm2e-500w", "rows": out, "not_priced": [list(x) for x in NOT_PRICED]}, indent=2))
+        {"device": "h100-hbm2e-500w", "rows": out, "plans": plans, "not_priced": [list(x) for x in NOT_PRICED]},
+        indent=2))
 
 
 if __name__ == "__main__":
