@@ -175,3 +175,24 @@ def test_policy_errors_name_the_module_and_what_is_known():
     sch["model.layers.1"].checkpoint(policy="attention-core")
     with pytest.raises(ScheduleError, match=r"sch\['model.layers.1'\]: already checkpointed"):
         sch["model.layers"].checkpoint_every(1)
+
+
+def test_what_sac_keeps_is_counted_as_saved():
+    """NOTE [what SAC keeps]: the outputs op-level SAC keeps live in its own cache, not autograd's saved tensors;
+    the price charges them as saved activations (at least the four kept matmul outputs of the block), and the
+    peak does not move."""
+    model, inputs = _llama(layers=2)
+    sch = _sch(model)
+    sch["model.layers.0"].checkpoint(policy="alternate-matmuls")
+    reh, _ = _records(sch, inputs)
+    fwd = [r for r in reh.records if r.phase == "forward" and r.module.startswith("model.layers.0")]
+    mm = [r for r in fwd if r.op == "aten.mm.default"]
+    kept = sum(r.output_bytes for r in mm[0::2])
+    assert len(mm) == 7 and kept > 0
+    assert sum(r.saved_bytes for r in fwd) >= kept
+    assert all(r.saved_bytes for r in mm[0::2])
+    full = _sch(model)
+    full["model.layers.0"].checkpoint()
+    p_sac, p_full = treadle.price(sch, inputs, H100), treadle.price(full, inputs, H100)
+    assert p_sac.activation_bytes > p_full.activation_bytes
+    assert p_sac.peak_bytes == pytest.approx(p_sac.static_bytes + p_sac.activation_bytes + p_sac.transient_bytes)

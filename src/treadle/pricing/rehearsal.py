@@ -161,7 +161,8 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         out_bytes: dict[str, int] = {}
         hooks = [built.get_submodule(p).register_forward_hook(_output_bytes(p, out_bytes)) for p in watch]
         try:
-            records, coll, saved_in, flows = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu)
+            records, coll, saved_in, flows = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu,
+                                                     sac=sac_regions(v2))
         finally:
             for h in hooks:
                 h.remove()
@@ -202,7 +203,33 @@ def _tensor_leaves(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False):
+def sac_regions(v: ScheduleView) -> tuple[str, ...]:
+    """Module paths that run under selective checkpointing's own cache (a save list, or a policy of how
+    "selective"): what it keeps is held outside autograd's saved tensors (NOTE [what SAC keeps])."""
+    from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES
+
+    return tuple(p for p, save in v.extras.get("selective", [])
+                 if not isinstance(save, str) or CHECKPOINT_POLICIES[save].how == "selective")
+
+
+def _charge_sac_kept(rec, regions: tuple[str, ...]) -> None:
+    """NOTE [what SAC keeps]: selective checkpointing keeps the outputs its policy saves in a cache of its own,
+    not through autograd's saved-tensor hooks, so the recorder's pack hook never sees them. At the forward's end
+    every storage still alive that an op inside such a region made, and that autograd did not save, is what
+    that cache holds until the backward: it is charged as saved, to the op that made it, as autograd's are."""
+    if not regions:
+        return
+    for key, (nbytes, index, _) in list(rec.alive.items()):
+        r = rec.records[index]
+        if key in rec.saved or r.phase != "forward":
+            continue
+        if any(r.module == p or r.module.startswith(p + ".") or p == "" for p in regions):
+            rec.saved.add(key)
+            r.saved_bytes += nbytes
+
+
+def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False,
+            sac: tuple[str, ...] = ()):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
     rec.flows = []  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
@@ -217,6 +244,7 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
             del out
+            _charge_sac_kept(rec, sac)
             rec.start_backward()
             loss.backward()
             del loss
