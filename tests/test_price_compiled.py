@@ -53,6 +53,11 @@ def test_a_fused_run_moves_only_what_it_takes_in_and_hands_out():
     assert times[1:3] == [0.0, 0.0]
     assert times[3] == pytest.approx(5e-6 + hw.op_overhead_s)
     assert compiled_times(recs, flows, (), hw) == [r.time_s + hw.op_overhead_s for r in recs]  # nothing compiled
+    # a run of views alone (a transpose and a reshape between two matmuls) moves nothing
+    views = [_rec(0, "matmul", module="layers.0.q"), _rec(1, "view"), _rec(2, "view"),
+             _rec(3, "matmul", module="layers.0.k")]
+    vflows = [((), ((A, n),)), (((A, n),), ()), (((A, n),), ()), (((A, n),), (((5, 3), n),))]
+    assert compiled_times(views, vflows, ("layers.0",), hw)[1:3] == [hw.op_overhead_s, 0.0]
 
 
 def _llama():

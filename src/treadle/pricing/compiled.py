@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..profile.roofline import memory_time_s
+from ..schedule.tree import within
 
 # kinds inductor does not fuse (extern kernels), after `treadle.profile.flops.KINDS`
 EXTERN_KINDS = frozenset({"matmul", "attention", "conv"})
@@ -32,18 +33,14 @@ def compiled_units(model: nn.Module) -> tuple[str, ...]:
     not inside another such element."""
     units: list[str] = []
     for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(_within(path, u) for u in units):
+        if isinstance(m, nn.ModuleList) and not any(within(path, u) for u in units):
             units += [f"{path}.{name}" if path else name for name, _ in m.named_children()]
     return tuple(units)
 
 
-def _within(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith(prefix + ".")
-
-
 def _unit_of(module: str, units: tuple[str, ...], cache: dict[str, str | None]) -> str | None:
     if module not in cache:
-        cache[module] = next((u for u in units if _within(module, u)), None)
+        cache[module] = next((u for u in units if within(module, u)), None)
     return cache[module]
 
 
@@ -86,6 +83,8 @@ def compiled_times(records, flows, units: tuple[str, ...], hw) -> list[float]:
         seen_in: set = set()
         for k in range(i, j):
             reads, writes = flows[k]
+            if records[k].kind == "view":  # metadata only: what a later op of the run reads through it counts
+                reads = ()
             for ident, nbytes in reads:
                 if ident not in written and ident not in seen_in:
                     seen_in.add(ident)

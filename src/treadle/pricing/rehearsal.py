@@ -21,6 +21,7 @@ from ..profile.fake_gaps import copy_model
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
+from ..schedule.tree import within
 from ..schedule.view import ScheduleView
 
 _PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})
@@ -182,7 +183,7 @@ def selective_regions(v: ScheduleView) -> tuple[str, ...]:
     out = []
     for path, save in v.extras.get("selective", []):
         calls = isinstance(save, str) and CHECKPOINT_POLICIES[save].how == "attention-calls"
-        out.append(f"{path}.{ATTENTION_CORE}" if calls and path else (ATTENTION_CORE if calls else path))
+        out.append(".".join(filter(None, (path, ATTENTION_CORE))) if calls else path)
     return tuple(out)
 
 
@@ -223,7 +224,7 @@ def _charge_sac_kept(rec, regions: tuple[str, ...]) -> None:
         r = rec.records[index]
         if key in rec.saved or r.phase != "forward":
             continue
-        if any(r.module == p or r.module.startswith(p + ".") or p == "" for p in regions):
+        if any(within(r.module, p) for p in regions):
             rec.saved.add(key)
             r.saved_bytes += nbytes
 

@@ -21,6 +21,7 @@ from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
 from ..runtime.recompute import recompute_host_s
 from ..schedule.expert_primitive import expert_paths
+from ..schedule.tree import within
 from .compiled import EXECUTIONS, compiled_times, compiled_units
 from .rehearsal import Rehearsal, rehearse
 from .result import Price, PriceRow
@@ -42,10 +43,6 @@ class StepContext:
     hw: object
 
 
-def within(path: str, prefix: str) -> bool:
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
-
-
 def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None
              ) -> tuple[list[Segment], list[int]]:
     """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's per-op
@@ -64,7 +61,7 @@ def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | No
             if key is not None:
                 segs.append(Segment(key[0], key[1], acc))
             key, acc = k, 0.0
-        acc += r.time_s + hw.op_overhead_s if times is None else times[i]
+        acc += (r.time_s + hw.op_overhead_s) if times is None else times[i]
         if r.phase == "recompute":
             acc += recompute_host_s(hw, ops=1, regions=0)
             region = next((p for p in regions if within(r.module, p)), None)

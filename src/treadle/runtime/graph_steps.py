@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import BuildError
 from ..graph.rewrite import decomposition_dims, leaf_input
-from ..schedule.checkpoint_policies import checkpoint_policy, resolve_ops
+from ..schedule.checkpoint_policies import CheckpointPolicy, checkpoint_policy, resolve_ops
 from . import collectives as C
 from .recompute import checkpointed_forward
 from .steps import register_build_extension, wrap_forward
@@ -80,19 +80,6 @@ def _sync_decomposed(builder) -> None:
             logger.debug("build: decomposed leaves in %r synchronised", gpath)
 
 
-class SavePolicy:
-    """Selective-checkpoint policy: save outputs of the listed ops, recompute everything else."""
-
-    def __init__(self, packets):
-        self.packets = set(packets)
-
-    def __call__(self, ctx, func, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy
-
-        packet = getattr(func, "overloadpacket", func)
-        return CheckpointPolicy.MUST_SAVE if packet in self.packets else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _ops(names) -> tuple[frozenset, frozenset]:
     """(packets, overloads) named by ``ns.op`` / ``ns.op.overload``; a name this torch does not have is skipped
     (a kernel of another backend or version: no op of it can run here)."""
@@ -116,7 +103,8 @@ _SDPA_FUNCS = frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot
 
 
 class NamedPolicy:
-    """A named checkpoint policy (`treadle.schedule.checkpoint_policies`) as `torch.utils.checkpoint` asks it,
+    """A checkpoint policy (`treadle.schedule.checkpoint_policies`: a named one, or a schedule's save list) as
+    `torch.utils.checkpoint` asks it,
     one instance per run of the module's forward (the alternate ops are counted within that run, apart in the
     forward and in its recomputation, so both make the same choices)."""
 
@@ -205,8 +193,6 @@ def _policy_contexts(spec):
 
 
 def _selective(builder) -> None:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     for path, save in builder.v.extras.get("selective", []):
         m = builder.module(path)
         if isinstance(save, str):  # a named policy (NOTE [checkpoint policies as peers define them])
@@ -215,9 +201,11 @@ def _selective(builder) -> None:
                 _attention_calls(m, path)
                 continue
             ctx = functools.partial(_policy_contexts, spec)
-        else:
-            policy = SavePolicy(resolve_ops(save, f"sch[{path!r}]"))
-            ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+        else:  # a save list: keep those ops' outputs, recompute the rest
+            resolve_ops(save, f"sch[{path!r}]")
+            spec = CheckpointPolicy("save", "selective", keep=tuple(save), alternate=(), recompute=(),
+                                    default="recompute", source="the schedule's save list")
+            ctx = functools.partial(_policy_contexts, spec)
         wrap_forward(m, lambda orig, m=m, path=path, ctx=ctx: checkpointed_forward(m, orig, path, ctx))
 
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 from torch import nn
 
 
+def within(path: str, prefix: str) -> bool:
+    """`path` is the module `prefix` or inside it ("" holds everything)."""
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
 def swap_module(model: nn.Module, path: str, old: nn.Module, new: nn.Module) -> None:
     """Install `new` at `path` (not the root), carrying over the hooks registered on `old`."""
     copy_hooks(old, new)

@@ -41,6 +41,7 @@ from torch import nn
 from ...cost import collective_cost as cc
 from ...profile.roofline import op_time_s
 from ...runtime.optimizer import trainable_params
+from ...schedule.tree import within  # noqa: F401  (read here by the forms: one definition)
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
@@ -94,9 +95,6 @@ def shard_units(model: nn.Module, view: Any) -> list:
     return [u for f in forms() for u in f.shard_units(model, view)]
 
 
-def within(path: str, prefix: str) -> bool:
-    """`path` is the module `prefix` or inside it ("" holds everything)."""
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
