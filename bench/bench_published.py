@@ -11,8 +11,10 @@ set of hardware constants for every row; nothing is fitted to a row.
 
 Columns: predicted and published tokens/s per GPU and their ratio (target: within [0.9, 1.1]); predicted peak and
 published memory (torchtitan logs the allocator's peak *reserved* memory, treadle predicts allocated bytes: the
-caching allocator's fragmentation is not in the prediction) and their ratio (target: within 10%). Float8 rows
-(Table 1 row 3, Tables 2 and 4-6) are listed as not priced: treadle has no float8 primitive yet.
+caching allocator's fragmentation is not in the prediction) and their ratio (target: within 10%). The float8 rows
+(Tables 1 and 3, row 3) state ``float8(recipe="tensorwise", all_gather=True)`` on the blocks, as torchtitan ran
+float8 then (tensorwise scales, FSDP2's float8 all-gather; the output projection stays bf16); the rows that need
+context parallelism or float8 under tensor parallelism (Tables 2, 4-6) are listed as not priced.
 
 With ``--plan``, each eager row's configuration is also planned (`plan_model` with the same model, cluster, batch,
 sequence and the device's memory) and the plan's price is set beside the recipe's (target: the plan predicted at
@@ -33,21 +35,24 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
 TT = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-# (key, label, source, cluster, mesh size, local batch, seq, execution, published tokens/s/GPU, published GiB)
+# (key, label, source, cluster, mesh size, local batch, seq, execution, float8, published tokens/s/GPU, published GiB)
 ROWS = [
-    ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, eager", f"{TT} Table 1 row 1", "1x8:h100-96gb", 8, 2, 8192, "eager",
+    ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, eager", f"{TT} Table 1 row 1", "1x8:h100-96gb", 8, 2, 8192, "eager", False,
      5762, 82.4),
     ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, torch.compile", f"{TT} Table 1 row 2", "1x8:h100-96gb", 8, 2, 8192,
-     "compiled", 6667, 77.0),
+     "compiled", False, 6667, 77.0),
+    ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, compile, float8", f"{TT} Table 1 row 3", "1x8:h100-96gb", 8, 2, 8192,
+     "compiled", True, 8532, 76.8),
     ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, eager", f"{TT} Table 3 row 1", "16x8:h100-96gb", 128, 2, 8192,
-     "eager", 5605, 67.0),
+     "eager", False, 5605, 67.0),
     ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, torch.compile", f"{TT} Table 3 row 2", "16x8:h100-96gb", 128, 2,
-     8192, "compiled", 6514, 62.0),
+     8192, "compiled", False, 6514, 62.0),
+    ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, compile, float8", f"{TT} Table 3 row 3", "16x8:h100-96gb", 128, 2,
+     8192, "compiled", True, 8380, 61.8),
 ]
 NOT_PRICED = [
-    (f"{TT} Table 1 row 3, Table 3 row 3", "FSDP + torch.compile + Float8", "float8 (no treadle primitive yet)"),
-    (f"{TT} Table 2, Table 6", "context parallelism + Float8", "context parallelism, float8"),
-    (f"{TT} Tables 4, 5", "70B / 405B with Float8 and AsyncTP", "float8, async TP"),
+    (f"{TT} Table 2, Table 6", "context parallelism + Float8", "context parallelism"),
+    (f"{TT} Tables 4, 5", "70B / 405B with Float8 and AsyncTP", "float8 with tensor parallelism, async TP"),
 ]
 
 
@@ -58,16 +63,19 @@ def price_row(row) -> dict:
     from treadle.pricing import price
     from treadle.schedule.core import create_schedule
 
-    key, label, source, cluster_spec, world, local, seq, execution, tps, mem = row
+    key, label, source, cluster_spec, world, local, seq, execution, float8, tps, mem = row
     model, inputs = named_model("llama-3-8b", batch=local * world, seq=seq, fake=True, dtype=torch.bfloat16)
     model.config.use_cache = False
     sch = create_schedule(model, mesh=Mesh((world,), ("dp",)))
     sch["model.layers"].checkpoint_every(1, policy="alternate-matmuls")
     sch.data_parallel(axis="dp", shard=True)
+    if float8:  # torchtitan's float8 of that date: tensorwise, every block linear, FSDP2's float8 all-gather
+        sch["model.layers"].float8(recipe="tensorwise", all_gather=True)
     t0 = time.perf_counter()
     p = price(sch, inputs, parse_cluster(cluster_spec), execution=execution)
     tokens = local * seq / p.step_s
-    return {"row": label, "source": source, "cluster": cluster_spec, "execution": execution, "local_batch": local,
+    return {"row": label, "source": source, "cluster": cluster_spec, "execution": execution, "float8": float8,
+            "local_batch": local,
             "seq": seq, "predicted_tokens_per_s_per_gpu": tokens, "published_tokens_per_s_per_gpu": tps,
             "tokens_ratio": tokens / tps, "predicted_peak_gib": p.peak_bytes / GiB, "published_memory_gib": mem,
             "memory_ratio": p.peak_bytes / GiB / mem, "step_s": p.step_s, "mfu_bf16_peak": p.mfu,
@@ -81,7 +89,7 @@ def plan_row(row) -> dict:
     from treadle.models.zoo import named_model
     from treadle.planner import plan_model
 
-    key, label, source, cluster_spec, world, local, seq, execution, tps, mem = row
+    key, label, source, cluster_spec, world, local, seq, execution, float8, tps, mem = row
     model, inputs = named_model("llama-3-8b", batch=local * world, seq=seq, fake=True, dtype=torch.bfloat16)
     model.config.use_cache = False
     cluster = parse_cluster(cluster_spec)
@@ -110,7 +118,7 @@ def main() -> None:
         print(f"{r['row']:48} {r['predicted_tokens_per_s_per_gpu']:10,.0f} {r['published_tokens_per_s_per_gpu']:9,} "
               f"{r['tokens_ratio']:6.2f} {r['predicted_peak_gib']:8.1f} {r['published_memory_gib']:7.1f} "
               f"{r['memory_ratio']:6.2f}", flush=True)
-        if args.plan and row[7] == "eager":
+        if args.plan and row[7] == "eager" and not row[8]:
             q = plan_row(row)
             q["speedup_vs_recipe"] = r["step_s"] / q["step_s"]
             plans.append(q)

@@ -15,6 +15,7 @@ that has no say at a point costs nothing there. The extension points, grouped by
 - parameters (`treadle.forms.data`, at build and in the price): `own_params` — the parameters whose gradients a
   form reduces itself, which data parallelism leaves alone (the local experts); `shard_units` — modules FSDP2
   shards on other axes than the data-parallel ones (the local experts over the axes the expert axis leaves);
+  `gather_itemsize` — the bytes per element FSDP2 gathers a parameter in (float8 weights: 1);
 - what build can shard (`treadle.planner.capabilities`): `param_placements` — placements of parameters no leaf rule
   shards but the form computes on (each expert's weights over a tensor axis);
 - roles (`treadle.planner.roles`): `role_options` — what the form may do with the mesh's axes; `keep_roles`;
@@ -96,6 +97,11 @@ class Form:
         data-parallel ones (under a data parallelism with ZeRO-3; `treadle.forms.data` wraps them first and
         prices them per unit); none by default."""
         return []
+
+    def gather_itemsize(self, view: Any, name: str) -> int | None:
+        """Bytes per element FSDP2 all-gathers parameter `name` (a path in `view.model`) in, when this form
+        changes it (float8 weights gathered as float8: 1); None: the parameter's own dtype."""
+        return None
 
     def param_placements(self, facts: Any, param: str, module: str, n_tp: int) -> set[tuple[int, ...]]:
         """Placements over `n_tp` tensor axes (placement codes, one per axis) that build can give parameter `param`

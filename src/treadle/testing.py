@@ -36,8 +36,10 @@ def _context():
     if _CTX is None:
         ctx = mp.get_context("forkserver")
         # treadle's layers by name (importing treadle alone loads none: NOTE [registrations on first use])
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle", "treadle.forms",
-                                    "treadle.models.kernels", "treadle.verify", "treadle.runtime.train"])
+        # (transformers.modeling_utils imports torchao where it is installed: once here, not once per rank)
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                                    "treadle", "treadle.forms", "treadle.models.kernels", "treadle.verify",
+                                    "treadle.runtime.train"])
         _CTX = ctx
     return _CTX
 

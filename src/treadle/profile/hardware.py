@@ -303,6 +303,7 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         peaks = {"float32": _matmul_flops_per_s(torch.float32, matmul_n, reps)}
         peaks["bfloat16"] = _matmul_flops_per_s(torch.bfloat16, matmul_n // 2, reps)
         peaks["float16"] = _matmul_flops_per_s(torch.float16, matmul_n // 4, 2)
+        peaks["float8_e4m3fn"] = peaks["float32"]  # torchao emulates float8 products on a CPU: an fp32 product
         src = torch.empty(copy_bytes // 4, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
@@ -344,7 +345,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 
 
 # NOTE [no hidden state]: one core of a nominal x86-64 server CPU: 2 FMA units x 8 fp32 lanes (AVX2) x 2 FLOP
-# x 2.5 GHz = 80 GFLOP/s fp32 (bf16/fp16 run at the fp32 rate without AMX), and ~10 GB/s of memory bandwidth
+# x 2.5 GHz = 80 GFLOP/s fp32 (bf16/fp16 run at the fp32 rate without AMX; float8 products are emulated as fp32
+# ones, NOTE [float8 in the price]), and ~10 GB/s of memory bandwidth
 # per core (a 16-core socket's ~160 GB/s shared), and ~10 us to dispatch one eager op (PyTorch's CPU
 # dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). The framework overheads (NOTE
 # [framework overheads]) are PyTorch 2.13 eager on a 2.5 GHz EPYC core as `treadle.profile.overheads` measured
@@ -357,7 +359,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 _CPU_POINTWISE_S = {"tanh": 4.8e-9, "exp": 1.8e-9, "log": 2.2e-9, "sigmoid": 1.3e-9, "erf": 2.5e-9, "sin": 1.7e-9,
                     "cos": 1.8e-9, "silu": 1.5e-9, "gelu": 1.6e-9, "silu_backward": 1.8e-9, "gelu_backward": 2.5e-9,
                     "_softmax": 1.8e-9, "_log_softmax": 1.7e-9, "_log_softmax_backward_data": 1.4e-9}
-CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9},
+CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16": 80e9, "float16": 80e9,
+                                                      "float8_e4m3fn": 80e9},
                         hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=15e-6,
                         subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
                         fsdp_unit_s=2e-3, fsdp_param_s=100e-6, split_backward_op_s=10e-6, optimizer_foreach=True,

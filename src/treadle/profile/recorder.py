@@ -50,7 +50,36 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+# NOTE [float8 in the price]: torchao's float8 training tensors (and any tensor subclass whose inner tensors are
+# float8) report their original dtype, so a product on them reaches this mode as `aten.mm` on, say, bfloat16
+# operands; the subclass runs `torch._scaled_mm` on the float8 data below the mode. Such a product is priced as
+# the device runs it: at the hardware's float8 peak ("float8_e4m3fn"; a CPU emulates it at its fp32 rate), reading
+# one byte an element. The casts and amax reductions that make the float8 operands are ops of their own, recorded
+# as they run.
+_FLOAT8 = frozenset(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                                   "float8_e5m2fnuz")) if d is not None)
+
+
+def _float8_data(t: torch.Tensor) -> torch.Tensor | None:
+    """The float8 tensor inside a tensor subclass (`__tensor_flatten__`), or None."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None or type(t) is torch.Tensor:
+        return None
+    try:
+        names, _ = t.__tensor_flatten__()
+    except Exception:  # noqa: BLE001 - a subclass that cannot flatten here holds no float8 data we can see
+        return None
+    for n in names:
+        inner = getattr(t, n, None)
+        if isinstance(inner, torch.Tensor) and inner.dtype in _FLOAT8:
+            return inner
+    return None
+
+
 def _logical_bytes(t: torch.Tensor) -> int:
+    inner = _float8_data(t)
+    if inner is not None:
+        return inner.numel() * inner.element_size()
     try:
         return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse): logical size
@@ -222,6 +251,9 @@ class StepRecorder:
         if first is None:
             first = next(iter(outs or ins), None)
         dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
+        mats = [t for t in ins if t.dim() >= 2]
+        if rule.kind == "matmul" and mats and all(_float8_data(t) is not None for t in mats):
+            dtype = "float8_e4m3fn"  # NOTE [float8 in the price]
         rec = OpRecord(len(self.records), self.op_name(func), rule.kind, module, phase, dtype)
         rec.live_before_bytes = live_before
         self.records.append(rec)
@@ -252,6 +284,9 @@ class StepRecorder:
                                    op=func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else None,
                                    elems=sum(t.numel() for t in outs))
         except ProfileError as exc:
+            if rec.dtype == "float8_e4m3fn":  # NOTE [float8 in the price]
+                exc = ProfileError(f"a float8 product needs a device with a float8 matrix unit (sm_89 and later); "
+                                   f"{exc}")
             err = ProfileError(f"{exc}; met at op {rec.op} in module {module or '<model>'!r}")
             self.error = self.error or err
             raise err from None

@@ -27,6 +27,7 @@ from ..mesh import Mesh
 from .checkpoint_policies import checkpoint_policy
 from .data_parallel import make_data_parallel
 from .expert_primitive import ExpertPrimitive, expert_param_names, expert_paths
+from .float8_primitive import Float8Primitive
 from .log import Record, Ref, records_to_json
 from .state import ParamShard, _State
 from .sync import SyncPrimitive
@@ -46,7 +47,7 @@ except ImportError:  # pragma: no cover - only while that layer is absent
         pass
 
 
-class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive):
+class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive, Float8Primitive):
     """A schedule of one module of the model; the root schedule covers the whole model.
 
     Create with `treadle.create_schedule(model, mesh=...)`; index sub-modules by dotted path

@@ -25,6 +25,7 @@ PRIMITIVES = frozenset({
     "replace", "replace_all", "shard", "sync", "checkpoint", "fork_rng", "reduce_grads", "annotate", "set_attr",
     "shard_attr", "data_parallel",  # module-level (core.py)
     "expert_parallel",  # expert_primitive.py
+    "float8",  # float8_primitive.py
     "trace", "replace_match", "decompose", "fuse", "checkpoint_match", "checkpoint_selective",
     "cut_pipeline_stage", "pipeline",  # graph-level (graph_primitives.py)
 })

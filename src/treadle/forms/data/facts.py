@@ -95,6 +95,19 @@ def shard_units(model: nn.Module, view: Any) -> list:
     return [u for f in forms() for u in f.shard_units(model, view)]
 
 
+def gather_itemsizes(view: Any) -> dict[str, int]:
+    """Parameter name -> the bytes per element FSDP2 all-gathers it in, where a form changes it
+    (`Form.gather_itemsize`: float8 weights, 1); a parameter not named gathers in its own dtype."""
+    from ...form import forms
+
+    out: dict[str, int] = {}
+    for name, _ in view.model.named_parameters():
+        for f in forms():
+            size = f.gather_itemsize(view, name)
+            if size is not None:
+                out[name] = size
+                break
+    return out
 
 
 def fsdp_units(model: nn.Module) -> list[str]:

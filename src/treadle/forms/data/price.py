@@ -16,7 +16,7 @@ from ...pricing import Rehearsal, StepContext
 from ...profile.memory import buffer_bytes
 from ...runtime.optimizer import trainable_params
 from .facts import (backward_prefetch, buffer_broadcast_s, ddp_buckets, foreign_params, fsdp_copy_s, fsdp_host_s,
-                    fsdp_param_units, fsdp_units, shard_units, within)
+                    fsdp_param_units, fsdp_units, gather_itemsizes, shard_units, within)
 
 
 def price_step(ctx: StepContext) -> PriceTerms | None:
@@ -111,13 +111,16 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
     groups = {u.path: (",".join(u.shard_axes), math.prod(reh.mesh.size(a) for a in u.shard_axes),
                        cluster.group_link(u.shard_axes), u.replicate_axes) for u in own}
     units = [u.path for u in own] + fsdp_units(reh.model)
-    unit_bytes: dict[str, float] = {u: 0.0 for u in units}
+    unit_bytes: dict[str, float] = {u: 0.0 for u in units}  # what a unit reduces (its gradients' dtype)
+    gather_bytes: dict[str, float] = {u: 0.0 for u in units}  # what it gathers (a form may gather narrower)
     unit_params: dict[str, int] = {u: 0 for u in units}
     divisors: dict[str, int] = {}
+    itemsize = gather_itemsizes(reh.view)
     for (name, p), unit in zip(trainable_params(reh.model), fsdp_param_units(reh.model, units)):
         if name in foreign:
             continue
         unit_bytes[unit] += p.numel() * p.element_size()
+        gather_bytes[unit] += p.numel() * itemsize.get(name, p.element_size())
         unit_params[unit] += 1
         if unit in groups:
             divisors[name] = groups[unit][1]
@@ -142,14 +145,16 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
     out: list[Collective] = []
     fwd_order = sorted((u for u in first_fwd if u and unit_bytes[u]), key=first_fwd.get)
     if unit_bytes[""]:
-        out.append(Collective("all_gather", axis, unit_bytes[""], collective_time_s("all_gather", unit_bytes[""], n, link),
+        out.append(Collective("all_gather", axis, gather_bytes[""],
+                              collective_time_s("all_gather", gather_bytes[""], n, link),
                               "", "fwd", -1, blocking=False, needed_before=0, source="fsdp", link=link))
-    out += prefetched_gathers(fwd_order, first_fwd, unit_bytes, "fwd", 0, axis, n, link, groups)
+    out += prefetched_gathers(fwd_order, first_fwd, gather_bytes, "fwd", 0, axis, n, link, groups)
     bwd_order = sorted((u for u in first_bwd if u and unit_bytes[u] and dp.reshard_after_forward),
                        key=first_bwd.get)
     explicit = backward_prefetch(reh.model, fsdp_units(reh.model)[:-1], list(groups))
     issued_by = {t: u for u, targets in explicit.items() for t in targets}  # NOTE [nested prefetch]
-    out += prefetched_gathers(bwd_order, first_bwd, unit_bytes, "bwd", end_fwd + 1, axis, n, link, groups, issued_by)
+    out += prefetched_gathers(bwd_order, first_bwd, gather_bytes, "bwd", end_fwd + 1, axis, n, link, groups,
+                              issued_by)
     for u in units:
         if not unit_bytes[u]:
             continue
@@ -166,10 +171,10 @@ def _fsdp(reh: Rehearsal, segs: list[Segment], cluster: ClusterSpec,
                                   blocking=False, needed_before=None, source="fsdp", follows=rs, link=rep_link))
     if dp.reshard_after_forward:  # a block gathered with the units nested in it
         tops = [u for u in fsdp_units(reh.model) if u]
-        nested = {t: unit_bytes[t] + sum(unit_bytes[g] for g in groups if within(g, t)) for t in tops}
-        gathered = unit_bytes[""] + 2 * max(nested.values(), default=0.0)
+        nested = {t: gather_bytes[t] + sum(gather_bytes[g] for g in groups if within(g, t)) for t in tops}
+        gathered = gather_bytes[""] + 2 * max(nested.values(), default=0.0)
     else:
-        gathered = sum(unit_bytes.values())
+        gathered = sum(gather_bytes.values())
     # FSDP2's hooks per unit per step (NOTE [FSDP2 units]): half where its forward starts, half where its
     # backward starts
     hw = cluster.rank_hardware()

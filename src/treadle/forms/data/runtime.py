@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...errors import BuildError
@@ -74,12 +76,44 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     for path in units:
         fully_shard(module.get_submodule(path), mesh=sub, **kw)
     fully_shard(module, mesh=sub, **kw)
+    _gather_bytes_on_gloo(module, sub)
     if dp.reshard_after_forward:  # NOTE [nested prefetch]
         nested = [_relative(builder.model, module, u.path) for u in own]
         for u, targets in backward_prefetch(module, units, nested).items():
             module.get_submodule(u).set_modules_to_backward_prefetch([module.get_submodule(t) for t in targets])
     logger.info("data parallel: %s", dp)
     return module
+
+
+# NOTE [float8 all-gather on gloo]: a parameter that FSDP2 gathers through its own `fsdp_pre_all_gather` (torchao's
+# float8 weights: `float8(all_gather=True)`) hands FSDP2 float8 shards, and when every input of a unit is float8
+# FSDP2's gather buffer is float8 too; gloo has no float8 type ("Invalid scalar type"). On a gloo group each such
+# unit gathers through `_ByteGather`: the same all-gather with a one-byte float buffer viewed as uint8 (the same
+# bytes, so the result is bit-identical). NCCL gathers float8 itself and keeps FSDP2's own all-gather.
+class _ByteGather:
+    """FSDP2's all-gather (`torch.distributed.fsdp` `AllGather` protocol) with one-byte float buffers sent as
+    uint8."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if output_tensor.dtype.is_floating_point and output_tensor.dtype.itemsize == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _gather_bytes_on_gloo(module: nn.Module, mesh) -> None:
+    """NOTE [float8 all-gather on gloo]: `_ByteGather` on each FSDP2 unit of `module` that holds a parameter
+    gathered through its own hook, when the group is gloo."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) != "gloo":
+        return
+    for m in module.modules():
+        if not hasattr(m, "set_custom_all_gather"):  # not an FSDP2 unit
+            continue
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in m.parameters()]
+        if any(hasattr(type(p), "fsdp_pre_all_gather") for p in params):
+            m.set_custom_all_gather(_ByteGather())
 
 
 def _relative(model: nn.Module, module: nn.Module, path: str) -> str:
