@@ -14,13 +14,15 @@ published memory (torchtitan logs the allocator's peak *reserved* memory, treadl
 caching allocator's fragmentation is not in the prediction) and their ratio (target: within 10%). The float8 rows
 (Tables 1 and 3, row 3) state ``float8(recipe="tensorwise", all_gather=True)`` on the blocks, as torchtitan ran
 float8 then (tensorwise scales, FSDP2's float8 all-gather; the output projection stays bf16); the rows that need
-context parallelism or float8 under tensor parallelism (Tables 2, 4-6) are listed as not priced.
+context parallelism or float8 under tensor parallelism (Tables 2, 4-6) are listed as not priced. Row group "ao" is
+torchao's own float8 table (torchtitan, 8 H100, local batch 1, compiled, op SAC: bf16, tensorwise with float8
+all-gather, rowwise with bf16 all-gather); its H100 is taken to be the same part as torchtitan's tables.
 
 With ``--plan``, each eager row's configuration is also planned (`plan_model` with the same model, cluster, batch,
 sequence and the device's memory) and the plan's price is set beside the recipe's (target: the plan predicted at
 least as fast). Writes bench/results/bench_published.json.
 
-    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu] [--plan]
+    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao] [--plan]
 """
 
 from __future__ import annotations
@@ -35,20 +37,30 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
 TT = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-# (key, label, source, cluster, mesh size, local batch, seq, execution, float8, published tokens/s/GPU, published GiB)
+AO = "pytorch/ao torchao/float8/README.md, Training benchmarks, NVIDIA H100"
+F8 = ("tensorwise", True)  # torchtitan's float8 of Dec 2024: tensorwise scales, FSDP2's float8 all-gather
+# (key, label, source, cluster, mesh size, local batch, seq, execution, float8 (recipe, all_gather) or None,
+#  published tokens/s/GPU, published GiB)
 ROWS = [
-    ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, eager", f"{TT} Table 1 row 1", "1x8:h100-96gb", 8, 2, 8192, "eager", False,
+    ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, eager", f"{TT} Table 1 row 1", "1x8:h100-96gb", 8, 2, 8192, "eager", None,
      5762, 82.4),
     ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, torch.compile", f"{TT} Table 1 row 2", "1x8:h100-96gb", 8, 2, 8192,
-     "compiled", False, 6667, 77.0),
+     "compiled", None, 6667, 77.0),
     ("8gpu", "Llama 3.1 8B, FSDP 8, op SAC, compile, float8", f"{TT} Table 1 row 3", "1x8:h100-96gb", 8, 2, 8192,
-     "compiled", True, 8532, 76.8),
+     "compiled", F8, 8532, 76.8),
     ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, eager", f"{TT} Table 3 row 1", "16x8:h100-96gb", 128, 2, 8192,
-     "eager", False, 5605, 67.0),
+     "eager", None, 5605, 67.0),
     ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, torch.compile", f"{TT} Table 3 row 2", "16x8:h100-96gb", 128, 2,
-     8192, "compiled", False, 6514, 62.0),
+     8192, "compiled", None, 6514, 62.0),
     ("128gpu", "Llama 3.1 8B, FSDP 128, op SAC, compile, float8", f"{TT} Table 3 row 3", "16x8:h100-96gb", 128, 2,
-     8192, "compiled", True, 8380, 61.8),
+     8192, "compiled", F8, 8380, 61.8),
+    # torchao's float8 table: 8 H100 (taken as torchtitan's part), local batch 1, compile, FSDP2, per-op SAC
+    ("ao", "Llama 3 8B, FSDP 8, op SAC, compile, batch 1", f"{AO} row 1", "1x8:h100-96gb", 8, 1, 8192, "compiled",
+     None, 6150, 47.65),
+    ("ao", "same, float8 tensorwise + float8 all-gather", f"{AO} row 2", "1x8:h100-96gb", 8, 1, 8192, "compiled",
+     ("tensorwise", True), 7689.5, 47.77),
+    ("ao", "same, float8 rowwise, bf16 all-gather", f"{AO} row 3", "1x8:h100-96gb", 8, 1, 8192, "compiled",
+     ("rowwise", False), 6768, 47.79),
 ]
 NOT_PRICED = [
     (f"{TT} Table 2, Table 6", "context parallelism + Float8", "context parallelism"),
@@ -69,12 +81,13 @@ def price_row(row) -> dict:
     sch = create_schedule(model, mesh=Mesh((world,), ("dp",)))
     sch["model.layers"].checkpoint_every(1, policy="alternate-matmuls")
     sch.data_parallel(axis="dp", shard=True)
-    if float8:  # torchtitan's float8 of that date: tensorwise, every block linear, FSDP2's float8 all-gather
-        sch["model.layers"].float8(recipe="tensorwise", all_gather=True)
+    if float8:  # every linear of the blocks (torchtitan leaves the output projection in bf16)
+        sch["model.layers"].float8(recipe=float8[0], all_gather=float8[1])
     t0 = time.perf_counter()
     p = price(sch, inputs, parse_cluster(cluster_spec), execution=execution)
     tokens = local * seq / p.step_s
-    return {"row": label, "source": source, "cluster": cluster_spec, "execution": execution, "float8": float8,
+    return {"row": label, "source": source, "cluster": cluster_spec, "execution": execution,
+            "float8": list(float8) if float8 else None,
             "local_batch": local,
             "seq": seq, "predicted_tokens_per_s_per_gpu": tokens, "published_tokens_per_s_per_gpu": tps,
             "tokens_ratio": tokens / tps, "predicted_peak_gib": p.peak_bytes / GiB, "published_memory_gib": mem,
@@ -104,7 +117,7 @@ def plan_row(row) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", nargs="*", default=["8gpu", "128gpu"], help="which row groups (8gpu, 128gpu)")
+    ap.add_argument("--rows", nargs="*", default=["8gpu", "128gpu", "ao"], help="which row groups (8gpu, 128gpu, ao)")
     ap.add_argument("--plan", action="store_true", help="also plan each eager row's configuration and compare")
     args = ap.parse_args()
     out, plans = [], []

@@ -104,8 +104,9 @@ def test_registrations_load_on_first_use_whichever_module_comes_first():
     """, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert lines[0] == "['tensor', 'sequence', 'vocab', 'data', 'pipeline', 'expert']"
-    assert lines[1] == ("{'pre_shard': ['_sync_decomposed', 'capture_root', 'slice_running_stats', 'plan_experts'], "
+    assert lines[0] == "['tensor', 'sequence', 'vocab', 'data', 'pipeline', 'expert', 'float8']"
+    assert lines[1] == ("{'pre_shard': ['_sync_decomposed', 'install_float8', 'capture_root', 'slice_running_stats', "
+                        "'plan_experts'], "
                         "'post_hooks': ['_selective'], 'wrap': ['wrap_pipeline', 'wrap_data_parallel']}")
     assert lines[2] == "True" and "c_fc" in lines[3] and "shard" in lines[3], lines
     assert lines[4] == "True True Shard"

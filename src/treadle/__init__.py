@@ -8,8 +8,11 @@ or the solver are imported.
 """
 
 from . import lazy as _lazy
+from . import quiet as _quiet
 from .errors import (BuildError, LayoutError, MeshError, PlanError, ProfileError, ScheduleError, SpawnError,
                      TreadleError, VerifyError)
+
+_quiet.install()  # NOTE [torchao's import noise]
 
 _PLACEMENTS = "torch.distributed.tensor.placement_types"
 _PUBLIC = {

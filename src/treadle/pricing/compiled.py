@@ -10,8 +10,10 @@ the outermost ones; the rest of the model stays eager). Inductor then runs a blo
   writes only what is used outside it (read by a later op of the step, or saved for backward), once.
 So a compiled step's time is the eager one with each such run replaced by one kernel of that roofline time and
 one launch (`op_overhead_s`). The data flow comes from the rehearsal (`StepRecorder.flows`: which storage each
-op read and wrote). What is not modelled: inductor's own choice of where to split a run (a reduction it
-cannot fuse with its consumer, a kernel it would not make too large: the estimate is the fastest fusion), the
+op read and wrote). A reduction of a whole tensor to a scalar (float8's amax before its cast) ends its run: its
+consumers cannot start before every block of it is done, so inductor gives it a kernel of its own and the cast
+reads the tensor again. What is not modelled: inductor's other choices of where to split a run (a kernel it
+would not make too large: the estimate is otherwise the fastest fusion), the
 memory AOTAutograd's partitioner saves by recomputing cheap pointwise ops in backward (the memory is eager's,
 at most too high), CUDA graphs (not used by `--compile`), and compile time itself.
 """
@@ -25,6 +27,7 @@ from ..schedule.tree import within
 
 # kinds inductor does not fuse (extern kernels), after `treadle.profile.flops.KINDS`
 EXTERN_KINDS = frozenset({"matmul", "attention", "conv"})
+SCALAR_BYTES = 8  # what a whole-tensor reduction writes (one float64 at most)
 EXECUTIONS = ("eager", "compiled")
 
 
@@ -44,16 +47,24 @@ def _unit_of(module: str, units: tuple[str, ...], cache: dict[str, str | None]) 
     return cache[module]
 
 
+def ends_kernel(r) -> bool:
+    """A reduction of a whole tensor to a scalar (float8's amax, a norm): inductor computes it in a kernel of its
+    own (or a split reduction's two) before any consumer of its result runs, so a fused run ends with it and what
+    follows reads its inputs again (NOTE [compiled step])."""
+    return r.kind == "reduction" and r.write_bytes <= SCALAR_BYTES < r.read_bytes
+
+
 def fusion_groups(records, units: tuple[str, ...]) -> list[tuple[int, int]]:
-    """Maximal runs [i, j) of consecutive records in one compiled unit and one phase, none an extern kernel, of
-    two ops or more (NOTE [compiled step])."""
+    """Maximal runs [i, j) of consecutive records in one compiled unit and one phase, none an extern kernel and
+    none after a whole-tensor reduction inside it (`ends_kernel`), of two ops or more (NOTE [compiled step])."""
     groups: list[tuple[int, int]] = []
     cache: dict[str, str | None] = {}
     start, key = None, None
     for i, r in enumerate(records):
         unit = _unit_of(r.module, units, cache) if r.kind not in EXTERN_KINDS else None
         k = (unit, r.phase) if unit is not None else None
-        if k != key:
+        ended = k is not None and k == key and ends_kernel(records[i - 1])  # this op starts the next kernel
+        if k != key or ended:
             if key is not None and i - start > 1:
                 groups.append((start, i))
             start, key = i, k
