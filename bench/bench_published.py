@@ -138,6 +138,17 @@ def main() -> None:
             print(f"  planner: {q['roles']} on {q['mesh']}: {q['predicted_tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
                   f"{q['predicted_peak_gib']:.1f} GiB, {q['speedup_vs_recipe']:.2f}x the recipe's predicted step "
                   f"(planned in {q['planning_s']:.0f} s)", flush=True)
+    # float8 against the same run in bf16 (same group, batch and execution): the speedup predicted vs published
+    for r in out:
+        base = next((b for b in out if r["float8"] and not b["float8"] and b["cluster"] == r["cluster"]
+                     and b["local_batch"] == r["local_batch"] and b["execution"] == r["execution"]), None)
+        if base is not None:
+            r["float8_speedup"] = {"predicted": base["step_s"] / r["step_s"],
+                                   "published": r["published_tokens_per_s_per_gpu"]
+                                   / base["published_tokens_per_s_per_gpu"]}
+            f = r["float8_speedup"]
+            print(f"float8 speedup, {r['row']}: predicted {f['predicted']:.3f}x, published {f['published']:.3f}x "
+                  f"(ratio {f['predicted'] / f['published']:.3f})")
     for source, what, why in NOT_PRICED:
         print(f"not priced: {what} ({source}): needs {why}")
     inside = [abs(r["tokens_ratio"] - 1) <= 0.1 for r in out]

@@ -193,3 +193,55 @@ def test_price_gathers_float8_weights_at_one_byte_and_reduces_gradients_whole():
     assert block[False]["all_gather"] == 2 * linear_elems + norms
     assert block[True]["all_gather"] == linear_elems + norms
     assert block[True]["reduce_scatter"] == block[False]["reduce_scatter"] == 2 * linear_elems + norms
+
+
+def _run(tmp_path, *extra: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from treadle.testing import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-llama", "--data",
+           str(root / "examples" / "data" / "village.txt"), "--seq", "32", "--batch", "8", "--steps", "4", "--lr",
+           "3e-3", "--warmup-steps", "1", "--init", "meta", "--timeout-s", "60", *extra]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def _losses(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_treadle_run_trains_float8_under_fsdp2_resumes_bit_exact_and_loads_into_bf16(tmp_path):
+    """treadle.run trains a float8 schedule (FSDP2, float8 all-gather); its checkpoint (global shapes, plain
+    tensors) resumes bit-exact, and resumes a schedule without float8 (DDP) from the same step."""
+    import shutil
+
+    from treadle.run.setup import load_run_model
+
+    for name, shard, f8 in (("f8.json", True, True), ("ddp.json", False, False)):
+        sch = _sch(load_run_model("tiny-llama", seq=32, seed=0), 2)
+        sch.data_parallel(axis="dp", shard=shard)
+        if f8:
+            sch["model.layers"].float8(all_gather=True)
+        (tmp_path / name).write_text(sch.to_json())
+    res = _run(tmp_path, "--schedule", "f8.json", "--ckpt-dir", "ck", "--ckpt-every", "2", "--metrics", "a.jsonl")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    first = _losses(tmp_path / "a.jsonl")
+    assert sorted(first) == [1, 2, 3, 4] and first[4] < first[1]
+    shutil.rmtree(tmp_path / "ck" / "step_00000004")
+    res = _run(tmp_path, "--schedule", "f8.json", "--ckpt-dir", "ck", "--ckpt-every", "2", "--metrics", "b.jsonl")
+    assert res.returncode == 0 and "resumed from ck/step_00000002" in res.stdout, res.stdout[-3000:]
+    assert _losses(tmp_path / "b.jsonl") == {s: first[s] for s in (3, 4)}  # bit-exact
+    shutil.rmtree(tmp_path / "ck" / "step_00000004")
+    res = _run(tmp_path, "--schedule", "ddp.json", "--ckpt-dir", "ck", "--metrics", "c.jsonl")
+    assert res.returncode == 0 and "resumed from ck/step_00000002" in res.stdout, res.stdout[-3000:]
+    bf16 = _losses(tmp_path / "c.jsonl")
+    assert sorted(bf16) == [3, 4] and bf16 != {s: first[s] for s in (3, 4)}
+    assert all(abs(bf16[s] - first[s]) < 0.01 * first[s] for s in (3, 4))  # the same weights, without float8
