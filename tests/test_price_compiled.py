@@ -39,6 +39,20 @@ def test_fusion_runs_stop_at_extern_kernels_units_and_phases():
     assert fusion_groups(recs, ("layers.0", "layers.1")) == [(0, 2), (3, 5), (5, 7), (9, 11)]
 
 
+def test_a_whole_tensor_reduction_ends_its_kernel():
+    """float8's scale: abs, amax to a scalar, then the cast of the same tensor. The amax ends its run (its consumer
+    waits for all of it), so the cast starts the next one and reads the tensor again; a row-wise reduction (a
+    norm: it writes more than a scalar) fuses with what follows."""
+    recs = [_rec(i, k) for i, k in enumerate(["pointwise", "reduction", "pointwise", "pointwise", "reduction",
+                                              "pointwise", "matmul"])]
+    for r in recs:
+        r.read_bytes, r.write_bytes = 4096, 4096
+    recs[1].write_bytes = 4  # amax: one float32
+    assert fusion_groups(recs, ("layers.0",)) == [(0, 2), (2, 6)]
+    recs[1].write_bytes = 64  # a reduction over rows
+    assert fusion_groups(recs, ("layers.0",)) == [(0, 6)]
+
+
 def test_a_fused_run_moves_only_what_it_takes_in_and_hands_out():
     """a = x * 2; b = a + 1 (b saved for backward); c = b.exp(); then a matmul reads c. The run reads x once and
     writes b (saved) and c (read later); a never leaves the kernel."""
