@@ -104,14 +104,22 @@ def test_gpt2_has_no_linear_to_convert():
 
 def test_verify_ddp_and_fsdp2_float8_gather_against_the_float8_reference():
     """Each rank's float8 model against the single-process float8 model (forward, every gradient, two optimizer
-    steps) and the float8 model's fidelity to the original (SQNR of the loss and every gradient >= the bound)."""
+    steps) and the float8 model's fidelity to the original (SQNR of the loss and every gradient >= the bound):
+    DDP, FSDP2 with float8 gathers, HSDP (2 x 2) with float8 gathers, FSDP2 under torchtitan's op-level SAC,
+    and the rowwise recipe."""
     from treadle.forms.float8 import FLOAT8_MIN_SQNR_DB
 
-    for shard, gather in ((False, False), (True, True)):
+    cases = [((2,), ("dp",), {"shard": False}, {}, None), ((2,), ("dp",), {"shard": True}, {"all_gather": True}, None),
+             ((2, 2), ("rep", "dp"), {"shard": True, "replicate": "rep"}, {"all_gather": True}, None),
+             ((2,), ("dp",), {"shard": True}, {"all_gather": True}, "alternate-matmuls"),
+             ((2,), ("dp",), {"shard": False}, {"recipe": "rowwise"}, None)]
+    for shape, names, dp, f8, policy in cases:
         model, inputs = _llama()
-        sch = _sch(model, 2)
-        sch.data_parallel(axis="dp", shard=shard)
-        sch["model.layers"].float8(all_gather=gather)
+        sch = treadle.create_schedule(model, mesh=Mesh(shape, names))
+        sch.data_parallel(axis="dp", **dp)
+        if policy:
+            sch["model.layers"].checkpoint_every(1, policy=policy)
+        sch["model.layers"].float8(**f8)
         rep = treadle.verify(sch, inputs)
         fidelity = [c for c in rep.checks if c.kind == "float8"]
         assert len(fidelity) == 1 + len(list(model.parameters()))  # the loss and every gradient
