@@ -19,6 +19,8 @@ from treadle.pricing import rehearse
 from treadle.schedule.replay import load_schedule
 from treadle.testing import spawn
 
+from run_job import losses, run_treadle
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
@@ -204,24 +206,10 @@ def test_price_gathers_float8_weights_at_one_byte_and_reduces_gradients_whole():
 
 
 def _run(tmp_path, *extra: str):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from treadle.testing import free_port
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-llama", "--data",
-           str(root / "examples" / "data" / "village.txt"), "--seq", "32", "--batch", "8", "--steps", "4", "--lr",
-           "3e-3", "--warmup-steps", "1", "--init", "meta", "--timeout-s", "60", *extra]
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return run_treadle(tmp_path, *extra, nproc=2, steps=4, warmup=1)
 
 
-def _losses(path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+_losses = losses
 
 
 @pytest.mark.slow

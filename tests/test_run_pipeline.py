@@ -13,6 +13,8 @@ import torch
 
 from treadle.testing import spawn
 
+from run_job import losses, run_treadle
+
 BATCH, SEQ = 4, 16
 # name -> (mesh shape, axis names, cuts after these blocks, pipeline schedule, micro-batches, data parallel, tp)
 SCHEDULES = {
@@ -151,26 +153,10 @@ def _pipeline_schedule(path, *, shard: bool, batch: int = 8, seq: int = 32) -> N
 
 
 def _run(tmp_path, *extra: str):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from treadle.testing import free_port
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "treadle.run", "--model", "tiny-llama", "--data",
-           str(root / "examples" / "data" / "village.txt"), "--seq", "32", "--batch", "8", "--steps", "6", "--lr",
-           "3e-3", "--warmup-steps", "2", "--init", "meta", "--timeout-s", "60", *extra]
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return run_treadle(tmp_path, *extra, nproc=4)
 
 
-def _losses(path) -> dict[int, float]:
-    import json
-
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+_losses = losses
 
 
 def _check_stage_metrics(path, stdout: str, *, peak: float, world: int, pp: int) -> None:
