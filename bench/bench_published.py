@@ -18,9 +18,9 @@ context parallelism or float8 under tensor parallelism (Tables 2, 4-6) are liste
 torchao's own float8 table (torchtitan, 8 H100, local batch 1, compiled, op SAC: bf16, tensorwise with float8
 all-gather, rowwise with bf16 all-gather); its H100 is taken to be the same part as torchtitan's tables.
 
-With ``--plan``, each eager row's configuration is also planned (`plan_model` with the same model, cluster, batch,
-sequence and the device's memory) and the plan's price is set beside the recipe's (target: the plan predicted at
-least as fast). Writes bench/results/bench_published.json.
+With ``--plan``, each row's configuration is also planned (`plan_model` with the same model, cluster, batch,
+sequence and the device's memory, eager or compiled as the row runs, float8 allowed where the row uses it) and the
+plan's price is set beside the recipe's (target: the plan predicted at least as fast). Writes bench/results/bench_published.json.
 
     .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao] [--plan]
 """
@@ -96,8 +96,9 @@ def price_row(row) -> dict:
 
 
 def plan_row(row) -> dict:
-    """Part 6: the planner's own choice for the same model, cluster, batch, sequence and memory (the device's),
-    priced by the same function (`plan.estimate()`: the price of `plan.schedule`, eager)."""
+    """Part 6: the planner's own choice for the same model, cluster, batch, sequence and memory (the device's), run
+    as the row runs (eager or compiled), allowed float8 where the row uses it (NOTE [execution and float8 in the
+    plan]), priced by the same function (`plan.estimate()`: the price of `plan.schedule` as it runs)."""
     from treadle.cost.cluster import parse_cluster
     from treadle.models.zoo import named_model
     from treadle.planner import plan_model
@@ -108,7 +109,8 @@ def plan_row(row) -> dict:
     cluster = parse_cluster(cluster_spec)
     t0 = time.perf_counter()
     plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=cluster.rank_hardware().memory_bytes,
-                      price_top=1)
+                      price_top=1, execution=execution, float8=float8[0] if float8 else None,
+                      pp_axis="auto" if execution == "eager" else None)
     est = plan.estimate()
     return {"against": label, "roles": str(plan.roles), "mesh": str(plan.cluster.mesh), "step_s": est.step_s,
             "predicted_tokens_per_s_per_gpu": local * seq / est.step_s, "predicted_peak_gib": est.peak_bytes / GiB,
@@ -118,7 +120,7 @@ def plan_row(row) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=["8gpu", "128gpu", "ao"], help="which row groups (8gpu, 128gpu, ao)")
-    ap.add_argument("--plan", action="store_true", help="also plan each eager row's configuration and compare")
+    ap.add_argument("--plan", action="store_true", help="also plan each row's configuration and compare")
     args = ap.parse_args()
     out, plans = [], []
     print(f"{'configuration':48} {'pred tok/s':>10} {'published':>9} {'ratio':>6} {'pred GiB':>8} {'pub GiB':>7} "
@@ -131,7 +133,7 @@ def main() -> None:
         print(f"{r['row']:48} {r['predicted_tokens_per_s_per_gpu']:10,.0f} {r['published_tokens_per_s_per_gpu']:9,} "
               f"{r['tokens_ratio']:6.2f} {r['predicted_peak_gib']:8.1f} {r['published_memory_gib']:7.1f} "
               f"{r['memory_ratio']:6.2f}", flush=True)
-        if args.plan and row[7] == "eager" and not row[8]:
+        if args.plan:
             q = plan_row(row)
             q["speedup_vs_recipe"] = r["step_s"] / q["step_s"]
             plans.append(q)

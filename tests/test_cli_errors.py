@@ -309,6 +309,14 @@ def test_treadle_run_takes_the_plans_model_batch_and_seq(tmp_path, corpus, capsy
     config_from_args(args, say=said.append)
     assert said[1] == (f"treadle.run: --model tiny-gpt2, --batch 4, --seq 16 override {plan}'s model tiny-llama, "
                        f"batch 8, seq 32")
+    assert config_from_args(build_parser().parse_args(["run", "--plan", str(plan), "--data", str(corpus)])).compile \
+        is False
+    doc = json.loads(plan.read_text())
+    plan.write_text(json.dumps({**doc, "execution": "compiled"}))  # a plan made for compiled blocks runs them so
+    for extra, want in (([], True), (["--no-compile"], False)):
+        args = build_parser().parse_args(["run", "--plan", str(plan), "--data", str(corpus), *extra])
+        assert config_from_args(args).compile is want
+    plan.write_text(json.dumps(doc))
 
     launched: list[list[str]] = []
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the launcher would set for its ranks

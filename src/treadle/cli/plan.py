@@ -77,6 +77,11 @@ def register(subparsers) -> None:
                    help="price the best plans of the K best role assignments with treadle.price and keep the "
                         "fastest that fits as built (slower planning; 0: the solver's choice; default 1 with a "
                         "memory budget, else 0)")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for the blocks under torch.compile (treadle.run --compile): the best plans are priced "
+                        "so, and the plan says so (no pipeline)")
+    p.add_argument("--float8", default=None, metavar="RECIPE", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                   help="let the plan train the blocks' linears in float8 with this recipe (weighed by the price)")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _picture_flags(p)
@@ -159,8 +164,9 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             plan = plan_model(model, inputs, cluster=clusters if len(clusters) > 1 else clusters[0],
                               memory_budget_bytes=budget, mode=args.mode, pins=pins,
                               dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
-                              pp_axis=None if args.pp_axis == "none" else args.pp_axis,
+                              pp_axis=None if args.pp_axis == "none" or args.compile else args.pp_axis,
                               time_limit_s=args.time_limit, price_top=args.price_top,
+                              execution="compiled" if args.compile else "eager", float8=args.float8,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},
                               progress=lambda msg: report(msg))

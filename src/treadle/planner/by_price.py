@@ -73,7 +73,7 @@ def resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for, 
 
 def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
                      is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn,
-                     solve_for: Callable[[CostGraph, float | None], Solution] | None = None):
+                     solve_for: Callable[[CostGraph, float | None], Solution] | None = None, execution: str = "eager"):
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
     priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best and no price; `plan_model`
@@ -93,7 +93,7 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         _, is_leaf_module = runtime_capabilities(m)
         decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param, stages=sol.stages)
         sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)
-        return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn)
+        return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution)
 
     rows, best = [], None
     for sol, cg in candidates:

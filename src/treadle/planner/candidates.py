@@ -50,11 +50,12 @@ def pipeline_on_slowest_link(cluster: ClusterSpec, roles: Roles) -> bool:
 # solver's choice stands, unpriced.
 def priced_candidates(feasible: list, price_top: int) -> list:
     """The candidates to price, best first by the solver: the `price_top` best of each kind, pipelined and
-    unpipelined (NOTE [pipelined against unpipelined]); none for `price_top` 0."""
+    unpipelined (NOTE [pipelined against unpipelined]), with and without float8 (the solver does not weigh it:
+    NOTE [execution and float8 in the plan]); none for `price_top` 0."""
     if price_top <= 0:
         return []
-    kinds: dict[bool, list] = {}
+    kinds: dict[tuple, list] = {}  # pipelined or not, float8 or not (NOTE [execution and float8 in the plan])
     for sc in feasible:
-        kinds.setdefault(sc[1].roles.pp is not None, []).append(sc)
+        kinds.setdefault((sc[1].roles.pp is not None, sc[1].roles.float8), []).append(sc)
     keep = {id(sc) for group in kinds.values() for sc in group[:price_top]}
     return [sc for sc in feasible if id(sc) in keep]

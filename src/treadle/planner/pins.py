@@ -73,7 +73,8 @@ def pin_code(val: Any) -> int:
 def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], list[str]]:
     """A partial schedule's records as constraints: shard -> pins, data_parallel -> role, checkpoint -> paths,
     cut_pipeline_stage -> stage boundaries every pipelined plan keeps, pipeline -> its axis, schedule and
-    micro-batch count (role keys pp_axis, pp_cuts, pp_schedule, pp_microbatches)."""
+    micro-batch count (role keys pp_axis, pp_cuts, pp_schedule, pp_microbatches), float8 -> its recipe in every plan
+    (role key float8; the blocks the planner converts are its own: the recorded path is not kept)."""
     pins: dict[str, dict[str, int]] = {}
     role: dict[str, Any] = {}
     ckpts: list[str] = []
@@ -96,10 +97,12 @@ def pins_from_schedule(sch) -> tuple[dict[str, dict[str, int]], dict[str, Any], 
             role["pp_cuts"] = (*role.get("pp_cuts", ()), path)
         elif op == "pipeline":  # the pipeline's axis, schedule and micro-batches
             role.update(pp_axis=args["axis"], pp_schedule=args["schedule"], pp_microbatches=int(args["n_microbatches"]))
+        elif op == "float8":  # every plan uses float8 (NOTE [execution and float8 in the plan])
+            role["float8"] = args.get("recipe", "tensorwise")
         else:
             raise PlanError(f"partial schedule: primitive {op!r} at {path!r} cannot be a planner constraint; "
-                            f"use shard, data_parallel, checkpoint, cut_pipeline_stage and pipeline in a partial "
-                            f"schedule")
+                            f"use shard, data_parallel, checkpoint, cut_pipeline_stage, pipeline and float8 in a "
+                            f"partial schedule")
     return pins, role, ckpts
 
 

@@ -40,6 +40,7 @@ class Plan:
     solver: dict
     unknown_ops: dict[str, int] = field(default_factory=dict)
     price: dict | None = None  # `treadle.pricing.Price.to_dict()` of the schedule, once `estimate()` ran
+    execution: str = "eager"  # how the plan runs and is priced (NOTE [execution and float8 in the plan])
     _model: Any = None  # nn.Module given to plan_model (not serialised)
     _schedule: Any = None
     _context: Any = None  # plan_model's inputs and a re-planner for what_if (not serialised)
@@ -83,7 +84,7 @@ class Plan:
             from ..pricing import price
 
             self.price = price(self.schedule, self._context["inputs"], self.cluster,
-                               loss_fn=self._context["kwargs"].get("loss_fn")).to_dict()
+                               loss_fn=self._context["kwargs"].get("loss_fn"), execution=self.execution).to_dict()
         if self.price is None:
             return self.estimated
         p = self.price
@@ -120,6 +121,7 @@ class Plan:
             "solver": self.solver,
             "unknown_ops": self.unknown_ops,
             "price": self.price,
+            "execution": self.execution,
             "schedule": sch_json,
         }
 
@@ -140,7 +142,7 @@ class Plan:
             decisions = [Decision.from_dict(x, where=f"{source}: decision {i}") for i, x in enumerate(d["decisions"])]
             return cls(d["model"], ClusterSpec.from_dict(d["cluster"]), d["roles"], d["mode"], d["budget_bytes"],
                        decisions, Estimate(**d["estimate"]), [PlanRow(**r) for r in d["rows"]], d["binding"],
-                       d["solver"], d.get("unknown_ops", {}), d.get("price"))
+                       d["solver"], d.get("unknown_ops", {}), d.get("price"), _execution(d, source))
         except PlanError:
             raise
         except TreadleError as exc:
@@ -180,3 +182,13 @@ class Plan:
                        f"({(b.step_s / a.step_s if a.step_s else math.inf):.3f}x); "
                        f"peak {a.peak_bytes / GiB:.3f} GiB -> {b.peak_bytes / GiB:.3f} GiB")
         return out
+
+
+def _execution(d: dict, source: str) -> str:
+    """A plan file's execution ("eager" when absent: plans written before it was stated)."""
+    from ..pricing.compiled import EXECUTIONS
+
+    ex = d.get("execution", "eager")
+    if ex not in EXECUTIONS:
+        raise PlanError(f"{source}: execution must be one of {list(EXECUTIONS)}, got {ex!r:.40}")
+    return ex

@@ -21,7 +21,8 @@ class Roles:
     from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
     module's experts are split over (None: replicated); `pp`: the pipeline axis (None: no pipeline), whose ranks
     each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them (None: the pipeline
-    form's solve chooses it) over `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`)."""
+    form's solve chooses it) over `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`); `float8`: the
+    recipe the repeated blocks' linears train with (NOTE [execution and float8 in the plan]), None: none."""
 
     dp: tuple[str, ...]
     zero: bool
@@ -34,6 +35,7 @@ class Roles:
     pp_schedule: str | None = None
     pp_microbatches: int = 1
     pp_cuts: tuple[str, ...] = ()  # stage boundaries a partial schedule pins (blocks that end a stage)
+    float8: str | None = None  # the recipe of the blocks' float8 linears (`treadle.forms.float8`), None: none
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -74,7 +76,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     forbid_axes: tuple[str, ...] = (), reshard_after_forward: bool | None = True,
                     replicate: tuple[str, ...] | None = None, facts: dict | None = None,
                     pp_axis: str | None | Literal["auto"] = "auto", pp_cuts: tuple[str, ...] = (),
-                    pp_schedule: str | None = None, pp_microbatches: int | None = None) -> list[Roles]:
+                    pp_schedule: str | None = None, pp_microbatches: int | None = None,
+                    float8: tuple[str, bool] | None = None) -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
@@ -82,7 +85,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     / HSDP), `reshard_after_forward` the FSDP2 flag or None (both); a pipeline over one live axis — `pp_axis`
     "auto": any, None: none, an axis: that one — with its schedule and micro-batch count); the live axes no form
     takes are tensor-parallel; forbidden and size-1 axes are off. `pp_cuts`, `pp_schedule`, `pp_microbatches`: a
-    pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `facts`: the capture's facts of the model
+    pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `float8`:
+    (recipe, forced) — each assignment with and without float8 linears, or only with. `facts`: the capture's facts of the model
     (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
     [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
     live."""
@@ -91,7 +95,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
     request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis, tuple(pp_cuts),
-                           pp_schedule, pp_microbatches)
+                           pp_schedule, pp_microbatches, float8)
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -120,6 +124,7 @@ class _RoleRequest:
     pp_cuts: tuple[str, ...] = ()  # stage boundaries pinned (blocks that end a stage)
     pp_schedule: str | None = None  # the pipeline's schedule and micro-batch count, pinned (None: searched)
     pp_microbatches: int | None = None
+    float8: tuple[str, bool] | None = None  # (recipe, forced): NOTE [execution and float8 in the plan]
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],
@@ -180,5 +185,5 @@ def alike_key(cluster, roles: Roles) -> tuple:
     order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))
     pp = (mesh.size(roles.pp), cluster.link(roles.pp)) if roles.pp is not None else None
     return (axes, order, pp, roles.zero, roles.reshard_after_forward, roles.pp_schedule, roles.pp_microbatches,
-            roles.pp_cuts, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
+            roles.pp_cuts, roles.float8, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
             cluster.ranks_per_host, cluster.cores_per_host)

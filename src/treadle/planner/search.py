@@ -38,7 +38,7 @@ from .candidates import cutoff_for, pipeline_on_slowest_link, priced_candidates
 from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import plan_rows
 from .to_schedule import decisions_from_solution
-from .validate import validate_plan_args
+from .validate import execution_and_float8, validate_plan_args
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class PlanRequest:
     price_top: int = 0
     say: Callable[[str], None] = lambda s: None
     given: dict = field(default_factory=dict)
+    execution: str = "eager"  # how plans are priced and run (NOTE [execution and float8 in the plan])
+    float8: tuple[str, bool] | None = None  # (recipe, forced by a partial schedule) or None
 
 
 @dataclass(slots=True)
@@ -110,21 +112,26 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                model_spec: dict | None = None, graph: CapturedGraph | None = None,
                checkpoint: Literal["auto", "all", "none"] = "auto", progress: Callable[[str], None] | None = None,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int | None = None,
-               pp_axis: str | None | Literal["auto"] = "auto") -> Plan:
+               pp_axis: str | None | Literal["auto"] = "auto", execution: str = "eager",
+               float8: str | None = None) -> Plan:
     """Plan `model` on `cluster` (one ClusterSpec, or a list: every mesh is searched) under
     `memory_budget_bytes` per device. `example_inputs`: keyword arguments (a dict) or positional args, global
     batch, real or fake tensors. The other arguments are `PlanRequest`'s; `partial_schedule`: a Schedule whose
     shard / data_parallel / checkpoint records become constraints; `graph`: a capture to reuse; `progress`: a
     callback told each step; `loss_fn(output)`: the loss, as in verify / train (`treadle.loss.default_loss`);
-    `price_top` defaults to 1 with a budget (a budget is a promise about the plan as built), else 0; `model_spec`
-    (e.g. {"name": "tiny-gpt2", "batch": 4, "seq": 16}) is kept in the plan for `treadle verify plan.json`.
+    `price_top` defaults to 1 with a budget (a promise about the plan as built), compiled or float8, else 0; `model_spec`
+    (e.g. {"name": "tiny-gpt2", "batch": 4, "seq": 16}) is kept in the plan for `treadle verify plan.json`;
+    `execution` ("eager", "compiled": the blocks under torch.compile, as `treadle.run --compile` runs them) is how the
+    plans are priced and what the plan states (NOTE [execution and float8 in the plan]); `float8` a recipe the plan
+    may use for the blocks' linears (None: none; NOTE [float8 recipes]).
     Raises PlanError when no plan meets the budget (stating the smallest budget any plan meets, also as its
     attribute ``smallest_budget_bytes``), when a pin
     matches nothing or cannot hold (naming the op that blocks it), or when the axes cannot take the batch."""
     given = dict(cluster=cluster, memory_budget_bytes=memory_budget_bytes, mode=mode, pins=pins, dp_axis=dp_axis,
                  zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
                  partial_schedule=partial_schedule, train=train, time_limit_s=time_limit_s, model_spec=model_spec,
-                 checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top, pp_axis=pp_axis)
+                 checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top, pp_axis=pp_axis,
+                 execution=execution, float8=float8)
     t0 = time.perf_counter()
     req = make_request(model, given)
     args, kwargs = _split_inputs(example_inputs)
@@ -158,18 +165,24 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
         for k, v in p2.items():
             pins.setdefault(k, {}).update(v)
     budget = given["memory_budget_bytes"]
-    price_top = given["price_top"] if given["price_top"] is not None else (1 if budget is not None else 0)
+    execution, float8 = execution_and_float8(given, role)
+    weigh = budget is not None or execution != "eager" or (float8 is not None and not float8[1])
+    price_top = given["price_top"] if given["price_top"] is not None else (1 if weigh else 0)
+    if float8 is not None and not float8[1] and price_top < 1:
+        raise PlanError("plan_model: float8 is weighed by the price of the plans as built (NOTE [execution and "
+                        "float8 in the plan]); price_top must be >= 1 with float8")
     return PlanRequest(
         clusters=clusters, memory_budget_bytes=budget, mode=given["mode"], pins=pins,
         dp_axis=role.get("dp", given["dp_axis"]), zero=role.get("zero", given["zero"]),
         replicate=role.get("replicate"), reshard_after_forward=role.get("reshard_after_forward",
                                                                         given["reshard_after_forward"]),
-        forbid_axes=tuple(given["forbid_axes"]), pp_axis=role.get("pp_axis", given.get("pp_axis", "auto")),
+        forbid_axes=tuple(given["forbid_axes"]), pp_axis=role.get("pp_axis", given.get("pp_axis", "auto") if execution == "eager" else None),
         pp_cuts=tuple(role.get("pp_cuts", ())), pp_schedule=role.get("pp_schedule"),
         pp_microbatches=role.get("pp_microbatches"),
         ckpt_paths=tuple(ckpt_paths), train=given["train"],
         time_limit_s=given["time_limit_s"], model_spec=given["model_spec"], checkpoint=given["checkpoint"],
-        loss_fn=given["loss_fn"], price_top=price_top, say=given["progress"] or (lambda s: None), given=given)
+        loss_fn=given["loss_fn"], price_top=price_top, say=given["progress"] or (lambda s: None), given=given,
+        execution=execution, float8=float8)
 
 
 def capture_model(model: nn.Module, args: tuple, kwargs: dict, req: PlanRequest,
@@ -205,7 +218,8 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
                                 forbid_axes=tuple(a for a in req.forbid_axes if a in mesh.names),
                                 reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,
                                 facts=search.graph.facts, pp_axis=req.pp_axis, pp_cuts=req.pp_cuts,
-                                pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches)
+                                pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches,
+                                float8=req.float8)
         tried += len(roles)
         out += [(cl, r) for r in roles if req.pp_axis != "auto" or pipeline_on_slowest_link(cl, r)]
     if distinct:  # the first of each group that solves alike, in search order
@@ -298,7 +312,7 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
 
         def choose_among(cands):
             return choose_by_price(search.model, inputs, cands, search.is_leaf_param, budget, req.loss_fn,
-                                   lambda cg_, b_: solve_for(search, cg_, b_))
+                                   lambda cg_, b_: solve_for(search, cg_, b_), execution=req.execution)
 
         sol, cg, chosen_price, priced = choose_among(top)
         # none of the K fits as built: the next role assignments, one at a time, until one does
@@ -355,7 +369,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
             reshard_after_forward=req.reshard_after_forward, replicate=req.replicate, facts=search.graph.facts)
     plan = Plan(req.model_spec, cluster, str(cg.roles), req.mode, req.memory_budget_bytes, decisions, est,
                 plan_rows(cg, sol), binding, solver, unknown_ops(graph.nodes), price=chosen_price,
-                _model=search.model)
+                execution=req.execution, _model=search.model)
     logger.info("plan %s: %s; %s", graph.model_class, cg.roles, est)
     return plan
 

@@ -64,7 +64,7 @@ class Decision:
 # (`treadle.form.Form.decisions`) take their rank from here.
 DECISION_RANKS = {"shards": 10, "syncs": 20, "sp_inputs": 30, "sp_entries": 40, "attrs": 50, "grads": 60,
                   "rngs": 70, "loss": 75, "checkpoint": 80, "cut_pipeline_stage": 85, "pipeline": 86,
-                  "data_parallel": 90, "expert_parallel": 95}
+                  "data_parallel": 90, "expert_parallel": 95, "float8": 96}
 
 
 def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
@@ -278,6 +278,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
         elif d.op == "expert_parallel":
             sch[d.path].expert_parallel(axis=d.args["axis"], tensor=d.args.get("tensor"))
+        elif d.op == "float8":
+            sch[d.path].float8(recipe=d.args["recipe"], all_gather=d.args["all_gather"], skip=d.args.get("skip", ()))
         elif d.op == "cut_pipeline_stage":
             sch[d.path].cut_pipeline_stage()
         elif d.op == "pipeline":  # the example inputs as a spec (shapes and dtypes: data, NOTE [files are data])
@@ -288,7 +290,7 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
 
             raise PlanError(f"apply_decisions: unknown decision op {d.op!r} at {d.path!r}; known: "
                             f"shard, sync, reduce_grads, fork_rng, shard_attr, checkpoint, set_attr, data_parallel, "
-                            f"expert_parallel, cut_pipeline_stage, pipeline")
+                            f"expert_parallel, float8, cut_pipeline_stage, pipeline")
     return sch
 
 
@@ -317,6 +319,9 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
         elif d.op == "expert_parallel":
             tensor = f", tensor={a['tensor']!r}" if "tensor" in a else ""
             lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r}{tensor})")
+        elif d.op == "float8":
+            skip = f", skip={a['skip']!r}" if "skip" in a else ""
+            lines.append(f"sch[{d.path!r}].float8(recipe={a['recipe']!r}, all_gather={a['all_gather']}{skip})")
         elif d.op == "cut_pipeline_stage":
             lines.append(f"sch[{d.path!r}].cut_pipeline_stage()")
         elif d.op == "pipeline":

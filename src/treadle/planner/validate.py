@@ -111,3 +111,34 @@ def validate_plan_args(model: nn.Module, *, cluster: Any, memory_budget_bytes: f
             if axis in dp_axes:
                 raise PlanError(f"pin {pattern!r} shards {_dim_text(dim)} over axis {axis!r}, but dp_axis={dp_axis!r} gives "
                                 f"it to data parallelism; pin on another axis or set dp_axis")
+
+
+# NOTE [execution and float8 in the plan]: `plan_model(execution=...)` says how the plan will run: "eager", or
+# "compiled" (every block under torch.compile, as `treadle.run --compile` runs it). The solver's terms are eager's;
+# the candidates priced as built (NOTE [final choice by price]) are priced as the plan will run, and the plan states
+# its execution (`Plan.execution`, its `estimate()`). A compiled plan has no pipeline (`treadle.run` refuses
+# --compile with one, and the price a compiled pipeline). `float8=recipe` lets the plan train the repeated blocks'
+# linears in float8: each role assignment is solved with and without float8 (`Roles.float8`: those linears then
+# compute replicated over every tensor axis, since float8 does not compose with tensor parallelism), and the best of
+# each is priced as built — the price, not the solver, weighs float8's faster products against its casts (eager
+# casts cost more than they save; compiled ones less). A partial schedule's float8 record makes every plan use it.
+def execution_and_float8(given: dict, role: dict) -> tuple[str, tuple[str, bool] | None]:
+    """`plan_model`'s execution and float8 request, checked: (execution, (recipe, forced) or None). Raises
+    PlanError naming the argument (NOTE [execution and float8 in the plan])."""
+    from ..pricing.compiled import EXECUTIONS
+    from ..schedule.float8_primitive import FLOAT8_RECIPES
+
+    execution = given.get("execution", "eager")
+    if execution not in EXECUTIONS:
+        raise PlanError(f"plan_model: execution must be one of {list(EXECUTIONS)}, got {execution!r:.40}")
+    if execution == "compiled" and (role.get("pp_axis") or given.get("pp_axis") not in ("auto", None)):
+        raise PlanError("plan_model: a compiled plan cannot pipeline (treadle.run refuses --compile with a "
+                        "pipeline); plan eager, or drop the pipeline")
+    recipe, forced = role.get("float8"), "float8" in role
+    if recipe is None:
+        recipe = given.get("float8")
+    if recipe is None:
+        return execution, None
+    if recipe not in FLOAT8_RECIPES:
+        raise PlanError(f"plan_model: float8 must be a recipe in {sorted(FLOAT8_RECIPES)} or None, got {recipe!r:.40}")
+    return execution, (recipe, forced)

@@ -263,7 +263,7 @@ def config_from_args(args: argparse.Namespace, *, say: Callable[[str], None] | N
 
 def _take_plan_model(values: dict[str, Any], path: str) -> str | None:
     """Fill `values`' model, batch and seq from plan file `path`'s ``model`` entry (`treadle plan -o`) where they
-    are not set; returns the line saying which settings override the plan's, or None. The plan's model is data
+    are not set, and `compile` from a compiled plan's execution (NOTE [execution and float8 in the plan]); returns the line saying which settings override the plan's, or None. The plan's model is data
     (a zoo name, a Hugging Face config directory or a registered function: `check_file_model_spec`). Raises
     RunError naming the file when it is not a plan or its model entry is malformed."""
     from ..schedule.gate import parse_json
@@ -273,6 +273,8 @@ def _take_plan_model(values: dict[str, Any], path: str) -> str | None:
                          unparsable=" is not JSON")
     except (OSError, UnicodeDecodeError) as exc:
         raise RunError(f"treadle.run: cannot read --plan {path}: {exc}") from None
+    if isinstance(doc, dict) and doc.get("execution") == "compiled" and "compile" not in values:
+        values["compile"] = True  # a plan made for compiled blocks runs them compiled (--no-compile: eager)
     info = doc.get("model") if isinstance(doc, dict) else None
     if info is None:
         return None

@@ -13,7 +13,9 @@ Everything else is here:
                 peak on the float8 bytes (NOTE [float8 in the price] in `treadle.profile.recorder`); FSDP2
                 gathers an `all_gather=True` weight at one byte an element (`gather_itemsize`);
 - verify: the reference is the original converted the same way, emulated (NOTE [what verified means for
-                float8], below).
+                float8], below);
+- `plan.py`     the planner's role `Roles.float8` (NOTE [execution and float8 in the plan]): the blocks' linears,
+                replicated over tensor axes under it, and the `float8` decision; the price weighs it.
 
 NOTE [what verified means for float8]: float8 is not bit-exact against the model as written, so `verify` checks
 two things apart. (1) Distribution: the distributed float8 model against the single-process float8 model (the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from ...form import Form
 from ...schedule.float8_primitive import float8_linears
+from . import plan as _plan
 from .runtime import convert_linears, install_float8
 
 # (2) of NOTE [what verified means for float8]: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
@@ -44,6 +47,24 @@ class Float8Form(Form):
     """The faces of float8 training."""
 
     name = "float8"
+
+    def capture_facts(self, model):
+        return _plan.capture_facts(model)
+
+    def role_options(self, mesh, live, *, batch, request):
+        return _plan.role_options(mesh, live, batch=batch, request=request)
+
+    def keep_roles(self, options):
+        return _plan.keep_roles(options)
+
+    def role_label(self, roles):
+        return _plan.role_label(roles)
+
+    def keep_strategy(self, b, n, spec, combo):
+        return _plan.keep_strategy(b, n, spec, combo)
+
+    def decisions(self, cg, choice, ckpt, ctx):
+        return _plan.decisions(cg, choice, ckpt, ctx)
 
     def gather_itemsize(self, view, name):  # FSDP2 gathers an all_gather=True weight as float8
         lin, _, attr = name.rpartition(".")
