@@ -136,16 +136,26 @@ def _rank_gather(rank: int, world: int) -> dict:
     sch["model.layers"].float8(all_gather=True)
     built = treadle.build(sch)
     q = built.model.layers[0].self_attn.q_proj
-    return {"linear": type(q).__name__, "weight": type(q.weight.to_local()).__name__,
-            "comm": type(built.model.layers[0]._get_fsdp_state()._fsdp_param_group._all_gather_comm).__name__,
-            "head": type(built.lm_head).__name__}
+    out = {"linear": type(q).__name__, "weight": type(q.weight.to_local()).__name__,
+           "comm": type(built.model.layers[0]._get_fsdp_state()._fsdp_param_group._all_gather_comm).__name__,
+           "head": type(built.lm_head).__name__, "scale_before": q.weight._local_tensor._precomputed_scale is not None}
+    # after an optimizer step every loop runs the forms' work: float8's scales, one all-reduce for all weights
+    from treadle.runtime.optimizer import adamw, after_optimizer_step
+
+    opt = adamw(built.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 32))
+    built(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    after_optimizer_step(built)
+    out["scale_after"] = q.weight._local_tensor._precomputed_scale is not None
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_gathers_float8_weights_through_the_byte_gather_on_gloo():
     out = spawn(_rank_gather, 2, timeout_s=90)
     assert out[0] == out[1] == {"linear": "Float8Linear", "weight": "WeightWithDynamicFloat8CastTensor",
-                                "comm": "_ByteGather", "head": "Linear"}
+                                "comm": "_ByteGather", "head": "Linear", "scale_before": False, "scale_after": True}
 
 
 def test_all_gather_without_fsdp2_is_refused_at_build():
@@ -203,6 +213,10 @@ def test_price_gathers_float8_weights_at_one_byte_and_reduces_gradients_whole():
     assert block[False]["all_gather"] == 2 * linear_elems + norms
     assert block[True]["all_gather"] == linear_elems + norms
     assert block[True]["reduce_scatter"] == block[False]["reduce_scatter"] == 2 * linear_elems + norms
+    # the scales of the float8-gathered weights: one all-reduce of a float32 amax each, after the optimizer step
+    amax = {g: [c for c in p.collectives if c["kind"] == "all_reduce" and c["source"] == "fsdp"]
+            for g, p in scheds.items()}
+    assert amax[False] == [] and [(c["nbytes"], c["blocking"]) for c in amax[True]] == [(4 * 7 * 2, True)]
 
 
 def _run(tmp_path, *extra: str):

@@ -27,6 +27,7 @@ that has no say at a point costs nothing there. The extension points, grouped by
   step's formula (the pipeline);
 - decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
   form; explanation (`treadle.planner.rows`): `adjust_rows`;
+- the training loops (`treadle.runtime.optimizer.after_optimizer_step`): `after_optimizer_step`;
 - price (`treadle.pricing`): `price_step` — the form's collectives, host costs and memory in a rehearsed step;
   `price_schedule` — the whole price, for a form that owns the step's timeline (the pipeline).
 
@@ -188,6 +189,11 @@ class Form:
         """The primitives stating this form in a solution, as (rank, sort key, Decision): decisions are emitted
         by rank (`treadle.planner.to_schedule.DECISION_RANKS`), then key."""
         return []
+
+    # ------------------------------------------------------------------ runtime
+    def after_optimizer_step(self, model: Any) -> None:
+        """What the form's runtime does after each optimizer step of a built `model` (float8: the weights' scales
+        for FSDP2's next gathers, in one all-reduce); called by `treadle.runtime.optimizer.after_optimizer_step`."""
 
     # ------------------------------------------------------------------ price
     def adjust_rows(self, cg: Any, choice: list[int], rows: dict, shared: dict) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from .layout import ParamLayout
+from ..runtime.optimizer import after_optimizer_step
 from .optim import local_grad_square_sum, scale_grads
 
 
@@ -98,6 +99,7 @@ def run_step(model: nn.Module, opt: torch.optim.Optimizer, layouts: dict[str, Pa
     else:
         scale_grads(model, norm, clip_norm)
         opt.step()
+        after_optimizer_step(model)
         opt.zero_grad(set_to_none=True)
     return StepOutcome(loss=float(losses.sum() / holders.sum()), grad_norm=norm, nonfinite=nonfinite,
                        stop_ranks={r: int(stops[r]) for r in range(world) if stops[r] > 0})

@@ -134,3 +134,13 @@ def adamw(params: Iterable[torch.Tensor] | list[dict], **kwargs) -> torch.optim.
         else:
             kwargs["foreach"] = foreach_ok(flat)
     return torch.optim.AdamW(params, **kwargs)
+
+
+def after_optimizer_step(model: torch.nn.Module) -> None:
+    """Each parallel form's work after an optimizer step of a built `model` (`Form.after_optimizer_step`: float8's
+    scales for FSDP2's next gathers). Every training loop calls it right after ``opt.step()``: `treadle.run`,
+    `treadle.train` and verify's ranks, so they run what the price prices."""
+    from ..form import forms
+
+    for f in forms():
+        f.after_optimizer_step(model)

@@ -23,7 +23,7 @@ from ..schedule.replay import load_schedule, trusted_load_args
 from ..testing import check_process_count, spawn
 from .batch import check_batch, split_batch
 from ..loss import call_loss, default_loss
-from .optimizer import adamw
+from .optimizer import adamw, after_optimizer_step
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
             loss.backward()
             value = float(loss.detach())
         opt.step()
+        after_optimizer_step(model)
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         losses.append(value)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import VerifyError
 from ..loss import call_loss
+from ..runtime.optimizer import after_optimizer_step
 
 class _Recorder:
     """Forward hooks that keep each module's first tensor output and, through a tensor hook, its gradient,
@@ -142,19 +143,21 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
             for k, t in leaves:
                 input_grads.setdefault(k, []).append(t.grad.detach().clone() if t.grad is not None else None)
             result["input_grads"] = input_grads
-        _optimizer_step(opt, dict(inner.named_parameters()), result, first=step == 0)
+        _optimizer_step(opt, dict(inner.named_parameters()), result, first=step == 0, model=model)
     rec.remove()
     return result
 
 
 def _optimizer_step(opt: torch.optim.Optimizer, named: dict[str, torch.Tensor], result: dict[str, Any], *,
-                    first: bool) -> None:
-    """`opt`'s step; on the `first`, the gradients before it and the parameters after it (whole tensors) go to
-    `result` ("param_grads", "params") by the names of `named`."""
+                    first: bool, model: nn.Module) -> None:
+    """`opt`'s step (and the forms' work after it on `model`, as every training loop does); on the `first`, the
+    gradients before it and the parameters after it (whole tensors) go to `result` ("param_grads", "params") by
+    the names of `named`."""
     if first:
         result["param_grads"] = {n: (_full(p.grad).detach().clone() if p.grad is not None else None)
                                  for n, p in named.items()}
     opt.step()
+    after_optimizer_step(model)
     if first:
         result["params"] = {n: _full(p).detach().clone() for n, p in named.items()}
     opt.zero_grad(set_to_none=True)
@@ -171,5 +174,5 @@ def _run_pipeline_steps(pipe: nn.Module, local: dict[str, Any], steps: int, lr: 
                               "input_grads": {}, "pipeline": True}
     for step in range(steps):
         result["losses"].append(pipe.step(**local))
-        _optimizer_step(opt, named, result, first=step == 0)
+        _optimizer_step(opt, named, result, first=step == 0, model=pipe)
     return result

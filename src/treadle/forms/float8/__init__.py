@@ -31,7 +31,8 @@ from __future__ import annotations
 from ...form import Form
 from ...schedule.float8_primitive import float8_linears
 from . import plan as _plan
-from .runtime import convert_linears, install_float8
+from . import price as _price
+from .runtime import convert_linears, float8_specs_built, install_float8, precompute_scales
 
 # (2) of NOTE [what verified means for float8]: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
 # 2^-4 an element (~30 dB for one cast of a uniform tensor), e5m2 (the output gradients) 2 bits, 2^-3 (~24 dB);
@@ -65,6 +66,13 @@ class Float8Form(Form):
 
     def decisions(self, cg, choice, ckpt, ctx):
         return _plan.decisions(cg, choice, ckpt, ctx)
+
+    def after_optimizer_step(self, model):
+        if float8_specs_built(model):
+            precompute_scales(model)
+
+    def price_step(self, ctx):
+        return _price.price_step(ctx)
 
     def gather_itemsize(self, view, name):  # FSDP2 gathers an all_gather=True weight as float8
         lin, _, attr = name.rpartition(".")

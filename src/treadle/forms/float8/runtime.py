@@ -94,3 +94,22 @@ def install_float8(builder) -> None:
     for n, p in builder.model.named_parameters(remove_duplicate=False):
         if n in before and before[n] is not p:
             builder.rebind(before[n], p)
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After an optimizer step: the scales of every weight FSDP2 gathers in float8, from one all-reduce of their
+    amaxes (torchao's `precompute_float8_dynamic_scale_for_fsdp`, as torchtitan runs it), instead of one all-reduce
+    per weight at each of its gathers. Nothing without such weights."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+
+    if any(isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+           for p in model.parameters()):
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_specs_built(model: nn.Module) -> bool:
+    """Whether built `model` holds a float8 linear (torchao not imported: none)."""
+    import sys
+
+    mod = sys.modules.get("torchao.float8.float8_linear")
+    return mod is not None and any(isinstance(m, mod.Float8Linear) for m in model.modules())
