@@ -46,6 +46,7 @@ def test_float8_is_weighed_by_the_price_compiled_and_eager():
         assert kinds == {True, False}, plan.solver["priced"]
         _chosen_is_fastest(plan)
         assert plan.execution == execution and plan.price["execution"] == execution
+        assert ("overlap modelled, blocks compiled)" in plan.explain()) == (execution == "compiled")
         lines = plan.python_lines()
         assert any("float8(" in ln for ln in lines) == ("float8" in plan.roles)
 

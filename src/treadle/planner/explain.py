@@ -220,7 +220,8 @@ def price_lines(p: dict) -> list[str]:
     hidden = p.get("overlapped_comm_s", p["comm_s"] - p["exposed_comm_s"])
     dev = p["device"]["name"] if isinstance(p.get("device"), dict) else str(p.get("device", ""))
     pipe = _pipeline_lines(p["pipeline"]) if p.get("pipeline") else []
-    return pipe + [f"price of the schedule (rehearsed, overlap modelled): step {p['step_s'] * 1e3:.3f} ms = compute "
+    compiled = ", blocks compiled" if p.get("execution") == "compiled" else ""
+    return pipe + [f"price of the schedule (rehearsed, overlap modelled{compiled}): step {p['step_s'] * 1e3:.3f} ms = compute "
             f"{p['compute_s'] * 1e3:.3f} + recompute {p['recompute_s'] * 1e3:.3f} + exposed comm "
             f"{p['exposed_comm_s'] * 1e3:.3f} ms; comm (total, before overlap) {p['comm_s'] * 1e3:.3f} ms, of which "
             f"{hidden * 1e3:.3f} hidden behind compute",
