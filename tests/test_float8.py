@@ -191,6 +191,13 @@ def test_price_runs_float8_products_at_the_float8_peak_on_float8_bytes():
     tokens = 4 * 32
     assert q_fwd.read_bytes == tokens * 64 + 64 * 64  # float8 operands: one byte an element
     assert q_fwd.flops == 2 * tokens * 64 * 64
+    # by hand: the larger of the product at the float8 peak (times the matmul efficiency at its size) and its bytes
+    from treadle.profile.roofline import matmul_efficiency
+
+    compute = q_fwd.flops / (hw.peak_flops_per_s["float8_e4m3fn"] * matmul_efficiency(q_fwd.flops, hw))
+    memory = (q_fwd.read_bytes + q_fwd.write_bytes) / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+    assert q_fwd.time_s == pytest.approx(max(compute, memory))
+    assert hw.peak_flops_per_s["float8_e4m3fn"] == pytest.approx(2 * hw.peak_flops_per_s["bfloat16"], rel=1e-4)
     plain = rehearse(_sch(_llama(dtype=torch.bfloat16)[0]), inputs, hw, None, gpu=True)
     assert not [r for r in plain.records if r.dtype == "float8_e4m3fn"]
     with pytest.raises(ProfileError, match="a float8 product needs a device with a float8 matrix unit.*"
