@@ -49,30 +49,18 @@ class Float8Form(Form):
 
     name = "float8"
 
-    def capture_facts(self, model):
-        return _plan.capture_facts(model)
-
-    def role_options(self, mesh, live, *, batch, request):
-        return _plan.role_options(mesh, live, batch=batch, request=request)
-
-    def keep_roles(self, options):
-        return _plan.keep_roles(options)
-
-    def role_label(self, roles):
-        return _plan.role_label(roles)
-
-    def keep_strategy(self, b, n, spec, combo):
-        return _plan.keep_strategy(b, n, spec, combo)
-
-    def decisions(self, cg, choice, ckpt, ctx):
-        return _plan.decisions(cg, choice, ckpt, ctx)
+    # the planner's faces (`plan.py`) and the price's (`price.py`), as they are
+    capture_facts = staticmethod(_plan.capture_facts)
+    role_options = staticmethod(_plan.role_options)
+    keep_roles = staticmethod(_plan.keep_roles)
+    role_label = staticmethod(_plan.role_label)
+    keep_strategy = staticmethod(_plan.keep_strategy)
+    decisions = staticmethod(_plan.decisions)
+    price_step = staticmethod(_price.price_step)
 
     def after_optimizer_step(self, model):
         if float8_specs_built(model):
             precompute_scales(model)
-
-    def price_step(self, ctx):
-        return _price.price_step(ctx)
 
     def gather_itemsize(self, view, name):  # FSDP2 gathers an all_gather=True weight as float8
         lin, _, attr = name.rpartition(".")
