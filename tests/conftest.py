@@ -21,3 +21,12 @@ _PRELOAD = ["transformers.modeling_utils", "torch._functorch.aot_autograd", "tor
 def pytest_configure(config) -> None:
     ctx = testing._context()  # the forkserver starts at the first spawn: its preload list is still open
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle", *_PRELOAD])
+
+
+# the longest file first: pytest-xdist's --dist loadfile hands files to the workers in collection order, so the golden
+# file (minutes, one process) starts while the other worker takes the rest, instead of running alone at the end
+_FIRST = ("test_golden.py",)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: item.path.name not in _FIRST)  # stable: the order within each group is kept
