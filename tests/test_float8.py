@@ -90,11 +90,16 @@ def test_float8_refuses_a_linear_whose_dims_the_kernel_cannot_take():
     by skip."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     sch = _sch(model)
-    with pytest.raises(ScheduleError, match=r"linears \['2 \(64 -> 10\)'\] have a dim not divisible by 16.*"
+    with pytest.raises(ScheduleError, match=r"linear '2' \(64 -> 10\) has a dim not divisible by 16.*"
                                             r"skip=\[...\] \(e.g. '2'\)"):
         sch.float8()
     sch.float8(skip=["2"])
     assert sch.view().extras["float8"][""].linears == ("0",)
+    # a subclass of nn.Linear has a forward of its own: refused, not silently replaced (the planner's rule too)
+    mha = torch.nn.Sequential(torch.nn.MultiheadAttention(64, 4))
+    with pytest.raises(ScheduleError, match=r"linear '0.out_proj' a NonDynamicallyQuantizableLinear, a subclass of "
+                                            r"nn.Linear"):
+        _sch(mha).float8()
 
 
 def test_gpt2_has_no_linear_to_convert():

@@ -60,6 +60,28 @@ def float8_linears(extras) -> dict[str, Float8Spec]:
     return {lin: spec for spec in float8_specs(extras).values() for lin in spec.linears}
 
 
+def weight_users(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in `model` (a tied one: several)."""
+    out: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(n)
+    return out
+
+
+def float8_refusal(m: nn.Linear, users: list[str]) -> str | None:
+    """Why linear `m` (whose weight has the names `users`) cannot be float8, or None: the one rule the primitive
+    refuses by and the planner converts by. A subclass of nn.Linear (its forward is its own), a dim the float8
+    kernels do not take, a tied weight."""
+    if type(m) is not nn.Linear:
+        return f"a {type(m).__name__}, a subclass of nn.Linear whose forward torchao's Float8Linear would replace"
+    if m.in_features % FLOAT8_ALIGN or m.out_features % FLOAT8_ALIGN:
+        return (f"({m.in_features} -> {m.out_features}) has a dim not divisible by {FLOAT8_ALIGN} "
+                f"(torch._scaled_mm's alignment)")
+    if len(users) > 1:
+        return f"shares its weight with {sorted(users)}; a tied weight cannot be float8 for one user only"
+    return None
+
+
 def _full(path: str, name: str) -> str:
     return f"{path}.{name}" if path and name else path or name
 
@@ -110,22 +132,15 @@ class Float8Primitive:
             raise ScheduleError(f"{where}: no nn.Linear in this module's subtree"
                                 + (f" outside skip={list(skip)}" if skip else "")
                                 + "; float8 converts linear layers (a GPT-2 Conv1D is not one)")
-        bad = [(p, f"{p} ({m.in_features} -> {m.out_features})") for p, m in linears
-               if m.in_features % FLOAT8_ALIGN or m.out_features % FLOAT8_ALIGN]
+        users = weight_users(self._state.model)
+        bad = [(p, why) for p, m in linears if (why := float8_refusal(m, users.get(id(m.weight), [])))]
         if bad:
             first = bad[0][0]
             hint = "*." + first.rpartition(".")[2] if "." in first else first
-            raise ScheduleError(f"{where}: linears {[b for _, b in bad[:4]]}{' ...' if len(bad) > 4 else ''} have a "
-                                f"dim not divisible by {FLOAT8_ALIGN} (torch._scaled_mm's alignment); leave them in "
-                                f"high precision with skip=[...] (e.g. {hint!r})")
-        owners: dict[int, list[str]] = {}
-        for n, p in self._state.model.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(p), []).append(n)
+            raise ScheduleError(f"{where}: {'; '.join(f'linear {p!r} {why}' for p, why in bad[:4])}"
+                                f"{' ...' if len(bad) > 4 else ''}; leave them in high precision with skip=[...] "
+                                f"(e.g. {hint!r})")
         for path, m in linears:
-            users = owners.get(id(m.weight), [])
-            if len(users) > 1:
-                raise ScheduleError(f"{where}: linear {path!r} shares its weight with {sorted(users)}; a tied weight "
-                                    f"cannot be float8 for one user only: skip it")
             prior = self._state.param_shards.get(id(m.weight), [])
             if prior:
                 raise ScheduleError(f"{where}: linear {path!r}'s weight is split on mesh axis {prior[0].axis!r} (dim "

@@ -18,7 +18,7 @@ from torch import nn
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
 from ...pricing.compiled import compiled_units
-from ...schedule.float8_primitive import FLOAT8_ALIGN
+from ...schedule.float8_primitive import float8_refusal, weight_users
 from ...schedule.tree import within
 
 DECISION_RANK = DECISION_RANKS["float8"]
@@ -28,9 +28,7 @@ def capture_facts(model: nn.Module) -> dict | None:
     """{"linears": {linear path: its block list's path}, "skip": {block list path: [the other linears in it]}}, or
     None when no block holds a linear float8 can take."""
     units = compiled_units(model)
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
+    users = weight_users(model)
     linears: dict[str, str] = {}
     skip: dict[str, list[str]] = {}
     for path, m in model.named_modules():
@@ -38,9 +36,7 @@ def capture_facts(model: nn.Module) -> dict | None:
         if unit is None or not isinstance(m, nn.Linear):
             continue
         lists = unit.rpartition(".")[0]
-        ok = (type(m) is nn.Linear and m.in_features % FLOAT8_ALIGN == 0 and m.out_features % FLOAT8_ALIGN == 0
-              and owners.get(id(m.weight)) == 1)
-        if ok:
+        if float8_refusal(m, users.get(id(m.weight), [])) is None:  # the primitive's own rule
             linears[path] = lists
         else:
             skip.setdefault(lists, []).append(path)
