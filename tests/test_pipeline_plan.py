@@ -487,15 +487,24 @@ def _tiny_3axis_search(price_top: int):
     return S.capture_model(model, args, kwargs, S.make_request(model, given))
 
 
+_UNCUT: dict = {}
+
+
 def _solved_without_cutoff(search, cl, roles):
-    """A candidate's solution with no cutoff, or None where its cost graph cannot be built."""
+    """A candidate's solution with no cutoff, or None where its cost graph cannot be built. Solved once per
+    candidate for the tests of this file: a solution without cutoff reads nothing of `price_top`, the only thing
+    that differs between their searches (it sets the cutoff; `search.cutoff_for`)."""
     from treadle.planner import search as S
 
-    try:
-        cg = S.cost_graph_for(search, cl, roles, S.pins_for(search.graph, search.req.pins, roles))
-    except PlanError:
-        return None
-    return S.solve_for(search, cg, None)
+    key = (str(cl.mesh), repr(cl.links), repr(roles))
+    if key not in _UNCUT:
+        try:
+            cg = S.cost_graph_for(search, cl, roles, S.pins_for(search.graph, search.req.pins, roles))
+        except PlanError:
+            _UNCUT[key] = None
+        else:
+            _UNCUT[key] = S.solve_for(search, cg, None)
+    return _UNCUT[key]
 
 
 def test_role_assignments_that_solve_alike_are_solved_once():
