@@ -374,6 +374,13 @@ def test_treadle_run_trains_an_expert_parallel_schedule_as_ddp_does(tmp_path):
             assert len(logged) == 2 and all(len(e) == 2 for e in logged)  # steps 2 and 4; two MoE blocks
             # each reading covers 2 steps x 8 x 32 tokens x 2 experts per token
             assert all(sum(m["rows"]) == 2 * 8 * 32 * 2 for e in logged for m in e)
+            # the busiest rank over the mean (8 experts over 4 ranks: rank r holds 2r and 2r+1), what
+            # expert_parallel(load_imbalance=) states
+            for m in (m for e in logged for m in e):
+                per_rank = [m["rows"][2 * r] + m["rows"][2 * r + 1] for r in range(4)]
+                assert len(m["rows"]) == 8
+                assert m["rank_imbalance"] == pytest.approx(max(per_rank) / (sum(per_rank) / 4))
+            assert "busiest / mean rank" in res[0][1]
         else:
             assert all(r["experts"] is None for r in rows)
     torch.testing.assert_close(torch.tensor(losses["ep4"]), torch.tensor(losses["ddp4"]), rtol=1e-5, atol=1e-5)

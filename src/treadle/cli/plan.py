@@ -82,6 +82,9 @@ def register(subparsers) -> None:
                         "so, and the plan says so (no pipeline)")
     p.add_argument("--float8", default=None, metavar="RECIPE", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
                    help="let the plan train the blocks' linears in float8 with this recipe (weighed by the price)")
+    p.add_argument("--expert-load-imbalance", type=float, default=1.0, metavar="F",
+                   help="the busiest expert rank's routed rows over the mean, charged to expert-parallel plans "
+                        "(default 1: balanced; treadle.run logs the measured value as 'busiest / mean rank')")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _picture_flags(p)
@@ -167,6 +170,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               pp_axis=None if args.pp_axis == "none" or args.compile else args.pp_axis,
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               execution="compiled" if args.compile else "eager", float8=args.float8,
+                              expert_load_imbalance=args.expert_load_imbalance,
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},
                               progress=lambda msg: report(msg))

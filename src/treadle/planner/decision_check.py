@@ -64,7 +64,8 @@ def _inputs(v: Any) -> bool:
 
 _CHECKS = {"str": _str, "strs": _strs, "str|strs": lambda v: _str(v) or _strs(v), "int": _int, "count": _count,
            "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES, "placement": _placement,
-           "layout": _layout, "kwargs": _kwargs, "inputs": _inputs}
+           "layout": _layout, "kwargs": _kwargs, "inputs": _inputs,
+           "load": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 1}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
     "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},
@@ -75,7 +76,7 @@ DECISION_ARGS: dict[str, dict[str, str]] = {
     "checkpoint": {},
     "set_attr": {"name": "str", "ref": "str", "kwargs": "kwargs"},
     "data_parallel": {"axis": "str|strs", "shard": "bool", "replicate": "str|strs?", "reshard_after_forward": "bool?"},
-    "expert_parallel": {"axis": "str", "tensor": "str?"},
+    "expert_parallel": {"axis": "str", "tensor": "str?", "load_imbalance": "load?"},
     "float8": {"recipe": "str", "all_gather": "bool", "skip": "strs?"},
     "cut_pipeline_stage": {},
     "pipeline": {"axis": "str", "schedule": "str", "n_microbatches": "count", "example_inputs": "inputs",

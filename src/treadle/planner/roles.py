@@ -19,7 +19,8 @@ class Roles:
     order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
     replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
     from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
-    module's experts are split over (None: replicated); `pp`: the pipeline axis (None: no pipeline), whose ranks
+    module's experts are split over (None: replicated), `ep_load` the busiest rank's routed rows over the mean
+    charged under it (NOTE [expert load in a rehearsal]); `pp`: the pipeline axis (None: no pipeline), whose ranks
     each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them (None: the pipeline
     form's solve chooses it) over `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`); `float8`: the
     recipe the repeated blocks' linears train with (NOTE [execution and float8 in the plan]), None: none."""
@@ -36,6 +37,7 @@ class Roles:
     pp_microbatches: int = 1
     pp_cuts: tuple[str, ...] = ()  # stage boundaries a partial schedule pins (blocks that end a stage)
     float8: str | None = None  # the recipe of the blocks' float8 linears (`treadle.forms.float8`), None: none
+    ep_load: float = 1.0  # under `ep`: the busiest expert rank's routed rows over the mean, charged as stated
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -45,6 +47,8 @@ class Roles:
             raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
         if self.ep is not None and self.ep not in dp:
             raise PlanError(f"Roles: the expert axis {self.ep!r} must be a data-parallel axis {dp}")
+        if self.ep_load != 1.0 and self.ep is None:
+            raise PlanError(f"Roles: an expert load imbalance ({self.ep_load}) without an expert axis")
         if self.pp is not None and (self.pp in dp or self.pp in self.tp):
             raise PlanError(f"Roles: the pipeline axis {self.pp!r} is also data-parallel {dp} or tensor {self.tp}")
 
@@ -77,7 +81,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     replicate: tuple[str, ...] | None = None, facts: dict | None = None,
                     pp_axis: str | None | Literal["auto"] = "auto", pp_cuts: tuple[str, ...] = (),
                     pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                    float8: tuple[str, bool] | None = None) -> list[Roles]:
+                    float8: tuple[str, bool] | None = None, expert_load: float = 1.0) -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
@@ -86,7 +90,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     "auto": any, None: none, an axis: that one — with its schedule and micro-batch count); the live axes no form
     takes are tensor-parallel; forbidden and size-1 axes are off. `pp_cuts`, `pp_schedule`, `pp_microbatches`: a
     pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `float8`:
-    (recipe, forced) — each assignment with and without float8 linears, or only with. `facts`: the capture's facts of the model
+    (recipe, forced) — each assignment with and without float8 linears, or only with. `expert_load`: the busiest
+    expert rank's routed rows over the mean, charged under an expert axis (NOTE [expert load in a rehearsal]). `facts`: the capture's facts of the model
     (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
     [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
     live."""
@@ -95,7 +100,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
     request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis, tuple(pp_cuts),
-                           pp_schedule, pp_microbatches, float8)
+                           pp_schedule, pp_microbatches, float8, expert_load)
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -125,6 +130,7 @@ class _RoleRequest:
     pp_schedule: str | None = None  # the pipeline's schedule and micro-batch count, pinned (None: searched)
     pp_microbatches: int | None = None
     float8: tuple[str, bool] | None = None  # (recipe, forced): NOTE [execution and float8 in the plan]
+    expert_load: float = 1.0  # the busiest expert rank's rows over the mean (NOTE [expert load in a rehearsal])
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],
@@ -185,5 +191,5 @@ def alike_key(cluster, roles: Roles) -> tuple:
     order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))
     pp = (mesh.size(roles.pp), cluster.link(roles.pp)) if roles.pp is not None else None
     return (axes, order, pp, roles.zero, roles.reshard_after_forward, roles.pp_schedule, roles.pp_microbatches,
-            roles.pp_cuts, roles.float8, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
+            roles.pp_cuts, roles.float8, roles.ep_load, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
             cluster.ranks_per_host, cluster.cores_per_host)

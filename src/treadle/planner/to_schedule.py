@@ -277,7 +277,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
         elif d.op == "data_parallel":
             sch.data_parallel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.args.items()})
         elif d.op == "expert_parallel":
-            sch[d.path].expert_parallel(axis=d.args["axis"], tensor=d.args.get("tensor"))
+            sch[d.path].expert_parallel(axis=d.args["axis"], tensor=d.args.get("tensor"),
+                                        load_imbalance=d.args.get("load_imbalance", 1.0))
         elif d.op == "float8":
             sch[d.path].float8(recipe=d.args["recipe"], all_gather=d.args["all_gather"], skip=d.args.get("skip", ()))
         elif d.op == "cut_pipeline_stage":
@@ -318,7 +319,8 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
             lines.append(f"sch.data_parallel(axis={axis!r}, shard={a['shard']}{extra})")
         elif d.op == "expert_parallel":
             tensor = f", tensor={a['tensor']!r}" if "tensor" in a else ""
-            lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r}{tensor})")
+            load = f", load_imbalance={a['load_imbalance']!r}" if "load_imbalance" in a else ""
+            lines.append(f"sch[{d.path!r}].expert_parallel(axis={a['axis']!r}{tensor}{load})")
         elif d.op == "float8":
             skip = f", skip={a['skip']!r}" if "skip" in a else ""
             lines.append(f"sch[{d.path!r}].float8(recipe={a['recipe']!r}, all_gather={a['all_gather']}{skip})")

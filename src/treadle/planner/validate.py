@@ -142,3 +142,16 @@ def execution_and_float8(given: dict, role: dict) -> tuple[str, tuple[str, bool]
     if recipe not in FLOAT8_RECIPES:
         raise PlanError(f"plan_model: float8 must be a recipe in {sorted(FLOAT8_RECIPES)} or None, got {recipe!r:.40}")
     return execution, (recipe, forced)
+
+
+def expert_load_of(given: dict) -> float:
+    """`plan_model`'s `expert_load_imbalance`, checked (NOTE [expert load in a rehearsal]: the busiest expert rank's
+    routed rows over the mean, charged to an expert-parallel plan and stated in its `expert_parallel` decisions).
+    Raises PlanError for anything but a finite number >= 1."""
+    from ..errors import ScheduleError
+    from ..schedule.expert_primitive import check_load_imbalance
+
+    try:
+        return check_load_imbalance(given.get("expert_load_imbalance", 1.0), where="plan_model")
+    except ScheduleError as exc:
+        raise PlanError(str(exc)) from None

@@ -25,13 +25,16 @@ from ..schedule.tree import within
 from ..schedule.view import ScheduleView
 
 _PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})
-# c10d op name -> (collective kind, how its bytes are read: "sum" of a tensor list, "out" first tensor, "in" 2nd)
+# c10d op name -> (collective kind, how its bytes are read: "list" the first tensor list's sum, "first" / "second"
+# tensor, "nested" the first list of lists; "larger": the larger of the buffers the rank receives and sends (the first
+# two tensors or tensor lists), since an uneven all-to-all ends when its busiest rank has received: NOTE [expert load
+# in a rehearsal])
 _C10D = {"allreduce_": ("all_reduce", "list"), "allreduce_coalesced_": ("all_reduce", "list"),
          "_allgather_base_": ("all_gather", "first"), "allgather_into_tensor_coalesced_": ("all_gather", "first"),
          "allgather_": ("all_gather", "nested"), "_reduce_scatter_base_": ("reduce_scatter", "second"),
          "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "second"),
-         "reduce_scatter_": ("reduce_scatter", "nested"), "alltoall_base_": ("all_to_all", "second"),
-         "alltoall_": ("all_to_all", "list"), "broadcast_": ("broadcast", "list")}
+         "reduce_scatter_": ("reduce_scatter", "nested"), "alltoall_base_": ("all_to_all", "larger"),
+         "alltoall_": ("all_to_all", "larger"), "broadcast_": ("broadcast", "list")}
 
 
 class _PriceDispatch(Dispatch):
@@ -79,6 +82,9 @@ class _PriceDispatch(Dispatch):
             nbytes = tensors[0].numel() * tensors[0].element_size()
         elif how == "second":
             nbytes = tensors[1].numel() * tensors[1].element_size()
+        elif how == "larger":
+            bufs = lists[:2] if len(lists) >= 2 else [[t] for t in tensors[:2]]
+            nbytes = max(sum(t.numel() * t.element_size() for t in b) for b in bufs)
         else:
             nbytes = sum(t.numel() * t.element_size() for t in nested[0][0])
         module, phase = self.recorder.where()

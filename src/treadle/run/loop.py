@@ -240,7 +240,8 @@ def _train(cfg: RunConfig, device: torch.device, rank: int, world: int) -> list[
                 mem = memory_bytes(device)
                 stages = stage_metrics(built, mesh, per_stage_flops, step_s, peak, mem) if metrics.logs(done) else None
                 loads = expert_loads(built) if metrics.logs(done) else None  # collectives: at the same steps
-                experts = [{"module": e.module, "rows": list(e.rows), "imbalance": e.imbalance}
+                experts = [{"module": e.module, "rows": list(e.rows), "imbalance": e.imbalance,
+                            "rank_imbalance": e.rank_imbalance(e.ranks)}
                            for e in loads] if loads else None
                 metrics.log(StepMetrics(step=done, loss=out.loss, lr=lr, grad_norm=out.grad_norm, step_s=step_s,
                                         tokens=done * tokens_per_step, tokens_per_s=tokens_per_step / step_s,

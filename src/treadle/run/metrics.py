@@ -202,8 +202,11 @@ class MetricsLogger:
             print(f"step {m.step}/{self.cfg.steps} {info}", flush=True)
         if m.experts and self.logs(m.step):
             worst = max(m.experts, key=lambda e: e["imbalance"])
+            rank = max(m.experts, key=lambda e: e["rank_imbalance"])
             self.message(f"  experts: busiest / mean rows {worst['imbalance']:.2f} ({worst['module']}; "
-                         f"{len(m.experts)} expert-parallel modules)")
+                         f"{len(m.experts)} expert-parallel modules); busiest / mean rank "
+                         f"{rank['rank_imbalance']:.2f} ({rank['module']}: what expert_parallel(load_imbalance=) "
+                         f"states for the price)")
         for st in m.stages or ():
             self.message(f"  pp {st.pp} stages {st.stages}: " + (f"mfu {st.mfu * 100:.3g}% " if st.mfu is not None
                                                                    else "") + f"mem {st.mem_bytes / 2**20:.0f} MiB")
@@ -216,6 +219,8 @@ class MetricsLogger:
                 self._tb.add_scalar("train/mfu", m.mfu, m.step)
             if m.experts:
                 self._tb.add_scalar("train/expert_imbalance", max(e["imbalance"] for e in m.experts), m.step)
+                self._tb.add_scalar("train/expert_rank_imbalance", max(e["rank_imbalance"] for e in m.experts),
+                                    m.step)
             for st in m.stages or ():
                 self._tb.add_scalar(f"train/pp{st.pp}_mem_bytes", st.mem_bytes, m.step)
                 if st.mfu is not None:

@@ -12,6 +12,7 @@ routes its own tokens), as in torchtitan and Megatron-Core.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import TYPE_CHECKING
 
 from ..errors import ScheduleError
@@ -21,6 +22,22 @@ if TYPE_CHECKING:  # (annotations only: core's Schedule mixes this class in)
     from .core import Schedule
 
 EXTRAS_KEY = "expert_parallel"  # extras[EXTRAS_KEY]: {experts module path: axis}
+LOAD_KEY = "expert_load"  # extras[LOAD_KEY]: {experts module path: load_imbalance} where stated above 1
+
+
+def expert_load_imbalances(extras) -> dict[str, float]:
+    """The busiest rank's routed rows over the mean that a schedule states per experts module (NOTE [expert load
+    in a rehearsal]); a module it does not name is priced balanced (1.0)."""
+    return dict(extras.get(LOAD_KEY, {}))
+
+
+def check_load_imbalance(value, *, where: str) -> float:
+    """`value` as a load imbalance (a finite number >= 1: the busiest rank's routed rows over the mean). Raises
+    ScheduleError naming `where` and the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+        raise ScheduleError(f"{where}: load_imbalance must be a finite number >= 1 (the busiest rank's routed rows "
+                            f"over the mean; 1 is balanced), got {value!r:.40}")
+    return float(value)
 
 
 def expert_paths(extras) -> dict[str, str]:
@@ -68,7 +85,8 @@ class ExpertPrimitive:
     """`Schedule.expert_parallel` and its checks (the schedule provides `_state`, `mesh`, `mod`, `path`,
     `_where`, `_check_axis`, `_check_not_built`, `_record`)."""
 
-    def expert_parallel(self: "Schedule", *, axis: str = "dp", tensor: str | None = None) -> "Schedule":
+    def expert_parallel(self: "Schedule", *, axis: str = "dp", tensor: str | None = None,
+                        load_imbalance: float = 1.0) -> "Schedule":
         """Split this experts module's experts over mesh axis `axis` (expert parallelism): rank r keeps E/n
         of the E experts (every parameter split on dim 0); in forward each rank sends every (token, expert)
         pair it routes to the rank holding that expert, which runs the module's own forward on the rows it
@@ -84,10 +102,16 @@ class ExpertPrimitive:
         on random weights of one expert (NOTE [experts split by tensor] in `expert_split.py`; a fused gate|up is
         split in its two blocks, the down projection on its contraction) and recorded as shards on `tensor`;
         each rank of a `tensor` group routes the same rows and their combined results are summed over it.
+
+        `load_imbalance`: the busiest rank's routed rows over the mean that the price charges (NOTE [expert load in
+        a rehearsal]; 1.0, the default, is the balanced load a load-balanced router aims at). Training routes as
+        the router does whatever is stated here; `treadle.run` logs the measured value of its expert axis
+        (`ExpertLoad.rank_imbalance`), which is what to state.
         Raises ScheduleError naming the path, parameter, axis and sizes at fault."""
         self._check_not_built("expert_parallel")
         self._check_axis(axis, "expert_parallel")
         where = f"expert_parallel at {self._where()}"
+        load = check_load_imbalance(load_imbalance, where=where)
         if not self.path:
             raise ScheduleError(f"{where}: state expert parallelism on an experts module, not the whole model")
         paths = self._state.extras.setdefault(EXTRAS_KEY, {})
@@ -114,7 +138,10 @@ class ExpertPrimitive:
             if name in split:
                 self._state.param_shards[id(p)].append(split[name])
         paths[self.path] = axis
-        self._record("expert_parallel", axis=axis, **({"tensor": tensor} if tensor is not None else {}))
+        if load != 1.0:
+            self._state.extras.setdefault(LOAD_KEY, {})[self.path] = load
+        self._record("expert_parallel", axis=axis, **({"tensor": tensor} if tensor is not None else {}),
+                     **({"load_imbalance": load} if load != 1.0 else {}))
         return self
 
     def _expert_split(self: "Schedule", tensor: str | None, axis: str, where: str) -> dict[str, ParamShard]:

@@ -23,11 +23,16 @@ additions; backward those gathers' adjoints and one stack of the slots' gradient
 positions of the gathers, no row.
 
 NOTE [expert load in a rehearsal]: the price rehearses a step on fake tensors (`treadle.pricing.rehearsal`),
-where no routing decision exists. There the dispatch assumes the balanced load a load-balanced router aims at:
-every routed pair is sent, 1/n of them to each rank, and each rank receives as many rows as it sends, so the
-all-to-alls carry T*k rows each way and each rank's experts compute T*k rows. The planner assumes the same
-(NOTE [experts in the plan]); a skewed router makes the busiest rank slower than priced (`treadle.run` logs
-the imbalance: `runtime.expert_loads`).
+where no routing decision exists. There the dispatch sends every routed pair, 1/n of them to each rank (the T*k
+rows a rank routes), and the rehearsed rank is the busiest one: it receives f*T*k rows, f the experts module's
+stated `load_imbalance` (the busiest rank's routed rows over the mean; 1.0 by default, the balanced load a
+load-balanced router aims at). Its experts compute those rows, it sends their results back, and every
+all-to-all is charged at the larger of the buffers the rank sends and receives (`pricing.rehearsal`): the
+exchange ends when its busiest rank has received. Every rank of the expert axis waits for it at the combine,
+so the step is the busiest rank's. The router decides the real load, whatever is stated: the HF models route
+dropless (no capacity), so no bound on f comes from the model; `treadle.run` logs the measured value per
+experts module (`runtime.expert_loads`: `ExpertLoad.rank_imbalance` of the run's expert axis), which is what
+to state. The planner charges the same (NOTE [experts in the plan]).
 """
 
 from __future__ import annotations
@@ -97,6 +102,12 @@ class _ExpertGrads(torch.autograd.Function):
                                                                 ctx.shapes)))
 
 
+def _spread(total: int, slots: int) -> list[int]:
+    """`total` rows spread as evenly as integers allow over `slots` (the first ``total % slots`` get one more)."""
+    q, r = divmod(total, slots)
+    return [q + 1] * r + [q] * (slots - r)
+
+
 class _Touch(torch.autograd.Function):
     """``y`` unchanged; in backward, zero gradients for `ps` as well: every local expert weight gets a gradient
     on every rank, even one that received no row, so the collectives of `_ExpertGrads` run everywhere."""
@@ -135,6 +146,7 @@ class ExpertLeaf:
     tensor_axis: str | None = None
     rows_checked: bool = False  # the rows were found the same on every rank of the tensor axis (once, real runs)
     load: list[int] | None = None  # rows each local expert received since `take_load` (real runs only)
+    load_imbalance: float = 1.0  # the busiest rank's rows over the mean, rehearsed (NOTE [expert load in a rehearsal])
 
     def take_load(self) -> list[int]:
         """The rows each local expert received since the last call (every forward the experts ran, a
@@ -157,9 +169,9 @@ class ExpertLeaf:
         flat = index.reshape(-1)
         if is_fake(flat):  # NOTE [expert load in a rehearsal]
             order = torch.argsort(flat, stable=True)
-            per_expert = [len(range(e, flat.numel(), self.experts)) for e in range(self.experts)]
+            per_expert = _spread(flat.numel(), self.experts)
             C.exchange_counts(per_expert, self.group, device=x.device)
-            got = list(per_expert)
+            got = _spread(round(self.load_imbalance * flat.numel()), self.experts)  # the busiest rank's
         else:
             pairs = ((flat >= 0) & (flat < self.experts)).nonzero().squeeze(1)
             order = pairs[torch.argsort(flat[pairs], stable=True)]

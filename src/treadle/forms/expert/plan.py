@@ -135,7 +135,8 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
     experts = _experts(request.facts)
     if not experts:
         return None
-    return [{}] + [{"ep": a} for a in live if all(e % mesh.size(a) == 0 for e in experts.values())]
+    load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
+    return [{}] + [{"ep": a, **load} for a in live if all(e % mesh.size(a) == 0 for e in experts.values())]
 
 
 def keep_roles(options: dict) -> bool:
@@ -144,7 +145,9 @@ def keep_roles(options: dict) -> bool:
 
 
 def role_label(roles) -> str | None:
-    return f"experts over {roles.ep}" if roles.ep else None
+    if not roles.ep:
+        return None
+    return f"experts over {roles.ep}" + (f" (busiest rank {roles.ep_load:g}x the mean)" if roles.ep_load != 1 else "")
 
 
 def _inside(module: str, paths) -> str | None:
@@ -183,12 +186,13 @@ def prepare(b) -> None:
             continue
         rows, width, wbytes = _rows(b, ops, path)
         e = experts[path]
-        row_bytes, weight_bytes = rows * width, rows * wbytes
+        got = rows * b.roles.ep_load  # what the busiest rank receives and sends back (NOTE [expert load in a rehearsal])
+        row_bytes, weight_bytes = got * width, got * wbytes
         exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link) + \
             collective_time_s("all_to_all", weight_bytes, n, link)  # rows there and back, the weights there
         fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges
         bwd = exchanges  # the adjoints: the results' gradients there, the rows' and the weights' back
-        moved = dispatch_traffic(rows, width)
+        moved = dispatch_traffic(rows, width)  # on the rows a rank routes (its own tokens)
         work = tuple(memory_time_s(int(x), b.hw) for x in moved)
         if unit is not None:
             b.expert_units[path] = unit
@@ -229,6 +233,16 @@ def keep_strategy(b, n, spec, combo: tuple) -> bool:
 
 
 def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
+    load = b.roles.ep_load
+    if load != 1.0 and b.roles.ep is not None and _inside(n.module, _experts(b.g.facts)):
+        # the busiest rank's experts compute `load` times the mean rows, and keep what they save for backward
+        fwd = c.compute_s - c.bwd_s  # the node's own work: its conversions are in comm_s
+        c.compute_s *= load
+        c.fwd_s += (load - 1) * fwd
+        c.bwd_s *= load
+        if rec != "none":
+            c.rec_s += (load - 1) * fwd
+        c.act_bytes += (load - 1) * b.saved_bytes(n, combo, pub)
     x = getattr(b, "expert_exchanges", {}).get(n.index)
     if x is not None:
         c.comm_s += x.fwd_s + x.bwd_s
@@ -293,8 +307,10 @@ def decisions(cg, choice, ckpt, ctx) -> list:
     tensor = ctx.memo.get("expert_tensor", {})
     out = []
     for path, e in sorted(_experts(cg.graph.facts).items()):
-        args = {"axis": ep, **({"tensor": tensor[path]} if path in tensor else {})}
-        why = f"{e} experts over {ep}" + (f", each split over {tensor[path]}" if path in tensor else "")
+        args = {"axis": ep, **({"tensor": tensor[path]} if path in tensor else {}),
+                **({"load_imbalance": cg.roles.ep_load} if cg.roles.ep_load != 1.0 else {})}
+        why = f"{e} experts over {ep}" + (f", each split over {tensor[path]}" if path in tensor else "") + (
+            f", priced for a busiest rank at {cg.roles.ep_load:g}x the mean rows" if cg.roles.ep_load != 1.0 else "")
         out.append((DECISION_RANK, path, Decision("expert_parallel", path, args,
                                                   why + " (NOTE [experts in the plan])")))
     return out

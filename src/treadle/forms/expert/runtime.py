@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...errors import BuildError, ScheduleError
-from ...schedule.expert_primitive import expert_paths, experts_shape
+from ...schedule.expert_primitive import expert_load_imbalances, expert_paths, experts_shape
 from ...schedule.expert_split import check_split
 from ...sharding_rules import LeafPlan
 from .dispatch import ExpertLeaf
@@ -72,7 +72,7 @@ def plan_experts(builder) -> None:
                           grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
                           param_dtype=getattr(builder.mp_policy, "param_dtype", None),
                           tensor_group=builder.group(tensor) if tensor and builder.sizes[tensor] > 1 else None,
-                          tensor_axis=tensor)
+                          tensor_axis=tensor, load_imbalance=expert_load_imbalances(builder.v.extras).get(path, 1.0))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
         logger.info("expert parallel: %s: %d experts over %r (%d per rank)%s", path, experts, axis,
@@ -108,15 +108,28 @@ def _tensor_axis(builder, m: nn.Module, axis: str, where: str) -> str | None:
 class ExpertLoad:
     """The routed rows each expert of one experts module computed over the steps since the last reading (every
     data-parallel replica's tokens), and `imbalance`: the busiest expert's rows over the mean (1.0: balanced;
-    the step waits for the busiest rank of the expert axis)."""
+    the step waits for the busiest rank of the expert axis); `ranks`: the expert axis's size, whose
+    `rank_imbalance` is what `expert_parallel(load_imbalance=)` states (NOTE [expert load in a rehearsal])."""
 
     module: str
     rows: tuple[int, ...]
+    ranks: int = 1  # the expert axis's size in the run that counted them
 
     @property
     def imbalance(self) -> float:
         mean = sum(self.rows) / len(self.rows) if self.rows else 0.0
         return max(self.rows) / mean if mean else 1.0
+
+    def rank_imbalance(self, ranks: int) -> float:
+        """The busiest rank's rows over the mean with the experts split over `ranks` ranks (rank r holding experts
+        r*E/ranks .. (r+1)*E/ranks - 1, as `expert_parallel` places them): what `expert_parallel(load_imbalance=)`
+        states for the price (NOTE [expert load in a rehearsal]). At most `imbalance`; equal to it with one expert
+        a rank. Raises ValueError when `ranks` does not divide the experts."""
+        e = len(self.rows)
+        if ranks < 1 or e % ranks:
+            raise ValueError(f"rank_imbalance: {e} experts of {self.module!r} do not split over {ranks} ranks")
+        per = e // ranks
+        return ExpertLoad(self.module, tuple(sum(self.rows[r * per:(r + 1) * per]) for r in range(ranks))).imbalance
 
 
 def expert_loads(model: nn.Module) -> list[ExpertLoad] | None:
@@ -138,7 +151,7 @@ def expert_loads(model: nn.Module) -> list[ExpertLoad] | None:
         off += e
     dist.all_reduce(vec)  # each expert's rows, from every replica of the expert axis that holds it
     out, off = [], 0
-    for (path, _), e in zip(leaves, sizes):
-        out.append(ExpertLoad(path.removeprefix("module."), tuple(int(v) for v in vec[off:off + e].tolist())))
+    for (path, leaf), e in zip(leaves, sizes):
+        out.append(ExpertLoad(path.removeprefix("module."), tuple(int(v) for v in vec[off:off + e].tolist()), leaf.size))
         off += e
     return out
