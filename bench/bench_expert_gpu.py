@@ -2,8 +2,8 @@
 
 Issue 29's second benchmark. bf16 mixed precision (fp32 master weights and AdamW states), 80 GiB per device, 8
 nodes x 8 H100 (NVLink 4 inside a node, InfiniBand NDR between). Every schedule, the plan's too, is priced by
-the same function, `treadle.price` (rehearsed on fake tensors; the experts' exchanges at the balanced load,
-NOTE [expert load in a rehearsal]). Cases, each at its recipe's global batch:
+the same function, `treadle.price` (rehearsed on fake tensors; the experts' exchanges at the stated load,
+balanced by default: NOTE [expert load in a rehearsal]). Cases, each at its recipe's global batch:
 
 - Mixtral-8x7B (zoo `mixtral-8x7b`), Megatron-LM `examples/mixtral/train_mixtral_8x7b_distributed.sh`
   (NVIDIA/Megatron-LM @ d98e8a64): TP1, PP4, EP8, micro-batch 1, global batch 256, seq 4096, no recompute,
@@ -17,9 +17,12 @@ NOTE [expert load in a rehearsal]). Cases, each at its recipe's global batch:
 The planner searches what `treadle plan --cluster 8x8:h100` searches (every mesh whose inner axis stays inside a
 node), with its expert role (NOTE [experts in the plan]); it has no pipeline role. Columns: predicted step,
 tokens/s per GPU, MFU (bf16 peak), peak memory, planner/recipe step ratio (< 1: the planner is faster).
+``--load-imbalance 1 1.5`` prices every expert-parallel schedule (the recipe's, the plan's) for a busiest rank of
+the expert axis at that many times the mean routed rows, and asks the planner the same (NOTE [expert load in a
+rehearsal]): one recipe and one plan per value.
 Target (issue 29): the planner at least as fast as each recipe. Writes bench/results/bench_expert_gpu.json.
 
-    .venv/bin/python bench/bench_expert_gpu.py [--models mixtral-8x7b qwen3-30b-a3b] [--tiny]
+    .venv/bin/python bench/bench_expert_gpu.py [--models mixtral-8x7b qwen3-30b-a3b] [--tiny] [--load-imbalance F ...]
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _cluster(physical, shape, names, across: int):
     return ClusterSpec(Mesh(tuple(shape), tuple(names)), links, physical.device)
 
 
-def _recipe(name: str, inputs: dict, physical):
+def _recipe(name: str, inputs: dict, physical, load: float = 1.0):
     """(schedule, cluster) of the published recipe of `name`, on a fresh fake model."""
     from treadle.forms.expert import expert_parallel_moe
     from treadle.mesh import Mesh
@@ -77,7 +80,7 @@ def _recipe(name: str, inputs: dict, physical):
         blocks = blocks_path(sch)
         for s in range(1, pp):
             sch[f"{blocks}.{s * n // pp - 1}"].cut_pipeline_stage()
-        expert_parallel_moe(sch, axis="ep")
+        expert_parallel_moe(sch, axis="ep", load_imbalance=load)
         sch.data_parallel(axis=("dp", "ep"))
         # Megatron: micro-batch 1 on each of the 64 / pp data-parallel ranks
         sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=inputs["input_ids"].shape[0] // (64 // pp),
@@ -96,6 +99,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["mixtral-8x7b", "qwen3-30b-a3b"])
     ap.add_argument("--tiny", action="store_true", help="tiny-mixtral only (a smoke test of the script)")
+    ap.add_argument("--load-imbalance", nargs="*", type=float, default=[1.0], metavar="F",
+                    help="the busiest expert rank's routed rows over the mean, stated for every expert-parallel "
+                         "schedule (the recipe's and the planner's; NOTE [expert load in a rehearsal]); one row "
+                         "pair per value (default 1: balanced)")
     args = ap.parse_args()
     from treadle.cost.cluster import parse_cluster
     from treadle.errors import TreadleError
@@ -105,13 +112,14 @@ def main() -> None:
 
     physical = parse_cluster("8x8:h100")
     rows = []
-    for name in (["tiny-mixtral"] if args.tiny else args.models):
+    for name, load in [(m, f) for m in (["tiny-mixtral"] if args.tiny else args.models)
+                       for f in args.load_imbalance]:
         batch, seq, label, source = CASES[name]
         tokens = batch * seq
         model, inputs = _build(name, batch, seq)
         t0 = time.perf_counter()
         try:
-            sch, cl = _recipe(name, inputs, physical)
+            sch, cl = _recipe(name, inputs, physical, load)
             p = price(sch, inputs, cl)
             rows.append({"model": name, "plan": label, "source": source, "mesh": str(cl.mesh), "step_s": p.step_s,
                          "mfu": p.mfu, "peak_bytes": p.peak_bytes, "price_s": time.perf_counter() - t0})
@@ -122,7 +130,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             plan = plan_model(model, inputs, cluster=search_clusters(physical), memory_budget_bytes=80 * GiB,
-                              price_top=0)
+                              price_top=0, expert_load_imbalance=load)
             est = plan.estimate()
             rows.append({"model": name, "plan": "planner", "roles": plan.roles, "mesh": str(plan.cluster.mesh),
                          "step_s": est.step_s, "mfu": est.mfu, "peak_bytes": est.peak_bytes,
@@ -134,20 +142,21 @@ def main() -> None:
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         recipe, planner = rows[-2], rows[-1]
         for r in (recipe, planner):
-            r.update(batch=batch, seq=seq, fits=r.get("peak_bytes", float("inf")) <= 80 * GiB)
+            r.update(batch=batch, seq=seq, load_imbalance=load, fits=r.get("peak_bytes", float("inf")) <= 80 * GiB)
             if "step_s" in r:
                 r["tokens_per_s_per_gpu"] = tokens / r["step_s"] / 64
         if "step_s" in recipe and "step_s" in planner:
             planner["planner_over_recipe"] = planner["step_s"] / recipe["step_s"]
-    print(f"\n{'model':14} {'plan':46} {'mesh':22} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} {'peak GiB':>8} "
+    print(f"\n{'model':14} {'load':>4} {'plan':46} {'mesh':22} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} "
+          f"{'peak GiB':>8} "
           f"{'fits':>4} {'planner/recipe':>14}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:14} {r['plan']:46} n/a: {r['error'][:150]}")
+            print(f"{r['model']:14} {r.get('load_imbalance', 1.0):4.2g} {r['plan']:46} n/a: {r['error'][:150]}")
             continue
         label = r["plan"] + (f" ({r['roles']})" if r["plan"] == "planner" else "")
         ratio = f"{r['planner_over_recipe']:.3f}" if "planner_over_recipe" in r else ""
-        print(f"{r['model']:14} {label[:46]:46} {r['mesh'][5:-1]:22} {r['step_s']:8.3f} "
+        print(f"{r['model']:14} {r['load_imbalance']:4.2g} {label[:46]:46} {r['mesh'][5:-1]:22} {r['step_s']:8.3f} "
               f"{r['tokens_per_s_per_gpu']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_bytes'] / GiB:8.1f} "
               f"{'yes' if r['fits'] else 'NO':>4} {ratio:>14}")
     RESULTS.mkdir(exist_ok=True)

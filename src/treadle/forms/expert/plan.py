@@ -8,15 +8,19 @@ gradients]), their gradient reduction leaves the data-parallel sync, and each ex
 node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts, two of
 the rows (R = local tokens x k, each H wide, in the rows' dtype) and one of their routing weights, backward their
 adjoints (two of the rows, one of the weights), all blocking on `a`, and the dispatch's own memory traffic on
-compute (`dispatch_traffic`); a checkpointed block's recompute runs the forward ones again. The rows per rank assume
-the balanced load the price assumes (NOTE [expert load in a rehearsal]). Under ZeRO-3 with shard axes besides `a`
-(NOTE [experts under FSDP2]) the experts are split further over those (m ranks: 1/(n m) of their bytes) and each
-experts module is an FSDP2 unit of its own: two gathers (one without reshard after forward) and a reduce-scatter of
-its local experts over those axes (HSDP: an all-reduce of the shard over the other replicate axes), bandwidth on its
-first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2's copies on its compute, the unit's
-latencies in the data form's constant; without reshard the gathered local experts are kept. The experts' nodes run
-replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP weighs this assignment
-against the others, jointly with checkpointing, through the same strategy costs and memory rows as every role.
+compute (`dispatch_traffic`); a checkpointed block's recompute runs the forward ones again. The rows are the
+busiest rank's, as the price's (NOTE [expert load in a rehearsal]): under ``Roles.ep_load = f`` (`plan_model`'s
+`expert_load_imbalance`) the exchanges carry f times the rows a rank routes, and the experts modules' own nodes
+compute and save f times their balanced work (`node_cost`); the dispatch's traffic stays on the rows a rank routes.
+The plan states f as ``expert_parallel(load_imbalance=f)``, so its price charges the same. Under ZeRO-3 with shard
+axes besides `a` (NOTE [experts under FSDP2]) the experts are split further over those (m ranks: 1/(n m) of their
+bytes) and each experts module is an FSDP2 unit of its own: two gathers (one without reshard after forward) and a
+reduce-scatter of its local experts over those axes (HSDP: an all-reduce of the shard over the other replicate
+axes), bandwidth on its first node's `dp_comm_s` (hidden behind compute as the other units' are), FSDP2's copies on
+its compute, the unit's latencies in the data form's constant; without reshard the gathered local experts are kept.
+The experts' nodes run replicated on the tensor axes (no sharding rule runs an experts module on shards). The ILP
+weighs this assignment against the others, jointly with checkpointing, through the same strategy costs and memory
+rows as every role.
 
 Each expert's weights may also split over a tensor axis (expert tensor parallelism, NOTE [experts split by tensor]):
 the split build would make (`find_split`, probed once per experts module at capture: `capture_facts`) is offered as
@@ -186,7 +190,7 @@ def prepare(b) -> None:
             continue
         rows, width, wbytes = _rows(b, ops, path)
         e = experts[path]
-        got = rows * b.roles.ep_load  # what the busiest rank receives and sends back (NOTE [expert load in a rehearsal])
+        got = rows * b.roles.ep_load  # the busiest rank receives and sends back (NOTE [expert load in a rehearsal])
         row_bytes, weight_bytes = got * width, got * wbytes
         exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link) + \
             collective_time_s("all_to_all", weight_bytes, n, link)  # rows there and back, the weights there

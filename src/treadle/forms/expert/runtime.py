@@ -152,6 +152,7 @@ def expert_loads(model: nn.Module) -> list[ExpertLoad] | None:
     dist.all_reduce(vec)  # each expert's rows, from every replica of the expert axis that holds it
     out, off = [], 0
     for (path, leaf), e in zip(leaves, sizes):
-        out.append(ExpertLoad(path.removeprefix("module."), tuple(int(v) for v in vec[off:off + e].tolist()), leaf.size))
+        rows = tuple(int(v) for v in vec[off:off + e].tolist())
+        out.append(ExpertLoad(path.removeprefix("module."), rows, leaf.size))
         off += e
     return out
