@@ -172,3 +172,48 @@ def test_a_carried_pipeline_verifies():
     small = lm_inputs(8, 16)
     out = carry_schedule(_pipelined_llama(8, 4, mesh), tiny_llama(4), mesh=mesh, example_inputs=small).schedule
     assert treadle.verify(out, small, steps=2, timeout_s=300).ok
+
+
+def test_float8_on_the_block_list_is_carried_and_finds_the_shrunken_models_linears():
+    pytest.importorskip("torchao")
+    from treadle.schedule.float8_primitive import float8_specs
+
+    mesh = Mesh((2,), ("dp",))
+    sch = create_schedule(tiny_llama(4), mesh=mesh)
+    sch.data_parallel(axis="dp", shard=True)
+    sch["model.layers"].float8(recipe="tensorwise", all_gather=True, skip=["*.o_proj"])
+    carried = carry_schedule(sch, tiny_llama(2), mesh=mesh)
+    assert "sch['model.layers'].float8(recipe='tensorwise', all_gather=True, skip=['*.o_proj'])" in _text(
+        carried.schedule)
+    spec = float8_specs(carried.schedule.view().extras)["model.layers"]
+    # every linear of the two shrunken blocks but the skipped ones, found again on the shrunken model
+    want = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj", "mlp.gate_proj",
+                                                                  "mlp.up_proj", "mlp.down_proj")]
+    assert sorted(spec.linears) == sorted(want)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_schedule_is_carried_with_its_stated_load_and_verifies():
+    import treadle
+    from test_moe import tiny_mixtral
+    from tiny_models import lm_inputs
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from treadle.forms.expert import expert_parallel_moe
+
+    torch.manual_seed(0)
+    big = MixtralForCausalLM(MixtralConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=256, vocab_size=256,
+                                           max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
+                                           bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    mesh = Mesh((2,), ("dp",))
+    sch = create_schedule(big, mesh=mesh)
+    sch.data_parallel(axis="dp")
+    expert_parallel_moe(sch, axis="dp", load_imbalance=1.25)
+    carried = carry_schedule(sch, tiny_mixtral(), mesh=mesh)
+    text = _text(carried.schedule)
+    for i in range(2):
+        assert f"sch['model.layers.{i}.mlp.experts'].expert_parallel(axis='dp', load_imbalance=1.25)" in text
+    assert carried.per_block == {"expert_parallel": 1}
+    assert treadle.verify(carried.schedule, lm_inputs(8, 16), steps=2, timeout_s=300).ok

@@ -27,7 +27,9 @@ blocks and smaller widths, on a mesh with the same axis names and fewer ranks, t
 Sizes are not carried: every primitive re-checks divisibility on the shrunken model and mesh. Only primitives
 whose arguments hold no module, graph or integer sized for the large model are carried (shard, sync,
 shard_attr, reduce_grads, fork_rng, checkpoint, checkpoint_selective, annotate, set_attr of a Ref or a plain
-flag, data_parallel, and a pipeline as above); any other raises ScheduleError naming it.
+flag, data_parallel, expert_parallel (its axes and stated load), float8 (a recipe and globs: its linears are found
+again on the shrunken model, also where it is stated on the block list itself), and a pipeline as above); any
+other raises ScheduleError naming it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from ..schedule.log import Record, Ref
 logger = logging.getLogger(__name__)
 
 CARRIED_OPS = ("shard", "sync", "shard_attr", "reduce_grads", "fork_rng", "checkpoint", "checkpoint_selective",
-               "annotate", "set_attr", "data_parallel", "cut_pipeline_stage", "pipeline")
+               "annotate", "set_attr", "data_parallel", "expert_parallel", "float8", "cut_pipeline_stage", "pipeline")
+WHOLE_LIST_OPS = ("float8",)  # may be stated on the block list itself: carried as is, onto every shrunken block
 PIPELINE_OPS = ("cut_pipeline_stage", "pipeline")
 CHECKPOINT_OPS = ("checkpoint", "checkpoint_selective")
 
@@ -156,7 +159,7 @@ def carry_schedule(sch: Schedule, model: nn.Module, *, mesh: Mesh, blocks: str |
         _check_carriable(r)
         if r.op in PIPELINE_OPS:  # carried as a pipeline of the shrunken model (`_carry_pipeline`)
             continue
-        if r.path == blocks:
+        if r.path == blocks and r.op not in WHOLE_LIST_OPS:
             raise ScheduleError(f"carry_schedule: primitive {r.op!r} on the block list {blocks!r} itself has no "
                                 f"per-block meaning and cannot be carried")
         m = pat.match(r.path)
