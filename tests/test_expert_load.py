@@ -167,3 +167,28 @@ def test_rank_imbalance_groups_the_experts_as_expert_parallel_places_them():
     assert ExpertLoad("m", (60, 20, 10, 10)).rank_imbalance(2) == pytest.approx(80 / 50)
     with pytest.raises(ValueError, match="4 experts of 'm' do not split over 3 ranks"):
         ExpertLoad("m", (1, 2, 3, 4)).rank_imbalance(3)
+
+
+def test_the_price_says_what_load_it_assumed(tmp_path, capsys):
+    from treadle.cli import main
+    from treadle.models.zoo import named_model
+    from treadle.schedule.expert_primitive import load_assumption
+
+    plain, _ = _ep()
+    assert load_assumption(plain.view().extras) == (
+        "experts: 2 expert-parallel modules priced at a balanced load (assumed; state expert_parallel("
+        "load_imbalance=) with the busiest / mean rank treadle.run logs)")
+    assert load_assumption(treadle.create_schedule(tiny_mixtral(), mesh=treadle.Mesh((4,), ("dp",))).view().extras) \
+        is None
+    model, _ = named_model("tiny-mixtral", batch=8, seq=16)
+    sch = treadle.create_schedule(model, mesh=treadle.Mesh((4,), ("dp",)))
+    sch.data_parallel(axis="dp")
+    sch["model.layers.0.mlp.experts"].expert_parallel(axis="dp", load_imbalance=1.5)
+    sch["model.layers.1.mlp.experts"].expert_parallel(axis="dp")
+    f = tmp_path / "schedule.json"
+    f.write_text(sch.to_json())
+    assert main(["price", str(f), "--model", "tiny-mixtral", "--cluster", "4x1:cpu", "--batch", "8",
+                 "--seq", "16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("experts: the busiest rank of the expert axis priced at 1.5x the mean routed rows in 1 of 2 "
+            "expert-parallel modules (stated: load_imbalance)") in out

@@ -98,6 +98,10 @@ def _price_cmd(args: argparse.Namespace) -> int:
         console.print(line)
     console.print(f"{cluster.assumptions()}; overlap of communication with compute "
                   f"{'on' if p.device.overlap else 'off'}")
+    from ..schedule.expert_primitive import load_assumption
+
+    if (load := load_assumption(sch.view().extras)) is not None:
+        console.print(load)
     measured = _measured_pipeline(args.measured, p.to_dict()) if args.measured else None
     if measured is not None:
         from rich.table import Table

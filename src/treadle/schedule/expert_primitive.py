@@ -31,6 +31,22 @@ def expert_load_imbalances(extras) -> dict[str, float]:
     return dict(extras.get(LOAD_KEY, {}))
 
 
+def load_assumption(extras) -> str | None:
+    """One line saying what expert load a price of this schedule assumed (NOTE [expert load in a rehearsal]); None
+    without expert parallelism."""
+    paths = expert_paths(extras)
+    if not paths:
+        return None
+    stated = expert_load_imbalances(extras)
+    if not stated:
+        return (f"experts: {len(paths)} expert-parallel modules priced at a balanced load (assumed; state "
+                f"expert_parallel(load_imbalance=) with the busiest / mean rank treadle.run logs)")
+    loads = sorted(set(stated.values()))
+    say = f"{loads[0]:g}x" if len(loads) == 1 else f"{loads[0]:g}x to {loads[-1]:g}x"
+    return (f"experts: the busiest rank of the expert axis priced at {say} the mean routed rows in "
+            f"{len(stated)} of {len(paths)} expert-parallel modules (stated: load_imbalance)")
+
+
 def check_load_imbalance(value, *, where: str) -> float:
     """`value` as a load imbalance (a finite number >= 1: the busiest rank's routed rows over the mean). Raises
     ScheduleError naming `where` and the value otherwise."""
