@@ -91,10 +91,10 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     takes are tensor-parallel; forbidden and size-1 axes are off. `pp_cuts`, `pp_schedule`, `pp_microbatches`: a
     pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `float8`:
     (recipe, forced) — each assignment with and without float8 linears, or only with. `expert_load`: the busiest
-    expert rank's routed rows over the mean, charged under an expert axis (NOTE [expert load in a rehearsal]). `facts`: the capture's facts of the model
-    (`CapturedGraph.facts`), which a form may read (a training-mode batch norm rules data parallelism out: NOTE
-    [batch statistics] in `treadle.forms.data.facts`). Raises PlanError for a data-parallel axis that is not
-    live."""
+    expert rank's routed rows over the mean, charged under an expert axis (NOTE [expert load in a rehearsal]).
+    `facts`: the capture's facts of the model (`CapturedGraph.facts`), which a form may read (a training-mode
+    batch norm rules data parallelism out: NOTE [batch statistics] in `treadle.forms.data.facts`). Raises
+    PlanError for a data-parallel axis that is not live."""
     for a in forbid_axes:
         mesh.axis_index(a)
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
@@ -191,5 +191,5 @@ def alike_key(cluster, roles: Roles) -> tuple:
     order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))
     pp = (mesh.size(roles.pp), cluster.link(roles.pp)) if roles.pp is not None else None
     return (axes, order, pp, roles.zero, roles.reshard_after_forward, roles.pp_schedule, roles.pp_microbatches,
-            roles.pp_cuts, roles.float8, roles.ep_load, str(cluster.device), cluster.copy_bytes_per_s, cluster.threads_per_rank,
-            cluster.ranks_per_host, cluster.cores_per_host)
+            roles.pp_cuts, roles.float8, roles.ep_load, str(cluster.device), cluster.copy_bytes_per_s,
+            cluster.threads_per_rank, cluster.ranks_per_host, cluster.cores_per_host)
