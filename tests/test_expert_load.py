@@ -152,8 +152,9 @@ def test_the_planner_weighs_the_stated_load_and_its_plan_states_and_prices_it():
     assert priced.peak_bytes <= budget
     assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.1)
     assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.25)
-    even = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget)
+    even, diff = plan.what_if(expert_load_imbalance=1.0)  # "what if the router balanced its load?"
     assert plan.estimated.step_s > even.estimated.step_s  # the busiest rank is slower than the balanced one
+    assert "load_imbalance" not in even.schedule.to_python() and diff
     again = Plan.from_json(plan.to_json())  # the plan file holds the load as data and replays it
     assert again.schedule_for(tiny_mixtral()).to_python() == text
 
