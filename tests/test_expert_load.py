@@ -157,6 +157,12 @@ def test_the_planner_weighs_the_stated_load_and_its_plan_states_and_prices_it():
     assert "load_imbalance" not in even.schedule.to_python() and diff
     again = Plan.from_json(plan.to_json())  # the plan file holds the load as data and replays it
     assert again.schedule_for(tiny_mixtral()).to_python() == text
+    for bad in ("0.5", '"2"', "true"):  # a plan file stating a load that is no number >= 1 is refused on load
+        tampered = plan.to_json().replace('"load_imbalance": 1.5', f'"load_imbalance": {bad}')
+        assert tampered != plan.to_json()
+        with pytest.raises(treadle.PlanError, match=r"expert_parallel at 'model\.layers\.0\.mlp\.experts'\): "
+                                                     r"argument 'load_imbalance' must be load"):
+            Plan.from_json(tampered)
 
 
 def test_rank_imbalance_groups_the_experts_as_expert_parallel_places_them():

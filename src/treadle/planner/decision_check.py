@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from ..errors import PlanError, ScheduleError
+from ..schedule.expert_primitive import is_load_imbalance
 
 _PLACEMENT = re.compile(r"R|P|S\d{1,4}")  # Replicate, Partial, Shard(dim)
 _MODES = ("fwd_post", "fwd_pre", "bwd_post")
@@ -65,7 +66,7 @@ def _inputs(v: Any) -> bool:
 _CHECKS = {"str": _str, "strs": _strs, "str|strs": lambda v: _str(v) or _strs(v), "int": _int, "count": _count,
            "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES, "placement": _placement,
            "layout": _layout, "kwargs": _kwargs, "inputs": _inputs,
-           "load": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 1}
+           "load": is_load_imbalance}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
     "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},

@@ -47,10 +47,16 @@ def load_assumption(extras) -> str | None:
             f"{len(stated)} of {len(paths)} expert-parallel modules (stated: load_imbalance)")
 
 
+def is_load_imbalance(value) -> bool:
+    """Whether `value` is a load imbalance: a finite number >= 1 (the busiest rank's routed rows over the mean), not
+    a bool. The one rule for the primitive, `plan_model` and plan files (`planner.decision_check`)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 1
+
+
 def check_load_imbalance(value, *, where: str) -> float:
-    """`value` as a load imbalance (a finite number >= 1: the busiest rank's routed rows over the mean). Raises
-    ScheduleError naming `where` and the value otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+    """`value` as a load imbalance (`is_load_imbalance`). Raises ScheduleError naming `where` and the value
+    otherwise."""
+    if not is_load_imbalance(value):
         raise ScheduleError(f"{where}: load_imbalance must be a finite number >= 1 (the busiest rank's routed rows "
                             f"over the mean; 1 is balanced), got {value!r:.40}")
     return float(value)
