@@ -170,6 +170,12 @@ class Form:
         every form first; the arguments are its own; `cutoff_s`: NOTE [a cutoff from the best plan found])."""
         return None
 
+    def memory_floor(self, ft: Any) -> float | None:
+        """A lower bound of every plan's peak bytes per device when this form owns the step's formula (as `solve`),
+        from `ft` (`treadle.planner.cost_graph.FloorTerms`: each unit's smallest static and saved bytes); None
+        otherwise (NOTE [a memory floor before the costs])."""
+        return None
+
     def memory_rows(self, m: Any, cg: Any, v: Any) -> list[tuple[dict, float]]:
         """Further points of the step whose memory must fit the budget, as (terms, constant) rows."""
         return []

@@ -95,9 +95,13 @@ class Node:
 def _op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
-    name = getattr(target, "__name__", str(target))
     packet = getattr(target, "_overloadpacket", None)
-    return getattr(packet, "__name__", name.split(".")[0]) if packet is not None else name
+    if packet is not None and hasattr(packet, "__name__"):
+        return packet.__name__
+    name = getattr(target, "__name__", None)
+    if name is None:
+        name = str(target)  # (only here: an op's str() costs more than the rest of this function)
+    return name.split(".")[0] if packet is not None else name
 
 
 @dataclass(slots=True)

@@ -108,16 +108,20 @@ def exit_module(graph: CapturedGraph, node: Node) -> str | None:
 def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *,
                      train: TrainSpec = TrainSpec(), pins: dict[str, tuple[int, ...]] | None = None,
                      shardable: "callable[[str, str], set[tuple[int, ...]]] | None" = None,
-                     dtype_compute: torch.dtype | None = None, attr_resolver=None) -> CostGraph:
+                     dtype_compute: torch.dtype | None = None, attr_resolver=None,
+                     budget_bytes: float | None = None) -> CostGraph:
     """Units, strategies and costs of `graph` on `cluster` under `roles`.
 
     `pins` maps a parameter name to its required placement on the tensor axes (codes per axis);
     `shardable(param, module)` returns the parameter placements (codes per tensor axis, besides all-R) the
     runtime can build for that parameter (default: none, i.e. everything replicated).
+    `budget_bytes`: where given, raises `OverMemoryFloor` before the costs when no plan of the role assignment
+    can fit it (NOTE [a memory floor before the costs]).
     Raises PlanError if a pin names an unknown parameter or can never be met.
     """
     b = _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute)
     b.attr_resolver = attr_resolver
+    b.budget_bytes = budget_bytes
     cg = b.build()
     cg.attr_resolver = attr_resolver
     return cg
@@ -172,6 +176,7 @@ class _Builder(NodeCosts, Assembly):
             if saving:
                 self.last_packer[b] = max(saving)
         self.attr_resolver = None
+        self.budget_bytes: float | None = None  # NOTE [a memory floor before the costs]
 
     # ------------------------------------------------------------------ per-node facts
     def canonical(self, i: int) -> int:
@@ -352,6 +357,15 @@ class _Builder(NodeCosts, Assembly):
             unit_of[i] = (len(units), None)
             leader_unit[i] = len(units)
             units.append(unit)
+        templates = self._templates(units, unit_of, node_strats)
+        fixed = sum(n.out.nbytes / self.dp_div(n.index) for n in self.nodes
+                    if n.kind in ("buffer", "const", "input") and isinstance(n.out, TensorMeta))
+        if self.budget_bytes is not None:  # NOTE [a memory floor before the costs]
+            floor = self._memory_floor(units, templates, fixed)
+            if floor > self.budget_bytes * (1 + 1e-9):
+                raise OverMemoryFloor(f"{self.roles}: every plan needs at least {floor / 2**30:.1f} GiB per device "
+                                      f"(the memory floor), over the budget {self.budget_bytes / 2**30:.1f} GiB",
+                                      floor)
         # costs
         for unit in units:
             mixed = len({self.nodes[i].module for i in unit.nodes}) > 1
@@ -365,9 +379,6 @@ class _Builder(NodeCosts, Assembly):
                     if mixed:
                         _add_cost(unit.parts[k].setdefault(self.nodes[i].module, StrategyCost()), c)
         edges = self._edges(units, unit_of, node_strats)
-        templates = self._templates(units, unit_of, node_strats)
-        fixed = sum(n.out.nbytes / self.dp_div(n.index) for n in self.nodes
-                    if n.kind in ("buffer", "const", "input") and isinstance(n.out, TensorMeta))
         model_flops = 0.0
         for n in canon_ops:
             f, b = self.flop_cache[n.index]
@@ -382,6 +393,27 @@ class _Builder(NodeCosts, Assembly):
                      sum(len(u.strategies) for u in units), len(edges), len(templates))
         return cg
 
+    def _memory_floor(self, units: list[Unit], templates: dict[int, TemplateInfo], fixed: float) -> float:
+        """The memory floor of the role assignment (NOTE [a memory floor before the costs]): each unit's smallest
+        static and saved bytes over its strategies (`strategy_memory`), read by the form that owns the step's
+        formula (`Form.memory_floor`; a pipeline's), else by `memory_floor`."""
+        static_min, act_min = [], []
+        for unit in units:
+            per = [[0.0, 0.0] for _ in unit.strategies]
+            for k, members in enumerate(unit.strategies):
+                for i, (combo, pub) in members.items():
+                    st, act = self.strategy_memory(self.nodes[i], combo, pub)
+                    per[k][0] += st
+                    per[k][1] += act
+            static_min.append(min(x[0] for x in per))
+            act_min.append(min(x[1] for x in per))
+        ft = FloorTerms(self.g, self.cluster, self.roles, units, templates, static_min, act_min, fixed)
+        for f in forms():
+            own = f.memory_floor(ft)
+            if own is not None:
+                return own
+        return memory_floor(ft)
+
     def _host_terms(self, cg: CostGraph) -> None:
         """NOTE [framework overheads] (treadle.profile.hardware), as the price charges them: a checkpointed block
         costs `treadle.runtime.recompute.recompute_host_s` of its region and ops (and a dispatch per detach of an
@@ -395,6 +427,60 @@ class _Builder(NodeCosts, Assembly):
             detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
             cg.ckpt_host_s[t] = recompute_host_s(hw, ops=ops + detaches, regions=1) + detaches * hw.op_overhead_s
         cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
+
+# NOTE [a memory floor before the costs]: under a budget most role assignments of a large model on many devices
+# cannot fit at all (405B on 512 GPUs: tensor parallelism over two or three axes with no data parallelism holds
+# the whole batch's activations, thousands of GiB), and their cost graphs are the dearest to build (a layout
+# change over three axes is a search of thousands of layouts). Memory needs no conversion times: each strategy's
+# static and saved bytes (`NodeCosts.strategy_memory`, the same functions `strategy_cost` adds, which the forms only
+# add to) give each unit's smallest, and a role assignment whose every plan needs more than the budget is refused
+# before its costs (`OverMemoryFloor`): the solver would find it infeasible. The floor of the ILP's memory row
+# (`memory_floor`): the fixed bytes, every unit's smallest static bytes times its count, every unit outside the
+# blocks' smallest saved bytes, and each block of a template the smaller of its units' smallest saved bytes and its
+# smallest kept input (a checkpointed block keeps its input: (L - c) A + c In >= L min(A, In)); the transient block
+# and every form's further rows only add. A pipeline's rows are per rank (`Form.memory_floor`:
+# NOTE [a memory floor of the stages] in `treadle.forms.pipeline.milp`). The search lists such a role assignment
+# as infeasible and builds it only where no role assignment fits (the error then names the smallest budget any
+# plan meets, from every solve).
+class OverMemoryFloor(PlanError):
+    """No plan of a role assignment fits the budget: its memory floor is over it (`floor_bytes`)."""
+
+    def __init__(self, message: str, floor_bytes: float):
+        super().__init__(message)
+        self.floor_bytes = floor_bytes
+
+
+@dataclass(slots=True)
+class FloorTerms:
+    """What a memory floor reads (NOTE [a memory floor before the costs]): the units and templates of a cost graph
+    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), and the
+    fixed bytes."""
+
+    graph: CapturedGraph
+    cluster: ClusterSpec
+    roles: Roles
+    units: list[Unit]
+    templates: dict[int, TemplateInfo]
+    static_min: list[float]
+    act_min: list[float]
+    fixed: float
+
+    def block_min(self, t: int) -> float:
+        """The fewest bytes one block of template t keeps: its units' smallest saved bytes, or its smallest kept
+        input where checkpointing it keeps less."""
+        info = self.templates[t]
+        saved = sum(self.act_min[u] for u in info.units)
+        return min(saved, min(info.input_bytes)) if info.input_bytes else saved
+
+
+def memory_floor(ft: FloorTerms) -> float:
+    """A lower bound of the ILP's memory row over every plan of the role assignment (NOTE [a memory floor before
+    the costs])."""
+    in_template = {u for info in ft.templates.values() for u in info.units}
+    total = ft.fixed + sum(unit.count * ft.static_min[u] for u, unit in enumerate(ft.units))
+    total += sum(unit.count * ft.act_min[u] for u, unit in enumerate(ft.units) if u not in in_template)
+    return total + sum(info.count * ft.block_min(t) for t, info in ft.templates.items())
+
 
 def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.compute_s += c.compute_s

@@ -17,6 +17,7 @@ only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -191,13 +192,9 @@ class NodeCosts:
         for f in forms():  # each form's communication of this node (the vocab-parallel loss's all-reduces)
             f.node_cost(self, n, combo, pub, c, rec)
         # parameters owned by this node (first consumer): static memory and gradient reduction
-        for pos, j in enumerate(n.inputs):
-            src = self.nodes[j]
-            if src.kind != "param" or self.param_owner.get(src.param) != i:
-                continue
-            pl = tuple(o.ins[pos] for o in combo)
+        for src, pl in self.owned_params(n, combo):
             own = self.own_split.get(src.param)  # split and reduced by another form (the experts)
-            c.static_bytes += self.param_static_bytes(src.out, pl, own, self.own_gathered.get(src.param))
+            c.static_bytes += self.owned_static_bytes(src, pl)
             c.grad_bytes += (src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or 1)
                              * src.out.dtype.itemsize)
             opt = self.optimizer_s(src.out, pl, own)
@@ -210,6 +207,26 @@ class NodeCosts:
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
         return c
+
+    def owned_params(self, n: Node, combo: tuple[AxisOption, ...]) -> Iterator[tuple[Node, tuple[int, ...]]]:
+        """The parameters node `n` owns (it is their first consumer), each with its placement codes on the tensor
+        axes under `combo`."""
+        for pos, j in enumerate(n.inputs):
+            src = self.nodes[j]
+            if src.kind == "param" and self.param_owner.get(src.param) == n.index:
+                yield src, tuple(o.ins[pos] for o in combo)
+
+    def owned_static_bytes(self, src: Node, pl: tuple[int, ...]) -> float:
+        """Static bytes per device of an owned parameter at placement `pl` (`param_static_bytes`, with what another
+        form splits it over)."""
+        return self.param_static_bytes(src.out, pl, self.own_split.get(src.param), self.own_gathered.get(src.param))
+
+    def strategy_memory(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> tuple[float, float]:
+        """(static, saved) bytes of a strategy as the core of `strategy_cost` counts them, without its conversions'
+        times: the forms only add to either, so each bounds `strategy_cost`'s from below (NOTE [a memory floor
+        before the costs] in cost_graph.py)."""
+        static = sum(self.owned_static_bytes(src, pl) for src, pl in self.owned_params(n, combo))
+        return static, self.saved_bytes(n, combo, pub)
 
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None,
                            own_gathered: int | None = None) -> float:

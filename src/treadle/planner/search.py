@@ -29,7 +29,7 @@ from .by_price import choose_by_price
 from .capabilities import attr_resolver, runtime_capabilities, shardable_fn, tied_leaf_holders
 from .capture import CapturedGraph, capture
 from .checkpoint_dp import ChainBlock, solve_chain
-from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
+from .cost_graph import CostGraph, OverMemoryFloor, Roles, TrainSpec, build_cost_graph
 from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
@@ -102,6 +102,9 @@ class _Search:
     resolver: Any
     timing: dict = field(default_factory=lambda: {"capture_s": 0.0, "cost_graph_s": 0.0, "solve_s": 0.0})
     pruned: list = field(default_factory=list)  # role assignments cut off (NOTE [a cutoff from the best plan found])
+    # role assignments whose memory floor is over the budget, not built: (cluster, roles, pins, floor bytes)
+    # (NOTE [a memory floor before the costs] in cost_graph.py)
+    over_floor: list = field(default_factory=list)
 
 
 def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec | list[ClusterSpec],
@@ -238,13 +241,15 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
     return out
 
 
-def cost_graph_for(search: _Search, cluster: ClusterSpec, roles: Roles, pins: dict) -> CostGraph:
+def cost_graph_for(search: _Search, cluster: ClusterSpec, roles: Roles, pins: dict,
+                   budget_bytes: float | None = None) -> CostGraph:
     """The cost graph of one role assignment with its pins (what `solve_roles` and the pin-conflict probe build).
-    Raises PlanError where an op has no strategy."""
+    Raises PlanError where an op has no strategy; `OverMemoryFloor` where `budget_bytes` is given and no plan
+    can fit it (NOTE [a memory floor before the costs])."""
     g = search.graph
     return build_cost_graph(g, cluster, roles, train=search.req.train, pins=pins,
                             shardable=shardable_fn(g, search.is_leaf_param, len(roles.tp), search.holders),
-                            attr_resolver=search.resolver)
+                            attr_resolver=search.resolver, budget_bytes=budget_bytes)
 
 
 def solve_for(search: _Search, cg: CostGraph, budget: float | None, cutoff_s: float | None = None) -> Solution:
@@ -276,7 +281,12 @@ def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list
         req.say(f"{where}: cost graph")
         tb = time.perf_counter()
         try:
-            cg = cost_graph_for(search, cl, roles, rpins)
+            cg = cost_graph_for(search, cl, roles, rpins, req.memory_budget_bytes)
+        except OverMemoryFloor as exc:  # no plan of it fits: infeasible, unbuilt (built only for the error)
+            logger.info("%s: infeasible (%s)", where, exc)
+            search.over_floor.append((cl, roles, rpins, exc.floor_bytes))
+            search.timing["cost_graph_s"] += time.perf_counter() - tb
+            continue
         except PlanError as exc:
             logger.info("%s skipped: %s", where, exc)
             unbuilt.append((cl, roles, None, getattr(exc, "node_index", None), str(exc)))
@@ -305,6 +315,9 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     req, budget = search.req, search.req.memory_budget_bytes
     feasible = [(s, c) for s, c in results if s.status != "infeasible"]
     if not feasible:
+        for cl, roles, rpins, _ in search.over_floor:  # the error's smallest budget reads every solve
+            cg_ = cost_graph_for(search, cl, roles, rpins)
+            results.append((solve_for(search, cg_, budget), cg_))
         _raise_infeasible(search, results, unbuilt)
     feasible.sort(key=lambda sc: (sc[0].step_s, sc[0].peak_bytes))
     sol, cg = feasible[0]
@@ -360,6 +373,8 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
     alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status,
                             "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
                           key=lambda a: a["step_s"])
+    alternatives += [{"mesh": str(cl.mesh), "roles": str(r), "status": "infeasible", "step_s": math.inf,
+                      "peak_bytes": math.inf, "memory_floor_bytes": floor} for cl, r, _, floor in search.over_floor]
     solver = {"status": sol.status, "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_cons,
               **search.timing, "planning_s": planning_s, "alternatives": alternatives, "pruned": search.pruned,
               "checkpoints": {cg.templates[t].path: c for t, c in sol.ckpt.items()},
