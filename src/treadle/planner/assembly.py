@@ -56,11 +56,13 @@ class Assembly:
             return None
         uidx, u_strats = self._strategy_of(u, unit_of, node_strats)
         positions = [pos for pos, j in enumerate(n.inputs) if self.canonical(j) == u]
-        mine = node_strats[n.index]
+        # n's strategies by the placements they read at those positions (each one's own, in order)
+        by_input: dict[tuple, list[int]] = {}
+        for l, (combo, _) in enumerate(node_strats[n.index]):
+            by_input.setdefault(tuple(tuple(o.ins[pos] for o in combo) for pos in positions), []).append(l)
         mapping: dict[int, int] = {}
         for k, (combo_u, pub_u) in enumerate(u_strats):
-            match = [l for l, (combo, pub) in enumerate(mine)
-                     if all(tuple(o.ins[pos] for o in combo) == pub_u for pos in positions)]
+            match = by_input.get((pub_u,) * len(positions), [])  # those that read u's published layout at each
             if len(match) != 1:
                 return None
             mapping[k] = match[0]

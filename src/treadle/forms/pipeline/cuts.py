@@ -214,10 +214,11 @@ def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[t
                 seen.append(dict(cur))
             elif a.kind in ("B", "W"):
                 cur[a.stage] = cur.get(a.stage, 0) - 1
-        keep = []
+        unique: dict[tuple, dict[int, int]] = {}  # each distinct moment once, in order of its first occurrence
         for x in seen:
-            if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in seen) and x not in keep:
-                keep.append(x)
+            unique.setdefault(tuple(sorted(x.items())), x)
+        keep = [x for x in unique.values()
+                if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in unique.values())]
         out[r] = tuple(tuple(kv.items()) for kv in keep)
     return out
 

@@ -179,8 +179,9 @@ def _role_floor(cg, lay: _Layout, mins) -> float:
 # least its static bytes and the largest of its stages' saved bytes, itself at least the mean over its v stages;
 # the busiest rank is at least the mean over ranks; and the last stage (the head, the loss: with a large
 # vocabulary the largest activation of the step) and the first stage are each on some rank. The floor is the
-# largest of those, with each unit's smallest bytes and each block's smaller of its saved bytes and its kept input
-# (NOTE [a memory floor before the costs] in `treadle.planner.cost_graph`); it holds for every cut and schedule.
+# largest of those, with each unit's smallest bytes (under ZeRO-3 with the smallest it holds beside its shard) and
+# each block's smaller of its saved bytes and its kept input (NOTE [a memory floor before the costs] in
+# `treadle.planner.cost_graph`); it holds for every cut and schedule.
 def memory_floor(ft) -> float | None:
     """A lower bound of the busiest pp rank's peak over every plan of a pipeline role assignment (NOTE [a memory
     floor of the stages]); None without a pp axis."""
@@ -198,6 +199,13 @@ def memory_floor(ft) -> float | None:
             e[0] += ft.static_min[u]
             e[1] += ft.act_min[u]
     static = sum(unit.count * ft.static_min[u] for u, unit in enumerate(ft.units) if u in in_template)
+    zt = zero_terms(ft)  # ZeRO-3 beside the pipeline: each stage also holds its gradients whole and gathers
+    if zt is not None:  # (NOTE [pipeline FSDP2 in the plan]; `ft` reads as the cost graph it will be)
+        held = [min(zt.held(u, k) for k in range(len(unit.strategies))) for u, unit in enumerate(ft.units)]
+        static += sum(unit.count * held[u] for u, unit in enumerate(ft.units) if u in in_template)
+        for u, unit in enumerate(ft.units):
+            if u not in in_template:
+                ends[unit.leader < first][0] += held[u]
     saved = sum(info.count * ft.block_min(t) for t, info in ft.templates.items())
     mean = (static + ends[True][0] + ends[False][0] + (saved + ends[True][1] + ends[False][1]) / v) / p
     return ft.fixed + max(mean, *(e[0] + e[1] for e in ends.values()))
@@ -254,9 +262,10 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         host = cg.ckpt_host_s.get(t, 0.0) * _SECONDS
         stages_t = [st for st in range(S) if cut.n[st].get(t)]
         left = min_ckpt.get(t, 0)
+        bounds = block_bounds(cg, t)
         for st in stages_t:
             n_t = cut.n[st][t]
-            cv = checkpoint_vars(m, n_t, At, Ft, It, block_bounds(cg, t), host=host, enabled=checkpoint,
+            cv = checkpoint_vars(m, n_t, At, Ft, It, bounds, host=host, enabled=checkpoint,
                                  least=n_t if left >= info.count else 0)
             ck[(t, st)] = cv
             for j, x in At.items():
