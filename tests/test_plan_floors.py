@@ -1,6 +1,6 @@
 """The bounds that let the search skip work without changing its answer: the memory floor of a role assignment
-before its costs (NOTE [a memory floor before the costs] in `treadle.planner.cost_graph`; a pipeline's: NOTE [a
-memory floor of the stages] in `treadle.forms.pipeline.milp`), and the pipeline MILP's time floors and per-cut
+before its costs (NOTE [a memory floor before the costs] in `treadle.planner.floors`; a pipeline's: NOTE [a
+memory floor of the stages] in `treadle.forms.pipeline.floors`), and the pipeline MILP's time floors and per-cut
 memory floor (NOTE [a lower bound before the MILP]). Each floor is held under what the solver finds, and a search
 with them finds the plan a search without them finds."""
 
@@ -10,12 +10,12 @@ import pytest
 
 from treadle.cost.cluster import parse_cluster
 from treadle.errors import PlanError
-from treadle.forms.pipeline import cuts, milp
+from treadle.forms.pipeline import cuts, floors, milp
 from treadle.forms.pipeline.zero import zero_terms
 from treadle.models.zoo import named_model
 from treadle.planner import plan_model
 from treadle.planner import search as S
-from treadle.planner.cost_graph import OverMemoryFloor
+from treadle.planner.floors import OverMemoryFloor
 from treadle.planner.ilp import solve
 from treadle.planner.pins import pins_for
 
@@ -71,23 +71,23 @@ def test_the_pipeline_floors_are_under_every_solved_cut(graphs):
         if not roles.pp:
             continue
         zt = zero_terms(cg)
-        mins, mem = milp._unit_mins(cg, zt), milp._memory_mins(cg, zt)
+        mins, mem = floors._unit_mins(cg, zt), floors._memory_mins(cg, zt)
         for kind in milp.schedules(cg):
             lay = cuts._layout(cg, kind)
-            role_floor = milp._role_floor(cg, lay, mins)
+            role_floor = floors._role_floor(cg, lay, mins)
             for stages in cuts.partitions(cg, lay):
                 cut = cuts._cut(cg, lay, stages)
                 got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30,
                                           rel_gap=1e-9, min_ckpt={}, minimise="time")
                 step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
-                floor = milp._objective_floor(cg, lay, cut, zt, mins)
+                floor = floors._objective_floor(cg, lay, cut, zt, mins)
                 # the MILP's objective is the step without the tied parameters' all-reduce
                 assert role_floor <= floor * (1 + 1e-9) and floor <= (step - milp._tied_s(cg, lay)) * (1 + 1e-9)
                 ratios.append(floor / step)
-                assert milp._memory_floor_of_cut(cg, lay, cut, mem) <= peak * (1 + 1e-9)
+                assert floors._memory_floor_of_cut(cg, lay, cut, mem) <= peak * (1 + 1e-9)
                 low, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30,
                                           rel_gap=1e-9, min_ckpt={}, minimise="memory")
-                assert milp._memory_floor_of_cut(cg, lay, cut, mem) <= milp.evaluate(cg, lay, cut, *low[:2])[1] * (
+                assert floors._memory_floor_of_cut(cg, lay, cut, mem) <= milp.evaluate(cg, lay, cut, *low[:2])[1] * (
                     1 + 1e-9)
                 checked += 1
     assert checked >= 6

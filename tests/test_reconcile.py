@@ -13,7 +13,7 @@ from treadle.cost.cluster import parse_cluster
 from treadle.planner import plan_model
 from treadle.planner.explain import COMM_COLUMN, TOTAL_ROW, explain_text, mesh_table, price_lines
 from treadle.planner.plan import Plan
-from treadle.planner.rows import STEP_ROW
+from treadle.planner.rows import STEP_ROW, binding_constraint
 from treadle.units import GiB, MiB
 from treadle.viz import chrome_trace, costs_from_plan, timeline_from_plan
 from treadle.viz.chrome import track_names
@@ -97,16 +97,16 @@ def test_a_figure_shown_twice_is_one_figure_or_labelled(dp_plan: Plan) -> None:
 def test_met_budget_never_shows_negative_slack(monkeypatch) -> None:
     """The slack is against the peak the budget was checked against: a plan chosen by price whose solver peak is
     over the budget (the price's re-solve moved the solver's budget) but whose price fits shows the price's slack."""
-    from treadle.planner import search
+    from treadle.planner import rows
     from treadle.planner.ilp import Solution
 
     free = Solution([], {}, 1.0, 9 * MiB, "optimal", 0.0, 0.0)
-    monkeypatch.setattr(search, "solve", lambda *a, **k: free)
+    monkeypatch.setattr(rows, "solve", lambda *a, **k: free)
     sol = Solution([], {}, 1.0, 11 * MiB, "optimal", 0.0, 0.0)  # the solver's peak, over the budget
-    text = search._binding(None, sol, 10 * MiB, 1.0, "auto", priced_peak_bytes=9.5 * MiB)
+    text = binding_constraint(None, sol, 10 * MiB, 1.0, "auto", priced_peak_bytes=9.5 * MiB)
     assert text.startswith("none: memory slack 0.500 MiB") and "under the priced peak (as built) 9.500 MiB" in text
     assert "slack -" not in text
-    assert "solver's peak 11.000 MiB" in search._binding(None, sol, 12 * MiB, 1.0, "auto")  # not priced: labelled
+    assert "solver's peak 11.000 MiB" in binding_constraint(None, sol, 12 * MiB, 1.0, "auto")  # not priced: labelled
 
 
 def test_budgeted_plan_slack_is_the_price_s(dp_plan: Plan) -> None:

@@ -47,6 +47,7 @@ from .capture import CapturedGraph, Node, TensorMeta
 from .dims import AxisOption, block_chain, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost
 from .assembly import Assembly, Edge, TemplateInfo
+from .floors import FloorTerms, OverMemoryFloor, memory_floor
 from .roles import Roles, TrainSpec
 from .views import noop_cast, view_attr_needs
 
@@ -427,60 +428,6 @@ class _Builder(NodeCosts, Assembly):
             detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
             cg.ckpt_host_s[t] = recompute_host_s(hw, ops=ops + detaches, regions=1) + detaches * hw.op_overhead_s
         cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
-
-# NOTE [a memory floor before the costs]: under a budget most role assignments of a large model on many devices
-# cannot fit at all (405B on 512 GPUs: tensor parallelism over two or three axes with no data parallelism holds
-# the whole batch's activations, thousands of GiB), and their cost graphs are the dearest to build (a layout
-# change over three axes is a search of thousands of layouts). Memory needs no conversion times: each strategy's
-# static and saved bytes (`NodeCosts.strategy_memory`, the same functions `strategy_cost` adds, which the forms only
-# add to) give each unit's smallest, and a role assignment whose every plan needs more than the budget is refused
-# before its costs (`OverMemoryFloor`): the solver would find it infeasible. The floor of the ILP's memory row
-# (`memory_floor`): the fixed bytes, every unit's smallest static bytes times its count, every unit outside the
-# blocks' smallest saved bytes, and each block of a template the smaller of its units' smallest saved bytes and its
-# smallest kept input (a checkpointed block keeps its input: (L - c) A + c In >= L min(A, In)); the transient block
-# and every form's further rows only add. A pipeline's rows are per rank (`Form.memory_floor`:
-# NOTE [a memory floor of the stages] in `treadle.forms.pipeline.milp`). The search lists such a role assignment
-# as infeasible and builds it only where no role assignment fits (the error then names the smallest budget any
-# plan meets, from every solve).
-class OverMemoryFloor(PlanError):
-    """No plan of a role assignment fits the budget: its memory floor is over it (`floor_bytes`)."""
-
-    def __init__(self, message: str, floor_bytes: float):
-        super().__init__(message)
-        self.floor_bytes = floor_bytes
-
-
-@dataclass(slots=True)
-class FloorTerms:
-    """What a memory floor reads (NOTE [a memory floor before the costs]): the units and templates of a cost graph
-    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), and the
-    fixed bytes."""
-
-    graph: CapturedGraph
-    cluster: ClusterSpec
-    roles: Roles
-    units: list[Unit]
-    templates: dict[int, TemplateInfo]
-    static_min: list[float]
-    act_min: list[float]
-    fixed: float
-
-    def block_min(self, t: int) -> float:
-        """The fewest bytes one block of template t keeps: its units' smallest saved bytes, or its smallest kept
-        input where checkpointing it keeps less."""
-        info = self.templates[t]
-        saved = sum(self.act_min[u] for u in info.units)
-        return min(saved, min(info.input_bytes)) if info.input_bytes else saved
-
-
-def memory_floor(ft: FloorTerms) -> float:
-    """A lower bound of the ILP's memory row over every plan of the role assignment (NOTE [a memory floor before
-    the costs])."""
-    in_template = {u for info in ft.templates.values() for u in info.units}
-    total = ft.fixed + sum(unit.count * ft.static_min[u] for u, unit in enumerate(ft.units))
-    total += sum(unit.count * ft.act_min[u] for u, unit in enumerate(ft.units) if u not in in_template)
-    return total + sum(info.count * ft.block_min(t) for t, info in ft.templates.items())
-
 
 def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.compute_s += c.compute_s

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from ..form import forms
 from ..placement import R, placement_str
+from ..units import fmt_bytes_exact as _fmt_bytes
 from .cost_graph import CostGraph
-from .ilp import Solution, evaluate
+from .ilp import Solution, evaluate, solve
 
 # NOTE [the step row]: what the solver's step holds that no module's row does, as one row: host overheads fixed by
 # the role (FSDP2 units, foreach lists: `cg.host_s`) and a checkpointed block's host cost in compute and recompute
@@ -78,3 +79,23 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     tol = 1e-9 * max(terms["compute_s"] + terms["recompute_s"], 1e-12)
     keep = step.memory_bytes > 0 or any(abs(v) > tol for v in (step.compute_s, step.comm_s, step.recompute_s))
     return list(rows.values()) + ([step] if keep else [])
+
+
+def binding_constraint(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str, *,
+                       priced_peak_bytes: float | None = None) -> str:
+    """Which constraint binds: re-solve the chosen mesh and roles without the budget and compare (the solver's
+    steps). The slack is the budget less the peak it was checked against: the price's (the plan as built,
+    NOTE [final choice by price]) when the plan was chosen by price, else the solver's."""
+    if budget is None:
+        return "none (no memory budget)"
+    peak, whose = ((priced_peak_bytes, "priced peak (as built)") if priced_peak_bytes is not None
+                   else (sol.peak_bytes, "solver's peak"))
+    slack = budget - peak
+    free = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, checkpoint=checkpoint != "none")
+    if free.status != "infeasible" and free.step_s < sol.step_s * (1 - 1e-6):
+        return (f"memory binds: {whose} {_fmt_bytes(peak)} of {_fmt_bytes(budget)} (slack {_fmt_bytes(slack)}); "
+                f"without the budget this mesh and roles would take {free.step_s * 1e3:.3f} ms instead of "
+                f"{sol.step_s * 1e3:.3f} ms (+{(sol.step_s / free.step_s - 1) * 100:.1f}%, solver's estimates) at "
+                f"solver's peak {_fmt_bytes(free.peak_bytes)}")
+    return (f"none: memory slack {_fmt_bytes(slack)} ({slack / budget:.0%} of the budget) under the {whose} "
+            f"{_fmt_bytes(peak)}; the plan is the fastest for its mesh and roles without a memory limit")

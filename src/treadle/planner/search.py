@@ -29,14 +29,15 @@ from .by_price import choose_by_price
 from .capabilities import attr_resolver, runtime_capabilities, shardable_fn, tied_leaf_holders
 from .capture import CapturedGraph, capture
 from .checkpoint_dp import ChainBlock, solve_chain
-from .cost_graph import CostGraph, OverMemoryFloor, Roles, TrainSpec, build_cost_graph
+from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
+from .floors import OverMemoryFloor
 from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
 from .candidates import cutoff_for, pipeline_on_slowest_link, priced_candidates
 from .roles import alike_key, enumerate_roles, why_replicated
-from .rows import plan_rows
+from .rows import binding_constraint, plan_rows
 from .to_schedule import decisions_from_solution
 from .validate import execution_and_float8, expert_load_of, validate_plan_args
 
@@ -103,7 +104,7 @@ class _Search:
     timing: dict = field(default_factory=lambda: {"capture_s": 0.0, "cost_graph_s": 0.0, "solve_s": 0.0})
     pruned: list = field(default_factory=list)  # role assignments cut off (NOTE [a cutoff from the best plan found])
     # role assignments whose memory floor is over the budget, not built: (cluster, roles, pins, floor bytes)
-    # (NOTE [a memory floor before the costs] in cost_graph.py)
+    # (NOTE [a memory floor before the costs] in floors.py)
     over_floor: list = field(default_factory=list)
 
 
@@ -368,7 +369,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
                    mfu_of(int(cg.model_flops / cluster.world_size), sol.step_s, hw, dtype) if sol.step_s else 0.0,
                    sol.terms["compute_s"], sol.terms["comm_s"], sol.terms["recompute_s"], sol.terms["static_bytes"],
                    sol.terms["activation_bytes"], sol.terms["transient_bytes"])
-    binding = _binding(cg, sol, req.memory_budget_bytes, req.time_limit_s, req.checkpoint,
+    binding = binding_constraint(cg, sol, req.memory_budget_bytes, req.time_limit_s, req.checkpoint,
                        priced_peak_bytes=chosen_price["peak_bytes"] if chosen_price else None)
     alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status,
                             "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
@@ -462,26 +463,6 @@ def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solu
     step, peak, terms = evaluate(cg, sol.choice, ckpt)
     status = sol.status if res.feasible else "infeasible"
     return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms)
-
-
-def _binding(cg: CostGraph, sol: Solution, budget: float | None, time_limit_s: float, checkpoint: str, *,
-             priced_peak_bytes: float | None = None) -> str:
-    """Which constraint binds: re-solve the chosen mesh and roles without the budget and compare (the solver's
-    steps). The slack is the budget less the peak it was checked against: the price's (the plan as built,
-    NOTE [final choice by price]) when the plan was chosen by price, else the solver's."""
-    if budget is None:
-        return "none (no memory budget)"
-    peak, whose = ((priced_peak_bytes, "priced peak (as built)") if priced_peak_bytes is not None
-                   else (sol.peak_bytes, "solver's peak"))
-    slack = budget - peak
-    free = solve(cg, budget_bytes=None, time_limit_s=time_limit_s, checkpoint=checkpoint != "none")
-    if free.status != "infeasible" and free.step_s < sol.step_s * (1 - 1e-6):
-        return (f"memory binds: {whose} {_fmt_bytes(peak)} of {_fmt_bytes(budget)} (slack {_fmt_bytes(slack)}); "
-                f"without the budget this mesh and roles would take {free.step_s * 1e3:.3f} ms instead of "
-                f"{sol.step_s * 1e3:.3f} ms (+{(sol.step_s / free.step_s - 1) * 100:.1f}%, solver's estimates) at "
-                f"solver's peak {_fmt_bytes(free.peak_bytes)}")
-    return (f"none: memory slack {_fmt_bytes(slack)} ({slack / budget:.0%} of the budget) under the {whose} "
-            f"{_fmt_bytes(peak)}; the plan is the fastest for its mesh and roles without a memory limit")
 
 
 def _tensor_shardable(cg: CostGraph) -> dict[str, bool]:

@@ -14,6 +14,7 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `plan.py`      the planner's pipeline role and its decisions (NOTE [pipeline in the plan]);
 - `cuts.py`      the stages of a cost graph, the cuts proposed, the micro-batches in flight;
 - `milp.py`      the MILP of a pipelined step, per cut, with its direct evaluation and exhaustive oracle;
+- `floors.py`    lower bounds that skip cuts and role assignments no plan of which can win or fit;
 - `zero.py`      ZeRO-3 / HSDP beside a planned pipeline (NOTE [pipeline FSDP2 in the plan]).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from ...form import Form
 from . import plan as _plan
-from .milp import memory_floor
+from .floors import memory_floor
 from .price import price_pipeline
 from .runtime import wrap_pipeline
 from .stages import capture_root

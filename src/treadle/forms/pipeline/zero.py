@@ -26,6 +26,7 @@ from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce
 from ...planner.capture import TensorMeta
 from ...planner.node_costs import _tensor_axes_divisor
 from ..data.facts import fsdp_host_s
+from .cuts import _Cut
 
 
 @dataclass(slots=True)
@@ -108,3 +109,17 @@ def zero_terms(cg) -> ZeroTerms | None:
     # the gradients have the parameters' dtype and shards (every captured parameter trains)
     return ZeroTerms(gathered, gathered, n, ag, rs, ag_lat, rs_lat, cg.cluster.rank_device().overlap,
                      fsdp_host_s(1, 0, cg.cluster.rank_hardware()))
+
+
+def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], list[float]]:
+    """Per stage its gathers' latency per micro-batch (two of each unit: its blocks and a root) and FSDP2's hooks on
+    its units (host time, beside the overlap), per rank the step-end reduce-scatters' latency (NOTE [pipeline FSDP2
+    in the plan]); zeros without ZeRO-3."""
+    S = len(cut.stages)
+    if zt is None:
+        return [0.0] * S, [0.0] * S, [0.0] * p
+    # a stage's FSDP2 units: its blocks, and a root where it holds parameters besides them (the embedding on the
+    # first stage, the final norm and head on the last)
+    units = [len(st) + (1 if i in (0, S - 1) else 0) for i, st in enumerate(cut.stages)]
+    return ([2 * u * zt.ag_lat_s for u in units], [u * zt.unit_host_s for u in units],
+            [sum(units[st] for st in range(S) if st % p == r) * zt.rs_lat_s for r in range(p)])

@@ -1,0 +1,147 @@
+"""Lower bounds of a pipeline role assignment that let the search skip work without changing its answer: the
+memory floor of every plan of it (NOTE [a memory floor of the stages]), and the time and memory floors of one
+cut's MILP (NOTE [a lower bound before the MILP]). tests/test_plan_floors.py holds each under the solver's
+figures."""
+
+from __future__ import annotations
+
+from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, inflight
+from .zero import _zero_constants, zero_terms
+
+# NOTE [a lower bound before the MILP]: with a cutoff (NOTE [a cutoff from the best plan found]) most cuts of most
+# role assignments cannot beat the best plan found (405B on 512 GPUs: 1376 cut MILPs, 15 feasible under their
+# cutoffs), and building and solving each costs tens of milliseconds. Every term of the MILP's objective is bounded
+# below by each unit's cheapest allowed strategy, without recomputation, gradient sums or sends (each >= 0): a
+# stage's T_s >= sum_u n_s(u) min_k step[u,k] (under ZeRO-3 with overlap, also >= its gathers' min plus their
+# latency), a rank's R >= the sum of its stages' and Q >= its tail's mins. `_objective_floor` is that bound of a
+# cut; `_role_floor` the bound of every cut of a schedule at once (the largest rank is at least the mean, and the
+# stages' sum does not depend on the cut). A cut, or a whole role assignment, whose bound is above the cutoff is
+# not built: the MILP would find nothing under its cutoff row (which, as this bound, leaves out the constant tied
+# parameters' all-reduce). It changes which plans are found by nothing (tests/test_plan_floors.py holds the bounds
+# under each solved cut's objective).
+_FLOOR_TOL = 1e-6  # a bound this close above the cutoff still solves (the MILP's own tolerance)
+
+
+def _unit_mins(cg, zt) -> tuple[list[float], list[float], list[float]]:
+    """Per unit the smallest over its allowed strategies of a micro-batch's seconds (`_step_time`), of its ZeRO-3
+    gathers (0 without) and of its once-a-step tail."""
+    t, g, q = [], [], []
+    for u, unit in enumerate(cg.units):
+        ok = [k for k, a in enumerate(unit.allowed) if a] or range(len(unit.costs))
+        t.append(min(_step_time(unit.costs[k]) for k in ok))
+        g.append(min(zt.gather_s(u, k) for k in ok) if zt is not None else 0.0)
+        q.append(min((_tail_time(unit.costs[k]) if zt is None else unit.costs[k].opt_s + zt.reduce_s(u, k))
+                     for k in ok))
+    return t, g, q
+
+
+def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins) -> float:
+    """A lower bound of `_solve_cut`'s objective (seconds; NOTE [a lower bound before the MILP])."""
+    S, p, M = lay.n_stages, lay.p, lay.m
+    tmin, gmin, qmin = mins
+    T, G, tail = [0.0] * S, [0.0] * S, [0.0] * S
+    for u in range(len(cg.units)):
+        for st, k_n in cut.mult.get(u, []):
+            T[st] += k_n * tmin[u]
+            G[st] += k_n * gmin[u]
+            tail[st] += k_n * qmin[u]
+    Gc, Tc, Qc = _zero_constants(zt, cut, p)
+    if zt is not None:
+        if zt.overlap:
+            T = [max(T[st], G[st] + Gc[st]) for st in range(S)]
+        else:
+            T = [T[st] + G[st] for st in range(S)]
+            Tc = [Tc[st] + Gc[st] for st in range(S)]
+    ranks = [[st for st in range(S) if st % p == r] for r in range(p)]
+    R = max(sum(T[st] + Tc[st] for st in mine) for mine in ranks)
+    Q = max(sum(tail[st] for st in mine) + Qc[r] for r, mine in enumerate(ranks))
+    return M * R + Q + (p - 1) / (p * lay.v) * sum(T)
+
+
+def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float]]:
+    """Per unit its smallest static bytes as a stage holds them (with ZeRO-3's held bytes) and its smallest saved
+    bytes over its allowed strategies; per template the fewest bytes a block keeps (its saved bytes, or its kept
+    input where checkpointing keeps less)."""
+    st, act = [], []
+    for u, unit in enumerate(cg.units):
+        ok = [k for k, a in enumerate(unit.allowed) if a] or range(len(unit.costs))
+        st.append(min(unit.costs[k].static_bytes + (zt.held(u, k) if zt is not None else 0.0) for k in ok))
+        act.append(min(unit.costs[k].act_bytes for k in ok))
+    block = {}
+    for t, info in cg.templates.items():
+        saved = sum(act[u] for u in info.units)
+        block[t] = min(saved, min(info.input_bytes)) if info.input_bytes else saved
+    return st, act, block
+
+
+def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
+    """A lower bound of the busiest rank's peak of a cut: the MILP's memory rows (NOTE [pipeline in the plan]) at
+    every undominated moment, each term at its smallest (`_memory_mins`), without the recomputed block."""
+    st_min, act_min, block = mem
+    S, p = lay.n_stages, lay.p
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    static, A = [0.0] * S, [0.0] * S
+    for u in range(len(cg.units)):
+        for st, k_n in cut.mult.get(u, []):
+            static[st] += k_n * st_min[u]
+            if u not in in_template:
+                A[st] += act_min[u]
+    for st in range(S):
+        A[st] += sum(n_t * block[t] for t, n_t in cut.n[st].items())
+    moments = inflight(lay)
+    peak = 0.0
+    for r in range(p):
+        base = sum(static[st] for st in range(S) if st % p == r)
+        act = max((sum(k_ * A[st] for st, k_ in kv.items()) for kv in moments[r]), default=0.0)
+        peak = max(peak, base + act)
+    return peak + cg.fixed_static_bytes
+
+
+def _role_floor(cg, lay: _Layout, mins) -> float:
+    """A lower bound of `_objective_floor` over every cut of `lay` (NOTE [a lower bound before the MILP])."""
+    tmin, _, qmin = mins
+    # a unit's executions over all stages (`_cut`'s multiplicities summed): its template's blocks, else one
+    runs = {u: info.count for info in cg.templates.values() for u in info.units}
+    total = sum(runs.get(u, 1) * tmin[u] for u in range(len(cg.units)))
+    tail = sum(runs.get(u, 1) * qmin[u] for u in range(len(cg.units)))
+    p = lay.p
+    return lay.m * total / p + tail / p + (p - 1) / (p * lay.v) * total
+
+
+# NOTE [a memory floor of the stages]: the pipeline's memory rows (NOTE [pipeline in the plan]) are per pp rank:
+# its stages' static bytes, the fixed bytes, and at each moment the micro-batches in flight on each of its stages
+# times their saved bytes. Every stage has a moment with one micro-batch in flight at least, so a rank's peak is at
+# least its static bytes and the largest of its stages' saved bytes, itself at least the mean over its v stages;
+# the busiest rank is at least the mean over ranks; and the last stage (the head, the loss: with a large
+# vocabulary the largest activation of the step) and the first stage are each on some rank. The floor is the
+# largest of those, with each unit's smallest bytes (under ZeRO-3 with the smallest it holds beside its shard) and
+# each block's smaller of its saved bytes and its kept input (NOTE [a memory floor before the costs] in
+# `treadle.planner.floors`); it holds for every cut and schedule.
+def memory_floor(ft) -> float | None:
+    """A lower bound of the busiest pp rank's peak over every plan of a pipeline role assignment (NOTE [a memory
+    floor of the stages]); None without a pp axis."""
+    roles = ft.roles
+    if roles.pp is None:
+        return None
+    p = ft.cluster.mesh.size(roles.pp)
+    v = SCHEDULES[roles.pp_schedule] if roles.pp_schedule else max(SCHEDULES.values())  # the most stages a rank
+    runs = {u: info.count for info in ft.templates.values() for u in info.units}  # over all stages
+    in_template = set(runs)
+    first = min((i for blk in ft.graph.blocks for i in blk.nodes), default=0)
+    ends = {True: [0.0, 0.0], False: [0.0, 0.0]}  # head (before the blocks), tail: [static, saved]
+    for u, unit in enumerate(ft.units):
+        if u not in in_template:
+            e = ends[unit.leader < first]
+            e[0] += ft.static_min[u]
+            e[1] += ft.act_min[u]
+    static = sum(n * ft.static_min[u] for u, n in runs.items())
+    zt = zero_terms(ft)  # ZeRO-3 beside the pipeline: each stage also holds its gradients whole and gathers
+    if zt is not None:  # (NOTE [pipeline FSDP2 in the plan]; `ft` reads as the cost graph it will be)
+        held = [min(zt.held(u, k) for k in range(len(unit.strategies))) for u, unit in enumerate(ft.units)]
+        static += sum(n * held[u] for u, n in runs.items())
+        for u, unit in enumerate(ft.units):
+            if u not in in_template:
+                ends[unit.leader < first][0] += held[u]
+    saved = sum(info.count * ft.block_min(t) for t, info in ft.templates.items())
+    mean = (static + ends[True][0] + ends[False][0] + (saved + ends[True][1] + ends[False][1]) / v) / p
+    return ft.fixed + max(mean, *(e[0] + e[1] for e in ends.values()))
