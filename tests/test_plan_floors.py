@@ -6,6 +6,8 @@ with them finds the plan a search without them finds."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from treadle.cost.cluster import parse_cluster
@@ -15,6 +17,7 @@ from treadle.forms.pipeline.zero import zero_terms
 from treadle.models.zoo import named_model
 from treadle.planner import plan_model
 from treadle.planner import search as S
+from treadle.planner.explain import explain_text
 from treadle.planner.floors import OverMemoryFloor
 from treadle.planner.ilp import solve
 from treadle.planner.pins import pins_for
@@ -125,6 +128,10 @@ def test_a_search_with_the_floors_finds_the_plan_one_without_them_finds(graphs, 
     assert any(solved[a["roles"]] == "infeasible" for a in skipped)
     mine = [a["roles"] for a in plan.solver["alternatives"]] + [a["roles"] for a in plan.solver["pruned"]]
     assert sorted(mine) == sorted(solved)
+    least = min(a["memory_floor_bytes"] for a in skipped)
+    assert re.search(rf"memory floor: {len(skipped)} role assignments cannot fit the budget and were not built "
+                     rf"\(the least needs at least [0-9.]+ [KMG]iB: ", explain_text(plan))
+    assert least > budget
 
 
 def test_where_nothing_fits_the_error_names_the_smallest_budget_of_every_solve(graphs, monkeypatch):

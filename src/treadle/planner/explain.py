@@ -130,6 +130,12 @@ def summary_lines(plan) -> list[str]:
     if pruned:  # NOTE [a cutoff from the best plan found] in candidates.py
         lines.append(f"pruned: {len(pruned)} pipelined role assignments had no plan faster than one the search kept "
                      f"(e.g. {pruned[0].get('mesh', '')} {pruned[0]['roles']})")
+    floored = [a for a in alts if "memory_floor_bytes" in a]
+    if floored:  # NOTE [a memory floor before the costs] in floors.py
+        low = min(floored, key=lambda a: a["memory_floor_bytes"])
+        lines.append(f"memory floor: {len(floored)} role assignments cannot fit the budget and were not built (the "
+                     f"least needs at least {_fmt(low['memory_floor_bytes'], unit)}: {low.get('mesh', '')} "
+                     f"{low['roles']})")
     priced = s.get("priced") or []
     if priced:  # NOTE [final choice by price] in plan.py
         lines.append("final choice by price: " + "; ".join(
