@@ -110,19 +110,22 @@ def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *
                      train: TrainSpec = TrainSpec(), pins: dict[str, tuple[int, ...]] | None = None,
                      shardable: "callable[[str, str], set[tuple[int, ...]]] | None" = None,
                      dtype_compute: torch.dtype | None = None, attr_resolver=None,
-                     budget_bytes: float | None = None) -> CostGraph:
+                     budget_bytes: float | None = None, memo: dict | None = None) -> CostGraph:
     """Units, strategies and costs of `graph` on `cluster` under `roles`.
 
     `pins` maps a parameter name to its required placement on the tensor axes (codes per axis);
     `shardable(param, module)` returns the parameter placements (codes per tensor axis, besides all-R) the
     runtime can build for that parameter (default: none, i.e. everything replicated).
     `budget_bytes`: where given, raises `OverMemoryFloor` before the costs when no plan of the role assignment
-    can fit it (NOTE [a memory floor before the costs]).
+    can fit it (NOTE [a memory floor before the costs]). `memo`: a dict the caller keeps for one captured graph,
+    where each op's dimension spec and per-axis strategy combinations are kept by tensor sizes (they read
+    nothing else); the search passes one per `plan_model` call.
     Raises PlanError if a pin names an unknown parameter or can never be met.
     """
     b = _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute)
     b.attr_resolver = attr_resolver
     b.budget_bytes = budget_bytes
+    b.memo = memo
     cg = b.build()
     cg.attr_resolver = attr_resolver
     return cg
@@ -178,6 +181,7 @@ class _Builder(NodeCosts, Assembly):
                 self.last_packer[b] = max(saving)
         self.attr_resolver = None
         self.budget_bytes: float | None = None  # NOTE [a memory floor before the costs]
+        self.memo: dict | None = None  # (op node, tensor sizes) -> (dim spec, strategies): `build_cost_graph`
 
     # ------------------------------------------------------------------ per-node facts
     def canonical(self, i: int) -> int:
@@ -224,8 +228,14 @@ class _Builder(NodeCosts, Assembly):
 
     # ------------------------------------------------------------------ strategies
     def node_strategies(self, n: Node) -> list[tuple[tuple[AxisOption, ...], tuple[int, ...]]]:
-        spec = dim_spec(n, self.nodes)
-        combos = strategies(n, self.nodes, spec, self.tp_sizes)
+        key = (n.index, self.tp_sizes)  # both read only the graph and the tensor sizes
+        got = self.memo.get(key) if self.memo is not None else None
+        if got is None:
+            got = dim_spec(n, self.nodes)
+            got = (got, strategies(n, self.nodes, got, self.tp_sizes))
+            if self.memo is not None:
+                self.memo[key] = got
+        spec, combos = got
         out: list = []
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs

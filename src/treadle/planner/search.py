@@ -106,6 +106,7 @@ class _Search:
     # role assignments whose memory floor is over the budget, not built: (cluster, roles, pins, floor bytes)
     # (NOTE [a memory floor before the costs] in floors.py)
     over_floor: list = field(default_factory=list)
+    memo: dict = field(default_factory=dict)  # the cost graphs' per-op strategies (`build_cost_graph`)
 
 
 def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: ClusterSpec | list[ClusterSpec],
@@ -250,7 +251,7 @@ def cost_graph_for(search: _Search, cluster: ClusterSpec, roles: Roles, pins: di
     g = search.graph
     return build_cost_graph(g, cluster, roles, train=search.req.train, pins=pins,
                             shardable=shardable_fn(g, search.is_leaf_param, len(roles.tp), search.holders),
-                            attr_resolver=search.resolver, budget_bytes=budget_bytes)
+                            attr_resolver=search.resolver, budget_bytes=budget_bytes, memo=search.memo)
 
 
 def solve_for(search: _Search, cg: CostGraph, budget: float | None, cutoff_s: float | None = None) -> Solution:
