@@ -172,7 +172,7 @@ class Form:
 
     def memory_floor(self, ft: Any) -> float | None:
         """A lower bound of every plan's peak bytes per device when this form owns the step's formula (as `solve`),
-        from `ft` (`treadle.planner.cost_graph.FloorTerms`: each unit's smallest static and saved bytes); None
+        from `ft` (`treadle.planner.floors.FloorTerms`: each unit's smallest static and saved bytes); None
         otherwise (NOTE [a memory floor before the costs])."""
         return None
 

@@ -43,6 +43,7 @@ from ..mesh import Mesh
 from ..placement import P, R, pin_holds
 from ..runtime.optimizer import adamw_fixed_s
 from ..runtime.recompute import recompute_host_s
+from ..units import fmt_bytes
 from .capture import CapturedGraph, Node, TensorMeta
 from .dims import AxisOption, block_chain, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost
@@ -374,9 +375,8 @@ class _Builder(NodeCosts, Assembly):
         if self.budget_bytes is not None:  # NOTE [a memory floor before the costs]
             floor = self._memory_floor(units, templates, fixed)
             if floor > self.budget_bytes * (1 + 1e-9):
-                raise OverMemoryFloor(f"{self.roles}: every plan needs at least {floor / 2**30:.1f} GiB per device "
-                                      f"(the memory floor), over the budget {self.budget_bytes / 2**30:.1f} GiB",
-                                      floor)
+                raise OverMemoryFloor(f"{self.roles}: every plan needs at least {fmt_bytes(floor)} per device "
+                                      f"(the memory floor), over the budget {fmt_bytes(self.budget_bytes)}", floor)
         # costs
         for unit in units:
             mixed = len({self.nodes[i].module for i in unit.nodes}) > 1

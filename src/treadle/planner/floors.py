@@ -54,11 +54,15 @@ class FloorTerms:
     fixed: float
 
     def block_min(self, t: int) -> float:
-        """The fewest bytes one block of template t keeps: its units' smallest saved bytes, or its smallest kept
-        input where checkpointing it keeps less."""
-        info = self.templates[t]
-        saved = sum(self.act_min[u] for u in info.units)
-        return min(saved, min(info.input_bytes)) if info.input_bytes else saved
+        """`block_min` of template t."""
+        return block_min(self.templates[t], self.act_min)
+
+
+def block_min(info: TemplateInfo, act_min: list[float]) -> float:
+    """The fewest bytes one block of a template keeps: its units' smallest saved bytes (`act_min`, per unit), or
+    its smallest kept input where checkpointing it keeps less."""
+    saved = sum(act_min[u] for u in info.units)
+    return min(saved, min(info.input_bytes)) if info.input_bytes else saved
 
 
 def memory_floor(ft: FloorTerms) -> float:

@@ -224,7 +224,7 @@ class NodeCosts:
     def strategy_memory(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> tuple[float, float]:
         """(static, saved) bytes of a strategy as the core of `strategy_cost` counts them, without its conversions'
         times: the forms only add to either, so each bounds `strategy_cost`'s from below (NOTE [a memory floor
-        before the costs] in cost_graph.py)."""
+        before the costs] in floors.py)."""
         static = sum(self.owned_static_bytes(src, pl) for src, pl in self.owned_params(n, combo))
         return static, self.saved_bytes(n, combo, pub)
 

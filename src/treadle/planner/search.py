@@ -371,7 +371,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
                    sol.terms["compute_s"], sol.terms["comm_s"], sol.terms["recompute_s"], sol.terms["static_bytes"],
                    sol.terms["activation_bytes"], sol.terms["transient_bytes"])
     binding = binding_constraint(cg, sol, req.memory_budget_bytes, req.time_limit_s, req.checkpoint,
-                       priced_peak_bytes=chosen_price["peak_bytes"] if chosen_price else None)
+                                 priced_peak_bytes=chosen_price["peak_bytes"] if chosen_price else None)
     alternatives = sorted(({"mesh": str(c.cluster.mesh), "roles": str(c.roles), "status": s.status,
                             "step_s": s.step_s, "peak_bytes": s.peak_bytes} for s, c in results),
                           key=lambda a: a["step_s"])

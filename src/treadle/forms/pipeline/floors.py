@@ -5,6 +5,7 @@ figures."""
 
 from __future__ import annotations
 
+from ...planner.floors import block_min
 from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, inflight
 from .zero import _zero_constants, zero_terms
 
@@ -22,12 +23,17 @@ from .zero import _zero_constants, zero_terms
 _FLOOR_TOL = 1e-6  # a bound this close above the cutoff still solves (the MILP's own tolerance)
 
 
+def _allowed(unit) -> list[int] | range:
+    """A unit's allowed strategies (all of them where none is marked allowed)."""
+    return [k for k, a in enumerate(unit.allowed) if a] or range(len(unit.costs))
+
+
 def _unit_mins(cg, zt) -> tuple[list[float], list[float], list[float]]:
     """Per unit the smallest over its allowed strategies of a micro-batch's seconds (`_step_time`), of its ZeRO-3
     gathers (0 without) and of its once-a-step tail."""
     t, g, q = [], [], []
     for u, unit in enumerate(cg.units):
-        ok = [k for k, a in enumerate(unit.allowed) if a] or range(len(unit.costs))
+        ok = _allowed(unit)
         t.append(min(_step_time(unit.costs[k]) for k in ok))
         g.append(min(zt.gather_s(u, k) for k in ok) if zt is not None else 0.0)
         q.append(min((_tail_time(unit.costs[k]) if zt is None else unit.costs[k].opt_s + zt.reduce_s(u, k))
@@ -64,14 +70,10 @@ def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float]]:
     input where checkpointing keeps less)."""
     st, act = [], []
     for u, unit in enumerate(cg.units):
-        ok = [k for k, a in enumerate(unit.allowed) if a] or range(len(unit.costs))
+        ok = _allowed(unit)
         st.append(min(unit.costs[k].static_bytes + (zt.held(u, k) if zt is not None else 0.0) for k in ok))
         act.append(min(unit.costs[k].act_bytes for k in ok))
-    block = {}
-    for t, info in cg.templates.items():
-        saved = sum(act[u] for u in info.units)
-        block[t] = min(saved, min(info.input_bytes)) if info.input_bytes else saved
-    return st, act, block
+    return st, act, {t: block_min(info, act) for t, info in cg.templates.items()}
 
 
 def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
