@@ -103,7 +103,7 @@ def test_compiled_price_fuses_the_blocks_and_leaves_the_rest_eager():
     assert by(compiled, True) < 0.97 * by(eager, True)
     # the extern kernels keep their time; a fused run's time is charged where it starts, the rest of it is 0
     hw = cluster.rank_hardware()
-    reh = rehearse(sch, inputs, hw, None, gpu=True)
+    reh = rehearse(sch, inputs, hw, None, gpu=True, flows=True)
     times = compiled_times(reh.records, reh.flows, compiled_units(reh.model), hw)
     for r, t in zip(reh.records, times):
         if r.kind in ("matmul", "attention"):

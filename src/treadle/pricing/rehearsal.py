@@ -23,6 +23,8 @@ from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
 from ..schedule.tree import within
 from ..schedule.view import ScheduleView
+from ..models.common import block_container
+from .reuse import Shortening, shortened_list, shortening, splice
 
 _PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})
 # c10d op name -> (collective kind, how its bytes are read: "list" the first tensor list's sum, "first" / "second"
@@ -125,11 +127,13 @@ class Rehearsal:
 
 
 def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpipelined: bool = False,
-             watch: tuple[str, ...] = ()) -> Rehearsal:
+             watch: tuple[str, ...] = (), flows: bool = False) -> Rehearsal:
     """Replay `sch` on a copy of its model, build rank 0 on a fake process group and record one training step
     on fake tensors (module doc of `treadle.pricing`). `unpipelined`: replay the log without its pipeline
     primitives (the pipeline form prices the stages of that one step itself); `watch`: module paths whose
-    forward output bytes (every tensor it returns) are kept in `Rehearsal.output_bytes`. Raises PlanError for a
+    forward output bytes (every tensor it returns) are kept in `Rehearsal.output_bytes`; `flows`: record the data
+    flow between ops (`Rehearsal.flows`, which a compiled step's price needs), every block rehearsed; without it
+    each context of blocks is rehearsed once (NOTE [blocks rehearsed once per context]). Raises PlanError for a
     pipeline (unless `unpipelined`), a built schedule, a log that cannot be replayed, a batch the data-parallel
     axes do not divide, or a running process group."""
     from ..runtime.build import build
@@ -165,18 +169,58 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         built = build(sch2, wrap=False)  # data parallelism is priced, not run (module doc)
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
         inputs = split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
-        out_bytes: dict[str, int] = {}
-        hooks = [built.get_submodule(p).register_forward_hook(_output_bytes(p, out_bytes)) for p in watch]
-        try:
-            records, coll, saved_in, flows = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu,
-                                                     sac=sac_regions(v2))
-        finally:
-            for h in hooks:
-                h.remove()
+        regions = v2.checkpoints + selective_regions(v2)
+        short = None if flows else shortening(built, block_container(built), sch2.records, regions)
+        if short is not None:
+            reh = _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, short)
+        if short is None or reh is None:
+            reh = _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, flows)
+        records, coll, saved_in, flow_list, out_bytes = reh
     finally:
         dist.destroy_process_group()
-    ckpts = tuple(sorted(v2.checkpoints + selective_regions(v2), key=lambda p: -p.count(".")))
-    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flows)
+    ckpts = tuple(sorted(regions, key=lambda p: -p.count(".")))
+    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flow_list)
+
+
+def _watching(model: nn.Module, paths: tuple[str, ...], out: dict[str, int]) -> list:
+    return [model.get_submodule(p).register_forward_hook(_output_bytes(p, out)) for p in paths]
+
+
+def _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, flows):
+    out_bytes: dict[str, int] = {}
+    hooks = _watching(built, watch, out_bytes)
+    try:
+        rec, coll, _ = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu, sac=sac, flows=flows)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rec.records, coll, rec.saved_input_bytes, rec.flows or [], out_bytes
+
+
+def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, short: Shortening):
+    """The step rehearsed with the kept blocks only and spliced (NOTE [blocks rehearsed once per context]), or
+    None where it cannot be."""
+    kept = {short.keys[j]: short.path(j) for j in short.kept}
+    # a watched path inside a left-out block is watched in the kept block that stands for it
+    stand_in = {}
+    for p in watch:
+        i = next((i for i in range(len(short.keys)) if within(p, short.path(i))), None)
+        stand_in[p] = p if i is None else p.replace(short.path(i), short.path(short.kept[short.rep[i]]), 1)
+    out_bytes: dict[str, int] = {}
+    hooks = _watching(built, tuple(sorted(set(stand_in.values()))), out_bytes)
+    try:
+        with shortened_list(built, short):
+            rec, coll, state = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu, sac=sac, flows=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, t in state.items():  # a block's own buffer saved for backward: charged once per storage
+        if id(t.untyped_storage()) in rec.saved and any(within(name, p) for p in kept.values()):
+            return None
+    spliced = splice(rec.records, coll, short, rec.live_bytes)
+    if spliced is None:
+        return None
+    return (*spliced, rec.saved_input_bytes, [], {p: out_bytes[q] for p, q in stand_in.items() if q in out_bytes})
 
 
 def selective_regions(v: ScheduleView) -> tuple[str, ...]:
@@ -236,10 +280,10 @@ def _charge_sac_kept(rec, regions: tuple[str, ...]) -> None:
 
 
 def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: bool = False,
-            sac: tuple[str, ...] = ()):
+            sac: tuple[str, ...] = (), flows: bool = True):
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
-    rec.flows = []  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
+    rec.flows = [] if flows else None  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]
@@ -263,6 +307,6 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     finally:
         for h in handles:
             h.remove()
-    return rec.records, mode.collectives, rec.saved_input_bytes, rec.flows
+    return rec, mode.collectives, state
 
 

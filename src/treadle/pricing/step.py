@@ -104,7 +104,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     hw = cluster.rank_hardware()
     # the model's useful FLOPs of the whole step (MFU's numerator, the same rules as `treadle.run`'s)
     useful = float(model_flops(sch.view().reference, dict(example_inputs), loss_fn=loss_fn))
-    reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu())
+    reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu(), flows=execution == "compiled")
     times = (compiled_times(reh.records, reh.flows, compiled_units(reh.model), hw) if execution == "compiled"
              else None)
     segs, seg_of = segments(reh.records, hw, reh.checkpoints, times)

@@ -1,0 +1,266 @@
+"""NOTE [blocks rehearsed once per context]: a rehearsal of a deep model records every block, and each block's
+ops cost the same fake-tensor dispatch (Llama-3.1-405B: 126 blocks, about 40k ops, 8-12 s a price on this host).
+A block's records depend on what the schedule states about it and on its neighbours: the block before it made
+what it receives (a checkpointed block saves its input, which is charged to the op in the block before that
+made it; what the block frees in its forward was made there too), and the block after it decides which of its
+outputs are kept. So blocks are grouped by *kind* -- the built block's structure (`profile.blocks`' key: class,
+local parameter shapes, hooks, plain attributes, recursively) together with the schedule's records on it, its
+own index replaced -- and by *context*, the kinds of (previous, own, next), with the list's ends as kinds of
+their own.
+
+The rehearsal keeps, of the block list, the first occurrence of every context with both its neighbours (the
+first and last blocks among them), runs the step on that shortened list (the built model, its other blocks
+restored after), and rebuilds the full step: each block's forward records are those of the kept block of the
+same context, renamed, in order; then the records between the last forward and the first backward; then each
+block's backward (and recomputation) in reverse order, likewise; each copy's live-memory timeline shifted by
+the net live change of the copies before it; the collectives each block issued go with its records.
+
+Where the shortened step does not have this shape the rehearsal records every block instead (`splice` returns
+None): ops between two blocks, a block whose records are not contiguous, a collective of no block issued among
+the blocks' records, two kept blocks of one kind whose forward ops differ (a block that behaves by its position
+through something its structure does not show), a parameter held by two blocks, or a block buffer autograd saved
+(charged once per storage, which a copy cannot tell). What is spliced is checked in the tests against recording
+every block, record for record and price for price, on several architectures and schedules with irregular
+checkpoint patterns.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..profile.blocks import _structure_key
+from ..profile.records import OpRecord
+from ..schedule.tree import within
+
+logger = logging.getLogger(__name__)
+
+MIN_SAVED = 2  # blocks a shortened rehearsal must leave out to be worth splicing
+
+
+@dataclass(frozen=True, slots=True)
+class Shortening:
+    """Blocks `keys` of the list at `container`, of `kinds`; `kept` (indices into keys, in order) are rehearsed,
+    and block i's records are those of `keys[kept[rep[i]]]`."""
+
+    container: str
+    keys: tuple[str, ...]
+    kinds: tuple[int, ...]
+    kept: tuple[int, ...]
+    rep: tuple[int, ...]
+
+    def path(self, i: int) -> str:
+        return f"{self.container}.{self.keys[i]}" if self.container else self.keys[i]
+
+
+def _mentions(text: str, container: str, rel: str, keys: tuple[str, ...]) -> dict[str, list[str]] | None:
+    """Per block key, the paths below it that `text` (a record's arguments) names, or None when it names the block
+    list in a way that is not one block's path (a glob, a slice)."""
+    out: dict[str, list[str]] = {}
+    full = re.compile(re.escape(container) + r"\.([^.'\"\s,\]\)]+)((?:\.[^'\"\s,\]\)]+)*)")
+    found = 0
+    for m in full.finditer(text):
+        if m.group(1) not in keys:
+            return None
+        out.setdefault(m.group(1), []).append(m.group(2))
+        found += 1
+    if rel and text.count(rel + ".") != found:
+        return None
+    return out
+
+
+def block_kinds(model: nn.Module, container: str, records) -> list[int] | None:
+    """The kind of each block of the list at `container` in the built `model` (NOTE [blocks rehearsed once per
+    context]), or None where a record names blocks in a way the kinds cannot tell apart or a parameter is shared
+    between blocks."""
+    lst = model.get_submodule(container) if container else model
+    keys = tuple(k for k, c in lst._modules.items() if c is not None)
+    owner: dict[int, str] = {}
+    for k in keys:
+        for p in lst._modules[k].parameters():
+            if owner.setdefault(id(p), k) != k:
+                return None
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in owner and not within(name, f"{container}.{owner[id(p)]}" if container else owner[id(p)]):
+            return None  # a block's parameter tied to one outside it
+    per: dict[str, list[str]] = {k: [] for k in keys}
+    paths = {k: (f"{container}.{k}" if container else k) for k in keys}
+    for n, r in enumerate(records):
+        text = repr(sorted(r.args.items(), key=lambda kv: kv[0]))
+        hit = next((k for k in keys if within(r.path, paths[k])), None)
+        if hit is not None:
+            per[hit].append(f"{r.op} {r.path[len(paths[hit]):]!r} {text.replace(paths[hit], '<block>')}")
+            continue
+        above = not r.path or container == r.path or container.startswith(r.path + ".")
+        if not above:
+            continue
+        rel = container[len(r.path) + 1:] if r.path else container
+        named = _mentions(text, container, rel if r.path else "", keys)
+        if named is None:
+            return None
+        for k, subs in named.items():
+            per[k].append(f"#{n} {r.op} {sorted(subs)}")
+    ids: dict[tuple, int] = {}
+    return [ids.setdefault((_structure_key(lst._modules[k]), tuple(per[k])), len(ids)) for k in keys]
+
+
+def shortening(model: nn.Module, container: str | None, records, regions: tuple[str, ...] = ()
+               ) -> Shortening | None:
+    """Which blocks to rehearse (NOTE [blocks rehearsed once per context]), or None when none can be left out.
+    `regions`: the checkpointed module paths (a region around the block list leaves nothing to leave out)."""
+    if container is None or any(within(container, r) for r in regions):
+        return None
+    kinds = block_kinds(model, container, records)
+    if kinds is None:
+        return None
+    n = len(kinds)
+    lst = model.get_submodule(container) if container else model
+    keys = tuple(k for k, c in lst._modules.items() if c is not None)
+    paths = [f"{container}.{k}" if container else k for k in keys]
+    near = [(kinds[i - 1] if i else -1, kinds[i], kinds[i + 1] if i + 1 < n else -1) for i in range(n)]
+    # a checkpointed block's recomputation releases what the one recomputed before it still holds (NOTE):
+    # its context includes the next checkpointed block above it (or none)
+    holds = [any(within(r, p) for r in regions) for p in paths]
+    above: list[int | None] = [None] * n
+    nxt = None
+    for i in reversed(range(n)):
+        above[i] = nxt if holds[i] else None
+        if holds[i]:
+            nxt = i
+    ctx = [(near[i], near[above[i]] if above[i] is not None else ("end" if holds[i] else None)) for i in range(n)]
+    first: dict[tuple, int] = {}
+    keep: set[int] = set()
+    for i, c in enumerate(ctx):
+        if c not in first:
+            first[c] = i
+            for at in (i, above[i]):
+                if at is not None:
+                    keep.update(j for j in (at - 1, at, at + 1) if 0 <= j < n)
+    if n - len(keep) < MIN_SAVED:
+        return None
+    kept = tuple(sorted(keep))
+    pos = {j: p for p, j in enumerate(kept)}
+    return Shortening(container, keys, tuple(kinds), kept, tuple(pos[first[c]] for c in ctx))
+
+
+class shortened_list:
+    """Context manager: the block list holds only the kept blocks (their keys unchanged); restored on exit."""
+
+    def __init__(self, model: nn.Module, s: Shortening) -> None:
+        self.lst = model.get_submodule(s.container) if s.container else model
+        self.s = s
+        self.saved: dict | None = None
+
+    def __enter__(self) -> None:
+        self.saved = dict(self.lst._modules)
+        keep = {self.s.keys[j] for j in self.s.kept}
+        for k in self.s.keys:
+            if k not in keep:
+                del self.lst._modules[k]
+
+    def __exit__(self, *exc) -> None:
+        self.lst._modules.clear()
+        self.lst._modules.update(self.saved)
+
+
+def _rename(path: str, old: str, new: str) -> str:
+    if old == new:
+        return path
+    if path == old:
+        return new
+    return new + path[len(old):] if path.startswith(old + ".") else path
+
+
+def _segments(records: list[OpRecord], paths: list[str], phases: tuple[str, ...]) -> list[tuple[int, int]] | None:
+    """[lo, hi) of each kept block's records of `phases`, or None where one is empty or not contiguous."""
+    out = []
+    for p in paths:
+        idx = [r.index for r in records if r.phase in phases and within(r.module, p)]
+        if not idx or idx[-1] - idx[0] + 1 != len(idx):
+            return None
+        out.append((idx[0], idx[-1] + 1))
+    return out
+
+
+def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, final_live: int
+           ) -> tuple[list[OpRecord], list[tuple]] | None:
+    """The full step's records and collectives rebuilt from the shortened one (NOTE [blocks rehearsed once per
+    context]), or None where the shortened step does not have the shape splicing needs."""
+    kept = [s.path(j) for j in s.kept]
+    fwd = _segments(records, kept, ("forward",))
+    bwd = _segments(records, kept, ("backward", "recompute"))
+    if fwd is None or bwd is None:
+        return None
+    if any(a[1] != b[0] for a, b in zip(fwd, fwd[1:])) or any(b[1] != a[0] for a, b in zip(bwd, bwd[1:])):
+        logger.debug("block reuse: ops between blocks; rehearsing every block")
+        return None
+    if fwd[-1][1] > bwd[-1][0]:
+        return None
+    sig: dict[int, list] = {}
+    for j, p in enumerate(kept):  # blocks of one kind run the same forward ops wherever they stand
+        ops = [(r.op, r.flops, r.output_bytes) for r in records[fwd[j][0]:fwd[j][1]]]
+        if sig.setdefault(s.kinds[s.kept[j]], ops) != ops:
+            logger.debug("block reuse: %s runs other ops than a block of its kind; rehearsing every block", p)
+            return None
+    n = len(s.keys)
+    # pieces: (source lo, source hi, source block path or None, target block path or None)
+    pieces = [(0, fwd[0][0], None, None)]
+    pieces += [(*fwd[s.rep[i]], kept[s.rep[i]], s.path(i)) for i in range(n)]
+    pieces.append((fwd[-1][1], bwd[-1][0], None, None))
+    pieces += [(*bwd[s.rep[i]], kept[s.rep[i]], s.path(i)) for i in reversed(range(n))]
+    pieces.append((bwd[0][1], len(records), None, None))
+    own = _collectives_by_piece(collectives, kept, fwd, bwd, len(records))
+    if own is None:
+        return None
+    live = [r.live_before_bytes for r in records] + [final_live]
+    out: list[OpRecord] = []
+    colls: list[tuple] = []
+    at = live[0]
+    names: dict[tuple[str, str, str], str] = {}
+    for lo, hi, src, dst in pieces:
+        shift = at - live[lo]
+        base = len(out)
+        for r in records[lo:hi]:
+            m = r.module
+            if src is not None:
+                m = names.get((m, src, dst))
+                if m is None:
+                    m = names[(r.module, src, dst)] = _rename(r.module, src, dst)
+            out.append(r.copy_to(index=len(out), module=m, live_offset_bytes=shift))
+        key = ("block", src, "fwd" if hi <= fwd[-1][1] else "bwd") if src is not None else ("gap", lo)
+        for n_before, module, phase, kind, axis, nbytes in own.get(key, ()):
+            mod = _rename(module, src, dst) if src is not None else module
+            colls.append((base + n_before - lo, mod, phase, kind, axis, nbytes))
+        at += live[hi] - live[lo]
+    return out, colls
+
+
+def _collectives_by_piece(collectives: list[tuple], kept: list[str], fwd: list[tuple[int, int]],
+                          bwd: list[tuple[int, int]], n_records: int) -> dict | None:
+    """Each collective under the piece of the shortened step it belongs to: a kept block's forward or backward
+    records (by its module and phase), or the gap before, between or after the blocks' records (by where it was
+    issued); None where one falls elsewhere or the pieces would not give back the collectives' order."""
+    own: dict[tuple, list[tuple]] = {}
+    gaps = [(0, fwd[0][0]), (fwd[-1][1], bwd[-1][0]), (bwd[0][1], n_records)]
+    for c in collectives:
+        n_before, module = c[0], c[1]
+        j = next((j for j, p in enumerate(kept) if within(module, p)), None)
+        if j is not None:
+            cls = "fwd" if c[2] == "forward" else "bwd"
+            lo, hi = (fwd if cls == "fwd" else bwd)[j]
+            if not lo <= n_before <= hi:
+                return None
+            own.setdefault(("block", kept[j], cls), []).append(c)
+            continue
+        gap = next((g for g in gaps if g[0] <= n_before <= g[1]), None)
+        if gap is None:
+            return None
+        own.setdefault(("gap", gap[0]), []).append(c)
+    order = [("gap", gaps[0][0]), *(("block", p, "fwd") for p in kept), ("gap", gaps[1][0]),
+             *(("block", p, "bwd") for p in reversed(kept)), ("gap", gaps[2][0])]
+    if [c for k in order for c in own.get(k, ())] != list(collectives):
+        return None
+    return own
