@@ -3,14 +3,18 @@ ops cost the same fake-tensor dispatch (Llama-3.1-405B: 126 blocks, about 40k op
 A block's records depend on what the schedule states about it and on its neighbours: the block before it made
 what it receives (a checkpointed block saves its input, which is charged to the op in the block before that
 made it; what the block frees in its forward was made there too), and the block after it decides which of its
-outputs are kept. So blocks are grouped by *kind* -- the built block's structure (`profile.blocks`' key: class,
-local parameter shapes, hooks, plain attributes, recursively) together with the schedule's records on it, its
-own index replaced -- and by *context*, the kinds of (previous, own, next), with the list's ends as kinds of
-their own.
+outputs are kept. And a checkpointed block's recomputation releases what the recomputation before it still
+holds: non-reentrant `torch.utils.checkpoint` keeps some tensors of the last recomputed region (and its input)
+alive until the next region recomputes (measured: a block's recomputed activations freed at the 16th op of the
+next checkpointed block's recomputation, however far below). So blocks are grouped by *kind* -- the built
+block's structure (`profile.blocks`' key: class, local parameter shapes, hooks, plain attributes, recursively)
+together with the schedule's records on it, its own index replaced -- and by *context*: the kinds of (previous,
+own, next), with the list's ends as kinds of their own, and for a block that holds a checkpointed region the
+same triple of the next such block above it (or that there is none).
 
-The rehearsal keeps, of the block list, the first occurrence of every context with both its neighbours (the
-first and last blocks among them), runs the step on that shortened list (the built model, its other blocks
-restored after), and rebuilds the full step: each block's forward records are those of the kept block of the
+The rehearsal keeps, of the block list, the first occurrence of every context with both its neighbours (and
+the next checkpointed block above it with its neighbours; the first and last blocks are among them), runs the
+step on that shortened list (the built model, its other blocks restored after), and rebuilds the full step: each block's forward records are those of the kept block of the
 same context, renamed, in order; then the records between the last forward and the first backward; then each
 block's backward (and recomputation) in reverse order, likewise; each copy's live-memory timeline shifted by
 the net live change of the copies before it; the collectives each block issued go with its records.
