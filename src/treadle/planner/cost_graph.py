@@ -119,8 +119,9 @@ def build_cost_graph(graph: CapturedGraph, cluster: ClusterSpec, roles: Roles, *
     runtime can build for that parameter (default: none, i.e. everything replicated).
     `budget_bytes`: where given, raises `OverMemoryFloor` before the costs when no plan of the role assignment
     can fit it (NOTE [a memory floor before the costs]). `memo`: a dict the caller keeps for one captured graph,
-    where each op's dimension spec and per-axis strategy combinations are kept by tensor sizes (they read
-    nothing else); the search passes one per `plan_model` call.
+    where each op's dimension spec and per-axis strategy combinations are kept by tensor sizes, and which of
+    them divide by the sizes, the data-parallel size and which of its tensors carry the batch (they read nothing
+    else); the search passes one per `plan_model` call.
     Raises PlanError if a pin names an unknown parameter or can never be met.
     """
     b = _Builder(graph, cluster, roles, train, pins or {}, shardable, dtype_compute)
@@ -182,7 +183,7 @@ class _Builder(NodeCosts, Assembly):
                 self.last_packer[b] = max(saving)
         self.attr_resolver = None
         self.budget_bytes: float | None = None  # NOTE [a memory floor before the costs]
-        self.memo: dict | None = None  # (op node, tensor sizes) -> (dim spec, strategies): `build_cost_graph`
+        self.memo: dict | None = None  # (op node, tensor sizes, ...) -> its strategies: `build_cost_graph`
 
     # ------------------------------------------------------------------ per-node facts
     def canonical(self, i: int) -> int:
@@ -237,12 +238,20 @@ class _Builder(NodeCosts, Assembly):
             if self.memo is not None:
                 self.memo[key] = got
         spec, combos = got
+        # which combinations divide: read only the sizes, the data-parallel size and which tensors carry the batch
+        dkey = ("divisible", n.index, self.tp_sizes, self.dp_size, self.carry[n.index],
+                tuple(self.carry[j] for j in n.inputs))
+        divides = self.memo.get(dkey) if self.memo is not None else None
+        if divides is None:
+            divides = tuple(self._divisible(n, combo) for combo in combos)
+            if self.memo is not None:
+                self.memo[dkey] = divides
         out: list = []
         exitable = self.exit_of.get(n.index) is not None
         is_output = n.index in self.g.outputs
         fused = self.chain_k.get(n.index) and len(n.out.shape) - 1  # NOTE [blocked split] in dims.py
-        for combo in combos:
-            if not self._inputs_ok(n, combo) or not self._divisible(n, combo):
+        for combo, ok in zip(combos, divides):
+            if not ok or not self._inputs_ok(n, combo):
                 continue
             if fused and sum(1 for o in combo if o.outs[0] == fused) > 1:
                 continue  # interleaved blocks over two axes: the runtime splits blocks on one axis only

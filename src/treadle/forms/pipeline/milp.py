@@ -63,19 +63,55 @@ def _tied_s(cg, lay: _Layout) -> float:
     return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
 
 
-def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
-               rel_gap: float, min_ckpt: dict, minimise: str, cutoff_s: float | None = None):
-    """The MILP of NOTE [pipeline in the plan] for one cut; returns (Solution without stages, per-stage counts) or
-    None when infeasible."""
-    t0 = time.perf_counter()
-    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+# NOTE [a stage's memory as variables]: a rank's memory is stated at every undominated moment of its schedule
+# (`inflight`), each row reading its stages' static bytes and activations per micro-batch. Written out, each of
+# those rows repeats every strategy variable of the rank's stages (405B on 512 H100: about 200k matrix entries a
+# cut, most of the MILP's build and solve). Each stage's static bytes and its activations are therefore one
+# variable each, defined once by an equality row ("stage_expr", unbounded: an exact substitution, as `as_var`
+# does for a block's expressions) and read by every moment: the same MILP, with far fewer matrix entries.
+def _stage_var(m: _Model, expr: dict[int, float]) -> dict[int, float]:
+    if len(expr) <= 1:
+        return expr
+    e = m.var(lb=-math.inf, ub=math.inf)
+    m.row({e: 1.0, **{j: -x for j, x in expr.items()}}, 0.0, 0.0, "stage_expr")
+    return {e: 1.0}
+
+
+def base_model(cg) -> tuple[_Model, dict, dict]:
+    """What every cut's MILP of `cg` starts from: the strategy variables, one strategy per unit, every form's
+    constraint families (the tensor form's gradient sums: their variables, in `shared`) and the layout match.
+    Returns (model, strategy variables, shared); a cut adds to a copy of the model."""
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
     shared: dict = {}
-    for f in forms():  # every form's constraint families (the tensor form's gradient sums: their variables)
+    for f in forms():
         f.ilp_rows(m, cg, s, shared)
     add_layout_match(m, cg, s)
+    return m, s, shared
+
+
+def unit_coefs(cg, zt) -> list[list[tuple]]:
+    """Per unit, each strategy's (index, one execution's seconds, static bytes with what ZeRO-3 holds beside its
+    shard, once-a-step seconds, ZeRO-3 gather seconds or None, saved bytes or None inside a block template): what
+    every cut's MILP reads of it, times the unit's executions in a stage."""
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    return [[(k, _step_time(c), c.static_bytes + (zt.held(u, k) if zt else 0.0),
+              _tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k),
+              zt.gather_s(u, k) if zt is not None else None, None if u in in_template else c.act_bytes)
+             for k, c in enumerate(unit.costs)] for u, unit in enumerate(cg.units)]
+
+
+def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
+               rel_gap: float, min_ckpt: dict, minimise: str, cutoff_s: float | None = None,
+               coefs: list | None = None, base: tuple | None = None):
+    """The MILP of NOTE [pipeline in the plan] for one cut; returns (Solution without stages, per-stage counts) or
+    None when infeasible. `coefs`, `base`: `unit_coefs` and `base_model` of `cg`, where the caller keeps them for
+    every cut."""
+    t0 = time.perf_counter()
+    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+    base = base if base is not None else base_model(cg)
+    m, s, shared = base[0].copy(), base[1], base[2]
     T: list[dict[int, float]] = [dict() for _ in range(S)]
     A: list[dict[int, float]] = [dict() for _ in range(S)]  # activations per micro-batch (scaled bytes)
     static: list[dict[int, float]] = [dict() for _ in range(S)]
@@ -88,18 +124,18 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
     G: list[dict[int, float]] = [dict() for _ in range(S)]  # a micro-batch's gathers of each stage
     Gc, Tc, Qc = _zero_constants(zt, cut, p)
-    in_template = {u: t for t, info in cg.templates.items() for u in info.units}
-    for u, unit in enumerate(cg.units):
+    for u, terms in enumerate(coefs if coefs is not None else unit_coefs(cg, zt)):
         for st, k_n in cut.mult.get(u, []):
-            for k, c in enumerate(unit.costs):
-                add(T[st], s[u, k], k_n * _step_time(c) * _SECONDS)
-                add(static[st], s[u, k], k_n * (c.static_bytes + (zt.held(u, k) if zt else 0.0)) * _BYTES)
-                add(tail[st], s[u, k], k_n * (_tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k))
-                    * _SECONDS)
-                if zt is not None:
-                    add(G[st], s[u, k], k_n * zt.gather_s(u, k) * _SECONDS)
-                if u not in in_template:
-                    add(A[st], s[u, k], c.act_bytes * _BYTES)
+            Ts, Ss, Ls, Gs, As = T[st], static[st], tail[st], G[st], A[st]
+            for k, step, held, tl, gather, act in terms:
+                j = s[u, k]
+                for d, x in ((Ts, k_n * step * _SECONDS), (Ss, k_n * held * _BYTES), (Ls, k_n * tl * _SECONDS)):
+                    if x:
+                        d[j] = d.get(j, 0.0) + x
+                if gather is not None and (x := k_n * gather * _SECONDS):
+                    Gs[j] = Gs.get(j, 0.0) + x
+                if act is not None and (x := act * _BYTES):
+                    As[j] = As.get(j, 0.0) + x
     ys = shared.get("grad_sum_vars", {})
     for key, (u, sec) in _grad_sum_units(cg).items():
         if key in ys:
@@ -172,11 +208,17 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     moments = inflight(lay)
     fixed = cg.fixed_static_bytes * _BYTES
     mem_rows: list[dict[int, float]] = []
+    rows_needed = budget_bytes is not None or minimise == "memory"
+    if rows_needed:  # NOTE [a stage's memory as variables]
+        static = [_stage_var(m, e) for e in static]
+        A = [_stage_var(m, e) for e in A]
     for r in range(p):
         mine = [st for st in range(S) if st % p == r]
         trans = m.var(ub=math.inf)
         for z in zts[r]:
             m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
+        if not rows_needed:
+            continue
         base: dict[int, float] = {trans: 1.0}
         for st in mine:
             for j, x in static[st].items():
@@ -343,6 +385,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     spent = 0.0
     key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
     zt = zero_terms(cg)
+    coefs = unit_coefs(cg, zt)
+    base = None  # built at the first cut solved
     mins = _unit_mins(cg, zt)
     mem = _memory_mins(cg, zt) if budget_bytes is not None else None
 
@@ -364,7 +408,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                 continue  # no plan of this cut fits: the MILP would find it infeasible
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
-                                              minimise=minimise, cutoff_s=bound)
+                                              minimise=minimise, cutoff_s=bound, coefs=coefs,
+                                              base=(base := base or base_model(cg)))
             spent += solve_s
             n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
             if got is None:
