@@ -87,13 +87,16 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
     Each new plan is priced; the fastest that fits is the candidate's plan.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .. import pricing
+    from ..profile.profiler import model_flops
+
+    useful = float(model_flops(model, dict(inputs), loss_fn=loss_fn))  # every candidate's (the same model)
 
     def price_of(sol: Solution, cg: CostGraph):
         m = copy_model(model)  # fake tensors: copied without torch's data_ptr warning
         _, is_leaf_module = runtime_capabilities(m)
         decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param, stages=sol.stages)
         sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)
-        return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution)
+        return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution, useful_flops=useful)
 
     rows, best = [], None
     for sol, cg in candidates:

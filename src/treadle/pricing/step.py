@@ -75,7 +75,8 @@ def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | No
 
 
 def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_per_elem: int = 8,
-          master_copy: bool = True, loss_fn=None, execution: str = "eager") -> Price:
+          master_copy: bool = True, loss_fn=None, execution: str = "eager",
+          useful_flops: float | None = None) -> Price:
     """Price one training step of `sch` (an unbuilt Schedule) on `cluster` (see `treadle.pricing`).
 
     `example_inputs`: keyword arguments of forward, global batch (the data-parallel axis splits dim 0).
@@ -84,6 +85,8 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     `cluster` is seen through the schedule's mesh (`ClusterSpec.for_mesh`: same world size).
     `execution`: "eager", or "compiled" (the blocks under `torch.compile` as `treadle.run --compile` runs them:
     NOTE [compiled step] in `treadle.pricing.compiled`); the price says which (`Price.execution`).
+    `useful_flops`: the model's useful FLOPs of the whole step (MFU's numerator), where the caller has them for
+    this model and these inputs (the planner prices several schedules of one model); else counted here.
     Raises PlanError for a schedule that cannot be rehearsed (pipeline, already built, a batch the
     data-parallel axis does not divide, a mesh mismatch, inside a running process group).
     """
@@ -96,14 +99,15 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
         raise PlanError(f"price: execution must be one of {list(EXECUTIONS)}, got {execution!r:.40}")
     cluster = cluster.for_mesh(sch.mesh)
     options = {"optimizer_bytes_per_elem": optimizer_bytes_per_elem, "master_copy": master_copy, "loss_fn": loss_fn,
-               "execution": execution}
+               "execution": execution, "useful_flops": useful_flops}
     for f in forms():  # a form that owns the step's timeline prices it whole (the pipeline)
         if (whole := f.price_schedule(sch, example_inputs, cluster, options)) is not None:
             return whole
     device = cluster.rank_device()
     hw = cluster.rank_hardware()
     # the model's useful FLOPs of the whole step (MFU's numerator, the same rules as `treadle.run`'s)
-    useful = float(model_flops(sch.view().reference, dict(example_inputs), loss_fn=loss_fn))
+    useful = float(model_flops(sch.view().reference, dict(example_inputs), loss_fn=loss_fn)
+                   if useful_flops is None else useful_flops)
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu(), flows=execution == "compiled")
     times = (compiled_times(reh.records, reh.flows, compiled_units(reh.model), hw) if execution == "compiled"
              else None)

@@ -352,32 +352,37 @@ def _scalars(terms: dict) -> dict[str, float]:
     return {k: float(v) for k, v in terms.items() if isinstance(v, (int, float))}
 
 
-def schedules(cg) -> list[str]:
-    """The schedules the pipeline solve weighs for a role assignment: the pinned one, else every one of `SCHEDULES`
-    whose stage count the blocks and the pinned boundaries allow and whose class takes the micro-batch count."""
-    from ...errors import PlanError as _PlanError
-
+def _stage_counts_allow(cg) -> list[str]:
+    """The schedules a role assignment may run: the pinned one, else every one of `SCHEDULES` whose stage count
+    the blocks and the pinned boundaries allow (`solve` weighs those whose class also takes the micro-batch
+    count, `_torch_takes`)."""
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
     n = sum(info.count for info in cg.templates.values())
-    out = []
-    for kind in ([roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES)):
-        if not len(roles.pp_cuts) < p * SCHEDULES[kind] <= n:
-            continue
-        try:
-            action_order(kind, p * SCHEDULES[kind], p, roles.pp_microbatches)
-        except _PlanError:
-            continue
-        out.append(kind)
-    return out
+    return [kind for kind in ([roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES))
+            if len(roles.pp_cuts) < p * SCHEDULES[kind] <= n]
+
+
+def _torch_takes(cg, kind: str) -> bool:
+    """Whether torch's schedule class takes the micro-batch count (building its order: seconds for hundreds of
+    stages, so `solve` asks only for a schedule its floor does not rule out)."""
+    from ...errors import PlanError as _PlanError
+
+    p = cg.cluster.mesh.size(cg.roles.pp)
+    try:
+        action_order(kind, p * SCHEDULES[kind], p, cg.roles.pp_microbatches)
+    except _PlanError:
+        return False
+    return True
 
 
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
           minimise: str, cutoff_s: float | None = None) -> Solution | None:
     """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each schedule
-    (`schedules`) and each proposed cut (`partitions`), the fastest (with ``minimise="memory"``: the smallest peak)
-    kept. None without a pp axis. `cutoff_s` (NOTE [a cutoff from the best plan found]): only plans faster are
-    sought, each cut's MILP held below the best so far; status "pruned" when none is."""
+    (`_stage_counts_allow`, `_torch_takes`) and each proposed cut (`partitions`), the fastest (with
+    ``minimise="memory"``: the smallest peak) kept. None without a pp axis. `cutoff_s` (NOTE [a cutoff from the
+    best plan found]): only plans faster are sought, each cut's MILP held below the best so far; status "pruned"
+    when none is."""
     if cg.roles.pp is None:
         return None
     best: Solution | None = None
@@ -393,9 +398,9 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     def above(floor: float, bound: float | None) -> bool:  # NOTE [a lower bound before the MILP]
         return minimise == "time" and bound is not None and floor > bound * (1 + _FLOOR_TOL)
 
-    for kind in schedules(cg):
+    for kind in _stage_counts_allow(cg):
         lay = _layout(cg, kind)
-        if above(_role_floor(cg, lay, mins), cutoff_s):
+        if above(_role_floor(cg, lay, mins), cutoff_s) or not _torch_takes(cg, kind):
             continue
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)

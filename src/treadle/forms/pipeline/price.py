@@ -94,7 +94,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     ranks_of = stage_ranks(order)
     hw = cluster.rank_hardware()
     loss_fn = options.get("loss_fn")
-    useful = float(model_flops(v.reference, dict(example_inputs), loss_fn=loss_fn))
+    useful = options.get("useful_flops")
+    useful = float(model_flops(v.reference, dict(example_inputs), loss_fn=loss_fn) if useful is None else useful)
     mb = split_batch(dict(example_inputs), m, by=f"n_microbatches={m}")
     reh = rehearse(sch, mb, hw, loss_fn, gpu=not cluster.is_cpu(), unpipelined=True, watch=tuple(cuts))
     recs = reh.records
