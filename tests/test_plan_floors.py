@@ -146,3 +146,23 @@ def test_where_nothing_fits_the_error_names_the_smallest_budget_of_every_solve(g
             plan_model(model, inputs, **kw)
     assert floored.value.smallest_budget_bytes == plain.value.smallest_budget_bytes > budget
     assert str(floored.value) == str(plain.value)
+
+
+def test_the_collector_is_paused_while_planning_and_restored_as_it_was():
+    """NOTE [the collector paused while planning]: off during the search, back as it was after, also on error."""
+    import gc
+
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, fake=True)
+    cluster = parse_cluster("1x2:a100")
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            seen: list[bool] = []
+            plan_model(model, inputs, cluster=cluster, progress=lambda _: seen.append(gc.isenabled()))
+            assert seen and not any(seen) and gc.isenabled() is state
+            with pytest.raises(PlanError, match="smallest budget"):
+                plan_model(model, inputs, cluster=cluster, memory_budget_bytes=1024)
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()

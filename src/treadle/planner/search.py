@@ -35,7 +35,7 @@ from .dims import unknown_ops
 from .ilp import Solution, evaluate, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
-from .candidates import cutoff_for, pipeline_on_slowest_link, priced_candidates
+from .candidates import collector_paused, cutoff_for, pipeline_on_slowest_link, priced_candidates
 from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import binding_constraint, plan_rows
 from .to_schedule import decisions_from_solution
@@ -143,10 +143,11 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     t0 = time.perf_counter()
     req = make_request(model, given)
     args, kwargs = _split_inputs(example_inputs)
-    search = capture_model(model, args, kwargs, req, graph)
-    results, unbuilt = solve_roles(search)
-    sol, cg, chosen_price, priced = choose(search, results, unbuilt, kwargs if not args else None)
-    plan = emit(search, sol, cg, chosen_price, priced, results, planning_s=time.perf_counter() - t0)
+    with collector_paused():  # NOTE [the collector paused while planning]
+        search = capture_model(model, args, kwargs, req, graph)
+        results, unbuilt = solve_roles(search)
+        sol, cg, chosen_price, priced = choose(search, results, unbuilt, kwargs if not args else None)
+        plan = emit(search, sol, cg, chosen_price, priced, results, planning_s=time.perf_counter() - t0)
     kwargs_used = {**given, "graph": search.graph}  # what_if re-plans from these (the capture reused)
     plan._context = {"inputs": example_inputs, "kwargs": kwargs_used,
                      "replan": lambda **changes: plan_model(model, example_inputs, **{**kwargs_used, **changes})}
