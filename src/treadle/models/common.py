@@ -8,6 +8,7 @@ import logging
 from torch import nn
 
 from ..errors import ScheduleError
+from ..profile.blocks import block_container, is_block_stack  # noqa: F401  (found by structure, below the schedules)
 from ..schedule.core import Schedule
 
 logger = logging.getLogger(__name__)
@@ -20,29 +21,6 @@ def path_of(sch: Schedule, module: nn.Module | None) -> str | None:
         if m is module:
             return p
     return None
-
-
-def block_container(model: nn.Module) -> str | None:
-    """Path of the model's main stack of repeated blocks: of its nn.ModuleLists, nn.ModuleDicts keyed "0",
-    "1", ... in order (torchtitan's layers) and nn.Sequentials of one block class, the one holding the most parameters (then the longest: not a list of
-    per-head norms inside a block), so that ``f"{path}.{i}"`` names block i either way; None if none."""
-    best, best_key = None, (0, 0)
-    for p, m in model.named_modules():
-        if not is_block_stack(m):
-            continue
-        key = (sum(q.numel() for q in m.parameters()), len(m))  # the stack that holds most, not a per-head list
-        if key > best_key:
-            best, best_key = p, key
-    return best
-
-
-def is_block_stack(m: nn.Module) -> bool:
-    """An nn.ModuleList, an nn.ModuleDict keyed "0", "1", ... in order, or an nn.Sequential of two or more
-    entries of one class (timm's ``blocks``; not a Linear-GELU-Linear MLP)."""
-    if isinstance(m, nn.Sequential):
-        return len(m) >= 2 and len({type(c) for c in m}) == 1
-    return isinstance(m, nn.ModuleList) or (
-        isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
 
 
 def blocks_path(sch: Schedule) -> str:

@@ -93,12 +93,6 @@ class _Model:
         self.cub: list[float] = []
         self.family: list[str] = []
 
-    def copy(self) -> "_Model":
-        """Another model with the same variables and rows, to add to without changing this one."""
-        m = _Model.__new__(_Model)
-        for k, v in vars(self).items():
-            setattr(m, k, list(v))
-        return m
 
     def var(self, *, lb: float = 0.0, ub: float = 1.0, integer: bool = False, cost: float = 0.0) -> int:
         self.c.append(cost)
@@ -124,9 +118,8 @@ class _Model:
         from scipy.sparse import coo_matrix
 
         n = len(self.c)
-        A = coo_matrix((np.array(self.vals, dtype=np.float64), (np.array(self.rows, dtype=np.int32),
-                                                                np.array(self.cols, dtype=np.int32))),
-                       shape=(len(self.clb), n)).tocsr()
+        ij = (np.array(self.rows, dtype=np.int32), np.array(self.cols, dtype=np.int32))
+        A = coo_matrix((np.array(self.vals, dtype=np.float64), ij), shape=(len(self.clb), n)).tocsr()
         cons = [LinearConstraint(A, np.array(self.clb), np.array(self.cub))] if self.clb else []
         return milp(np.array(self.c), integrality=np.array(self.integ), bounds=Bounds(self.lb, self.ub),
                     constraints=cons, options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap,

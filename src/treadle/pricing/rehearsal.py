@@ -23,7 +23,7 @@ from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
 from ..schedule.tree import within
 from ..schedule.view import ScheduleView
-from ..models.common import block_container
+from ..profile.blocks import block_container
 from .reuse import Shortening, shortened_list, shortening, splice
 
 _PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})

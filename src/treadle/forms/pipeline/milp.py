@@ -111,7 +111,9 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     t0 = time.perf_counter()
     S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
     base = base if base is not None else base_model(cg)
-    m, s, shared = base[0].copy(), base[1], base[2]
+    m = _Model()  # a copy of the base model, added to below
+    m.__dict__.update({k: list(v) for k, v in vars(base[0]).items()})
+    s, shared = base[1], base[2]
     T: list[dict[int, float]] = [dict() for _ in range(S)]
     A: list[dict[int, float]] = [dict() for _ in range(S)]  # activations per micro-batch (scaled bytes)
     static: list[dict[int, float]] = [dict() for _ in range(S)]
@@ -352,10 +354,15 @@ def _scalars(terms: dict) -> dict[str, float]:
     return {k: float(v) for k, v in terms.items() if isinstance(v, (int, float))}
 
 
+def schedules(cg) -> list[str]:
+    """The schedules the pipeline solve weighs for a role assignment: the pinned one, else every one of `SCHEDULES`
+    whose stage count the blocks and the pinned boundaries allow and whose class takes the micro-batch count."""
+    return [kind for kind in _stage_counts_allow(cg) if _torch_takes(cg, kind)]
+
+
 def _stage_counts_allow(cg) -> list[str]:
-    """The schedules a role assignment may run: the pinned one, else every one of `SCHEDULES` whose stage count
-    the blocks and the pinned boundaries allow (`solve` weighs those whose class also takes the micro-batch
-    count, `_torch_takes`)."""
+    """`schedules` without torch's check of the micro-batch count (`_torch_takes`), which `solve` makes only for a
+    schedule its floor does not rule out."""
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
     n = sum(info.count for info in cg.templates.values())
@@ -379,7 +386,7 @@ def _torch_takes(cg, kind: str) -> bool:
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
           minimise: str, cutoff_s: float | None = None) -> Solution | None:
     """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each schedule
-    (`_stage_counts_allow`, `_torch_takes`) and each proposed cut (`partitions`), the fastest (with
+    (`schedules`) and each proposed cut (`partitions`), the fastest (with
     ``minimise="memory"``: the smallest peak) kept. None without a pp axis. `cutoff_s` (NOTE [a cutoff from the
     best plan found]): only plans faster are sought, each cut's MILP held below the best so far; status "pruned"
     when none is."""
