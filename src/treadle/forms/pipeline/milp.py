@@ -131,9 +131,12 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
             Ts, Ss, Ls, Gs, As = T[st], static[st], tail[st], G[st], A[st]
             for k, step, held, tl, gather, act in terms:
                 j = s[u, k]
-                for d, x in ((Ts, k_n * step * _SECONDS), (Ss, k_n * held * _BYTES), (Ls, k_n * tl * _SECONDS)):
-                    if x:
-                        d[j] = d.get(j, 0.0) + x
+                if x := k_n * step * _SECONDS:
+                    Ts[j] = Ts.get(j, 0.0) + x
+                if x := k_n * held * _BYTES:
+                    Ss[j] = Ss.get(j, 0.0) + x
+                if x := k_n * tl * _SECONDS:
+                    Ls[j] = Ls.get(j, 0.0) + x
                 if gather is not None and (x := k_n * gather * _SECONDS):
                     Gs[j] = Gs.get(j, 0.0) + x
                 if act is not None and (x := act * _BYTES):
