@@ -147,6 +147,11 @@ def test_blocks_that_differ_in_the_schedule_or_share_nothing_to_leave_out_are_re
     assert block_kinds(model, "model.layers", [Record("annotate", "model", {"paths": "model.layers.*"})]) is None
     assert block_kinds(model, "model.layers", [Record("annotate", "", {"p": ["model.layers.2.mlp"]})]) == \
         [0, 0, 1, 0, 0, 0]
+    # a block's own path in its record's arguments is its index replaced; another block's path is not
+    own = [Record("annotate", f"model.layers.{i}", {"p": f"model.layers.{i}.mlp"}) for i in (1, 2)]
+    other = [Record("annotate", "model.layers.3", {"p": "model.layers.31"}),
+             Record("annotate", "model.layers.4", {"p": "model.layers.41"})]
+    assert block_kinds(model, "model.layers", own + other) == [0, 1, 1, 2, 3, 0]
 
 
 def test_a_compiled_price_rehearses_every_block_for_its_data_flow():

@@ -96,7 +96,8 @@ def block_kinds(model: nn.Module, container: str, records) -> list[int] | None:
         text = repr(sorted(r.args.items(), key=lambda kv: kv[0]))
         hit = next((k for k in keys if within(r.path, paths[k])), None)
         if hit is not None:
-            per[hit].append(f"{r.op} {r.path[len(paths[hit]):]!r} {text.replace(paths[hit], '<block>')}")
+            own = re.sub(re.escape(paths[hit]) + r"(?![^.'\"\s,\]\)])", "<block>", text)  # not block 12 for 1
+            per[hit].append(f"{r.op} {r.path[len(paths[hit]):]!r} {own}")
             continue
         above = not r.path or container == r.path or container.startswith(r.path + ".")
         if not above:
@@ -124,10 +125,12 @@ def shortening(model: nn.Module, container: str | None, records, regions: tuple[
     lst = model.get_submodule(container) if container else model
     keys = tuple(k for k, c in lst._modules.items() if c is not None)
     paths = [f"{container}.{k}" if container else k for k in keys]
+    holds = [any(within(r, p) for r in regions) for p in paths]
+    ids: dict[tuple[int, bool], int] = {}  # a block that holds a region is a kind of its own however it was stated
+    kinds = [ids.setdefault((k, h), len(ids)) for k, h in zip(kinds, holds)]
     near = [(kinds[i - 1] if i else -1, kinds[i], kinds[i + 1] if i + 1 < n else -1) for i in range(n)]
     # a checkpointed block's recomputation releases what the one recomputed before it still holds (NOTE):
     # its context includes the next checkpointed block above it (or none)
-    holds = [any(within(r, p) for r in regions) for p in paths]
     above: list[int | None] = [None] * n
     nxt = None
     for i in reversed(range(n)):
