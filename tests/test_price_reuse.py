@@ -167,3 +167,49 @@ def test_a_compiled_price_rehearses_every_block_for_its_data_flow():
         rehearsal_mod._rehearse_short = orig
     assert len(calls) == 1 and len(full.flows) == len(full.records) and short.flows == []
     _assert_same(short, full)
+
+
+def _qwen2_sliding(n: int = 10):
+    """Qwen2 whose layers from 4 on use a sliding window: its forward picks each layer's mask by position."""
+    from arch_suite import _decoder
+
+    return _decoder("Qwen2Config", "Qwen2ForCausalLM", num_hidden_layers=n, use_sliding_window=True,
+                    sliding_window=8, max_window_layers=4)()
+
+
+def test_a_profile_of_two_runs_in_one_list_keeps_the_model_and_its_positions():
+    """NOTE [a shortened list keeps its kinds in place]: the profiler's block reuse once left a block out of the
+    user's model (two runs of one list restored in the wrong order) and ran kept blocks with another position's
+    mask; now the list is profiled whole, equal to profiling every block, and the model keeps every block."""
+    from treadle.profile.blocks import find_block_runs
+    from treadle.profile.profiler import profile
+
+    model, inputs = _qwen2_sliding()
+    before = list(model.model.layers)
+    assert find_block_runs(model) == []  # a shortened list would move the sliding layers to full-attention places
+    a = profile(model, inputs, hardware="h100", reuse_blocks=True)
+    b = profile(model, inputs, hardware="h100", reuse_blocks=False)
+    assert [r.to_dict() for r in a.ops] == [r.to_dict() for r in b.ops]
+    assert list(model.model.layers) == before
+
+    from treadle.profile import blocks
+
+    runs = [blocks.BlockRun("model.layers", tuple(str(i) for i in range(10)), 0, 4),
+            blocks.BlockRun("model.layers", tuple(str(i) for i in range(10)), 4, 10)]
+    with blocks.shortened(model, runs):
+        assert len(model.model.layers) == 6
+    assert list(model.model.layers) == before  # restored whole, last snapshot first
+
+
+def test_blocks_whose_storages_live_past_them_or_move_places_are_priced_as_recorded_whole():
+    """A sliding-window model holds each layer's mask until its forward returns (freed outside the blocks), and a
+    hybrid one picks masks by position: either way the price equals recording every block."""
+    from arch_suite import _decoder
+
+    mistral = _decoder("MistralConfig", "MistralForCausalLM", num_hidden_layers=10, sliding_window=8)()
+    for model, inputs in (mistral, _qwen2_sliding()):
+        sch = treadle.create_schedule(model, mesh=Mesh((4,), ("dp",)))
+        sch.data_parallel(axis="dp")
+        short, full, _, (p_short, p_full) = _both(sch, inputs)
+        _assert_same(short, full)
+        assert p_short.to_dict() == p_full.to_dict()

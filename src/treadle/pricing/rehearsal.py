@@ -217,7 +217,7 @@ def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, 
     for name, t in state.items():  # a block's own buffer saved for backward: charged once per storage
         if id(t.untyped_storage()) in rec.saved and any(within(name, p) for p in kept.values()):
             return None
-    spliced = splice(rec.records, coll, short, rec.live_bytes)
+    spliced = splice(rec.records, coll, short, rec.live_bytes, rec.frees)
     if spliced is None:
         return None
     return (*spliced, rec.saved_input_bytes, [], {p: out_bytes[q] for p, q in stand_in.items() if q in out_bytes})
@@ -284,6 +284,7 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
     rec.flows = [] if flows else None  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
+    rec.frees = None if flows else []  # where each storage's life ends: a splice's check (`reuse.splice`)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]

@@ -30,13 +30,14 @@ checkpoint patterns.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..profile.blocks import _structure_key
+from ..profile.blocks import _structure_key, keeps_positions
 from ..profile.records import OpRecord
 from ..schedule.tree import within
 
@@ -55,6 +56,7 @@ class Shortening:
     kinds: tuple[int, ...]
     kept: tuple[int, ...]
     rep: tuple[int, ...]
+    holds: tuple[bool, ...] = ()  # per block: whether it holds a checkpointed region
 
     def path(self, i: int) -> str:
         return f"{self.container}.{self.keys[i]}" if self.container else self.keys[i]
@@ -137,20 +139,23 @@ def shortening(model: nn.Module, container: str | None, records, regions: tuple[
         above[i] = nxt if holds[i] else None
         if holds[i]:
             nxt = i
-    ctx = [(near[i], near[above[i]] if above[i] is not None else ("end" if holds[i] else None)) for i in range(n)]
+    # (what it releases was made by every block between them: their kinds are in the context, and kept)
+    ctx = [(near[i], tuple(kinds[i + 1:above[i] + 2]) if above[i] is not None else ("end" if holds[i] else None))
+           for i in range(n)]
     first: dict[tuple, int] = {}
     keep: set[int] = set()
     for i, c in enumerate(ctx):
         if c not in first:
             first[c] = i
-            for at in (i, above[i]):
-                if at is not None:
-                    keep.update(j for j in (at - 1, at, at + 1) if 0 <= j < n)
+            last = i + 1 if above[i] is None else above[i] + 1
+            keep.update(j for j in range(i - 1, last + 1) if 0 <= j < n)
     if n - len(keep) < MIN_SAVED:
         return None
     kept = tuple(sorted(keep))
+    if not keeps_positions([_structure_key(lst._modules[k]) for k in keys], list(kept)):
+        return None  # NOTE [a shortened list keeps its kinds in place]
     pos = {j: p for p, j in enumerate(kept)}
-    return Shortening(container, keys, tuple(kinds), kept, tuple(pos[first[c]] for c in ctx))
+    return Shortening(container, keys, tuple(kinds), kept, tuple(pos[first[c]] for c in ctx), tuple(holds))
 
 
 class shortened_list:
@@ -192,10 +197,12 @@ def _segments(records: list[OpRecord], paths: list[str], phases: tuple[str, ...]
     return out
 
 
-def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, final_live: int
-           ) -> tuple[list[OpRecord], list[tuple]] | None:
+def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, final_live: int,
+           frees: list[tuple[int, int, int]] | None = None) -> tuple[list[OpRecord], list[tuple]] | None:
     """The full step's records and collectives rebuilt from the shortened one (NOTE [blocks rehearsed once per
-    context]), or None where the shortened step does not have the shape splicing needs."""
+    context]), or None where the shortened step does not have the shape splicing needs. `frees`: the shortened
+    step's (records before, allocating record, bytes) of each free (`StepRecorder.frees`), checked by
+    `_lives_local`."""
     kept = [s.path(j) for j in s.kept]
     fwd = _segments(records, kept, ("forward",))
     bwd = _segments(records, kept, ("backward", "recompute"))
@@ -212,6 +219,8 @@ def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, fin
         if sig.setdefault(s.kinds[s.kept[j]], ops) != ops:
             logger.debug("block reuse: %s runs other ops than a block of its kind; rehearsing every block", p)
             return None
+    if frees is not None and not _lives_local(frees, s, fwd, bwd, len(records)):
+        return None
     n = len(s.keys)
     # pieces: (source lo, source hi, source block path or None, target block path or None)
     pieces = [(0, fwd[0][0], None, None)]
@@ -271,3 +280,49 @@ def _collectives_by_piece(collectives: list[tuple], kept: list[str], fwd: list[t
     if [c for k in order for c in own.get(k, ())] != list(collectives):
         return None
     return own
+
+
+def _lives_local(frees: list[tuple[int, int, int]], s: Shortening, fwd: list[tuple[int, int]],
+                 bwd: list[tuple[int, int]], n_records: int) -> bool:
+    """Whether every storage's life ends where a splice repeats it faithfully (NOTE [blocks rehearsed once per
+    context]): of the records some block takes, one a kept block made is freed in that block's records, a
+    neighbour's, or another's with every block between them kept (a checkpointed region's release); a storage
+    made or freed outside the blocks is so by a block whose records stand for itself alone (the first and last
+    blocks). Where a block's storage lives on
+    into the records between or around the blocks (what the model's forward holds until it returns), the
+    shortened step frees it once per kept block, not once per block: not spliced. Frees after the last record
+    are read by nothing."""
+    starts = sorted([(lo, j) for j, (lo, _) in enumerate(fwd)] + [(lo, j) for j, (lo, _) in enumerate(bwd)])
+    ends = {lo: (j, hi) for j, (lo, hi) in list(enumerate(fwd)) + list(enumerate(bwd))}
+
+    def block_of(i: int) -> int | None:  # the kept block (position in the shortened list) whose records hold i
+        k = bisect.bisect_right(starts, (i, len(fwd))) - 1
+        if k < 0:
+            return None
+        lo = starts[k][0]
+        j, hi = ends[lo]
+        return j if i < hi else None
+
+    uses = [0] * len(s.kept)
+    for r in s.rep:
+        uses[r] += 1
+
+    def alone(j: int) -> bool:  # the kept block's records stand for itself and no other block
+        return uses[j] == 1 and s.rep[s.kept[j]] == j
+    for before, made, _ in frees:
+        if made < 0 or before <= 0 or before >= n_records:  # (after the last record: nothing reads it)
+            continue
+        a, f = block_of(made), block_of(before - 1)
+        if f is not None and not uses[f]:
+            continue  # freed in records no block takes: the blocks that stand for them free it alike
+        if a is None or f is None:  # made or freed outside the blocks: by a block that stands for itself alone
+            if not all(j is None or alone(j) for j in (a, f)):
+                logger.debug("block reuse: a storage of op %d freed before op %d (outside the blocks); "
+                             "rehearsing every block", made, before)
+                return False
+            continue
+        if abs(a - f) > 1 and s.kept[a] - s.kept[f] != a - f and not (alone(a) and alone(f)):
+            logger.debug("block reuse: a storage of %s freed in %s; rehearsing every block", s.path(s.kept[a]),
+                         s.path(s.kept[f]))
+            return False
+    return True

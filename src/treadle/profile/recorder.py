@@ -117,6 +117,9 @@ class StepRecorder:
         # an identity being (storage id, index of the record that allocated it; -1 before the step): the data
         # flow between ops that a compiled step's fusion groups need (`treadle.pricing.compiled`)
         self.flows: list[tuple[tuple, tuple]] | None = None
+        # per free, when a caller sets a list here: (records before it, index of the record that allocated the
+        # storage, bytes): where each storage's life ends (`treadle.pricing.reuse` checks its splices with it)
+        self.frees: list[tuple[int, int, int]] | None = None
 
     # ------------------------------------------------------------------------------------------ module tracking
     def _boundary(self, path: str) -> None:
@@ -178,6 +181,8 @@ class StepRecorder:
         if entry is None:
             return
         nbytes, index, _ = entry
+        if self.frees is not None:
+            self.frees.append((len(self.records), index, nbytes))
         self.live_bytes -= nbytes
         self.saved.discard(key)
         if not self.in_backward:
