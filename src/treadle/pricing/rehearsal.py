@@ -17,13 +17,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..errors import PlanError, ProfileError
 from ..loss import default_loss
 from ..mesh import Mesh
+from ..profile.blocks import block_container
 from ..profile.fake_gaps import copy_model
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
 from ..schedule.tree import within
 from ..schedule.view import ScheduleView
-from ..profile.blocks import block_container
 from .reuse import Shortening, shortened_list, shortening, splice
 
 _PIPELINE_OPS = frozenset({"pipeline", "cut_pipeline_stage"})
@@ -200,7 +200,7 @@ def _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, fl
 def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, short: Shortening):
     """The step rehearsed with the kept blocks only and spliced (NOTE [blocks rehearsed once per context]), or
     None where it cannot be."""
-    kept = {short.keys[j]: short.path(j) for j in short.kept}
+    kept = [short.path(j) for j in short.kept]
     # a watched path inside a left-out block is watched in the kept block that stands for it
     stand_in = {}
     for p in watch:
@@ -215,7 +215,7 @@ def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, 
         for h in hooks:
             h.remove()
     for name, t in state.items():  # a block's own buffer saved for backward: charged once per storage
-        if id(t.untyped_storage()) in rec.saved and any(within(name, p) for p in kept.values()):
+        if id(t.untyped_storage()) in rec.saved and any(within(name, p) for p in kept):
             return None
     spliced = splice(rec.records, coll, short, rec.live_bytes, rec.frees)
     if spliced is None:
