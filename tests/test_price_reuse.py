@@ -27,8 +27,8 @@ def _both(sch, inputs, *, price_too: bool = True):
     kept = []
     orig_short, orig_shortening = rehearsal_mod._rehearse_short, rehearsal_mod.shortening
 
-    def spy(*a):
-        out = orig_short(*a)
+    def spy(*a, **k):
+        out = orig_short(*a, **k)
         kept.append((len(a[-1].kept), len(a[-1].keys), out is not None))
         return out
 
@@ -110,7 +110,7 @@ def test_a_pipeline_price_splices_its_stages_and_the_sends_at_its_cuts():
     hw = CLUSTER.rank_hardware()
     seen = []
     orig = rehearsal_mod._rehearse_short
-    rehearsal_mod._rehearse_short = lambda *a: seen.append(a[-1]) or orig(*a)
+    rehearsal_mod._rehearse_short = lambda *a, **k: seen.append(a[-1]) or orig(*a, **k)
     try:
         p_short = treadle.price(sch, inputs, CLUSTER)
         short = rehearse(sch, inputs, hw, None, gpu=True, unpipelined=True, watch=("transformer.h.8",))
@@ -154,19 +154,38 @@ def test_blocks_that_differ_in_the_schedule_or_share_nothing_to_leave_out_are_re
     assert block_kinds(model, "model.layers", own + other) == [0, 1, 1, 2, 3, 0]
 
 
-def test_a_compiled_price_rehearses_every_block_for_its_data_flow():
-    sch = treadle.create_schedule(tiny_llama(8), mesh=Mesh((1,), ("dp",)))
-    hw = CLUSTER.rank_hardware()
-    calls = []
-    orig = rehearsal_mod._rehearse_short
-    rehearsal_mod._rehearse_short = lambda *a: calls.append(1) or orig(*a)
+@pytest.mark.parametrize("tp", [False, True])
+def test_a_compiled_price_splices_its_data_flow_exactly(tp):
+    """`_splice_flows`: the spliced data flow gives a compiled step the same fused runs as recording every block."""
+    from treadle.pricing.compiled import compiled_times, compiled_units
+
+    sch = treadle.create_schedule(tiny_llama(16), mesh=Mesh((2, 2), ("dp", "tp")))
+    if tp:
+        megatron(sch, tp="tp", sequence_parallel=True)
+    for i in _spread(5, 16) if tp else range(0, 16, 2):
+        sch[f"model.layers.{i}"].checkpoint()
+    sch.data_parallel(axis="dp", shard=tp)
+    inputs, hw = lm_inputs(4, 16), CLUSTER.rank_hardware()
+    spliced = []
+    orig, orig_shortening = rehearsal_mod._rehearse_short, rehearsal_mod.shortening
+    rehearsal_mod._rehearse_short = lambda *a, **k: (lambda r: spliced.append(r is not None) or r)(orig(*a, **k))
     try:
-        full = rehearse(sch, lm_inputs(2, 16), hw, None, gpu=True, flows=True)
-        short = rehearse(sch, lm_inputs(2, 16), hw, None, gpu=True)
+        short = rehearse(sch, inputs, hw, None, gpu=True, flows=True)
+        p_short = treadle.price(sch, inputs, CLUSTER, execution="compiled")
     finally:
         rehearsal_mod._rehearse_short = orig
-    assert len(calls) == 1 and len(full.flows) == len(full.records) and short.flows == []
+    rehearsal_mod.shortening = lambda *a: None
+    try:
+        full = rehearse(sch, inputs, hw, None, gpu=True, flows=True)
+        p_full = treadle.price(sch, inputs, CLUSTER, execution="compiled")
+    finally:
+        rehearsal_mod.shortening = orig_shortening
+    assert spliced == [True, True]
     _assert_same(short, full)
+    assert len(short.flows) == len(full.flows) == len(full.records)
+    times = [compiled_times(r.records, r.flows, compiled_units(r.model), hw) for r in (short, full)]
+    assert times[0] == times[1] and sum(t == 0 for t in times[0]) > len(times[0]) // 4  # fused runs found
+    assert p_short.to_dict() == p_full.to_dict()
 
 
 def _qwen2_sliding(n: int = 10):

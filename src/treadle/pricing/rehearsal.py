@@ -132,8 +132,8 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
     on fake tensors (module doc of `treadle.pricing`). `unpipelined`: replay the log without its pipeline
     primitives (the pipeline form prices the stages of that one step itself); `watch`: module paths whose
     forward output bytes (every tensor it returns) are kept in `Rehearsal.output_bytes`; `flows`: record the data
-    flow between ops (`Rehearsal.flows`, which a compiled step's price needs), every block rehearsed; without it
-    each context of blocks is rehearsed once (NOTE [blocks rehearsed once per context]). Raises PlanError for a
+    flow between ops (`Rehearsal.flows`, which a compiled step's price needs). Each context of blocks is rehearsed
+    once (NOTE [blocks rehearsed once per context]). Raises PlanError for a
     pipeline (unless `unpipelined`), a built schedule, a log that cannot be replayed, a batch the data-parallel
     axes do not divide, or a running process group."""
     from ..runtime.build import build
@@ -170,9 +170,10 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
         inputs = split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
         regions = v2.checkpoints + selective_regions(v2)
-        short = None if flows else shortening(built, block_container(built), sch2.records, regions)
+        short = shortening(built, block_container(built), sch2.records, regions)
         if short is not None:
-            reh = _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, short)
+            reh = _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, short,
+                                  flows=flows)
         if short is None or reh is None:
             reh = _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, flows)
         records, coll, saved_in, flow_list, out_bytes = reh
@@ -197,7 +198,8 @@ def _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, fl
     return rec.records, coll, rec.saved_input_bytes, rec.flows or [], out_bytes
 
 
-def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, short: Shortening):
+def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, short: Shortening, *,
+                    flows: bool = False):
     """The step rehearsed with the kept blocks only and spliced (NOTE [blocks rehearsed once per context]), or
     None where it cannot be."""
     kept = [short.path(j) for j in short.kept]
@@ -210,17 +212,21 @@ def _rehearse_short(built, inputs, hw, loss_fn, axis_of_group, gpu, sac, watch, 
     hooks = _watching(built, tuple(sorted(set(stand_in.values()))), out_bytes)
     try:
         with shortened_list(built, short):
-            rec, coll, state = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu, sac=sac, flows=False)
+            rec, coll, state = _record(built, inputs, hw, loss_fn, axis_of_group, gpu=gpu, sac=sac, flows=flows)
     finally:
         for h in hooks:
             h.remove()
     for name, t in state.items():  # a block's own buffer saved for backward: charged once per storage
         if id(t.untyped_storage()) in rec.saved and any(within(name, p) for p in kept):
             return None
-    spliced = splice(rec.records, coll, short, rec.live_bytes, rec.frees)
+    owners = {id(t.untyped_storage()): (j, name[len(p):]) for name, t in state.items()
+              for j, p in enumerate(kept) if within(name, p)}
+    spliced = splice(rec.records, coll, short, rec.live_bytes, rec.frees, flows=rec.flows, owners=owners)
     if spliced is None:
         return None
-    return (*spliced, rec.saved_input_bytes, [], {p: out_bytes[q] for p, q in stand_in.items() if q in out_bytes})
+    records, colls, flow_list = spliced
+    return records, colls, rec.saved_input_bytes, flow_list, {p: out_bytes[q] for p, q in stand_in.items()
+                                                              if q in out_bytes}
 
 
 def selective_regions(v: ScheduleView) -> tuple[str, ...]:
@@ -284,7 +290,7 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     state, args, kwargs, rec, named = fake_step_recorder(model, (), inputs, fake_mode=fake_mode, hw=hw)
     rec.flows = [] if flows else None  # the data flow a compiled step's fusion needs (`treadle.pricing.compiled`)
-    rec.frees = None if flows else []  # where each storage's life ends: a splice's check (`reuse.splice`)
+    rec.frees = []  # where each storage's life ends: a splice's check (`reuse.splice`)
     mode = _PriceDispatch(rec, axis_of_group)
     handles = rec.attach(named)
     attention = GpuAttention() if gpu else contextlib.nullcontext()  # NOTE [attention as a GPU runs it]

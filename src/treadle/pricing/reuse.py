@@ -17,7 +17,8 @@ the next checkpointed block above it with its neighbours; the first and last blo
 step on that shortened list (the built model, its other blocks restored after), and rebuilds the full step: each block's forward records are those of the kept block of the
 same context, renamed, in order; then the records between the last forward and the first backward; then each
 block's backward (and recomputation) in reverse order, likewise; each copy's live-memory timeline shifted by
-the net live change of the copies before it; the collectives each block issued go with its records.
+the net live change of the copies before it; the collectives each block issued go with its records; and, for a
+compiled step's price, the data flow between the ops (`_splice_flows`).
 
 Where the shortened step does not have this shape the rehearsal records every block instead (`splice` returns
 None): ops between two blocks, a block whose records are not contiguous, a collective of no block issued among
@@ -198,11 +199,14 @@ def _segments(records: list[OpRecord], paths: list[str], phases: tuple[str, ...]
 
 
 def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, final_live: int,
-           frees: list[tuple[int, int, int]] | None = None) -> tuple[list[OpRecord], list[tuple]] | None:
+           frees: list[tuple[int, int, int]] | None = None, flows: list | None = None,
+           owners: dict[int, tuple[int, str]] | None = None) -> tuple[list[OpRecord], list[tuple], list] | None:
     """The full step's records and collectives rebuilt from the shortened one (NOTE [blocks rehearsed once per
     context]), or None where the shortened step does not have the shape splicing needs. `frees`: the shortened
     step's (records before, allocating record, bytes) of each free (`StepRecorder.frees`), checked by
-    `_lives_local`."""
+    `_lives_local`; `flows` (`StepRecorder.flows`) are spliced too where given (`_splice_flows`, with `owners`:
+    storage id -> (kept position, name below the block) of the kept blocks' parameters and buffers), else the
+    third item returned is []."""
     kept = [s.path(j) for j in s.kept]
     fwd = _segments(records, kept, ("forward",))
     bwd = _segments(records, kept, ("backward", "recompute"))
@@ -251,7 +255,85 @@ def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, fin
             mod = _rename(module, src, dst) if src is not None else module
             colls.append((base + n_before - lo, mod, phase, kind, axis, nbytes))
         at += live[hi] - live[lo]
-    return out, colls
+    if flows is None:
+        return out, colls, []
+    meta = [(0, fwd[0][0], None, None, "gap")]
+    meta += [(*fwd[s.rep[i]], s.rep[i], i, "fwd") for i in range(n)]
+    meta.append((fwd[-1][1], bwd[-1][0], None, None, "gap"))
+    meta += [(*bwd[s.rep[i]], s.rep[i], i, "bwd") for i in reversed(range(n))]
+    meta.append((bwd[0][1], len(records), None, None, "gap"))
+    spliced = _splice_flows(records, flows, s, meta, fwd, bwd, owners or {})
+    return None if spliced is None else (out, colls, spliced)
+
+
+def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, meta: list[tuple], fwd: list[tuple[int, int]],
+                  bwd: list[tuple[int, int]], owners: dict[int, tuple[int, str]]) -> list | None:
+    """The data flow of the full step (`StepRecorder.flows`: per record, the storage identities it reads and
+    writes) rebuilt from the shortened one, or None where it cannot be told. A compiled step's price reads only
+    which identities are equal (`pricing.compiled`), so each storage a block's records make is named by the copy
+    that makes it, its position in the copied records and its place among that op's outputs; a read names the
+    copy that made what it reads: the reader's own block, or the block as far from it as the maker is from the
+    reader's kept block (within the contiguous kept blocks around it), whose records must run the maker's ops. A
+    kept block's parameter or buffer is named by the copy's block and its name; what is made outside the blocks
+    keeps its identity."""
+    where: list[tuple | None] = [None] * len(records)  # record -> (kept position, phase) of the block records
+    for j, (lo, hi) in enumerate(fwd):
+        where[lo:hi] = [(j, "fwd")] * (hi - lo)
+    for j, (lo, hi) in enumerate(bwd):
+        where[lo:hi] = [(j, "bwd")] * (hi - lo)
+    seg = {"fwd": fwd, "bwd": bwd}
+    instance = {(i, ph): x for x, (_, _, _, i, ph) in enumerate(meta) if i is not None}
+    ops = {}
+
+    def ops_of(j: int, ph: str) -> list[str]:
+        if (j, ph) not in ops:
+            lo, hi = seg[ph][j]
+            ops[(j, ph)] = [r.op for r in records[lo:hi]]
+        return ops[(j, ph)]
+
+    def slot(made: int, ident) -> int:
+        return next((w for w, (x, _) in enumerate(flows[made][1]) if x == ident), -1)
+
+    out: list = []
+    for x, (lo, hi, r, i, ph) in enumerate(meta):
+        def name(ident):
+            sid, made = ident
+            if made == -2:
+                return ("none", x, sid)
+            if made == -1:
+                own = owners.get(sid)
+                if own is None or r is None:
+                    return ident
+                d = s.kept[own[0]] - s.kept[r]
+                if own[0] - r != d or not 0 <= i + d < len(s.keys):
+                    raise LookupError
+                return ("param", i + d, own[1])
+            src = where[made]
+            if src is None:  # made outside the blocks: one instance
+                return ident
+            k, pk = src
+            if r is None:  # read outside the blocks: only the blocks that stand for themselves alone
+                if s.rep[s.kept[k]] != k or sum(1 for q in s.rep if q == k) != 1:
+                    raise LookupError
+                target = s.kept[k]
+            else:
+                d = s.kept[k] - s.kept[r]
+                if k - r != d or not 0 <= i + d < len(s.keys):
+                    raise LookupError
+                target = i + d
+            y = instance[(target, pk)]
+            if ops_of(s.rep[target], pk) != ops_of(k, pk):
+                raise LookupError
+            return ("made", y, made - seg[pk][k][0], slot(made, ident))
+
+        try:
+            for a in range(lo, hi):
+                reads, writes = flows[a]
+                out.append((tuple((name(t), b) for t, b in reads), tuple((name(t), b) for t, b in writes)))
+        except LookupError:
+            logger.debug("block reuse: a data flow the splice cannot name; rehearsing every block")
+            return None
+    return out
 
 
 def _collectives_by_piece(collectives: list[tuple], kept: list[str], fwd: list[tuple[int, int]],
