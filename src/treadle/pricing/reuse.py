@@ -13,9 +13,10 @@ own, next), with the list's ends as kinds of their own, and for a block that hol
 same triple of the next such block above it (or that there is none).
 
 The rehearsal keeps, of the block list, the first occurrence of every context with both its neighbours (and
-the next checkpointed block above it with its neighbours; the first and last blocks are among them), runs the
-step on that shortened list (the built model, its other blocks restored after), and rebuilds the full step: each block's forward records are those of the kept block of the
-same context, renamed, in order; then the records between the last forward and the first backward; then each
+every block up to the next checkpointed block above it, with that one's successor; the first and last blocks
+are among them), runs the step on that shortened list (the built model, its other blocks restored after), and
+rebuilds the full step: each block's forward records are those of the kept block of the same context, renamed,
+in order; then the records between the last forward and the first backward; then each
 block's backward (and recomputation) in reverse order, likewise; each copy's live-memory timeline shifted by
 the net live change of the copies before it; the collectives each block issued go with its records; and, for a
 compiled step's price, the data flow between the ops (`_splice_flows`).
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..profile.blocks import _structure_key, keeps_positions
+from ..profile.blocks import _rename, _structure_key, keeps_positions
 from ..profile.records import OpRecord
 from ..schedule.tree import within
 
@@ -61,6 +62,10 @@ class Shortening:
 
     def path(self, i: int) -> str:
         return f"{self.container}.{self.keys[i]}" if self.container else self.keys[i]
+
+    def alone(self, j: int) -> bool:
+        """Whether kept block `j` (a position in `kept`) stands for itself and no other block."""
+        return self.rep[self.kept[j]] == j and self.rep.count(j) == 1
 
 
 def _mentions(text: str, container: str, rel: str, keys: tuple[str, ...]) -> dict[str, list[str]] | None:
@@ -179,14 +184,6 @@ class shortened_list:
         self.lst._modules.update(self.saved)
 
 
-def _rename(path: str, old: str, new: str) -> str:
-    if old == new:
-        return path
-    if path == old:
-        return new
-    return new + path[len(old):] if path.startswith(old + ".") else path
-
-
 def _segments(records: list[OpRecord], paths: list[str], phases: tuple[str, ...]) -> list[tuple[int, int]] | None:
     """[lo, hi) of each kept block's records of `phases`, or None where one is empty or not contiguous."""
     out = []
@@ -226,12 +223,12 @@ def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, fin
     if frees is not None and not _lives_local(frees, s, fwd, bwd, len(records)):
         return None
     n = len(s.keys)
-    # pieces: (source lo, source hi, source block path or None, target block path or None)
-    pieces = [(0, fwd[0][0], None, None)]
-    pieces += [(*fwd[s.rep[i]], kept[s.rep[i]], s.path(i)) for i in range(n)]
-    pieces.append((fwd[-1][1], bwd[-1][0], None, None))
-    pieces += [(*bwd[s.rep[i]], kept[s.rep[i]], s.path(i)) for i in reversed(range(n))]
-    pieces.append((bwd[0][1], len(records), None, None))
+    # the full step's pieces: (source lo, source hi, kept position of the source block or None, block or None, phase)
+    pieces = [(0, fwd[0][0], None, None, "gap")]
+    pieces += [(*fwd[s.rep[i]], s.rep[i], i, "fwd") for i in range(n)]
+    pieces.append((fwd[-1][1], bwd[-1][0], None, None, "gap"))
+    pieces += [(*bwd[s.rep[i]], s.rep[i], i, "bwd") for i in reversed(range(n))]
+    pieces.append((bwd[0][1], len(records), None, None, "gap"))
     own = _collectives_by_piece(collectives, kept, fwd, bwd, len(records))
     if own is None:
         return None
@@ -240,7 +237,8 @@ def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, fin
     colls: list[tuple] = []
     at = live[0]
     names: dict[tuple[str, str, str], str] = {}
-    for lo, hi, src, dst in pieces:
+    for lo, hi, r_, i_, ph in pieces:
+        src, dst = (kept[r_], s.path(i_)) if r_ is not None else (None, None)
         shift = at - live[lo]
         base = len(out)
         for r in records[lo:hi]:
@@ -250,23 +248,18 @@ def splice(records: list[OpRecord], collectives: list[tuple], s: Shortening, fin
                 if m is None:
                     m = names[(r.module, src, dst)] = _rename(r.module, src, dst)
             out.append(r.copy_to(index=len(out), module=m, live_offset_bytes=shift))
-        key = ("block", src, "fwd" if hi <= fwd[-1][1] else "bwd") if src is not None else ("gap", lo)
+        key = ("block", src, ph) if src is not None else ("gap", lo)
         for n_before, module, phase, kind, axis, nbytes in own.get(key, ()):
             mod = _rename(module, src, dst) if src is not None else module
             colls.append((base + n_before - lo, mod, phase, kind, axis, nbytes))
         at += live[hi] - live[lo]
     if flows is None:
         return out, colls, []
-    meta = [(0, fwd[0][0], None, None, "gap")]
-    meta += [(*fwd[s.rep[i]], s.rep[i], i, "fwd") for i in range(n)]
-    meta.append((fwd[-1][1], bwd[-1][0], None, None, "gap"))
-    meta += [(*bwd[s.rep[i]], s.rep[i], i, "bwd") for i in reversed(range(n))]
-    meta.append((bwd[0][1], len(records), None, None, "gap"))
-    spliced = _splice_flows(records, flows, s, meta, fwd, bwd, owners or {})
+    spliced = _splice_flows(records, flows, s, pieces, fwd, bwd, owners or {})
     return None if spliced is None else (out, colls, spliced)
 
 
-def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, meta: list[tuple], fwd: list[tuple[int, int]],
+def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, pieces: list[tuple], fwd: list[tuple[int, int]],
                   bwd: list[tuple[int, int]], owners: dict[int, tuple[int, str]]) -> list | None:
     """The data flow of the full step (`StepRecorder.flows`: per record, the storage identities it reads and
     writes) rebuilt from the shortened one, or None where it cannot be told. A compiled step's price reads only
@@ -282,7 +275,7 @@ def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, meta: lis
     for j, (lo, hi) in enumerate(bwd):
         where[lo:hi] = [(j, "bwd")] * (hi - lo)
     seg = {"fwd": fwd, "bwd": bwd}
-    instance = {(i, ph): x for x, (_, _, _, i, ph) in enumerate(meta) if i is not None}
+    instance = {(i, ph): x for x, (_, _, _, i, ph) in enumerate(pieces) if i is not None}
     ops = {}
 
     def ops_of(j: int, ph: str) -> list[str]:
@@ -295,7 +288,7 @@ def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, meta: lis
         return next((w for w, (x, _) in enumerate(flows[made][1]) if x == ident), -1)
 
     out: list = []
-    for x, (lo, hi, r, i, ph) in enumerate(meta):
+    for x, (lo, hi, r, i, ph) in enumerate(pieces):
         def name(ident):
             sid, made = ident
             if made == -2:
@@ -313,7 +306,7 @@ def _splice_flows(records: list[OpRecord], flows: list, s: Shortening, meta: lis
                 return ident
             k, pk = src
             if r is None:  # read outside the blocks: only the blocks that stand for themselves alone
-                if s.rep[s.kept[k]] != k or sum(1 for q in s.rep if q == k) != 1:
+                if not s.alone(k):
                     raise LookupError
                 target = s.kept[k]
             else:
@@ -388,9 +381,7 @@ def _lives_local(frees: list[tuple[int, int, int]], s: Shortening, fwd: list[tup
     uses = [0] * len(s.kept)
     for r in s.rep:
         uses[r] += 1
-
-    def alone(j: int) -> bool:  # the kept block's records stand for itself and no other block
-        return uses[j] == 1 and s.rep[s.kept[j]] == j
+    alone = s.alone
     for before, made, _ in frees:
         if made < 0 or before <= 0 or before >= n_records:  # (after the last record: nothing reads it)
             continue
