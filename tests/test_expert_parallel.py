@@ -239,7 +239,8 @@ def test_tensor_parallel_attention_with_experts_over_the_data_axis_verifies_on_4
 
 # ------------------------------------------------------------------------------------------ checkpoints
 EP_SCHEDULES = {"ep4": ((4, 1), "dp", "dp"), "ep2xdp2": ((2, 2), "tp", ("dp", "tp")), "ddp4": ((4, 1), None, "dp"),
-                "ep2-fsdp2x2": ((2, 2), "tp", ("dp", "tp")), "ep2-etp2": ((2, 2), "dp", "dp", "tp")}
+                "ep2-fsdp2x2": ((2, 2), "tp", ("dp", "tp")), "ep2-etp2": ((2, 2), "dp", "dp", "tp"),
+                "ep4x": ((2, 2), ("dp", "tp"), ("dp", "tp"))}  # ep4x: one expert group over both axes
 
 
 def _make_ep(name: str):
@@ -284,7 +285,8 @@ def _ep_reshard_rank(rank: int, world: int, src: str, dst: str, path: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("src,dst", [("ep4", "ep2xdp2"), ("ep2-fsdp2x2", "ddp4"), ("ddp4", "ep4"),
-                                     ("ep4", "ep2-fsdp2x2"), ("ep2-etp2", "ep4")])
+                                     ("ep4", "ep2-fsdp2x2"), ("ep2-etp2", "ep4"), ("ep4x", "ep2-fsdp2x2"),
+                                     ("ep2xdp2", "ep4x")])
 def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
     from treadle.testing import spawn
 
@@ -295,7 +297,7 @@ def test_checkpoints_reshard_across_expert_degrees(tmp_path, src, dst):
     loss.backward()
     ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
     experts = ref.model.layers[0].mlp.experts.down_proj.shape[0]
-    ep = {"ep4": 4, "ep2xdp2": 2, "ep2-fsdp2x2": 2, "ddp4": 1, "ep2-etp2": 2}[src]
+    ep = {"ep4": 4, "ep2xdp2": 2, "ep2-fsdp2x2": 2, "ddp4": 1, "ep2-etp2": 2, "ep4x": 4}[src]
     for step, max_diff, after_a, after_b, (loss0, norm0), local in spawn(_ep_reshard_rank, 4, src, dst,
                                                                          str(tmp_path / "ck"), timeout_s=240):
         assert local[0] == experts // ep  # this rank's experts only

@@ -125,6 +125,31 @@ class Mesh:
         self.axis_index(axis)
         return self.device_mesh.get_group(axis)
 
+    def flat_device_mesh(self, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
+        """The 1-D DeviceMesh over the flattened group of mesh `axes`, named in mesh order (binds first): the
+        axis's own sub-mesh for one axis, else the sub-mesh flattened row-major and named by the axes joined with
+        "_" (made once per mesh; group rank i is the i-th coordinate in that order). Raises MeshError for an axis
+        not of this mesh, named twice, or out of mesh order."""
+        idx = [self.axis_index(a) for a in axes]
+        if not idx or idx != sorted(set(idx)):
+            raise MeshError(f"{self}: a flattened group names distinct axes in mesh order {list(self.names)}, got "
+                            f"{list(axes)}")
+        dm = self.device_mesh
+        if len(axes) == 1:
+            return dm[axes[0]]
+        return dm[tuple(axes)]._flatten("_".join(axes))
+
+    def flat_group(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+        """The process group of the flattened mesh `axes` (`flat_device_mesh`)."""
+        return self.flat_device_mesh(tuple(axes)).get_group()
+
+    def flat_rank(self, axes: tuple[str, ...]) -> int:
+        """This rank's index in the flattened group of mesh `axes` (row-major over them, in mesh order)."""
+        i = 0
+        for a in axes:
+            i = i * self.size(a) + self.local_rank(a)
+        return i
+
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate along `axis` (binds first)."""
         self.axis_index(axis)

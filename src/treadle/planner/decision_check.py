@@ -77,7 +77,7 @@ DECISION_ARGS: dict[str, dict[str, str]] = {
     "checkpoint": {},
     "set_attr": {"name": "str", "ref": "str", "kwargs": "kwargs"},
     "data_parallel": {"axis": "str|strs", "shard": "bool", "replicate": "str|strs?", "reshard_after_forward": "bool?"},
-    "expert_parallel": {"axis": "str", "tensor": "str?", "load_imbalance": "load?"},
+    "expert_parallel": {"axis": "str|strs", "tensor": "str?", "load_imbalance": "load?"},
     "float8": {"recipe": "str", "all_gather": "bool", "skip": "strs?"},
     "cut_pipeline_stage": {},
     "pipeline": {"axis": "str", "schedule": "str", "n_microbatches": "count", "example_inputs": "inputs",

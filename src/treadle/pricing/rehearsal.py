@@ -22,6 +22,7 @@ from ..profile.fake_gaps import copy_model
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
+from ..schedule.expert_primitive import axes_label, expert_paths
 from ..schedule.tree import within
 from ..schedule.view import ScheduleView
 from .reuse import Shortening, shortened_list, shortening, splice
@@ -74,7 +75,8 @@ class _PriceDispatch(Dispatch):
                     continue
         axis = self.axis_of_group.get(group.group_name if group is not None else "", None)
         if axis is None:
-            raise PlanError(f"price: a {kind} runs on a process group that is no single mesh axis")
+            raise PlanError(f"price: a {kind} runs on a process group that is no single mesh axis (nor an expert "
+                            f"group's flattened axes)")
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         nested = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], (list, tuple))]
@@ -168,6 +170,9 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         dp = v2.data_parallel
         built = build(sch2, wrap=False)  # data parallelism is priced, not run (module doc)
         axis_of_group = {mesh.group(a).group_name: a for a in mesh.names}
+        for axes in expert_paths(v2.extras).values():  # an expert group over several axes: their flattened group
+            if len(axes) > 1:
+                axis_of_group[mesh.flat_group(axes).group_name] = axes_label(axes)
         inputs = split_batch(dict(example_inputs), dp.size(mesh) if dp else 1)
         regions = v2.checkpoints + selective_regions(v2)
         short = shortening(built, block_container(built), sch2.records, regions)

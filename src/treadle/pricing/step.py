@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from ..profile.profiler import model_flops
 from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
 from ..runtime.recompute import recompute_host_s
-from ..schedule.expert_primitive import expert_paths
+from ..schedule.expert_primitive import axes_label, expert_paths
 from ..schedule.tree import within
 from .compiled import EXECUTIONS, compiled_times, compiled_units
 from .rehearsal import Rehearsal, rehearse
@@ -42,6 +43,14 @@ class StepContext:
     cluster: ClusterSpec
     hw: object
 
+
+
+def group_collective_s(kind: str, nbytes: float, mesh, cluster: ClusterSpec, label: str) -> tuple[float, Any]:
+    """(seconds, link) of a rehearsed collective on the group named `label`: one mesh axis, or the flattened
+    axes of an expert group joined by "," (`axes_label`), on their `ClusterSpec.group_link`."""
+    axes = tuple(label.split(","))
+    link = cluster.link(axes[0]) if len(axes) == 1 else cluster.group_link(axes)
+    return collective_time_s(kind, nbytes, math.prod(mesh.size(a) for a in axes), link), link
 
 def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None
              ) -> tuple[list[Segment], list[int]]:
@@ -116,13 +125,13 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     experts = expert_paths(reh.view.extras)
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:
         after = seg_of[n_before - 1] if n_before > 0 else -1
-        t = collective_time_s(kind, nbytes, reh.mesh.size(axis), cluster.link(axis))
+        t, link = group_collective_s(kind, nbytes, reh.mesh, cluster, axis)
         # what the built model issues itself: tensor parallelism's collectives (an experts module's sum over the
-        # tensor axis splitting each expert included), or an experts module's exchanges on its expert axis
+        # tensor axis splitting each expert included), or an experts module's exchanges on its expert axes
         owner = next((p for p in experts if module == p or module.startswith(p + ".")), None)
-        source = "ep" if owner is not None and axis == experts[owner] else "tp"
+        source = "ep" if owner is not None and axis == axes_label(experts[owner]) else "tp"
         colls.append(Collective(kind, axis, nbytes, t, module, _PHASE.get(phase, phase), after, source=source,
-                                link=cluster.link(axis)))
+                                link=link))
     # each parallel form's part of the step (data parallelism: DDP's buckets, FSDP2's gathers and copies)
     ctx = StepContext(reh, segs, cluster, hw)
     terms = [t for f in forms() if (t := f.price_step(ctx)) is not None]

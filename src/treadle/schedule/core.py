@@ -436,12 +436,14 @@ class Schedule(_GraphPrimitives, SyncPrimitive, ExpertPrimitive, Float8Primitive
                 raise ScheduleError(f"data_parallel: mesh axis {ax!r} already shards parameters {on_axis[:3]}"
                                     f"{' ...' if len(on_axis) > 3 else ''}; data parallelism needs an axis of its "
                                     f"own (mesh axes: {list(self.mesh.names)}, data-parallel: {list(spec.axes)})")
-        outside = {path: ax for path, ax in expert_paths(self._state.extras).items() if ax not in spec.axes}
+        outside = {path: [a for a in axes if a not in spec.axes]
+                   for path, axes in expert_paths(self._state.extras).items()}
+        outside = {path: ax for path, ax in outside.items() if ax}
         if outside:
             path, ax = next(iter(outside.items()))
-            raise ScheduleError(f"data_parallel(axis={spec.label()!r}): sch[{path!r}] is expert-parallel over {ax!r}, "
-                                f"which is not one of its axes; experts split over an axis whose ranks route their "
-                                f"own tokens")
+            raise ScheduleError(f"data_parallel(axis={spec.label()!r}): sch[{path!r}] is expert-parallel over "
+                                f"{ax[0]!r}, which is not one of its axes; experts split over axes whose ranks route "
+                                f"their own tokens")
         self._state.data_parallel = spec
         args: dict[str, Any] = {"axis": axis if isinstance(axis, str) else list(axis), "shard": bool(shard)}
         if replicate:

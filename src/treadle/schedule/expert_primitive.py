@@ -6,13 +6,16 @@ The experts module is the model's own: a module whose direct parameters all stac
 rows, each row's expert indices and their weights (``forward(hidden (T, H), top_k_index (T, k),
 top_k_weights (T, k)) -> (T, H)``), as every Hugging Face MoE decoder's experts are since transformers 5.
 Rank r of the axis keeps experts ``r*E/n .. (r+1)*E/n - 1``; the axis must be a data-parallel axis (each rank
-routes its own tokens), as in torchtitan and Megatron-Core.
+routes its own tokens), as in torchtitan and Megatron-Core. Several axes make one expert group, their flattened
+group (row-major in mesh order, as `data_parallel` flattens its axes): EP 64 over the (8, 8) axes ``("dp", "tp")``
+as DeepSeek-V3 trains.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import ScheduleError
@@ -21,7 +24,7 @@ from .state import ParamShard
 if TYPE_CHECKING:  # (annotations only: core's Schedule mixes this class in)
     from .core import Schedule
 
-EXTRAS_KEY = "expert_parallel"  # extras[EXTRAS_KEY]: {experts module path: axis}
+EXTRAS_KEY = "expert_parallel"  # extras[EXTRAS_KEY]: {experts module path: its expert axes, in mesh order}
 LOAD_KEY = "expert_load"  # extras[LOAD_KEY]: {experts module path: load_imbalance} where stated above 1
 
 
@@ -62,9 +65,28 @@ def check_load_imbalance(value, *, where: str) -> float:
     return float(value)
 
 
-def expert_paths(extras) -> dict[str, str]:
-    """The expert-parallel modules a schedule recorded: path -> axis."""
+def expert_paths(extras) -> dict[str, tuple[str, ...]]:
+    """The expert-parallel modules a schedule recorded: path -> the mesh axes its experts split over (one axis, or
+    several flattened as one group; in mesh order)."""
     return dict(extras.get(EXTRAS_KEY, {}))
+
+
+def axes_label(axes: tuple[str, ...]) -> str:
+    """How prices and messages name the (flattened) group of `axes`: the names joined by ","."""
+    return ",".join(axes)
+
+
+def expert_axes(mesh, axis, *, where: str) -> tuple[str, ...]:
+    """`expert_parallel`'s `axis` argument as the tuple of mesh axes it names, in mesh order: one axis name, or a
+    list or tuple of distinct ones. Raises ScheduleError naming `where`, the mesh's axes and what is wrong."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (list, tuple)) else None
+    if not names or not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
+        raise ScheduleError(f"{where}: axis must be a mesh axis name or a list of distinct ones (mesh axes "
+                            f"{list(mesh.names)}), got {axis!r:.80}")
+    unknown = [a for a in names if a not in mesh.names]
+    if unknown:
+        raise ScheduleError(f"{where}: mesh axes {unknown} do not exist; {mesh} has axes {list(mesh.names)}")
+    return tuple(sorted(names, key=mesh.names.index))
 
 
 def expert_param_names(model, extras) -> set[str]:
@@ -107,16 +129,19 @@ class ExpertPrimitive:
     """`Schedule.expert_parallel` and its checks (the schedule provides `_state`, `mesh`, `mod`, `path`,
     `_where`, `_check_axis`, `_check_not_built`, `_record`)."""
 
-    def expert_parallel(self: "Schedule", *, axis: str = "dp", tensor: str | None = None,
+    def expert_parallel(self: "Schedule", *, axis: str | Sequence[str] = "dp", tensor: str | None = None,
                         load_imbalance: float = 1.0) -> "Schedule":
         """Split this experts module's experts over mesh axis `axis` (expert parallelism): rank r keeps E/n
-        of the E experts (every parameter split on dim 0); in forward each rank sends every (token, expert)
+        of the E experts (every parameter split on dim 0). `axis` may name several axes: the experts then split
+        over their flattened group of n = the product of their sizes (rank r row-major over the axes in mesh
+        order, as `data_parallel` flattens its axes; e.g. EP 64 over ``("dp", "tp")`` of sizes (8, 8)).
+        In forward each rank sends every (token, expert)
         pair it routes to the rank holding that expert, which runs the module's own forward on the rows it
         receives, and the results come back to be weighted and summed as the model does (dropless: every
         routed pair is computed; an index outside 0..E-1 is the model's own "no expert" and is not sent).
 
-        `axis` must be a data-parallel axis of the schedule (checked here when `data_parallel` came first, at
-        build otherwise): the experts' gradients are summed over the tokens of every rank of the axis and
+        Each of the `axis` axes must be a data-parallel axis of the schedule (checked here when `data_parallel`
+        came first, at build otherwise): the experts' gradients are summed over the tokens of every rank of the axis and
         averaged with the other data-parallel axes, as data parallelism averages the rest of the model.
 
         `tensor`: a tensor-parallel mesh axis that also splits each expert's weights (Megatron-Core's expert
@@ -131,24 +156,28 @@ class ExpertPrimitive:
         (`ExpertLoad.rank_imbalance`), which is what to state.
         Raises ScheduleError naming the path, parameter, axis and sizes at fault."""
         self._check_not_built("expert_parallel")
-        self._check_axis(axis, "expert_parallel")
         where = f"expert_parallel at {self._where()}"
+        axes = expert_axes(self.mesh, axis, where=where)
+        for a in axes:
+            self._check_axis(a, "expert_parallel")
         load = check_load_imbalance(load_imbalance, where=where)
         if not self.path:
             raise ScheduleError(f"{where}: state expert parallelism on an experts module, not the whole model")
         paths = self._state.extras.setdefault(EXTRAS_KEY, {})
         if self.path in paths:
-            raise ScheduleError(f"{where}: already expert-parallel over {paths[self.path]!r}")
+            raise ScheduleError(f"{where}: already expert-parallel over {axes_label(paths[self.path])!r}")
         e = experts_shape(self.path, self.mod)
-        n = self.mesh.size(axis)
+        n = math.prod(self.mesh.size(a) for a in axes)
         if e % n:
-            raise ScheduleError(f"{where}: {e} experts do not divide over mesh axis {axis!r} of size {n}; use an "
-                                f"axis whose size divides {e}")
+            what = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"the flattened mesh axes {list(axes)}"
+            raise ScheduleError(f"{where}: {e} experts do not divide over {what} of size {n}; use axes whose "
+                                f"sizes multiply to a divisor of {e}")
         dp = self._state.data_parallel
-        if dp is not None and axis not in dp.axes:
-            raise ScheduleError(f"{where}: mesh axis {axis!r} is not data-parallel (data_parallel(axis="
-                                f"{dp.label()!r})); experts split over an axis whose ranks route their own tokens")
-        split = self._expert_split(tensor, axis, where)
+        outside = [a for a in axes if dp is not None and a not in dp.axes]
+        if outside:
+            raise ScheduleError(f"{where}: mesh axis {outside[0]!r} is not data-parallel (data_parallel(axis="
+                                f"{dp.label()!r})); experts split over axes whose ranks route their own tokens")
+        split = self._expert_split(tensor, axes, where)
         for name, p in self.mod.named_parameters(recurse=False):
             prior = self._state.param_shards.get(id(p), [])
             if prior:
@@ -156,17 +185,18 @@ class ExpertPrimitive:
                                     f"(dim {prior[0].dim}); state expert_parallel first (its axis splits the "
                                     f"experts' dim 0), then any split of each expert's weights")
         for name, p in self.mod.named_parameters(recurse=False):
-            self._state.param_shards.setdefault(id(p), []).append(ParamShard(0, axis))
+            self._state.param_shards.setdefault(id(p), []).extend(ParamShard(0, a) for a in axes)  # row-major
             if name in split:
                 self._state.param_shards[id(p)].append(split[name])
-        paths[self.path] = axis
+        paths[self.path] = axes
         if load != 1.0:
             self._state.extras.setdefault(LOAD_KEY, {})[self.path] = load
-        self._record("expert_parallel", axis=axis, **({"tensor": tensor} if tensor is not None else {}),
+        self._record("expert_parallel", axis=axes[0] if len(axes) == 1 else list(axes),
+                     **({"tensor": tensor} if tensor is not None else {}),
                      **({"load_imbalance": load} if load != 1.0 else {}))
         return self
 
-    def _expert_split(self: "Schedule", tensor: str | None, axis: str, where: str) -> dict[str, ParamShard]:
+    def _expert_split(self: "Schedule", tensor: str | None, axes: tuple[str, ...], where: str) -> dict[str, ParamShard]:
         """The split of each expert's weights over tensor axis `tensor` (NOTE [experts split by tensor])."""
         if tensor is None:
             return {}
@@ -174,8 +204,8 @@ class ExpertPrimitive:
 
         self._check_axis(tensor, "expert_parallel")
         dp = self._state.data_parallel
-        if tensor == axis or (dp is not None and tensor in dp.axes):
-            what = "the expert axis" if tensor == axis else "data-parallel"
+        if tensor in axes or (dp is not None and tensor in dp.axes):
+            what = ("the expert axis" if len(axes) == 1 else "an expert axis") if tensor in axes else "data-parallel"
             raise ScheduleError(f"{where}: tensor={tensor!r} is {what}; each expert's weights split over a "
                                 f"tensor-parallel axis (one whose ranks see the same rows)")
         return as_axis(find_split(self.mod, self.mesh.size(tensor), where=where), tensor)

@@ -133,9 +133,5 @@ def fsdp_mesh(mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...]
 
 
 def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
-    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order): the axis's own sub-mesh
-    for one axis, else the flattened sub-mesh named by the axes joined with "_" (made once per mesh)."""
-    dm = mesh.device_mesh
-    if len(axes) == 1:
-        return dm[axes[0]]
-    return dm[tuple(axes)]._flatten("_".join(axes))
+    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order; `Mesh.flat_device_mesh`)."""
+    return mesh.flat_device_mesh(tuple(axes))

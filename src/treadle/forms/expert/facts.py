@@ -31,21 +31,21 @@ def expert_modules(model: nn.Module) -> dict[str, int]:
     return out
 
 
-# NOTE [experts under FSDP2]: under a data parallelism with ZeRO-3 (FSDP2 or HSDP) the expert axis takes one of
+# NOTE [experts under FSDP2]: under a data parallelism with ZeRO-3 (FSDP2 or HSDP) the expert axes take some of
 # the data-parallel axes for the experts; the other shard axes still shard them. So each experts module is an
 # FSDP2 unit of its own (`fully_shard` on it before the blocks, as torchtitan shards its experts over
-# "dp_shard mod ep"), over the flattened shard axes other than the expert axis, replicated (HSDP) over the other
+# "dp_shard mod ep"), over the flattened shard axes other than the expert axes, replicated (HSDP) over the other
 # replicate axes; its gradient's average over those ranks is FSDP2's, so the experts' local forward only scales
-# by 1/|expert axis| (NOTE [expert gradients]). When no shard axis is left (ZeRO-3 over the expert axis alone)
-# or under DDP, the experts stay whole on each rank of the expert axis and reduce their gradients themselves.
+# by 1/|expert group| (NOTE [expert gradients]). When no shard axis is left (ZeRO-3 over the expert axes alone)
+# or under DDP, the experts stay whole on each rank of the expert group and reduce their gradients themselves.
 # Build, the price, the planner and treadle.run's checkpoint layout all read `expert_fsdp`.
-def expert_fsdp(view, axis: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(shard axes, replicate axes) FSDP2 splits the experts of an experts module expert-parallel over `axis` by
+def expert_fsdp(view, axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(shard axes, replicate axes) FSDP2 splits the experts of an experts module expert-parallel over `axes` by
     (NOTE [experts under FSDP2]); ((), ()) when FSDP2 leaves them alone."""
     dp = view.data_parallel
     if dp is None or not dp.shard:
         return (), ()
-    shard = tuple(a for a in dp.shard_axes if a != axis)
+    shard = tuple(a for a in dp.shard_axes if a not in axes)
     if math.prod(view.mesh.size(a) for a in shard) <= 1:
         return (), ()
-    return shard, tuple(a for a in dp.replicate_axes if a != axis)
+    return shard, tuple(a for a in dp.replicate_axes if a not in axes)

@@ -3,7 +3,8 @@ experts module's local forward (NOTE [expert dispatch] in `dispatch.py`); the fo
 local expert weights, which the data-parallel form leaves alone (NOTE [expert gradients]).
 
 NOTE [expert gradients]: data parallelism averages a replicated weight's gradient over its D replicas:
-(1/D) * sum over ranks r of dL_r/dW. An expert's weight lives on one rank of the expert axis, and the token
+(1/D) * sum over ranks r of dL_r/dW. An expert's weight lives on one rank of the expert axis (here and below: or
+the flattened group of the expert axes, when `expert_parallel` names several), and the token
 exchange already sums, into its gradient, the tokens of every rank of that axis. So it is summed further over
 the data-parallel ranks outside the expert axis (when there are any: the same expert's copies) and scaled by
 1/D, in the backward of the experts' local forward; DDP and FSDP2 are told to ignore those weights (DDP's
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from ...errors import BuildError, ScheduleError
-from ...schedule.expert_primitive import expert_load_imbalances, expert_paths, experts_shape
+from ...schedule.expert_primitive import axes_label, expert_load_imbalances, expert_paths, experts_shape
 from ...schedule.expert_split import check_split
 from ...sharding_rules import LeafPlan
 from .dispatch import ExpertLeaf
@@ -52,41 +53,45 @@ def plan_experts(builder) -> None:
     from ..data.runtime import dp_device_mesh
 
     dp = builder.v.data_parallel
-    for path, axis in paths.items():
-        where = f"build: expert_parallel at sch[{path!r}] over {axis!r}"
-        if dp is None or axis not in dp.axes:
-            raise BuildError(f"{where}: the experts' axis must be data-parallel (each of its ranks routes its own "
-                             f"tokens); add data_parallel(axis={axis!r}) or an axis tuple holding it")
+    for path, axes in paths.items():
+        label = axes_label(axes)
+        where = f"build: expert_parallel at sch[{path!r}] over {label!r}"
+        outside = [a for a in axes if dp is None or a not in dp.axes]
+        if outside:
+            raise BuildError(f"{where}: the experts' axes must be data-parallel (each of their ranks routes its "
+                             f"own tokens); {outside[0]!r} is not: add data_parallel(axis=...) holding {list(axes)}")
         m = builder.module(path)
-        tensor = _tensor_axis(builder, m, axis, where)
+        tensor = _tensor_axis(builder, m, axes, where)
         experts = experts_shape(path, m)
-        if expert_fsdp(builder.v, axis)[0]:  # FSDP2 averages over the other data-parallel ranks
-            grad_group, grad_scale = None, 1.0 / builder.sizes[axis]  # NOTE [experts under FSDP2]
+        size = math.prod(builder.sizes[a] for a in axes)
+        if expert_fsdp(builder.v, axes)[0]:  # FSDP2 averages over the other data-parallel ranks
+            grad_group, grad_scale = None, 1.0 / size  # NOTE [experts under FSDP2]
         else:
-            rest = tuple(a for a in dp.axes if a != axis)
+            rest = tuple(a for a in dp.axes if a not in axes)
             many = math.prod(builder.sizes[a] for a in rest) > 1
             grad_group = dp_device_mesh(builder.mesh, rest).get_group() if many else None
             grad_scale = 1.0 / dp.size(builder.mesh)
-        leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=builder.group(axis),
-                          rank=builder.coords[axis], size=builder.sizes[axis], grad_group=grad_group,
+        group = builder.group(axes[0]) if len(axes) == 1 else builder.mesh.flat_group(axes)
+        leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=group,
+                          rank=builder.mesh.flat_rank(axes), size=size, grad_group=grad_group,
                           grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
                           param_dtype=getattr(builder.mp_policy, "param_dtype", None),
                           tensor_group=builder.group(tensor) if tensor and builder.sizes[tensor] > 1 else None,
                           tensor_axis=tensor, load_imbalance=expert_load_imbalances(builder.v.extras).get(path, 1.0))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
-        logger.info("expert parallel: %s: %d experts over %r (%d per rank)%s", path, experts, axis,
-                    experts // builder.sizes[axis], f", each split over {tensor!r}" if tensor else "")
+        logger.info("expert parallel: %s: %d experts over %r (%d per rank)%s", path, experts, label,
+                    experts // size, f", each split over {tensor!r}" if tensor else "")
 
 
-def _tensor_axis(builder, m: nn.Module, axis: str, where: str) -> str | None:
+def _tensor_axis(builder, m: nn.Module, axes: tuple[str, ...], where: str) -> str | None:
     """The tensor axis that splits each expert's weights (None: none), after checking that the split makes the
     parts sum to the whole (NOTE [experts split by tensor]). Raises BuildError for a split over several axes,
     over a data-parallel axis, or one whose parts do not sum to the whole."""
     other: dict[str, dict[str, list]] = {}
     for name, p in m.named_parameters(recurse=False):
         for s in builder.param_shards.get(id(p), ()):
-            if s.axis != axis:
+            if s.axis not in axes:
                 other.setdefault(s.axis, {}).setdefault(name, []).append(s)
     if not other:
         return None

@@ -56,7 +56,7 @@ from ...profile.recorder import _tensors
 from ...profile.roofline import mfu as mfu_of
 from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
-from ...pricing.step import segments
+from ...pricing.step import group_collective_s, segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from ..data.facts import foreign_params, fsdp_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
@@ -119,7 +119,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     coll_rows = []
     for n_before, module, phase, ckind, cax, nbytes in reh.collectives:
         s = stage_of[n_before - 1] if n_before > 0 else 0
-        t = collective_time_s(ckind, nbytes, reh.mesh.size(cax), cluster.link(cax))
+        t = group_collective_s(ckind, nbytes, reh.mesh, cluster, cax)[0]
         tp[s] += t
         (fwd if phase == "forward" else bwd)[s] += t
         coll_rows.append((s, module, phase, ckind, cax, nbytes, t))
