@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import treadle
+from treadle.cost.cluster import parse_cluster
 from treadle.errors import PlanError, ScheduleError
 from treadle.forms.expert import expert_parallel_moe
 
@@ -87,7 +88,6 @@ def test_a_plan_file_states_an_expert_group_as_a_list_of_axes():
 
 
 def test_the_price_charges_the_exchanges_on_the_groups_link_by_hand():
-    from treadle.cost.cluster import parse_cluster
     from treadle.cost.collective_cost import collective_time_s
 
     cl = parse_cluster("2x2:h100")  # an inter-node axis (InfiniBand) and an intra-node one (NVLink)
@@ -121,3 +121,52 @@ def test_experts_over_two_of_three_axes_under_zero3_on_8_ranks():
     units = treadle.form.get_form("expert").shard_units(sch.model, sch.view())
     assert [(u.path, u.shard_axes, u.replicate_axes) for u in units] == [("experts", ("dp",), ())]
     assert treadle.verify(sch, _toy_inputs(), steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------------------------------ the planner
+def test_the_planner_charges_an_expert_group_as_the_price_does():
+    from treadle.planner.capture import capture
+    from treadle.planner.cost_graph import build_cost_graph
+    from treadle.planner.roles import Roles
+
+    cl = parse_cluster("2x2:h100")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(8, 16)
+    graph = capture(tiny_mixtral(), (), inputs)
+    cg = build_cost_graph(graph, cl, Roles((a, b), False, (), ep=(a, b)))
+    assert str(cg.roles) == f"data-parallel {a},{b}; experts over {a},{b}"
+    price = treadle.price(_group_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, (a, b), (a, b)), inputs, cl)
+    layer = "model.layers.0.mlp.experts"
+    x = next(x for i, x in cg.form_terms["expert"].items() if cg.graph.nodes[i].module.startswith(layer))
+    for phase, planned in (("fwd", x.fwd_s), ("bwd", x.bwd_s)):  # the same exchanges on the same group link
+        priced = sum(c["time_s"] for c in price.collectives if c["source"] == "ep" and c["module"] == layer
+                     and c["phase"] == phase)
+        assert planned == pytest.approx(priced, rel=1e-9)
+    # each rank keeps a quarter of the experts: the same static bytes as one expert axis of 4
+    one = parse_cluster("4x1:h100")
+    (c,) = one.mesh.names[:1]
+    single = build_cost_graph(capture(tiny_mixtral(), (), inputs), one, Roles((c,), False, (), ep=c))
+
+    def static(g):
+        return sum(u.count * u.costs[0].static_bytes for u in g.units)
+
+    assert static(cg) == pytest.approx(static(single), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_budget_that_holds_one_expert_a_rank_plans_an_expert_group_that_fits_and_verifies_on_4_ranks():
+    # DDP on 2 x 2 with 4 experts: split over one axis each rank holds 2 of them, which the budget does not
+    # hold; over the group of both, 1 (the only data-parallel plan that fits)
+    from treadle.planner import plan_model
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(8, 16)
+    one_axis = treadle.price(_group_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, b, (a, b)), inputs, cl)
+    group = treadle.price(_group_schedule(tiny_mixtral(), cl.mesh.shape, cl.mesh.names, (a, b), (a, b)), inputs, cl)
+    budget = (one_axis.peak_bytes + group.peak_bytes) / 2
+    plan = plan_model(tiny_mixtral(), inputs, cluster=cl, dp_axis=(a, b), zero=False, memory_budget_bytes=budget)
+    assert plan.roles == f"data-parallel {a},{b}; experts over {a},{b}", plan.solver["alternatives"]
+    assert f"expert_parallel(axis=['{a}', '{b}'])" in plan.schedule.to_python()
+    assert plan.estimate().peak_bytes == group.peak_bytes <= budget  # priced as built: the hand schedule's price
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

@@ -32,11 +32,16 @@ def test_the_expert_axis_is_a_data_parallel_axis_that_divides_the_experts():
     facts = {"expert": {"experts": {"model.layers.0.mlp.experts": 4}}}
     roles = enumerate_roles(Mesh((2, 3), ("dp", "tp")), batch=12, facts=facts)
     with_ep = [r for r in roles if r.ep]
-    assert with_ep and all(r.ep == "dp" and "dp" in r.dp for r in with_ep)  # 4 experts do not divide over 3
+    assert with_ep and all(r.ep == ("dp",) and "dp" in r.dp for r in with_ep)  # 4 experts do not divide over 3
     assert {str(r) for r in with_ep} >= {"data-parallel dp; experts over dp; tensor tp"}
     assert not [r for r in enumerate_roles(Mesh((2, 3), ("dp", "tp")), batch=12) if r.ep]  # no experts, no option
-    with pytest.raises(treadle.PlanError, match="expert axis 'tp' must be a data-parallel axis"):
+    with pytest.raises(treadle.PlanError, match=r"expert axes \('tp',\) must be distinct data-parallel axes"):
         Roles(("dp",), False, ("tp",), ep="tp")
+    # several axes: their flattened group, where its size divides the experts (2 x 2 = 4) and both are data-parallel
+    groups = {r.ep for r in enumerate_roles(Mesh((2, 2), ("dp", "tp")), batch=12, facts=facts)}
+    assert groups == {(), ("dp",), ("tp",), ("dp", "tp")}
+    eight = {"expert": {"experts": {"model.layers.0.mlp.experts": 2}}}
+    assert {r.ep for r in enumerate_roles(Mesh((2, 2), ("dp", "tp")), batch=12, facts=eight)} == {(), ("dp",), ("tp",)}
 
 
 def test_the_exchanges_and_the_experts_memory_by_hand(graph, monkeypatch):
@@ -179,7 +184,9 @@ def test_a_budget_below_fsdp4_plans_experts_under_zero3_that_fit_as_priced_and_v
     budget = 0.97 * treadle.price(fsdp4, inputs, cl).peak_bytes
     # both axes data-parallel, as FSDP4's (with a tensor axis each expert may split over it instead: the test below)
     plan = plan_model(tiny_mixtral(), inputs, cluster=cl, memory_budget_bytes=budget, dp_axis=(a, b))
-    assert "(ZeRO-3)" in plan.roles and "experts over" in plan.roles, plan.solver["alternatives"]
+    # ZeRO-3 or HSDP, with the experts split (over one axis, or over both: one expert a rank)
+    assert ("(ZeRO-3)" in plan.roles or "(HSDP" in plan.roles) and "experts over" in plan.roles, \
+        plan.solver["alternatives"]
     text = plan.schedule.to_python()
     assert "expert_parallel(axis=" in text and "shard=True" in text
     assert plan.estimate().peak_bytes <= budget

@@ -18,8 +18,9 @@ class Roles:
     None are accepted), `zero` (ZeRO-3 / FSDP2 over the dp axes not in `replicate`), the tensor axes in mesh
     order, and `off` (forbidden axes: every op is replicated on them). `replicate` (with `zero`): HSDP's
     replicate axes, a subset of `dp`; `reshard_after_forward` (with `zero`): False keeps gathered parameters
-    from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axis every experts
-    module's experts are split over (None: replicated), `ep_load` the busiest rank's routed rows over the mean
+    from forward to backward (treadle.schedule.data_parallel); `ep`: the data-parallel axes every experts
+    module's experts are split over, their flattened group (mesh order; one axis name or None are accepted; ():
+    replicated), `ep_load` the busiest rank's routed rows over the mean
     charged under it (NOTE [expert load in a rehearsal]); `pp`: the pipeline axis (None: no pipeline), whose ranks
     each run a contiguous range of the repeated blocks as torch's `pp_schedule` orders them (None: the pipeline
     form's solve chooses it) over `pp_microbatches` micro-batches (`treadle.forms.pipeline.plan`); `float8`: the
@@ -31,7 +32,7 @@ class Roles:
     off: tuple[str, ...] = ()
     replicate: tuple[str, ...] = ()
     reshard_after_forward: bool = True
-    ep: str | None = None  # the data-parallel axis the experts are split over (`treadle.forms.expert`)
+    ep: tuple[str, ...] = ()  # the data-parallel axes the experts are split over (`treadle.forms.expert`)
     pp: str | None = None  # the pipeline axis (`treadle.forms.pipeline`)
     pp_schedule: str | None = None
     pp_microbatches: int = 1
@@ -45,9 +46,11 @@ class Roles:
         object.__setattr__(self, "replicate", tuple(self.replicate))
         if not set(self.replicate) <= set(dp) or (self.replicate and not self.zero):
             raise PlanError(f"Roles: replicate axes {self.replicate} must be data-parallel axes {dp} under zero")
-        if self.ep is not None and self.ep not in dp:
-            raise PlanError(f"Roles: the expert axis {self.ep!r} must be a data-parallel axis {dp}")
-        if self.ep_load != 1.0 and self.ep is None:
+        ep = () if self.ep is None else (self.ep,) if isinstance(self.ep, str) else tuple(self.ep)
+        object.__setattr__(self, "ep", ep)
+        if not set(ep) <= set(dp) or len(set(ep)) != len(ep):
+            raise PlanError(f"Roles: the expert axes {ep} must be distinct data-parallel axes {dp}")
+        if self.ep_load != 1.0 and not ep:
             raise PlanError(f"Roles: an expert load imbalance ({self.ep_load}) without an expert axis")
         if self.pp is not None and (self.pp in dp or self.pp in self.tp):
             raise PlanError(f"Roles: the pipeline axis {self.pp!r} is also data-parallel {dp} or tensor {self.tp}")
@@ -185,7 +188,7 @@ def alike_key(cluster, roles: Roles) -> tuple:
 
     def role(a: str) -> tuple:
         kind = "dp" if a in roles.dp else "tp" if a in roles.tp else "off"
-        return kind, a in roles.replicate, a == roles.ep
+        return kind, a in roles.replicate, a in roles.ep
 
     axes = tuple((mesh.size(a), cluster.link(a), role(a)) for a in names)
     order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))

@@ -1,8 +1,10 @@
-"""Expert parallelism in the planner: the role option (every experts module split over one data-parallel axis),
+"""Expert parallelism in the planner: the role option (every experts module split over one data-parallel axis, or
+over the flattened group of several),
 how the experts' weights live under it, the cost of the token exchanges, and the `expert_parallel` decisions.
 
-NOTE [experts in the plan]: a role assignment with ``Roles.ep = a`` (a data-parallel axis of n ranks whose size
-divides every experts module's E) splits every experts module's weights over `a`: their parameter, gradient and
+NOTE [experts in the plan]: a role assignment with ``Roles.ep = a`` (data-parallel axes, one or several, whose
+flattened group of n ranks divides every experts module's E; several on their `group_link`, as the price charges
+them) splits every experts module's weights over `a`: their parameter, gradient and
 optimizer bytes are 1/n (`own_split`; ZeRO-3 does not shard them further, DDP does not reduce them: NOTE [expert
 gradients]), their gradient reduction leaves the data-parallel sync, and each experts module adds, on its first
 node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts, two of
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import combinations
 
 from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collective_time_s, reduce_scatter_time_s
 from ...errors import PlanError, ScheduleError
@@ -134,24 +137,27 @@ def _experts(facts) -> dict[str, int]:
 
 
 def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] | None:
-    """No expert axis, or any live axis whose size divides every experts module's E (`keep_roles` keeps those
-    that are data-parallel in the merged assignment)."""
+    """No expert axis, or any set of live axes (mesh order; one, or several flattened into one group) whose
+    sizes' product divides every experts module's E (`keep_roles` keeps those that are data-parallel in the
+    merged assignment)."""
     experts = _experts(request.facts)
     if not experts:
         return None
     load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
-    return [{}] + [{"ep": a, **load} for a in live if all(e % mesh.size(a) == 0 for e in experts.values())]
+    groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
+    return [{}] + [{"ep": g, **load} for g in groups
+                   if all(e % math.prod(mesh.size(a) for a in g) == 0 for e in experts.values())]
 
 
 def keep_roles(options: dict) -> bool:
-    ep = options.get("ep")
-    return ep is None or ep in options.get("dp", ())
+    return set(options.get("ep", ())) <= set(options.get("dp", ()))
 
 
 def role_label(roles) -> str | None:
     if not roles.ep:
         return None
-    return f"experts over {roles.ep}" + (f" (busiest rank {roles.ep_load:g}x the mean)" if roles.ep_load != 1 else "")
+    return f"experts over {','.join(roles.ep)}" + (
+        f" (busiest rank {roles.ep_load:g}x the mean)" if roles.ep_load != 1 else "")
 
 
 def _inside(module: str, paths) -> str | None:
@@ -165,12 +171,12 @@ def prepare(b) -> None:
     b.expert_units = {}
     ep = b.roles.ep
     experts = _experts(b.g.facts)
-    if ep is None or not experts:
+    if not ep or not experts:
         return
     mesh = b.cluster.mesh
-    n = mesh.size(ep)
-    link = b.cluster.link(ep)
-    shard = tuple(a for a in b.roles.shard_axes if a != ep)  # NOTE [experts under FSDP2]
+    n = math.prod(mesh.size(a) for a in ep)
+    link = b.cluster.group_link(ep)  # one axis: its own link
+    shard = tuple(a for a in b.roles.shard_axes if a not in ep)  # NOTE [experts under FSDP2]
     m = math.prod(mesh.size(a) for a in shard)
     fsdp = m > 1
     b.replicated_exits |= set(experts)  # the local forward hands the combined result on whole (NOTE [experts in the plan])
@@ -181,7 +187,7 @@ def prepare(b) -> None:
                 b.own_gathered[name] = n
     unit = None
     if fsdp:
-        rep = tuple(a for a in b.roles.replicate if a != ep)
+        rep = tuple(a for a in b.roles.replicate if a not in ep)
         unit = UnitLinks(m, b.cluster.group_link(shard), 2 if b.roles.reshard_after_forward else 1,
                          math.prod(mesh.size(a) for a in rep), b.cluster.group_link(rep) if rep else None)
     for path in sorted({m for node in b.nodes if node.kind == "op" and (m := _inside(node.module, experts))}):
@@ -233,12 +239,12 @@ def keep_strategy(b, n, spec, combo: tuple) -> bool:
     if not _inside(n.module, _experts(b.g.facts)):
         return True
     sharded = {a for a, o in enumerate(combo) if any(p != R for p in o.ins + o.outs)}
-    return not sharded if b.roles.ep is None else len(sharded) <= 1
+    return not sharded if not b.roles.ep else len(sharded) <= 1
 
 
 def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
     load = b.roles.ep_load
-    if load != 1.0 and b.roles.ep is not None and _inside(n.module, _experts(b.g.facts)):
+    if load != 1.0 and b.roles.ep and _inside(n.module, _experts(b.g.facts)):
         # the busiest rank's experts compute `load` times the mean rows, and keep what they save for backward
         fwd = c.compute_s - c.bwd_s  # the node's own work: its conversions are in comm_s
         c.compute_s *= load
@@ -265,7 +271,8 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
         if unit is None or b.param_owner.get(src.param) != n.index:
             continue
         split = math.prod(size for o, size in zip(combo, b.tp_sizes) if o.ins[pos] >= 0)
-        nbytes = src.out.numel * src.out.dtype.itemsize / split / b.cluster.mesh.size(b.roles.ep)
+        ep_n = math.prod(b.cluster.mesh.size(a) for a in b.roles.ep)
+        nbytes = src.out.numel * src.out.dtype.itemsize / split / ep_n
         c.dp_comm_s += unit.bandwidth_s(nbytes)  # hidden behind compute as the other units' are
         c.compute_s += unit.copy_s(nbytes, b.hw)
 
@@ -289,7 +296,7 @@ def decide_node(ctx, i: int, n, combo: tuple, raw: tuple, pub: tuple) -> set[str
     weights are taken back and every axis of its exit is stated here."""
     cg = ctx.cg
     experts = _experts(cg.graph.facts)
-    path = _inside(n.module, experts) if cg.roles.ep is not None else None
+    path = _inside(n.module, experts) if cg.roles.ep else None
     if path is None:
         return set()
     shards = ctx.bucket("shards")
@@ -306,14 +313,14 @@ def decisions(cg, choice, ckpt, ctx) -> list:
     """``expert_parallel(axis=ep)`` on every experts module of the model (the capture's facts: all blocks), with
     ``tensor=`` where the plan splits each expert's weights over a tensor axis (`decide_node`)."""
     ep = cg.roles.ep
-    if ep is None:
+    if not ep:
         return []
     tensor = ctx.memo.get("expert_tensor", {})
     out = []
     for path, e in sorted(_experts(cg.graph.facts).items()):
-        args = {"axis": ep, **({"tensor": tensor[path]} if path in tensor else {}),
+        args = {"axis": ep[0] if len(ep) == 1 else list(ep), **({"tensor": tensor[path]} if path in tensor else {}),
                 **({"load_imbalance": cg.roles.ep_load} if cg.roles.ep_load != 1.0 else {})}
-        why = f"{e} experts over {ep}" + (f", each split over {tensor[path]}" if path in tensor else "") + (
+        why = f"{e} experts over {','.join(ep)}" + (f", each split over {tensor[path]}" if path in tensor else "") + (
             f", priced for a busiest rank at {cg.roles.ep_load:g}x the mean rows" if cg.roles.ep_load != 1.0 else "")
         out.append((DECISION_RANK, path, Decision("expert_parallel", path, args,
                                                   why + " (NOTE [experts in the plan])")))
