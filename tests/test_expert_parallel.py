@@ -571,19 +571,46 @@ def test_the_price_issues_the_nested_units_backward_gathers_as_build_prefetches_
     assert bwd["model.layers.0.mlp.experts"]["exposed_s"] == 0.0  # hidden behind block 1's experts' backward
 
 
-def test_experts_under_zero3_inside_pipeline_stages_are_refused():
-    from treadle.cost.cluster import parse_cluster
-
+def _pp_fsdp_experts(ep: bool, schedule: str = "1f1b"):
     model = tiny_mixtral()
     model.config.use_cache = False
     sch = treadle.create_schedule(model, mesh=treadle.Mesh((2, 2, 2), ("pp", "dp", "ep")))
     sch["model.layers.0"].cut_pipeline_stage()
-    expert_parallel_moe(sch, axis="ep")
+    if ep:
+        expert_parallel_moe(sch, axis="ep")
     sch.data_parallel(axis=("dp", "ep"), shard=True)
-    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=lm_inputs(8, 16))
-    with pytest.raises(PlanError, match=r"FSDP2 would shard 'model.layers.0.mlp.experts' as a unit of its own "
-                                        r"over dp .*stages' FSDP2 does not drive yet"):
-        treadle.price(sch, lm_inputs(8, 16), parse_cluster("1x8:cpu"))
+    sch.pipeline(axis="pp", schedule=schedule, n_microbatches=2, example_inputs=lm_inputs(8, 16))
+    return sch
+
+
+def test_experts_under_zero3_inside_pipeline_stages_are_priced_by_hand():
+    # PP2 x (EP2 over ep, FSDP2 over dp,ep): each stage's FSDP2 holds its block, its root and the block's experts as
+    # a unit of their own over dp (NOTE [experts under FSDP2], NOTE [pipeline FSDP2 price])
+    from treadle.cost.cluster import parse_cluster
+    from treadle.cost.collective_cost import collective_time_s
+    from treadle.forms.data.facts import fsdp_copy_s
+
+    cl = parse_cluster("1x8:cpu")
+    inputs = lm_inputs(8, 16)
+    split, whole = (treadle.price(_pp_fsdp_experts(ep), inputs, cl) for ep in (True, False))
+    # every parameter 1/4 on a rank either way: the local half of the experts, halved again over dp
+    assert split.static_bytes == pytest.approx(whole.static_bytes, rel=1e-9)
+    model = tiny_mixtral()
+    nbytes = {n: t.numel() * 4 for n, t in model.named_parameters()}
+    experts = sum(b for n, b in nbytes.items() if n.startswith("model.layers.0.mlp.experts.")) / 2  # the local half
+    block = sum(b for n, b in nbytes.items() if n.startswith("model.layers.0.") and ".experts." not in n)
+    root = nbytes["model.embed_tokens.weight"]  # stage 0's parameters outside its block
+    sizes, hw = {"dp": 2, "ep": 2}, cl.for_mesh(_pp_fsdp_experts(True).mesh)
+    dp_link, both = hw.link("dp"), hw.group_link(("dp", "ep"))
+    reduce = (collective_time_s("reduce_scatter", experts, sizes["dp"], dp_link) + fsdp_copy_s(experts, 2, hw.rank_hardware())
+              + sum(collective_time_s("reduce_scatter", b, 4, both) + fsdp_copy_s(b, 4, hw.rank_hardware())
+                    for b in (block, root)))
+    assert split.pipeline["ranks"]["0"]["fsdp_reduce_s"] == pytest.approx(reduce, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_experts_under_zero3_inside_pipeline_stages_verify_on_8_ranks():
+    assert treadle.verify(_pp_fsdp_experts(True), lm_inputs(8, 16), steps=2, timeout_s=400).ok
 
 
 @pytest.mark.slow

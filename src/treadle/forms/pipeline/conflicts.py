@@ -1,7 +1,6 @@
 """Why a pipeline cannot run a schedule, one check each (build refuses what these name, and the price refuses
 the same, reading these same functions): where each stage sits (`stage_rank`), a parameter two stages of one rank
-read under a split-backward schedule or under data parallelism, FSDP2 with a split backward, and FSDP2 units on
-axes of their own."""
+read under a split-backward schedule or under data parallelism, and FSDP2 with a split backward."""
 
 from __future__ import annotations
 
@@ -36,21 +35,6 @@ def split_backward_conflict(schedule: str, pp: int, readers: list[tuple[str, set
                         f"between two stages of a rank; untie it, or use a schedule that places them on different "
                         f"ranks (interleaved_1f1b, looped_bfs)")
     return None
-
-
-def own_units_conflict(model: nn.Module, view) -> str | None:
-    """Why the pipeline cannot run `view`'s data parallelism, or None: FSDP2 units on axes of their own
-    (`treadle.forms.data.facts.shard_units`: the experts over the axes the expert axis leaves, NOTE [experts
-    under FSDP2]), which the pipeline's per-stage FSDP2 (NOTE [pipeline FSDP2]) does not drive yet."""
-    from ..data.facts import shard_units
-
-    units = shard_units(model, view)
-    if not units:
-        return None
-    u = units[0]
-    return (f"FSDP2 would shard {u.path!r} as a unit of its own over {','.join(u.shard_axes)} (NOTE [experts under "
-            f"FSDP2]), which the stages' FSDP2 does not drive yet; state ZeRO-3 over the expert axis alone "
-            f"(data_parallel(axis=<expert axis>, shard=True)) or DDP beside the pipeline")
 
 
 def fsdp_split_conflict(schedule: str, dp) -> str | None:

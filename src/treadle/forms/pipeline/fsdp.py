@@ -111,11 +111,12 @@ class FsdpTerms:
 
 def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], units: dict[int, dict[str, tuple]],
                passes: dict[tuple[int, str], list], duration: dict[tuple[int, str], float], *, dp, mesh, cluster,
-               hw) -> FsdpTerms:
+               hw, groups: dict[str, tuple] | None = None) -> FsdpTerms:
     """The seconds and bytes of `states` (`fsdp_states`). `units[stage][unit]`: (all parameter bytes, trainable
     bytes, parameter count) of each FSDP2 unit the stage holds ("" its root); `passes[(stage, "fwd" / "bwd")]`: the
     stage's compute segments of one micro-batch's forward / backward, with the unit of each (`(segment, unit)`);
-    `duration`: the actions' seconds without FSDP2."""
+    `duration`: the actions' seconds without FSDP2; `groups[unit]`: (axes label, ranks, link, replicas, replicas'
+    link) of a unit on axes of its own (the local experts: NOTE [experts under FSDP2]), the others on `dp`'s."""
     from ...cost.collective_cost import collective_time_s
     from ...cost.overlap import simulate
     from ..data.facts import fsdp_copy_s, fsdp_host_s
@@ -127,12 +128,16 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
     overlap = cluster.rank_device().overlap
     rep = dp.replicate_size(mesh) if dp.replicate_axes else 1
     rep_link = cluster.group_link(dp.replicate_axes) if rep > 1 else None
+    own = dict(groups or {})
+
+    def grp(u: str) -> tuple:  # (axes label, ranks, link, replicas, replicas' link) of unit u
+        return own.get(u, (axis, n, link, rep, rep_link))
 
     def gather_total(s: int) -> float:  # every unit of the stage, one after another (an UNSHARD's prefetch)
-        return sum(collective_time_s("all_gather", b, n, link) for b, _, _ in units[s].values() if b)
+        return sum(collective_time_s("all_gather", b, grp(u)[1], grp(u)[2]) for u, (b, _, _) in units[s].items() if b)
 
     def copies(s: int, which: int) -> float:  # FSDP2's copy-in / copy-out around each unit's collective
-        return sum(fsdp_copy_s(u[which], n, hw) for u in units[s].values() if u[which])
+        return sum(fsdp_copy_s(us[which], grp(u)[1], hw) for u, us in units[s].items() if us[which])
 
     def in_pass(s: int, phase: str) -> float:
         """The exposed part of gathering the stage one unit ahead inside one pass (NOTE [overlap model])."""
@@ -146,7 +151,7 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
         if not segs:
             return gather_total(s)
         byts = {u: units[s][u][0] for u in got}
-        tl = simulate(segs, prefetched_gathers(got, first, byts, phase, 0, axis, n, link), overlap=overlap)
+        tl = simulate(segs, prefetched_gathers(got, first, byts, phase, 0, axis, n, link, own), overlap=overlap)
         return tl.step_s - sum(sg.compute_s for sg in segs)
 
     host = {s: sum(fsdp_host_s(1, u[2], hw) for u in us.values()) / 2 for s, us in units.items()}
@@ -178,11 +183,12 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
             g_s[rank] += t + copies(s, 0)
         for s, after in st.reduce_after.items():  # REDUCE_GRAD: every unit's reduce-scatter, waited on
             t = 0.0
-            for _, tb, _ in units[s].values():
+            for u, (_, tb, _) in units[s].items():
+                _, un, ulink, urep, urep_link = grp(u)
                 if tb:
-                    t += collective_time_s("reduce_scatter", tb, n, link)
-                    if rep_link is not None:
-                        t += collective_time_s("all_reduce", tb / n, rep, rep_link)
+                    t += collective_time_s("reduce_scatter", tb, un, ulink)
+                    if urep > 1:
+                        t += collective_time_s("all_reduce", tb / un, urep, urep_link)
             t += copies(s, 1)
             extra[after] += t
             r_s[rank] += t

@@ -144,8 +144,8 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
 
 def keep_roles(options: dict) -> bool:
     """The pipeline axis is not also data-parallel; beside it ZeRO-3 / HSDP only with reshard after forward (NOTE
-    [pipeline FSDP2 in the plan]) and without experts split over an axis (build refuses FSDP2 experts units in
-    stages)."""
+    [pipeline FSDP2 in the plan]) and without experts split over an axis (build and the price run and charge the
+    experts' own FSDP2 units inside stages, but the stage costs of the planner's cut MILP do not model them)."""
     pp = options.get("pp")
     if not pp:
         return True

@@ -26,7 +26,10 @@ keeps them from I to W, with the gradients of the stage's matrix-product outputs
 output bytes) — and its largest stage transient with the other local stages' gradients.
 
 NOTE [pipeline FSDP2 price]: with FSDP2 / HSDP beside the pipeline, each stage's units (`_stage_units`: the
-model's FSDP2 units inside it, the rest in its root) are gathered, held and reduced as NOTE [pipeline FSDP2] in
+model's FSDP2 units inside it, the rest in its root, and the units on axes of their own nested in them — the local
+experts, NOTE [experts under FSDP2] — each collective of those over its own group and link, and their parameters
+and optimizer state 1/m of the local experts, m that group's size) are gathered, held and reduced as NOTE [pipeline
+FSDP2] in
 `fsdp.py` states for the schedule's order, and priced per action (`fsdp.fsdp_terms`), inside the timeline:
 - an action that gathers its stage waits for the exposed part of gathering it one unit ahead over that pass's
   segments (`treadle.forms.data.price.prefetched_gathers`, NOTE [overlap model]), plus FSDP2's copies;
@@ -58,10 +61,10 @@ from ...pricing.rehearsal import rehearse, split_batch
 from ...pricing.result import Price, PriceRow
 from ...pricing.step import group_collective_s, segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
-from ..data.facts import foreign_params, fsdp_units, within
+from ..data.facts import foreign_params, fsdp_units, shard_units, within
 from .facts import action_order, block_stage, stage_of_records, stage_ranks
 from .fsdp import fsdp_states, fsdp_terms
-from .conflicts import fsdp_split_conflict, own_units_conflict, split_backward_conflict
+from .conflicts import fsdp_split_conflict, split_backward_conflict
 from .runtime import replica_buckets
 from .timeline import simulate
 
@@ -86,7 +89,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     dp = v.data_parallel
     axis, kind, m = cfg["axis"], cfg["schedule"], cfg["n_microbatches"]
     sharded = dp is not None and dp.shard and dp.shard_size(sch.mesh) > 1
-    if (why := fsdp_split_conflict(kind, dp) or own_units_conflict(v.model, v)) is not None:  # build refuses it
+    if (why := fsdp_split_conflict(kind, dp)) is not None:  # build refuses it
         raise PlanError(f"price: {why}")
     mesh = sch.mesh
     pp, n_stages = mesh.size(axis), len(cuts) + 1
@@ -170,11 +173,19 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     # reduced by another form (the local experts): not averaged, not in an FSDP2 unit, not sharded by it
     foreign_names = foreign_params(reh.model, reh.view)
     foreign = {id(p) for n, p in reh.model.named_parameters(remove_duplicate=False) if n in foreign_names}
+    # FSDP2 units on axes of their own (the local experts: NOTE [experts under FSDP2]), inside their stage's units
+    own = {u.path: u for u in shard_units(reh.model, reh.view)} if sharded else {}
+    groups = {path: (",".join(u.shard_axes), math.prod(mesh.size(a) for a in u.shard_axes),
+                     cluster.group_link(u.shard_axes), math.prod(mesh.size(a) for a in u.replicate_axes),
+                     cluster.group_link(u.replicate_axes) if u.replicate_axes else None) for path, u in own.items()}
+    own_div = {id(p): groups[path][1] for path in own
+               for p in reh.model.get_submodule(path).parameters()}  # split over their unit's ranks
     fs = None
     if sharded:  # NOTE [pipeline FSDP2 price]
         fs = fsdp_terms(fsdp_states(kind, order, dp.reshard_after_forward), order,
-                        _stage_units(reh.model, param_stage, foreign_names), _unit_passes(segs, seg_stage, reh.model), duration,
-                        dp=dp, mesh=mesh, cluster=cluster, hw=hw)
+                        _stage_units(reh.model, param_stage, foreign_names, tuple(own)),
+                        _unit_passes(segs, seg_stage, reh.model, tuple(own)), duration,
+                        dp=dp, mesh=mesh, cluster=cluster, hw=hw, groups=groups)
     tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
@@ -211,7 +222,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         params = [objs[i] for i, st in holders.items() if any(s in mine for s in st)]
         trainable = [p for p in params if p.requires_grad]
         def div(p) -> int:
-            return 1 if id(p) in foreign else zero_n
+            return 1 if id(p) in foreign else own_div.get(id(p), zero_n)
 
         static = sum(p.numel() * p.element_size() / div(p) for p in params) + buffers + (input_b if 0 in mine else 0)
         static += sum(p.numel() * (opt_b + (4 if master and p.dtype != torch.float32 else 0)) / div(p)
@@ -298,12 +309,13 @@ def _replica_allreduce(trainable: list[torch.nn.Parameter], replicas: int, link)
     return math.fsum(collective_time_s("all_reduce", b, replicas, link) for b in nbytes), float(max(nbytes))
 
 
-def _stage_units(model: torch.nn.Module, param_stage,
-                 foreign: set[str] = frozenset()) -> dict[int, dict[str, tuple[float, float, int]]]:
+def _stage_units(model: torch.nn.Module, param_stage, foreign: set[str] = frozenset(),
+                 own: tuple[str, ...] = ()) -> dict[int, dict[str, tuple[float, float, int]]]:
     """Stage -> FSDP2 unit -> (parameter bytes, trainable bytes, parameter count), as `build` wraps each stage: the
-    model's units inside it (NOTE [FSDP2 units]), the rest of its parameters in its root ""; the `foreign`
-    parameters (FSDP2's `ignored_params`: the local experts) in none."""
-    units = fsdp_units(model)
+    units on axes of their own (`own`: the local experts under FSDP2), the model's units inside it (NOTE [FSDP2
+    units]), the rest of its parameters in its root ""; the `foreign` parameters (FSDP2's `ignored_params`: the
+    local experts under DDP or ZeRO-3 over the expert axes alone) in none."""
+    units = list(own) + fsdp_units(model)
     out: dict[int, dict[str, list]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in foreign:
@@ -317,9 +329,11 @@ def _stage_units(model: torch.nn.Module, param_stage,
     return {s: {u: tuple(r) for u, r in us.items()} for s, us in out.items()}
 
 
-def _unit_passes(segs, seg_stage: list[int], model: torch.nn.Module) -> dict[tuple[int, str], list]:
-    """(stage, "fwd" / "bwd") -> the stage's segments of that pass in order, each with its FSDP2 unit."""
-    units = fsdp_units(model)
+def _unit_passes(segs, seg_stage: list[int], model: torch.nn.Module,
+                 own: tuple[str, ...] = ()) -> dict[tuple[int, str], list]:
+    """(stage, "fwd" / "bwd") -> the stage's segments of that pass in order, each with its FSDP2 unit (`own`: the
+    units nested in the blocks, on axes of their own)."""
+    units = list(own) + fsdp_units(model)
     out: dict[tuple[int, str], list] = {}
     for sg, s in zip(segs, seg_stage):
         phase = "fwd" if sg.phase == "fwd" else "bwd"

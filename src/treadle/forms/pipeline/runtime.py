@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...errors import BuildError
-from .conflicts import fsdp_split_conflict, own_units_conflict, shared_stage_conflict, split_backward_conflict, stage_rank
+from .conflicts import fsdp_split_conflict, shared_stage_conflict, split_backward_conflict, stage_rank
 from .stages import StagePlan, split_stages
 
 logger = logging.getLogger(__name__)
@@ -317,8 +317,7 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     conflict = split_backward_conflict(kind, pp, list(readers.values()))
     dp = builder.v.data_parallel
     if conflict is None and dp is not None:
-        conflict = (shared_stage_conflict(kind, pp, list(readers.values()), str(dp)) or fsdp_split_conflict(kind, dp)
-                    or own_units_conflict(builder.model, builder.v))
+        conflict = shared_stage_conflict(kind, pp, list(readers.values()), str(dp)) or fsdp_split_conflict(kind, dp)
     if conflict:
         raise BuildError(f"pipeline: {conflict}")
     tied_ids = sorted((i for i, r in holders.items() if len(r) > 1), key=lambda i: readers[i][0])
