@@ -470,3 +470,47 @@ def test_readme_snippets_that_start_processes_run_once():
         kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
         loose = [ast.unparse(n)[:60] for n in tree.body if not (isinstance(n, kept) or _is_main_guard(n))]
         assert loose == [], f"README snippet runs in every rank: {loose}"
+
+
+def test_what_native_code_prints_during_a_solve_goes_to_stderr():
+    # NOTE [a native solver's stdout]: `treadle plan --json` prints the plan on stdout; a line HiGHS prints from C
+    # while it solves must not land there. A child process, since pytest captures descriptor 1 itself.
+    import subprocess
+    import sys
+
+    code = ("import ctypes, sys\n"
+            "from treadle.quiet import native_stdout_to_stderr\n"
+            "libc = ctypes.CDLL(None)\n"
+            "print('before', flush=True)\n"
+            "with native_stdout_to_stderr():\n"
+            "    libc.printf(b'solver noise\\n')\n"
+            "print('after')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "before\nafter\n"
+    assert "solver noise" in out.stderr
+
+
+
+def test_the_planners_solver_runs_with_descriptor_1_on_stderr(monkeypatch):
+    import os
+
+    import scipy.optimize
+
+    from treadle.planner import ilp
+
+    seen = []
+    real = scipy.optimize.milp
+
+    def spy(*a, **k):
+        one, two = os.fstat(1), os.fstat(2)
+        seen.append((one.st_dev, one.st_ino) == (two.st_dev, two.st_ino))
+        return real(*a, **k)
+
+    monkeypatch.setattr(scipy.optimize, "milp", spy)
+    m = ilp._Model()
+    x = m.var(cost=-1.0, integer=True)
+    m.row({x: 1.0}, 0.0, 1.0, "x")
+    before = os.fstat(1).st_ino
+    assert m.solve(5.0, 0.0).x[x] == 1.0
+    assert seen == [True] and os.fstat(1).st_ino == before  # restored after the solve

@@ -6,8 +6,11 @@ loggers that drops exactly those records (a CUDA host still hears of a library t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Iterator
 
 
 def _noise(record: logging.LogRecord) -> bool:
@@ -34,3 +37,36 @@ def install() -> None:
         log = logging.getLogger(name)
         if _FILTER not in log.filters:
             log.addFilter(_FILTER)
+
+
+# NOTE [a native solver's stdout]: HiGHS (through scipy's `milp`) may print from C to the process's stdout whatever
+# its options say (a line such as "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" when it
+# repairs a presolved solution). `treadle plan --json` prints the plan on stdout, so such a line would corrupt it.
+# While a solve runs, file descriptor 1 points at stderr; C's buffers are flushed before it is restored, so nothing
+# the solver wrote reaches stdout later. Python's own `sys.stdout` is flushed first and is untouched otherwise.
+@contextlib.contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to stderr while the block runs (NOTE [a native solver's
+    stdout]). Does nothing where descriptors 1 or 2 cannot be duplicated."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass

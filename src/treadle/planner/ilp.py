@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..form import forms
+from ..quiet import native_stdout_to_stderr
 from .cost_graph import CostGraph
 
 logger = logging.getLogger(__name__)
@@ -121,9 +122,9 @@ class _Model:
         ij = (np.array(self.rows, dtype=np.int32), np.array(self.cols, dtype=np.int32))
         A = coo_matrix((np.array(self.vals, dtype=np.float64), ij), shape=(len(self.clb), n)).tocsr()
         cons = [LinearConstraint(A, np.array(self.clb), np.array(self.cub))] if self.clb else []
-        return milp(np.array(self.c), integrality=np.array(self.integ), bounds=Bounds(self.lb, self.ub),
-                    constraints=cons, options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap,
-                                               "disp": False})
+        with native_stdout_to_stderr():  # NOTE [a native solver's stdout]
+            return milp(np.array(self.c), integrality=np.array(self.integ), bounds=Bounds(self.lb, self.ub),
+                        constraints=cons, options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "disp": False})
 
 
 @dataclass(slots=True)
