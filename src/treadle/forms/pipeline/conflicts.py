@@ -4,8 +4,6 @@ read under a split-backward schedule or under data parallelism, and FSDP2 with a
 
 from __future__ import annotations
 
-from torch import nn
-
 V_SCHEDULES = ("zbv", "dualpipev")
 SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input- and weight-gradient backward apart
 
