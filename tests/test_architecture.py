@@ -19,7 +19,8 @@ ROOT = SRC / "treadle"
 # The layer picture of docs/architecture.md, bottom first: a package may import its own layer and those below.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("units", "placement", "mesh", "loss", "form", "sharding_rules", "testing", "emulated_nodes", "lazy", "quiet"),
+    ("units", "placement", "mesh", "loss", "form", "sharding_rules", "testing", "emulated_nodes", "lazy", "quiet",
+     "transport"),
     ("schedule",),
     ("graph", "profile", "viz"),
     ("cost",),

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from .transport import restore_after_load, sendable
 from .errors import SpawnError
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, timeout_s: float, args
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        restore_after_load(list(args) + list(kwargs.values()))  # NOTE [registrations lost in transport]
         out = fn(rank, world_size, *args, **kwargs)
         q.put((rank, "ok", _dumps(out)))
     except BaseException as exc:  # report every failure to the parent, whatever it is
@@ -237,6 +239,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     ctx = _context()
+    sent = tuple(sendable(a) if isinstance(a, torch.nn.Module) else a for a in args)  # NOTE [registrations lost ...]
     q = ctx.Queue()
     beats = ctx.Queue()
     port = free_port()
@@ -265,7 +268,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     try:
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(fn, rank, world_size, port, timeout_s, args, kwargs, q, beats, nodes))
+                            args=(fn, rank, world_size, port, timeout_s, sent, kwargs, q, beats, nodes))
             p.start()
             procs.append(p)
         while len(results) + len(errors) + len(deaths) < world_size:

@@ -21,6 +21,7 @@ from ..mesh import Mesh
 from ..schedule.core import Schedule
 from ..schedule.replay import load_schedule, trusted_load_args
 from ..testing import check_process_count, spawn
+from ..transport import restore_after_load, sendable
 from .batch import check_batch, split_batch
 from ..loss import call_loss, default_loss
 from .optimizer import adamw, after_optimizer_step
@@ -39,6 +40,7 @@ def _train_rank(rank: int, world: int, payload: bytes) -> tuple[list[float], lis
     from .build import build
 
     p = torch.load(io.BytesIO(payload), weights_only=False)
+    restore_after_load(p["model"])  # NOTE [registrations lost in transport]
     torch.manual_seed(p["seed"])
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
     sch = load_schedule(p["model"], p["schedule"], mesh, **p["load_args"])
@@ -91,7 +93,7 @@ def train(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[A
                            "train it without loss_fn")
     model: nn.Module = st.reference
     buf = io.BytesIO()
-    torch.save(dict(model=model, schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
+    torch.save(dict(model=sendable(model), schedule=sch.to_json(), load_args=trusted_load_args(sch), mesh_shape=sch.mesh.shape, mesh_names=sch.mesh.names,
                     inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed), buf)
     results = spawn(_train_rank, sch.mesh.world_size, buf.getvalue(), timeout_s=timeout_s)
     dp = st.data_parallel

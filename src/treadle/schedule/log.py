@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ..transport import restore_after_load, sendable
 from ..errors import ScheduleError
 from . import gate
 
@@ -144,7 +145,7 @@ def encode(v: Any) -> Any:
         return {"ref": v.target, "kwargs": {k: encode(x) for k, x in v.kwargs.items()}}
     if isinstance(v, torch.nn.Module):
         buf = io.BytesIO()
-        torch.save(v, buf)
+        torch.save(sendable(v), buf)
         return {"module_pickle": base64.b64encode(buf.getvalue()).decode("ascii"), "class": type(v).__qualname__}
     if isinstance(v, type):
         return {"type": f"{v.__module__}:{v.__qualname__}"}
@@ -199,7 +200,9 @@ def decode(v: Any, *, allow_refs: Collection[str] = (), allow_pickle: bool = Fal
                     f"{where}: holds a pickled module ({v.get('class', '?')!s:.80}), and unpickling runs code; "
                     f"it is refused by default. If you wrote the file, load it in Python with "
                     f"load_schedule(..., allow_pickle=True), or replace with a registered factory instead")
-            return torch.load(io.BytesIO(base64.b64decode(v["module_pickle"])), weights_only=False)
+            module = torch.load(io.BytesIO(base64.b64decode(v["module_pickle"])), weights_only=False)
+            restore_after_load(module)  # NOTE [registrations lost in transport]
+            return module
         if "type" in v:
             if not types and not (isinstance(v["type"], str) and v["type"] in allow_refs):
                 raise ScheduleError(f"{where}: names the type {v['type']!r:.80} where no class is expected; a file "

@@ -29,6 +29,7 @@ from ..schedule.replay import load_schedule, trusted_load_args
 from ..runtime.batch import check_batch, split_batch
 from ..loss import default_loss
 from ..testing import check_process_count, spawn
+from ..transport import restore_after_load, sendable
 from ..runtime.params import assemble
 from .compare import Diff, Tolerance, worst_copy, assemble_best, diff, tolerance
 from .float8 import fidelity_checks, float8_reference, has_float8
@@ -44,6 +45,7 @@ def _verify_rank(rank: int, world: int, payload: bytes) -> dict[str, Any]:
     from ..runtime.build import build
 
     p = torch.load(io.BytesIO(payload), weights_only=False)
+    restore_after_load(p["model"])  # NOTE [registrations lost in transport]
     torch.manual_seed(p["seed"])
     model: nn.Module = p["model"]
     mesh = Mesh(tuple(p["mesh_shape"]), tuple(p["mesh_names"]))
@@ -145,7 +147,7 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     mesh = sch.mesh
     dp = st.data_parallel
     check_batch(example_inputs, dp.size(mesh) if dp else 1, axis=dp.label() if dp else None, where="verify")
-    payload_d = dict(model=original, schedule=sch.to_json(), load_args=trusted_load_args(sch),
+    payload_d = dict(model=sendable(original), schedule=sch.to_json(), load_args=trusted_load_args(sch),
                      mesh_shape=mesh.shape, mesh_names=mesh.names,
                      inputs=example_inputs, loss_fn=loss_fn, steps=steps, lr=lr, seed=seed,
                      float_inputs=float_inputs)
