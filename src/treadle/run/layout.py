@@ -109,8 +109,10 @@ class ParamLayout:
             n, i = 1, 0
             for a in self.fsdp_axes:
                 n, i = n * mesh.size(a), i * mesh.size(a) + coords[a]
+            rows = list(t.shape)
+            rows[self.fsdp_dim] = 0  # a rank past the last chunk holds none of the dim, the other dims whole
             t = t.chunk(n, dim=self.fsdp_dim)
-            t = t[i] if i < len(t) else full.new_empty(0)
+            t = t[i] if i < len(t) else full.new_empty(rows)
         return t
 
 
