@@ -13,6 +13,8 @@ balanced by default: NOTE [expert load in a rehearsal]). Cases, each at its reci
 - Qwen3-30B-A3B (zoo `qwen3-30b-a3b`), torchtitan `torchtitan/models/qwen3/config_registry.py:qwen3_30b_a3b`
   (pytorch/torchtitan @ b5bcd76c): FSDP over every rank, TP1, PP1, no expert parallelism, 2 x 4096 tokens per
   rank, full activation checkpointing: FSDP2 x64 with every block checkpointed, global batch 128, seq 4096.
+  Beside it a hand plan (not a published recipe): the experts over the group of both axes, EP 64 across the
+  nodes as DeepSeek-V3 trains its experts (2 of the 128 a rank), FSDP2 x64 for the rest, no checkpointing.
 
 The planner searches what `treadle plan --cluster 8x8:h100` searches (every mesh whose inner axis stays inside a
 node), with its expert role (NOTE [experts in the plan]); it has no pipeline role. Columns: predicted step,
@@ -95,6 +97,22 @@ def _recipe(name: str, inputs: dict, physical, load: float = 1.0):
     return sch, _cluster(physical, shape, names, across=1)
 
 
+def _hand_plans(name: str, inputs: dict, physical, load: float = 1.0) -> list[tuple[str, object, object]]:
+    """(label, schedule, cluster) of the hand plans priced beside `name`'s recipe (not published recipes)."""
+    from treadle.forms.expert import expert_parallel_moe
+    from treadle.mesh import Mesh
+    from treadle.schedule.core import create_schedule
+
+    if name != "qwen3-30b-a3b":
+        return []
+    model, _ = _build(name, *inputs["input_ids"].shape)
+    shape, names = (8, 8), ("dp", "tp")
+    sch = create_schedule(model, mesh=Mesh(shape, names))
+    expert_parallel_moe(sch, axis=("dp", "tp"), load_imbalance=load)
+    sch.data_parallel(axis=("dp", "tp"), shard=True)
+    return [("hand: EP64 over dp,tp + FSDP2 x64", sch, _cluster(physical, shape, names, across=1))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["mixtral-8x7b", "qwen3-30b-a3b"])
@@ -127,6 +145,14 @@ def main() -> None:
             rows.append({"model": name, "plan": label, "source": source, "error": f"{type(exc).__name__}: {exc}"})
         print(f"  {name}: {label}: {rows[-1].get('step_s', float('nan')) * 1e3:.1f} ms "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        hands = []
+        for hand, hsch, hcl in _hand_plans(name, inputs, physical, load):
+            try:
+                hp = price(hsch, inputs, hcl)
+                hands.append({"model": name, "plan": hand, "mesh": str(hcl.mesh), "step_s": hp.step_s,
+                              "mfu": hp.mfu, "peak_bytes": hp.peak_bytes})
+            except TreadleError as exc:
+                hands.append({"model": name, "plan": hand, "error": f"{type(exc).__name__}: {exc}"})
         t0 = time.perf_counter()
         try:
             plan = plan_model(model, inputs, cluster=search_clusters(physical), memory_budget_bytes=80 * GiB,
@@ -141,12 +167,16 @@ def main() -> None:
         print(f"  {name}: planner: {rows[-1].get('step_s', float('nan')) * 1e3:.1f} ms "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         recipe, planner = rows[-2], rows[-1]
-        for r in (recipe, planner):
+        for r in (recipe, *hands, planner):
             r.update(batch=batch, seq=seq, load_imbalance=load, fits=r.get("peak_bytes", float("inf")) <= 80 * GiB)
             if "step_s" in r:
                 r["tokens_per_s_per_gpu"] = tokens / r["step_s"] / 64
         if "step_s" in recipe and "step_s" in planner:
             planner["planner_over_recipe"] = planner["step_s"] / recipe["step_s"]
+        for h in hands:
+            if "step_s" in h and "step_s" in planner:
+                planner.setdefault("planner_over_hand", {})[h["plan"]] = planner["step_s"] / h["step_s"]
+        rows[-1:-1] = hands  # printed between the recipe and the planner
     print(f"\n{'model':14} {'load':>4} {'plan':46} {'mesh':22} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} "
           f"{'peak GiB':>8} "
           f"{'fits':>4} {'planner/recipe':>14}")
@@ -159,6 +189,9 @@ def main() -> None:
         print(f"{r['model']:14} {r['load_imbalance']:4.2g} {label[:46]:46} {r['mesh'][5:-1]:22} {r['step_s']:8.3f} "
               f"{r['tokens_per_s_per_gpu']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_bytes'] / GiB:8.1f} "
               f"{'yes' if r['fits'] else 'NO':>4} {ratio:>14}")
+    for r in rows:
+        for hand, ratio in r.get("planner_over_hand", {}).items():
+            print(f"{r['model']} load {r['load_imbalance']:g}: planner / {hand}: {ratio:.3f}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / ("bench_expert_gpu_tiny.json" if args.tiny else "bench_expert_gpu.json")
     path.write_text(json.dumps(rows, indent=1))
