@@ -36,6 +36,42 @@ def test_experts_over_two_axes_match_one_process_on_4_ranks(shard):
     assert report.ok
 
 
+def _family(name: str):
+    """Tiny configs of MoE families whose blocks differ from Mixtral's: a gated shared expert (Qwen2-MoE), biased
+    experts with clamped gated activations and sliding-window layers (gpt-oss), convolution layers beside
+    attention and a dense first layer (LFM2-MoE)."""
+    import transformers as T
+
+    from tiny_models import VOCAB
+
+    torch.manual_seed(0)
+    ids = dict(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    if name == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+            **ids))
+    if name == "gpt_oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], **ids))
+    return T.Lfm2MoeForCausalLM(T.Lfm2MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_dense_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        layer_types=["full_attention", "conv", "full_attention"], **ids))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "lfm2_moe"])
+def test_other_moe_families_verify_with_their_experts_over_a_group_on_4_ranks(family):
+    model = _family(family)
+    model.config.use_cache = False
+    sch = _group_schedule(model, (2, 2), ("dp", "ep"), ("dp", "ep"), ("dp", "ep"), shard=family == "lfm2_moe")
+    assert [r.op for r in sch.records].count("expert_parallel") == 2
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
+
+
 def _placement_rank(rank: int, world: int):
     sch = _group_schedule(SkewedMoE(), (2, 2), ("dp", "ep"), ("dp", "ep"), ("dp", "ep"))
     built = treadle.build(sch)
