@@ -345,3 +345,15 @@ def test_pp_x_experts_under_zero3_train_and_reshard_onto_an_expert_group_on_8_ra
         assert loss0 == pytest.approx(float(loss), rel=1e-5) and norm0 == pytest.approx(norm, rel=1e-5)
         assert step == 2 and held == n_params and diff and max(diff.values()) == 0.0, diff
         assert after_b == pytest.approx(after_a, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_expert_group_with_each_expert_split_over_a_tensor_axis_verifies_under_zero3_on_8_ranks():
+    # EP 4 over (dp, ep), each expert's weights split over tp (expert tensor parallelism), FSDP2 over (dp, ep)
+    model = tiny_mixtral()
+    model.config.use_cache = False
+    sch = treadle.create_schedule(model, mesh=treadle.Mesh((2, 2, 2), ("dp", "ep", "tp")))
+    expert_parallel_moe(sch, axis=("dp", "ep"), tensor="tp")
+    sch.data_parallel(axis=("dp", "ep"), shard=True)
+    assert "expert_parallel(axis=['dp', 'ep'], tensor='tp')" in sch.to_python()
+    assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
