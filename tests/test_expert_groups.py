@@ -357,3 +357,79 @@ def test_an_expert_group_with_each_expert_split_over_a_tensor_axis_verifies_unde
     sch.data_parallel(axis=("dp", "ep"), shard=True)
     assert "expert_parallel(axis=['dp', 'ep'], tensor='tp')" in sch.to_python()
     assert treadle.verify(sch, lm_inputs(8, 16), steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------------------------------ planned beside a pipeline
+def _mixtral4():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tiny_models import VOCAB
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                                             max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                                             bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model.config.use_cache = False
+    return model
+
+
+def _pp_cluster():
+    from treadle.mesh import Mesh
+
+    return parse_cluster("1x8:cpu").for_mesh(Mesh((2, 2, 2), ("pp", "dp", "ep")))
+
+
+def test_zero3_beside_a_planned_pipeline_charges_the_experts_own_units_as_the_price_does():
+    # NOTE [pipeline FSDP2 in the plan]: EP 2 over ep, FSDP2 over (dp, ep): a rank's experts (1/2 of them) are
+    # FSDP2 units of their own over dp (m = 2); over the group of both axes FSDP2 leaves them alone
+    from treadle.forms.pipeline import cuts, milp
+    from treadle.forms.pipeline.zero import zero_terms
+    from treadle.planner.capture import capture
+    from treadle.planner.cost_graph import build_cost_graph
+    from treadle.planner.roles import Roles
+
+    cl, inputs = _pp_cluster(), lm_inputs(8, 16)
+    graph = capture(_mixtral4(), (), inputs)
+
+    def graph_of(ep):
+        return build_cost_graph(graph, cl, Roles(("dp", "ep"), True, (), ep=ep, pp="pp", pp_schedule="1f1b",
+                                                 pp_microbatches=2))
+
+    cg = graph_of(("ep",))
+    zt = zero_terms(cg)
+    assert zt.experts is not None and zt.experts.m == 2 and zt.experts.per_block == 1.0
+    model = _mixtral4()
+    local = sum(t.numel() * 4 for t in model.model.layers[0].mlp.experts.parameters()) / 2
+    experts_units = {u for u, ou in enumerate(zt.experts.gathered) if max(ou) > 0}  # the ops owning their weights
+    assert sum(max(zt.experts.gathered[u]) for u in experts_units) == local  # one block of the template
+    assert all(max(zt.gathered[u]) == 0 for u in experts_units)  # not in the blocks' own gathers
+    assert zero_terms(graph_of(("dp", "ep"))).experts is None  # one expert a rank: FSDP2 leaves them alone
+    # the solver's step and peak of a cut against the price of the same schedule as built
+    lay = cuts._layout(cg, "1f1b")
+    step, peak, _ = milp.evaluate(cg, lay, cuts._cut(cg, lay, ((0, 1), (2, 3))), [0] * len(cg.units), {})
+    sch = treadle.create_schedule(_mixtral4(), mesh=cl.mesh)
+    sch["model.layers.1"].cut_pipeline_stage()
+    expert_parallel_moe(sch, axis="ep")
+    sch.data_parallel(axis=("dp", "ep"), shard=True)
+    sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=inputs)
+    priced = treadle.price(sch, inputs, cl)
+    assert priced.step_s == pytest.approx(step, rel=0.10) and priced.peak_bytes == pytest.approx(peak, rel=0.10)
+
+
+@pytest.mark.slow
+def test_a_budget_plans_a_pipeline_beside_experts_under_zero3_that_verifies_on_8_ranks():
+    from treadle.planner import plan_model
+
+    cl, inputs = _pp_cluster(), lm_inputs(8, 16)
+    free = plan_model(_mixtral4(), inputs, cluster=cl, pp_axis="pp", dp_axis=("dp", "ep"), zero=True, price_top=0)
+    assert "experts over" not in free.roles  # without a budget the exchanges cost more than they save here
+    budget = 0.7 * free.estimated.peak_bytes
+    plan = plan_model(_mixtral4(), inputs, cluster=cl, pp_axis="pp", dp_axis=("dp", "ep"), zero=True,
+                      memory_budget_bytes=budget)
+    roles = plan.roles
+    assert "pipeline pp" in roles and "experts over" in roles and ("HSDP" in roles or "ZeRO-3" in roles), roles
+    text = plan.schedule.to_python()
+    assert "expert_parallel(axis=" in text and "shard=True" in text and "cut_pipeline_stage()" in text
+    assert plan.estimate().peak_bytes <= budget
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

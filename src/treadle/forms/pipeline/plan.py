@@ -144,14 +144,13 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
 
 def keep_roles(options: dict) -> bool:
     """The pipeline axis is not also data-parallel; beside it ZeRO-3 / HSDP only with reshard after forward (NOTE
-    [pipeline FSDP2 in the plan]) and without experts split over an axis (build and the price run and charge the
-    experts' own FSDP2 units inside stages, but the stage costs of the planner's cut MILP do not model them)."""
+    [pipeline FSDP2 in the plan]; the local experts' own units included)."""
     pp = options.get("pp")
     if not pp:
         return True
     if pp in options.get("dp", ()):
         return False
-    return not options.get("zero") or (options.get("reshard_after_forward", True) and not options.get("ep"))
+    return not options.get("zero") or options.get("reshard_after_forward", True)
 
 
 def role_label(roles) -> str | None:

@@ -15,6 +15,12 @@ the reduce-scatter, and while a stage runs it is gathered in full: each rank add
 bytes), as the data form takes it (NOTE [bandwidth per byte]). Reshard after forward only (the flag the runtime
 defaults to and the state machine of `fsdp.py` is checked for); FSDP2 copies stay the cost graph's (per step,
 charged per micro-batch: an over-count by at most 3M / (2M + 1)).
+
+With experts split over expert axes (`Roles.ep`, NOTE [experts in the plan]) a rank holds 1/e of each experts
+module's weights, and FSDP2 shards those as units of their own over the shard axes the expert axes leave (m ranks;
+NOTE [experts under FSDP2]), as build wraps them inside the stages and the pipeline's price charges them (NOTE
+[pipeline FSDP2 price]): their gathers, reduce-scatter and HSDP all-reduce are on that group, their gradients' other
+(m - 1)/m and their gathered bytes are held; with m = 1 FSDP2 leaves them alone (no gather, no extra bytes).
 """
 
 from __future__ import annotations
@@ -48,19 +54,39 @@ class ZeroTerms:
     rs_lat_s: float
     overlap: bool
     unit_host_s: float = 0.0  # FSDP2's hooks on one unit over a micro-batch's forward and backward
+    experts: "ExpertUnits | None" = None  # the local experts' own units, where FSDP2 shards them (m > 1)
 
     def gather_s(self, u: int, k: int) -> float:
         """Seconds of one micro-batch's two gathers of unit u's bytes under strategy k (bandwidth part)."""
-        return 2 * self.ag_per_byte * self.gathered[u][k]
+        own = self.experts.ag_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
+        return 2 * (self.ag_per_byte * self.gathered[u][k] + own)
 
     def reduce_s(self, u: int, k: int) -> float:
         """Seconds of the step's reduce-scatter (and HSDP all-reduce) of unit u's bytes (bandwidth part)."""
-        return self.rs_per_byte * self.gathered[u][k]
+        own = self.experts.rs_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
+        return self.rs_per_byte * self.gathered[u][k] + own
 
     def held(self, u: int, k: int) -> float:
         """Bytes a rank holds beyond the cost graph's sharded static bytes: the gradients' other (n - 1)/n and the
-        gathered parameters."""
-        return self.grads[u][k] * (1 - 1 / self.n) + self.gathered[u][k]
+        gathered parameters (the local experts': their other (m - 1)/m, gathered over m)."""
+        own = self.experts.gathered[u][k] * (2 - 1 / self.experts.m) if self.experts else 0.0
+        return self.grads[u][k] * (1 - 1 / self.n) + self.gathered[u][k] + own
+
+
+@dataclass(slots=True)
+class ExpertUnits:
+    """The local experts' FSDP2 units beside a pipeline (NOTE [pipeline FSDP2 in the plan]): `gathered[u][k]` the
+    local experts' bytes a unit's strategy owns (1/e of theirs), sharded over `m` ranks, the seconds per byte of
+    their two gathers and of their reduce-scatter (and HSDP all-reduce), one gather's and one step-end reduction's
+    latency, and the experts modules per block (their units' count)."""
+
+    gathered: list[list[float]]
+    m: int
+    ag_per_byte: float
+    rs_per_byte: float
+    ag_lat_s: float
+    rs_lat_s: float
+    per_block: float
 
 
 def zero_terms(cg) -> ZeroTerms | None:
@@ -79,20 +105,28 @@ def zero_terms(cg) -> ZeroTerms | None:
             for j in node.inputs:
                 if g.nodes[j].kind == "param":
                     owner.setdefault(g.nodes[j].param, i)
-    gathered = []
+    experts = set((((g.facts or {}).get("expert") or {}).get("experts") or {})) if roles.ep else set()
+    ep_n = math.prod(mesh.size(a) for a in roles.ep)
+    gathered, own = [], []
     for unit in cg.units:
-        gu = []
+        gu, ou = [], []
         for members in unit.strategies:
-            b = 0.0
+            b = e = 0.0
             for i, (combo, _) in members.items():
                 node = g.nodes[i]
                 for pos, j in enumerate(node.inputs):
                     src = g.nodes[j]
                     if src.kind == "param" and owner.get(src.param) == i and isinstance(src.out, TensorMeta):
                         pl = tuple(o.ins[pos] for o in combo)
-                        b += src.out.numel * src.out.dtype.itemsize / _tensor_axes_divisor(pl, tp_sizes)
+                        x = src.out.numel * src.out.dtype.itemsize / _tensor_axes_divisor(pl, tp_sizes)
+                        if g.param_modules.get(src.param) in experts:
+                            e += x / ep_n  # this rank's experts (NOTE [experts in the plan])
+                        else:
+                            b += x
             gu.append(b)
+            ou.append(e)
         gathered.append(gu)
+        own.append(ou)
     link = cg.cluster.group_link(roles.shard_axes)
     blocks = max(1, sum(info.count for info in cg.templates.values()))
     ref = max(1.0, sum(max(gu) for gu in gathered) / blocks)  # a unit's gathered bytes, about a block's
@@ -108,7 +142,30 @@ def zero_terms(cg) -> ZeroTerms | None:
         rs_lat += r_lat
     # the gradients have the parameters' dtype and shards (every captured parameter trains)
     return ZeroTerms(gathered, gathered, n, ag, rs, ag_lat, rs_lat, cg.cluster.rank_device().overlap,
-                     fsdp_host_s(1, 0, cg.cluster.rank_hardware()))
+                     fsdp_host_s(1, 0, cg.cluster.rank_hardware()), _expert_units(cg, own, experts, blocks))
+
+
+def _expert_units(cg, own: list[list[float]], experts: set, blocks: int) -> ExpertUnits | None:
+    """The local experts' own FSDP2 units over the shard axes the expert axes leave (NOTE [pipeline FSDP2 in the
+    plan]); None without experts split, or where no such axis is left (FSDP2 leaves them alone)."""
+    roles, mesh = cg.roles, cg.cluster.mesh
+    shard = tuple(a for a in roles.shard_axes if a not in roles.ep)
+    m = math.prod(mesh.size(a) for a in shard)
+    if not experts or m <= 1:
+        return None
+    link = cg.cluster.group_link(shard)
+    ref = max(1.0, sum(max(ou) for ou in own) / max(1, len(experts)))  # about one experts module's local bytes
+    ag_lat, rs_lat = all_gather_time_s(0.0, m, link), reduce_scatter_time_s(0.0, m, link)
+    ag = (all_gather_time_s(ref, m, link) - ag_lat) / ref
+    rs = (reduce_scatter_time_s(ref, m, link) - rs_lat) / ref
+    rep = tuple(a for a in roles.replicate if a not in roles.ep)
+    reps = math.prod(mesh.size(a) for a in rep)
+    if reps > 1:
+        rlink = cg.cluster.group_link(rep)
+        r_lat = all_reduce_time_s(0.0, reps, rlink)
+        rs += (all_reduce_time_s(ref / m, reps, rlink) - r_lat) / ref
+        rs_lat += r_lat
+    return ExpertUnits(own, m, ag, rs, ag_lat, rs_lat, len(experts) / blocks)
 
 
 def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], list[float]]:
@@ -121,5 +178,9 @@ def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], li
     # a stage's FSDP2 units: its blocks, and a root where it holds parameters besides them (the embedding on the
     # first stage, the final norm and head on the last)
     units = [len(st) + (1 if i in (0, S - 1) else 0) for i, st in enumerate(cut.stages)]
-    return ([2 * u * zt.ag_lat_s for u in units], [u * zt.unit_host_s for u in units],
-            [sum(units[st] for st in range(S) if st % p == r) * zt.rs_lat_s for r in range(p)])
+    ex = zt.experts  # the local experts' own units, about `per_block` a block (NOTE [pipeline FSDP2 in the plan])
+    own = [len(st) * ex.per_block if ex else 0.0 for st in cut.stages]
+    return ([2 * (u * zt.ag_lat_s + o * (ex.ag_lat_s if ex else 0.0)) for u, o in zip(units, own)],
+            [(u + o) * zt.unit_host_s for u, o in zip(units, own)],
+            [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0) for st in range(S) if st % p == r)
+             for r in range(p)])
