@@ -433,3 +433,35 @@ def test_a_budget_plans_a_pipeline_beside_experts_under_zero3_that_verifies_on_8
     assert "expert_parallel(axis=" in text and "shard=True" in text and "cut_pipeline_stage()" in text
     assert plan.estimate().peak_bytes <= budget
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+# ------------------------------------------------------------------------------------------ why a verify fails
+class _Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x)).sum(-1)
+
+
+def test_a_failed_verify_of_a_forward_that_draws_random_numbers_says_so():
+    # NOTE [random draws in verify]: a sampling router (PhiMoE in training) or dropout cannot match one process under
+    # data parallelism; the report names the drawing op and its module
+    sch = treadle.create_schedule(_Noisy(), mesh=treadle.Mesh((2,), ("dp",)))
+    sch.data_parallel(axis="dp")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    report = treadle.verify(sch, {"x": x}, steps=1, timeout_s=120, raise_on_mismatch=False)
+    assert not report.ok
+    import re
+
+    assert any(re.search(r"draws random numbers \(aten\.\w+ in 'drop'\)", n) for n in report.notes), report.notes
+    assert "note: the model's training forward draws random numbers" in report.summary()
+    quiet = _Noisy()
+    quiet.drop.p = 0.0  # no draw, no note; and it verifies
+    sch = treadle.create_schedule(quiet, mesh=treadle.Mesh((2,), ("dp",)))
+    sch.data_parallel(axis="dp")
+    report = treadle.verify(sch, {"x": x}, steps=1, timeout_s=120, raise_on_mismatch=False)
+    assert report.ok and report.notes == []

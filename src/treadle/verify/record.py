@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import VerifyError
 from ..loss import call_loss
@@ -101,11 +102,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+class _RandomDraws(TorchDispatchMode):
+    """The ops of a forward that draw random numbers (ATen's ``nondeterministic_seeded`` tag: dropout, the
+    ``rand`` family, sampling), each with the module that ran it (`_Recorder.stack`): NOTE [random draws in
+    verify]."""
+
+    def __init__(self, rec: "_Recorder") -> None:
+        super().__init__()
+        self.rec = rec
+        self.seen: dict[str, str] = {}  # op -> the first module that drew with it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.seen.setdefault(str(func.overloadpacket.__name__), self.rec.stack[-1] if self.rec.stack else "")
+        return func(*args, **(kwargs or {}))
+
+
 def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: int, lr: float,
-               float_inputs: list[str], dp_scale: float, opaque: tuple[str, ...] = ()) -> dict[str, Any]:
+               float_inputs: list[str], dp_scale: float, opaque: tuple[str, ...] = (),
+               watch_random: bool = False) -> dict[str, Any]:
     """Forward, backward and `steps` AdamW steps of `model` over `slices` (mean of the slice losses).
     Returns losses, recorded outputs/grads, input grads, parameter grads and parameters after step 1 (the
-    modules inside `opaque` paths not recorded: `_Recorder`)."""
+    modules inside `opaque` paths not recorded: `_Recorder`); with `watch_random`, also the ops of the first
+    step's forward that drew random numbers ("random_draws": op -> module; NOTE [random draws in verify])."""
     inner = _unwrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rec = _Recorder(inner, opaque)
@@ -123,7 +142,12 @@ def _run_steps(model: nn.Module, slices: list[dict[str, Any]], loss_fn, steps: i
                 sl[k] = sl[k].detach().clone().requires_grad_(True)
                 leaves.append((k, sl[k]))
             try:
-                out = model(**sl)
+                if watch_random and step == 0:
+                    with _RandomDraws(rec) as draws:
+                        out = model(**sl)
+                    result.setdefault("random_draws", {}).update(draws.seen)
+                else:
+                    out = model(**sl)
             except Exception as exc:
                 where = (rec.stack[-1] or "<model>") if rec.stack else "<model>"
                 raise VerifyError(f"forward failed in module {where!r}: {type(exc).__name__}: {exc}") from exc

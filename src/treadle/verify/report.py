@@ -28,13 +28,15 @@ class Check:
 class VerifyReport:
     """Outcome of `verify`. `ok` is True when every check passed; `first_divergence` names the first
     module whose output (forward order) or gradient (backward order) diverges; `error` holds a build or
-    runtime failure on a rank (with the module path where it happened when known)."""
+    runtime failure on a rank (with the module path where it happened when known); `notes` what else explains a
+    failure (a forward that draws random numbers: NOTE [random draws in verify])."""
 
     checks: list[Check] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     ref_losses: list[float] = field(default_factory=list)
     first_divergence: str | None = None
     error: str | None = None
+    notes: list[str] = field(default_factory=list)  # what explains a failure besides the checks (random draws)
 
     @property
     def ok(self) -> bool:
@@ -52,6 +54,7 @@ class VerifyReport:
                  f"{['%.6f' % x for x in self.ref_losses]}"]
         if self.first_divergence:
             lines.append(f"first divergence: {self.first_divergence}")
+        lines += [f"note: {n}" for n in self.notes]
         lines += [str(c) for c in self.failures()[:10]]
         return "\n".join(lines)
 

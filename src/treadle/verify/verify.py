@@ -179,10 +179,13 @@ def verify(sch: Schedule, example_inputs: dict[str, Any], *, loss_fn: Callable[[
     if float8:  # before the steps change ref_model's weights
         report.checks += fidelity_checks(reference, ref_model, slices, loss_fn, 1.0 / dp_n, seed=seed)
     torch.manual_seed(seed)
-    ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n, tuple(expert_paths(st.extras)))
+    ref = _run_steps(ref_model, slices, loss_fn, steps, lr, float_inputs, 1.0 / dp_n, tuple(expert_paths(st.extras)),
+                     watch_random=True)
     _compare(report, ref, results, mesh, tol, dp_n, _param_layouts(sch), later_rtol=FLOAT8_STEP_RTOL if float8 else 0)
     if report.first_divergence:
         report.first_divergence += nearest_primitive(sch, report.first_divergence)
+    if not report.ok and ref.get("random_draws"):  # NOTE [random draws in verify]
+        report.notes.append(random_draws_note(ref["random_draws"]))
     if raise_on_mismatch:
         report.raise_if_failed()
     return report
@@ -364,6 +367,19 @@ def _pending_sum_hint(report: VerifyReport, first: str) -> str:
     axes = [part.split("=")[0] for part in c.diff.layout.split() if part.endswith("=P")]
     return (f"; inside it, {c.name!r} leaves a pending sum (Partial over {', '.join(axes)}) that is never "
             f"reduced")
+
+
+# NOTE [random draws in verify]: a model whose training forward draws random numbers (dropout, a router that samples
+# its experts, input jitter) cannot match one process: each rank draws from its own generator, on its own slice, in
+# its own order, where the reference draws once for all slices. Verify still compares, and when it fails it says so,
+# naming each drawing op and the first module that ran it in the reference's first forward, so that a user sees
+# why and what to turn off (dropout 0, the model's eval-mode routing) before reading the diffs as a defect.
+def random_draws_note(draws: dict[str, str]) -> str:
+    """The report's line for a failed verify of a model whose forward draws random numbers."""
+    ops = ", ".join(f"aten.{op} in {mod or '<model>'!r}" for op, mod in sorted(draws.items())[:4])
+    return (f"the model's training forward draws random numbers ({ops}{' ...' if len(draws) > 4 else ''}): each "
+            f"rank draws its own, so its outputs cannot match one process; turn that randomness off (dropout 0, the "
+            f"model's eval-mode routing) to verify the schedule (NOTE [random draws in verify])")
 
 
 def nearest_primitive(sch: Schedule, first: str) -> str:
