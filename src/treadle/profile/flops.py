@@ -382,6 +382,10 @@ register_zero(
     aten.where, aten.min.other, aten.__and__, aten.__or__, aten.bitwise_and, aten.bitwise_or, aten.gelu,
     aten.gelu_backward, aten.silu, aten.silu_backward, aten.relu, aten.threshold_backward,
     aten.floor_divide, aten.floor_divide_, kind="pointwise")
+# complex rotary embeddings (Llama 4: `torch.polar` builds the frequencies, queries and keys are viewed as complex and
+# multiplied): elementwise; the complex views move nothing
+register_zero(aten.polar, kind="pointwise")
+register_zero(aten.view_as_complex, aten.view_as_real, kind="view")
 # data-dependent routing (mixture-of-experts: which tokens go to which expert): priced by the bytes they move
 register_zero(aten.nonzero, aten.nonzero_static, aten.argwhere, aten.masked_select, aten.bincount, aten.histc,
               aten.unique_consecutive, aten._unique2, aten.searchsorted, aten.bucketize, kind="memory")

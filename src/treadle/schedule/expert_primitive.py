@@ -118,11 +118,30 @@ def experts_shape(path: str, mod) -> int:
     except (TypeError, ValueError):
         params = []
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params) and not _dense(mod):
         raise ScheduleError(f"{where}: its forward takes {[p.name for p in positional]}; an experts module takes "
                             f"the rows, their expert indices and their routing weights "
-                            f"(forward(hidden_states, top_k_index, top_k_weights))")
+                            f"(forward(hidden_states, top_k_index, top_k_weights)), or E groups of rows, one per "
+                            f"expert (NOTE [dense experts])")
     return next(iter(sizes.values()))[0]
+
+
+def experts_layout(mod) -> str:
+    """How experts module `mod` takes its rows: "routed" (rows, their expert indices and routing weights) or
+    "dense" (E groups of rows, one per expert: NOTE [dense experts])."""
+    try:
+        params = list(inspect.signature(mod.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    routed = len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    return "routed" if routed or not _dense(mod) else "dense"
+
+
+def _dense(mod) -> bool:
+    from .expert_split import dense_experts
+
+    return len(inspect.signature(mod.forward).parameters) >= 1 and dense_experts(mod)
 
 
 class ExpertPrimitive:
@@ -177,6 +196,11 @@ class ExpertPrimitive:
         if outside:
             raise ScheduleError(f"{where}: mesh axis {outside[0]!r} is not data-parallel (data_parallel(axis="
                                 f"{dp.label()!r})); experts split over axes whose ranks route their own tokens")
+        if experts_layout(self.mod) == "dense" and (tensor is not None or load != 1.0):
+            what = "tensor=" if tensor is not None else "load_imbalance="
+            raise ScheduleError(f"{where}: {what} is for experts that take routed rows; this module runs every expert "
+                                f"on every row (NOTE [dense experts]), so its load is even and its experts split "
+                                f"over the expert axes only")
         split = self._expert_split(tensor, axes, where)
         for name, p in self.mod.named_parameters(recurse=False):
             prior = self._state.param_shards.get(id(p), [])

@@ -162,4 +162,70 @@ def as_axis(split: dict[str, ParamShard], axis: str) -> dict[str, ParamShard]:
     return {n: ParamShard(s.dim, axis, s.blocks) for n, s in split.items()}
 
 
-__all__ = ["find_split", "check_split", "as_axis"]
+
+
+# NOTE [dense experts]: some MoE layers hand their experts module every token once per expert, already weighted by
+# its routing score (zero where not routed), as one tensor of E groups of T rows, expert-major, and the module runs
+# expert e on group e (``forward(hidden_states (E*T, H)) -> (E*T, H)``: Llama 4). Such a module is found by data flow,
+# not by name: on random weights of two experts and two groups of rows, changing the rows of group 0, or the weights
+# of expert 0, must change the output rows of group 0 and no others. Expert parallelism then sends each rank the
+# groups of its experts (`treadle.forms.expert.dispatch.DenseExpertLeaf`).
+_DENSE: dict[tuple, bool] = {}  # (module type, shapes, plain attributes, children) -> dense experts
+
+
+def dense_experts(mod: nn.Module) -> bool:
+    """Whether experts module `mod` runs expert e on the e-th of E equal groups of the rows it takes (NOTE [dense
+    experts]); probed once per module type and shapes."""
+    own = {n: p for n, p in mod.named_parameters(recurse=False)}
+    if not own:
+        return False
+    shapes = {n: (2, *p.shape[1:]) for n, p in own.items()}
+    plain = tuple(sorted((k, v) for k, v in vars(mod).items() if type(v) in (int, float, str, bool)))
+    key = (type(mod), plain, tuple((n, type(c)) for n, c in mod.named_children()), tuple(sorted(shapes.items())))
+    if key not in _DENSE:
+        _DENSE[key] = _probe_dense(mod, shapes, next(iter(own.values())).shape[0])
+    return _DENSE[key]
+
+
+def _probe_dense(mod: nn.Module, shapes: dict[str, tuple[int, ...]], experts: int) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    counts = _count_attrs(mod, experts)
+    gen = torch.Generator().manual_seed(0)
+
+    def run(params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        saved = {n: mod._parameters[n] for n in params}
+        saved_counts = {a: getattr(mod, a) for a in counts}
+        try:
+            mod._parameters.update(params)
+            for a in counts:
+                setattr(mod, a, 2)
+            return mod.forward(rows)
+        finally:
+            mod._parameters.update(saved)
+            for a, v in saved_counts.items():
+                setattr(mod, a, v)
+
+    with unset_fake_temporarily(), torch.no_grad():
+        weights = {n: torch.randn(s, generator=gen) / math.sqrt(max(s[-1], 1)) for n, s in shapes.items()}
+        for h in _hidden_sizes(shapes):
+            rows = torch.randn((6, h), generator=gen)  # two groups of three rows
+            try:
+                out = run(weights, rows)
+            except Exception:  # noqa: BLE001 - a wrong guess of the rows' width, or not this layout
+                continue
+            if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 6:
+                return False
+            moved = rows.clone()
+            moved[:3] += 1.0
+            other = {n: t.clone() for n, t in weights.items()}
+            for t in other.values():
+                t[0] += 1.0
+            for y in (run(weights, moved), run(other, rows)):
+                if torch.allclose(y[:3], out[:3]) or not torch.equal(y[3:], out[3:]):
+                    return False
+            return True
+    return False
+
+
+__all__ = ["find_split", "check_split", "as_axis", "dense_experts"]

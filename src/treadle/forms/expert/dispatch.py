@@ -81,6 +81,13 @@ def dispatch_traffic(pairs: float, row_bytes: float) -> tuple[float, float]:
     return 7.0 * rows, 6.0 * rows
 
 
+def dense_traffic(nbytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes `DenseExpertLeaf` moves through memory for `nbytes` of its rows besides the
+    exchanges and the experts' own compute: forward the gather of the received groups into expert-major order and
+    the gather of the results back (each a read and a write of every row); backward their two adjoints."""
+    return 4.0 * nbytes, 4.0 * nbytes
+
+
 class _ExpertGrads(torch.autograd.Function):
     """Identity forward on the local expert weights; backward sums their gradients over `group` (the
     data-parallel ranks outside the expert axis; None: none) and scales them by `scale` (NOTE [expert
@@ -206,8 +213,9 @@ class ExpertLeaf:
                              f"weights split over an axis whose ranks hold the same rows")
         self.rows_checked = True
 
-    def _local(self, m: nn.Module, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The module's own forward on the rows it received, each with its local expert and routing weight."""
+    def _local(self, m: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        """The module's own forward on the rows it received (each with its local expert and routing weight, or in
+        groups by local expert: `DenseExpertLeaf`)."""
         names = [n for n, p in m._parameters.items() if p is not None]
         saved = {n: m._parameters[n] for n in names}
         counts = {a: getattr(m, a) for a in self.count_attrs}
@@ -222,7 +230,7 @@ class ExpertLeaf:
                         m._parameters[n] = m._parameters[n].to(self.param_dtype)
             for a in self.count_attrs:
                 setattr(m, a, self.experts // self.size)
-            y = self.orig(rows, ids, w)
+            y = self.orig(*inputs)
             if track:
                 y = _Touch.apply(y, *(m._parameters[n] for n in names))
             return y
@@ -251,3 +259,37 @@ class ExpertLeaf:
                              f"shape {tuple(index.shape)}, weights of shape {tuple(weights.shape)}, for rows of "
                              f"shape {tuple(hidden.shape)}; expected integer indices and their weights, k per row")
         return hidden, index, weights
+
+
+@dataclass
+class DenseExpertLeaf(ExpertLeaf):
+    """The local forward of an expert-parallel experts module that takes E groups of rows, one per expert (NOTE
+    [dense experts] in `treadle.schedule.expert_split`): rank r sends each rank the groups of that rank's experts
+    (contiguous: the rows are expert-major), runs its El local experts on the groups every rank sent, in expert-major
+    order again, and sends the results back, where they land in the rows' own order. One exchange of each rank's
+    group size, then one of the rows each way; the gradients as NOTE [expert gradients] says."""
+
+    def forward(self, m: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = inspect.signature(self.orig).bind(*args, **kwargs).arguments
+        x = next(iter(bound.values()))
+        if len(bound) != 1 or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] % self.experts:
+            raise BuildError(f"expert_parallel at sch[{self.path!r}]: the experts were called with "
+                             f"{list(bound)}; dense experts take one (E x T, H) tensor of E groups of rows")
+        n, local_n = self.size, self.experts // self.size
+        t = x.shape[0] // self.experts
+        if is_fake(x):  # every rank's groups as large as this one's
+            C.exchange_counts([t] * self.experts, self.group, device=x.device)
+            sizes = [t] * n
+        else:
+            got = C.exchange_counts([t] * self.experts, self.group, device=x.device)
+            sizes = [got[r * local_n] for r in range(n)]  # rank r's group size
+            self.load = [sum(sizes)] * local_n if self.load is None else [a + sum(sizes) for a in self.load]
+        recv = [local_n * s for s in sizes]
+        rows = C.exchange_rows(x, [local_n * t] * n, recv, self.group)  # by source rank, then local expert
+        starts = [sum(recv[:r]) for r in range(n)]
+        order = torch.cat([torch.arange(starts[r] + j * sizes[r], starts[r] + (j + 1) * sizes[r], device=x.device)
+                           for j in range(local_n) for r in range(n)]) if sum(recv) else \
+            torch.zeros(0, dtype=torch.long, device=x.device)
+        y = self._local(m, rows[order])  # expert-major, every rank's group of each local expert
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        return C.exchange_rows(y[back], recv, [local_n * t] * n, self.group)

@@ -12,7 +12,8 @@ from ...schedule.expert_primitive import experts_shape
 
 # NOTE [experts by structure]: an experts module holds every expert's weights itself, stacked on dim 0 (each
 # direct parameter (E, ...), at least one a stack of matrices (E, out, in)), has no child with parameters, and
-# its forward takes the rows, their expert indices and their routing weights. That is what `expert_parallel`
+# its forward takes the rows, their expert indices and their routing weights, or E groups of rows that it runs
+# expert by expert (NOTE [dense experts], found by probing its forward: Llama 4). That is what `expert_parallel`
 # requires (`treadle.schedule.expert_primitive.experts_shape`), so the recipe proposes exactly what the
 # primitive accepts; no class name is consulted.
 

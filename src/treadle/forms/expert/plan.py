@@ -50,9 +50,10 @@ from ...planner.capture import TensorMeta
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision, _members
 from ...profile.roofline import memory_time_s
+from ...schedule.expert_primitive import experts_layout
 from ...schedule.expert_split import find_split
 from ..data.facts import fsdp_copy_s, fsdp_host_s
-from .dispatch import dispatch_traffic
+from .dispatch import dense_traffic, dispatch_traffic
 from .facts import expert_modules
 
 DECISION_RANK = DECISION_RANKS["expert_parallel"]
@@ -111,13 +112,16 @@ def capture_facts(model) -> dict | None:
     if not found:
         return None
     splits = {}
+    dense = sorted(p for p in found if experts_layout(model.get_submodule(p)) == "dense")  # NOTE [dense experts]
     for path in found:
+        if path in dense:
+            continue
         try:
             split = find_split(model.get_submodule(path), 2, where=f"expert tensor split of {path!r}")
         except ScheduleError:
             continue
         splits[path] = {name: (sh.dim, sh.blocks) for name, sh in split.items()}
-    return {"experts": found, "splits": splits}
+    return {"experts": found, "splits": splits, "dense": dense}
 
 
 def param_placements(facts, param: str, module: str, n_tp: int) -> set[tuple[int, ...]]:
@@ -144,6 +148,8 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
     if not experts:
         return None
     load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
+    if load and ((request.facts or {}).get("expert") or {}).get("dense"):
+        return [{}]  # dense experts run every expert on every row: no busiest rank to state (NOTE [dense experts])
     groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
     return [{}] + [{"ep": g, **load} for g in groups
                    if all(e % math.prod(mesh.size(a) for a in g) == 0 for e in experts.values())]
@@ -194,20 +200,40 @@ def prepare(b) -> None:
         ops = [x for x in b.nodes if x.kind == "op" and _inside(x.module, (path,)) and b.canonical(x.index) == x.index]
         if not ops:
             continue
-        rows, width, wbytes = _rows(b, ops, path)
         e = experts[path]
-        got = rows * b.roles.ep_load  # the busiest rank receives and sends back (NOTE [expert load in a rehearsal])
-        row_bytes, weight_bytes = got * width, got * wbytes
-        exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link) + \
-            collective_time_s("all_to_all", weight_bytes, n, link)  # rows there and back, the weights there
-        fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges
-        bwd = exchanges  # the adjoints: the results' gradients there, the rows' and the weights' back
-        moved = dispatch_traffic(rows, width)  # on the rows a rank routes (its own tokens)
+        if path in set((b.g.facts.get("expert") or {}).get("dense") or ()):  # NOTE [dense experts]
+            row_bytes = _dense_bytes(b, ops, path)  # its E groups, every one sent and received back
+            exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link)
+            moved = dense_traffic(row_bytes)
+        else:
+            rows, width, wbytes = _rows(b, ops, path)
+            got = rows * b.roles.ep_load  # the busiest rank receives and sends back (NOTE [expert load in a rehearsal])
+            row_bytes, weight_bytes = got * width, got * wbytes
+            exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link) + \
+                collective_time_s("all_to_all", weight_bytes, n, link)  # rows there and back, the weights there
+            moved = dispatch_traffic(rows, width)  # on the rows a rank routes (its own tokens)
+        fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges  # with the counts
+        bwd = exchanges  # the adjoints: the results' gradients there, the rows' (and the weights') back
         work = tuple(memory_time_s(int(x), b.hw) for x in moved)
         if unit is not None:
             b.expert_units[path] = unit
         host, lat = (fsdp_host_s(1, 0, b.hw), unit.latency_s()) if unit is not None else (0.0, 0.0)
         b.expert_exchanges[ops[0].index] = Exchange(fwd, bwd, host, lat, *work)
+
+
+def _dense_bytes(b, ops, path: str) -> float:
+    """Bytes of this rank's (E x T, H) rows of dense experts module `path` (NOTE [dense experts]): the one value it
+    reads from outside. Raises PlanError when the graph does not show it."""
+    inside = {x.index for x in ops}
+    outer = [j for x in ops for j in x.inputs if j not in inside and b.nodes[j].kind != "param"
+             and not _inside(b.nodes[j].module, (path,))]
+    metas = [(j, b.nodes[j].out) for j in dict.fromkeys(outer) if isinstance(b.nodes[j].out, TensorMeta)
+             and b.nodes[j].out.dtype.is_floating_point]
+    if len(metas) != 1:
+        raise PlanError(f"expert role: cannot read the rows of dense experts {path!r} off the captured graph (its "
+                        f"inputs: {[tuple(m.shape) for _, m in metas]})")
+    j, m = metas[0]
+    return float(math.prod(b.local_dp_shape(j, m.shape)) * m.dtype.itemsize)
 
 
 def _rows(b, ops, path: str) -> tuple[float, int, int]:
@@ -236,10 +262,12 @@ def keep_strategy(b, n, spec, combo: tuple) -> bool:
     """Inside an experts module: without an expert axis every tensor axis replicated (build splits each expert's
     weights only under expert parallelism); with one, sharded on one tensor axis at most (the split build makes is
     over one axis; which placements its weights may take is `param_placements`'s; NOTE [experts in the plan])."""
-    if not _inside(n.module, _experts(b.g.facts)):
+    path = _inside(n.module, _experts(b.g.facts))
+    if not path:
         return True
     sharded = {a for a, o in enumerate(combo) if any(p != R for p in o.ins + o.outs)}
-    return not sharded if not b.roles.ep else len(sharded) <= 1
+    dense = path in set((b.g.facts.get("expert") or {}).get("dense") or ())  # split over the expert axes only
+    return not sharded if not b.roles.ep or dense else len(sharded) <= 1
 
 
 def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:

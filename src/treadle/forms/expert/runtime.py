@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from ...errors import BuildError, ScheduleError
-from ...schedule.expert_primitive import axes_label, expert_load_imbalances, expert_paths, experts_shape
+from ...schedule.expert_primitive import (axes_label, expert_load_imbalances, expert_paths, experts_layout,
+                                          experts_shape)
 from ...schedule.expert_split import check_split
 from ...sharding_rules import LeafPlan
-from .dispatch import ExpertLeaf
+from .dispatch import DenseExpertLeaf, ExpertLeaf
 from .facts import expert_fsdp
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def plan_experts(builder) -> None:
             grad_group = dp_device_mesh(builder.mesh, rest).get_group() if many else None
             grad_scale = 1.0 / dp.size(builder.mesh)
         group = builder.group(axes[0]) if len(axes) == 1 else builder.mesh.flat_group(axes)
-        leaf = ExpertLeaf(path=path, orig=m.forward, experts=experts, group=group,
+        kind = DenseExpertLeaf if experts_layout(m) == "dense" else ExpertLeaf  # NOTE [dense experts]
+        leaf = kind(path=path, orig=m.forward, experts=experts, group=group,
                           rank=builder.mesh.flat_rank(axes), size=size, grad_group=grad_group,
                           grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
                           param_dtype=getattr(builder.mp_policy, "param_dtype", None),
