@@ -23,8 +23,10 @@ attributes and child types (`_PROBED`, keyed on all of them: a cache of a pure f
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+
 import torch
 from torch import nn
 
@@ -45,21 +47,29 @@ def _hidden_sizes(shapes: dict[str, tuple[int, ...]]) -> list[int]:
     return sorted(common, key=lambda h: (-sum(s.count(h) for s in mats), h))
 
 
-def _run(mod: nn.Module, params: dict[str, torch.Tensor], rows: torch.Tensor, counts: dict[str, int]):
-    """The module's own forward on `rows` routed to its expert 0 (of one), with `params` as its weights."""
+@contextlib.contextmanager
+def _weights(mod: nn.Module, params: dict[str, torch.Tensor], counts: dict[str, int], experts: int):
+    """`mod` with `params` as its weights and its expert-counting attributes (`counts`) set to `experts`, restored
+    after."""
     saved = {n: mod._parameters[n] for n in params}
     saved_counts = {a: getattr(mod, a) for a in counts}
     try:
         mod._parameters.update(params)
         for a in counts:
-            setattr(mod, a, 1)
-        index = torch.zeros((rows.shape[0], 1), dtype=torch.long)
-        weights = torch.linspace(0.5, 1.5, rows.shape[0], dtype=rows.dtype).unsqueeze(1)
-        return mod.forward(rows, index, weights)
+            setattr(mod, a, experts)
+        yield mod
     finally:
         mod._parameters.update(saved)
         for a, v in saved_counts.items():
             setattr(mod, a, v)
+
+
+def _run(mod: nn.Module, params: dict[str, torch.Tensor], rows: torch.Tensor, counts: dict[str, int]):
+    """The module's own forward on `rows` routed to its expert 0 (of one), with `params` as its weights."""
+    with _weights(mod, params, counts, 1):
+        index = torch.zeros((rows.shape[0], 1), dtype=torch.long)
+        weights = torch.linspace(0.5, 1.5, rows.shape[0], dtype=rows.dtype).unsqueeze(1)
+        return mod.forward(rows, index, weights)
 
 
 def _sums_to_whole(mod: nn.Module, split: dict[str, ParamShard], size: int) -> tuple[bool, str]:
@@ -194,17 +204,8 @@ def _probe_dense(mod: nn.Module, shapes: dict[str, tuple[int, ...]], experts: in
     gen = torch.Generator().manual_seed(0)
 
     def run(params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        saved = {n: mod._parameters[n] for n in params}
-        saved_counts = {a: getattr(mod, a) for a in counts}
-        try:
-            mod._parameters.update(params)
-            for a in counts:
-                setattr(mod, a, 2)
+        with _weights(mod, params, counts, 2):
             return mod.forward(rows)
-        finally:
-            mod._parameters.update(saved)
-            for a, v in saved_counts.items():
-                setattr(mod, a, v)
 
     with unset_fake_temporarily(), torch.no_grad():
         weights = {n: torch.randn(s, generator=gen) / math.sqrt(max(s[-1], 1)) for n, s in shapes.items()}
