@@ -1,5 +1,5 @@
-"""Expert parallelism — a mixture-of-experts layer's experts split over a data-parallel mesh axis, tokens sent to
-their experts' ranks and back by all-to-all — as one parallel form.
+"""Expert parallelism — a mixture-of-experts layer's experts split over a data-parallel mesh axis (or the flattened
+group of several), tokens sent to their experts' ranks and back by all-to-all — as one parallel form.
 
 How a user states it: ``sch["model.layers.0.mlp.experts"].expert_parallel(axis="dp")``, a primitive of the
 language (`treadle.schedule.expert_primitive` checks and records it), or the recipe step `expert_parallel_moe`
@@ -7,7 +7,8 @@ for every experts module of a model. Everything else is here:
 
 - `facts.py`     which modules are experts modules, by structure (found once, for the recipe and the price),
                  and how FSDP2 shards them (NOTE [experts under FSDP2]);
-- `dispatch.py`  the token dispatch and combine build installs (NOTE [expert dispatch]);
+- `dispatch.py`  the token dispatch and combine build installs (NOTE [expert dispatch]; experts that take E groups
+                 of rows: `DenseExpertLeaf`, NOTE [dense experts]);
 - `runtime.py`   the build steps (the local forward, the experts' gradients: NOTE [expert gradients]);
 - `steps.py`     the recipe step;
 - `plan.py`      the planner's role option, the experts' memory and exchanges in the cost graph, the decisions
