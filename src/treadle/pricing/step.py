@@ -49,7 +49,7 @@ def group_collective_s(kind: str, nbytes: float, mesh, cluster: ClusterSpec, lab
     """(seconds, link) of a rehearsed collective on the group named `label`: one mesh axis, or the flattened
     axes of an expert group joined by "," (`axes_label`), on their `ClusterSpec.group_link`."""
     axes = tuple(label.split(","))
-    link = cluster.link(axes[0]) if len(axes) == 1 else cluster.group_link(axes)
+    link = cluster.group_link(axes)  # one axis: its own link
     return collective_time_s(kind, nbytes, math.prod(mesh.size(a) for a in axes), link), link
 
 def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None

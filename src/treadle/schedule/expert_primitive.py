@@ -113,13 +113,9 @@ def experts_shape(path: str, mod) -> int:
     if bad or len({s[0] for s in sizes.values()}) != 1:
         raise ScheduleError(f"{where}: its parameters {sizes} do not all stack the experts on dim 0 (each "
                             f"parameter (E, ...) with one E); this is not an experts module")
-    try:
-        params = list(inspect.signature(mod.forward).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params) and not _dense(mod):
-        raise ScheduleError(f"{where}: its forward takes {[p.name for p in positional]}; an experts module takes "
+    positional, routed = _routed_signature(mod)
+    if not routed and not _dense(mod):
+        raise ScheduleError(f"{where}: its forward takes {positional}; an experts module takes "
                             f"the rows, their expert indices and their routing weights "
                             f"(forward(hidden_states, top_k_index, top_k_weights)), or E groups of rows, one per "
                             f"expert (NOTE [dense experts])")
@@ -129,19 +125,24 @@ def experts_shape(path: str, mod) -> int:
 def experts_layout(mod) -> str:
     """How experts module `mod` takes its rows: "routed" (rows, their expert indices and routing weights) or
     "dense" (E groups of rows, one per expert: NOTE [dense experts])."""
+    return "routed" if _routed_signature(mod)[1] or not _dense(mod) else "dense"
+
+
+def _routed_signature(mod) -> tuple[list[str], bool]:
+    """The names of `mod.forward`'s positional parameters, and whether it can take routed rows, their expert
+    indices and routing weights (three positional parameters, or *args)."""
     try:
         params = list(inspect.signature(mod.forward).parameters.values())
     except (TypeError, ValueError):
         params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    routed = len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
-    return "routed" if routed or not _dense(mod) else "dense"
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional, len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _dense(mod) -> bool:
     from .expert_split import dense_experts
 
-    return len(inspect.signature(mod.forward).parameters) >= 1 and dense_experts(mod)
+    return dense_experts(mod)
 
 
 class ExpertPrimitive:

@@ -54,7 +54,7 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
-        group = builder.group(dp.axes[0]) if len(dp.axes) == 1 else dp_device_mesh(builder.mesh, dp.axes).get_group()
+        group = builder.mesh.flat_group(dp.axes)
         if ignored:
             names = [n for n, p in module.named_parameters() if id(p) in ignored]
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
@@ -124,14 +124,10 @@ def _relative(model: nn.Module, module: nn.Module, path: str) -> str:
 
 def fsdp_mesh(mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...] = ()):  # -> DeviceMesh
     """The mesh FSDP2 shards on: the flattened `shard_axes`, or (replicate, shard) for HSDP."""
-    sub = dp_device_mesh(mesh, shard_axes)
+    sub = mesh.flat_device_mesh(shard_axes)
     if replicate_axes:  # HSDP: fully_shard's 2-D mesh is (replicate, shard)
         from torch.distributed.device_mesh import DeviceMesh
 
-        sub = DeviceMesh._concatenate([dp_device_mesh(mesh, replicate_axes), sub])
+        sub = DeviceMesh._concatenate([mesh.flat_device_mesh(replicate_axes), sub])
     return sub
 
-
-def dp_device_mesh(mesh, axes: tuple[str, ...]):  # -> DeviceMesh (1-D)
-    """The 1-D DeviceMesh over the flattened group of mesh `axes` (in mesh order; `Mesh.flat_device_mesh`)."""
-    return mesh.flat_device_mesh(tuple(axes))

@@ -140,6 +140,11 @@ def _experts(facts) -> dict[str, int]:
     return ((facts or {}).get("expert") or {}).get("experts") or {}
 
 
+def _dense_paths(facts) -> set[str]:
+    """The experts modules that take E groups of rows (NOTE [dense experts])."""
+    return set(((facts or {}).get("expert") or {}).get("dense") or ())
+
+
 def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] | None:
     """No expert axis, or any set of live axes (mesh order; one, or several flattened into one group) whose
     sizes' product divides every experts module's E (`keep_roles` keeps those that are data-parallel in the
@@ -148,7 +153,7 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
     if not experts:
         return None
     load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
-    if load and ((request.facts or {}).get("expert") or {}).get("dense"):
+    if load and _dense_paths(request.facts):
         return [{}]  # dense experts run every expert on every row: no busiest rank to state (NOTE [dense experts])
     groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
     return [{}] + [{"ep": g, **load} for g in groups
@@ -201,7 +206,7 @@ def prepare(b) -> None:
         if not ops:
             continue
         e = experts[path]
-        if path in set((b.g.facts.get("expert") or {}).get("dense") or ()):  # NOTE [dense experts]
+        if path in _dense_paths(b.g.facts):  # NOTE [dense experts]
             row_bytes = _dense_bytes(b, ops, path)  # its E groups, every one sent and received back
             exchanges = 2 * collective_time_s("all_to_all", row_bytes, n, link)
             moved = dense_traffic(row_bytes)
@@ -224,11 +229,7 @@ def prepare(b) -> None:
 def _dense_bytes(b, ops, path: str) -> float:
     """Bytes of this rank's (E x T, H) rows of dense experts module `path` (NOTE [dense experts]): the one value it
     reads from outside. Raises PlanError when the graph does not show it."""
-    inside = {x.index for x in ops}
-    outer = [j for x in ops for j in x.inputs if j not in inside and b.nodes[j].kind != "param"
-             and not _inside(b.nodes[j].module, (path,))]
-    metas = [(j, b.nodes[j].out) for j in dict.fromkeys(outer) if isinstance(b.nodes[j].out, TensorMeta)
-             and b.nodes[j].out.dtype.is_floating_point]
+    metas = [(j, m) for j, m in _outer(b, ops, path) if m.dtype.is_floating_point]
     if len(metas) != 1:
         raise PlanError(f"expert role: cannot read the rows of dense experts {path!r} off the captured graph (its "
                         f"inputs: {[tuple(m.shape) for _, m in metas]})")
@@ -242,10 +243,7 @@ def _rows(b, ops, path: str) -> tuple[float, int, int]:
     weights (T, k; absent from the graph: the rows' dtype). Raises PlanError when the graph shows
     neither (the search then skips this role assignment, saying why, instead of pricing it without its
     exchanges)."""
-    inside = {x.index for x in ops}
-    outer = [j for x in ops for j in x.inputs if j not in inside and b.nodes[j].kind != "param"
-             and not _inside(b.nodes[j].module, (path,))]
-    metas = [(j, b.nodes[j].out) for j in dict.fromkeys(outer) if isinstance(b.nodes[j].out, TensorMeta)]
+    metas = _outer(b, ops, path)
     index = next(((j, m) for j, m in metas if not m.dtype.is_floating_point and len(m.shape) == 2), None)
     hidden = index and next((mm for _, mm in metas if mm.dtype.is_floating_point and len(mm.shape) == 2
                              and mm.shape[0] == index[1].shape[0] and mm.shape[1] != index[1].shape[1]), None)
@@ -258,6 +256,14 @@ def _rows(b, ops, path: str) -> tuple[float, int, int]:
     return float(tokens * k), hidden.shape[1] * hidden.dtype.itemsize, weights.dtype.itemsize
 
 
+def _outer(b, ops, path: str) -> list[tuple[int, TensorMeta]]:
+    """The tensors experts module `path`'s ops read from outside it (not parameters), once each, in order."""
+    inside = {x.index for x in ops}
+    outer = [j for x in ops for j in x.inputs if j not in inside and b.nodes[j].kind != "param"
+             and not _inside(b.nodes[j].module, (path,))]
+    return [(j, b.nodes[j].out) for j in dict.fromkeys(outer) if isinstance(b.nodes[j].out, TensorMeta)]
+
+
 def keep_strategy(b, n, spec, combo: tuple) -> bool:
     """Inside an experts module: without an expert axis every tensor axis replicated (build splits each expert's
     weights only under expert parallelism); with one, sharded on one tensor axis at most (the split build makes is
@@ -266,7 +272,7 @@ def keep_strategy(b, n, spec, combo: tuple) -> bool:
     if not path:
         return True
     sharded = {a for a, o in enumerate(combo) if any(p != R for p in o.ins + o.outs)}
-    dense = path in set((b.g.facts.get("expert") or {}).get("dense") or ())  # split over the expert axes only
+    dense = path in _dense_paths(b.g.facts)  # split over the expert axes only
     return not sharded if not b.roles.ep or dense else len(sharded) <= 1
 
 
@@ -293,13 +299,13 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
     units = getattr(b, "expert_units", None)
     if not units:
         return
+    ep_n = math.prod(b.cluster.mesh.size(a) for a in b.roles.ep)
     for pos, j in enumerate(n.inputs):  # its FSDP2 unit, on the local slice of each weight it owns
         src = b.nodes[j]
         unit = units.get(b.g.param_modules.get(src.param)) if src.kind == "param" else None
         if unit is None or b.param_owner.get(src.param) != n.index:
             continue
         split = math.prod(size for o, size in zip(combo, b.tp_sizes) if o.ins[pos] >= 0)
-        ep_n = math.prod(b.cluster.mesh.size(a) for a in b.roles.ep)
         nbytes = src.out.numel * src.out.dtype.itemsize / split / ep_n
         c.dp_comm_s += unit.bandwidth_s(nbytes)  # hidden behind compute as the other units' are
         c.compute_s += unit.copy_s(nbytes, b.hw)

@@ -51,8 +51,6 @@ def plan_experts(builder) -> None:
     paths = expert_paths(builder.v.extras)
     if not paths:
         return
-    from ..data.runtime import dp_device_mesh
-
     dp = builder.v.data_parallel
     for path, axes in paths.items():
         label = axes_label(axes)
@@ -70,16 +68,15 @@ def plan_experts(builder) -> None:
         else:
             rest = tuple(a for a in dp.axes if a not in axes)
             many = math.prod(builder.sizes[a] for a in rest) > 1
-            grad_group = dp_device_mesh(builder.mesh, rest).get_group() if many else None
+            grad_group = builder.mesh.flat_group(rest) if many else None
             grad_scale = 1.0 / dp.size(builder.mesh)
-        group = builder.group(axes[0]) if len(axes) == 1 else builder.mesh.flat_group(axes)
         kind = DenseExpertLeaf if experts_layout(m) == "dense" else ExpertLeaf  # NOTE [dense experts]
-        leaf = kind(path=path, orig=m.forward, experts=experts, group=group,
-                          rank=builder.mesh.flat_rank(axes), size=size, grad_group=grad_group,
-                          grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
-                          param_dtype=getattr(builder.mp_policy, "param_dtype", None),
-                          tensor_group=builder.group(tensor) if tensor and builder.sizes[tensor] > 1 else None,
-                          tensor_axis=tensor, load_imbalance=expert_load_imbalances(builder.v.extras).get(path, 1.0))
+        leaf = kind(path=path, orig=m.forward, experts=experts, group=builder.mesh.flat_group(axes),
+                    rank=builder.mesh.flat_rank(axes), size=size, grad_group=grad_group,
+                    grad_scale=grad_scale, count_attrs=count_attrs(m, experts),
+                    param_dtype=getattr(builder.mp_policy, "param_dtype", None),
+                    tensor_group=builder.group(tensor) if tensor and builder.sizes[tensor] > 1 else None,
+                    tensor_axis=tensor, load_imbalance=expert_load_imbalances(builder.v.extras).get(path, 1.0))
         builder.leaf[path] = LeafPlan(forward=leaf.forward)
         m._treadle_expert_leaf = leaf  # what `expert_loads` reads
         logger.info("expert parallel: %s: %d experts over %r (%d per rank)%s", path, experts, label,

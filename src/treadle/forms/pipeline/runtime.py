@@ -330,11 +330,8 @@ def wrap_pipeline(builder) -> PipelineModel | None:
     modules = [_under_data_parallel(builder, stages[i].module) for i in local]
     replica_group, replicas = None, 1
     if dp is not None and not dp.shard and dp.size(builder.mesh) > 1:
-        from ..data.runtime import dp_device_mesh
-
         replicas = dp.size(builder.mesh)
-        replica_group = (builder.group(dp.axes[0]) if len(dp.axes) == 1
-                         else dp_device_mesh(builder.mesh, dp.axes).get_group())
+        replica_group = builder.mesh.flat_group(dp.axes)
     group = builder.group(axis)
     device = builder.mesh.device
     log = ActionLog()
