@@ -180,8 +180,9 @@ class Form:
         """Further points of the step whose memory must fit the budget, as (terms, constant) rows."""
         return []
 
-    def peak_bytes(self, cg: Any, choice: list[int], ckpt: dict) -> float:
-        """The largest of `memory_rows` for a choice, in bytes (0: none)."""
+    def peak_bytes(self, cg: Any, choice: list[int], ckpt: dict, counts: dict) -> float:
+        """The largest of `memory_rows` for a choice (`counts`: blocks per variant, NOTE [block variants] in
+        `treadle.planner.variants`), in bytes (0: none)."""
         return 0.0
 
     # ------------------------------------------------------------------ schedule

@@ -89,6 +89,7 @@ class CostGraph:
     ckpt_host_s: dict[int, float] = field(default_factory=dict)  # per template: host cost of checkpointing a block
     form_terms: dict[str, Any] = field(default_factory=dict)  # a parallel form's constants of the role, by form name
     replaced: frozenset[int] = frozenset()  # nodes a form replaces at build (the vocab-parallel loss's chain)
+    variants: dict[int, list] = field(default_factory=dict)  # template -> its `variants.Variant`s (a form's)
 
 
 def exit_module(graph: CapturedGraph, node: Node) -> str | None:

@@ -25,6 +25,8 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          each parallel form's families (`treadle.form.Form.ilp_rows`; data parallelism:
          E >= latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0   dp_exposure)
          y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
+         a form's variant of a template's blocks: an integer count w of them, its constant terms linear in w
+         (variant_count, variant_excludes, variant_checkpointed: NOTE [block variants] in `variants.py`)
 
     where the objective counts each y[g] (count x seconds of a shared all-reduce, NOTE [shared
     input-gradient sum] in `treadle.forms.tensor.plan`) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in
@@ -50,7 +52,9 @@ import numpy as np
 from ..errors import PlanError
 from ..form import forms
 from ..quiet import native_stdout_to_stderr
+from . import variants
 from .cost_graph import CostGraph
+from .step_eval import evaluate  # noqa: F401  (the ILP's terms of one choice, computed directly)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class Solution:
     n_cons: int = 0
     terms: dict[str, float] = field(default_factory=dict)
     stages: Any = None  # a pipeline's stages, micro-batches and per-stage checkpoints (`treadle.forms.pipeline.plan`)
+    variants: dict[tuple[int, str], int] = field(default_factory=dict)  # blocks per variant (NOTE [block variants])
 
 
 class _Model:
@@ -137,8 +142,7 @@ class _Vars:
     zI: dict[int, list[int]]
     zT: dict[int, int]
     T: int | None
-    mem_terms: dict[int, float]  # variable -> bytes (the memory expression without constants)
-    mem_const: float
+    variants: dict[tuple[int, str], int]  # (template, name) -> count variable (NOTE [block variants])
 
 
 def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
@@ -267,7 +271,7 @@ def add_checkpoints(m: _Model, cg: CostGraph, s, *, enabled: bool, min_ckpt: dic
         cv = checkpoint_vars(m, info.count, A, F, In, block_bounds(cg, t), host=host, enabled=enabled,
                              least=min_ckpt.get(t, 0))
         bits[t], q[t], zA[t], zF[t], zI[t], zT[t] = cv.ys, cv.q, cv.zA, cv.zF, cv.zI, cv.zT
-    return _Vars(s, bits, q, zA, zF, zI, zT, None, {}, 0.0)
+    return _Vars(s, bits, q, zA, zF, zI, zT, None, {})
 
 
 def _mccormick(m: _Model, z: int, y: int, expr: dict[int, float], ub: float) -> None:
@@ -297,10 +301,14 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
         for u, unit in enumerate(cg.units):
             for k, c in enumerate(unit.costs):
                 add(v.s[u, k], unit.count * c.static_bytes * _BYTES)
+        for key, x in variants.variants_of(cg).items():
+            add(v.variants[key], x.delta.static_bytes * _BYTES)
         return terms, cg.fixed_static_bytes * _BYTES
     for u, unit in enumerate(cg.units):
         for k, c in enumerate(unit.costs):
             add(v.s[u, k], (unit.count * c.static_bytes + unit.count * c.act_bytes) * _BYTES)
+    for j, x in variants.memory_terms(cg, v.variants, _BYTES).items():
+        add(j, x)
     for t in cg.templates:
         for b, (za, zi) in enumerate(zip(v.zA[t], v.zI[t])):
             add(za, -float(2 ** b))
@@ -382,11 +390,14 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     m = _Model()
     s = add_strategy_vars(m, cg)
     add_one_strategy(m, cg, s)
-    shared: dict = {}
+    w = variants.add_variant_vars(m, cg, s, _SECONDS)
+    shared: dict = {"variants": w}  # read by the data-parallel exposure rows (NOTE [block variants])
     for f in forms():  # each form's constraint families (tensor parallelism: grad_sum; sequence: sp_gather; data:
         f.ilp_rows(m, cg, s, shared)  # dp_exposure)
     add_layout_match(m, cg, s)
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
+    v.variants = w
+    variants.link_checkpoints(m, cg, w, v.bits, v.q, _SECONDS)
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
     rows = [(terms, const)]
     if memory != "static":  # further points of the step (data parallelism: NOTE [the backward's end])
@@ -419,50 +430,11 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
                             f"this is a solver bug, please report it")
         choice.append(ks[0])
     ckpt = {t: int(round(sum(2 ** b * x[y] for b, y in enumerate(ys)))) for t, ys in v.bits.items()}
+    counts = {key: int(round(x[j])) for key, j in w.items()}
     status = "optimal" if res.status == 0 else "time_limit"
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    step_s, peak, terms_out = evaluate(cg, choice, ckpt)
-    return Solution(choice, ckpt, step_s, peak, status, gap, solve_s, n_vars, n_cons, terms_out)
-
-
-def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int]) -> tuple[float, float, dict[str, float]]:
-    """Step time and peak memory of a choice, computed directly (no linearisation): the ILP's objective
-    and memory constraint, in the same units. Also the split of the step time and memory by term."""
-    compute = comm = 0.0
-    static = act_out = 0.0
-    for u, unit in enumerate(cg.units):
-        c = unit.costs[choice[u]]
-        compute += unit.count * c.compute_s
-        comm += unit.count * c.comm_s
-        static += unit.count * c.static_bytes
-        if unit.template is None:
-            act_out += c.act_bytes
-    recompute = 0.0
-    act_blocks = 0.0
-    transient = 0.0
-    for t, info in cg.templates.items():
-        A = sum(cg.units[u].costs[choice[u]].act_bytes for u in info.units)
-        F = sum(cg.units[u].costs[choice[u]].rec_s for u in info.units)
-        In = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
-        c = ckpt.get(t, 0)
-        recompute += c * (F + cg.ckpt_host_s.get(t, 0.0))
-        act_blocks += (info.count - c) * A + c * In
-        if c > 0:
-            transient = max(transient, A)
-    acc = {"compute_s": compute, "comm_s": comm}
-    for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums; sequence: the gathers'
-        # credit; data: the exposed reductions, DDP's buffers)
-        f.evaluate(cg, choice, acc)
-    compute, comm = acc["compute_s"] + cg.host_s, acc["comm_s"]
-    step = compute + comm + recompute
-    peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
-    end = max((f.peak_bytes(cg, choice, ckpt) for f in forms()), default=0.0)  # NOTE [the backward's end]
-    if end > peak:
-        transient += end - peak
-        peak = end
-    return step, peak, {"compute_s": compute, "comm_s": comm, "recompute_s": recompute,
-                        "static_bytes": static, "activation_bytes": act_out + act_blocks,
-                        "transient_bytes": transient, "fixed_bytes": cg.fixed_static_bytes}
+    step_s, peak, terms_out = evaluate(cg, choice, ckpt, counts)
+    return Solution(choice, ckpt, step_s, peak, status, gap, solve_s, n_vars, n_cons, terms_out, variants=counts)
 
 
 def feasible_choice(cg: CostGraph, choice: list[int]) -> bool:
@@ -472,12 +444,14 @@ def feasible_choice(cg: CostGraph, choice: list[int]) -> bool:
 
 def solve_exhaustive(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True,
                      limit: int = 2_000_000) -> Solution:
-    """Enumerate every strategy choice and checkpoint count (test oracle for tiny graphs).
+    """Enumerate every strategy choice, checkpoint count and variant count (test oracle for tiny graphs).
     Raises PlanError when the space exceeds `limit` combinations."""
     t0 = time.perf_counter()
     sizes = [len(u.costs) for u in cg.units]
     ck_ranges = [range(info.count + 1) if checkpoint else range(1) for info in cg.templates.values()]
-    space = math.prod(sizes) * math.prod(len(r) for r in ck_ranges)
+    keys = list(variants.variants_of(cg))
+    var_ranges = [range(v.most + 1) for v in variants.variants_of(cg).values()]
+    space = math.prod(sizes) * math.prod(len(r) for r in ck_ranges + var_ranges)
     if space > limit:
         raise PlanError(f"solve_exhaustive: {space} combinations exceed the limit {limit}")
     best: Solution | None = None
@@ -487,13 +461,16 @@ def solve_exhaustive(cg: CostGraph, *, budget_bytes: float | None, checkpoint: b
             continue
         if not feasible_choice(cg, list(choice)):
             continue
-        for cks in itertools.product(*ck_ranges):
-            ckpt = dict(zip(tids, cks))
-            step, peak, terms = evaluate(cg, list(choice), ckpt)
+        for cks, ws in itertools.product(itertools.product(*ck_ranges), itertools.product(*var_ranges)):
+            ckpt, counts = dict(zip(tids, cks)), dict(zip(keys, ws))
+            if any(counts[key] and any(choice[u] == k for u, k in v.excludes)
+                   for key, v in variants.variants_of(cg).items()):
+                continue
+            step, peak, terms = evaluate(cg, list(choice), ckpt, counts)
             if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
                 continue
             if best is None or step < best.step_s - 1e-15:
-                best = Solution(list(choice), ckpt, step, peak, "optimal", 0.0, 0.0, terms=terms)
+                best = Solution(list(choice), ckpt, step, peak, "optimal", 0.0, 0.0, terms=terms, variants=counts)
     if best is None:
         return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, time.perf_counter() - t0)
     best.solve_s = time.perf_counter() - t0

@@ -73,7 +73,7 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     shared: dict = {"step_row": step}  # NOTE [the step row]: a form's constants of the role go to its comm
     for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
         f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
-    _, _, terms = evaluate(cg, sol.choice, sol.ckpt)
+    _, _, terms = evaluate(cg, sol.choice, sol.ckpt, sol.variants)
     step.compute_s += terms["compute_s"] - sum(r.compute_s for r in rows.values())
     step.recompute_s += terms["recompute_s"] - sum(r.recompute_s for r in rows.values())
     tol = 1e-9 * max(terms["compute_s"] + terms["recompute_s"], 1e-12)

@@ -364,7 +364,8 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
     statistics."""
     req, graph = search.req, search.graph
     cluster = cg.cluster
-    decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=search.is_leaf_param, stages=sol.stages)
+    decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=search.is_leaf_param, stages=sol.stages,
+                                        variants=sol.variants)
     hw = cluster.rank_hardware()
     dtype = next((m.dtype for m in graph.params.values()), torch.float32)
     est = Estimate(sol.step_s, sol.peak_bytes,
@@ -384,6 +385,8 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
               "stages": asdict(sol.stages) if sol.stages is not None else None,
               "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,
               "param_dtype": str(dtype).removeprefix("torch.")}
+    if any(sol.variants.values()):  # blocks per variant (NOTE [block variants])
+        solver["variants"] = {f"{cg.templates[t].path}: {name}": w for (t, name), w in sol.variants.items() if w}
     if not cg.roles.dp and not any(d.op in ("shard", "shard_attr") for d in decisions):
         solver["replicated"] = why_replicated(
             cluster.mesh, cg.roles, batch=search.batch, tensor_shardable=_tensor_shardable(cg), dp_axis=req.dp_axis,
@@ -448,7 +451,7 @@ def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solu
     sol = solve(cg, budget_bytes=budget, checkpoint=False, time_limit_s=time_limit_s, memory="static")
     if sol.status == "infeasible":
         return sol
-    step, peak, terms = evaluate(cg, sol.choice, {})
+    step, peak, terms = evaluate(cg, sol.choice, {}, sol.variants)
     if budget is None or peak <= budget:
         return sol
     tids = list(cg.templates)
@@ -462,9 +465,10 @@ def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solu
     base = peak - sum(b.count * b.act_bytes for b in blocks)  # everything but the blocks' activations
     res = solve_chain(blocks, base_bytes=base, budget_bytes=budget)
     ckpt = dict(zip(tids, res.counts))
-    step, peak, terms = evaluate(cg, sol.choice, ckpt)
+    step, peak, terms = evaluate(cg, sol.choice, ckpt, sol.variants)
     status = sol.status if res.feasible else "infeasible"
-    return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms)
+    return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms,
+                    variants=sol.variants)
 
 
 def _tensor_shardable(cg: CostGraph) -> dict[str, bool]:

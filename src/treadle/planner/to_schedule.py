@@ -110,10 +110,12 @@ class DecisionContext:
 
 
 def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, int], *,
-                            leaf_param: "callable[[str], bool]", stages: Any = None) -> list[Decision]:
+                            leaf_param: "callable[[str], bool]", stages: Any = None,
+                            variants: dict | None = None) -> list[Decision]:
     """The module-level decisions of a solution, in a stable order (shards, syncs, the forms' own, grads, rng,
     ckpt, dp: `DECISION_RANKS`). `stages`: a pipeline solution's stages (`Solution.stages`), for the pipeline
-    form's decisions (``ctx.memo["stages"]``)."""
+    form's decisions (``ctx.memo["stages"]``); `variants`: its blocks per variant (``ctx.memo["variants"]``,
+    NOTE [block variants])."""
     from .cost_graph import block_chains, exit_module
     from .views import view_attr_needs
 
@@ -121,6 +123,7 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     axes = cg.roles.tp
     ctx = DecisionContext(cg, choice, axes)
     ctx.memo["stages"] = stages
+    ctx.memo["variants"] = dict(variants or {})
     shards = ctx.bucket("shards", DECISION_RANKS["shards"], _emit_shards(axes))
     syncs = ctx.bucket("syncs", DECISION_RANKS["syncs"], _emit_syncs)
     attrs = ctx.bucket("attrs", DECISION_RANKS["attrs"], _emit_attrs)

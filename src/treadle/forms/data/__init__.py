@@ -52,8 +52,8 @@ class DataParallelForm(Form):
     def memory_rows(self, m, cg, v):
         return _plan.memory_rows(m, cg, v)
 
-    def peak_bytes(self, cg, choice, ckpt):
-        return _plan.peak_bytes(cg, choice, ckpt)
+    def peak_bytes(self, cg, choice, ckpt, counts):
+        return _plan.peak_bytes(cg, choice, ckpt, counts)
 
     def decisions(self, cg, choice, ckpt, ctx):
         return _plan.decisions(cg, choice, ckpt, ctx)

@@ -31,6 +31,7 @@ from ...planner.capture import TensorMeta
 from ...planner.ilp import _BYTES, _SECONDS, _block_exprs, _mccormick, first_template, head_units
 from ...planner.node_costs import _tensor_axes_divisor
 from ...planner.to_schedule import DECISION_RANKS, Decision
+from ...planner.variants import variants_of
 from .facts import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, batch_statistics_modules, buffer_broadcast_s,
                     fsdp_copy_s, fsdp_host_s, fsdp_param_units)
 
@@ -266,6 +267,9 @@ def ilp_rows(m, cg, s, shared: dict) -> None:
             x = unit.count * (c.dp_comm_s - w) * _SECONDS
             if x:
                 row[s[u, k]] = row.get(s[u, k], 0.0) - x
+    for key, v in variants_of(cg).items():  # each variant block's own (NOTE [block variants])
+        exposed = v.delta.dp_comm_s - (dp_window_s(cg, v.delta) if t.overlap else 0.0)
+        row[shared["variants"][key]] = -exposed * _SECONDS
     m.row(row, t.latency_s * _SECONDS, math.inf, "dp_exposure")
     head = head_units(cg)
     if head and t.window == "bwd" and t.overlap:  # NOTE [the last bucket]
@@ -289,6 +293,9 @@ def evaluate(cg, choice: list[int], acc: dict) -> None:
         c = unit.costs[choice[u]]
         dp_comm += unit.count * c.dp_comm_s
         window += unit.count * dp_window_s(cg, c)
+    for key, v in variants_of(cg).items():  # NOTE [block variants]
+        dp_comm += acc["variants"].get(key, 0) * v.delta.dp_comm_s
+        window += acc["variants"].get(key, 0) * dp_window_s(cg, v.delta)
     window += acc.get("grad_sums_s", 0.0)  # backward tensor-parallel communication: in both windows
     if dp_comm or t.latency_s:
         exposed = t.latency_s + dp_comm - (window if t.overlap else 0.0)
@@ -359,6 +366,8 @@ def memory_rows(m, cg, v) -> list[tuple[dict[int, float], float]]:
             x = _end_unit_bytes(cg, u, c, head, first) * _BYTES
             if x:
                 row[v.s[u, k]] = row.get(v.s[u, k], 0.0) + x
+    for key, x in variants_of(cg).items():  # never block 0: its gradients exist (NOTE [block variants])
+        row[v.variants[key]] = (x.delta.static_bytes + x.delta.grad_bytes) * _BYTES
     _, _, In = _block_exprs(cg, v.s, t0)
     if In:  # q_t0 In_t0: block 0's input, kept while it is recomputed
         ub = max(cg.templates[t0].input_bytes) * _BYTES
@@ -368,8 +377,8 @@ def memory_rows(m, cg, v) -> list[tuple[dict[int, float], float]]:
     return [(row, cg.fixed_static_bytes * _BYTES)]
 
 
-def peak_bytes(cg, choice: list[int], ckpt: dict[int, int]) -> float:
-    """`memory_rows` of one choice, in bytes (0 when it does not apply)."""
+def peak_bytes(cg, choice: list[int], ckpt: dict[int, int], counts: dict | None = None) -> float:
+    """`memory_rows` of one choice (`counts`: blocks per variant), in bytes (0 when it does not apply)."""
     t0 = first_template(cg)
     if t0 is None or not separate_grads(cg):
         return 0.0
@@ -379,6 +388,8 @@ def peak_bytes(cg, choice: list[int], ckpt: dict[int, int]) -> float:
                                         for u, unit in enumerate(cg.units))
     if ckpt.get(t0, 0) > 0 and info.input_unit is not None:
         total += info.input_bytes[choice[info.input_unit]]
+    total += sum((counts or {}).get(key, 0) * (v.delta.static_bytes + v.delta.grad_bytes)
+                 for key, v in variants_of(cg).items())
     return total
 
 

@@ -48,7 +48,10 @@ from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, collec
 from ...errors import PlanError, ScheduleError
 from ...planner.capture import TensorMeta
 from ...planner.dims import R
-from ...planner.to_schedule import DECISION_RANKS, Decision, _members
+from ...form import forms
+from ...planner.node_costs import StrategyCost
+from ...planner.to_schedule import DECISION_RANKS, Decision, _members, _spread
+from ...planner.variants import Variant, pick
 from ...profile.roofline import memory_time_s
 from ...schedule.expert_primitive import experts_layout
 from ...schedule.expert_split import find_split
@@ -312,8 +315,9 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
 
 
 def graph_terms(b, cg) -> None:
-    """The experts modules' exchanges (`cg.form_terms["expert"]`: first node -> Exchange) and their FSDP2 units'
-    latencies, in the data form's constant (NOTE [bucketed data parallel])."""
+    """The experts modules' exchanges (`cg.form_terms["expert"]`: first node -> Exchange), their FSDP2 units'
+    latencies, in the data form's constant (NOTE [bucketed data parallel]), and the variant of the blocks that
+    keep their experts whole (`whole_variants`)."""
     exchanges = getattr(b, "expert_exchanges", {})
     if exchanges:
         cg.form_terms["expert"] = dict(exchanges)  # first node -> Exchange, for `explain` and the tests
@@ -321,6 +325,67 @@ def graph_terms(b, cg) -> None:
     terms = cg.form_terms.get("data")
     if lat and terms is not None:
         terms.latency_s += lat
+    whole_variants(b, cg)
+
+
+# NOTE [experts split in part of the blocks]: under an expert axis every MoE block splits its experts unless the
+# MILP keeps some blocks' experts whole: a variant of the block template (NOTE [block variants] in
+# `treadle.planner.variants`), w of its blocks, never the first. Such a block is built without `expert_parallel`:
+# its experts replicated on every rank, reduced by DDP with the other parameters. Against a split block it saves
+# the exchanges (forward and backward seconds, the dispatch's traffic on compute, and a checkpointed block's
+# recompute of the forward ones: `rec_credit_s`) and pays the experts' full parameter, gradient and optimizer bytes,
+# their optimizer step and their data-parallel sync (the data form's own terms of each parameter, replicated on the
+# tensor axes: `param_cost`); while any block keeps its experts whole, the template's experts run unsplit over the
+# tensor axes (the strategies that split them are `excludes`: build splits each expert only inside expert
+# parallelism). Every difference is a constant, so the count enters the MILP linearly and exactly. It is offered
+# where a count between the ends can win: under DDP (ZeRO-3 over axes that hold the expert axes keeps 1/N of the
+# experts' bytes either way, so the step being linear in w, one end is optimal; HSDP and a pipeline's stages are
+# not offered it), with every rank's load at the mean (a busiest rank's extra work would depend on which blocks
+# are checkpointed); and it matters where a budget is met by splitting only part of the blocks' experts. The
+# decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
+WHOLE = "experts whole"
+
+
+def whole_variants(b, cg) -> None:
+    """Under DDP with an expert axis at the mean load, per block template holding experts modules, the variant of
+    its blocks that keep their experts whole (NOTE [experts split in part of the blocks])."""
+    roles, exchanges = b.roles, getattr(b, "expert_exchanges", {})
+    if not exchanges or roles.zero or roles.pp is not None or roles.ep_load != 1.0:
+        return
+    experts = _experts(b.g.facts)
+    n = math.prod(b.cluster.mesh.size(a) for a in roles.ep)
+    replicated = tuple(R for _ in b.tp_sizes)
+    per_template: dict[int, list[tuple[str, int, Exchange]]] = {}
+    for i, x in exchanges.items():
+        t = cg.units[cg.unit_of[i][0]].template
+        if t is not None and cg.templates[t].count > 1:
+            per_template.setdefault(t, []).append((_inside(b.nodes[i].module, experts), i, x))
+    for t, found in sorted(per_template.items()):
+        d, credit, paths = StrategyCost(), 0.0, tuple(p for p, _, _ in found)
+        for _, i, x in found:  # no exchanges
+            d.comm_s -= x.fwd_s + x.bwd_s
+            d.compute_s -= x.work_fwd_s + x.work_bwd_s + x.host_s
+            d.fwd_s -= x.fwd_s + x.work_fwd_s
+            d.bwd_s -= x.work_bwd_s
+            d.bwd_comm_s -= x.bwd_s
+            if b.recomputed(i) != "none":
+                credit += x.fwd_s + x.work_fwd_s
+        for src in b.nodes:  # the experts' weights whole, and reduced by the data form
+            if src.kind != "param" or src.param not in b.own_split or b.canonical(src.index) != src.index \
+                    or not _inside(b.g.param_modules.get(src.param, ""), paths):
+                continue
+            meta = src.out
+            d.static_bytes += b.param_static_bytes(meta, replicated) - b.owned_static_bytes(src, replicated)
+            d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / n)
+            opt = b.optimizer_s(meta, replicated) - b.optimizer_s(meta, replicated, n)
+            d.compute_s += opt
+            d.opt_s += opt
+            for f in forms():
+                f.param_cost(b, meta, replicated, d)
+        excludes = tuple((u, k) for u in cg.templates[t].units for k, members in enumerate(cg.units[u].strategies)
+                         if any(_inside(b.nodes[i].module, paths) and any(p != R for o in combo for p in o.ins + o.outs)
+                                for i, (combo, _) in members.items()))
+        cg.variants.setdefault(t, []).append(Variant("expert", WHOLE, cg.templates[t].count - 1, d, credit, excludes))
 
 
 def decide_node(ctx, i: int, n, combo: tuple, raw: tuple, pub: tuple) -> set[str]:
@@ -343,6 +408,16 @@ def decide_node(ctx, i: int, n, combo: tuple, raw: tuple, pub: tuple) -> set[str
     return set(ctx.axes)
 
 
+def _whole_blocks(cg, ckpt: dict[int, int], counts: dict) -> list[str]:
+    """The real blocks that keep their experts whole in a solution (`variants.pick`)."""
+    out = []
+    for (t, name), w in sorted(counts.items()):
+        if name == WHOLE and w:
+            info = cg.templates[t]
+            out += pick(info.members, w, _spread(info.members, ckpt.get(t, 0)))
+    return out
+
+
 def decisions(cg, choice, ckpt, ctx) -> list:
     """``expert_parallel(axis=ep)`` on every experts module of the model (the capture's facts: all blocks), with
     ``tensor=`` where the plan splits each expert's weights over a tensor axis (`decide_node`)."""
@@ -350,8 +425,11 @@ def decisions(cg, choice, ckpt, ctx) -> list:
     if not ep:
         return []
     tensor = ctx.memo.get("expert_tensor", {})
+    whole = _whole_blocks(cg, ckpt, ctx.memo.get("variants", {}))
     out = []
     for path, e in sorted(_experts(cg.graph.facts).items()):
+        if _inside(path, whole):
+            continue  # its block keeps the experts whole (NOTE [experts split in part of the blocks])
         args = {"axis": ep[0] if len(ep) == 1 else list(ep), **({"tensor": tensor[path]} if path in tensor else {}),
                 **({"load_imbalance": cg.roles.ep_load} if cg.roles.ep_load != 1.0 else {})}
         why = f"{e} experts over {','.join(ep)}" + (f", each split over {tensor[path]}" if path in tensor else "") + (
