@@ -27,12 +27,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import PlanError
 from .node_costs import StrategyCost
 
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """A variant `name` of form `form` that at most `most` blocks of one template may take (NOTE [block variants])."""
+    """A variant `name` of form `form` that at most `most` blocks of one template may take (NOTE [block variants]).
+    Its bytes only add (`delta.static_bytes + delta.act_bytes >= 0`): the memory floor, made before the variants
+    (NOTE [a memory floor before the costs] in floors.py), counts none. Raises PlanError otherwise."""
 
     form: str
     name: str
@@ -40,6 +43,12 @@ class Variant:
     delta: StrategyCost
     rec_credit_s: float = 0.0
     excludes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.delta.static_bytes + self.delta.act_bytes < 0 or self.delta.grad_bytes < 0:
+            raise PlanError(f"block variant {self.name!r} of form {self.form!r} saves memory "
+                            f"({self.delta.static_bytes + self.delta.act_bytes:.0f} B, gradients "
+                            f"{self.delta.grad_bytes:.0f} B): the memory floor would not hold; a variant may only add")
 
 
 def variants_of(cg) -> dict[tuple[int, str], Variant]:

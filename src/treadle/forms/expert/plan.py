@@ -331,26 +331,27 @@ def graph_terms(b, cg) -> None:
 # NOTE [experts split in part of the blocks]: under an expert axis every MoE block splits its experts unless the
 # MILP keeps some blocks' experts whole: a variant of the block template (NOTE [block variants] in
 # `treadle.planner.variants`), w of its blocks, never the first. Such a block is built without `expert_parallel`:
-# its experts replicated on every rank, reduced by DDP with the other parameters. Against a split block it saves
-# the exchanges (forward and backward seconds, the dispatch's traffic on compute, and a checkpointed block's
-# recompute of the forward ones: `rec_credit_s`) and pays the experts' full parameter, gradient and optimizer bytes,
-# their optimizer step and their data-parallel sync (the data form's own terms of each parameter, replicated on the
-# tensor axes: `param_cost`); while any block keeps its experts whole, the template's experts run unsplit over the
-# tensor axes (the strategies that split them are `excludes`: build splits each expert only inside expert
-# parallelism). Every difference is a constant, so the count enters the MILP linearly and exactly. It is offered
-# where a count between the ends can win: under DDP (ZeRO-3 over axes that hold the expert axes keeps 1/N of the
-# experts' bytes either way, so the step being linear in w, one end is optimal; HSDP and a pipeline's stages are
-# not offered it), with every rank's load at the mean (a busiest rank's extra work would depend on which blocks
-# are checkpointed); and it matters where a budget is met by splitting only part of the blocks' experts. The
-# decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
+# its experts are the data form's like its other parameters (DDP: replicated and all-reduced; ZeRO-3 / HSDP: in
+# the block's FSDP2 unit). Against a split block it saves the exchanges (forward and backward seconds, the
+# dispatch's traffic on compute, a checkpointed block's recompute of the forward ones: `rec_credit_s`) and, under
+# ZeRO-3, the experts' own FSDP2 unit (its gathers' and reduce-scatter's bandwidth, latency, copies and host
+# cost); it pays the experts' parameter, gradient and optimizer bytes as the data form keeps them, their optimizer
+# step, and their data-parallel sync (the data form's own terms of each parameter, replicated on the tensor axes:
+# `param_cost`). While any block keeps its experts whole, the template's experts run unsplit over the tensor axes
+# (the strategies that split them are `excludes`: build splits each expert only inside expert parallelism). Every
+# difference is a constant, so the count enters the MILP linearly and exactly (the exposed data-parallel sync is
+# convex in it: keeping experts whole may pay while their sync hides behind compute, so w can be strictly between
+# the ends without a budget, and a budget may be met by splitting only as many blocks as it needs). Not offered
+# beside a pipeline (its own MILP) or under an uneven load (a busiest rank's extra work would depend on which
+# blocks are checkpointed). The decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
 WHOLE = "experts whole"
 
 
 def whole_variants(b, cg) -> None:
-    """Under DDP with an expert axis at the mean load, per block template holding experts modules, the variant of
-    its blocks that keep their experts whole (NOTE [experts split in part of the blocks])."""
+    """Under an expert axis at the mean load, without a pipeline, per block template holding experts modules, the
+    variant of its blocks that keep their experts whole (NOTE [experts split in part of the blocks])."""
     roles, exchanges = b.roles, getattr(b, "expert_exchanges", {})
-    if not exchanges or roles.zero or roles.pp is not None or roles.ep_load != 1.0:
+    if not exchanges or roles.pp is not None or roles.ep_load != 1.0:
         return
     experts = _experts(b.g.facts)
     n = math.prod(b.cluster.mesh.size(a) for a in roles.ep)
@@ -368,6 +369,7 @@ def whole_variants(b, cg) -> None:
             d.fwd_s -= x.fwd_s + x.work_fwd_s
             d.bwd_s -= x.work_bwd_s
             d.bwd_comm_s -= x.bwd_s
+            d.dp_comm_s -= x.latency_s  # under ZeRO-3 its own unit's latency, in the data form's constant
             if b.recomputed(i) != "none":
                 credit += x.fwd_s + x.work_fwd_s
         for src in b.nodes:  # the experts' weights whole, and reduced by the data form
@@ -376,8 +378,13 @@ def whole_variants(b, cg) -> None:
                 continue
             meta = src.out
             d.static_bytes += b.param_static_bytes(meta, replicated) - b.owned_static_bytes(src, replicated)
-            d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / n)
-            opt = b.optimizer_s(meta, replicated) - b.optimizer_s(meta, replicated, n)
+            d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / b.own_split[src.param])
+            unit = b.expert_units.get(_inside(b.g.param_modules[src.param], paths))
+            if unit is not None:  # no FSDP2 unit of its own (NOTE [experts under FSDP2])
+                local = meta.numel * meta.dtype.itemsize / n
+                d.dp_comm_s -= unit.bandwidth_s(local)
+                d.compute_s -= unit.copy_s(local, b.hw)
+            opt = b.optimizer_s(meta, replicated) - b.optimizer_s(meta, replicated, b.own_split[src.param])
             d.compute_s += opt
             d.opt_s += opt
             for f in forms():
