@@ -197,3 +197,26 @@ def test_a_variant_that_would_save_memory_is_refused():
     with pytest.raises(treadle.PlanError, match=r"block variant 'thin' of form 'toy' saves memory \(-8 B.*may only add"):
         Variant("toy", "thin", 3, StrategyCost(static_bytes=-8.0))
     assert Variant("toy", "thick", 3, StrategyCost(static_bytes=8.0, comm_s=-1.0)).most == 3
+
+
+@pytest.mark.slow
+def test_experts_split_in_part_of_the_blocks_under_zero3_verify_and_price_as_the_solver_counts_them(graph):
+    from treadle.planner.ilp import evaluate
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    inputs = lm_inputs(8, 16)
+    sch = treadle.create_schedule(mixtral(), mesh=cl.mesh)
+    sch.data_parallel(axis=[a, b], shard=True)
+    for i in (0, 1):  # blocks 2 and 3 keep their experts whole, in their blocks' FSDP2 units
+        sch[f"model.layers.{i}.mlp.experts"].expert_parallel(axis=a)
+    cg = build_cost_graph(graph, cl, Roles((a, b), True, (), ep=a))
+    choice = [next(k for k, st in enumerate(u.strategies) if _replicated(st)) for u in cg.units]
+    step, peak, _ = evaluate(cg, choice, {}, {(0, WHOLE): 2})
+    priced = treadle.price(sch, inputs, cl)
+    assert step == pytest.approx(priced.step_s, rel=0.1)
+    # the price's peak holds a block's gathered FSDP2 unit, which the solver's memory row does not count (the same
+    # gap, 0.48 MiB here, as for plain FSDP2 of every block: issue 26)
+    assert peak <= priced.peak_bytes <= 1.2 * peak
+    report = treadle.verify(sch, inputs, steps=2, timeout_s=300)
+    assert report.ok, report
