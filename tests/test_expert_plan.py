@@ -308,3 +308,27 @@ def test_a_budget_below_expert_parallelism_splits_each_expert_over_the_tensor_ax
     assert again.schedule_for(tiny_mixtral()).to_python() == text
     assert "experts" in plan.explain()
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+
+
+def test_the_expert_split_can_be_forbidden_or_stated_and_the_megatron_recipe_keeps_experts_whole():
+    from treadle.forms.expert import expert_parallel_moe
+    from treadle.mesh import Mesh
+    from treadle.models import megatron
+
+    facts = {"expert": {"experts": {"model.layers.0.mlp.experts": 4}}}
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, ep_axis=None) if r.ep]
+    stated = enumerate_roles(mesh, batch=8, facts=facts, ep_axis=("tp", "dp"))
+    assert stated and {r.ep for r in stated} == {("dp", "tp")}  # in mesh order, every plan
+    with pytest.raises(treadle.PlanError, match=r"ep_axis='pp': not live axes of .* \(live: \['dp', 'tp'\]\)"):
+        enumerate_roles(mesh, batch=8, facts=facts, ep_axis="pp")
+    three = {"expert": {"experts": {"model.layers.0.mlp.experts": 3}}}
+    with pytest.raises(treadle.PlanError, match=r"ep_axis='dp': its 2 ranks do not divide the experts \(\[3\] per"):
+        enumerate_roles(mesh, batch=8, facts=three, ep_axis="dp")
+    # Megatron's recipe as a plan: expert-model-parallel size 1, as Megatron's default; EP is stated after it
+    cl = parse_cluster("2x2:cpu")
+    dp, tp = cl.mesh.names
+    sch = treadle.create_schedule(tiny_mixtral(), mesh=cl.mesh)
+    megatron(sch, tp=tp, dp=dp)
+    assert not [r for r in sch.records if r.op == "expert_parallel"]
+    assert len(expert_parallel_moe(sch, axis=dp)) == 2

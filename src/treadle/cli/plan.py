@@ -82,6 +82,9 @@ def register(subparsers) -> None:
                         "so, and the plan says so (no pipeline)")
     p.add_argument("--float8", default=None, metavar="RECIPE", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
                    help="let the plan train the blocks' linears in float8 with this recipe (weighed by the price)")
+    p.add_argument("--ep-axis", default="auto",
+                   help="the experts' split (mixture-of-experts models): auto (weighed), none (experts replicated), "
+                        "an axis name, or names joined by ',' (that group in every plan)")
     p.add_argument("--expert-load-imbalance", type=float, default=1.0, metavar="F",
                    help="the busiest expert rank's routed rows over the mean, charged to expert-parallel plans "
                         "(default 1: balanced; treadle.run logs the measured value as 'busiest / mean rank')")
@@ -171,6 +174,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               execution="compiled" if args.compile else "eager", float8=args.float8,
                               expert_load_imbalance=args.expert_load_imbalance,
+                              ep_axis=None if args.ep_axis == "none" else args.ep_axis if args.ep_axis == "auto"
+                              else tuple(args.ep_axis.split(",")),
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,
                                           "dtype": args.dtype},
                               progress=lambda msg: report(msg))

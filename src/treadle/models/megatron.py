@@ -204,7 +204,8 @@ def schedule_by_plan(sch: Schedule, *, tp: str = "tp", dp: str | None = None, ze
     row- or head-parallel, which gradients need a sum over `tp` (a norm every head shares) and which attributes
     count heads; weights no data flow can split stay replicated (`_plan_holding`). `example_inputs`: the model's keyword inputs (default: a few token ids);
     the schedule does not depend on their sizes. A fraction of the blocks is checkpointed as in the named
-    recipes. Sequence parallelism needs a named recipe."""
+    recipes. Sequence parallelism needs a named recipe. A mixture-of-experts model's experts stay whole on each rank
+    (Megatron's default expert-model-parallel size, 1): state `expert_parallel` after the recipe to split them."""
     from ..planner.capabilities import runtime_capabilities
     from ..planner.to_schedule import apply_decisions
 
@@ -250,7 +251,7 @@ def _plan_holding(sch: Schedule, inputs: Any, pins: dict, *, tp: str, dp: str | 
 
     def plan(p: dict) -> Any:
         return plan_model(sch.model, inputs, cluster=ClusterSpec.uniform(sch.mesh, "loopback"), pins=p,
-                          dp_axis=dp, zero=bool(zero3) if dp else None, graph=graph, pp_axis=None,
+                          dp_axis=dp, zero=bool(zero3) if dp else None, graph=graph, pp_axis=None, ep_axis=None,
                           forbid_axes=tuple(a for a in names if a not in (tp, dp)), checkpoint="none", price_top=0)
 
     try:

@@ -84,7 +84,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
                     replicate: tuple[str, ...] | None = None, facts: dict | None = None,
                     pp_axis: str | None | Literal["auto"] = "auto", pp_cuts: tuple[str, ...] = (),
                     pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                    float8: tuple[str, bool] | None = None, expert_load: float = 1.0) -> list[Roles]:
+                    float8: tuple[str, bool] | None = None, expert_load: float = 1.0,
+                    ep_axis: Any = "auto") -> list[Roles]:
     """Every role assignment of the mesh's axes: each parallel form proposes what it may do with the live axes
     (`treadle.form.Form.role_options`; data parallelism on any subset of them whose sizes' product divides the
     batch — `dp_axis` "auto"; None: on none; an axis or a tuple: on exactly those — as DDP, ZeRO-3 or HSDP,
@@ -94,7 +95,8 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     takes are tensor-parallel; forbidden and size-1 axes are off. `pp_cuts`, `pp_schedule`, `pp_microbatches`: a
     pipeline's stage boundaries, schedule and micro-batch count pinned (a partial schedule's records). `float8`:
     (recipe, forced) — each assignment with and without float8 linears, or only with. `expert_load`: the busiest
-    expert rank's routed rows over the mean, charged under an expert axis (NOTE [expert load in a rehearsal]).
+    expert rank's routed rows over the mean, charged under an expert axis (NOTE [expert load in a rehearsal]);
+    `ep_axis` the experts' split: "auto" (any group of axes that divides them), None (none), an axis or a tuple.
     `facts`: the capture's facts of the model (`CapturedGraph.facts`), which a form may read (a training-mode
     batch norm rules data parallelism out: NOTE [batch statistics] in `treadle.forms.data.facts`). Raises
     PlanError for a data-parallel axis that is not live."""
@@ -103,7 +105,7 @@ def enumerate_roles(mesh: Mesh, *, batch: int | None,
     live = tuple(a for a in mesh.names if mesh.size(a) > 1 and a not in forbid_axes)
     off = tuple(a for a in mesh.names if a not in live)
     request = _RoleRequest(dp_axis, zero, reshard_after_forward, replicate, facts or {}, pp_axis, tuple(pp_cuts),
-                           pp_schedule, pp_microbatches, float8, expert_load)
+                           pp_schedule, pp_microbatches, float8, expert_load, ep_axis)
     options: list[dict] = [{}]
     for f in forms():
         mine = f.role_options(mesh, live, batch=batch, request=request)
@@ -134,6 +136,7 @@ class _RoleRequest:
     pp_microbatches: int | None = None
     float8: tuple[str, bool] | None = None  # (recipe, forced): NOTE [execution and float8 in the plan]
     expert_load: float = 1.0  # the busiest expert rank's rows over the mean (NOTE [expert load in a rehearsal])
+    ep_axis: Any = "auto"  # the experts' split: "auto" (weighed), None (never), an axis or a tuple (that group)
 
 
 def why_replicated(mesh: Mesh, roles: Roles, *, batch: int | None, tensor_shardable: dict[str, bool],

@@ -10,6 +10,7 @@ from ..placement import R, placement_str
 from ..units import fmt_bytes_exact as _fmt_bytes
 from .cost_graph import CostGraph
 from .ilp import Solution, evaluate, solve
+from .variants import variants_of
 
 # NOTE [the step row]: what the solver's step holds that no module's row does, as one row: host overheads fixed by
 # the role (FSDP2 units, foreach lists: `cg.host_s`) and a checkpointed block's host cost in compute and recompute
@@ -73,6 +74,9 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     shared: dict = {"step_row": step}  # NOTE [the step row]: a form's constants of the role go to its comm
     for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
         f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
+    for key, v in variants_of(cg).items():  # the variant blocks' difference (NOTE [block variants]), before overlap
+        step.comm_s += sol.variants.get(key, 0) * (v.delta.comm_s + v.delta.dp_comm_s)
+        step.memory_bytes += sol.variants.get(key, 0) * (v.delta.static_bytes + v.delta.act_bytes)
     _, _, terms = evaluate(cg, sol.choice, sol.ckpt, sol.variants)
     step.compute_s += terms["compute_s"] - sum(r.compute_s for r in rows.values())
     step.recompute_s += terms["recompute_s"] - sum(r.recompute_s for r in rows.values())

@@ -87,6 +87,7 @@ class PlanRequest:
     execution: str = "eager"  # how plans are priced and run (NOTE [execution and float8 in the plan])
     float8: tuple[str, bool] | None = None  # (recipe, forced by a partial schedule) or None
     expert_load: float = 1.0  # the busiest expert rank's rows over the mean (NOTE [expert load in a rehearsal])
+    ep_axis: Any = "auto"  # the experts' split: "auto" (weighed), None (never), an axis or axes (always that group)
 
 
 @dataclass(slots=True)
@@ -119,7 +120,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                checkpoint: Literal["auto", "all", "none"] = "auto", progress: Callable[[str], None] | None = None,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int | None = None,
                pp_axis: str | None | Literal["auto"] = "auto", execution: str = "eager",
-               float8: str | None = None, expert_load_imbalance: float = 1.0) -> Plan:
+               float8: str | None = None, expert_load_imbalance: float = 1.0, ep_axis: Any = "auto") -> Plan:
     """Plan `model` on `cluster` (one ClusterSpec, or a list: every mesh is searched) under
     `memory_budget_bytes` per device. `example_inputs`: keyword arguments (a dict) or positional args, global
     batch, real or fake tensors. The other arguments are `PlanRequest`'s; `partial_schedule`: a Schedule whose
@@ -131,7 +132,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     plans are priced and what the plan states (NOTE [execution and float8 in the plan]); `float8` a recipe the plan
     may use for the blocks' linears (None: none; NOTE [float8 recipes]); `expert_load_imbalance` the busiest rank's
     routed rows over the mean that an expert-parallel plan is charged and states (NOTE [expert load in a
-    rehearsal]; 1.0: balanced).
+    rehearsal]; 1.0: balanced); `ep_axis` the experts' split: "auto" (weighed), None (never), an axis or a tuple
+    (that group in every plan).
     Raises PlanError when no plan meets the budget (stating the smallest budget any plan meets, also as its
     attribute ``smallest_budget_bytes``), when a pin
     matches nothing or cannot hold (naming the op that blocks it), or when the axes cannot take the batch."""
@@ -139,7 +141,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                  zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
                  partial_schedule=partial_schedule, train=train, time_limit_s=time_limit_s, model_spec=model_spec,
                  checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top, pp_axis=pp_axis,
-                 execution=execution, float8=float8, expert_load_imbalance=expert_load_imbalance)
+                 execution=execution, float8=float8, expert_load_imbalance=expert_load_imbalance, ep_axis=ep_axis)
     t0 = time.perf_counter()
     req = make_request(model, given)
     args, kwargs = _split_inputs(example_inputs)
@@ -192,7 +194,7 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
         ckpt_paths=tuple(ckpt_paths), train=given["train"],
         time_limit_s=given["time_limit_s"], model_spec=given["model_spec"], checkpoint=given["checkpoint"],
         loss_fn=given["loss_fn"], price_top=price_top, say=given["progress"] or (lambda s: None), given=given,
-        execution=execution, float8=float8, expert_load=expert_load)
+        execution=execution, float8=float8, expert_load=expert_load, ep_axis=given.get("ep_axis", "auto"))
 
 
 def capture_model(model: nn.Module, args: tuple, kwargs: dict, req: PlanRequest,
@@ -229,7 +231,7 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
                                 reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,
                                 facts=search.graph.facts, pp_axis=req.pp_axis, pp_cuts=req.pp_cuts,
                                 pp_schedule=req.pp_schedule, pp_microbatches=req.pp_microbatches,
-                                float8=req.float8, expert_load=req.expert_load)
+                                float8=req.float8, expert_load=req.expert_load, ep_axis=req.ep_axis)
         tried += len(roles)
         out += [(cl, r) for r in roles if req.pp_axis != "auto" or pipeline_on_slowest_link(cl, r)]
     if distinct:  # the first of each group that solves alike, in search order

@@ -151,16 +151,25 @@ def _dense_paths(facts) -> set[str]:
 def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] | None:
     """No expert axis, or any set of live axes (mesh order; one, or several flattened into one group) whose
     sizes' product divides every experts module's E (`keep_roles` keeps those that are data-parallel in the
-    merged assignment)."""
-    experts = _experts(request.facts)
-    if not experts:
+    merged assignment). `request.ep_axis`: "auto" (those), None (no expert axis), an axis or a tuple (that group
+    only). Raises PlanError for a stated group that is not live or does not divide the experts."""
+    experts, want = _experts(request.facts), getattr(request, "ep_axis", "auto")
+    if not experts or want is None:
         return None
     load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
     if load and _dense_paths(request.facts):
         return [{}]  # dense experts run every expert on every row: no busiest rank to state (NOTE [dense experts])
+    divides = lambda g: all(e % math.prod(mesh.size(a) for a in g) == 0 for e in experts.values())  # noqa: E731
+    if want != "auto":
+        group = tuple(a for a in mesh.names if a in ((want,) if isinstance(want, str) else tuple(want)))
+        if not group or not set((want,) if isinstance(want, str) else want) <= set(live):
+            raise PlanError(f"ep_axis={want!r}: not live axes of {mesh} (live: {list(live)})")
+        if not divides(group):
+            raise PlanError(f"ep_axis={want!r}: its {math.prod(mesh.size(a) for a in group)} ranks do not divide "
+                            f"the experts ({sorted(set(experts.values()))} per module)")
+        return [{"ep": group, **load}]
     groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
-    return [{}] + [{"ep": g, **load} for g in groups
-                   if all(e % math.prod(mesh.size(a) for a in g) == 0 for e in experts.values())]
+    return [{}] + [{"ep": g, **load} for g in groups if divides(g)]
 
 
 def keep_roles(options: dict) -> bool:
