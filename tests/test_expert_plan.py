@@ -319,7 +319,7 @@ def test_the_expert_split_can_be_forbidden_or_stated_and_the_megatron_recipe_kee
     mesh = Mesh((2, 2), ("dp", "tp"))
     assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, ep_axis=None) if r.ep]
     stated = enumerate_roles(mesh, batch=8, facts=facts, ep_axis=("tp", "dp"))
-    assert stated and {r.ep for r in stated} == {("dp", "tp")}  # in mesh order, every plan
+    assert stated and {(r.ep, r.ep_part) for r in stated} == {(("dp", "tp"), False)}  # every plan, every block
     with pytest.raises(treadle.PlanError, match=r"ep_axis='pp': not live axes of .* \(live: \['dp', 'tp'\]\)"):
         enumerate_roles(mesh, batch=8, facts=facts, ep_axis="pp")
     three = {"expert": {"experts": {"model.layers.0.mlp.experts": 3}}}

@@ -97,10 +97,11 @@ def test_a_block_with_its_experts_whole_costs_what_the_block_costs_without_an_ex
     assert set(v.excludes) == split_experts and (bool(split_experts) == bool(tp))
 
 
-def test_no_variant_under_an_uneven_load_or_without_an_expert_axis(graph):
+def test_no_variant_under_an_uneven_load_a_stated_group_or_without_an_expert_axis(graph):
     cl = parse_cluster("4x1:cpu")
     assert not build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",), ep="dp", ep_load=1.5)).variants
     assert not build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",))).variants
+    assert not build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",), ep="dp", ep_part=False)).variants
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ class Roles:
     pp_cuts: tuple[str, ...] = ()  # stage boundaries a partial schedule pins (blocks that end a stage)
     float8: str | None = None  # the recipe of the blocks' float8 linears (`treadle.forms.float8`), None: none
     ep_load: float = 1.0  # under `ep`: the busiest expert rank's routed rows over the mean, charged as stated
+    ep_part: bool = True  # under `ep`: some blocks may keep their experts whole (False: the user stated the group)
 
     def __post_init__(self) -> None:
         dp = () if self.dp is None else (self.dp,) if isinstance(self.dp, str) else tuple(self.dp)
@@ -197,5 +198,5 @@ def alike_key(cluster, roles: Roles) -> tuple:
     order = (tuple(names.index(a) for a in roles.dp), tuple(names.index(a) for a in roles.tp))
     pp = (mesh.size(roles.pp), cluster.link(roles.pp)) if roles.pp is not None else None
     return (axes, order, pp, roles.zero, roles.reshard_after_forward, roles.pp_schedule, roles.pp_microbatches,
-            roles.pp_cuts, roles.float8, roles.ep_load, str(cluster.device), cluster.copy_bytes_per_s,
+            roles.pp_cuts, roles.float8, roles.ep_load, roles.ep_part, str(cluster.device), cluster.copy_bytes_per_s,
             cluster.threads_per_rank, cluster.ranks_per_host, cluster.cores_per_host)

@@ -167,7 +167,7 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
         if not divides(group):
             raise PlanError(f"ep_axis={want!r}: its {math.prod(mesh.size(a) for a in group)} ranks do not divide "
                             f"the experts ({sorted(set(experts.values()))} per module)")
-        return [{"ep": group, **load}]
+        return [{"ep": group, "ep_part": False, **load}]  # every block's experts over it
     groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
     return [{}] + [{"ep": g, **load} for g in groups if divides(g)]
 
@@ -351,8 +351,9 @@ def graph_terms(b, cg) -> None:
 # difference is a constant, so the count enters the MILP linearly and exactly (the exposed data-parallel sync is
 # convex in it: keeping experts whole may pay while their sync hides behind compute, so w can be strictly between
 # the ends without a budget, and a budget may be met by splitting only as many blocks as it needs). Not offered
-# beside a pipeline (its own MILP) or under an uneven load (a busiest rank's extra work would depend on which
-# blocks are checkpointed). The decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
+# beside a pipeline (its own MILP), under an uneven load (a busiest rank's extra work would depend on which
+# blocks are checkpointed), or where the user stated the expert group (`plan_model(ep_axis=)`: every block's).
+# The decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
 WHOLE = "experts whole"
 
 
@@ -360,7 +361,7 @@ def whole_variants(b, cg) -> None:
     """Under an expert axis at the mean load, without a pipeline, per block template holding experts modules, the
     variant of its blocks that keep their experts whole (NOTE [experts split in part of the blocks])."""
     roles, exchanges = b.roles, getattr(b, "expert_exchanges", {})
-    if not exchanges or roles.pp is not None or roles.ep_load != 1.0:
+    if not exchanges or roles.pp is not None or roles.ep_load != 1.0 or not roles.ep_part:
         return
     experts = _experts(b.g.facts)
     n = math.prod(b.cluster.mesh.size(a) for a in roles.ep)
