@@ -332,3 +332,26 @@ def test_the_expert_split_can_be_forbidden_or_stated_and_the_megatron_recipe_kee
     megatron(sch, tp=tp, dp=dp)
     assert not [r for r in sch.records if r.op == "expert_parallel"]
     assert len(expert_parallel_moe(sch, axis=dp)) == 2
+
+
+def test_under_ddp_the_experts_gradients_are_summed_over_the_replicas_outside_the_group_by_hand(graph, monkeypatch):
+    from treadle.cost.collective_cost import all_reduce_time_s
+    from treadle.forms.expert import plan as expert_plan
+
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    roles = Roles((a, b), False, (), ep=a)  # experts over a; their copies on b: NOTE [expert gradients]
+
+    def comm(cg):
+        return sum(u.count * u.costs[0].comm_s for u in cg.units), sum(u.count * u.costs[0].bwd_comm_s for u in cg.units)
+
+    real = comm(build_cost_graph(graph, cl, roles))
+    monkeypatch.setattr(expert_plan, "all_reduce_time_s", lambda nbytes, n, link: 0.0)
+    bare = comm(build_cost_graph(graph, cl, roles))
+    link = cl.link(b)
+    want = 0.0
+    for module in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):  # one blocking all-reduce each
+        local = sum(m.numel * m.dtype.itemsize for name, m in graph.params.items() if name.startswith(module)) / 2
+        want += all_reduce_time_s(local, 2, link)
+    assert real[0] - bare[0] == pytest.approx(want, rel=1e-9)  # in the backward, blocking
+    assert real[1] - bare[1] == pytest.approx(want, rel=1e-9)

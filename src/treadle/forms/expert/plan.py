@@ -6,7 +6,9 @@ NOTE [experts in the plan]: a role assignment with ``Roles.ep = a`` (data-parall
 flattened group of n ranks divides every experts module's E; several on their `group_link`, as the price charges
 them) splits every experts module's weights over `a`: their parameter, gradient and
 optimizer bytes are 1/n (`own_split`; ZeRO-3 does not shard them further, DDP does not reduce them: NOTE [expert
-gradients]), their gradient reduction leaves the data-parallel sync, and each experts module adds, on its first
+gradients]), their gradient reduction leaves the data-parallel sync (under DDP with data-parallel axes outside
+`a`, the local backward sums each module's local gradients over those replicas, blocking: `grad_sum_s` per weight,
+its latency with the backward exchanges), and each experts module adds, on its first
 node, the exchanges build issues (NOTE [expert dispatch]): forward one all-to-all of the E per-expert counts, two of
 the rows (R = local tokens x k, each H wide, in the rows' dtype) and one of their routing weights, backward their
 adjoints (two of the rows, one of the weights), all blocking on `a`, and the dispatch's own memory traffic on
@@ -208,6 +210,9 @@ def prepare(b) -> None:
             b.own_split[name] = n * (m if fsdp else 1)
             if fsdp:
                 b.own_gathered[name] = n
+    rest = () if fsdp else tuple(a for a in b.roles.dp if a not in ep)  # NOTE [expert gradients]
+    r = math.prod(mesh.size(a) for a in rest)
+    b.expert_grad_sum = (r, b.cluster.group_link(rest)) if r > 1 else None
     unit = None
     if fsdp:
         rep = tuple(a for a in b.roles.replicate if a not in ep)
@@ -231,6 +236,8 @@ def prepare(b) -> None:
             moved = dispatch_traffic(rows, width)  # on the rows a rank routes (its own tokens)
         fwd = collective_time_s("all_to_all", e * 8, n, link) + exchanges  # with the counts
         bwd = exchanges  # the adjoints: the results' gradients there, the rows' (and the weights') back
+        if b.expert_grad_sum is not None:  # the local weights' gradients summed over the other replicas: its latency
+            bwd += all_reduce_time_s(0.0, *b.expert_grad_sum)
         work = tuple(memory_time_s(int(x), b.hw) for x in moved)
         if unit is not None:
             b.expert_units[path] = unit
@@ -308,19 +315,33 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
         c.bwd_comm_s += x.bwd_s
         if rec != "none":  # a checkpointed block's recompute dispatches again
             c.rec_s += x.fwd_s + x.work_fwd_s
-    units = getattr(b, "expert_units", None)
-    if not units:
+    units = getattr(b, "expert_units", None) or {}
+    gsum = getattr(b, "expert_grad_sum", None)
+    if not units and gsum is None:
         return
     ep_n = math.prod(b.cluster.mesh.size(a) for a in b.roles.ep)
-    for pos, j in enumerate(n.inputs):  # its FSDP2 unit, on the local slice of each weight it owns
+    for pos, j in enumerate(n.inputs):  # on the local slice of each expert weight it owns
         src = b.nodes[j]
-        unit = units.get(b.g.param_modules.get(src.param)) if src.kind == "param" else None
-        if unit is None or b.param_owner.get(src.param) != n.index:
+        if src.kind != "param" or src.param not in b.own_split or b.param_owner.get(src.param) != n.index:
             continue
         split = math.prod(size for o, size in zip(combo, b.tp_sizes) if o.ins[pos] >= 0)
         nbytes = src.out.numel * src.out.dtype.itemsize / split / ep_n
-        c.dp_comm_s += unit.bandwidth_s(nbytes)  # hidden behind compute as the other units' are
-        c.compute_s += unit.copy_s(nbytes, b.hw)
+        unit = units.get(b.g.param_modules.get(src.param))
+        if unit is not None:  # its FSDP2 unit
+            c.dp_comm_s += unit.bandwidth_s(nbytes)  # hidden behind compute as the other units' are
+            c.compute_s += unit.copy_s(nbytes, b.hw)
+        if gsum is not None:  # summed over the other data-parallel replicas in the local backward, blocking
+            bw = grad_sum_s(gsum, nbytes)
+            c.comm_s += bw
+            c.bwd_comm_s += bw
+
+
+def grad_sum_s(gsum: tuple, nbytes: float) -> float:
+    """Bandwidth seconds of summing `nbytes` of local expert gradients over (ranks, link) `gsum`, the data-parallel
+    replicas outside the expert group under DDP (NOTE [expert gradients]; its latency is the module's backward
+    exchange's)."""
+    r, link = gsum
+    return all_reduce_time_s(nbytes, r, link) - all_reduce_time_s(0.0, r, link)
 
 
 def graph_terms(b, cg) -> None:
@@ -390,10 +411,13 @@ def whole_variants(b, cg) -> None:
             d.static_bytes += b.param_static_bytes(meta, replicated) - b.owned_static_bytes(src, replicated)
             d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / b.own_split[src.param])
             unit = b.expert_units.get(_inside(b.g.param_modules[src.param], paths))
+            local = meta.numel * meta.dtype.itemsize / n
             if unit is not None:  # no FSDP2 unit of its own (NOTE [experts under FSDP2])
-                local = meta.numel * meta.dtype.itemsize / n
                 d.dp_comm_s -= unit.bandwidth_s(local)
                 d.compute_s -= unit.copy_s(local, b.hw)
+            if b.expert_grad_sum is not None:  # nor the local backward's sum over the other replicas
+                d.comm_s -= grad_sum_s(b.expert_grad_sum, local)
+                d.bwd_comm_s -= grad_sum_s(b.expert_grad_sum, local)
             opt = b.optimizer_s(meta, replicated) - b.optimizer_s(meta, replicated, b.own_split[src.param])
             d.compute_s += opt
             d.opt_s += opt
