@@ -53,24 +53,31 @@ ROLES = {  # (mesh, data-parallel axes, ZeRO-3, HSDP's replicate axes, expert ax
     "ddp": ("4x1:cpu", ("x",), False, (), ("x",), ()),
     "ddp x tp": ("2x2:cpu", ("x",), False, (), ("x",), ("y",)),
     "ddp, experts over one of two axes": ("2x2:cpu", ("x", "y"), False, (), ("x",), ()),
+}
+NOT_OFFERED = {  # NOTE [experts split in part of the blocks]: under ZeRO-3 and HSDP each rank keeps 1/N either way
     "zero3": ("4x1:cpu", ("x",), True, (), ("x",), ()),
     "zero3, experts' own units": ("2x2:cpu", ("x", "y"), True, (), ("x",), ()),
     "hsdp, experts over the replicate axis": ("2x2:cpu", ("x", "y"), True, ("x",), ("x",), ()),
 }
 
 
+def _roles(spec, dp, zero, rep, ep, tp):
+    cl = parse_cluster(spec)
+    names = dict(zip(("x", "y"), cl.mesh.names))
+    dp, rep, ep, tp = (tuple(names[a] for a in axes) for axes in (dp, rep, ep, tp))
+    return cl, Roles(dp, zero, tp, replicate=rep, ep=ep), Roles(dp, zero, tp, replicate=rep)
+
+
 @pytest.mark.parametrize("name", list(ROLES))
 def test_a_block_with_its_experts_whole_costs_what_the_block_costs_without_an_expert_axis(graph, name):
     from treadle.planner.capabilities import runtime_capabilities, shardable_fn, tied_leaf_holders
 
-    spec, dp, zero, rep, ep, tp = ROLES[name]
-    cl = parse_cluster(spec)
-    names = dict(zip(("x", "y"), cl.mesh.names))
-    dp, rep, ep, tp = (tuple(names[a] for a in axes) for axes in (dp, rep, ep, tp))
+    cl, with_ep, without = _roles(*ROLES[name])
+    tp = with_ep.tp
     model = mixtral()
     shardable = shardable_fn(graph, runtime_capabilities(model)[0], len(tp), tied_leaf_holders(model))
-    split = build_cost_graph(graph, cl, Roles(dp, zero, tp, replicate=rep, ep=ep), shardable=shardable)
-    whole = build_cost_graph(graph, cl, Roles(dp, zero, tp, replicate=rep), shardable=shardable)
+    split = build_cost_graph(graph, cl, with_ep, shardable=shardable)
+    whole = build_cost_graph(graph, cl, without, shardable=shardable)
     (t, [v]), = split.variants.items()
     assert (v.form, v.name, v.most) == ("expert", WHOLE, LAYERS - 1)  # never the first block
     diff = dict.fromkeys(FIELDS, 0.0)
@@ -80,9 +87,7 @@ def test_a_block_with_its_experts_whole_costs_what_the_block_costs_without_an_ex
             c = x.costs[next(k for k, st in enumerate(x.strategies) if _replicated(st) and x.allowed[k])]
             for f in FIELDS:
                 diff[f] += sign * getattr(c, f)
-    # the latency of the reductions is the data form's constant, over all blocks: a block's share of the difference
-    # (the experts' own FSDP2 unit) stands in the variant's sync
-    diff["dp_comm_s"] += (whole.form_terms["data"].latency_s - split.form_terms["data"].latency_s) / LAYERS
+    assert whole.form_terms["data"].latency_s == split.form_terms["data"].latency_s  # the role's constant
     for f in FIELDS:
         assert getattr(v.delta, f) == pytest.approx(diff[f], rel=1e-9, abs=1e-15), f
     assert v.delta.static_bytes >= 0 and v.delta.comm_s < 0  # bytes (and the sync) against the exchanges
@@ -97,6 +102,12 @@ def test_a_block_with_its_experts_whole_costs_what_the_block_costs_without_an_ex
     assert set(v.excludes) == split_experts and (bool(split_experts) == bool(tp))
 
 
+@pytest.mark.parametrize("name", list(NOT_OFFERED))
+def test_no_variant_under_zero3(graph, name):
+    cl, with_ep, _ = _roles(*NOT_OFFERED[name])
+    assert not build_cost_graph(graph, cl, with_ep).variants
+
+
 def test_no_variant_under_an_uneven_load_a_stated_group_or_without_an_expert_axis(graph):
     cl = parse_cluster("4x1:cpu")
     assert not build_cost_graph(graph, cl, Roles(("dp",), False, (), ("tp",), ep="dp", ep_load=1.5)).variants
@@ -109,13 +120,10 @@ def graph32():
     return capture(mixtral(), (), lm_inputs(32, 32))
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3, experts' own units"])
+@pytest.mark.parametrize("name", ["ddp", "ddp, experts over one of two axes"])
 def test_the_milp_agrees_with_the_oracle_with_blocks_of_both_kinds(graph32, name):
-    spec, dp, zero, rep, ep, tp = ROLES[name]
-    cl = parse_cluster(spec)
-    names = dict(zip(("x", "y"), cl.mesh.names))
-    dp, ep = tuple(names[a] for a in dp), tuple(names[a] for a in ep)
-    cg = build_cost_graph(graph32, cl, Roles(dp, zero, (), ep=ep))
+    cl, with_ep, _ = _roles(*ROLES[name])
+    cg = build_cost_graph(graph32, cl, with_ep)
     free = solve(cg, budget_bytes=None)
     seen = set()
     for frac in (1.0, 0.92, 0.84, 0.72, 0.6, 0.48, 0.3):
@@ -128,8 +136,7 @@ def test_the_milp_agrees_with_the_oracle_with_blocks_of_both_kinds(graph32, name
         assert evaluate(cg, a.choice, a.ckpt, a.variants)[:2] == (a.step_s, a.peak_bytes)
         w, c = a.variants[0, WHOLE], a.ckpt[0]
         seen.add((0 < w < LAYERS - 1, c > 0 and w > 0))
-    if not zero:  # under DDP a budget splits part of the blocks, without and with checkpoints (ZeRO-3 keeps 1/N
-        assert (True, False) in seen and (True, True) in seen  # of the experts either way here: one end wins)
+    assert (True, False) in seen and (True, True) in seen  # part of the blocks split, without and with checkpoints
 
 
 @pytest.mark.parametrize("blocks", [2, 3, 4, 7, 8])
@@ -201,23 +208,25 @@ def test_a_variant_that_would_save_memory_is_refused():
 
 
 @pytest.mark.slow
-def test_experts_split_in_part_of_the_blocks_under_zero3_verify_and_price_as_the_solver_counts_them(graph):
+@pytest.mark.parametrize("zero", [False, True])
+def test_experts_split_in_part_of_the_blocks_over_one_of_two_axes_verify_and_price_as_the_solver_counts_them(
+        graph, zero):
     from treadle.planner.ilp import evaluate
 
     cl = parse_cluster("2x2:cpu")
     a, b = cl.mesh.names
     inputs = lm_inputs(8, 16)
     sch = treadle.create_schedule(mixtral(), mesh=cl.mesh)
-    sch.data_parallel(axis=[a, b], shard=True)
-    for i in (0, 1):  # blocks 2 and 3 keep their experts whole, in their blocks' FSDP2 units
+    sch.data_parallel(axis=[a, b], shard=zero)
+    for i in (0, 1):  # blocks 2 and 3 keep their experts whole (ZeRO-3: in their blocks' FSDP2 units)
         sch[f"model.layers.{i}.mlp.experts"].expert_parallel(axis=a)
-    cg = build_cost_graph(graph, cl, Roles((a, b), True, (), ep=a))
+    report = treadle.verify(sch, inputs, steps=2, timeout_s=300)
+    assert report.ok, report
+    if zero:
+        return  # built and verified by hand; the planner does not offer the mix under ZeRO-3
+    cg = build_cost_graph(graph, cl, Roles((a, b), False, (), ep=a))
     choice = [next(k for k, st in enumerate(u.strategies) if _replicated(st)) for u in cg.units]
     step, peak, _ = evaluate(cg, choice, {}, {(0, WHOLE): 2})
     priced = treadle.price(sch, inputs, cl)
     assert step == pytest.approx(priced.step_s, rel=0.1)
-    # the price's peak holds a block's gathered FSDP2 unit, which the solver's memory row does not count (the same
-    # gap, 0.48 MiB here, as for plain FSDP2 of every block: issue 26)
-    assert peak <= priced.peak_bytes <= 1.2 * peak
-    report = treadle.verify(sch, inputs, steps=2, timeout_s=300)
-    assert report.ok, report
+    assert peak == pytest.approx(priced.peak_bytes, rel=0.05)

@@ -361,28 +361,31 @@ def graph_terms(b, cg) -> None:
 # NOTE [experts split in part of the blocks]: under an expert axis every MoE block splits its experts unless the
 # MILP keeps some blocks' experts whole: a variant of the block template (NOTE [block variants] in
 # `treadle.planner.variants`), w of its blocks, never the first. Such a block is built without `expert_parallel`:
-# its experts are the data form's like its other parameters (DDP: replicated and all-reduced; ZeRO-3 / HSDP: in
-# the block's FSDP2 unit). Against a split block it saves the exchanges (forward and backward seconds, the
-# dispatch's traffic on compute, a checkpointed block's recompute of the forward ones: `rec_credit_s`) and, under
-# ZeRO-3, the experts' own FSDP2 unit (its gathers' and reduce-scatter's bandwidth, latency, copies and host
-# cost); it pays the experts' parameter, gradient and optimizer bytes as the data form keeps them, their optimizer
-# step, and their data-parallel sync (the data form's own terms of each parameter, replicated on the tensor axes:
-# `param_cost`). While any block keeps its experts whole, the template's experts run unsplit over the tensor axes
-# (the strategies that split them are `excludes`: build splits each expert only inside expert parallelism). Every
-# difference is a constant, so the count enters the MILP linearly and exactly (the exposed data-parallel sync is
-# convex in it: keeping experts whole may pay while their sync hides behind compute, so w can be strictly between
-# the ends without a budget, and a budget may be met by splitting only as many blocks as it needs). Not offered
-# beside a pipeline (its own MILP), under an uneven load (a busiest rank's extra work would depend on which
-# blocks are checkpointed), or where the user stated the expert group (`plan_model(ep_axis=)`: every block's).
-# The decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
+# its experts replicated and all-reduced by DDP with the other parameters. Against a split block it saves the
+# exchanges (forward and backward seconds, the dispatch's traffic on compute, a checkpointed block's recompute of
+# the forward ones: `rec_credit_s`) and the local backward's sum of the experts' gradients over the replicas outside
+# the group (`grad_sum_s`); it pays the experts' full parameter, gradient and optimizer bytes, their optimizer step
+# and their all-reduce (the data form's own terms of each parameter, replicated on the tensor axes: `param_cost`).
+# While any block keeps its experts whole, the template's experts run unsplit over the tensor axes (the strategies
+# that split them are `excludes`: build splits each expert only inside expert parallelism). Every difference is a
+# constant, so the count enters the MILP linearly and exactly, and a budget between DDP and every block split is met
+# by splitting only as many blocks as it needs.
+# Offered under DDP only. Under ZeRO-3 (and HSDP) each rank keeps 1/N of the experts' bytes split or whole, so no
+# budget needs the mix; what remains is the exposed sync's kink, where the solver's aggregate window hides a whole
+# block's gathers of all its experts, which the price does not: on Mixtral-8x7B, 8x8 H100, such a mix was solved at
+# 3.44 s and priced at 4.20 s, against 3.51 s priced for every block split (bench/bench_expert_gpu.py). Not offered
+# beside a pipeline (its own MILP), under an uneven load (a busiest rank's extra work would depend on which blocks
+# are checkpointed), or where the user stated the expert group (`plan_model(ep_axis=)`: every block's). The
+# decisions leave `expert_parallel` off the variant blocks (`variants.pick`).
 WHOLE = "experts whole"
 
 
 def whole_variants(b, cg) -> None:
-    """Under an expert axis at the mean load, without a pipeline, per block template holding experts modules, the
-    variant of its blocks that keep their experts whole (NOTE [experts split in part of the blocks])."""
+    """Under DDP with an expert axis at the mean load, without a pipeline, per block template holding experts
+    modules, the variant of its blocks that keep their experts whole (NOTE [experts split in part of the
+    blocks])."""
     roles, exchanges = b.roles, getattr(b, "expert_exchanges", {})
-    if not exchanges or roles.pp is not None or roles.ep_load != 1.0 or not roles.ep_part:
+    if not exchanges or roles.zero or roles.pp is not None or roles.ep_load != 1.0 or not roles.ep_part:
         return
     experts = _experts(b.g.facts)
     n = math.prod(b.cluster.mesh.size(a) for a in roles.ep)
@@ -400,7 +403,6 @@ def whole_variants(b, cg) -> None:
             d.fwd_s -= x.fwd_s + x.work_fwd_s
             d.bwd_s -= x.work_bwd_s
             d.bwd_comm_s -= x.bwd_s
-            d.dp_comm_s -= x.latency_s  # under ZeRO-3 its own unit's latency, in the data form's constant
             if b.recomputed(i) != "none":
                 credit += x.fwd_s + x.work_fwd_s
         for src in b.nodes:  # the experts' weights whole, and reduced by the data form
@@ -410,11 +412,7 @@ def whole_variants(b, cg) -> None:
             meta = src.out
             d.static_bytes += b.param_static_bytes(meta, replicated) - b.owned_static_bytes(src, replicated)
             d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / b.own_split[src.param])
-            unit = b.expert_units.get(_inside(b.g.param_modules[src.param], paths))
             local = meta.numel * meta.dtype.itemsize / n
-            if unit is not None:  # no FSDP2 unit of its own (NOTE [experts under FSDP2])
-                d.dp_comm_s -= unit.bandwidth_s(local)
-                d.compute_s -= unit.copy_s(local, b.hw)
             if b.expert_grad_sum is not None:  # nor the local backward's sum over the other replicas
                 d.comm_s -= grad_sum_s(b.expert_grad_sum, local)
                 d.bwd_comm_s -= grad_sum_s(b.expert_grad_sum, local)
