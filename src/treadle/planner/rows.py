@@ -75,8 +75,11 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
     for f in forms():  # each form's terms (tensor parallelism: the input-gradient sums, each billed once to its
         f.adjust_rows(cg, sol.choice, rows, shared)  # first user; sequence: the gathers' credit, where billed)
     for key, v in variants_of(cg).items():  # the variant blocks' difference (NOTE [block variants]), before overlap
-        step.comm_s += sol.variants.get(key, 0) * (v.delta.comm_s + v.delta.dp_comm_s)
-        step.memory_bytes += sol.variants.get(key, 0) * (v.delta.static_bytes + v.delta.act_bytes)
+        row = rows.get(v.module, step)
+        row.comm_s += sol.variants.get(key, 0) * (v.delta.comm_s + v.delta.dp_comm_s)
+        if row is not step:  # (the step row takes the compute no row holds, below)
+            row.compute_s += sol.variants.get(key, 0) * v.delta.compute_s
+        row.memory_bytes += sol.variants.get(key, 0) * (v.delta.static_bytes + v.delta.act_bytes)
     _, _, terms = evaluate(cg, sol.choice, sol.ckpt, sol.variants)
     step.compute_s += terms["compute_s"] - sum(r.compute_s for r in rows.values())
     step.recompute_s += terms["recompute_s"] - sum(r.recompute_s for r in rows.values())

@@ -43,6 +43,7 @@ class Variant:
     delta: StrategyCost
     rec_credit_s: float = 0.0
     excludes: tuple[tuple[int, int], ...] = ()
+    module: str = ""  # the row of a plan's explanation the difference is billed to ("": the step row)
 
     def __post_init__(self) -> None:
         if self.delta.static_bytes + self.delta.act_bytes < 0 or self.delta.grad_bytes < 0:

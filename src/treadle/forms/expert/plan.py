@@ -424,7 +424,8 @@ def whole_variants(b, cg) -> None:
         excludes = tuple((u, k) for u in cg.templates[t].units for k, members in enumerate(cg.units[u].strategies)
                          if any(_inside(b.nodes[i].module, paths) and any(p != R for o in combo for p in o.ins + o.outs)
                                 for i, (combo, _) in members.items()))
-        cg.variants.setdefault(t, []).append(Variant("expert", WHOLE, cg.templates[t].count - 1, d, credit, excludes))
+        cg.variants.setdefault(t, []).append(Variant("expert", WHOLE, cg.templates[t].count - 1, d, credit, excludes,
+                                                     module=paths[0]))
 
 
 def decide_node(ctx, i: int, n, combo: tuple, raw: tuple, pub: tuple) -> set[str]:
