@@ -187,7 +187,7 @@ def test_a_budget_between_ddp_and_every_block_split_splits_part_of_them_fits_as_
     assert 0 in split and 0 < len(split) < LAYERS, text  # the first block always splits; the last ones stay whole
     assert split == list(range(len(split)))
     assert plan.solver["variants"] == {f"model.layers.0: {WHOLE}": LAYERS - len(split)}
-    experts_row = next(r for r in plan.rows if r.module == "model.layers.0.mlp.experts")  # billed there, not negative
+    experts_row = next(r for r in plan.rows if r.path == "model.layers.0.mlp.experts")  # billed there, not negative
     assert experts_row.comm_s > 0 and all(r.comm_s >= 0 for r in plan.rows)
     priced = plan.estimate()
     assert priced.peak_bytes <= budget
