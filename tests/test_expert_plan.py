@@ -63,8 +63,7 @@ def test_the_exchanges_and_the_experts_memory_by_hand(graph, monkeypatch):
     work = (memory_time_s(7 * rows * hidden * 4, hw), memory_time_s(6 * rows * hidden * 4, hw))
 
     def totals(cg):
-        choice = [0] * len(cg.units)  # the first strategy of every unit: all replicated here
-        comm = sum(u.count * u.costs[0].comm_s for u in cg.units)
+        comm = sum(u.count * u.costs[0].comm_s for u in cg.units)  # the first strategy of every unit: replicated here
         static = sum(u.count * u.costs[0].static_bytes for u in cg.units)
         sync = sum(u.count * u.costs[0].dp_comm_s for u in cg.units)
         compute = sum(u.count * u.costs[0].compute_s for u in cg.units)
@@ -343,7 +342,8 @@ def test_under_ddp_the_experts_gradients_are_summed_over_the_replicas_outside_th
     roles = Roles((a, b), False, (), ep=a)  # experts over a; their copies on b: NOTE [expert gradients]
 
     def comm(cg):
-        return sum(u.count * u.costs[0].comm_s for u in cg.units), sum(u.count * u.costs[0].bwd_comm_s for u in cg.units)
+        return (sum(u.count * u.costs[0].comm_s for u in cg.units),
+                sum(u.count * u.costs[0].bwd_comm_s for u in cg.units))
 
     real = comm(build_cost_graph(graph, cl, roles))
     monkeypatch.setattr(expert_plan, "all_reduce_time_s", lambda nbytes, n, link: 0.0)
