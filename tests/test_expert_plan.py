@@ -319,11 +319,23 @@ def test_the_expert_split_can_be_forbidden_or_stated_and_the_megatron_recipe_kee
     assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, ep_axis=None) if r.ep]
     stated = enumerate_roles(mesh, batch=8, facts=facts, ep_axis=("tp", "dp"))
     assert stated and {(r.ep, r.ep_part) for r in stated} == {(("dp", "tp"), False)}  # every plan, every block
-    with pytest.raises(treadle.PlanError, match=r"ep_axis='pp': not live axes of .* \(live: \['dp', 'tp'\]\)"):
+    with pytest.raises(treadle.PlanError, match=r"ep_axis=\['pp'\]: not live axes of .* \(live: \['dp', 'tp'\]\)"):
         enumerate_roles(mesh, batch=8, facts=facts, ep_axis="pp")
+    with pytest.raises(treadle.PlanError, match=r"ep_axis=3: use 'auto', None, an axis name or a list of distinct"):
+        enumerate_roles(mesh, batch=8, facts=facts, ep_axis=3)
+    with pytest.raises(treadle.PlanError, match=r"ep_axis=\['dp'\]: the model has no experts module to split"):
+        enumerate_roles(mesh, batch=8, ep_axis="dp")
     three = {"expert": {"experts": {"model.layers.0.mlp.experts": 3}}}
-    with pytest.raises(treadle.PlanError, match=r"ep_axis='dp': its 2 ranks do not divide the experts \(\[3\] per"):
+    with pytest.raises(treadle.PlanError, match=r"ep_axis=\['dp'\]: its 2 ranks do not divide the experts \(\[3\]"):
         enumerate_roles(mesh, batch=8, facts=three, ep_axis="dp")
+    # a mesh search keeps the meshes that have the stated group's axes
+    from treadle.planner import plan_model
+
+    inputs = lm_inputs(BATCH, SEQ)
+    plan = plan_model(tiny_mixtral(), inputs, cluster=[parse_cluster("4:cpu"), parse_cluster("2x2:cpu")],
+                      ep_axis="tp", pp_axis=None)
+    assert "experts over tp" in plan.roles and "model.layers.1.mlp.experts'].expert_parallel(axis='tp')" in \
+        plan.schedule.to_python()
     # Megatron's recipe as a plan: expert-model-parallel size 1, as Megatron's default; EP is stated after it
     cl = parse_cluster("2x2:cpu")
     dp, tp = cl.mesh.names

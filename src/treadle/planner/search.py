@@ -226,6 +226,9 @@ def candidates(search: _Search, *, distinct: bool = True) -> list[tuple[ClusterS
             continue
         if len(req.clusters) > 1 and req.pp_axis not in ("auto", None) and req.pp_axis not in mesh.names:
             continue
+        ep = [req.ep_axis] if isinstance(req.ep_axis, str) and req.ep_axis != "auto" else req.ep_axis
+        if len(req.clusters) > 1 and isinstance(ep, (list, tuple)) and not set(ep) <= set(mesh.names):
+            continue  # a stated expert group: only the meshes that have its axes
         roles = enumerate_roles(mesh, batch=search.batch, dp_axis=req.dp_axis, zero=req.zero,
                                 forbid_axes=tuple(a for a in req.forbid_axes if a in mesh.names),
                                 reshard_after_forward=req.reshard_after_forward, replicate=req.replicate,

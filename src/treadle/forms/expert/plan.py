@@ -156,22 +156,34 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
     merged assignment). `request.ep_axis`: "auto" (those), None (no expert axis), an axis or a tuple (that group
     only). Raises PlanError for a stated group that is not live or does not divide the experts."""
     experts, want = _experts(request.facts), getattr(request, "ep_axis", "auto")
-    if not experts or want is None:
+    if want is None or (not experts and want == "auto"):
         return None
+    if want != "auto":
+        want = stated_axes(want)
+        if not experts:
+            raise PlanError(f"ep_axis={list(want)}: the model has no experts module to split")
     load = {"ep_load": request.expert_load} if request.expert_load != 1.0 else {}
     if load and _dense_paths(request.facts):
         return [{}]  # dense experts run every expert on every row: no busiest rank to state (NOTE [dense experts])
     divides = lambda g: all(e % math.prod(mesh.size(a) for a in g) == 0 for e in experts.values())  # noqa: E731
     if want != "auto":
-        group = tuple(a for a in mesh.names if a in ((want,) if isinstance(want, str) else tuple(want)))
-        if not group or not set((want,) if isinstance(want, str) else want) <= set(live):
-            raise PlanError(f"ep_axis={want!r}: not live axes of {mesh} (live: {list(live)})")
+        group = tuple(a for a in mesh.names if a in want)
+        if not set(want) <= set(live):
+            raise PlanError(f"ep_axis={list(want)}: not live axes of {mesh} (live: {list(live)})")
         if not divides(group):
-            raise PlanError(f"ep_axis={want!r}: its {math.prod(mesh.size(a) for a in group)} ranks do not divide "
+            raise PlanError(f"ep_axis={list(want)}: its {math.prod(mesh.size(a) for a in group)} ranks do not divide "
                             f"the experts ({sorted(set(experts.values()))} per module)")
         return [{"ep": group, "ep_part": False, **load}]  # every block's experts over it
     groups = [c for r in range(1, len(live) + 1) for c in combinations(live, r)]
     return [{}] + [{"ep": g, **load} for g in groups if divides(g)]
+
+
+def stated_axes(want) -> tuple[str, ...]:
+    """`plan_model`'s stated `ep_axis` (an axis name or a list of them) as a tuple. Raises PlanError otherwise."""
+    axes = (want,) if isinstance(want, str) else tuple(want) if isinstance(want, (list, tuple)) else None
+    if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise PlanError(f"ep_axis={want!r}: use 'auto', None, an axis name or a list of distinct axis names")
+    return axes
 
 
 def keep_roles(options: dict) -> bool:
