@@ -88,6 +88,9 @@ def register(subparsers) -> None:
     p.add_argument("--expert-load-imbalance", type=float, default=1.0, metavar="F",
                    help="the busiest expert rank's routed rows over the mean, charged to expert-parallel plans "
                         "(default 1: balanced; treadle.run logs the measured value as 'busiest / mean rank')")
+    p.add_argument("--checkpoint-policy", action="append", default=[], metavar="NAME",
+                   help="let the plan put blocks under this selective checkpoint policy besides full checkpointing, "
+                        "weighed by the solver (repeatable; 'alternate-matmuls': torchtitan's op-level SAC)")
     p.add_argument("-o", "--output", default=None, help="write the plan as JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _picture_flags(p)
@@ -143,6 +146,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     from ..models.zoo import load_model, named_model
     from ..planner.explain import mesh_table, plan_table, summary_lines
     from ..planner.meshes import default_dtype, search_clusters
+    from ..planner.roles import TrainSpec
     from ..planner.search import plan_model
     from ..planner.validate import validate_axes
     from .output import console as table_console
@@ -174,6 +178,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               execution="compiled" if args.compile else "eager", float8=args.float8,
                               expert_load_imbalance=args.expert_load_imbalance,
+                              train=TrainSpec(checkpoint_policies=tuple(args.checkpoint_policy)),
                               ep_axis=None if args.ep_axis == "none" else args.ep_axis if args.ep_axis == "auto"
                               else tuple(args.ep_axis.split(",")),
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,

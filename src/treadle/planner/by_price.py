@@ -31,7 +31,7 @@ def resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for, 
     not (hi) are known, a proposal outside (lo, hi) bisects it instead; an infeasible solver budget (floor)
     stands in for lo until one fits. Plans seen before are not priced again."""
     key = lambda s_: (tuple(s_.choice), tuple(sorted(s_.ckpt.items())), s_.stages,  # noqa: E731
-                      tuple(sorted(s_.variants.items())))
+                      tuple(sorted(s_.variants.items())), tuple(sorted(s_.policies.items())))
     seen = {key(sol): p}
     tried = [(sol, p)]
     lo, hi, floor, target = -math.inf, math.inf, 0.0, budget  # floor: the largest solver budget found infeasible
@@ -96,7 +96,7 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         m = copy_model(model)  # fake tensors: copied without torch's data_ptr warning
         _, is_leaf_module = runtime_capabilities(m)
         decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=is_leaf_param, stages=sol.stages,
-                                            variants=sol.variants)
+                                            variants=sol.variants, policies=sol.policies)
         sch = apply_decisions(create_schedule(m, mesh=cg.cluster.mesh), decisions, leaf_module=is_leaf_module)
         return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution, useful_flops=useful)
 

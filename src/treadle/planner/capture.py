@@ -30,6 +30,7 @@ from ..errors import PlanError
 from ..form import forms
 from ..loss import default_loss
 from ..profile.memory import buffer_bytes
+from .policies import sac_facts
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class CapturedGraph:
     # nodes whose ops save a tensor for backward (NOTE [recompute stops early] in saved.py); None: not measured
     packers: frozenset[int] | None = None
     packs: dict[int, int] | None = None  # activations each node's ops save (the recompute detaches each again)
+    sac: dict[str, dict] | None = None  # per selective policy, per block node: `policies.SacFact` (NOTE [ops a policy keeps])
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -422,9 +424,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fwd_ops = {index_of[k]: v for k, v in measured.fwd_ops.items() if k in index_of}
         if measured.bwd_ops is not None:
             bwd_ops = {index_of[k]: v for k, v in measured.bwd_ops.items() if k in index_of}
+    sac = None if measured is None else sac_facts(nodes, blocks, measured.trace, measured.packed)
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
                          saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
-                         facts, packers, packs)
+                         facts, packers, packs, sac)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:

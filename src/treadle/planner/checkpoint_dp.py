@@ -9,13 +9,19 @@ recomputation time subject to
 
 Solved exactly: for every candidate transient (each distinct block size, or none), a dynamic program over
 the chain keeps the Pareto front of (bytes saved, seconds spent); dominated states are dropped, so the
-front stays small when blocks repeat. Pure function; bytes and seconds.
+front stays small when blocks repeat. `solve_chain` is a pure function (bytes and seconds); `two_stage` is the
+planner's two-stage mode around it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cost_graph import CostGraph
+    from .ilp import Solution
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +85,33 @@ def _better(a: ChainResult, b: ChainResult) -> bool:
     if a.feasible:
         return (a.recompute_s, a.peak_bytes) < (b.recompute_s, b.peak_bytes)
     return a.peak_bytes < b.peak_bytes
+
+
+def two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solution:
+    """Stage one: the shardings under a budget on static memory only (no checkpoints); stage two: the exact chain DP
+    (`solve_chain`) picks the checkpoint counts for those shardings. A pipeline's stages are solved whole."""
+    from .ilp import Solution, evaluate, solve
+
+    if cg.roles.pp is not None:  # a pipeline's stages are solved whole (NOTE [pipeline in the plan])
+        return solve(cg, budget_bytes=budget, time_limit_s=time_limit_s)
+    sol = solve(cg, budget_bytes=budget, checkpoint=False, time_limit_s=time_limit_s, memory="static")
+    if sol.status == "infeasible":
+        return sol
+    step, peak, terms = evaluate(cg, sol.choice, {}, sol.variants)
+    if budget is None or peak <= budget:
+        return sol
+    tids = list(cg.templates)
+    blocks = []
+    for t in tids:
+        info = cg.templates[t]
+        A = sum(cg.units[u].costs[sol.choice[u]].act_bytes for u in info.units)
+        F = sum(cg.units[u].costs[sol.choice[u]].rec_s for u in info.units)
+        In = info.input_bytes[sol.choice[info.input_unit]] if info.input_unit is not None else 0.0
+        blocks.append(ChainBlock(info.count, A, In, F))
+    base = peak - sum(b.count * b.act_bytes for b in blocks)  # everything but the blocks' activations
+    res = solve_chain(blocks, base_bytes=base, budget_bytes=budget)
+    ckpt = dict(zip(tids, res.counts))
+    step, peak, terms = evaluate(cg, sol.choice, ckpt, sol.variants)
+    status = sol.status if res.feasible else "infeasible"
+    return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms,
+                    variants=sol.variants)

@@ -90,6 +90,8 @@ class CostGraph:
     form_terms: dict[str, Any] = field(default_factory=dict)  # a parallel form's constants of the role, by form name
     replaced: frozenset[int] = frozenset()  # nodes a form replaces at build (the vocab-parallel loss's chain)
     variants: dict[int, list] = field(default_factory=dict)  # template -> its `variants.Variant`s (a form's)
+    policies: tuple[str, ...] = ()  # selective checkpoint policies the MILP may use (NOTE [checkpoint policies in the plan])
+    sac_host_s: dict[tuple[int, str], float] = field(default_factory=dict)  # per (template, policy): host cost a block
 
 
 def exit_module(graph: CapturedGraph, node: Node) -> str | None:
@@ -406,7 +408,7 @@ class _Builder(NodeCosts, Assembly):
             model_flops += (f + b) * self.count(n.index)
         cg = CostGraph(self.g, self.cluster, self.roles, units, edges, unit_of, templates,
                        unknown_flops=dict(self.unknown_flops), fixed_static_bytes=fixed, model_flops=model_flops,
-                       replaced=frozenset(self.replaced))
+                       replaced=frozenset(self.replaced), policies=tuple(self.train.checkpoint_policies))
         self._host_terms(cg)
         for f in forms():  # each form's constants of the role (data parallelism: NOTE [bucketed data parallel])
             f.graph_terms(self, cg)
@@ -447,6 +449,11 @@ class _Builder(NodeCosts, Assembly):
             # NOTE [recompute stops early]: and a detach of every activation the block saves again
             detaches = sum((self.g.packs or {}).get(i, 0) for i in nodes)
             cg.ckpt_host_s[t] = recompute_host_s(hw, ops=ops + detaches, regions=1) + detaches * hw.op_overhead_s
+            for p, facts in (self.g.sac or {}).items():  # NOTE [ops a policy keeps]: what the policy recomputes
+                ops_p = sum(self.op_counts(i)[0] - facts[i].kept_ops for i in nodes
+                            if i in facts and self.recomputed(i) != "none")
+                cg.sac_host_s[t, p] = (recompute_host_s(hw, ops=ops_p + detaches, regions=1)
+                                       + detaches * hw.op_overhead_s)
         cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
 
 def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
@@ -463,6 +470,9 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.grad_bytes += c.grad_bytes
     for key, t in c.grad_sums.items():  # one tensor's gradient sum, whichever member needs it
         total.grad_sums[key] = max(total.grad_sums.get(key, 0.0), t)
+    for p, (k, r, sv) in c.sac.items():  # NOTE [ops a policy keeps] (every op of a block has every policy's)
+        k0, r0, s0 = total.sac.get(p, (0.0, 0.0, 0.0))
+        total.sac[p] = (k0 + k, r0 + r, s0 + sv)
 
 
 def block_chains(nodes: list[Node], ops) -> dict[int, int]:

@@ -52,7 +52,7 @@ import numpy as np
 from ..errors import PlanError
 from ..form import forms
 from ..quiet import native_stdout_to_stderr
-from . import variants
+from . import policies, variants
 from .cost_graph import CostGraph
 from .step_eval import evaluate  # noqa: F401  (the ILP's terms of one choice, computed directly)
 
@@ -82,6 +82,8 @@ class Solution:
     terms: dict[str, float] = field(default_factory=dict)
     stages: Any = None  # a pipeline's stages, micro-batches and per-stage checkpoints (`treadle.forms.pipeline.plan`)
     variants: dict[tuple[int, str], int] = field(default_factory=dict)  # blocks per variant (NOTE [block variants])
+    # blocks per (template, selective checkpoint policy) (NOTE [checkpoint policies in the plan] in `policies.py`)
+    policies: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 class _Model:
@@ -143,6 +145,7 @@ class _Vars:
     zT: dict[int, int]
     T: int | None
     variants: dict[tuple[int, str], int]  # (template, name) -> count variable (NOTE [block variants])
+    policies: dict = field(default_factory=dict)  # (template, policy) -> its CheckpointVars (`policies.py`)
 
 
 def add_strategy_vars(m: _Model, cg: CostGraph) -> dict[tuple[int, int], int]:
@@ -231,11 +234,11 @@ class CheckpointVars:
 
 
 def checkpoint_vars(m: _Model, count: int, A: dict, F: dict, In: dict, bounds: tuple[float, float, float], *,
-                    host: float, enabled: bool, least: int = 0) -> CheckpointVars:
+                    host: float, enabled: bool, least: int = 0, transient: dict | None = None) -> CheckpointVars:
     """A checkpoint count in [least, count] of blocks whose saved bytes, recomputed seconds and kept input are the
     linear expressions `A`, `F`, `In` (scaled: NOTE [row scaling]; `bounds` their upper bounds), each
     checkpointed block costing `host` (scaled) in the objective, its recompute zF at cost 1 (ckpt_count,
-    ckpt_linearise, ckpt_any)."""
+    ckpt_linearise, ckpt_any). `transient`: what one such block holds again in backward, at most A (default A)."""
     Amax, Fmax, Imax = bounds
     nb = max(1, math.ceil(math.log2(count + 1)))
     ys = [m.var(ub=1.0 if enabled else 0.0, integer=True, cost=float(2 ** b) * host) for b in range(nb)]
@@ -251,7 +254,7 @@ def checkpoint_vars(m: _Model, count: int, A: dict, F: dict, In: dict, bounds: t
     for y in ys:
         m.row({q: 1.0, y: -1.0}, 0.0, math.inf, "ckpt_any")
     zt = m.var(ub=Amax)
-    _mccormick(m, zt, q, A, Amax)
+    _mccormick(m, zt, q, A if transient is None else transient, Amax)
     return CheckpointVars(ys, q, zA, zF, zI, zt)
 
 
@@ -309,14 +312,15 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
             add(v.s[u, k], (unit.count * c.static_bytes + unit.count * c.act_bytes) * _BYTES)
     for j, x in variants.memory_terms(cg, v.variants, _BYTES).items():
         add(j, x)
-    for t in cg.templates:
-        for b, (za, zi) in enumerate(zip(v.zA[t], v.zI[t])):
+    zs = [(v.zA[t], v.zI[t]) for t in cg.templates] + [(cv.zA, cv.zI) for cv in v.policies.values()]
+    for zA, zI in zs:
+        for b, (za, zi) in enumerate(zip(zA, zI)):
             add(za, -float(2 ** b))
             add(zi, float(2 ** b))
     if cg.templates:
         T = m.var(ub=math.inf)
         v.T = T
-        for t, zt in v.zT.items():
+        for zt in [*v.zT.values(), *(cv.zT for cv in v.policies.values())]:
             m.row({T: 1.0, zt: -1.0}, 0.0, math.inf, "transient")
         add(T, 1.0)
     return terms, cg.fixed_static_bytes * _BYTES
@@ -398,6 +402,8 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
     v = add_checkpoints(m, cg, s, enabled=checkpoint, min_ckpt=min_ckpt or {})
     v.variants = w
     variants.link_checkpoints(m, cg, w, v.bits, v.q, _SECONDS)
+    v.policies = policies.add_vars(m, cg, s, enabled=checkpoint, seconds=_SECONDS, nbytes=_BYTES)
+    policies.add_rows(m, cg, v.bits, v.policies)
     terms, const = memory_expression(m, cg, v, static_only=(memory == "static"))
     rows = [(terms, const)]
     if memory != "static":  # further points of the step (data parallelism: NOTE [the backward's end])
@@ -431,10 +437,12 @@ def _solve_once(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool, 
         choice.append(ks[0])
     ckpt = {t: int(round(sum(2 ** b * x[y] for b, y in enumerate(ys)))) for t, ys in v.bits.items()}
     counts = {key: int(round(x[j])) for key, j in w.items()}
+    pol = policies.counts_of(x, v.policies)
     status = "optimal" if res.status == 0 else "time_limit"
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    step_s, peak, terms_out = evaluate(cg, choice, ckpt, counts)
-    return Solution(choice, ckpt, step_s, peak, status, gap, solve_s, n_vars, n_cons, terms_out, variants=counts)
+    step_s, peak, terms_out = evaluate(cg, choice, ckpt, counts, pol)
+    return Solution(choice, ckpt, step_s, peak, status, gap, solve_s, n_vars, n_cons, terms_out, variants=counts,
+                    policies=pol)
 
 
 def feasible_choice(cg: CostGraph, choice: list[int]) -> bool:
@@ -444,14 +452,16 @@ def feasible_choice(cg: CostGraph, choice: list[int]) -> bool:
 
 def solve_exhaustive(cg: CostGraph, *, budget_bytes: float | None, checkpoint: bool = True,
                      limit: int = 2_000_000) -> Solution:
-    """Enumerate every strategy choice, checkpoint count and variant count (test oracle for tiny graphs).
-    Raises PlanError when the space exceeds `limit` combinations."""
+    """Enumerate every strategy choice, checkpoint count, variant count and selective-policy count (test oracle
+    for tiny graphs). Raises PlanError when the space exceeds `limit` combinations."""
     t0 = time.perf_counter()
     sizes = [len(u.costs) for u in cg.units]
     ck_ranges = [range(info.count + 1) if checkpoint else range(1) for info in cg.templates.values()]
     keys = list(variants.variants_of(cg))
     var_ranges = [range(v.most + 1) for v in variants.variants_of(cg).values()]
-    space = math.prod(sizes) * math.prod(len(r) for r in ck_ranges + var_ranges)
+    pkeys = policies.offered(cg)
+    pol_ranges = [range(cg.templates[t].count + 1) if checkpoint else range(1) for t, _ in pkeys]
+    space = math.prod(sizes) * math.prod(len(r) for r in ck_ranges + var_ranges + pol_ranges)
     if space > limit:
         raise PlanError(f"solve_exhaustive: {space} combinations exceed the limit {limit}")
     best: Solution | None = None
@@ -461,16 +471,20 @@ def solve_exhaustive(cg: CostGraph, *, budget_bytes: float | None, checkpoint: b
             continue
         if not feasible_choice(cg, list(choice)):
             continue
-        for cks, ws in itertools.product(itertools.product(*ck_ranges), itertools.product(*var_ranges)):
-            ckpt, counts = dict(zip(tids, cks)), dict(zip(keys, ws))
+        for cks, ws, ps in itertools.product(itertools.product(*ck_ranges), itertools.product(*var_ranges),
+                                             itertools.product(*pol_ranges)):
+            ckpt, counts, pol = dict(zip(tids, cks)), dict(zip(keys, ws)), dict(zip(pkeys, ps))
+            if any(ckpt[t] + sum(n for (t2, _), n in pol.items() if t2 == t) > cg.templates[t].count for t in tids):
+                continue
             if any(counts[key] and any(choice[u] == k for u, k in v.excludes)
                    for key, v in variants.variants_of(cg).items()):
                 continue
-            step, peak, terms = evaluate(cg, list(choice), ckpt, counts)
+            step, peak, terms = evaluate(cg, list(choice), ckpt, counts, pol)
             if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
                 continue
             if best is None or step < best.step_s - 1e-15:
-                best = Solution(list(choice), ckpt, step, peak, "optimal", 0.0, 0.0, terms=terms, variants=counts)
+                best = Solution(list(choice), ckpt, step, peak, "optimal", 0.0, 0.0, terms=terms, variants=counts,
+                                policies=pol)
     if best is None:
         return Solution([], {}, math.inf, math.inf, "infeasible", math.inf, time.perf_counter() - t0)
     best.solve_s = time.perf_counter() - t0

@@ -31,6 +31,7 @@ from ..runtime.optimizer import adamw_tensor_s
 from ..placement import R
 from .capture import Node, TensorMeta
 from .dims import AxisOption
+from .policies import strategy_terms
 
 # Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
 _SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "rsqrt", "tanh", "sigmoid", "exp",
@@ -63,6 +64,9 @@ class StrategyCost:
     # the input-gradient sums (Megatron's "f") it needs, by (input node, tensor-axis index) -> seconds per
     # execution (NOTE [shared input-gradient sum] in `treadle.forms.tensor.plan`): each charged once per choice
     grad_sums: dict[tuple[int, int], float] = field(default_factory=dict)
+    # per selective checkpoint policy: (bytes its cache keeps, seconds its recompute repeats, of the kept bytes those
+    # autograd saves too) (NOTE [ops a policy keeps] in `treadle.planner.policies`)
+    sac: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 def _tensor_axes_divisor(pl: tuple[int, ...], sizes: tuple[int, ...]) -> int:
@@ -206,6 +210,8 @@ class NodeCosts:
                 f.param_cost(self, src.out, pl, c)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
+        if self.g.sac and n.block is not None:
+            strategy_terms(self, i, c, fwd, rec, self.saved_divisor(n, combo, pub))
         return c
 
     def owned_params(self, n: Node, combo: tuple[AxisOption, ...]) -> Iterator[tuple[Node, tuple[int, ...]]]:
@@ -270,13 +276,7 @@ class NodeCosts:
         outs = n.out if isinstance(n.out, tuple) else (n.out,)
         if self.g.saved is not None:
             b = self.g.saved.get(i, 0)
-            if not b:
-                return 0.0
-            first = next((k for k, m in enumerate(outs) if isinstance(m, TensorMeta)), None)
-            if first is None:
-                return float(b) / self.dp_div(i)
-            pl = pub if first == 0 else tuple(o.outs[first] if first < len(o.outs) else R for o in combo)
-            return b / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
+            return b / self.saved_divisor(n, combo, pub) if b else 0.0
         if not self.saved[i]:
             return 0.0
         total = 0.0
@@ -285,6 +285,15 @@ class NodeCosts:
                 pl = pub if k == 0 else tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
                 total += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
         return total
+
+    def saved_divisor(self, n: Node, combo, pub) -> float:
+        """What divides node n's measured global bytes per device: its first tensor output's shards."""
+        outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        first = next((k for k, m in enumerate(outs) if isinstance(m, TensorMeta)), None)
+        if first is None:
+            return float(self.dp_div(n.index))
+        pl = pub if first == 0 else tuple(o.outs[first] if first < len(o.outs) else R for o in combo)
+        return _tensor_axes_divisor(pl, self.tp_sizes) * self.dp_div(n.index)
 
     def _mark_saved(self) -> None:
         """saved[i]: node i's output storage is kept for backward by some consumer (views -> their base)."""

@@ -73,10 +73,20 @@ class Roles:
 @dataclass(frozen=True, slots=True)
 class TrainSpec:
     """Training setup priced by the planner: optimizer state bytes per parameter element (AdamW: two fp32
-    moments = 8) and whether a fp32 master copy is kept for lower-precision parameters."""
+    moments = 8), whether a fp32 master copy is kept for lower-precision parameters, and the selective checkpoint
+    policies the plan may use besides full checkpointing (e.g. ("alternate-matmuls",); NOTE [checkpoint policies
+    in the plan])."""
 
     optimizer_bytes_per_elem: int = 8
     master_copy: bool = True
+    # selective checkpoint policies the planner may put blocks under, besides full checkpointing (NOTE [checkpoint
+    # policies in the plan] in `treadle.planner.policies`)
+    checkpoint_policies: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # the names checked once, as a tuple (PlanError names the known ones)
+        from .policies import check_policies
+
+        object.__setattr__(self, "checkpoint_policies", check_policies(self.checkpoint_policies))
 
 
 def enumerate_roles(mesh: Mesh, *, batch: int | None,

@@ -59,6 +59,8 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
         for module, c in parts.items():
             path = module or "<root>"
             rec = ck[unit.template] * c.rec_s if unit.template is not None and ck.get(unit.template) else 0.0
+            rec += sum(n * c.sac.get(p, (0.0, c.rec_s, 0.0))[1] for (t, p), n in sol.policies.items()
+                       if n and t == unit.template)  # NOTE [checkpoint policies in the plan]
             row = rows.get(path)
             if row is None:
                 row = rows[path] = PlanRow(path, unit.count, "", 0.0, 0.0, 0.0, 0.0)
@@ -80,7 +82,7 @@ def plan_rows(cg: CostGraph, sol: Solution) -> list[PlanRow]:
         if row is not step:  # (the step row takes the compute no row holds, below)
             row.compute_s += sol.variants.get(key, 0) * v.delta.compute_s
         row.memory_bytes += sol.variants.get(key, 0) * (v.delta.static_bytes + v.delta.act_bytes)
-    _, _, terms = evaluate(cg, sol.choice, sol.ckpt, sol.variants)
+    _, _, terms = evaluate(cg, sol.choice, sol.ckpt, sol.variants, sol.policies)
     step.compute_s += terms["compute_s"] - sum(r.compute_s for r in rows.values())
     step.recompute_s += terms["recompute_s"] - sum(r.recompute_s for r in rows.values())
     tol = 1e-9 * max(terms["compute_s"] + terms["recompute_s"], 1e-12)

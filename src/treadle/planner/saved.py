@@ -68,7 +68,7 @@ class _Produced(TorchDispatchMode):
         out = fake_gaps.call(func, args, kwargs or {})
         if func not in METADATA_QUERIES:
             self.run.count()
-        self.run.note(out)
+        self.run.note(out, None if func in METADATA_QUERIES else func, args, kwargs or {})
         return out
 
 
@@ -88,6 +88,7 @@ class _Run(torch.fx.Interpreter):
         self.bwd_current: str | None = None
         self.packers: set[str] = set()
         self.packs: dict[str, int] = {}  # node -> tensors its ops save (a recompute detaches each once more)
+        self.trace: dict[str, list[OpTrace]] = {}  # node -> its forward's ops in order (NOTE [ops a policy keeps])
 
     def count(self) -> None:
         if self.backward:
@@ -113,9 +114,10 @@ class _Run(torch.fx.Interpreter):
     def _enter(self, name: str, grad_outputs: Any) -> None:
         self.bwd_current = name
 
-    def note(self, out: Any) -> None:
+    def note(self, out: Any, func: Any = None, args: tuple = (), kwargs: dict | None = None) -> None:
         if self.current is None:
             return
+        made: list[tuple[int, int]] = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -123,6 +125,9 @@ class _Run(torch.fx.Interpreter):
                 if key not in self.producer and key not in self.skip:
                     self.producer[key] = (self.current, st.nbytes())
                     self.keep.append(st)
+                    made.append((key, st.nbytes()))
+        if func is not None and not self.backward:
+            self.trace.setdefault(self.current, []).append(_op_trace(func, args, kwargs or {}, out, made))
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.name if n.op == "call_function" else None
@@ -151,6 +156,32 @@ class _Run(torch.fx.Interpreter):
 
 
 @dataclass(frozen=True, slots=True)
+class OpTrace:
+    """One ATen op a node dispatched in forward (NOTE [ops a policy keeps] in `treadle.planner.policies`): its
+    names ("ns.op", "ns.op.overload"), the storages it made, (id, bytes) each (none for a view), its FLOPs (0
+    where no rule) and the bytes of its tensor arguments and outputs (its share of the node's time)."""
+
+    names: tuple[str, str]
+    made: tuple[tuple[int, int], ...]
+    flops: int = 0
+    io_bytes: int = 0
+
+
+def _op_trace(func: Any, args: tuple, kwargs: dict, out: Any, made: list) -> OpTrace:
+    from ..errors import ProfileError
+    from ..profile.flops import forward_flops
+
+    ns = getattr(func, "namespace", "")
+    op = getattr(func, "_opname", str(func))
+    try:
+        flops = forward_flops(func, args, kwargs, out)
+    except ProfileError:
+        flops = 0
+    io = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+    return OpTrace((f"{ns}.{op}", f"{ns}.{op}.{getattr(func, '_overloadname', 'default')}"), tuple(made), flops, io)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeMeasure:
     """Per node name of the captured graph: bytes autograd saves of its storages (NOTE [saved by autograd]), and
     the ATen ops it dispatches forward and backward (NOTE [ops per node]; None when the backward failed)."""
@@ -160,6 +191,8 @@ class NodeMeasure:
     bwd_ops: dict[str, int] | None
     packers: frozenset[str] = frozenset()  # nodes whose ops save a tensor for backward (NOTE [recompute stops early])
     packs: dict[str, int] = field(default_factory=dict)  # activations each node's ops save (same NOTE)
+    trace: dict[str, list[OpTrace]] = field(default_factory=dict)  # each node's forward ops, in order
+    packed: frozenset[int] = frozenset()  # the storages (ids in `trace`) autograd saves
 
 
 def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, backward: bool = True) -> NodeMeasure:
@@ -183,7 +216,8 @@ def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, back
         bwd = _backward(run, out) if backward else None
         del out
     logger.debug("saved by autograd: %d nodes, %d bytes", len(run.saved), sum(run.saved.values()))
-    return NodeMeasure(run.saved, run.fwd_ops, bwd, frozenset(run.packers), dict(run.packs))
+    return NodeMeasure(run.saved, run.fwd_ops, bwd, frozenset(run.packers), dict(run.packs), run.trace,
+                       frozenset(run.packed))
 
 
 def _backward(run: _Run, out: Any) -> dict[str, int] | None:

@@ -28,11 +28,11 @@ from ..units import GiB, fmt_bytes_exact as _fmt_bytes
 from .by_price import choose_by_price
 from .capabilities import attr_resolver, runtime_capabilities, shardable_fn, tied_leaf_holders
 from .capture import CapturedGraph, capture
-from .checkpoint_dp import ChainBlock, solve_chain
+from .checkpoint_dp import two_stage
 from .cost_graph import CostGraph, Roles, TrainSpec, build_cost_graph
 from .floors import OverMemoryFloor
 from .dims import unknown_ops
-from .ilp import Solution, evaluate, solve
+from .ilp import Solution, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
 from .candidates import collector_paused, cutoff_for, pipeline_on_slowest_link, priced_candidates
@@ -270,7 +270,7 @@ def solve_for(search: _Search, cg: CostGraph, budget: float | None, cutoff_s: fl
     if req.mode == "joint":
         return solve(cg, budget_bytes=budget, time_limit_s=req.time_limit_s, min_ckpt=min_ck,
                      checkpoint=req.checkpoint != "none", cutoff_s=cutoff_s)
-    return _two_stage(cg, budget, req.time_limit_s)
+    return two_stage(cg, budget, req.time_limit_s)
 
 
 def solve_roles(search: _Search) -> tuple[list[tuple[Solution, CostGraph]], list]:
@@ -370,7 +370,7 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
     req, graph = search.req, search.graph
     cluster = cg.cluster
     decisions = decisions_from_solution(cg, sol.choice, sol.ckpt, leaf_param=search.is_leaf_param, stages=sol.stages,
-                                        variants=sol.variants)
+                                        variants=sol.variants, policies=sol.policies)
     hw = cluster.rank_hardware()
     dtype = next((m.dtype for m in graph.params.values()), torch.float32)
     est = Estimate(sol.step_s, sol.peak_bytes,
@@ -390,6 +390,8 @@ def emit(search: _Search, sol: Solution, cg: CostGraph, chosen_price: dict | Non
               "stages": asdict(sol.stages) if sol.stages is not None else None,
               "unknown_flops": cg.unknown_flops, "device": asdict(cluster.rank_device()), "priced": priced,
               "param_dtype": str(dtype).removeprefix("torch.")}
+    if any(sol.policies.values()):  # blocks per selective checkpoint policy (NOTE [checkpoint policies in the plan])
+        solver["policies"] = {f"{cg.templates[t].path}: {p}": n for (t, p), n in sol.policies.items() if n}
     if any(sol.variants.values()):  # blocks per variant (NOTE [block variants])
         solver["variants"] = {f"{cg.templates[t].path}: {name}": w for (t, name), w in sol.variants.items() if w}
     if not cg.roles.dp and not any(d.op in ("shard", "shard_attr") for d in decisions):
@@ -448,32 +450,6 @@ def _raise_pin_conflict(search: _Search, attempts: list) -> None:
 
     raise PlanError(pin_conflict(graph, req.pins, attempts, pins_for=lambda sub, roles: pins_for(graph, sub, roles),
                                  probe=probe, is_leaf_param=search.is_leaf_param, module_type=module_type))
-
-
-def _two_stage(cg: CostGraph, budget: float | None, time_limit_s: float) -> Solution:
-    if cg.roles.pp is not None:  # a pipeline's stages are solved whole (NOTE [pipeline in the plan])
-        return solve(cg, budget_bytes=budget, time_limit_s=time_limit_s)
-    sol = solve(cg, budget_bytes=budget, checkpoint=False, time_limit_s=time_limit_s, memory="static")
-    if sol.status == "infeasible":
-        return sol
-    step, peak, terms = evaluate(cg, sol.choice, {}, sol.variants)
-    if budget is None or peak <= budget:
-        return sol
-    tids = list(cg.templates)
-    blocks = []
-    for t in tids:
-        info = cg.templates[t]
-        A = sum(cg.units[u].costs[sol.choice[u]].act_bytes for u in info.units)
-        F = sum(cg.units[u].costs[sol.choice[u]].rec_s for u in info.units)
-        In = info.input_bytes[sol.choice[info.input_unit]] if info.input_unit is not None else 0.0
-        blocks.append(ChainBlock(info.count, A, In, F))
-    base = peak - sum(b.count * b.act_bytes for b in blocks)  # everything but the blocks' activations
-    res = solve_chain(blocks, base_bytes=base, budget_bytes=budget)
-    ckpt = dict(zip(tids, res.counts))
-    step, peak, terms = evaluate(cg, sol.choice, ckpt, sol.variants)
-    status = sol.status if res.feasible else "infeasible"
-    return Solution(sol.choice, ckpt, step, peak, status, sol.gap, sol.solve_s, sol.n_vars, sol.n_cons, terms,
-                    variants=sol.variants)
 
 
 def _tensor_shardable(cg: CostGraph) -> dict[str, bool]:

@@ -5,15 +5,17 @@ explanation's split)."""
 from __future__ import annotations
 
 from ..form import forms
-from . import variants
+from . import policies, variants
 from .cost_graph import CostGraph
 
 
 def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int],
-             counts: dict[tuple[int, str], int] | None = None) -> tuple[float, float, dict[str, float]]:
-    """Step time and peak memory of a choice (`counts`: blocks per variant, NOTE [block variants]), computed
-    directly (no linearisation): the ILP's objective and memory constraint, in the same units. Also the split of
-    the step time and memory by term."""
+             counts: dict[tuple[int, str], int] | None = None,
+             pol: dict[tuple[int, str], int] | None = None) -> tuple[float, float, dict[str, float]]:
+    """Step time and peak memory of a choice (`counts`: blocks per variant, NOTE [block variants]; `pol`: blocks
+    per selective checkpoint policy, NOTE [checkpoint policies in the plan]), computed directly (no
+    linearisation): the ILP's objective and memory constraint, in the same units. Also the split of the step time
+    and memory by term."""
     compute = comm = 0.0
     static = act_out = 0.0
     for u, unit in enumerate(cg.units):
@@ -35,6 +37,9 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int],
         act_blocks += (info.count - c) * A + c * In
         if c > 0:
             transient = max(transient, A)
+    pol = {k: n for k, n in (pol or {}).items() if n}
+    p_rec, p_act, p_trans = policies.evaluate(cg, choice, pol)
+    recompute, act_blocks, transient = recompute + p_rec, act_blocks + p_act, max(transient, p_trans)
     counts = counts or {}
     var = variants.evaluate(cg, counts, ckpt)
     compute, comm, recompute = compute + var["compute_s"], comm + var["comm_s"], recompute + var["recompute_s"]
@@ -46,7 +51,9 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int],
     compute, comm = acc["compute_s"] + cg.host_s, acc["comm_s"]
     step = compute + comm + recompute
     peak = static + act_out + act_blocks + transient + cg.fixed_static_bytes
-    end = max((f.peak_bytes(cg, choice, ckpt, counts) for f in forms()), default=0.0)  # NOTE [the backward's end]
+    # NOTE [the backward's end]: a form reads which templates have a block checkpointed, either way
+    either = {t: ckpt.get(t, 0) + sum(n for (t2, _), n in pol.items() if t2 == t) for t in cg.templates}
+    end = max((f.peak_bytes(cg, choice, either, counts) for f in forms()), default=0.0)
     if end > peak:
         transient += end - peak
         peak = end

@@ -111,11 +111,12 @@ class DecisionContext:
 
 def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, int], *,
                             leaf_param: "callable[[str], bool]", stages: Any = None,
-                            variants: dict | None = None) -> list[Decision]:
+                            variants: dict | None = None, policies: dict | None = None) -> list[Decision]:
     """The module-level decisions of a solution, in a stable order (shards, syncs, the forms' own, grads, rng,
     ckpt, dp: `DECISION_RANKS`). `stages`: a pipeline solution's stages (`Solution.stages`), for the pipeline
     form's decisions (``ctx.memo["stages"]``); `variants`: its blocks per variant (``ctx.memo["variants"]``,
-    NOTE [block variants])."""
+    NOTE [block variants]); `policies`: its blocks per (template, selective checkpoint policy) (NOTE [checkpoint
+    policies in the plan])."""
     from .cost_graph import block_chains, exit_module
     from .views import view_attr_needs
 
@@ -179,11 +180,16 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     ranked: list[tuple[int, str, Decision]] = []
     for rank, emit, items in sorted(ctx.buckets.values(), key=lambda b: b[0]):
         ranked += [(rank, "", d) for d in emit(items)]
-    for t, c in sorted(ckpt.items()):
-        info = cg.templates[t]
-        for m in _spread(info.members, c):
-            ranked.append((DECISION_RANKS["checkpoint"], "", Decision("checkpoint", m, {},
-                                                                      f"{c} of {info.count} blocks like {info.path}")))
+    from .policies import pick
+
+    for t in sorted(set(ckpt) | {t for t, _ in (policies or {})}):
+        info, c = cg.templates[t], ckpt.get(t, 0)
+        own = {p: n for (t2, p), n in (policies or {}).items() if t2 == t and n}
+        for m, p in sorted(pick(info.members, c, own).items(), key=lambda x: info.members.index(x[0])):
+            n = c if p == "full" else own[p]
+            why = f"{n} of {info.count} blocks like {info.path}" + ("" if p == "full" else f", policy {p}")
+            ranked.append((DECISION_RANKS["checkpoint"], "",
+                           Decision("checkpoint", m, {} if p == "full" else {"policy": p}, why)))
     # each parallel form's other decisions, placed by rank (the vocab-parallel loss after the layouts, data
     # parallelism last); a stable sort keeps each rank's own order
     ranked += [x for f in forms() for x in f.decisions(cg, choice, ckpt, ctx)]
@@ -271,8 +277,8 @@ def apply_decisions(sch, decisions: list[Decision], *, leaf_module: "callable[[s
             sch[d.path].fork_rng(axis=d.args["axis"])
         elif d.op == "shard_attr":
             sch[d.path].shard_attr(d.args["name"], axis=d.args["axis"])
-        elif d.op == "checkpoint":
-            sch[d.path].checkpoint()
+        elif d.op == "checkpoint":  # a policy name is checked by the primitive (NOTE [checkpoint policies as ...])
+            sch[d.path].checkpoint(policy=d.args.get("policy", "full"))
         elif d.op == "set_attr":  # the Ref passes the gate a schedule file's Refs pass (NOTE [files are data])
             from .decision_check import decision_ref
 
@@ -315,7 +321,8 @@ def decisions_python(decisions: list[Decision]) -> list[str]:
         elif d.op == "fork_rng":
             lines.append(f"sch[{d.path!r}].fork_rng(axis={a['axis']!r})")
         elif d.op == "checkpoint":
-            lines.append(f"sch[{d.path!r}].checkpoint()")
+            pol = f"policy={a['policy']!r}" if a.get("policy", "full") != "full" else ""
+            lines.append(f"sch[{d.path!r}].checkpoint({pol})")
         elif d.op == "data_parallel":
             extra = "".join(f", {k}={a[k]!r}" for k in ("replicate", "reshard_after_forward") if k in a)
             axis = a["axis"] if isinstance(a["axis"], str) else tuple(a["axis"])

@@ -29,6 +29,7 @@ from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from ...planner.ilp import _BYTES, _SECONDS, _block_exprs, _mccormick, first_template, head_units
+from ...planner.policies import any_checkpointed
 from ...planner.node_costs import _tensor_axes_divisor
 from ...planner.to_schedule import DECISION_RANKS, Decision
 from ...planner.variants import variants_of
@@ -372,7 +373,7 @@ def memory_rows(m, cg, v) -> list[tuple[dict[int, float], float]]:
     if In:  # q_t0 In_t0: block 0's input, kept while it is recomputed
         ub = max(cg.templates[t0].input_bytes) * _BYTES
         z = m.var(ub=ub)
-        _mccormick(m, z, v.q[t0], In, ub)
+        _mccormick(m, z, any_checkpointed(m, t0, v.q[t0], v.policies), In, ub)  # either way (`policies.py`)
         row[z] = 1.0
     return [(row, cg.fixed_static_bytes * _BYTES)]
 

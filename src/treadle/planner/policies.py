@@ -1,0 +1,251 @@
+"""Selective checkpoint policies in the planner's search: per block template, how many blocks run under each
+policy a user allows, beside the full checkpoint count, in the same MILP.
+
+NOTE [ops a policy keeps]: a selective policy (NOTE [checkpoint policies as peers define them]) decides op by op,
+at run time, what `torch.utils.checkpoint`'s selective checkpointing keeps in its cache and what the backward
+recomputes. The capture's measurement (NOTE [saved by autograd] in saved.py) records, per graph node, the ATen ops
+its forward dispatches in order and the storages each op makes (`saved.OpTrace`); `sac_facts` replays the
+policy's table over them, per captured block in forward order, counting the alternation (torchtitan's every other
+``aten.mm``) over the block's forward as the policy counts it over one run of the checkpointed module. Per node and
+policy (`SacFact`): the global bytes of the storages the kept ops make (`kept_bytes`), of which autograd saves
+(`kept_saved_bytes`), and the kept ops' share of the node's forward, which the recompute does not repeat (by their
+FLOPs, else by the bytes they read and write, plus one dispatch each). The cost graph divides the bytes like the
+node's saved bytes.
+
+NOTE [checkpoint policies in the plan]: with `TrainSpec.checkpoint_policies`, each block template t gets, besides
+its full checkpoint count c_t, one count c_{t,p} per policy p, c_t + sum_p c_{t,p} <= L_t (policy_count). A block
+under p keeps its input and the kept ops' outputs (In + K_p, held outside autograd), recomputes in backward what p
+does not keep up to the block's last saving op (F_p, NOTE [recompute stops early]), and, while its backward runs,
+holds again what autograd saves less what the cache already holds (A - S_p):
+
+    memory += c_{t,p} (In + K_p - A)        T >= q_{t,p} (A - S_p)        time += c_{t,p} (F_p + host_p)
+
+each product linearised per bit as the full count's (`ilp.checkpoint_vars`). Block 0's input at the backward's end
+(NOTE [the backward's end]) is counted when any block of its template is checkpointed either way
+(`any_checkpointed`). Which blocks: the full checkpoints as `_spread` places them, then each policy's blocks spread
+over the rest (`pick`), so block 0 is checkpointed whenever any block is. Not offered for a template with block
+variants (NOTE [block variants]: their recompute credit assumes full checkpoints), in the two-stage mode, or inside
+a pipeline's stages (their own MILP). A policy that would keep nothing less than a full checkpoint does is still
+offered: the solver weighs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PlanError
+from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES, POLICY_NAMES
+
+SELECTIVE = tuple(p for p, x in CHECKPOINT_POLICIES.items() if x.how == "selective")  # what the search weighs
+
+
+@dataclass(frozen=True, slots=True)
+class SacFact:
+    """One node under one policy (NOTE [ops a policy keeps]): the storages the kept ops make (bytes; of which
+    autograd saves), and the kept ops' share of the node's forward: their FLOPs and argument/output bytes against
+    the node's, and their count (each op pays the device's dispatch overhead)."""
+
+    kept_bytes: int = 0
+    kept_saved_bytes: int = 0
+    kept_flops: int = 0
+    flops: int = 0
+    kept_io: int = 0
+    io: int = 0
+    kept_ops: int = 0
+
+    def kept_share(self) -> float:
+        """The kept ops' share of the node's forward compute: by FLOPs, else by bytes moved."""
+        if self.flops:
+            return self.kept_flops / self.flops
+        return self.kept_io / self.io if self.io else 0.0
+
+
+def check_policies(policies: Any) -> tuple[str, ...]:
+    """The selective policies a plan may use, checked: names of `SELECTIVE` ("full" is always searched)."""
+    if isinstance(policies, str):
+        policies = (policies,)
+    out = []
+    for p in policies or ():
+        if p == "full":
+            continue
+        if p not in SELECTIVE:
+            raise PlanError(f"checkpoint_policies: {p!r:.60} is not a policy the planner searches; known: "
+                            f"{['full', *SELECTIVE]} (of {list(POLICY_NAMES)}; \"attention-core\" is written by hand)")
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def _matches(names: tuple[str, str], table: tuple[str, ...]) -> bool:
+    return names[0] in table or names[1] in table
+
+
+def sac_facts(nodes: list, blocks: list, trace: dict[str, list], packed: frozenset[int]
+              ) -> dict[str, dict[int, SacFact]]:
+    """{policy: {node index: SacFact}} for every selective policy and every op node of a captured block
+    (NOTE [ops a policy keeps])."""
+    out: dict[str, dict[int, SacFact]] = {}
+    for name in SELECTIVE:
+        pol = CHECKPOINT_POLICIES[name]
+        facts: dict[int, SacFact] = {}
+        for blk in blocks:
+            counts: dict[str, int] = {}
+            for i in sorted(blk.nodes):
+                n = nodes[i]
+                if n.kind != "op":
+                    continue
+                x = [0] * 7  # the SacFact's fields, in order
+                for op in trace.get(n.name, ()):
+                    keep = _matches(op.names, pol.keep) if pol.default == "recompute" else \
+                        not _matches(op.names, pol.recompute)
+                    if keep and _matches(op.names, pol.alternate):
+                        counts[op.names[0]] = counts.get(op.names[0], 0) + 1
+                        keep = counts[op.names[0]] % 2 == 1
+                    x[3] += op.flops
+                    x[5] += op.io_bytes
+                    if keep:
+                        x[0] += sum(b for _, b in op.made)
+                        x[1] += sum(b for sid, b in op.made if sid in packed)
+                        x[2] += op.flops
+                        x[4] += op.io_bytes
+                        x[6] += 1
+                facts[i] = SacFact(*x)
+        out[name] = facts
+    return out
+
+
+def strategy_terms(b, i: int, c, fwd: float, rec: str, divisor: float) -> None:
+    """Fill `c.sac` (policy -> (kept bytes, recompute seconds, kept bytes autograd also saves), per device) of node
+    `i` under one strategy `c` (a `StrategyCost` whose `rec_s` is final): the bytes divided like its saved bytes
+    (`divisor`); the recompute less the kept ops' share of the node's forward (`fwd`: its forward seconds, of
+    which each dispatched op's overhead; `rec`: `NodeCosts.recomputed`). `b` is the cost graph builder."""
+    oh = b.hw.op_overhead_s
+    n_fwd = b.op_counts(i)[0]
+    for p, facts in (b.g.sac or {}).items():
+        f = facts.get(i, SacFact())
+        r = c.rec_s
+        if rec != "none" and f.kept_ops:
+            r -= max(fwd - n_fwd * oh, 0.0) * f.kept_share() + f.kept_ops * oh
+        c.sac[p] = (f.kept_bytes / divisor, max(r, 0.0), f.kept_saved_bytes / divisor)
+
+
+def offered(cg) -> list[tuple[int, str]]:
+    """(template, policy) pairs the MILP weighs (NOTE [checkpoint policies in the plan])."""
+    if not cg.policies or cg.roles.pp is not None or not cg.graph.sac:
+        return []
+    return [(t, p) for t in cg.templates if not cg.variants.get(t) for p in cg.policies if p in cg.graph.sac]
+
+
+def block_terms(cg, choice: list[int], t: int, p: str) -> tuple[float, float, float]:
+    """A block of template t under policy p with `choice`: (bytes it keeps, recompute seconds, bytes it holds
+    again while its backward runs beyond what it keeps): In + K_p, F_p, A - S_p."""
+    info = cg.templates[t]
+    K = F = S = A = 0.0
+    for u in info.units:
+        c = cg.units[u].costs[choice[u]]
+        k, f, s = c.sac.get(p, (0.0, c.rec_s, 0.0))
+        K, F, S, A = K + k, F + f, S + s, A + c.act_bytes
+    In = info.input_bytes[choice[info.input_unit]] if info.input_unit is not None else 0.0
+    return In + K, F, A - S
+
+
+def host_s(cg, t: int, p: str) -> float:
+    """Host seconds of one block of t under p (`CostGraph.sac_host_s`; 0 where not computed)."""
+    return cg.sac_host_s.get((t, p), 0.0)
+
+
+def evaluate(cg, choice: list[int], policies: dict[tuple[int, str], int]) -> tuple[float, float, float]:
+    """(recompute seconds, activation bytes beyond the blocks' saved ones, largest transient) of the policy counts
+    (NOTE [checkpoint policies in the plan]), the terms `add_vars` states."""
+    rec = act = trans = 0.0
+    for (t, p), n in policies.items():
+        if not n:
+            continue
+        keep, F, again = block_terms(cg, choice, t, p)
+        A = sum(cg.units[u].costs[choice[u]].act_bytes for u in cg.templates[t].units)
+        rec += n * (F + host_s(cg, t, p))
+        act += n * (keep - A)
+        trans = max(trans, again)
+    return rec, act, trans
+
+
+def add_vars(m, cg, s, *, enabled: bool, seconds: float, nbytes: float) -> dict[tuple[int, str], Any]:
+    """Per offered (template, policy) a count with its McCormick products (`ilp.checkpoint_vars`: zA = y A,
+    zF = y F_p, zI = y (In + K_p), zT = q (A - S_p)), scaled (NOTE [row scaling])."""
+    from .ilp import _block_exprs, _upper, checkpoint_vars
+
+    out = {}
+    for t, p in offered(cg):
+        info = cg.templates[t]
+        A, _, In = _block_exprs(cg, s, t)
+        F: dict[int, float] = {}
+        K = dict(In)
+        again: dict[int, float] = {}
+        for u in info.units:
+            for k, c in enumerate(cg.units[u].costs):
+                kb, f, sb = c.sac.get(p, (0.0, c.rec_s, 0.0))
+                j = s[u, k]
+                if f:
+                    F[j] = F.get(j, 0.0) + f * seconds
+                if kb:
+                    K[j] = K.get(j, 0.0) + kb * nbytes
+                if c.act_bytes - sb:
+                    again[j] = again.get(j, 0.0) + (c.act_bytes - sb) * nbytes
+        Amax = max(_upper(cg, info.units, "act_bytes") * nbytes, 1e-9)
+        Fmax = max(sum(max(c.sac.get(p, (0.0, c.rec_s, 0.0))[1] for c in cg.units[u].costs) for u in info.units)
+                   * seconds, 1e-9)
+        Kmax = max((max(info.input_bytes, default=0.0)
+                    + sum(max(c.sac.get(p, (0.0, 0.0, 0.0))[0] for c in cg.units[u].costs) for u in info.units))
+                   * nbytes, 1e-9)
+        out[t, p] = checkpoint_vars(m, info.count, A, F, K, (Amax, Fmax, Kmax), host=host_s(cg, t, p) * seconds,
+                                    enabled=enabled, transient=again)
+    return out
+
+
+def add_rows(m, cg, full_bits: dict[int, list[int]], pol: dict) -> None:
+    """c_t + sum_p c_{t,p} <= L_t (policy_count)."""
+    for t, info in cg.templates.items():
+        row = {y: float(2 ** b) for b, y in enumerate(full_bits.get(t, []))}
+        extra = [cv for (t2, _), cv in pol.items() if t2 == t]
+        if not extra:
+            continue
+        for cv in extra:
+            for b, y in enumerate(cv.ys):
+                row[y] = row.get(y, 0.0) + float(2 ** b)
+        m.row(row, -math.inf, float(info.count), "policy_count")
+
+
+def any_checkpointed(m, t: int, q_full: int, pol: dict) -> int:
+    """A binary that is 1 when a block of template t is checkpointed either way (for block 0's input at the
+    backward's end); q_full itself when no policy is offered on t."""
+    qs = [cv.q for (t2, _), cv in pol.items() if t2 == t]
+    if not qs:
+        return q_full
+    z = m.var(integer=True)
+    for q in (q_full, *qs):
+        m.row({z: 1.0, q: -1.0}, 0.0, math.inf, "policy_any")
+    return z
+
+
+def counts_of(x, pol: dict) -> dict[tuple[int, str], int]:
+    """The solver's count per (template, policy)."""
+    return {key: int(round(sum(2 ** b * x[y] for b, y in enumerate(cv.ys)))) for key, cv in pol.items()}
+
+
+def pick(members: list[str], full: int, counts: dict[str, int]) -> dict[str, str]:
+    """{block path: policy} for a template's blocks (NOTE [checkpoint policies in the plan]): the full checkpoints
+    where `_spread` puts them, then each policy's blocks (in name order) spread over the rest."""
+    from .to_schedule import _spread
+
+    out = {b: "full" for b in _spread(members, full)}
+    for p in sorted(counts):
+        rest = [b for b in members if b not in out]
+        for b in _spread(rest, counts[p]):
+            out[b] = p
+    return out
+
+
+__all__ = ["SELECTIVE", "SacFact", "check_policies", "sac_facts", "strategy_terms", "offered", "block_terms",
+           "evaluate", "add_vars", "add_rows", "any_checkpointed", "counts_of", "pick"]
