@@ -30,7 +30,7 @@ from ..errors import PlanError
 from ..form import forms
 from ..loss import default_loss
 from ..profile.memory import buffer_bytes
-from .policies import sac_facts
+from .policy_facts import sac_facts
 
 logger = logging.getLogger(__name__)
 

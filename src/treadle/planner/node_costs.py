@@ -31,7 +31,7 @@ from ..runtime.optimizer import adamw_tensor_s
 from ..placement import R
 from .capture import Node, TensorMeta
 from .dims import AxisOption
-from .policies import strategy_terms
+from .policy_facts import strategy_terms
 
 # Ops whose backward needs their own output (so the output is saved), and ops whose backward needs no input.
 _SAVES_OUTPUT = {"_softmax", "softmax", "_log_softmax", "log_softmax", "rsqrt", "tanh", "sigmoid", "exp",

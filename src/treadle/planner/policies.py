@@ -1,16 +1,5 @@
 """Selective checkpoint policies in the planner's search: per block template, how many blocks run under each
-policy a user allows, beside the full checkpoint count, in the same MILP.
-
-NOTE [ops a policy keeps]: a selective policy (NOTE [checkpoint policies as peers define them]) decides op by op,
-at run time, what `torch.utils.checkpoint`'s selective checkpointing keeps in its cache and what the backward
-recomputes. The capture's measurement (NOTE [saved by autograd] in saved.py) records, per graph node, the ATen ops
-its forward dispatches in order and the storages each op makes (`saved.OpTrace`); `sac_facts` replays the
-policy's table over them, per captured block in forward order, counting the alternation (torchtitan's every other
-``aten.mm``) over the block's forward as the policy counts it over one run of the checkpointed module. Per node and
-policy (`SacFact`): the global bytes of the storages the kept ops make (`kept_bytes`), of which autograd saves
-(`kept_saved_bytes`), and the kept ops' share of the node's forward, which the recompute does not repeat (by their
-FLOPs, else by the bytes they read and write, plus one dispatch each). The cost graph divides the bytes like the
-node's saved bytes.
+policy a user allows, beside the full checkpoint count, in the same MILP (the facts: `policy_facts.py`).
 
 NOTE [checkpoint policies in the plan]: with `TrainSpec.checkpoint_policies`, each block template t gets, besides
 its full checkpoint count c_t, one count c_{t,p} per policy p, c_t + sum_p c_{t,p} <= L_t (policy_count). A block
@@ -22,113 +11,29 @@ holds again what autograd saves less what the cache already holds (A - S_p):
 
 each product linearised per bit as the full count's (`ilp.checkpoint_vars`). Block 0's input at the backward's end
 (NOTE [the backward's end]) is counted when any block of its template is checkpointed either way
-(`any_checkpointed`). Which blocks: the full checkpoints as `_spread` places them, then each policy's blocks spread
+(`any_checkpointed`). Which blocks: the full checkpoints as `spread` places them, then each policy's blocks spread
 over the rest (`pick`), so block 0 is checkpointed whenever any block is. Not offered for a template with block
 variants (NOTE [block variants]: their recompute credit assumes full checkpoints), in the two-stage mode, or inside
 a pipeline's stages (their own MILP). A policy that would keep nothing less than a full checkpoint does is still
 offered: the solver weighs it.
 """
-
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PlanError
-from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES, POLICY_NAMES
-
-SELECTIVE = tuple(p for p, x in CHECKPOINT_POLICIES.items() if x.how == "selective")  # what the search weighs
+from .ckpt_vars import _block_exprs, _upper, checkpoint_vars
 
 
-@dataclass(frozen=True, slots=True)
-class SacFact:
-    """One node under one policy (NOTE [ops a policy keeps]): the storages the kept ops make (bytes; of which
-    autograd saves), and the kept ops' share of the node's forward: their FLOPs and argument/output bytes against
-    the node's, and their count (each op pays the device's dispatch overhead)."""
-
-    kept_bytes: int = 0
-    kept_saved_bytes: int = 0
-    kept_flops: int = 0
-    flops: int = 0
-    kept_io: int = 0
-    io: int = 0
-    kept_ops: int = 0
-
-    def kept_share(self) -> float:
-        """The kept ops' share of the node's forward compute: by FLOPs, else by bytes moved."""
-        if self.flops:
-            return self.kept_flops / self.flops
-        return self.kept_io / self.io if self.io else 0.0
-
-
-def check_policies(policies: Any) -> tuple[str, ...]:
-    """The selective policies a plan may use, checked: names of `SELECTIVE` ("full" is always searched)."""
-    if isinstance(policies, str):
-        policies = (policies,)
-    out = []
-    for p in policies or ():
-        if p == "full":
-            continue
-        if p not in SELECTIVE:
-            raise PlanError(f"checkpoint_policies: {p!r:.60} is not a policy the planner searches; known: "
-                            f"{['full', *SELECTIVE]} (of {list(POLICY_NAMES)}; \"attention-core\" is written by hand)")
-        if p not in out:
-            out.append(p)
-    return tuple(out)
-
-
-def _matches(names: tuple[str, str], table: tuple[str, ...]) -> bool:
-    return names[0] in table or names[1] in table
-
-
-def sac_facts(nodes: list, blocks: list, trace: dict[str, list], packed: frozenset[int]
-              ) -> dict[str, dict[int, SacFact]]:
-    """{policy: {node index: SacFact}} for every selective policy and every op node of a captured block
-    (NOTE [ops a policy keeps])."""
-    out: dict[str, dict[int, SacFact]] = {}
-    for name in SELECTIVE:
-        pol = CHECKPOINT_POLICIES[name]
-        facts: dict[int, SacFact] = {}
-        for blk in blocks:
-            counts: dict[str, int] = {}
-            for i in sorted(blk.nodes):
-                n = nodes[i]
-                if n.kind != "op":
-                    continue
-                x = [0] * 7  # the SacFact's fields, in order
-                for op in trace.get(n.name, ()):
-                    keep = _matches(op.names, pol.keep) if pol.default == "recompute" else \
-                        not _matches(op.names, pol.recompute)
-                    if keep and _matches(op.names, pol.alternate):
-                        counts[op.names[0]] = counts.get(op.names[0], 0) + 1
-                        keep = counts[op.names[0]] % 2 == 1
-                    x[3] += op.flops
-                    x[5] += op.io_bytes
-                    if keep:
-                        x[0] += sum(b for _, b in op.made)
-                        x[1] += sum(b for sid, b in op.made if sid in packed)
-                        x[2] += op.flops
-                        x[4] += op.io_bytes
-                        x[6] += 1
-                facts[i] = SacFact(*x)
-        out[name] = facts
-    return out
-
-
-def strategy_terms(b, i: int, c, fwd: float, rec: str, divisor: float) -> None:
-    """Fill `c.sac` (policy -> (kept bytes, recompute seconds, kept bytes autograd also saves), per device) of node
-    `i` under one strategy `c` (a `StrategyCost` whose `rec_s` is final): the bytes divided like its saved bytes
-    (`divisor`); the recompute less the kept ops' share of the node's forward (`fwd`: its forward seconds, of
-    which each dispatched op's overhead; `rec`: `NodeCosts.recomputed`). `b` is the cost graph builder."""
-    oh = b.hw.op_overhead_s
-    n_fwd = b.op_counts(i)[0]
-    for p, facts in (b.g.sac or {}).items():
-        f = facts.get(i, SacFact())
-        r = c.rec_s
-        if rec != "none" and f.kept_ops:
-            r -= max(fwd - n_fwd * oh, 0.0) * f.kept_share() + f.kept_ops * oh
-        c.sac[p] = (f.kept_bytes / divisor, max(r, 0.0), f.kept_saved_bytes / divisor)
+def spread(members: list[str], count: int) -> list[str]:
+    """`count` of `members`, evenly spaced (the first and last included when count >= 2): which blocks of a
+    template are checkpointed."""
+    if count <= 0:
+        return []
+    if count >= len(members):
+        return list(members)
+    step = len(members) / count
+    return [members[int(i * step)] for i in range(count)]
 
 
 def offered(cg) -> list[tuple[int, str]]:
@@ -174,8 +79,6 @@ def evaluate(cg, choice: list[int], policies: dict[tuple[int, str], int]) -> tup
 def add_vars(m, cg, s, *, enabled: bool, seconds: float, nbytes: float) -> dict[tuple[int, str], Any]:
     """Per offered (template, policy) a count with its McCormick products (`ilp.checkpoint_vars`: zA = y A,
     zF = y F_p, zI = y (In + K_p), zT = q (A - S_p)), scaled (NOTE [row scaling])."""
-    from .ilp import _block_exprs, _upper, checkpoint_vars
-
     out = {}
     for t, p in offered(cg):
         info = cg.templates[t]
@@ -236,16 +139,14 @@ def counts_of(x, pol: dict) -> dict[tuple[int, str], int]:
 
 def pick(members: list[str], full: int, counts: dict[str, int]) -> dict[str, str]:
     """{block path: policy} for a template's blocks (NOTE [checkpoint policies in the plan]): the full checkpoints
-    where `_spread` puts them, then each policy's blocks (in name order) spread over the rest."""
-    from .to_schedule import _spread
-
-    out = {b: "full" for b in _spread(members, full)}
+    where `spread` puts them, then each policy's blocks (in name order) spread over the rest."""
+    out = {b: "full" for b in spread(members, full)}
     for p in sorted(counts):
         rest = [b for b in members if b not in out]
-        for b in _spread(rest, counts[p]):
+        for b in spread(rest, counts[p]):
             out[b] = p
     return out
 
 
-__all__ = ["SELECTIVE", "SacFact", "check_policies", "sac_facts", "strategy_terms", "offered", "block_terms",
-           "evaluate", "add_vars", "add_rows", "any_checkpointed", "counts_of", "pick"]
+__all__ = ["spread", "offered", "block_terms", "host_s", "evaluate", "add_vars", "add_rows", "any_checkpointed",
+           "counts_of", "pick"]

@@ -84,7 +84,7 @@ class TrainSpec:
     checkpoint_policies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:  # the names checked once, as a tuple (PlanError names the known ones)
-        from .policies import check_policies
+        from .policy_facts import check_policies
 
         object.__setattr__(self, "checkpoint_policies", check_policies(self.checkpoint_policies))
 

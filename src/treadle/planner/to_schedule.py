@@ -22,6 +22,7 @@ from ..form import forms
 from ..placement import placement_of as _placement
 from ..placement import placement_str
 from .cost_graph import CostGraph
+from .policies import pick, spread as _spread  # noqa: F401  (`_spread`: where checkpoints go, re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +76,6 @@ def _members(cg: CostGraph, module: str, node_index: int) -> list[str]:
     blk = cg.graph.blocks[n.block]
     rel = module[len(blk.path):]
     return [m + rel for b in cg.graph.blocks if b.template == blk.template for m in b.members]
-
-
-def _spread(members: list[str], count: int) -> list[str]:
-    """`count` of `members`, evenly spaced (the first and last included when count >= 2)."""
-    if count <= 0:
-        return []
-    if count >= len(members):
-        return list(members)
-    step = len(members) / count
-    return [members[int(i * step)] for i in range(count)]
 
 
 @dataclass(slots=True)
@@ -180,8 +171,6 @@ def decisions_from_solution(cg: CostGraph, choice: list[int], ckpt: dict[int, in
     ranked: list[tuple[int, str, Decision]] = []
     for rank, emit, items in sorted(ctx.buckets.values(), key=lambda b: b[0]):
         ranked += [(rank, "", d) for d in emit(items)]
-    from .policies import pick
-
     for t in sorted(set(ckpt) | {t for t, _ in (policies or {})}):
         info, c = cg.templates[t], ckpt.get(t, 0)
         own = {p: n for (t2, p), n in (policies or {}).items() if t2 == t and n}
