@@ -67,7 +67,7 @@ def _inputs(v: Any) -> bool:
 _CHECKS = {"str": _str, "strs": _strs, "str|strs": lambda v: _str(v) or _strs(v), "int": _int, "count": _count,
            "bool": lambda v: isinstance(v, bool), "mode": lambda v: v in _MODES, "placement": _placement,
            "layout": _layout, "kwargs": _kwargs, "inputs": _inputs,
-           "load": is_load_imbalance, "policy": lambda v: isinstance(v, str) and v in POLICY_NAMES}
+           "load": is_load_imbalance, "policy name": lambda v: isinstance(v, str) and v in POLICY_NAMES}
 # op -> argument -> kind; a kind ending in "?" is optional
 DECISION_ARGS: dict[str, dict[str, str]] = {
     "shard": {"names": "str", "dim": "int", "axis": "str", "blocks": "count?"},
@@ -75,7 +75,7 @@ DECISION_ARGS: dict[str, dict[str, str]] = {
     "reduce_grads": {"axis": "str", "names": "strs"},
     "fork_rng": {"axis": "str"},
     "shard_attr": {"name": "str", "axis": "str"},
-    "checkpoint": {"policy": "policy?"},
+    "checkpoint": {"policy": "policy name?"},
     "set_attr": {"name": "str", "ref": "str", "kwargs": "kwargs"},
     "data_parallel": {"axis": "str|strs", "shard": "bool", "replicate": "str|strs?", "reshard_after_forward": "bool?"},
     "expert_parallel": {"axis": "str|strs", "tensor": "str?", "load_imbalance": "load?"},

@@ -120,6 +120,8 @@ def summary_lines(plan) -> list[str]:
     ck = s.get("checkpoints") or {}
     if ck:
         lines.append("checkpointed blocks: " + ", ".join(f"{c} like {p}" for p, c in ck.items()))
+    if s.get("policies"):  # NOTE [checkpoint policies in the plan]
+        lines.append("selective checkpoints: " + ", ".join(f"{n} blocks like {k}" for k, n in s["policies"].items()))
     if s.get("variants"):  # NOTE [block variants]
         lines.append("block variants: " + ", ".join(f"{w} blocks like {k}" for k, w in s["variants"].items()))
     alts = s.get("alternatives") or []
