@@ -196,3 +196,27 @@ def test_what_sac_keeps_is_counted_as_saved():
     p_sac, p_full = treadle.price(sch, inputs, H100), treadle.price(full, inputs, H100)
     assert p_sac.activation_bytes > p_full.activation_bytes
     assert p_sac.peak_bytes == pytest.approx(p_sac.static_bytes + p_sac.activation_bytes + p_sac.transient_bytes)
+
+
+@pytest.mark.parametrize("policy", ["full", "alternate-matmuls", "attention-core"])
+def test_selective_checkpointing_pays_its_dispatch_modes_per_op_it_sees_on_a_cpu(policy):
+    """Every op run under op-level SAC's dispatch modes, forward and recomputed, costs `selective_op_s`, and each
+    region `selective_region_s` once (`selective_host_s`: measured ~10 us an op on a CPU core, where it makes SAC
+    slower than full checkpointing); full checkpoints and the attention core run no such mode."""
+    from treadle.pricing.step import segments
+    from treadle.profile.hardware import CPU_CORE
+    from treadle.runtime.recompute import selective_host_s
+    from treadle.schedule.tree import within
+
+    model, inputs = _llama(layers=2)
+    sch = _sch(model)
+    sch["model.layers"].checkpoint_every(1, policy=policy)
+    reh = rehearse(sch, inputs, CPU_CORE, None, gpu=False)
+    assert reh.selective == (("model.layers.0", "model.layers.1") if policy == "alternate-matmuls" else ())
+    seen = [r for r in reh.records if r.phase in ("forward", "recompute")
+            and any(within(r.module, p) for p in reh.selective)]
+    with_modes = sum(s.compute_s for s in segments(reh.records, CPU_CORE, reh.checkpoints, None, reh.selective)[0])
+    without = sum(s.compute_s for s in segments(reh.records, CPU_CORE, reh.checkpoints)[0])
+    assert with_modes - without == pytest.approx(selective_host_s(CPU_CORE, ops=len(seen),
+                                                                  regions=len(reh.selective)), rel=1e-9, abs=1e-15)
+    assert CPU_CORE.selective_op_s > 0 and H100.rank_hardware().selective_op_s == 0  # hidden behind a GPU

@@ -76,7 +76,10 @@ def test_the_milp_agrees_with_the_oracle_at_every_budget(graph, cluster):
         t = next(iter(cg.templates))
         assert sol.ckpt.get(t, 0) + sol.policies.get((t, SAC), 0) <= LAYERS
         used.add((sol.ckpt.get(t, 0), sol.policies.get((t, SAC), 0)))
-    assert any(p for _, p in used), used  # the policy is among the optima
+    if cl.is_cpu():  # its dispatch modes cost ~10 us an op on a CPU: full checkpoints are cheaper there
+        assert not any(p for _, p in used), used
+    else:  # hidden behind a GPU: the policy is among the optima
+        assert any(p for _, p in used), used
 
 
 def test_a_block_under_the_policy_costs_what_the_price_says(graph):
@@ -143,7 +146,7 @@ def test_policy_names_are_checked():
 def test_a_planned_policy_is_stated_priced_as_built_replayed_and_verified():
     from treadle.planner import Plan, plan_model
 
-    cl = parse_cluster("2x1:cpu")
+    cl = parse_cluster("2x1:h100")  # a GPU preset: the dispatch modes' host cost is hidden (on a CPU: refused)
     inputs = lm_inputs(8, 64)
 
     def hand(policy):
@@ -155,7 +158,7 @@ def test_a_planned_policy_is_stated_priced_as_built_replayed_and_verified():
 
     none, full = hand(None), hand("full")
     budget = full.peak_bytes + 0.7 * (none.peak_bytes - full.peak_bytes)
-    kw = dict(cluster=cl, memory_budget_bytes=budget, zero=False, pp_axis=None)
+    kw = dict(cluster=cl, memory_budget_bytes=budget, zero=False, pp_axis=None, dp_axis="dp")
     plain = plan_model(tiny_llama(LAYERS), inputs, **kw)
     plan = plan_model(tiny_llama(LAYERS), inputs, train=TrainSpec(checkpoint_policies=(SAC,)), **kw)
     text = plan.schedule.to_python()

@@ -179,6 +179,9 @@ def test_plan_names_a_misspelt_model_before_building(capsys, nothing_built):
     assert "cannot read pin 'x'" in _one_line(capsys, "plan")
     assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--batch", "0", "--seq", "64"]) == 2
     assert "--batch must be >= 1, got 0" in _one_line(capsys, "plan")
+    assert main(["plan", "tiny-gpt2", "--cluster", "2x2:cpu", "--batch", "8", "--seq", "64",
+                 "--checkpoint-policy", "attention-core"]) == 2
+    assert "checkpoint_policies: 'attention-core' is not a policy the planner searches" in _one_line(capsys, "plan")
 
 
 def test_profile_names_a_misspelt_model_before_building(capsys, nothing_built):

@@ -137,6 +137,9 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     dp_axis = (None if args.dp_axis == "none" else tuple(args.dp_axis.split(",")) if "," in args.dp_axis
                else args.dp_axis)
     zero = None if args.zero == "auto" else args.zero == "on"
+    from ..planner.policy_facts import check_policies
+
+    policies = check_policies(tuple(args.checkpoint_policy))
 
     import torch
     from rich.console import Console
@@ -178,7 +181,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               execution="compiled" if args.compile else "eager", float8=args.float8,
                               expert_load_imbalance=args.expert_load_imbalance,
-                              train=TrainSpec(checkpoint_policies=tuple(args.checkpoint_policy)),
+                              train=TrainSpec(checkpoint_policies=policies),
                               ep_axis=None if args.ep_axis == "none" else args.ep_axis if args.ep_axis == "auto"
                               else tuple(args.ep_axis.split(",")),
                               model_spec={"name": args.model, "batch": args.batch, "seq": args.seq,

@@ -42,7 +42,7 @@ from ..form import forms
 from ..mesh import Mesh
 from ..placement import P, R, pin_holds
 from ..runtime.optimizer import adamw_fixed_s
-from ..runtime.recompute import recompute_host_s
+from ..runtime.recompute import recompute_host_s, selective_host_s
 from ..units import fmt_bytes
 from .capture import CapturedGraph, Node, TensorMeta
 from .dims import AxisOption, block_chain, dim_spec, strategies
@@ -452,8 +452,10 @@ class _Builder(NodeCosts, Assembly):
             for p, facts in (self.g.sac or {}).items():  # NOTE [ops a policy keeps]: what the policy recomputes
                 ops_p = sum(self.op_counts(i)[0] - facts[i].kept_ops for i in nodes
                             if i in facts and self.recomputed(i) != "none")
+                fwd_ops = sum(self.op_counts(i)[0] for i in nodes)  # the dispatch modes see every op
                 cg.sac_host_s[t, p] = (recompute_host_s(hw, ops=ops_p + detaches, regions=1)
-                                       + detaches * hw.op_overhead_s)
+                                       + detaches * hw.op_overhead_s
+                                       + selective_host_s(hw, ops=fwd_ops + ops_p, regions=1))
         cg.host_s += adamw_fixed_s(hw, subclass=self.param_subclass)
 
 def _add_cost(total: StrategyCost, c: StrategyCost) -> None:

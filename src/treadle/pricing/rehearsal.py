@@ -126,6 +126,7 @@ class Rehearsal:
     checkpoints: tuple[str, ...] = ()
     output_bytes: dict = field(default_factory=dict)  # watched module path -> bytes its forward returned
     flows: list = field(default_factory=list)  # per record: (reads, writes) storage identities (StepRecorder.flows)
+    selective: tuple[str, ...] = ()  # module paths under selective checkpointing's dispatch modes (`sac_regions`)
 
 
 def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpipelined: bool = False,
@@ -185,7 +186,7 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
     finally:
         dist.destroy_process_group()
     ckpts = tuple(sorted(regions, key=lambda p: -p.count(".")))
-    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flow_list)
+    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flow_list, sac_regions(v2))
 
 
 def _watching(model: nn.Module, paths: tuple[str, ...], out: dict[str, int]) -> list:

@@ -20,7 +20,7 @@ from ..profile.recorder import _tensors
 from ..profile.profiler import model_flops
 from ..profile.roofline import mfu as mfu_of
 from ..runtime.optimizer import adamw_fixed_s, adamw_tensor_s, trainable_params
-from ..runtime.recompute import recompute_host_s
+from ..runtime.recompute import recompute_host_s, selective_host_s
 from ..schedule.expert_primitive import axes_label, expert_paths
 from ..schedule.tree import within
 from .compiled import EXECUTIONS, compiled_times, compiled_units
@@ -52,18 +52,21 @@ def group_collective_s(kind: str, nbytes: float, mesh, cluster: ClusterSpec, lab
     link = cluster.group_link(axes)  # one axis: its own link
     return collective_time_s(kind, nbytes, math.prod(mesh.size(a) for a in axes), link), link
 
-def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None
-             ) -> tuple[list[Segment], list[int]]:
+def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | None = None,
+             selective: tuple[str, ...] = ()) -> tuple[list[Segment], list[int]]:
     """Consecutive records of one (module, phase) merged, each op its roofline time plus the device's per-op
     overhead (`hw.op_overhead_s`), or its `times` entry where given (a compiled step: `treadle.pricing.compiled`);
     a recomputed op also pays checkpointing's host cost, and each checkpointed
     region of `regions` (module paths) once, at its first recomputed op (`treadle.runtime.recompute
-    .recompute_host_s`: NOTE [framework overheads]). Returns segments and, per record, its segment."""
+    .recompute_host_s`: NOTE [framework overheads]); an op in a region of `selective` (eager: `times` is None), forward
+    or recomputed, pays selective checkpointing's dispatch modes, and each such region once, at its first op
+    (`selective_host_s`). Returns segments and, per record, its segment."""
     segs: list[Segment] = []
     seg_of: list[int] = []
     acc = 0.0
     key = None
     seen: set[str] = set()
+    sel_seen: set[str] = set()
     for i, r in enumerate(records):
         k = (r.module, _PHASE.get(r.phase, r.phase))
         if k != key:
@@ -77,6 +80,11 @@ def segments(records, hw, regions: tuple[str, ...] = (), times: list[float] | No
             if region is not None and region not in seen:
                 seen.add(region)
                 acc += recompute_host_s(hw, ops=0, regions=1)
+        if selective and times is None and r.phase in ("forward", "recompute"):
+            region = next((p for p in selective if within(r.module, p)), None)
+            if region is not None:
+                acc += selective_host_s(hw, ops=1, regions=region not in sel_seen)
+                sel_seen.add(region)
         seg_of.append(len(segs))
     if key is not None:
         segs.append(Segment(key[0], key[1], acc))
@@ -120,7 +128,7 @@ def price(sch, example_inputs: dict, cluster: ClusterSpec, *, optimizer_bytes_pe
     reh = rehearse(sch, example_inputs, hw, loss_fn, gpu=not cluster.is_cpu(), flows=execution == "compiled")
     times = (compiled_times(reh.records, reh.flows, compiled_units(reh.model), hw) if execution == "compiled"
              else None)
-    segs, seg_of = segments(reh.records, hw, reh.checkpoints, times)
+    segs, seg_of = segments(reh.records, hw, reh.checkpoints, times, reh.selective)
     colls: list[Collective] = []
     experts = expert_paths(reh.view.extras)
     for n_before, module, phase, kind, axis, nbytes in reh.collectives:

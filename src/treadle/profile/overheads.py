@@ -12,6 +12,9 @@ the caller set it (`calibrate_cpu` sets 1).
 - `checkpoint_region_s`, `checkpoint_op_s`: fwd+bwd of a block of k tiny Linear layers under
   `torch.utils.checkpoint` (non-reentrant) minus without, minus one forward of the block (the recomputation
   `treadle.price` already prices), fitted as ``region + ops(k) * op`` over k in (2, 12); ops(k) counted.
+- `selective_region_s`, `selective_op_s`: fwd+bwd of the same blocks under selective checkpointing whose policy
+  recomputes every op (so the recomputation is full checkpointing's) minus under full checkpointing, fitted as
+  ``region + (forward ops + recomputed ops)(k) * op``: the dispatch modes' cost per region and per op they see.
 - `split_backward_op_s`: a zero-bubble schedule's split stage backward (input, then weight gradients) minus
   the whole one, per backward op, on a stack of tiny blocks.
 - `fsdp_unit_s`, `fsdp_param_s`: fwd+bwd of U units of m tiny Linear layers each under FSDP2 `fully_shard`
@@ -156,6 +159,37 @@ def checkpoint_overheads_s(*, reps: int = 7) -> tuple[float, float]:
     return _fit_line(x0, y0, x1, y1)
 
 
+def selective_overheads_s(*, reps: int = 7) -> tuple[float, float]:
+    """(per region, per op seen forward and in the recompute) of selective checkpointing's dispatch modes."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def recompute_all(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, recompute_all)
+    points = []
+    for k in (2, 12):
+        torch.manual_seed(0)
+        block = nn.Sequential(*[nn.Linear(4, 4) for _ in range(k)])
+        x = torch.randn(2, 4, requires_grad=True)
+
+        def full() -> None:
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+
+        def selective() -> None:
+            checkpoint(block, x, use_reentrant=False, context_fn=context).sum().backward()
+
+        counter = _CountOps()
+        with counter:
+            block(x)
+        extra = best_thread_time_s(selective, reps=reps, inner=20) - best_thread_time_s(full, reps=reps, inner=20)
+        points.append((2 * counter.n, extra))
+    (x0, y0), (x1, y1) = points
+    return _fit_line(x0, y0, x1, y1)
+
+
 def fsdp_overheads_s(mesh, *, reps: int = 7) -> tuple[float, float]:
     """(per FSDP2 unit, per parameter of a unit) host seconds of one forward+backward on `mesh` (a 1-D
     DeviceMesh of a running process group: a fake one, or the launched gloo group, whose collectives the
@@ -205,4 +239,4 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | No
         dist.destroy_process_group()
 
 
-__all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "distributed_overheads_s", "fsdp_overheads_s"]
+__all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "selective_overheads_s", "distributed_overheads_s", "fsdp_overheads_s"]

@@ -1,6 +1,6 @@
 """Activation checkpointing as build installs it: non-reentrant `torch.utils.checkpoint` around a module's forward,
 without the KV cache for a layer that declares it writes one; and what its machinery costs on the host
-(`recompute_host_s`, the one statement the price and the planner's cost graph charge)."""
+(`recompute_host_s`, `selective_host_s`: the one statement the price and the planner's cost graph charge)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,15 @@ def recompute_host_s(hw, *, ops: int, regions: int) -> float:
     `hw` (a HardwareSpec): its frame and replay per region, its saved-tensor hooks and holders per op (NOTE
     [framework overheads] in `treadle.profile.hardware`)."""
     return regions * hw.checkpoint_region_s + ops * hw.checkpoint_op_s
+
+
+def selective_host_s(hw, *, ops: int, regions: int) -> float:
+    """Host seconds selective checkpointing's dispatch modes add (`torch.utils.checkpoint`'s
+    `create_selective_checkpoint_contexts`: a Python `__torch_dispatch__` that asks the policy of every op and
+    caches what it keeps) for `regions` regions and `ops` ops run under them, forward and recompute together, on
+    `hw` (NOTE [framework overheads] in `treadle.profile.hardware`). On top of `recompute_host_s`. Eager only: a
+    compiled region has no dispatch mode at run time."""
+    return regions * hw.selective_region_s + ops * hw.selective_op_s
 
 
 # NOTE [checkpoint and the KV cache]: a checkpointed module's forward runs again in the backward. A Hugging Face

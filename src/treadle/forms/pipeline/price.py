@@ -103,7 +103,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     reh = rehearse(sch, mb, hw, loss_fn, gpu=not cluster.is_cpu(), unpipelined=True, watch=tuple(cuts))
     recs = reh.records
     stage_of = stage_of_records(recs, cuts)
-    segs, seg_of = segments(recs, hw, reh.checkpoints)
+    segs, seg_of = segments(recs, hw, reh.checkpoints, selective=reh.selective)
     seg_stage = [0] * len(segs)
     for i, s in zip(seg_of, stage_of):
         seg_stage[i] = s
