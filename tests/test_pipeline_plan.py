@@ -78,6 +78,10 @@ def test_the_pipeline_role_is_offered_on_each_live_axis_and_pinned_or_forbidden_
     assert keep_roles({"pp": "a", "dp": ("b",), "zero": True, "ep": ("b",)})  # experts' own units in stages too
     assert "pipeline a (2 micro-batches)" in {part for r in piped for part in str(r).split("; ")}
     assert not [r for r in enumerate_roles(mesh, batch=8, facts=facts, pp_axis=None) if r.pp]  # forbidden
+    # without reshard after forward too, where the request leaves the flag open (NOTE [pipeline FSDP2 in the plan])
+    both = [r for r in enumerate_roles(mesh, batch=8, facts=facts, reshard_after_forward=None) if r.pp and r.zero]
+    assert {r.reshard_after_forward for r in both} == {True, False}
+    assert not keep_roles({"pp": "a", "dp": ("a", "b"), "zero": True})  # the pipeline axis is not data-parallel
     pinned = enumerate_roles(mesh, batch=8, facts=facts, pp_axis="b")
     assert pinned and all(r.pp == "b" for r in pinned)  # pinned: every assignment pipelines over b
     with pytest.raises(PlanError, match="pipeline axis 'c' is not a live mesh axis"):
@@ -439,11 +443,51 @@ def test_zero3_beside_the_pipeline_by_hand():
     assert peak > max(static)  # plus the micro-batches in flight
 
 
-def test_the_milp_with_zero3_beside_agrees_with_the_oracle_and_a_planned_pp_x_fsdp2_verifies():
+def test_zero3_without_reshard_beside_the_pipeline_by_hand():
+    # NOTE [pipeline FSDP2 in the plan]: kept gathered, a stage gathers each unit once a step (in the rank's tail,
+    # with the reduce-scatter), nothing per micro-batch; the gathered bytes are the cost graph's static bytes
+    from treadle.forms.pipeline.zero import zero_terms
+
     model, g = _graph(h=32, n=4)
     cl = parse_cluster("2x2:cpu")
     a, b = cl.mesh.names
-    cg = build_cost_graph(g, cl, Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2))
+    roles = Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2, reshard_after_forward=False)
+    cg = build_cost_graph(g, cl, roles)
+    zt = zero_terms(cg)
+    assert not zt.reshard
+    lay = cuts._layout(cg, "1f1b")
+    cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
+    choice = [0] * len(cg.units)
+    step, peak, _ = milp.evaluate(cg, lay, cut, choice, {})
+    T, tail, static = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[0]
+        for s_, k in cut.mult[u]:
+            T[s_] += k * (c.compute_s - c.opt_s + c.comm_s)
+            tail[s_] += k * (c.opt_s + (zt.rs_per_byte + zt.ag_per_byte) * zt.gathered[u][0])
+            static[s_] += k * (c.static_bytes + zt.grads[u][0] / 2)
+    units = [3, 3]
+    stage = [T[i] + units[i] * zt.unit_host_s for i in (0, 1)]
+    info = next(iter(cg.templates.values()))
+    send = treadle.cost.collective_cost.send_recv_time_s(info.input_bytes[0], cl.link(a))
+    want = (2 * max(stage) + 0.5 * sum(stage) + max(tail[i] + units[i] * (zt.rs_lat_s + zt.ag_lat_s) for i in (0, 1))
+            + 2 * send)
+    assert step == pytest.approx(want, rel=1e-9)
+    assert peak > max(static)
+    # the same cut resharding after forward: slower by the gathers per micro-batch, the same parameters held
+    cg2 = build_cost_graph(g, cl, Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2))
+    lay2 = cuts._layout(cg2, "1f1b")
+    step2, peak2, _ = milp.evaluate(cg2, lay2, cuts._cut(cg2, lay2, ((0, 1), (2, 3))), choice, {})
+    assert step < step2 and peak == pytest.approx(peak2, rel=1e-9)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_the_milp_with_zero3_beside_agrees_with_the_oracle_and_a_planned_pp_x_fsdp2_verifies(reshard):
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("2x2:cpu")
+    a, b = cl.mesh.names
+    cg = build_cost_graph(g, cl, Roles((b,), True, (), pp=a, pp_schedule="1f1b", pp_microbatches=2,
+                                       reshard_after_forward=reshard))
     lay = cuts._layout(cg, "1f1b")
     stages = cuts.partitions(cg, lay)[0]
     cut = cuts._cut(cg, lay, stages)
@@ -458,13 +502,17 @@ def test_the_milp_with_zero3_beside_agrees_with_the_oracle_and_a_planned_pp_x_fs
 
 
 @pytest.mark.slow
-def test_a_planned_pipeline_beside_fsdp2_prices_near_its_estimate_and_verifies():
+@pytest.mark.parametrize("reshard", [True, None])
+def test_a_planned_pipeline_beside_fsdp2_prices_near_its_estimate_and_verifies(reshard):
     model, inputs = named_model("tiny-llama", batch=8, seq=64, dropout=False)
     cl = parse_cluster("2x2:cpu")
     a, b = cl.mesh.names
-    plan = plan_model(model, inputs, cluster=cl, pp_axis=a, dp_axis=b, zero=True, price_top=0)
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=a, dp_axis=b, zero=True, price_top=0,
+                      reshard_after_forward=reshard)
     assert "(ZeRO-3)" in plan.roles and f"pipeline {a}" in plan.roles, plan.roles
     assert "shard=True" in plan.schedule.to_python()
+    # left open, the planner keeps the stages gathered: one gather a step, not two a micro-batch, the same peak
+    assert ("reshard_after_forward=False" in plan.schedule.to_python()) == (reshard is None)
     priced = plan.estimate()
     assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)
     assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.10)

@@ -47,9 +47,9 @@ per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s)), p
 same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
 planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
-[pipeline FSDP2 in the plan] in `zero.py`. Not planned: zero-bubble and V schedules, no reshard after forward beside
-a pipeline, sequence parallelism's credit inside the stages (its gathers are priced as the gradient sums they
-replace).
+[pipeline FSDP2 in the plan] in `zero.py` (also without reshard after forward, when `reshard_after_forward` allows it).
+Not planned: zero-bubble and V schedules, sequence parallelism's credit inside the stages (its gathers are priced as
+the gradient sums they replace).
 """
 
 from __future__ import annotations
@@ -143,14 +143,10 @@ def role_options(mesh, live: tuple[str, ...], *, batch, request) -> list[dict] |
 
 
 def keep_roles(options: dict) -> bool:
-    """The pipeline axis is not also data-parallel; beside it ZeRO-3 / HSDP only with reshard after forward (NOTE
-    [pipeline FSDP2 in the plan]; the local experts' own units included)."""
+    """The pipeline axis is not also data-parallel (ZeRO-3 / HSDP beside it with or without reshard after forward:
+    NOTE [pipeline FSDP2 in the plan]; the local experts' own units included)."""
     pp = options.get("pp")
-    if not pp:
-        return True
-    if pp in options.get("dp", ()):
-        return False
-    return not options.get("zero") or options.get("reshard_after_forward", True)
+    return not pp or pp not in options.get("dp", ())
 
 
 def role_label(roles) -> str | None:

@@ -12,9 +12,16 @@ the last backward: in the rank's tail beside the optimizer, instead of the data 
 parameters and optimizer states are the shard (the core's static bytes), but the gradients stay full-size until
 the reduce-scatter, and while a stage runs it is gathered in full: each rank adds its stages' gradients' other
 (n - 1)/n and its stages' gathered bytes. The slope of each collective is taken at a unit's size (a block's gathered
-bytes), as the data form takes it (NOTE [bandwidth per byte]). Reshard after forward only (the flag the runtime
-defaults to and the state machine of `fsdp.py` is checked for); FSDP2 copies stay the cost graph's (per step,
+bytes), as the data form takes it (NOTE [bandwidth per byte]). FSDP2 copies stay the cost graph's (per step,
 charged per micro-batch: an over-count by at most 3M / (2M + 1)).
+
+Without reshard after forward (`reshard_after_forward=False`, as torchtitan sets it beside a pipeline) a stage is
+gathered by its first forward and stays gathered to the step's end (the states of `fsdp.py`: 1F1B's and the
+interleaved schedule's two local stages never leave the prefetch window): one all-gather of each unit a step, not
+two a micro-batch. The planner charges it once, exposed, in the rank's tail beside the reduce-scatter (bandwidth
+and latency), and nothing per micro-batch. The peak is the same (the first backward gathers the whole stage while
+every warm-up micro-batch is in flight, `test_keeping_stages_gathered_gathers_once_and_holds_the_same_peak_under_1f1b`);
+the gathered bytes are then the cost graph's own (`gathered_kept` in its static bytes), not added again here.
 
 With experts split over expert axes (`Roles.ep`, NOTE [experts in the plan]) a rank holds 1/e of each experts
 module's weights, and FSDP2 shards those as units of their own over the shard axes the expert axes leave (m ranks;
@@ -55,22 +62,30 @@ class ZeroTerms:
     overlap: bool
     unit_host_s: float = 0.0  # FSDP2's hooks on one unit over a micro-batch's forward and backward
     experts: "ExpertUnits | None" = None  # the local experts' own units, where FSDP2 shards them (m > 1)
+    reshard: bool = True  # reshard after forward; False: gathered once a step and kept (NOTE above)
+
+    def _gather_once_s(self, u: int, k: int) -> float:
+        own = self.experts.ag_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
+        return self.ag_per_byte * self.gathered[u][k] + own
 
     def gather_s(self, u: int, k: int) -> float:
-        """Seconds of one micro-batch's two gathers of unit u's bytes under strategy k (bandwidth part)."""
-        own = self.experts.ag_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
-        return 2 * (self.ag_per_byte * self.gathered[u][k] + own)
+        """Seconds of one micro-batch's two gathers of unit u's bytes under strategy k (bandwidth part); none
+        without reshard after forward (gathered once a step: `reduce_s`)."""
+        return 2 * self._gather_once_s(u, k) if self.reshard else 0.0
 
     def reduce_s(self, u: int, k: int) -> float:
-        """Seconds of the step's reduce-scatter (and HSDP all-reduce) of unit u's bytes (bandwidth part)."""
+        """Seconds of the step's reduce-scatter (and HSDP all-reduce) of unit u's bytes (bandwidth part), and
+        without reshard after forward its one gather a step."""
         own = self.experts.rs_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
-        return self.rs_per_byte * self.gathered[u][k] + own
+        return self.rs_per_byte * self.gathered[u][k] + own + (0.0 if self.reshard else self._gather_once_s(u, k))
 
     def held(self, u: int, k: int) -> float:
         """Bytes a rank holds beyond the cost graph's sharded static bytes: the gradients' other (n - 1)/n and the
-        gathered parameters (the local experts': their other (m - 1)/m, gathered over m)."""
-        own = self.experts.gathered[u][k] * (2 - 1 / self.experts.m) if self.experts else 0.0
-        return self.grads[u][k] * (1 - 1 / self.n) + self.gathered[u][k] + own
+        gathered parameters (the local experts': their other (m - 1)/m, gathered over m); without reshard after
+        forward the cost graph's static bytes already hold the gathered parameters."""
+        gathered = self.gathered[u][k] if self.reshard else 0.0
+        own = self.experts.gathered[u][k] * ((2 if self.reshard else 1) - 1 / self.experts.m) if self.experts else 0.0
+        return self.grads[u][k] * (1 - 1 / self.n) + gathered + own
 
 
 @dataclass(slots=True)
@@ -142,7 +157,8 @@ def zero_terms(cg) -> ZeroTerms | None:
         rs_lat += r_lat
     # the gradients have the parameters' dtype and shards (every captured parameter trains)
     return ZeroTerms(gathered, gathered, n, ag, rs, ag_lat, rs_lat, cg.cluster.rank_device().overlap,
-                     fsdp_host_s(1, 0, cg.cluster.rank_hardware()), _expert_units(cg, own, experts, blocks))
+                     fsdp_host_s(1, 0, cg.cluster.rank_hardware()), _expert_units(cg, own, experts, blocks),
+                     roles.reshard_after_forward)
 
 
 def _expert_units(cg, own: list[list[float]], experts: set, blocks: int) -> ExpertUnits | None:
@@ -180,7 +196,8 @@ def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], li
     units = [len(st) + (1 if i in (0, S - 1) else 0) for i, st in enumerate(cut.stages)]
     ex = zt.experts  # the local experts' own units, about `per_block` a block (NOTE [pipeline FSDP2 in the plan])
     own = [len(st) * ex.per_block if ex else 0.0 for st in cut.stages]
-    return ([2 * (u * zt.ag_lat_s + o * (ex.ag_lat_s if ex else 0.0)) for u, o in zip(units, own)],
+    gather = [u * zt.ag_lat_s + o * (ex.ag_lat_s if ex else 0.0) for u, o in zip(units, own)]  # one of each unit
+    return ([2 * x if zt.reshard else 0.0 for x in gather],
             [(u + o) * zt.unit_host_s for u, o in zip(units, own)],
-            [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0) for st in range(S) if st % p == r)
-             for r in range(p)])
+            [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0) + (0.0 if zt.reshard else gather[st])
+                 for st in range(S) if st % p == r) for r in range(p)])
