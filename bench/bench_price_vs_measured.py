@@ -124,7 +124,12 @@ PIPELINES = {  # world -> [(label, mesh shape, mesh names, schedule, cuts after 
         ("PP2 x TP2 GPipe", (2, 2), ("pp", "tp"), "gpipe", [1]), ("PP2 x TP2 1F1B", (2, 2), ("pp", "tp"), "1f1b", [1]),
         ("PP2 x DP2 GPipe", (2, 2), ("pp", "dp"), "gpipe", [1]), ("PP2 x DP2 1F1B", (2, 2), ("pp", "dp"), "1f1b", [1]),
         ("PP2 x FSDP2 GPipe", (2, 2), ("pp", "dp"), "gpipe", [1]), ("PP2 x FSDP2 1F1B", (2, 2), ("pp", "dp"), "1f1b", [1]),
-        ("PP2 x FSDP2 interleaved (4 stages)", (2, 2), ("pp", "dp"), "interleaved_1f1b", [0, 1, 2])],
+        ("PP2 x FSDP2 interleaved (4 stages)", (2, 2), ("pp", "dp"), "interleaved_1f1b", [0, 1, 2]),
+        # FSDP2 keeping each stage gathered through the step (reshard_after_forward=False, torchtitan's default
+        # beside a pipeline): one gather a step; the split-backward schedules need it
+        ("PP2 x FSDP2 1F1B, no reshard", (2, 2), ("pp", "dp"), "1f1b", [1]),
+        ("PP2 x FSDP2 interleaved (4 stages), no reshard", (2, 2), ("pp", "dp"), "interleaved_1f1b", [0, 1, 2]),
+        ("PP2 x FSDP2 interleaved ZB (4 stages), no reshard", (2, 2), ("pp", "dp"), "interleaved_zb", [0, 1, 2])],
 }
 MICROBATCHES = 4
 
@@ -143,7 +148,8 @@ def pipeline_schedules(model_name: str, world: int, batch: int, seq: int) -> lis
         if "tp" in names:
             meg(sch, tp="tp", vocab_parallel_head=False)
         if "dp" in names:  # each replica its own pipeline: gradients averaged after the step, or FSDP2 per stage
-            sch.data_parallel(axis="dp", shard="FSDP2" in label)
+            sch.data_parallel(axis="dp", shard="FSDP2" in label,
+                              **({"reshard_after_forward": False} if "no reshard" in label else {}))
         for c in cuts:
             sch[f"{_blocks(model_name)}.{c}"].cut_pipeline_stage()
         sch.pipeline(axis="pp", schedule=kind, n_microbatches=MICROBATCHES, example_inputs=inputs)
