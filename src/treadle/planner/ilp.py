@@ -27,6 +27,8 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
          y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
          a form's variant of a template's blocks: an integer count w of them, its constant terms linear in w
          (variant_count, variant_excludes, variant_checkpointed: NOTE [block variants] in `variants.py`)
+         with selective checkpoint policies allowed, a count of a template's blocks under each, its products as
+         the full count's (policy_count: NOTE [checkpoint policies in the plan] in `policies.py`)
 
     where the objective counts each y[g] (count x seconds of a shared all-reduce, NOTE [shared
     input-gradient sum] in `treadle.forms.tensor.plan`) and E (the exposed data-parallel sync, NOTE [bucketed data parallel] in

@@ -9,7 +9,10 @@ holds again what autograd saves less what the cache already holds (A - S_p):
 
     memory += c_{t,p} (In + K_p - A)        T >= q_{t,p} (A - S_p)        time += c_{t,p} (F_p + host_p)
 
-each product linearised per bit as the full count's (`ilp.checkpoint_vars`). Block 0's input at the backward's end
+each product linearised per bit as the full count's (`ckpt_vars.checkpoint_vars`). host_p is checkpointing's host
+cost of the ops p recomputes and of the region (`recompute_host_s`), plus selective checkpointing's dispatch modes
+on every op of the block's forward and recompute (`selective_host_s`: ~10 us an op on a CPU core, which makes op
+SAC slower than full checkpointing there, as measured; 0 on a GPU preset). Block 0's input at the backward's end
 (NOTE [the backward's end]) is counted when any block of its template is checkpointed either way
 (`any_checkpointed`). Which blocks: the full checkpoints as `spread` places them, then each policy's blocks spread
 over the rest (`pick`), so block 0 is checkpointed whenever any block is. Not offered for a template with block
@@ -17,6 +20,7 @@ variants (NOTE [block variants]: their recompute credit assumes full checkpoints
 a pipeline's stages (their own MILP). A policy that would keep nothing less than a full checkpoint does is still
 offered: the solver weighs it.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,7 +81,7 @@ def evaluate(cg, choice: list[int], policies: dict[tuple[int, str], int]) -> tup
 
 
 def add_vars(m, cg, s, *, enabled: bool, seconds: float, nbytes: float) -> dict[tuple[int, str], Any]:
-    """Per offered (template, policy) a count with its McCormick products (`ilp.checkpoint_vars`: zA = y A,
+    """Per offered (template, policy) a count with its McCormick products (`ckpt_vars.checkpoint_vars`: zA = y A,
     zF = y F_p, zI = y (In + K_p), zT = q (A - S_p)), scaled (NOTE [row scaling])."""
     out = {}
     for t, p in offered(cg):
