@@ -251,10 +251,32 @@ def test_a_pipeline_run_takes_the_batch_it_was_captured_on(tmp_path):
         pipeline_batches(sch, RunConfig(model="tiny-llama", data=["unused"], batch=16, seq=32), 2)
     with pytest.raises(RunError, match=r"gradient accumulation is its 2 micro-batches of 2 samples.*--grad-accum 4"):
         pipeline_batches(sch, RunConfig(model="tiny-llama", data=["unused"], batch=8, seq=32, grad_accum=4), 2)
-    from treadle.run.loop import autocast_for, build_for
+    from treadle.run.loop import autocast_for
 
     bf16 = RunConfig(model="tiny-llama", data=["unused"], batch=8, seq=32, precision="bf16")
-    with pytest.raises(RunError, match=r"--precision bf16 with FSDP2 beside a pipeline is not supported yet"):
-        build_for(sch, bf16)  # refused before anything is built
-    # NOTE [pipeline autocast]: the stages run the autocast themselves, so the run adds none around the step
+    # FSDP2's policy casts (NOTE [pipeline capture under FSDP2's mixed precision]): the run adds no autocast
     assert isinstance(autocast_for(sch, bf16, torch.device("cpu")), contextlib.nullcontext)
+
+
+@pytest.mark.slow
+def test_treadle_run_trains_pp2_x_fsdp2_in_bf16_with_fp32_master_weights(tmp_path):
+    """NOTE [pipeline capture under FSDP2's mixed precision]: the stages compute in bf16 through FSDP2's policy (the
+    capture traced with the parameters so cast), the losses follow the fp32 run within bf16 tolerance and differ
+    from it; the checkpoint holds fp32 parameters."""
+    sched = tmp_path / "pp.json"
+    _pipeline_schedule(sched, shard=True)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        res = _run(tmp_path, "--schedule", str(sched), "--precision", precision, "--steps", "3",
+                   "--metrics", f"{precision}.jsonl", "--ckpt-dir", f"ck-{precision}", "--ckpt-every", "3")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out[precision] = _losses(tmp_path / f"{precision}.jsonl")
+    l32, l16 = (torch.tensor([out[p][s] for s in (1, 2, 3)]) for p in ("fp32", "bf16"))
+    torch.testing.assert_close(l16, l32, rtol=2e-2, atol=0)
+    assert not torch.equal(l16, l32)  # bf16 really ran
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tmp_path / "ck-bf16" / "step_00000003")).read_metadata()
+    dtypes = {str(m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(m, "properties")}
+    assert dtypes == {"torch.float32"}, dtypes

@@ -81,12 +81,9 @@ def build_for(sch, cfg: RunConfig) -> nn.Module:
 
     dp = sch.view().data_parallel
     pipelined = sch.view().extras.get("pipeline") is not None
-    if cfg.precision == "bf16" and dp is not None and dp.shard:
-        if pipelined:
-            raise RunError("treadle.run: --precision bf16 with FSDP2 beside a pipeline is not supported yet (its "
-                           "capture would trace other dtypes than FSDP2's cast parameters give); use fp32, or "
-                           "data_parallel(shard=False) beside the pipeline")
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    if cfg.precision == "bf16" and dp is not None and dp.shard:  # beside a pipeline too: its capture casts the
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # parameters as the policy will (NOTE [pipeline
+        # capture under FSDP2's mixed precision])
 
         return build(sch, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if cfg.precision == "bf16" and pipelined:  # NOTE [pipeline autocast]: the stages run the autocast themselves

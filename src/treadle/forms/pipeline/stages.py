@@ -230,8 +230,9 @@ def capture_root(builder) -> None:
     # NOTE [pipeline autocast]: traced under the autocast the stages will run in, so the graph's dtypes are theirs
     amp = (torch.autocast(builder.mesh.device.type, dtype=builder.autocast_dtype) if builder.autocast_dtype
            else contextlib.nullcontext())
+    cast = _params_as(model, _fsdp_param_dtype(builder))  # NOTE [pipeline capture under FSDP2's mixed precision]
     try:
-        with amp:
+        with amp, cast:
             with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
                 eager = record_leaf_outputs(model, leaves, mb)
             gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
@@ -243,7 +244,7 @@ def capture_root(builder) -> None:
     if undone:
         logger.info("pipeline: %d leaf argument(s) the eager forward passes as None restored (%s)", len(undone),
                     ", ".join(undone[:4]))
-    with amp:
+    with amp, _params_as(model, _fsdp_param_dtype(builder)):
         standins = hand_leaves_standins(gm, model, calls)
     if standins:
         logger.info("pipeline: leaf argument(s) %s read for their shape and dtype only: recomputed in each stage "
@@ -253,6 +254,34 @@ def capture_root(builder) -> None:
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
 
 
+
+
+# NOTE [pipeline capture under FSDP2's mixed precision]: with FSDP2 beside the pipeline and a MixedPrecisionPolicy
+# (`treadle.run --precision bf16`: bf16 parameters in compute, fp32 shards, gradients reduced in fp32) every stage
+# computes with its parameters cast to the policy's `param_dtype`, so the embedding, the blocks and the head return
+# that dtype. The capture therefore runs with the floating parameters cast to it (in place, restored after; buffers
+# as they are, as FSDP2 leaves them): the graph's dtype assertions and the leaves' recorded outputs are the stages'
+# own. Without FSDP2 the stages run an autocast instead (NOTE [pipeline autocast]).
+def _fsdp_param_dtype(builder) -> torch.dtype | None:
+    dp = builder.v.data_parallel
+    if dp is None or not dp.shard or builder.mp_policy is None:
+        return None
+    return getattr(builder.mp_policy, "param_dtype", None)
+
+
+@contextlib.contextmanager
+def _params_as(model: nn.Module, dtype: torch.dtype | None):
+    saved = []
+    try:
+        if dtype is not None:
+            for p in model.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    saved.append((p, p.data))
+                    p.data = p.data.to(dtype)
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 # NOTE [eager None arguments]: a traced forward may take another branch than the eager one. Hugging Face's
