@@ -22,7 +22,7 @@ With ``--plan``, each row's configuration is also planned (`plan_model` with the
 sequence and the device's memory, eager or compiled as the row runs, float8 allowed where the row uses it) and the
 plan's price is set beside the recipe's (target: the plan predicted at least as fast). Writes bench/results/bench_published.json.
 
-    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao] [--plan]
+    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao] [--plan [--checkpoint-policy alternate-matmuls]]
 """
 
 from __future__ import annotations
@@ -95,13 +95,14 @@ def price_row(row) -> dict:
             "exposed_comm_s": p.exposed_comm_s, "recompute_s": p.recompute_s, "price_s": time.perf_counter() - t0}
 
 
-def plan_row(row) -> dict:
+def plan_row(row, policies: tuple[str, ...] = ()) -> dict:
     """Part 6: the planner's own choice for the same model, cluster, batch, sequence and memory (the device's), run
     as the row runs (eager or compiled), allowed float8 where the row uses it (NOTE [execution and float8 in the
-    plan]), priced by the same function (`plan.estimate()`: the price of `plan.schedule` as it runs)."""
+    plan]), allowed the selective checkpoint `policies` (NOTE [checkpoint policies in the plan]; the rows run op
+    SAC), priced by the same function (`plan.estimate()`: the price of `plan.schedule` as it runs)."""
     from treadle.cost.cluster import parse_cluster
     from treadle.models.zoo import named_model
-    from treadle.planner import plan_model
+    from treadle.planner import TrainSpec, plan_model
 
     key, label, source, cluster_spec, world, local, seq, execution, float8, tps, mem = row
     model, inputs = named_model("llama-3-8b", batch=local * world, seq=seq, fake=True, dtype=torch.bfloat16)
@@ -110,9 +111,10 @@ def plan_row(row) -> dict:
     t0 = time.perf_counter()
     plan = plan_model(model, inputs, cluster=cluster, memory_budget_bytes=cluster.rank_hardware().memory_bytes,
                       price_top=1, execution=execution, float8=float8[0] if float8 else None,
-                      pp_axis="auto" if execution == "eager" else None)
+                      pp_axis="auto" if execution == "eager" else None, train=TrainSpec(checkpoint_policies=policies))
     est = plan.estimate()
     return {"against": label, "roles": str(plan.roles), "mesh": str(plan.cluster.mesh), "step_s": est.step_s,
+            "checkpoints": plan.solver.get("checkpoints"), "policies": plan.solver.get("policies"),
             "predicted_tokens_per_s_per_gpu": local * seq / est.step_s, "predicted_peak_gib": est.peak_bytes / GiB,
             "planning_s": time.perf_counter() - t0}
 
@@ -121,6 +123,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=["8gpu", "128gpu", "ao"], help="which row groups (8gpu, 128gpu, ao)")
     ap.add_argument("--plan", action="store_true", help="also plan each row's configuration and compare")
+    ap.add_argument("--checkpoint-policy", action="append", default=[], metavar="NAME",
+                    help="with --plan: let the plans use this selective checkpoint policy (e.g. alternate-matmuls)")
     args = ap.parse_args()
     out, plans = [], []
     print(f"{'configuration':48} {'pred tok/s':>10} {'published':>9} {'ratio':>6} {'pred GiB':>8} {'pub GiB':>7} "
@@ -134,12 +138,13 @@ def main() -> None:
               f"{r['tokens_ratio']:6.2f} {r['predicted_peak_gib']:8.1f} {r['published_memory_gib']:7.1f} "
               f"{r['memory_ratio']:6.2f}", flush=True)
         if args.plan:
-            q = plan_row(row)
+            q = plan_row(row, tuple(args.checkpoint_policy))
             q["speedup_vs_recipe"] = r["step_s"] / q["step_s"]
             plans.append(q)
             print(f"  planner: {q['roles']} on {q['mesh']}: {q['predicted_tokens_per_s_per_gpu']:,.0f} tok/s/GPU, "
                   f"{q['predicted_peak_gib']:.1f} GiB, {q['speedup_vs_recipe']:.2f}x the recipe's predicted step "
-                  f"(planned in {q['planning_s']:.0f} s)", flush=True)
+                  f"(planned in {q['planning_s']:.0f} s; checkpoints {q['checkpoints']}, policies {q['policies']})",
+                  flush=True)
     # float8 against the same run in bf16 (same group, batch and execution): the speedup predicted vs published
     for r in out:
         base = next((b for b in out if r["float8"] and not b["float8"] and b["cluster"] == r["cluster"]
