@@ -140,8 +140,11 @@ def test_overhead_probes_fit_two_points_and_measure_positive_costs():
     # their sign and a loose upper bound are facts here, no timing
     region_s, op_s = ov.checkpoint_overheads_s(reps=2)
     assert region_s >= 0 and op_s >= 0
-    sub, unit_s, param_s = ov.distributed_overheads_s(reps=2)
-    assert sub > 0 and unit_s >= 0 and param_s >= 0
+    sub, unit_s, param_s, kept_s = ov.distributed_overheads_s(reps=2)
+    assert sub > 0 and unit_s >= 0 and param_s >= 0 and 0 <= kept_s < 1e-2
+    # the selective-checkpoint probe: a region and an op of the dispatch modes, each a difference (>= 0)
+    sel_region, sel_op = ov.selective_overheads_s(reps=2)
+    assert sel_region >= 0 and 0 <= sel_op < 1e-3
     # a split stage backward walks the graph and runs autograd twice: more host time per backward op; the bound
     # only catches a unit error (a second, not microseconds): on a loaded 2-core runner it measured 225 us
     assert 0 <= ov.split_backward_op_s(reps=3) < 2e-3

@@ -339,15 +339,18 @@ def _with_group_fsdp_overheads(cluster: ClusterSpec, rounds: int):
     (the ranks' mean). Collective over the world."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..profile.overheads import fsdp_overheads_s
+    from ..profile.overheads import fsdp_kept_unit_s, fsdp_overheads_s
 
     world = dist.get_world_size()
-    unit_s, param_s = fsdp_overheads_s(init_device_mesh("cpu", (world,)), reps=max(5, min(rounds, 9)))
-    mean = torch.tensor([unit_s, param_s], dtype=torch.float64)
+    mesh = init_device_mesh("cpu", (world,))
+    unit_s, param_s = fsdp_overheads_s(mesh, reps=max(5, min(rounds, 9)))
+    kept_s = fsdp_kept_unit_s(mesh, reps=max(5, min(rounds, 9)))
+    mean = torch.tensor([unit_s, param_s, kept_s], dtype=torch.float64)
     dist.all_reduce(mean)
-    unit_s, param_s = (mean / world).tolist()
+    unit_s, param_s, kept_s = (mean / world).tolist()
     hw = cluster.hardware()
     return dataclasses.replace(hw, fsdp_unit_s=max(unit_s, 0.0), fsdp_param_s=max(param_s, 0.0),
+                               fsdp_kept_unit_s=max(kept_s, 0.0),
                                source=f"{hw.source}; FSDP2 host costs measured on {world} gloo ranks")
 
 

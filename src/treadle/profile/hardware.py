@@ -36,7 +36,7 @@ GIB = 2**30
 
 # the per-op / per-region host costs of NOTE [framework overheads] (seconds per core; a rank scales them)
 _OVERHEADS = ("op_overhead_s", "subclass_op_overhead_s", "checkpoint_region_s", "checkpoint_op_s", "fsdp_unit_s",
-              "fsdp_param_s", "split_backward_op_s", "selective_region_s", "selective_op_s")
+              "fsdp_param_s", "split_backward_op_s", "selective_region_s", "selective_op_s", "fsdp_kept_unit_s")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +68,8 @@ class HardwareSpec:
     #                            dispatch mode asking the policy and caching what it keeps),
     #   fsdp_unit_s              per FSDP2 unit per step (its forward/backward hooks, gather and reduce bookkeeping),
     #   fsdp_param_s             per parameter of an FSDP2 unit per step (copy-in/out views, DTensor wrapping),
+    #   fsdp_kept_unit_s         per FSDP2 unit per forward+backward while it stays gathered without gradient sync
+    #                            (a pipeline stage between its gathers and its one reduction: the hooks alone),
     #   split_backward_op_s      per backward op of a pipeline stage whose backward a zero-bubble schedule splits
     #                            into input and weight gradients (torch.distributed.pipelining walks the autograd
     #                            graph to group parameters, runs autograd twice and hooks the intermediates).
@@ -83,6 +85,7 @@ class HardwareSpec:
     split_backward_op_s: float = 0.0
     selective_region_s: float = 0.0
     selective_op_s: float = 0.0
+    fsdp_kept_unit_s: float = 0.0
     optimizer_foreach: bool = True
     # `optimizer_fused`: AdamW runs its fused kernel (one pass per element, ~2 list ops plus ~1 dispatch per
     # tensor), as treadle's runtime makes it whenever it can (NOTE [fused optimizer] in
@@ -333,7 +336,7 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
             dist_ov = ov.distributed_overheads_s(reps=reps)
             if dist_ov is not None:
                 (framework["subclass_op_overhead_s"], framework["fsdp_unit_s"],
-                 framework["fsdp_param_s"]) = dist_ov
+                 framework["fsdp_param_s"], framework["fsdp_kept_unit_s"]) = dist_ov
     finally:
         torch.set_num_threads(before)
     nominal = {k: getattr(CPU_CORE, k) for k in _OVERHEADS if k not in framework}
@@ -359,7 +362,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 # dispatcher and Python: `calibrate_cpu` times 1000 one-element adds). The framework overheads (NOTE
 # [framework overheads]) are PyTorch 2.13 eager on a 2.5 GHz EPYC core as `treadle.profile.overheads` measured
 # them, rounded: DTensor dispatch ~30 us an op, non-reentrant checkpoint ~0.3 ms a region + ~0.1 ms a recomputed
-# op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step, a split (zero-bubble) stage backward ~10 us more per
+# op, FSDP2 ~1.5 ms a unit + ~20 us a parameter per step (~0.15 ms a unit's forward and backward kept gathered
+# without sync), a split (zero-bubble) stage backward ~10 us more per
 # backward op, selective checkpointing's dispatch modes ~70 us a region + ~10 us per op they see (forward and
 # recompute; measured on this 2-core EPYC host); ~15 us per op of a training step (module calls and autograd included). AdamW runs in the foreach form, as the runtime makes it. Kernel rates (NOTE [kernel rates]) as
 # `treadle.profile.kernel_rates` measured them there, rounded: square fp32 products of n = 32 / 64 / 128 / 256
@@ -373,7 +377,7 @@ CPU_CORE = HardwareSpec(name="cpu", peak_flops_per_s={"float32": 80e9, "bfloat16
                         hbm_bytes_per_s=10 * GB, memory_bytes=16 * GIB, op_overhead_s=15e-6,
                         subclass_op_overhead_s=30e-6, checkpoint_region_s=300e-6, checkpoint_op_s=100e-6,
                         fsdp_unit_s=2e-3, fsdp_param_s=100e-6, split_backward_op_s=10e-6, selective_region_s=70e-6,
-                        selective_op_s=10e-6, optimizer_foreach=True,
+                        selective_op_s=10e-6, fsdp_kept_unit_s=150e-6, optimizer_foreach=True,
                         matmul_curve=((6.6e4, 0.2), (5.2e5, 0.65), (4.2e6, 0.9), (3.4e7, 0.95)),
                         attention_efficiency=0.4, elementwise_s_per_elem=_CPU_POINTWISE_S,
                         source="nominal x86-64 core (AVX2 2x FMA at 2.5 GHz, 10 GB/s); calibrate_cpu for yours")

@@ -17,6 +17,8 @@ the caller set it (`calibrate_cpu` sets 1).
   ``region + (forward ops + recomputed ops)(k) * op``: the dispatch modes' cost per region and per op they see.
 - `split_backward_op_s`: a zero-bubble schedule's split stage backward (input, then weight gradients) minus
   the whole one, per backward op, on a stack of tiny blocks.
+- `fsdp_kept_unit_s`: fwd+bwd of such units kept gathered without gradient sync (after a first step), minus
+  without FSDP2, per unit: the hooks alone, as a pipeline drives a stage between its gathers.
 - `fsdp_unit_s`, `fsdp_param_s`: fwd+bwd of U units of m tiny Linear layers each under FSDP2 `fully_shard`
   on a 2-rank mesh minus without, fitted as ``U * unit + U * 2m * param`` over m in (1, 6). Two ranks, not
   one: on one rank FSDP2 shards nothing and its hooks take shortcuts (measured here: 1.0 ms per unit and
@@ -216,8 +218,36 @@ def fsdp_overheads_s(mesh, *, reps: int = 7) -> tuple[float, float]:
     return _fit_line(x0, y0, x1, y1)
 
 
-def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | None:
-    """(subclass op, FSDP2 unit, FSDP2 parameter), or None when torch.distributed is already initialised."""
+def fsdp_kept_unit_s(mesh, *, reps: int = 7) -> float:
+    """Host seconds per FSDP2 unit of one forward+backward while the units stay gathered and do not sync their
+    gradients (``reshard_after_forward=False``, no reshard after backward, no gradient sync: a pipeline stage
+    between its first gather and its one reduction, NOTE [pipeline FSDP2]): U units of two tiny Linear layers and
+    a root, gathered by a first step, minus the same without FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = 4
+
+    def make(wrap: bool) -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(units)])
+        if wrap:
+            for unit in model:
+                fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            model.set_requires_gradient_sync(False)
+            model.set_reshard_after_backward(False)
+        x = torch.randn(2, 4)
+        step = lambda: model(x).sum().backward()  # noqa: E731
+        step()  # the first gather; the units stay gathered after it
+        return step
+
+    extra = best_thread_time_s(make(True), reps=reps, inner=5) - best_thread_time_s(make(False), reps=reps, inner=5)
+    return max(0.0, extra / (units + 1))
+
+
+def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float, float] | None:
+    """(subclass op, FSDP2 unit, FSDP2 parameter, FSDP2 unit kept gathered), or None when torch.distributed is
+    already initialised."""
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
@@ -234,7 +264,7 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float] | No
         plain = best_thread_time_s(lambda: torch.add(a, b), reps=reps, inner=200)
         sub = max(0.0, best_thread_time_s(lambda: torch.add(da, db), reps=reps, inner=200) - plain)
         unit_s, param_s = fsdp_overheads_s(mesh, reps=reps)
-        return sub, unit_s, param_s
+        return sub, unit_s, param_s, fsdp_kept_unit_s(mesh, reps=reps)
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,10 @@ is not inside such an entry already (T5's blocks, not the list of layers each bl
 and then a list inside it would shard its parameters twice, which FSDP2 refuses), then on the root (`fsdp_units`); a parameter belongs to the first unit holding its module (`fsdp_param_units`). Per unit per
 step FSDP2's hooks cost ``fsdp_unit_s + n_params * fsdp_param_s`` on the host (NOTE [framework overheads] in
 `treadle.profile.hardware`; `fsdp_host_s`), and around each of its collectives it copies the shard or gradient in and
-the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`).
+the gathered parameter or reduced shard out: 2 (full + shard) bytes moved (`fsdp_copy_s`). A unit that is already
+gathered and does not sync its gradients (a pipeline stage between its gathers and its one reduction: NOTE [pipeline
+FSDP2]) runs only the hooks' bookkeeping, ``fsdp_kept_unit_s`` a forward and backward (`fsdp_kept_host_s`; measured on
+this host 0.1-0.2 ms a unit, against 0.8-1.1 ms with its gather, reshard and reduce-scatter).
 
 NOTE [nested prefetch]: in backward FSDP2 by default prefetches one unit ahead, in the reverse of the order the
 units' forwards ended. With a unit nested in a block (another form's, the experts: NOTE [experts under FSDP2])
@@ -144,6 +147,12 @@ def fsdp_param_units(model: nn.Module, units: list[str] | None = None) -> list[s
 def fsdp_host_s(n_units: int, n_params: int, hw: Any) -> float:
     """FSDP2's host cost per step of `n_units` units holding `n_params` parameters (NOTE [FSDP2 units])."""
     return n_units * hw.fsdp_unit_s + n_params * hw.fsdp_param_s
+
+
+def fsdp_kept_host_s(n_units: int, hw: Any) -> float:
+    """FSDP2's host cost of a forward and backward of `n_units` units already gathered, without gradient sync
+    (NOTE [FSDP2 units]: a pipeline stage kept gathered between micro-batches)."""
+    return n_units * hw.fsdp_kept_unit_s
 
 
 def fsdp_copy_s(full_bytes: float, n: int, hw: Any, dtype: torch.dtype = torch.float32) -> float:

@@ -119,7 +119,7 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
     link) of a unit on axes of its own (the local experts: NOTE [experts under FSDP2]), the others on `dp`'s."""
     from ...cost.collective_cost import collective_time_s
     from ...cost.overlap import simulate
-    from ..data.facts import fsdp_copy_s, fsdp_host_s
+    from ..data.facts import fsdp_copy_s, fsdp_host_s, fsdp_kept_host_s
     from ..data.price import prefetched_gathers
 
     n = dp.shard_size(mesh)
@@ -155,6 +155,7 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
         return tl.step_s - sum(sg.compute_s for sg in segs)
 
     host = {s: sum(fsdp_host_s(1, u[2], hw) for u in us.values()) / 2 for s, us in units.items()}
+    kept = {s: fsdp_kept_host_s(len(us), hw) / 2 for s, us in units.items()}  # the hooks of a gathered stage
     gather = {(s, ph): in_pass(s, ph) + copies(s, 0) for s in units for ph in ("fwd", "bwd")}
     extra: dict[Action, float] = {}
     gathered: dict[int, list[float]] = {}
@@ -166,7 +167,7 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
         st = states[rank]
         g_s[rank] = r_s[rank] = 0.0
         for a in acts:
-            t = host[a.stage] if _runs_backward_or_forward(a) else 0.0
+            t = (host[a.stage] if a in st.gathers else kept[a.stage]) if _runs_backward_or_forward(a) else 0.0
             if a in st.gathers:
                 g = gather[(a.stage, "fwd" if a.kind == "F" else "bwd")]
                 t += g
@@ -179,7 +180,7 @@ def fsdp_terms(states: dict[int, RankFsdp], order: dict[int, list[Action]], unit
             if overlap:
                 j = next((k for k in range(i, len(acts)) if acts[k].stage == s), i)
                 t = max(0.0, t - sum(duration.get((acts[k].stage, acts[k].kind), 0.0) for k in range(i, j)))
-            extra[before] += t + copies(s, 0)
+            extra[before] += t + copies(s, 0) + host[s] - kept[s]  # the gather's bookkeeping on the host
             g_s[rank] += t + copies(s, 0)
         for s, after in st.reduce_after.items():  # REDUCE_GRAD: every unit's reduce-scatter, waited on
             t = 0.0

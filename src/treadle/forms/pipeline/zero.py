@@ -18,8 +18,9 @@ charged per micro-batch: an over-count by at most 3M / (2M + 1)).
 Without reshard after forward (`reshard_after_forward=False`, as torchtitan sets it beside a pipeline) a stage is
 gathered by its first forward and stays gathered to the step's end (the states of `fsdp.py`: 1F1B's and the
 interleaved schedule's two local stages never leave the prefetch window): one all-gather of each unit a step, not
-two a micro-batch. The planner charges it once, exposed, in the rank's tail beside the reduce-scatter (bandwidth
-and latency), and nothing per micro-batch. The peak is the same (the first backward gathers the whole stage while
+two a micro-batch. The planner charges it once, exposed, in the rank's tail beside the reduce-scatter (bandwidth,
+latency and the gather's host bookkeeping), and per micro-batch only FSDP2's hooks on a gathered unit
+(`fsdp_kept_host_s`, NOTE [FSDP2 units]). The peak is the same (the first backward gathers the whole stage while
 every warm-up micro-batch is in flight, `test_keeping_stages_gathered_gathers_once_and_holds_the_same_peak_under_1f1b`);
 the gathered bytes are then the cost graph's own (`gathered_kept` in its static bytes), not added again here.
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from ...planner.capture import TensorMeta
 from ...planner.node_costs import _tensor_axes_divisor
-from ..data.facts import fsdp_host_s
+from ..data.facts import fsdp_host_s, fsdp_kept_host_s
 from .cuts import _Cut
 
 
@@ -63,6 +64,7 @@ class ZeroTerms:
     unit_host_s: float = 0.0  # FSDP2's hooks on one unit over a micro-batch's forward and backward
     experts: "ExpertUnits | None" = None  # the local experts' own units, where FSDP2 shards them (m > 1)
     reshard: bool = True  # reshard after forward; False: gathered once a step and kept (NOTE above)
+    kept_host_s: float = 0.0  # FSDP2's hooks on one unit kept gathered over a micro-batch (`fsdp_kept_host_s`)
 
     def _gather_once_s(self, u: int, k: int) -> float:
         own = self.experts.ag_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
@@ -158,7 +160,7 @@ def zero_terms(cg) -> ZeroTerms | None:
     # the gradients have the parameters' dtype and shards (every captured parameter trains)
     return ZeroTerms(gathered, gathered, n, ag, rs, ag_lat, rs_lat, cg.cluster.rank_device().overlap,
                      fsdp_host_s(1, 0, cg.cluster.rank_hardware()), _expert_units(cg, own, experts, blocks),
-                     roles.reshard_after_forward)
+                     roles.reshard_after_forward, fsdp_kept_host_s(1, cg.cluster.rank_hardware()))
 
 
 def _expert_units(cg, own: list[list[float]], experts: set, blocks: int) -> ExpertUnits | None:
@@ -197,7 +199,11 @@ def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], li
     ex = zt.experts  # the local experts' own units, about `per_block` a block (NOTE [pipeline FSDP2 in the plan])
     own = [len(st) * ex.per_block if ex else 0.0 for st in cut.stages]
     gather = [u * zt.ag_lat_s + o * (ex.ag_lat_s if ex else 0.0) for u, o in zip(units, own)]  # one of each unit
+    # kept gathered, a micro-batch runs the hooks alone; the gather's bookkeeping once a step, in the tail
+    per_mb = zt.unit_host_s if zt.reshard else zt.kept_host_s
+    once = 0.0 if zt.reshard else zt.unit_host_s - zt.kept_host_s
     return ([2 * x if zt.reshard else 0.0 for x in gather],
-            [(u + o) * zt.unit_host_s for u, o in zip(units, own)],
-            [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0) + (0.0 if zt.reshard else gather[st])
+            [(u + o) * per_mb for u, o in zip(units, own)],
+            [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0)
+                 + (0.0 if zt.reshard else gather[st] + (units[st] + own[st]) * once)
                  for st in range(S) if st % p == r) for r in range(p)])
