@@ -460,11 +460,12 @@ def test_zero3_without_reshard_beside_the_pipeline_by_hand():
     choice = [0] * len(cg.units)
     step, peak, _ = milp.evaluate(cg, lay, cut, choice, {})
     T, tail, static = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    assert sum(unit.costs[0].fsdp_s for unit in cg.units) > 0  # FSDP2's copies and per-parameter host cost
     for u, unit in enumerate(cg.units):
         c = unit.costs[0]
-        for s_, k in cut.mult[u]:
-            T[s_] += k * (c.compute_s - c.opt_s + c.comm_s)
-            tail[s_] += k * (c.opt_s + (zt.rs_per_byte + zt.ag_per_byte) * zt.gathered[u][0])
+        for s_, k in cut.mult[u]:  # FSDP2's copies and per-parameter host cost once a step, not per micro-batch
+            T[s_] += k * (c.compute_s - c.opt_s + c.comm_s - c.fsdp_s)
+            tail[s_] += k * (c.opt_s + c.fsdp_s + (zt.rs_per_byte + zt.ag_per_byte) * zt.gathered[u][0])
             static[s_] += k * (c.static_bytes + zt.grads[u][0] / 2)
     units = [3, 3]
     # per micro-batch FSDP2's hooks on gathered units only; the gather's bookkeeping once, in the tail

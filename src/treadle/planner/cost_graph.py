@@ -467,6 +467,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.bwd_comm_s += c.bwd_comm_s
     total.dp_comm_s += c.dp_comm_s
     total.opt_s += c.opt_s
+    total.fsdp_s += c.fsdp_s
     total.act_bytes += c.act_bytes
     total.static_bytes += c.static_bytes
     total.grad_bytes += c.grad_bytes

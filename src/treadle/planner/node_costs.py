@@ -58,6 +58,8 @@ class StrategyCost:
     bwd_comm_s: float = 0.0  # tensor-parallel communication of the backward (blocking, on the tensor axes)
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     opt_s: float = 0.0  # of compute_s, the optimizer step on the parameters it owns: once a step, not per micro-batch
+    fsdp_s: float = 0.0  # of compute_s, FSDP2's copies and per-parameter host cost (once a step beside a pipeline
+    # that keeps its stages gathered: NOTE [pipeline FSDP2 in the plan])
     act_bytes: float = 0.0  # saved for backward
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
     grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in treadle.forms.data.plan)

@@ -146,7 +146,9 @@ def param_cost(b, meta: TensorMeta, pl: tuple[int, ...], cost) -> None:
     """A parameter's gradient sync (bandwidth part: `param_sync_s`) and FSDP2's copies and host cost
     (`zero_copies_s`)."""
     cost.dp_comm_s += param_sync_s(b, meta, pl)
-    cost.compute_s += zero_copies_s(b, meta, pl)
+    z = zero_copies_s(b, meta, pl)
+    cost.compute_s += z
+    cost.fsdp_s += z
 
 
 def zero_copies_s(b, meta: TensorMeta, pl: tuple[int, ...]) -> float:

@@ -34,10 +34,9 @@ def _unit_mins(cg, zt) -> tuple[list[float], list[float], list[float]]:
     t, g, q = [], [], []
     for u, unit in enumerate(cg.units):
         ok = _allowed(unit)
-        t.append(min(_step_time(unit.costs[k]) for k in ok))
+        t.append(min((_step_time(unit.costs[k]) if zt is None else zt.step_s(unit.costs[k])) for k in ok))
         g.append(min(zt.gather_s(u, k) for k in ok) if zt is not None else 0.0)
-        q.append(min((_tail_time(unit.costs[k]) if zt is None else unit.costs[k].opt_s + zt.reduce_s(u, k))
-                     for k in ok))
+        q.append(min((_tail_time(unit.costs[k]) if zt is None else zt.tail_s(u, k, unit.costs[k])) for k in ok))
     return t, g, q
 
 

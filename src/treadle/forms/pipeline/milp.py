@@ -96,8 +96,8 @@ def unit_coefs(cg, zt) -> list[list[tuple]]:
     shard, once-a-step seconds, ZeRO-3 gather seconds or None, saved bytes or None inside a block template): what
     every cut's MILP reads of it, times the unit's executions in a stage."""
     in_template = {u for info in cg.templates.values() for u in info.units}
-    return [[(k, _step_time(c), c.static_bytes + (zt.held(u, k) if zt else 0.0),
-              _tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k),
+    return [[(k, _step_time(c) if zt is None else zt.step_s(c), c.static_bytes + (zt.held(u, k) if zt else 0.0),
+              _tail_time(c) if zt is None else zt.tail_s(u, k, c),
               zt.gather_s(u, k) if zt is not None else None, None if u in in_template else c.act_bytes)
              for k, c in enumerate(unit.costs)] for u, unit in enumerate(cg.units)]
 
@@ -276,9 +276,9 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
         k = choice[u]
         c = unit.costs[k]
         for st, k_n in cut.mult.get(u, []):
-            T[st] += k_n * _step_time(c)
+            T[st] += k_n * (_step_time(c) if zt is None else zt.step_s(c))
             static[st] += k_n * (c.static_bytes + (zt.held(u, k) if zt else 0.0))
-            tail[st] += k_n * (_tail_time(c) if zt is None else c.opt_s + zt.reduce_s(u, k))
+            tail[st] += k_n * (_tail_time(c) if zt is None else zt.tail_s(u, k, c))
             if zt is not None:
                 G[st] += k_n * zt.gather_s(u, k)
             if u not in in_template:

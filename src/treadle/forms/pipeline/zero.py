@@ -40,7 +40,7 @@ from ...cost.collective_cost import all_gather_time_s, all_reduce_time_s, reduce
 from ...planner.capture import TensorMeta
 from ...planner.node_costs import _tensor_axes_divisor
 from ..data.facts import fsdp_host_s, fsdp_kept_host_s
-from .cuts import _Cut
+from .cuts import _Cut, _step_time
 
 
 @dataclass(slots=True)
@@ -65,6 +65,16 @@ class ZeroTerms:
     experts: "ExpertUnits | None" = None  # the local experts' own units, where FSDP2 shards them (m > 1)
     reshard: bool = True  # reshard after forward; False: gathered once a step and kept (NOTE above)
     kept_host_s: float = 0.0  # FSDP2's hooks on one unit kept gathered over a micro-batch (`fsdp_kept_host_s`)
+
+    def step_s(self, c) -> float:
+        """One execution's (micro-batch's) seconds of a strategy `c`: kept gathered, FSDP2's copies and
+        per-parameter host cost are the step's, not each micro-batch's (they go to `tail_s`)."""
+        return _step_time(c) - (0.0 if self.reshard else c.fsdp_s)
+
+    def tail_s(self, u: int, k: int, c) -> float:
+        """Once-a-step seconds of unit u's strategy k (`c`): its optimizer step, `reduce_s`, and kept gathered
+        FSDP2's copies and per-parameter host cost."""
+        return c.opt_s + self.reduce_s(u, k) + (0.0 if self.reshard else c.fsdp_s)
 
     def _gather_once_s(self, u: int, k: int) -> float:
         own = self.experts.ag_per_byte * self.experts.gathered[u][k] if self.experts else 0.0
