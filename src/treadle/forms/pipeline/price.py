@@ -35,9 +35,9 @@ FSDP2] in
   segments (`treadle.forms.data.price.prefetched_gathers`, NOTE [overlap model]), plus FSDP2's copies;
 - an UNSHARD's prefetch is issued before an action and waited on by the stage's next compute action: blocking
   where the device does not overlap, else exposed by what the actions between do not hide;
-- every F, B, I (and the first stage's W) runs the stage's FSDP2 hooks: half of `fsdp_host_s` per unit where the
-  action gathers it (an UNSHARD's prefetch: before the action it is issued at), half of `fsdp_kept_host_s` where it
-  is gathered already (its hooks only: kept gathered without reshard after forward, or after a backward);
+- every F, B, I (and the first stage's W) runs the stage's FSDP2 hooks: half of `fsdp_host_s` per unit, except
+  that a stage kept gathered (no reshard after forward) pays it only where the action gathers it (an UNSHARD's
+  prefetch: at the action it is issued before) and half of `fsdp_kept_host_s` elsewhere (its hooks only);
 - after a stage's last backward its REDUCE_GRAD reduce-scatters every unit (HSDP: then all-reduces the shard)
   and waits for them.
 Memory: parameters and optimizer state are 1/n of the rank's (n the shard group), gradients full-size (they
