@@ -4,9 +4,10 @@ policy, and the per-strategy terms the cost graph adds.
 NOTE [ops a policy keeps]: a selective policy (NOTE [checkpoint policies as peers define them]) decides op by op,
 at run time, what `torch.utils.checkpoint`'s selective checkpointing keeps in its cache and what the backward
 recomputes. The capture's measurement (NOTE [saved by autograd] in saved.py) records, per graph node, the ATen ops
-its forward dispatches in order and the storages each op makes (`saved.OpTrace`); `sac_facts` replays the
-policy's table over them, per captured block in forward order, counting the alternation (torchtitan's every other
-``aten.mm``) over the block's forward as the policy counts it over one run of the checkpointed module. Per node and
+its forward dispatches in order and the storages each op makes (`saved.OpTrace`); `sac_facts` asks the runtime's
+own decision (`PolicyRun`, what `torch.utils.checkpoint` asks at run time) about them, one run per captured block in
+forward order, so the alternation (torchtitan's every other ``aten.mm``) is counted over the block's forward as it is
+over one run of the checkpointed module. Per node and
 policy (`SacFact`): the global bytes of the storages the kept ops make (`kept_bytes`), of which autograd saves
 (`kept_saved_bytes`), and the kept ops' share of the node's forward, which the recompute does not repeat (by their
 FLOPs, else by the bytes they read and write, plus one dispatch each). The cost graph divides the bytes like the
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlanError
-from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES, POLICY_NAMES
+from ..schedule.checkpoint_policies import CHECKPOINT_POLICIES, POLICY_NAMES, PolicyRun
 
 SELECTIVE = tuple(p for p, x in CHECKPOINT_POLICIES.items() if x.how == "selective")  # what the search weighs
 
@@ -61,10 +62,6 @@ def check_policies(policies: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _matches(names: tuple[str, str], table: tuple[str, ...]) -> bool:
-    return names[0] in table or names[1] in table
-
-
 def sac_facts(nodes: list, blocks: list, trace: dict[str, list], packed: frozenset[int]
               ) -> dict[str, dict[int, SacFact]]:
     """{policy: {node index: SacFact}} for every selective policy and every op node of a captured block
@@ -74,27 +71,17 @@ def sac_facts(nodes: list, blocks: list, trace: dict[str, list], packed: frozens
         pol = CHECKPOINT_POLICIES[name]
         facts: dict[int, SacFact] = {}
         for blk in blocks:
-            counts: dict[str, int] = {}
+            run = PolicyRun(pol)  # one run of the checkpointed block's forward, as the runtime asks it
             for i in sorted(blk.nodes):
-                n = nodes[i]
-                if n.kind != "op":
+                if nodes[i].kind != "op":
                     continue
-                x = [0] * 7  # the SacFact's fields, in order
-                for op in trace.get(n.name, ()):
-                    keep = _matches(op.names, pol.keep) if pol.default == "recompute" else \
-                        not _matches(op.names, pol.recompute)
-                    if keep and _matches(op.names, pol.alternate):
-                        counts[op.names[0]] = counts.get(op.names[0], 0) + 1
-                        keep = counts[op.names[0]] % 2 == 1
-                    x[3] += op.flops
-                    x[5] += op.io_bytes
-                    if keep:
-                        x[0] += sum(b for _, b in op.made)
-                        x[1] += sum(b for sid, b in op.made if sid in packed)
-                        x[2] += op.flops
-                        x[4] += op.io_bytes
-                        x[6] += 1
-                facts[i] = SacFact(*x)
+                ops = trace.get(nodes[i].name, [])
+                kept = [op for op in ops if run.keeps(op.func)]
+                facts[i] = SacFact(kept_bytes=sum(b for op in kept for _, b in op.made),
+                                   kept_saved_bytes=sum(b for op in kept for sid, b in op.made if sid in packed),
+                                   kept_flops=sum(op.flops for op in kept), flops=sum(op.flops for op in ops),
+                                   kept_io=sum(op.io_bytes for op in kept), io=sum(op.io_bytes for op in ops),
+                                   kept_ops=len(kept))
         out[name] = facts
     return out
 

@@ -158,10 +158,10 @@ class _Run(torch.fx.Interpreter):
 @dataclass(frozen=True, slots=True)
 class OpTrace:
     """One ATen op a node dispatched in forward (NOTE [ops a policy keeps] in `treadle.planner.policies`): its
-    names ("ns.op", "ns.op.overload"), the storages it made, (id, bytes) each (none for a view), its FLOPs (0
-    where no rule) and the bytes of its tensor arguments and outputs (its share of the node's time)."""
+    op (the OpOverload a checkpoint policy is asked about), the storages it made, (id, bytes) each (none for a view),
+    its FLOPs (0 where no rule) and the bytes of its tensor arguments and outputs (its share of the node's time)."""
 
-    names: tuple[str, str]
+    func: Any
     made: tuple[tuple[int, int], ...]
     flops: int = 0
     io_bytes: int = 0
@@ -171,8 +171,6 @@ def _op_trace(func: Any, args: tuple, kwargs: dict, out: Any, made: list) -> OpT
     from ..errors import ProfileError
     from ..profile.flops import forward_flops
 
-    ns = getattr(func, "namespace", "")
-    op = getattr(func, "_opname", str(func))
     try:
         flops = forward_flops(func, args, kwargs, out)
     except Exception as exc:  # noqa: BLE001  a refinement: the op's share falls back to its bytes
@@ -180,7 +178,7 @@ def _op_trace(func: Any, args: tuple, kwargs: dict, out: Any, made: list) -> OpT
             logger.debug("saved: FLOPs of %s not counted (%s: %s)", func, type(exc).__name__, exc)
         flops = 0
     io = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
-    return OpTrace((f"{ns}.{op}", f"{ns}.{op}.{getattr(func, '_overloadname', 'default')}"), tuple(made), flops, io)
+    return OpTrace(func, tuple(made), flops, io)
 
 
 @dataclass(frozen=True, slots=True)

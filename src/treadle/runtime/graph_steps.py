@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import BuildError
 from ..graph.rewrite import decomposition_dims, leaf_input
-from ..schedule.checkpoint_policies import CheckpointPolicy, checkpoint_policy, resolve_ops
+from ..schedule.checkpoint_policies import CheckpointPolicy, PolicyRun, checkpoint_policy, resolve_ops
 from . import collectives as C
 from .recompute import checkpointed_forward
 from .steps import register_build_extension, wrap_forward
@@ -80,59 +80,18 @@ def _sync_decomposed(builder) -> None:
             logger.debug("build: decomposed leaves in %r synchronised", gpath)
 
 
-def _ops(names) -> tuple[frozenset, frozenset]:
-    """(packets, overloads) named by ``ns.op`` / ``ns.op.overload``; a name this torch does not have is skipped
-    (a kernel of another backend or version: no op of it can run here)."""
-    packets, overloads = set(), set()
-    for name in names:
-        ns, op, *ov = name.split(".")
-        try:
-            packet = getattr(getattr(torch.ops, ns), op)
-        except (AttributeError, RuntimeError):
-            continue
-        if ov:
-            overload = getattr(packet, ov[0], None)
-            if overload is not None:
-                overloads.add(overload)
-        else:
-            packets.add(packet)
-    return frozenset(packets), frozenset(overloads)
-
-
 _SDPA_FUNCS = frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})
 
 
-class NamedPolicy:
+class NamedPolicy(PolicyRun):
     """A checkpoint policy (`treadle.schedule.checkpoint_policies`: a named one, or a schedule's save list) as
-    `torch.utils.checkpoint` asks it,
-    one instance per run of the module's forward (the alternate ops are counted within that run, apart in the
-    forward and in its recomputation, so both make the same choices)."""
-
-    def __init__(self, spec) -> None:
-        self.keep = _ops(spec.keep)
-        self.alternate = _ops(spec.alternate)
-        self.recompute = _ops(spec.recompute)
-        self.default_keep = spec.default == "keep"
-        self.counts: dict[tuple[bool, object], int] = {}
-
-    @staticmethod
-    def _is(func, ops) -> bool:
-        return func in ops[1] or getattr(func, "overloadpacket", None) in ops[0]
+    `torch.utils.checkpoint` asks it, one instance per run of the module's forward (`PolicyRun.keeps`: the
+    alternate ops counted within that run, apart in the forward and in its recomputation)."""
 
     def __call__(self, ctx, func, *args, **kwargs):
-        from torch.utils.checkpoint import CheckpointPolicy
+        from torch.utils.checkpoint import CheckpointPolicy as Decision
 
-        if self._is(func, self.recompute):
-            keep = False
-        elif self._is(func, self.keep):
-            keep = True
-            if self._is(func, self.alternate):
-                key = (ctx.is_recompute, getattr(func, "overloadpacket", func))
-                self.counts[key] = self.counts.get(key, 0) + 1
-                keep = self.counts[key] % 2 == 1
-        else:
-            keep = self.default_keep
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return Decision.MUST_SAVE if self.keeps(func, recompute=ctx.is_recompute) else Decision.PREFER_RECOMPUTE
 
 
 class AttentionCore(nn.Module):

@@ -86,6 +86,56 @@ def checkpoint_policy(name: object, where: str) -> CheckpointPolicy | None:
     return CHECKPOINT_POLICIES[name]
 
 
+def _ops(names) -> tuple[frozenset, frozenset]:
+    """(packets, overloads) named by ``ns.op`` / ``ns.op.overload``; a name this torch does not have is skipped
+    (a kernel of another backend or version: no op of it can run here)."""
+    packets, overloads = set(), set()
+    for name in names:
+        ns, op, *ov = name.split(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op)
+        except (AttributeError, RuntimeError):
+            continue
+        if ov:
+            overload = getattr(packet, ov[0], None)
+            if overload is not None:
+                overloads.add(overload)
+        else:
+            packets.add(packet)
+    return frozenset(packets), frozenset(overloads)
+
+
+class PolicyRun:
+    """What a "selective" policy keeps, op by op, over one run of the checkpointed module's forward: the one
+    decision the runtime asks (`treadle.runtime.graph_steps.NamedPolicy`) and the planner replays over a captured
+    block's ops (NOTE [ops a policy keeps] in `treadle.planner.policy_facts`). The alternate ops are counted within
+    the run, apart in the forward and in its recomputation, so both make the same choices."""
+
+    def __init__(self, spec: CheckpointPolicy) -> None:
+        self.keep = _ops(spec.keep)
+        self.alternate = _ops(spec.alternate)
+        self.recompute = _ops(spec.recompute)
+        self.default_keep = spec.default == "keep"
+        self.counts: dict[tuple[bool, object], int] = {}
+
+    @staticmethod
+    def _is(func, ops) -> bool:
+        return func in ops[1] or getattr(func, "overloadpacket", None) in ops[0]
+
+    def keeps(self, func: Any, *, recompute: bool = False) -> bool:
+        """Whether the op `func` (an OpOverload) is kept, the next time it runs in this run's forward (or, with
+        `recompute`, in its recomputation)."""
+        if self._is(func, self.recompute):
+            return False
+        if self._is(func, self.keep):
+            if self._is(func, self.alternate):
+                key = (recompute, getattr(func, "overloadpacket", func))
+                self.counts[key] = self.counts.get(key, 0) + 1
+                return self.counts[key] % 2 == 1
+            return True
+        return self.default_keep
+
+
 def resolve_ops(names: Sequence[str], where: str) -> list[Any]:
     """aten op packets from names like ``"aten.mm"``. Raises ScheduleError naming unknown ones."""
     out, bad = [], []
