@@ -402,7 +402,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def run_config(model_name: str, config: str, args, extra=None) -> dict:
     """Price and measure every schedule of one configuration. `extra(mesh, nodes)` -> [(label, cluster or
-    clusters)]: more plans, each `plan_model` on its cluster (measured as any schedule, priced on this run's
+    clusters[, plan_model's keyword arguments])]: more plans, each `plan_model` on its cluster (measured as any schedule, priced on this run's
     cluster). With ``args.emulate_nodes`` every rank (calibration and measurement) runs on that many emulated
     nodes (`treadle.emulated_nodes`, ``args.inter_node_rate`` between them; the first mesh axis crosses them)."""
     import contextlib
@@ -448,10 +448,11 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
                        pipeline=getattr(args, "pipeline", False) or getattr(args, "only_pipeline", False))
     if getattr(args, "only_pipeline", False):
         scheds = [(label, t) for label, t in scheds if label.startswith(("PP", "DDP"))]
-    for label, other in (extra(Mesh(shape, names), nodes) if extra is not None else []):  # more planners (bench_planner_gloo)
-        model, inputs = make_model(model_name, args.batch, args.seq)
+    for label, other, *kw in (extra(Mesh(shape, names), nodes) if extra is not None else []):  # more planners
+        model, inputs = make_model(model_name, args.batch, args.seq)  # (bench_planner_gloo; kw: plan_model's own)
         try:
-            scheds.append((label, plan_model(model, inputs, cluster=other, price_top=PRICE_TOP).schedule.to_json()))
+            plan = plan_model(model, inputs, cluster=other, price_top=PRICE_TOP, **(kw[0] if kw else {}))
+            scheds.append((label, plan.schedule.to_json()))
         except TreadleError as exc:
             print(f"    {label}: {exc}")
     rows = []

@@ -114,11 +114,13 @@ def test_the_solve_weighs_each_schedule_the_blocks_allow():
     assert milp.schedules(cg) == ["1f1b"]
     model, g = _graph(n=4)
     cg = build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
-    assert milp.schedules(cg) == ["1f1b", "interleaved_1f1b"]
+    # the zero-bubble schedules too (not DualPipeV: `cuts.SCHEDULES`)
+    kinds = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+    assert milp.schedules(cg) == kinds
     sol = solve(cg, budget_bytes=None)
     per = {k: milp.solve(build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_schedule=k,
                                                          pp_microbatches=2)), budget_bytes=None, checkpoint=True,
-                         time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time") for k in ("1f1b", "interleaved_1f1b")}
+                         time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time") for k in kinds}
     best = min(per, key=lambda k: per[k].step_s)
     assert sol.stages.schedule == best and sol.step_s == pytest.approx(per[best].step_s)
 
@@ -198,10 +200,10 @@ def test_the_min_max_dynamic_programme_is_exact_against_every_cut(seed):
 
 
 def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_schedule_class():
-    lay = cuts._Layout([], [], [], p=4, v=1, m=8)
+    lay = cuts._Layout([], [], [], p=4, m=8, schedule="1f1b")
     got = cuts.inflight(lay)
     assert {r: [x for x in v] for r, v in got.items()} == {r: [{r: 4 - r}] for r in range(4)}
-    lay2 = cuts._Layout([], [], [], p=2, v=2, m=4)  # interleaved_1f1b
+    lay2 = cuts._Layout([], [], [], p=2, m=4, schedule="interleaved_1f1b")
     from treadle.forms.pipeline.facts import action_order
 
     order = action_order("interleaved_1f1b", 4, 2, 4)
@@ -219,22 +221,23 @@ def test_1f1b_keeps_p_minus_s_micro_batches_in_flight_and_interleaved_reads_the_
 
 
 # ----------------------------------------------------------------------------- the MILP
-def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_budget():
+@pytest.mark.parametrize("kind", ["1f1b", "zbv", "interleaved_zb"])
+def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_budget(kind):
     model, g = _graph(h=32, n=4)
     cl = parse_cluster("2x2:cpu")
     a, b = cl.mesh.names
     shardable = shardable_fn(g, runtime_capabilities(model)[0], 1, tied_leaf_holders(model))
     cg = build_cost_graph(g, cl, Roles((), False, (b,), pp=a, pp_microbatches=2), shardable=shardable)
-    lay = cuts._layout(cg, "1f1b")
+    lay = cuts._layout(cg, kind)
     stages = cuts.partitions(cg, lay)[0]
-    free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None)
+    free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
     cut = cuts._cut(cg, lay, stages)
     got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
                               min_ckpt={}, minimise="time")
     step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
     assert step == pytest.approx(free_oracle.step_s, rel=1e-6)
     budget = free_oracle.peak_bytes * 0.8
-    tight_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget)
+    tight_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
     got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
                               min_ckpt={}, minimise="time")
     if tight_oracle.choice:
@@ -285,6 +288,82 @@ def test_the_step_of_a_cut_by_hand():
     assert peak2 == pytest.approx(max(static[0] + 2 * A0 + at, static[1] + A[1]) + fixed, rel=1e-9)  # + one block
 
 
+def test_the_fill_is_timed_from_the_schedule_class_order():
+    # 1F1B, and interleaved 1F1B with M >= p: p - 1 stage-seconds, however a stage's second splits into F, I, W
+    for p in (2, 4):
+        for m in (p, 2 * p, 4 * p):
+            for shares in ((1, 1, 1), (0.3, 0.45, 0.25)):
+                assert cuts.fill_stages("1f1b", p, m, shares) == pytest.approx(p - 1)
+                assert cuts.fill_stages("interleaved_1f1b", p, m, shares) == pytest.approx(p - 1)
+    # torch's interleaved order with fewer micro-batches than ranks idles longer than p - 1
+    assert cuts.fill_stages("interleaved_1f1b", 8, 4, (1, 1, 1)) > 7.5
+    # ZBV on 2 ranks, 2 micro-batches, F = I = W = 1 a stage (stage 0: I empty, W = 2), by hand from torch's order
+    # rank 0: 0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1; rank 1: 1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1
+    #   rank 1: 1F0 [1,2] 2F0 [2,3] 1F1 [3,4] 2F1 [4,5] | 2I0 waits 3I0 (5): [5,6] 2W0 [6,7] 1I0 [7,8] 1W0 [8,9]
+    #           2I1 waits 3I1 (8): [9,10] 2W1 [10,11] 1I1 [11,12] 1W1 [12,13]
+    #   rank 0: 0F0 [0,1] 0F1 [1,2] 3F0 waits 2F0: [3,4] 3I0 [4,5] 3W0 [5,6] 3F1 waits 2F1: [6,7] 3I1 [7,8] 3W1 [8,9]
+    #           0I0 [9,9] 0W0 [9,11] 0I1 waits 1I1 (12): [12,12] 0W1 [12,14]
+    # makespan 14 against 12 of work: a fill of 2 seconds, 2/3 of a stage's 3
+    assert cuts.fill_stages("zbv", 2, 2, (1, 1, 1)) == pytest.approx(2 / 3, abs=0.02)
+    # W fills the bubbles: the zero-bubble schedules' fill is well under 1F1B's p - 1
+    for kind in ("interleaved_zb", "zbv", "dualpipev"):
+        assert cuts.fill_stages(kind, 4, 16, (1, 1, 1)) < 0.5 * 3
+
+
+def test_a_zero_bubble_v_schedule_by_hand():
+    # ZBV on 2 ranks over 4 micro-batches: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (a V); the boundary
+    # between stages 1 and 2 is inside rank 1 (no send); every stage after the first pays the split's host cost
+    model, g = _graph(h=32, n=4)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
+    lay = cuts._layout(cg, "zbv")
+    assert lay.ranks() == [[0, 3], [1, 2]] and lay.split
+    cut = cuts._cut(cg, lay, ((0,), (1,), (2,), (3,)))
+    choice = [0] * len(cg.units)
+    step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
+    per_op = cl.rank_hardware().split_backward_op_s
+    assert per_op > 0
+    T, tail = [0.0] * 4, [0.0] * 4
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[0]
+        ops = sum(cg.graph.bwd_ops.get(i, 0) for i in unit.nodes)
+        for s, n in cut.mult[u]:
+            T[s] += n * (c.compute_s - c.opt_s + c.comm_s + (ops * per_op if s > 0 else 0.0))
+            tail[s] += n * (c.opt_s + c.dp_comm_s)
+    info = next(iter(cg.templates.values()))
+    send = treadle.cost.collective_cost.send_recv_time_s(info.input_bytes[0], cl.link(pp))
+    fill = cuts.fill_stages("zbv", 2, 4, lay.shares)
+    R, Q = max(T[0] + T[3], T[1] + T[2]), max(tail[0] + tail[3], tail[1] + tail[2])
+    assert step == pytest.approx(4 * R + fill / 4 * sum(T) + Q + 2 * 2 * send, rel=1e-9)
+    assert terms["stage_s"] == pytest.approx(tuple(T), rel=1e-9)
+    # against interleaved 1F1B's fill of p - 1 = 1 stage-second: W fills most of the bubble
+    assert cuts.fill_stages("interleaved_1f1b", 2, 4, lay.shares) == pytest.approx(1.0) and fill < 0.5
+
+
+def test_the_zero_bubble_schedules_are_weighed_only_where_build_runs_them():
+    model, inputs = named_model("tiny-gpt2", batch=8, seq=16, dropout=False)  # a tied embedding and head
+    g = capture(model, (), inputs)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
+    # a V puts the first and last stage on rank 0: their shared weight under a split backward is refused by build
+    assert milp.schedules(cg) == ["1f1b", "interleaved_1f1b", "interleaved_zb"]  # no zbv
+    pinned = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4, pp_schedule="zbv"))
+    with pytest.raises(PlanError, match=r"pipeline schedule 'zbv': it places the first and the last of its 4 stages "
+                                        r"on rank 0, and both read a parameter \(a tied embedding and head\)"):
+        milp.schedules(pinned)
+    cl2 = parse_cluster("2x2:cpu")
+    a, b = cl2.mesh.names
+    model, inputs = named_model("tiny-llama", batch=8, seq=16, dropout=False)
+    g = capture(model, (), inputs)
+    for reshard, kinds in ((True, ["1f1b", "interleaved_1f1b"]),
+                           (False, ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"])):
+        roles = Roles((b,), True, (), pp=a, pp_microbatches=2, reshard_after_forward=reshard)
+        # ZeRO-3 that reshards after forward computes wrong weight gradients under a split backward (torch 2.13)
+        assert milp.schedules(build_cost_graph(g, cl2, roles)) == kinds
+
+
 def test_under_a_budget_the_first_stage_checkpoints_more_than_the_last():
     # 1F1B: stage 0 keeps p micro-batches in flight, the last stage one; a budget binds on the first rank first
     torch.manual_seed(0)
@@ -321,6 +400,25 @@ def test_a_planned_pipeline_prices_near_its_estimate_replays_from_its_file_and_v
     piped = treadle.train(plan.schedule, inputs, steps=2, timeout_s=300).losses
     single = treadle.create_schedule(copy.deepcopy(model), mesh=Mesh((1,), ("x",)))
     assert piped == pytest.approx(treadle.train(single, inputs, steps=2).losses, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_planned_zero_bubble_v_pipeline_prices_near_its_estimate_and_verifies():
+    # the schedule pinned (`pp_schedule`), the rest planned: a V over 2 ranks (4 stages), each backward split into
+    # input and weight gradients; forward, every gradient and an optimizer step against one process
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="zbv", price_top=1)
+    sp = plan.solver["stages"]
+    assert sp["schedule"] == "zbv" and len(sp["blocks"]) == 4, sp
+    assert "schedule='zbv'" in plan.schedule.to_python()
+    priced = plan.estimate()
+    assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)
+    assert plan.estimated.peak_bytes == pytest.approx(priced.peak_bytes, rel=0.10)
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
+    with pytest.raises(PlanError, match="pipeline schedule 'dualpipe': the planner plans"):
+        plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="dualpipe")
 
 
 @pytest.mark.slow
@@ -380,9 +478,9 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
     # every contiguous cut of n blocks into 4 stages, each solved exhaustively (choices and per-stage checkpoint
     # counts), against the MILP over the proposed cuts. Under a budget the memory-aware cut matters: the first stages
     # of 1F1B keep the most micro-batches, so the best cut gives them fewer blocks. The proposals are not every cut:
-    # on the GELU stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks, which of the equal
-    # min-max time cuts the dynamic programme keeps decides whether the best cut is proposed (with the tie broken
-    # the other way the best proposed was 4.7% slower): that case is held to 4.7%, every other to the best cut
+    # on the GELU stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks the best proposed cut
+    # is 2.3% slower than the best (the embedding on stage 0, its 4 micro-batches in flight): that case is held to
+    # 2.5%, every other to the best cut
     from test_planner import Stack as GeluStack
 
     torch.manual_seed(0)
@@ -401,7 +499,7 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
             stages = tuple(tuple(range(edges[i], edges[i + 1])) for i in range(4))
             best = min(best, milp.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
         if (block, n, frac) == ("gelu", 6, 0.6):
-            assert best * (1 - 1e-3) <= got.step_s <= best * 1.047 * (1 + 1e-3), got.stages.blocks
+            assert best * (1 - 1e-3) <= got.step_s <= best * 1.025, got.stages.blocks
         else:
             assert got.step_s == pytest.approx(best, rel=1e-3), (frac, got.stages.blocks if got.stages else None)
 

@@ -72,6 +72,9 @@ def register(subparsers) -> None:
     p.add_argument("--pp-axis", default="auto",
                    help="pipeline stages: auto (weigh a pipeline over any axis), none (no pipeline), or an axis name "
                         "(pipeline over it)")
+    p.add_argument("--pp-schedule", default=None, metavar="KIND",
+                   help="a pipeline's schedule, pinned: 1f1b, interleaved_1f1b, interleaved_zb or zbv (default: "
+                        "the planner weighs each that builds)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
     p.add_argument("--price-top", type=int, default=None, metavar="K",
                    help="price the best plans of the K best role assignments with treadle.price and keep the "
@@ -178,6 +181,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
                               memory_budget_bytes=budget, mode=args.mode, pins=pins,
                               dp_axis=dp_axis, zero=zero, forbid_axes=tuple(args.forbid_axis),
                               pp_axis=None if args.pp_axis == "none" or args.compile else args.pp_axis,
+                              pp_schedule=args.pp_schedule,
                               time_limit_s=args.time_limit, price_top=args.price_top,
                               execution="compiled" if args.compile else "eager", float8=args.float8,
                               expert_load_imbalance=args.expert_load_imbalance,

@@ -157,6 +157,11 @@ class CapturedGraph:
     def ops(self) -> Iterator[Node]:
         return (n for n in self.nodes if n.kind == "op")
 
+    def first_block_op(self) -> int | None:
+        """The first op node inside a repeated block (parameter nodes come first in an export, blocks' too): ops
+        before it run before the blocks (embeddings), the others after them (head, loss); None without blocks."""
+        return min((n.index for n in self.nodes if n.kind == "op" and n.block is not None), default=None)
+
     def weight_of(self, index: int) -> int:
         """How many real executions one captured node stands for (1 outside repeated blocks)."""
         b = self.nodes[index].block

@@ -464,6 +464,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.fwd_s += c.fwd_s
     total.rec_s += c.rec_s
     total.bwd_s += c.bwd_s
+    total.w_s += c.w_s
     total.bwd_comm_s += c.bwd_comm_s
     total.dp_comm_s += c.dp_comm_s
     total.opt_s += c.opt_s

@@ -159,7 +159,7 @@ def head_units(cg: CostGraph) -> list[int]:
     """The units of the ops that run before the first repeated block, outside every block (forward order:
     the graph's node order); empty for a graph without repeated blocks (NOTE [the last bucket])."""
     nodes = cg.graph.nodes
-    first = min((n.index for n in nodes if n.kind == "op" and n.block is not None), default=None)
+    first = cg.graph.first_block_op()
     if first is None:
         return []
     return [u for u, unit in enumerate(cg.units)

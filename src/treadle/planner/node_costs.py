@@ -55,6 +55,7 @@ class StrategyCost:
     fwd_s: float = 0.0  # forward compute + forward comm
     rec_s: float = 0.0  # of which a checkpointed block's recompute repeats (NOTE [recompute stops early] in saved.py)
     bwd_s: float = 0.0  # backward compute (the window data-parallel reductions overlap with)
+    w_s: float = 0.0  # of bwd_s, the weight gradients' share (a zero-bubble schedule's W; `MATMUL_WEIGHT_GRAD_SHARE`)
     bwd_comm_s: float = 0.0  # tensor-parallel communication of the backward (blocking, on the tensor axes)
     dp_comm_s: float = 0.0  # data-parallel gradient sync, bandwidth part (NOTE [bucketed data parallel])
     opt_s: float = 0.0  # of compute_s, the optimizer step on the parameters it owns: once a step, not per micro-batch
@@ -184,6 +185,7 @@ class NodeCosts:
         c.compute_s = fwd + bwd
         c.fwd_s = fwd
         c.bwd_s = bwd
+        c.w_s = flops_mod.MATMUL_WEIGHT_GRAD_SHARE * bwd if kind == "matmul" else 0.0
         rec = self.recomputed(i)  # "all", "compute" (the node runs, its exit conversion does not) or "none"
         c.rec_s = fwd if rec != "none" else 0.0
         # conversion at publish

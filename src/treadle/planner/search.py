@@ -119,7 +119,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                model_spec: dict | None = None, graph: CapturedGraph | None = None,
                checkpoint: Literal["auto", "all", "none"] = "auto", progress: Callable[[str], None] | None = None,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, price_top: int | None = None,
-               pp_axis: str | None | Literal["auto"] = "auto", execution: str = "eager",
+               pp_axis: str | None | Literal["auto"] = "auto", pp_schedule: str | None = None, execution: str = "eager",
                float8: str | None = None, expert_load_imbalance: float = 1.0, ep_axis: Any = "auto") -> Plan:
     """Plan `model` on `cluster` (one ClusterSpec, or a list: every mesh is searched) under
     `memory_budget_bytes` per device. `example_inputs`: keyword arguments (a dict) or positional args, global
@@ -132,7 +132,8 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
     plans are priced and what the plan states (NOTE [execution and float8 in the plan]); `float8` a recipe the plan
     may use for the blocks' linears (None: none; NOTE [float8 recipes]); `expert_load_imbalance` the busiest rank's
     routed rows over the mean that an expert-parallel plan is charged and states (NOTE [expert load in a
-    rehearsal]; 1.0: balanced); `ep_axis` the experts' split: "auto" (weighed), None (never), an axis or a tuple
+    rehearsal]; 1.0: balanced); `pp_schedule` a pipeline's schedule, pinned (None: the planner weighs each of
+    `treadle.forms.pipeline.cuts.SCHEDULES` that builds); `ep_axis` the experts' split: "auto" (weighed), None (never), an axis or a tuple
     (that group in every plan).
     Raises PlanError when no plan meets the budget (stating the smallest budget any plan meets, also as its
     attribute ``smallest_budget_bytes``), when a pin
@@ -141,7 +142,7 @@ def plan_model(model: nn.Module, example_inputs: dict | tuple, *, cluster: Clust
                  zero=zero, reshard_after_forward=reshard_after_forward, forbid_axes=forbid_axes,
                  partial_schedule=partial_schedule, train=train, time_limit_s=time_limit_s, model_spec=model_spec,
                  checkpoint=checkpoint, progress=progress, loss_fn=loss_fn, price_top=price_top, pp_axis=pp_axis,
-                 execution=execution, float8=float8, expert_load_imbalance=expert_load_imbalance, ep_axis=ep_axis)
+                 pp_schedule=pp_schedule, execution=execution, float8=float8, expert_load_imbalance=expert_load_imbalance, ep_axis=ep_axis)
     t0 = time.perf_counter()
     req = make_request(model, given)
     args, kwargs = _split_inputs(example_inputs)
@@ -189,7 +190,7 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
         replicate=role.get("replicate"), reshard_after_forward=role.get("reshard_after_forward",
                                                                         given["reshard_after_forward"]),
         forbid_axes=tuple(given["forbid_axes"]), pp_axis=role.get("pp_axis", given.get("pp_axis", "auto") if execution == "eager" else None),
-        pp_cuts=tuple(role.get("pp_cuts", ())), pp_schedule=role.get("pp_schedule"),
+        pp_cuts=tuple(role.get("pp_cuts", ())), pp_schedule=role.get("pp_schedule", given.get("pp_schedule")),
         pp_microbatches=role.get("pp_microbatches"),
         ckpt_paths=tuple(ckpt_paths), train=given["train"],
         time_limit_s=given["time_limit_s"], model_spec=given["model_spec"], checkpoint=given["checkpoint"],

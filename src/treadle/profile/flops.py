@@ -33,6 +33,10 @@ aten = torch.ops.aten
 Formula = Callable[[Sequence[Any], dict, Any, Callable[[int], bool]], int]
 
 KINDS = ("matmul", "attention", "conv", "pointwise", "reduction", "memory", "view", "factory", "other")
+# Of a matmul's backward, the share its weight gradient takes (the other half: its input's gradient, one product
+# of the same size each): what a zero-bubble schedule's W action runs. One rule for the pipeline price (per
+# backward matmul record) and the planner (`StrategyCost.w_s`, per matmul node).
+MATMUL_WEIGHT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)

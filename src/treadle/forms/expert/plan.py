@@ -315,6 +315,7 @@ def node_cost(b, n, combo: tuple, pub: tuple, c, rec: str) -> None:
         c.compute_s *= load
         c.fwd_s += (load - 1) * fwd
         c.bwd_s *= load
+        c.w_s *= load
         if rec != "none":
             c.rec_s += (load - 1) * fwd
         c.act_bytes += (load - 1) * b.saved_bytes(n, combo, pub)

@@ -11,9 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PlanError
-from .facts import action_order
+from .conflicts import SPLIT_BACKWARD, stage_rank
+from .facts import SINGLE_STAGE, action_order
+from .timeline import simulate
 
-SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2}  # what the planner proposes: schedule -> stages per rank
+# what the planner proposes: schedule -> stages per rank (NOTE [the fill of a planned schedule]). Not DualPipeV: its
+# point is to overlap one micro-batch's forward with another's backward to hide expert all-to-alls, which the price
+# does not model (its timeline runs an overlapped pair one part after the other); GPipe and looped BFS keep every
+# micro-batch in flight for no shorter fill. Each builds and prices when a schedule states it.
+SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,25 +52,115 @@ class _Layout:
     head: list[int]
     tail: list[int]
     p: int
-    v: int
     m: int
+    schedule: str = "1f1b"
+    shares: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)  # a step's forward, input- and weight-gradient parts
+
+    @property
+    def v(self) -> int:
+        """Stages per rank."""
+        return SCHEDULES[self.schedule]
 
     @property
     def n_stages(self) -> int:
         return self.p * self.v
+
+    def rank(self, stage: int) -> int:
+        """The pp rank that holds `stage` (a loop, or a V for zbv / dualpipev: `conflicts.stage_rank`)."""
+        return stage_rank(self.schedule, stage, self.p)
+
+    def ranks(self) -> list[list[int]]:
+        """Per pp rank its stages, in order."""
+        return [[st for st in range(self.n_stages) if self.rank(st) == r] for r in range(self.p)]
+
+    @property
+    def alpha(self) -> float:
+        """The fill's seconds per second of the stages' summed time (NOTE [the fill of a planned schedule])."""
+        return fill_stages(self.schedule, self.p, self.m, self.shares) / self.n_stages
+
+    @property
+    def split(self) -> bool:
+        """Whether the schedule splits each backward into input and weight gradients (I, W)."""
+        return self.schedule in SPLIT_BACKWARD
+
+
+# NOTE [the fill of a planned schedule]: a rank busy M R seconds a step (R: its stages' seconds per micro-batch)
+# finishes after M R plus the schedule's fill: the warm-up and cool-down its order leaves idle. The fill is
+# measured, not assumed: the schedule class's own order (`action_order`) is timed by the price's timeline
+# (`timeline.simulate`) over S equal stages whose per-micro-batch second splits into forward f, input-gradient i
+# and weight-gradient w as the model's own work does (`_shares`: each unit at its cheapest strategy; a backward
+# matmul's weight gradient `MATMUL_WEIGHT_GRAD_SHARE` of it; the first stage's I empty, its W the whole backward,
+# as the price times it); the fill is that makespan minus M v, in stage-seconds. The step's fill term is that
+# many mean stage times, ``fill / S * sum_s T_s``: linear in the MILP's variables. GPipe and 1F1B give p - 1,
+# interleaved 1F1B p - 1 as well once M >= p (more below: torch's order then idles longer); the zero-bubble
+# schedules (interleaved_zb, zbv, dualpipev) fill their bubbles with W: about (p - 1)(f + i - w), a third of
+# 1F1B's with equal parts. Exact for equal stages; an unbalanced cut is charged its slowest rank M times (R) and
+# the mean stage the fill, as before. The price times the built plan's real stages (NOTE [final choice by price]).
+@functools.lru_cache(maxsize=1024)
+def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:
+    v = SCHEDULES.get(schedule, 1 if schedule in SINGLE_STAGE else 2)
+    S = p * v
+    f, i, w = shares
+    dur: dict[tuple[int, str], float] = {}
+    for s_ in range(S):
+        dur.update({(s_, "F"): f, (s_, "B"): i + w, (s_, "I"): i, (s_, "W"): w})
+    dur.update({(0, "I"): 0.0, (0, "W"): i + w})
+    tl = simulate(action_order(schedule, S, p, m), dur, stage_rank={s_: stage_rank(schedule, s_, p) for s_ in range(S)})
+    return max(0.0, tl.makespan_s / (f + i + w) - m * v)
+
+
+def fill_stages(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:
+    """The fill of `schedule` over p ranks and m micro-batches in stage-seconds (NOTE [the fill of a planned
+    schedule]), for a stage second split as `shares` (forward, input gradient, weight gradient; each rounded to 5%
+    of it, so that the cost graphs of one model share a timing: the fill moves by under 0.05 (p - 1) with them)."""
+    tot = sum(shares) or 1.0
+    return _fill(schedule, p, m, tuple(round(20 * x / tot) / 20 for x in shares))
+
+
+def _shares(cg) -> tuple[float, float, float]:
+    """The model's step split into forward, input-gradient and weight-gradient seconds, each unit at its cheapest
+    strategy (`_step_time`) and counted once per block it stands for."""
+    runs = {u: info.count for info in cg.templates.values() for u in info.units}
+    f = i = w = 0.0
+    for u, unit in enumerate(cg.units):
+        c = min((c for c, ok in zip(unit.costs, unit.allowed) if ok), key=_step_time)
+        n = runs.get(u, 1)
+        f += n * c.fwd_s
+        w += n * c.w_s
+        i += n * max(0.0, _step_time(c) - c.fwd_s - c.w_s)
+    return (f, i, w) if f + i + w > 0 else (1.0, 1.0, 1.0)
 
 
 def _layout(cg, schedule: str) -> _Layout:
     g = cg.graph
     blocks = sorted(((mb, t) for t, info in cg.templates.items() for mb in info.members),
                     key=lambda x: int(x[0].rpartition(".")[2]))
-    first = min(i for blk in g.blocks for i in blk.nodes)
+    first = g.first_block_op()  # the units before it run on the first stage, the others on the last
     in_template = {u for info in cg.templates.values() for u in info.units}
     head = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader < first]
     tail = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader >= first]
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
-    return _Layout(blocks, head, tail, p, SCHEDULES[schedule], roles.pp_microbatches)
+    return _Layout(blocks, head, tail, p, roles.pp_microbatches, schedule, _shares(cg))
+
+
+def split_host_s(cg, lay: _Layout, cut: _Cut) -> list[float]:
+    """Per stage, a split backward's own host seconds a micro-batch (`HardwareSpec.split_backward_op_s` per backward
+    op its units dispatch, as counted at capture; the first stage runs its backward whole): zeros for a schedule
+    that does not split (NOTE [framework overheads], as the price charges it)."""
+    S = lay.n_stages
+    if not lay.split:
+        return [0.0] * S
+    per_op = cg.cluster.rank_hardware().split_backward_op_s
+    bwd_ops = cg.graph.bwd_ops
+    ops = [sum(bwd_ops.get(i, 0) for i in unit.nodes) if bwd_ops is not None else len(unit.nodes)
+           for unit in cg.units]
+    out = [0.0] * S
+    for u, stages in cut.mult.items():
+        for st, k_n in stages:
+            if st > 0:
+                out[st] += k_n * ops[u] * per_op
+    return out
 
 
 def _step_time(c) -> float:
@@ -106,7 +202,9 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
     strategy); under `budget_bytes`, the fastest whose every stage's memory lower bound (each unit's smallest
     static bytes, and its smallest saved bytes times the micro-batches the stage keeps in flight,
     `_stage_in_flight`: the first stages of 1F1B keep the most) fits, and the one that minimises the largest
-    stage's memory (for budgets that need checkpoints); and the even one. Raises PlanError for a pinned boundary
+    stage's memory, and the one that minimises the largest stage's time with the checkpoints its memory needs (each
+    checkpointed block keeping its input in place of its saved bytes, recomputing its forward; for budgets that
+    need checkpoints); and the even one. Raises PlanError for a pinned boundary
     that is not one of the blocks, or pins no cut into S stages keeps."""
     per, head, tail = _weights(cg, lay)
     n, S = len(lay.blocks), lay.n_stages
@@ -141,7 +239,23 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
 
         share = budget_bytes / lay.v  # a rank's stages share its memory
         fits = _minmax(n, S, pinned, lambda s_: np.where(memory(s_) <= share, seconds(s_), math.inf), must=False)
-        out += [c for c in (fits, _minmax(n, S, pinned, memory)) if c is not None]
+        # the time of a stage with the checkpoints its memory needs: a checkpointed block keeps its input instead
+        # of its saved bytes in each micro-batch in flight and recomputes its forward (block averages over the span)
+        rec = {t: _cheapest(cg, info.units, lambda c: c.rec_s) + cg.ckpt_host_s.get(t, 0.0)
+               for t, info in cg.templates.items()}
+        spared = {t: max(0.0, act[t] - min(info.input_bytes, default=act[t])) for t, info in cg.templates.items()}
+        rc_w, sp_w = _prefix([rec[t] for _, t in lay.blocks]), _prefix([spared[t] for _, t in lay.blocks])
+        span_rc, span_sp = rc_w[None, :] - rc_w[:, None], sp_w[None, :] - sp_w[:, None]
+        span_n = np.maximum(np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None], 1)
+
+        def forced(s_: int) -> np.ndarray:
+            over = np.maximum(memory(s_) - share, 0.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                c = np.where(over > 0, np.ceil(over / (k[s_] * span_sp / span_n)), 0.0)
+            return np.where(c <= span_n, seconds(s_) + np.nan_to_num(c) * span_rc / span_n, math.inf)
+
+        out += [c for c in (fits, _minmax(n, S, pinned, forced, must=False), _minmax(n, S, pinned, memory))
+                if c is not None]
     base, extra = divmod(n, S)
     sizes = [base + (1 if s_ < extra else 0) for s_ in range(S)]
     even = tuple(tuple(range(sum(sizes[:s_]), sum(sizes[:s_ + 1]))) for s_ in range(S))
@@ -196,7 +310,7 @@ def _minmax(n: int, S: int, pinned: set[int], cost, *, must: bool = True) -> tup
 def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
     """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
     of its action order that no other moment dominates (NOTE [pipeline in the plan])."""
-    got = _inflight(_schedule_of(lay), lay.n_stages, lay.p, lay.m)
+    got = _inflight(lay.schedule, lay.n_stages, lay.p, lay.m)
     return {r: [dict(kv) for kv in moments] for r, moments in got.items()}
 
 
@@ -221,10 +335,6 @@ def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[t
                 if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in unique.values())]
         out[r] = tuple(tuple(kv.items()) for kv in keep)
     return out
-
-
-def _schedule_of(lay: _Layout) -> str:
-    return next(k for k, v in SCHEDULES.items() if v == lay.v)
 
 
 # ----------------------------------------------------------------------------- the MILP of one cut

@@ -6,7 +6,7 @@ figures."""
 from __future__ import annotations
 
 from ...planner.floors import block_min
-from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, inflight
+from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, inflight, split_host_s
 from .zero import _zero_constants, zero_terms
 
 # NOTE [a lower bound before the MILP]: with a cutoff (NOTE [a cutoff from the best plan found]) most cuts of most
@@ -42,7 +42,7 @@ def _unit_mins(cg, zt) -> tuple[list[float], list[float], list[float]]:
 
 def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins) -> float:
     """A lower bound of `_solve_cut`'s objective (seconds; NOTE [a lower bound before the MILP])."""
-    S, p, M = lay.n_stages, lay.p, lay.m
+    S, M = lay.n_stages, lay.m
     tmin, gmin, qmin = mins
     T, G, tail = [0.0] * S, [0.0] * S, [0.0] * S
     for u in range(len(cg.units)):
@@ -50,17 +50,25 @@ def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins) -> float:
             T[st] += k_n * tmin[u]
             G[st] += k_n * gmin[u]
             tail[st] += k_n * qmin[u]
-    Gc, Tc, Qc = _zero_constants(zt, cut, p)
+    Gc, Tc, Qc = stage_constants(cg, zt, lay, cut)
     if zt is not None:
         if zt.overlap:
             T = [max(T[st], G[st] + Gc[st]) for st in range(S)]
         else:
             T = [T[st] + G[st] for st in range(S)]
             Tc = [Tc[st] + Gc[st] for st in range(S)]
-    ranks = [[st for st in range(S) if st % p == r] for r in range(p)]
+    ranks = lay.ranks()
     R = max(sum(T[st] + Tc[st] for st in mine) for mine in ranks)
     Q = max(sum(tail[st] for st in mine) + Qc[r] for r, mine in enumerate(ranks))
-    return M * R + Q + (p - 1) / (p * lay.v) * sum(T)
+    return M * R + Q + lay.alpha * (sum(T) + sum(Tc))
+
+
+def stage_constants(cg, zt, lay: _Layout, cut: _Cut) -> tuple[list[float], list[float], list[float]]:
+    """What a cut's stages pay whatever the choice: per stage its ZeRO-3 gathers' latency a micro-batch and its
+    seconds a micro-batch besides its units' (FSDP2's hooks, a split backward's host cost: `split_host_s`), per
+    rank its once-a-step seconds (`_zero_constants`)."""
+    Gc, Tc, Qc = _zero_constants(zt, cut, lay.ranks())
+    return Gc, [a + b for a, b in zip(Tc, split_host_s(cg, lay, cut))], Qc
 
 
 def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float]]:
@@ -92,7 +100,7 @@ def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
     moments = inflight(lay)
     peak = 0.0
     for r in range(p):
-        base = sum(static[st] for st in range(S) if st % p == r)
+        base = sum(static[st] for st in range(S) if lay.rank(st) == r)
         act = max((sum(k_ * A[st] for st, k_ in kv.items()) for kv in moments[r]), default=0.0)
         peak = max(peak, base + act)
     return peak + cg.fixed_static_bytes
@@ -106,7 +114,7 @@ def _role_floor(cg, lay: _Layout, mins) -> float:
     total = sum(runs.get(u, 1) * tmin[u] for u in range(len(cg.units)))
     tail = sum(runs.get(u, 1) * qmin[u] for u in range(len(cg.units)))
     p = lay.p
-    return lay.m * total / p + tail / p + (p - 1) / (p * lay.v) * total
+    return lay.m * total / p + tail / p + lay.alpha * total
 
 
 # NOTE [a memory floor of the stages]: the pipeline's memory rows (NOTE [pipeline in the plan]) are per pp rank:
@@ -128,7 +136,7 @@ def memory_floor(ft) -> float | None:
     v = SCHEDULES[roles.pp_schedule] if roles.pp_schedule else max(SCHEDULES.values())  # the most stages a rank
     runs = {u: info.count for info in ft.templates.values() for u in info.units}  # over all stages
     in_template = set(runs)
-    first = min((i for blk in ft.graph.blocks for i in blk.nodes), default=0)
+    first = ft.graph.first_block_op() or 0
     ends = {True: [0.0, 0.0], False: [0.0, 0.0]}  # head (before the blocks), tail: [static, saved]
     for u, unit in enumerate(ft.units):
         if u not in in_template:

@@ -10,16 +10,15 @@ import time
 from ...cost.collective_cost import collective_time_s, send_recv_time_s
 from ...errors import PlanError
 from ...form import forms
-from ...planner.capture import TensorMeta
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
 from ...planner.to_schedule import _spread
-from .cuts import (SCHEDULES, PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
+from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
-from .facts import action_order
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _role_floor,
-                     _unit_mins)
-from .zero import _zero_constants, zero_terms
+                     _unit_mins, stage_constants)
+from .kinds import _runs, _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
+from .zero import zero_terms
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -39,7 +38,7 @@ def _send_s(cg, lay: _Layout, cut: _Cut, s: int) -> list[tuple[int, float]] | fl
     [(unit strategy variable key, seconds)], or a constant."""
     link = cg.cluster.link(cg.roles.pp)
     first = cut.stages[s + 1][0] if cut.stages[s + 1] else None
-    if first is None:
+    if first is None or lay.rank(s) == lay.rank(s + 1):  # two stages of one rank hand over in memory
         return 0.0
     info = cg.templates[lay.blocks[first][1]]
     if info.input_unit is None:
@@ -50,15 +49,7 @@ def _send_s(cg, lay: _Layout, cut: _Cut, s: int) -> list[tuple[int, float]] | fl
 def _tied_s(cg, lay: _Layout) -> float:
     """The all-reduce over pp of the gradients of parameters both the first and the last stage read (a tied
     embedding and head), at their full size (an upper bound under tensor parallelism)."""
-    g = cg.graph
-    node_unit = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
-    head, tail = set(lay.head), set(lay.tail)
-    nbytes = 0
-    for n in g.nodes:
-        if n.kind == "param" and isinstance(n.out, TensorMeta):
-            users = {node_unit.get(u) for u in n.users}
-            if users & head and users & tail:
-                nbytes += n.out.nbytes
+    nbytes = _tied_bytes(cg, lay)
     p = cg.cluster.mesh.size(cg.roles.pp)
     return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
 
@@ -109,7 +100,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     None when infeasible. `coefs`, `base`: `unit_coefs` and `base_model` of `cg`, where the caller keeps them for
     every cut."""
     t0 = time.perf_counter()
-    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+    S, p, M = lay.n_stages, lay.p, lay.m
     base = base if base is not None else base_model(cg)
     m = _Model()  # a copy of the base model, added to below
     m.__dict__.update({k: list(v) for k, v in vars(base[0]).items()})
@@ -125,7 +116,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
 
     zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
     G: list[dict[int, float]] = [dict() for _ in range(S)]  # a micro-batch's gathers of each stage
-    Gc, Tc, Qc = _zero_constants(zt, cut, p)
+    Gc, Tc, Qc = stage_constants(cg, zt, lay, cut)
     for u, terms in enumerate(coefs if coefs is not None else unit_coefs(cg, zt)):
         for st, k_n in cut.mult.get(u, []):
             Ts, Ss, Ls, Gs, As = T[st], static[st], tail[st], G[st], A[st]
@@ -169,7 +160,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
                 add(A[st], zi, w)
                 add(T[st], zf, w)
                 add(T[st], y, w * host)
-            zts[st % p].append(cv.zT)
+            zts[lay.rank(st)].append(cv.zT)
         if 0 < left < info.count:  # some of this template's blocks must be checkpointed: at least that many in all
             m.row({y: float(2 ** b_) for st in stages_t for b_, y in enumerate(ck[(t, st)].ys)}, float(left),
                   math.inf, "ckpt_count")
@@ -187,8 +178,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     m.c = [0.0] * len(m.c)  # the objective is the pipelined step, stated below
     R = m.var(ub=math.inf)
     Q = m.var(ub=math.inf)
-    for r in range(p):
-        mine = [st for st in range(S) if st % p == r]
+    for r, mine in enumerate(lay.ranks()):
         row = {R: 1.0}
         for st in mine:
             for j, x in T[st].items():
@@ -199,7 +189,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
             for j, x in tail[st].items():
                 row[j] = row.get(j, 0.0) - x
         m.row(row, Qc[r] * _SECONDS, math.inf, "pp_rank_tail")
-    alpha = (p - 1) / (p * v)
+    alpha = lay.alpha  # NOTE [the fill of a planned schedule]
     obj: dict[int, float] = {R: float(M), Q: 1.0}
     for st in range(S):
         for j, x in T[st].items():
@@ -217,8 +207,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     if rows_needed:  # NOTE [a stage's memory as variables]
         static = [_stage_var(m, e) for e in static]
         A = [_stage_var(m, e) for e in A]
-    for r in range(p):
-        mine = [st for st in range(S) if st % p == r]
+    for r, mine in enumerate(lay.ranks()):
         trans = m.var(ub=math.inf)
         for z in zts[r]:
             m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
@@ -261,7 +250,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
 def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[int, int], int]):
     """The step and each rank's peak of a choice and per-stage checkpoint counts ((template, stage) -> count), as
     the MILP states them (NOTE [pipeline in the plan]), computed directly. Returns (step_s, peak_bytes, terms)."""
-    S, p, v, M = lay.n_stages, lay.p, lay.v, lay.m
+    S, p, M = lay.n_stages, lay.p, lay.m
     T = [0.0] * S
     A = [0.0] * S
     static = [0.0] * S
@@ -270,7 +259,7 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     trans = [0.0] * p
     zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
     G = [0.0] * S
-    Gc, Tc, Qc = _zero_constants(zt, cut, p)
+    Gc, Tc, Qc = stage_constants(cg, zt, lay, cut)
     in_template = {u: t for t, info in cg.templates.items() for u in info.units}
     for u, unit in enumerate(cg.units):
         k = choice[u]
@@ -303,23 +292,23 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
             T[st] += c_ * (Ft + host)
             rec[st] += c_ * (Ft + host)
             if c_:
-                trans[st % p] = max(trans[st % p], At)
+                trans[lay.rank(st)] = max(trans[lay.rank(st)], At)
     if zt is not None:
         T = [max(T[st], G[st] + Gc[st]) if zt.overlap else T[st] + G[st] + Gc[st] for st in range(S)]
     T = [t_ + c_ for t_, c_ in zip(T, Tc)]
-    ranks = [[st for st in range(S) if st % p == r] for r in range(p)]
+    ranks = lay.ranks()
     R = max(sum(T[st] for st in mine) for mine in ranks)
     Q = max(sum(tail[st] for st in mine) + Qc[r] for r, mine in enumerate(ranks))
     sends = 0.0
     link = cg.cluster.link(cg.roles.pp)
     for b_ in range(S - 1):
         nxt = cut.stages[b_ + 1]
-        if nxt:
+        if nxt and lay.rank(b_) != lay.rank(b_ + 1):
             info = cg.templates[lay.blocks[nxt[0]][1]]
             if info.input_unit is not None:
                 sends += 2 * send_recv_time_s(info.input_bytes[choice[info.input_unit]], link)
     tied = _tied_s(cg, lay)
-    alpha = (p - 1) / (p * v)
+    alpha = lay.alpha  # NOTE [the fill of a planned schedule]
     step = M * R + alpha * sum(T) + Q + sends + tied
     moments = inflight(lay)
     peaks = []
@@ -338,8 +327,6 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
 
 
 def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], terms: dict) -> PipelineChoice:
-    from .cuts import _schedule_of
-
     paths = [tuple(lay.blocks[i][0] for i in st) for st in cut.stages]
     ckpt = []
     for st, positions in enumerate(cut.stages):
@@ -349,41 +336,12 @@ def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], 
             chosen += _spread(members, counts.get((t, st), 0))
         ckpt.append(tuple(sorted(chosen, key=lambda pth: int(pth.rpartition(".")[2]))))
     roles = cg.roles
-    return PipelineChoice(roles.pp, _schedule_of(lay), roles.pp_microbatches, tuple(paths), tuple(ckpt),
+    return PipelineChoice(roles.pp, lay.schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt),
                           terms["stage_s"], terms["rank_peak_bytes"], terms["bubble_s"])
 
 
 def _scalars(terms: dict) -> dict[str, float]:
     return {k: float(v) for k, v in terms.items() if isinstance(v, (int, float))}
-
-
-def schedules(cg) -> list[str]:
-    """The schedules the pipeline solve weighs for a role assignment: the pinned one, else every one of `SCHEDULES`
-    whose stage count the blocks and the pinned boundaries allow and whose class takes the micro-batch count."""
-    return [kind for kind in _stage_counts_allow(cg) if _torch_takes(cg, kind)]
-
-
-def _stage_counts_allow(cg) -> list[str]:
-    """`schedules` without torch's check of the micro-batch count (`_torch_takes`), which `solve` makes only for a
-    schedule its floor does not rule out."""
-    roles = cg.roles
-    p = cg.cluster.mesh.size(roles.pp)
-    n = sum(info.count for info in cg.templates.values())
-    return [kind for kind in ([roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES))
-            if len(roles.pp_cuts) < p * SCHEDULES[kind] <= n]
-
-
-def _torch_takes(cg, kind: str) -> bool:
-    """Whether torch's schedule class takes the micro-batch count (building its order: seconds for hundreds of
-    stages, so `solve` asks only for a schedule its floor does not rule out)."""
-    from ...errors import PlanError as _PlanError
-
-    p = cg.cluster.mesh.size(cg.roles.pp)
-    try:
-        action_order(kind, p * SCHEDULES[kind], p, cg.roles.pp_microbatches)
-    except _PlanError:
-        return False
-    return True
 
 
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
@@ -408,10 +366,15 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     def above(floor: float, bound: float | None) -> bool:  # NOTE [a lower bound before the MILP]
         return minimise == "time" and bound is not None and floor > bound * (1 + _FLOOR_TOL)
 
-    for kind in _stage_counts_allow(cg):
-        lay = _layout(cg, kind)
-        if above(_role_floor(cg, lay, mins), cutoff_s) or not _torch_takes(cg, kind):
+    # the schedules by their floor, lowest first: the best plan found so far prunes the cuts of the others
+    # (NOTE [a lower bound before the MILP]); the floor reads the schedule class's order, so torch must take it
+    kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg) if _torch_takes(cg, kind)
+             for lay in (_layout(cg, kind),)]
+    for floor, kind, lay in sorted(kinds, key=lambda x: x[0]):
+        if above(floor, cutoff_s):
             continue
+        if lay.split and (budget_bytes is not None or minimise == "memory" or any(min_ckpt.values())):
+            continue  # NOTE [zero-bubble schedules in the plan] in kinds.py
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
             bound = cutoff_s  # and below this role assignment's best cut so far
@@ -421,7 +384,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                 continue
             if mem is not None and _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
                 continue  # no plan of this cut fits: the MILP would find it infeasible
-            got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes, checkpoint=checkpoint,
+            got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes,
+                                              checkpoint=checkpoint and not lay.split,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
                                               minimise=minimise, cutoff_s=bound, coefs=coefs,
                                               base=(base := base or base_model(cg)))

@@ -4,7 +4,8 @@ pp rank's memory, minimising the pipelined step (NOTE [pipeline in the plan]); t
 
 NOTE [pipeline in the plan]: a role assignment with ``Roles.pp = a`` runs the model's repeated blocks (the largest
 sequential container, `capture_facts`) as S = p v contiguous stages over the p ranks of axis `a`, v stages a rank
-(torch's loop placement: stage s on rank s mod p; v = 1 for "1f1b", 2 for "interleaved_1f1b"), over M
+as torch places them (`conflicts.stage_rank`: a loop, stage s on rank s mod p, for "1f1b" (v = 1), "interleaved_1f1b"
+and "interleaved_zb" (v = 2); a V for "zbv" (v = 2), rank r holding stages r and 2p - 1 - r), over M
 micro-batches. The cost graph is built on one micro-batch (its batch divisor is the replicas times M), so every
 strategy's cost is per micro-batch, and every stage runs the same sharding of each block template (a plan states
 a template's layout once; checkpoints are per stage). The ops before the first block (embeddings) run on stage 0,
@@ -16,24 +17,28 @@ programming over the blocks' costs under their cheapest strategies (embeddings a
 minimises the largest stage's time; under a budget, the fastest whose stages' memory lower bounds fit (a stage's
 blocks' static bytes and saved bytes times the micro-batches it keeps in flight: 1F1B's first stages keep the most,
 so they get fewer blocks) and the one that minimises the largest stage's memory; and the even cut. The MILP is
-solved for each (and each schedule, 1F1B and interleaved 1F1B) and the fastest kept. Held to every contiguous cut
+solved for each (and each schedule of `SCHEDULES` that build runs with the role assignment: `kinds._runs`) and the
+fastest kept. Held to every contiguous cut
 solved exhaustively on small cases (tests/test_pipeline_plan.py: 6 and 8 blocks over 4 stages, two block types,
-three budgets) it finds the best cut in 12 of 12; in one of them (a tight budget where the best cut checkpoints
-less by balancing memory and time at once) only because of which of several equal min-max time cuts the dynamic
-programme keeps: broken the other way, the best proposed cut was 4.7% slower. For a fixed cut everything is linear:
+three budgets) it finds the best cut in 11 of 12, and one 2.3% slower than the best in the last (6 GELU blocks at
+60% of the free peak, where the best cut balances memory and time at once). For a fixed cut everything is linear:
 
     T_s = sum_u n_s(u) sum_k (compute - optimizer + comm)[u,k] s[u,k]        (per micro-batch, F + B)
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
           + the input-gradient sums its units need                           (the tensor form's y, per block)
+          + a split backward's host cost (`cuts.split_host_s`; zero-bubble schedules, stages after the first)
     R   >= sum_{s on rank r} T_s                                              (pp_rank_time, each rank r)
     Q   >= sum_{s on rank r} sum_u n_s(u) (optimizer + data-parallel sync)[u,k] s[u,k]   (pp_rank_tail)
-    step = M R + (p - 1) / (p v) sum_s T_s + Q + 2 sum_b send_b + tied
+    step = M R + fill / S sum_s T_s + Q + 2 sum_b send_b + tied
 
 n_s(u) is the number of stage s's blocks that unit u's template stands for (1 for an embedding or head unit on
-its stage, 0 elsewhere). For balanced stages of time t the step is (M v + p - 1) t, the schedules' makespan
-(GPipe / 1F1B: (M + p - 1) t); an unbalanced cut pays its slowest rank M times and the fill once. The sends: the
-first micro-batch's activation crosses every boundary forward and its gradient backward (send_recv_time_s of the
-block input's bytes on the pp link); later sends overlap compute (`isend`). Under data parallelism the replicas
+its stage, 0 elsewhere). `fill` is the schedule's warm-up and cool-down in stage-seconds, timed from the schedule
+class's own order (NOTE [the fill of a planned schedule] in `cuts.py`): p - 1 for 1F1B (balanced stages of time t:
+(M + p - 1) t, its makespan) and interleaved 1F1B with M >= p ((M v + p - 1) t); about (p - 1)(f + i - w) for the
+zero-bubble schedules, whose weight-gradient work w fills the bubbles. An unbalanced cut pays its slowest rank M
+times and the fill once. The sends: the first micro-batch's activation crosses every boundary between two ranks
+forward and its gradient backward (send_recv_time_s of the block input's bytes on the pp link; a V schedule's
+middle boundary is inside a rank); later sends overlap compute (`isend`). Under data parallelism the replicas
 average each rank's gradients after the step (blocking: the pipeline's runtime), and each rank steps its own
 optimizer: the slowest rank's tail Q. Tied parameters on the first and last stage (embedding and head) sum their
 gradients over pp.
@@ -42,14 +47,18 @@ Memory, per pp rank r: its stages' parameters, gradients and optimizer state, th
 and activations as the schedule keeps them: for every moment of rank r's action order (`facts.action_order`,
 torch's own) the micro-batches in flight on each of its stages (forward done, backward not yet), k_s, each holding
 A_s = sum_t (n_t,s A_t - sum_b 2^b zA[t,s,b] + sum_b 2^b zI[t,s,b]) + its embedding / head activations; one row
-per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s)), plus one recomputed block
+per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s); a split backward holds a micro-batch
+until its W), plus one recomputed block
 (pp_transient). So the first stages, which keep the most micro-batches, checkpoint more. `evaluate` computes the
 same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
 planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
 [pipeline FSDP2 in the plan] in `zero.py` (also without reshard after forward, when `reshard_after_forward` allows it).
-Not planned: zero-bubble and V schedules, sequence parallelism's credit inside the stages (its gathers are priced as
-the gradient sums they replace).
+The zero-bubble schedules are weighed where build runs them (`kinds._runs`): not under ZeRO-3 that reshards after
+forward, not with a tied embedding and head where a V schedule puts both on rank 0; and only without a memory budget
+and without checkpoints (NOTE [zero-bubble schedules in the plan] in `kinds.py`: their held memory is not yet priced
+within 5%). Not planned: sequence
+parallelism's credit inside the stages (its gathers are priced as the gradient sums they replace).
 """
 
 from __future__ import annotations

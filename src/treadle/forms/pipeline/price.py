@@ -9,7 +9,10 @@ everything else the log says apply as built). Each record of that step belongs t
   tensor-parallel collectives; B the backward's and recomputation's, the loss's on the last stage; for a
   zero-bubble schedule W, the weight gradients, is half the backward's matrix products and I = B - W plus
   the split's host cost (`split_backward_op_s` per backward op: torch's walk over the stage's autograd graph,
-  its second autograd pass and hooks; measured by `calibrate_cpu`, 0 on the GPU presets);
+  its second autograd pass and hooks; measured by `calibrate_cpu`, 0 on the GPU presets); W also runs the
+  stage's checkpointed blocks' forwards again (their recompute is freed by I's pass: counted, a checkpointed
+  module's forward runs three times under `stage_backward_input` then `stage_backward_weight`, twice under
+  `stage_backward`; NOTE [zero-bubble schedules in the plan] in `kinds.py`);
 - the point-to-point send across boundary b: every tensor the cut module returns (`send_recv_time_s` on the
   pp axis's link), for the activation and for its gradient;
 - memory: A_s the bytes autograd saves in the stage's forward; its static bytes are the parameters of the
@@ -55,6 +58,7 @@ import torch
 
 from ...cost.collective_cost import collective_time_s, send_recv_time_s
 from ...errors import PlanError
+from ...profile.flops import MATMUL_WEIGHT_GRAD_SHARE
 from ...profile.memory import buffer_bytes
 from ...profile.profiler import model_flops
 from ...profile.recorder import _tensors
@@ -134,7 +138,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         if r.phase == "backward":
             n_bwd[s] += 1
             if r.op.startswith(_MATMUL):
-                weight[s] += 0.5 * (r.time_s + hw.op_overhead_s)
+                weight[s] += MATMUL_WEIGHT_GRAD_SHARE * (r.time_s + hw.op_overhead_s)
     split_host = [n * hw.split_backward_op_s for n in n_bwd]  # the split's own host cost (NOTE [framework overheads])
     duration: dict[tuple[int, str], float] = {}
     for s in range(n_stages):
@@ -144,7 +148,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
             duration.update({(0, "F"): fwd[0], (0, "B"): back, (0, "I"): 0.0, (0, "W"): back})
             split_host[0] = 0.0  # a whole backward: no split of its graph
             continue
-        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + split_host[s], (s, "W"): w})
+        duration.update({(s, "F"): fwd[s], (s, "B"): back, (s, "I"): back - w + split_host[s],
+                         (s, "W"): w + rec[s]})  # W recomputes the checkpointed blocks again
     link = cluster.link(axis)
     p2p = {}
     for b, c in enumerate(cuts):

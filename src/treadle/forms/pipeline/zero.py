@@ -196,13 +196,13 @@ def _expert_units(cg, own: list[list[float]], experts: set, blocks: int) -> Expe
     return ExpertUnits(own, m, ag, rs, ag_lat, rs_lat, len(experts) / blocks)
 
 
-def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], list[float]]:
+def _zero_constants(zt, cut: _Cut, ranks: list[list[int]]) -> tuple[list[float], list[float], list[float]]:
     """Per stage its gathers' latency per micro-batch (two of each unit: its blocks and a root) and FSDP2's hooks on
     its units (host time, beside the overlap), per rank the step-end reduce-scatters' latency (NOTE [pipeline FSDP2
     in the plan]); zeros without ZeRO-3."""
     S = len(cut.stages)
     if zt is None:
-        return [0.0] * S, [0.0] * S, [0.0] * p
+        return [0.0] * S, [0.0] * S, [0.0] * len(ranks)
     # a stage's FSDP2 units: its blocks, and a root where it holds parameters besides them (the embedding on the
     # first stage, the final norm and head on the last)
     units = [len(st) + (1 if i in (0, S - 1) else 0) for i, st in enumerate(cut.stages)]
@@ -216,4 +216,4 @@ def _zero_constants(zt, cut: _Cut, p: int) -> tuple[list[float], list[float], li
             [(u + o) * per_mb for u, o in zip(units, own)],
             [sum(units[st] * zt.rs_lat_s + own[st] * (ex.rs_lat_s if ex else 0.0)
                  + (0.0 if zt.reshard else gather[st] + (units[st] + own[st]) * once)
-                 for st in range(S) if st % p == r) for r in range(p)])
+                 for st in mine) for mine in ranks])

@@ -1,0 +1,88 @@
+"""Which schedules the planner weighs for a pipeline role assignment (NOTE [pipeline in the plan] in `plan.py`):
+those of `cuts.SCHEDULES` whose stage count the blocks and pinned boundaries allow, that build runs with the role
+assignment, and whose class takes the micro-batch count; and where the zero-bubble ones are weighed."""
+
+from __future__ import annotations
+
+from ...errors import PlanError
+from ...planner.capture import TensorMeta
+from .conflicts import SPLIT_BACKWARD, stage_rank
+from .cuts import SCHEDULES, _layout, _Layout
+from .facts import action_order
+from .zero import zero_terms
+
+# NOTE [zero-bubble schedules in the plan]: the split-backward schedules (interleaved_zb, zbv) are weighed without
+# a memory budget only, and without checkpointed blocks (not where checkpoints are required). Measured on gloo
+# (bench/bench_pipeline_plans.py --budget, tiny LLaMA, PP2 x DP2 at 0.6x the free peak): the planner's interleaved_zb
+# plan with checkpointed blocks ran 1.80x its price, where every other schedule's plan ran 0.78-1.01x: torch's split
+# backward runs a checkpointed block's forward again for the weight gradients (counted: a checkpointed module's
+# forward runs twice under `stage_backward`, three times under `stage_backward_input` then `stage_backward_weight`;
+# the price now times it in W). Without checkpoints, the memory a split backward holds is not yet priced within 5%
+# at many micro-batches: rank 0's saved bytes measured 1.96x the price's for ZBV over 8 micro-batches and 1.12x for
+# interleaved ZB (0.99x and 0.82x over 2; 1F1B and interleaved 1F1B 0.90-0.91x at both): a plan under a budget
+# could not promise to fit.
+
+
+def _tied_bytes(cg, lay: _Layout) -> int:
+    """Bytes of the parameters both the first and the last stage read (a tied embedding and head)."""
+    node_unit = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
+    head, tail = set(lay.head), set(lay.tail)
+    nbytes = 0
+    for n in cg.graph.nodes:
+        if n.kind == "param" and isinstance(n.out, TensorMeta):
+            users = {node_unit.get(u) for u in n.users}
+            if users & head and users & tail:
+                nbytes += n.out.nbytes
+    return nbytes
+
+
+def schedules(cg) -> list[str]:
+    """The schedules the pipeline solve weighs for a role assignment: the pinned one, else every one of `SCHEDULES`
+    whose stage count the blocks and the pinned boundaries allow and whose class takes the micro-batch count."""
+    return [kind for kind in _stage_counts_allow(cg) if _torch_takes(cg, kind)]
+
+
+def _stage_counts_allow(cg) -> list[str]:
+    """`schedules` without torch's check of the micro-batch count (`_torch_takes`), which `solve` makes only for a
+    schedule its floor does not rule out."""
+    roles = cg.roles
+    p = cg.cluster.mesh.size(roles.pp)
+    n = sum(info.count for info in cg.templates.values())
+    return [kind for kind in ([roles.pp_schedule] if roles.pp_schedule else list(SCHEDULES))
+            if len(roles.pp_cuts) < p * SCHEDULES[kind] <= n and _runs(cg, kind)]
+
+
+def _runs(cg, kind: str) -> bool:
+    """Whether `build` runs `kind` with this role assignment (`conflicts.py`, the checks build makes): not a split
+    backward under ZeRO-3 that reshards after forward, and not two stages of one rank reading one parameter (a tied
+    embedding and head on the first and last stage, which the V schedules put on rank 0) where that is refused: under
+    a split backward, or under data parallelism. Raises PlanError where the schedule is pinned and its stages share
+    a parameter (no role assignment runs it)."""
+    zt = zero_terms(cg)
+    if kind in SPLIT_BACKWARD and zt is not None and zt.reshard:
+        return False
+    if kind in SPLIT_BACKWARD or cg.roles.dp:
+        p = cg.cluster.mesh.size(cg.roles.pp)
+        S = p * SCHEDULES[kind]
+        lay = _layout(cg, kind)
+        if stage_rank(kind, 0, p) == stage_rank(kind, S - 1, p) and _tied_bytes(cg, lay):
+            if cg.roles.pp_schedule == kind and kind in SPLIT_BACKWARD:
+                raise PlanError(f"pipeline schedule {kind!r}: it places the first and the last of its {S} stages on "
+                                f"rank 0, and both read a parameter (a tied embedding and head); its split backward "
+                                f"cannot share a parameter between two stages of a rank; untie it, or pin another "
+                                f"schedule (interleaved_zb places them on different ranks)")
+            return False
+    return True
+
+
+def _torch_takes(cg, kind: str) -> bool:
+    """Whether torch's schedule class takes the micro-batch count (building its order: seconds for hundreds of
+    stages, so `solve` asks only for a schedule its floor does not rule out)."""
+    from ...errors import PlanError as _PlanError
+
+    p = cg.cluster.mesh.size(cg.roles.pp)
+    try:
+        action_order(kind, p * SCHEDULES[kind], p, cg.roles.pp_microbatches)
+    except _PlanError:
+        return False
+    return True
