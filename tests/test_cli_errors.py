@@ -97,7 +97,7 @@ def test_registrations_load_on_first_use_whichever_module_comes_first():
         from treadle.sharding_rules import has_leaf_rule
         model, inputs = named_model("tiny-gpt2", batch=8, seq=64, dropout=False)
         print(has_leaf_rule(model.transformer.h[0].attn.c_attn))
-        plan = plan_model(model, inputs, cluster=parse_cluster("2x2:cpu"), dp_axis="dp", price_top=0)
+        plan = plan_model(model, inputs, cluster=parse_cluster("2x2:cpu"), dp_axis="dp", price_top=0, pp_axis=None)  # sharded c_fc
         print([line for line in plan.schedule.to_python().splitlines() if "mlp.c_fc" in line][:1])
         import treadle, treadle.verify.verify, treadle.models.megatron
         print(callable(treadle.verify), callable(treadle.models.megatron), treadle.Shard.__name__)
