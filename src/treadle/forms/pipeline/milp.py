@@ -17,6 +17,7 @@ from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _ta
                    partitions)
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _role_floor,
                      _unit_mins, stage_constants)
+from .conflicts import SPLIT_BACKWARD
 from .kinds import _runs, _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
 from .zero import zero_terms
 
@@ -368,13 +369,14 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
 
     # the schedules by their floor, lowest first: the best plan found so far prunes the cuts of the others
     # (NOTE [a lower bound before the MILP]); the floor reads the schedule class's order, so torch must take it
-    kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg) if _torch_takes(cg, kind)
-             for lay in (_layout(cg, kind),)]
+    # (the split-backward ones only without a budget or required checkpoints: NOTE [zero-bubble schedules in the
+    # plan] in kinds.py)
+    no_split = budget_bytes is not None or minimise == "memory" or any(min_ckpt.values())
+    kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg)
+             if not (no_split and kind in SPLIT_BACKWARD) and _torch_takes(cg, kind) for lay in (_layout(cg, kind),)]
     for floor, kind, lay in sorted(kinds, key=lambda x: x[0]):
         if above(floor, cutoff_s):
             continue
-        if lay.split and (budget_bytes is not None or minimise == "memory" or any(min_ckpt.values())):
-            continue  # NOTE [zero-bubble schedules in the plan] in kinds.py
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
             bound = cutoff_s  # and below this role assignment's best cut so far
