@@ -248,15 +248,20 @@ def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_
         assert got is None
 
 
-def test_the_step_of_a_cut_by_hand():
-    # one axis of 2 ranks, no tensor axis: every unit has one strategy; 1F1B over M = 4 micro-batches
+def _one_axis(kind: str, stages: tuple) -> tuple:
+    """Four blocks cut as `stages` on one axis of 2 ranks over 4 micro-batches under `kind`, no tensor axis (every
+    unit has one strategy): (cluster, pp axis, cost graph, layout, cut, the one choice)."""
     model, g = _graph(h=32, n=4)
     cl = parse_cluster("1x2:cpu")
     pp = cl.mesh.names[1]
     cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
-    lay = cuts._layout(cg, "1f1b")
-    cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
-    choice = [0] * len(cg.units)
+    lay = cuts._layout(cg, kind)
+    return cl, pp, cg, lay, cuts._cut(cg, lay, stages), [0] * len(cg.units)
+
+
+def test_the_step_of_a_cut_by_hand():
+    # one axis of 2 ranks, no tensor axis: every unit has one strategy; 1F1B over M = 4 micro-batches
+    cl, pp, cg, lay, cut, choice = _one_axis("1f1b", ((0, 1), (2, 3)))
     step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
     T = [0.0, 0.0]
     tail = [0.0, 0.0]
@@ -313,14 +318,8 @@ def test_the_fill_is_timed_from_the_schedule_class_order():
 def test_a_zero_bubble_v_schedule_by_hand():
     # ZBV on 2 ranks over 4 micro-batches: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (a V); the boundary
     # between stages 1 and 2 is inside rank 1 (no send); every stage after the first pays the split's host cost
-    model, g = _graph(h=32, n=4)
-    cl = parse_cluster("1x2:cpu")
-    pp = cl.mesh.names[1]
-    cg = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))
-    lay = cuts._layout(cg, "zbv")
+    cl, pp, cg, lay, cut, choice = _one_axis("zbv", ((0,), (1,), (2,), (3,)))
     assert lay.ranks() == [[0, 3], [1, 2]] and lay.split
-    cut = cuts._cut(cg, lay, ((0,), (1,), (2,), (3,)))
-    choice = [0] * len(cg.units)
     step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
     per_op = cl.rank_hardware().split_backward_op_s
     assert per_op > 0
