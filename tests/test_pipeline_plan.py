@@ -418,6 +418,9 @@ def test_a_planned_zero_bubble_v_pipeline_prices_near_its_estimate_and_verifies(
     assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
     with pytest.raises(PlanError, match="pipeline schedule 'dualpipe': the planner plans"):
         plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="dualpipe")
+    with pytest.raises(PlanError, match="pipeline schedule 'zbv': a split-backward schedule is planned only without a "
+                                        "memory budget"):
+        plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="zbv", memory_budget_bytes=priced.peak_bytes)
 
 
 @pytest.mark.slow
