@@ -357,3 +357,22 @@ def test_a_split_backward_costs_its_host_work_per_backward_op():
     assert dear.step_s > free.step_s
     one = treadle.price(_pipelined((2,), ("pp",), "1f1b", [1]), _inputs(), with_split(1e-4))
     assert all(s["split_host_s"] == 0.0 for s in one.pipeline["stages"])
+
+
+def test_a_split_backward_keeps_the_last_stage_graph_to_the_step_end():
+    # NOTE [the last stage's loss under a split]: the runtime keeps each micro-batch's loss, and under a split backward
+    # (I with retain_graph) the last stage's saved bytes with it: every micro-batch's, at once, on its rank
+    zb = treadle.price(_pipelined((2,), ("pp",), "interleaved_zb", [0, 1, 2]), _inputs(), _cluster((2,)))
+    st = {s["stage"]: s for s in zb.pipeline["stages"]}
+    assert st[3]["rank"] == 1
+    assert zb.pipeline["ranks"]["1"]["activation_bytes"] >= 4 * st[3]["saved_bytes"]
+    # a full backward frees them as it goes: interleaved 1F1B's same rank holds fewer
+    full = treadle.price(_pipelined((2,), ("pp",), "interleaved_1f1b", [0, 1, 2]), _inputs(), _cluster((2,)))
+    assert full.pipeline["ranks"]["1"]["activation_bytes"] < 4 * st[3]["saved_bytes"]
+    # the planner's rows read the same: the last stage's micro-batches stay in flight to the end
+    from treadle.forms.pipeline import cuts
+
+    moments = cuts.inflight(cuts._Layout([], [], [], p=2, m=4, schedule="interleaved_zb"))
+    assert max(kv.get(3, 0) for kv in moments[1]) == 4
+    assert max(kv.get(3, 0) for kv in cuts.inflight(cuts._Layout([], [], [], p=2, m=4,
+                                                                   schedule="interleaved_1f1b"))[1]) < 4

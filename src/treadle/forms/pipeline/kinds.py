@@ -17,10 +17,11 @@ from .zero import zero_terms
 # plan with checkpointed blocks ran 1.80x its price, where every other schedule's plan ran 0.78-1.01x: torch's split
 # backward runs a checkpointed block's forward again for the weight gradients (counted: a checkpointed module's
 # forward runs twice under `stage_backward`, three times under `stage_backward_input` then `stage_backward_weight`;
-# the price now times it in W). Without checkpoints, the memory a split backward holds is not yet priced within 5%
-# at many micro-batches: rank 0's saved bytes measured 1.96x the price's for ZBV over 8 micro-batches and 1.12x for
-# interleaved ZB (0.99x and 0.82x over 2; 1F1B and interleaved 1F1B 0.90-0.91x at both): a plan under a budget
-# could not promise to fit.
+# the price now times it in W). Without checkpoints, the memory a split backward holds is not yet priced within 5%:
+# rank 0's saved bytes (PP2 on 2 gloo ranks, tiny LLaMA) measured 0.82x / 1.12x the price for interleaved ZB over
+# 2 / 8 micro-batches, and 0.75x / 0.73x for ZBV since the price keeps the last stage's graph to the step's end
+# (NOTE [the last stage's loss under a split] in price.py; they measured 1.96x the price before it); 1F1B and interleaved 1F1B
+# 0.90-0.91x at both. A plan under a budget could not promise to fit.
 
 
 def _tied_bytes(cg, lay: _Layout) -> int:
