@@ -35,7 +35,11 @@ runs I with ``retain_graph=True`` and W frees only what the weight gradients rea
 stay until the step ends. Measured (rank 0 of ZBV on 2 gloo ranks, tiny LLaMA, 8 micro-batches; saved bytes live
 after each action, pack hooks): stage 3's W freed 0.28 of its 0.99 MiB a micro-batch, stage 0's 0.64 of 0.71, and
 5.9 MiB stayed to the step's end. The price keeps the whole of the last stage's saved bytes (an upper bound: what
-its W frees is not attributed); before, rank 0's priced activations were half the measured (1.96x).
+its W frees is not attributed); before, rank 0's priced activations were half the measured (1.96x). A middle stage
+keeps some too, not priced: on rank 0 of interleaved ZB (stages 0 and 2, 8 micro-batches) stage 2's W freed 0.47 of
+the 0.63 MiB its forward saved, and 1.56 MiB stayed to the step's end (the saved tensors only the input gradients
+read, held by the graph I retained); stage 0's W frees all (its backward is whole). Rank 0's price is 0.89x the
+measured there (`bench/bench_pipeline_memory.py`).
 
 NOTE [pipeline FSDP2 price]: with FSDP2 / HSDP beside the pipeline, each stage's units (`_stage_units`: the
 model's FSDP2 units inside it, the rest in its root, and the units on axes of their own nested in them — the local
