@@ -13,7 +13,6 @@ memory budget (NOTE [zero-bubble schedules in the plan]).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -54,10 +53,7 @@ def main() -> None:
         rows.append({"schedule": label, "predicted_bytes": pred[label], "measured_bytes": meas,
                      "ratio": meas / pred[label]})
         print(f"{label:24} {pred[label] / 2**20:10.2f} {meas / 2**20:13.2f} {meas / pred[label]:10.2f}")
-    pvm.RESULTS.mkdir(exist_ok=True)
-    path = pvm.RESULTS / "bench_pipeline_memory.json"
-    path.write_text(json.dumps(rows, indent=1))
-    print(f"\nwrote {path}")
+    pvm.write_results("bench_pipeline_memory.json", rows)
 
 
 if __name__ == "__main__":

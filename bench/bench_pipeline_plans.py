@@ -16,7 +16,6 @@ Target: the planner's own choice measures within 5% of the fastest pinned schedu
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -61,10 +60,7 @@ def main() -> None:
                       f"{res['planner_over_best_pinned']:.2f}x the fastest pinned plan ({best['schedule']}); "
                       f"target <= 1.05: {'PASS' if res['planner_over_best_pinned'] <= 1.05 else 'FAIL'}", flush=True)
             out.append(res)
-    pvm.RESULTS.mkdir(exist_ok=True)
-    path = pvm.RESULTS / "bench_pipeline_plans.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {path}")
+    pvm.write_results("bench_pipeline_plans.json", out)
 
 
 if __name__ == "__main__":

@@ -587,13 +587,18 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     return args
 
 
+def write_results(name: str, data) -> Path:
+    """Write a bench's results as JSON under bench/results and say where."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(data, indent=1))
+    print(f"\nwrote {path}")
+    return path
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    out = [run_config(m, c, args) for m in args.models for c in args.configs]
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_price_vs_measured.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {path}")
+    write_results("bench_price_vs_measured.json", [run_config(m, c, args) for m in args.models for c in args.configs])
 
 
 if __name__ == "__main__":
