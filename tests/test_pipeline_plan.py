@@ -349,8 +349,8 @@ def test_the_zero_bubble_schedules_are_weighed_only_where_build_runs_them():
     # a V puts the first and last stage on rank 0: their shared weight under a split backward is refused by build
     assert milp.schedules(cg) == ["1f1b", "interleaved_1f1b", "interleaved_zb"]  # no zbv
     pinned = build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4, pp_schedule="zbv"))
-    with pytest.raises(PlanError, match=r"pipeline schedule 'zbv': it places the first and the last of its 4 stages "
-                                        r"on rank 0, and both read a parameter \(a tied embedding and head\)"):
+    with pytest.raises(PlanError, match=r"pipeline: schedule 'zbv' places stages 0 and 3 on one rank and both read "
+                                        r"the tied embedding and head; its split backward"):  # build's own words
         milp.schedules(pinned)
     cl2 = parse_cluster("2x2:cpu")
     a, b = cl2.mesh.names
@@ -421,6 +421,14 @@ def test_a_planned_zero_bubble_v_pipeline_prices_near_its_estimate_and_verifies(
     with pytest.raises(PlanError, match="pipeline schedule 'zbv': a split-backward schedule is planned only without a "
                                         "memory budget"):
         plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="zbv", memory_budget_bytes=priced.peak_bytes)
+    with pytest.raises(PlanError, match=r"plan_model: pp_schedule='zbv' pins a pipeline's schedule, but pp_axis=None "
+                                        r"plans no pipeline"):
+        plan_model(model, inputs, cluster=cl, pp_axis=None, pp_schedule="zbv")
+    part = treadle.create_schedule(model, mesh=cl.mesh)
+    part["model.layers.1"].cut_pipeline_stage()
+    part.pipeline(axis=pp, schedule="1f1b", n_microbatches=4, example_inputs=inputs)
+    with pytest.raises(PlanError, match=r"pp_schedule='zbv', but the partial schedule's pipeline\(...\) states '1f1b'"):
+        plan_model(model, inputs, cluster=cl, partial_schedule=part, pp_schedule="zbv")
 
 
 @pytest.mark.slow

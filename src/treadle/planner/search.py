@@ -178,6 +178,14 @@ def make_request(model: nn.Module, given: dict) -> PlanRequest:
             pins.setdefault(k, {}).update(v)
     budget = given["memory_budget_bytes"]
     execution, float8 = execution_and_float8(given, role)
+    pinned = given.get("pp_schedule")
+    if pinned is not None and role.get("pp_schedule", pinned) != pinned:
+        raise PlanError(f"plan_model: pp_schedule={pinned!r}, but the partial schedule's pipeline(...) states "
+                        f"{role['pp_schedule']!r}; give one")
+    if pinned is not None and (given.get("pp_axis", "auto") is None or execution != "eager"):
+        raise PlanError(f"plan_model: pp_schedule={pinned!r} pins a pipeline's schedule, but "
+                        f"{'pp_axis=None' if given.get('pp_axis', 'auto') is None else 'compiled execution'} plans "
+                        f"no pipeline")
     expert_load = expert_load_of(given)
     weigh = budget is not None or execution != "eager" or (float8 is not None and not float8[1])
     price_top = given["price_top"] if given["price_top"] is not None else (1 if weigh else 0)

@@ -93,8 +93,8 @@ class _Layout:
 # as the price times it); the fill is that makespan minus M v, in stage-seconds. The step's fill term is that
 # many mean stage times, ``fill / S * sum_s T_s``: linear in the MILP's variables. GPipe and 1F1B give p - 1,
 # interleaved 1F1B p - 1 as well once M >= p (more below: torch's order then idles longer); the zero-bubble
-# schedules (interleaved_zb, zbv, dualpipev) fill their bubbles with W: about (p - 1)(f + i - w), a third of
-# 1F1B's with equal parts. Exact for equal stages; an unbalanced cut is charged its slowest rank M times (R) and
+# schedules fill their bubbles with W: (p - 1)/3 with equal parts, a third of 1F1B's (measured at other splits:
+# interleaved_zb (p - 1)(f + i - w), zbv (p - 1) i once M >= 2p, more below). Exact for equal stages; an unbalanced cut is charged its slowest rank M times (R) and
 # the mean stage the fill, as before. The price times the built plan's real stages (NOTE [final choice by price]).
 @functools.lru_cache(maxsize=1024)
 def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:

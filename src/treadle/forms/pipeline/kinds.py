@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
-from .conflicts import SPLIT_BACKWARD, stage_rank
+from .conflicts import SPLIT_BACKWARD, shared_stage_conflict, split_backward_conflict, stage_rank
 from .cuts import SCHEDULES, _layout, _Layout
 from .facts import action_order
 from .zero import zero_terms
@@ -44,8 +44,7 @@ def schedules(cg) -> list[str]:
 
 
 def _stage_counts_allow(cg) -> list[str]:
-    """`schedules` without torch's check of the micro-batch count (`_torch_takes`), which `solve` makes only for a
-    schedule its floor does not rule out."""
+    """`schedules` without torch's check of the micro-batch count (`_torch_takes`)."""
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
     n = sum(info.count for info in cg.templates.values())
@@ -54,36 +53,31 @@ def _stage_counts_allow(cg) -> list[str]:
 
 
 def _runs(cg, kind: str) -> bool:
-    """Whether `build` runs `kind` with this role assignment (`conflicts.py`, the checks build makes): not a split
+    """Whether `build` runs `kind` with this role assignment, by the checks build makes (`conflicts.py`): not a split
     backward under ZeRO-3 that reshards after forward, and not two stages of one rank reading one parameter (a tied
-    embedding and head on the first and last stage, which the V schedules put on rank 0) where that is refused: under
-    a split backward, or under data parallelism. Raises PlanError where the schedule is pinned and its stages share
-    a parameter (no role assignment runs it)."""
+    embedding and head on the first and last stage, which the V schedules put on rank 0) under a split backward or
+    under data parallelism. Raises PlanError, build's reason, where the schedule is pinned and its stages share a
+    parameter (no role assignment runs it)."""
     zt = zero_terms(cg)
     if kind in SPLIT_BACKWARD and zt is not None and zt.reshard:
         return False
-    if kind in SPLIT_BACKWARD or cg.roles.dp:
-        p = cg.cluster.mesh.size(cg.roles.pp)
-        S = p * SCHEDULES[kind]
-        lay = _layout(cg, kind)
-        if stage_rank(kind, 0, p) == stage_rank(kind, S - 1, p) and _tied_bytes(cg, lay):
-            if cg.roles.pp_schedule == kind and kind in SPLIT_BACKWARD:
-                raise PlanError(f"pipeline schedule {kind!r}: it places the first and the last of its {S} stages on "
-                                f"rank 0, and both read a parameter (a tied embedding and head); its split backward "
-                                f"cannot share a parameter between two stages of a rank; untie it, or pin another "
-                                f"schedule (interleaved_zb places them on different ranks)")
-            return False
-    return True
+    p = cg.cluster.mesh.size(cg.roles.pp)
+    S = p * SCHEDULES[kind]
+    if not (kind in SPLIT_BACKWARD or cg.roles.dp) or stage_rank(kind, 0, p) != stage_rank(kind, S - 1, p):
+        return True  # (the tie check reads the graph: only where the two stages share a rank)
+    readers = [("the tied embedding and head", {0, S - 1})] if _tied_bytes(cg, _layout(cg, kind)) else []
+    why = split_backward_conflict(kind, p, readers)
+    if why and cg.roles.pp_schedule == kind:
+        raise PlanError(f"pipeline: {why}")
+    return not why and not (cg.roles.dp and shared_stage_conflict(kind, p, readers, "/".join(cg.roles.dp)))
 
 
 def _torch_takes(cg, kind: str) -> bool:
-    """Whether torch's schedule class takes the micro-batch count (building its order: seconds for hundreds of
-    stages, so `solve` asks only for a schedule its floor does not rule out)."""
-    from ...errors import PlanError as _PlanError
-
+    """Whether torch's schedule class takes the micro-batch count (building its order, remembered per process: the
+    floors and the fill read it too)."""
     p = cg.cluster.mesh.size(cg.roles.pp)
     try:
         action_order(kind, p * SCHEDULES[kind], p, cg.roles.pp_microbatches)
-    except _PlanError:
+    except PlanError:
         return False
     return True

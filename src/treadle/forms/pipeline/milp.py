@@ -18,7 +18,7 @@ from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _ta
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _role_floor,
                      _unit_mins, stage_constants)
 from .conflicts import SPLIT_BACKWARD
-from .kinds import _runs, _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
+from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
 from .zero import zero_terms
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
