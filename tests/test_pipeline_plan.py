@@ -16,6 +16,7 @@ import treadle
 from treadle.cost.cluster import ClusterSpec, parse_cluster
 from treadle.errors import PlanError
 from treadle.forms.pipeline import cuts, milp
+from treadle.forms.pipeline.kinds import price_variants
 from treadle.forms.pipeline.plan import PipelineChoice, capture_facts, microbatch_counts
 from treadle.mesh import Mesh
 from treadle.models.zoo import named_model
@@ -123,6 +124,14 @@ def test_the_solve_weighs_each_schedule_the_blocks_allow():
                          time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time") for k in kinds}
     best = min(per, key=lambda k: per[k].step_s)
     assert sol.stages.schedule == best and sol.step_s == pytest.approx(per[best].step_s)
+    # the ways the final choice by price prices on its own: each weighed schedule pinned, the solution's own
+    # flagged (NOTE [each schedule priced on its own]); none once pinned; under a budget no split backward
+    assert sorted(sol.stages.weighed) == sorted(kinds)
+    ways = price_variants(cg, sol)
+    assert [(w.roles.pp_schedule, own) for w, own in ways] == [(k, k == best) for k in sol.stages.weighed]
+    assert all(w.units is cg.units for w, _ in ways) and price_variants(ways[0][0], per[best]) == []
+    under = solve(cg, budget_bytes=sol.peak_bytes * 2)
+    assert sorted(under.stages.weighed) == ["1f1b", "interleaved_1f1b"]
 
 
 def test_a_pipeline_is_weighed_on_the_slowest_link_unless_pinned():
@@ -376,6 +385,26 @@ def test_under_a_budget_the_first_stage_checkpoints_more_than_the_last():
     assert plan.estimated.peak_bytes <= budget
     ck = [len(s) for s in sp["checkpointed"]]
     assert ck == sorted(ck, reverse=True) and ck[0] > ck[-1], sp  # the earlier the stage, the more it keeps
+
+
+def test_each_schedule_of_a_pipelined_role_assignment_is_priced_on_its_own():
+    # NOTE [each schedule priced on its own]: under a budget each schedule is re-solved by its own price's error;
+    # here the solver ranks interleaved 1F1B first, and 1F1B, re-solved at its own corrected budget, prices faster
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("2x2:cpu")
+    a = cl.mesh.names[0]
+    free = plan_model(model, inputs, cluster=cl, pp_axis=a, dp_axis=None, price_top=1)
+    budget = 0.6 * free.price["peak_bytes"]
+    plan = plan_model(named_model("tiny-llama", batch=8, seq=32, dropout=False)[0], inputs, cluster=cl, pp_axis=a,
+                      dp_axis=None, price_top=1, memory_budget_bytes=budget)
+    rows = plan.solver["priced"]
+    kinds = [r["roles"].split("(")[1].split(",")[0] for r in rows]
+    assert sorted(kinds) == ["1f1b", "interleaved_1f1b"], rows  # one role assignment, each schedule its own row
+    assert {r["roles"].replace(f"{k}, ", "") for r, k in zip(rows, kinds)} == {plan.roles}  # the label unpinned
+    fits = [r for r in rows if r["peak_bytes"] <= budget]
+    assert plan.price["step_s"] == min(r["step_s"] for r in fits) and plan.price["peak_bytes"] <= budget
+    assert plan.solver["stages"]["schedule"] == "1f1b" and kinds[0] == "interleaved_1f1b"  # the price overruled it
+    assert rows[1]["step_s"] < rows[0]["step_s"]
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -24,7 +24,8 @@ that has no say at a point costs nothing there. The extension points, grouped by
   `node_cost`, `param_cost`, `graph_terms` — per node, per parameter and per role assignment;
 - ILP (`treadle.planner.ilp`): `ilp_rows`, `evaluate`, `memory_rows`, `peak_bytes` — the form's constraint
   families, and the same terms computed directly for a choice; `solve` — the whole MILP, for a form that owns the
-  step's formula (the pipeline);
+  step's formula (the pipeline); `price_variants` — that role assignment pinned each way its `solve` chose among,
+  for the final choice by price (`treadle.planner.search`);
 - decisions (`treadle.planner.to_schedule`): `decide_node`, `decisions` — the primitives that state the chosen
   form; explanation (`treadle.planner.rows`): `adjust_rows`;
 - the training loops (`treadle.runtime.optimizer.after_optimizer_step`): `after_optimizer_step`;
@@ -175,6 +176,13 @@ class Form:
         from `ft` (`treadle.planner.floors.FloorTerms`: each unit's smallest static and saved bytes); None
         otherwise (NOTE [a memory floor before the costs])."""
         return None
+
+    def price_variants(self, cg: Any, sol: Any) -> list[tuple[Any, bool]]:
+        """When this form owns the step's formula (as `solve`): the role assignment of `cg` pinned to each way of
+        running it that its solve chose among by its linear model alone (a pipeline: each schedule kind), as
+        (cost graph, whether `sol` runs that way); the final choice by price re-solves and prices each on its own
+        (NOTE [each schedule priced on its own] in `treadle.planner.candidates`). [] for none."""
+        return []
 
     def memory_rows(self, m: Any, cg: Any, v: Any) -> list[tuple[dict, float]]:
         """Further points of the step whose memory must fit the budget, as (terms, constant) rows."""

@@ -74,7 +74,8 @@ def resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for, 
 
 def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
                      is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn,
-                     solve_for: Callable[[CostGraph, float | None], Solution] | None = None, execution: str = "eager"):
+                     solve_for: Callable[[CostGraph, float | None], Solution] | None = None, execution: str = "eager",
+                     variants: list[tuple[Solution, CostGraph]] = (), variant_band: float = 1.0):
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
     priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best and no price; `plan_model`
@@ -85,7 +86,9 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
     by the price, corrects its budget (over: less memory, so the plan fits as built; under: more, so it
     checkpoints no more than the budget needs), bisecting between a solver budget that fit and one that did not
     once both are known (`resolve_by_price`; a solver budget found infeasible bounds the bisection from below).
-    Each new plan is priced; the fastest that fits is the candidate's plan.
+    Each new plan is priced; the fastest that fits is the candidate's plan. `variants` (other ways of running a
+    candidate's role assignment, NOTE [each schedule priced on its own]) are priced after the candidates, each only
+    where `variant_band` times its solver step is below the fastest priced plan that fits.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .. import pricing
     from ..profile.profiler import model_flops
@@ -101,7 +104,11 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution, useful_flops=useful)
 
     rows, best = [], None
-    for sol, cg in candidates:
+    for i, (sol, cg) in enumerate([*candidates, *variants]):
+        if i >= len(candidates) and best is not None and variant_band * sol.step_s >= best[2].step_s:
+            logger.info("%s: not priced (solver step %.4g s, %.2fx of it above the best price %.4g s)", cg.roles,
+                        sol.step_s, variant_band, best[2].step_s)
+            continue
         try:
             p = price_of(sol, cg)
         except PlanError as exc:

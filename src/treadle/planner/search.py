@@ -35,7 +35,8 @@ from .dims import unknown_ops
 from .ilp import Solution, solve
 from .pins import min_ckpt, pins_for, pins_from_schedule, tied_pins
 from .plan import Plan
-from .candidates import collector_paused, cutoff_for, pipeline_on_slowest_link, priced_candidates
+from .candidates import (VARIANT_BAND, collector_paused, cutoff_for, pipeline_on_slowest_link, price_variants,
+                         priced_candidates)
 from .roles import alike_key, enumerate_roles, why_replicated
 from .rows import binding_constraint, plan_rows
 from .to_schedule import decisions_from_solution
@@ -344,9 +345,12 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
     if top and inputs:
         req.say("price the best role assignments")
 
-        def choose_among(cands):
-            return choose_by_price(search.model, inputs, cands, search.is_leaf_param, budget, req.loss_fn,
-                                   lambda cg_, b_: solve_for(search, cg_, b_), execution=req.execution)
+        def choose_among(cands):  # each candidate's ways priced on its own (NOTE [each schedule priced on its own])
+            own, others, home = price_variants(cands, lambda cg_: solve_for(search, cg_, budget))
+            s_, c_, p_, rows_ = choose_by_price(search.model, inputs, own, search.is_leaf_param, budget, req.loss_fn,
+                                                lambda cg_, b_: solve_for(search, cg_, b_), execution=req.execution,
+                                                variants=others, variant_band=VARIANT_BAND)
+            return s_, home.get(id(c_), c_), p_, rows_
 
         sol, cg, chosen_price, priced = choose_among(top)
         # none of the K fits as built: the next role assignments, one at a time, until one does

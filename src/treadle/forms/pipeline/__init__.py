@@ -24,6 +24,7 @@ from __future__ import annotations
 from ...form import Form
 from . import plan as _plan
 from .floors import memory_floor
+from .kinds import price_variants
 from .price import price_pipeline
 from .runtime import wrap_pipeline
 from .stages import capture_root
@@ -52,6 +53,9 @@ class PipelineForm(Form):
     def solve(self, cg, *, budget_bytes, checkpoint, time_limit_s, rel_gap, min_ckpt, minimise, cutoff_s=None):
         return _plan.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,
                            rel_gap=rel_gap, min_ckpt=min_ckpt, minimise=minimise, cutoff_s=cutoff_s)
+
+    def price_variants(self, cg, sol):
+        return price_variants(cg, sol)
 
     def memory_floor(self, ft):
         return memory_floor(ft)

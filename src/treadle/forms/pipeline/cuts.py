@@ -27,7 +27,7 @@ class PipelineChoice:
     """A pipeline plan's stages (`Solution.stages`): the pp `axis`, the `schedule` and `n_microbatches`, the real
     block paths of each stage (`blocks`, in order) and of those checkpointed (`checkpointed`); the solver's figures:
     each stage's seconds per micro-batch (`stage_s`), each pp rank's peak bytes (`rank_peak_bytes`) and the fill's
-    seconds (`bubble_s`)."""
+    seconds (`bubble_s`); the schedules the solve weighed (`weighed`: NOTE [each schedule priced on its own])."""
 
     axis: str
     schedule: str
@@ -37,6 +37,7 @@ class PipelineChoice:
     stage_s: tuple[float, ...] = ()
     rank_peak_bytes: tuple[float, ...] = ()
     bubble_s: float = 0.0
+    weighed: tuple[str, ...] = ()
 
     @property
     def n_stages(self) -> int:

@@ -4,6 +4,8 @@ assignment, and whose class takes the micro-batch count; and where the zero-bubb
 
 from __future__ import annotations
 
+from dataclasses import replace as dc_replace
+
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from .conflicts import SPLIT_BACKWARD, shared_stage_conflict, split_backward_conflict, stage_rank
@@ -22,6 +24,18 @@ from .zero import zero_terms
 # 2 / 8 micro-batches, and 0.75x / 0.73x for ZBV since the price keeps the last stage's graph to the step's end
 # (NOTE [the last stage's loss under a split] in price.py; they measured 1.96x the price before it); 1F1B and interleaved 1F1B
 # 0.90-0.91x at both. A plan under a budget could not promise to fit.
+
+
+def price_variants(cg, sol) -> list[tuple[object, bool]]:
+    """The role assignment of `cg` pinned to each schedule its solve weighed (`PipelineChoice.weighed`), as
+    (cost graph, whether `sol` runs that schedule); [] where the schedule was pinned or only one was weighed (NOTE
+    [each schedule priced on its own] in `treadle.planner.candidates`). The cost graph is the same: a strategy's
+    cost is per micro-batch whatever the schedule, which only the pipeline's own solve reads."""
+    stages = getattr(sol, "stages", None)
+    if cg.roles.pp is None or cg.roles.pp_schedule is not None or stages is None or len(stages.weighed) < 2:
+        return []
+    return [(dc_replace(cg, roles=dc_replace(cg.roles, pp_schedule=kind)), kind == stages.schedule)
+            for kind in stages.weighed]
 
 
 def _tied_bytes(cg, lay: _Layout) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import replace
 
 from ...cost.collective_cost import collective_time_s, send_recv_time_s
 from ...errors import PlanError
@@ -412,6 +413,7 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         status = "pruned" if cutoff_s is not None and minimise == "time" else "infeasible"
         return Solution([], {}, math.inf, math.inf, status, math.inf, spent, n_vars, n_cons)
     best.solve_s = spent
+    best.stages = replace(best.stages, weighed=tuple(kind for _, kind, _ in kinds))
     return best
 
 
