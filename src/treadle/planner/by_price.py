@@ -75,7 +75,9 @@ def resolve_by_price(sol: Solution, p, cg: CostGraph, budget: float, solve_for, 
 def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solution, CostGraph]],
                      is_leaf_param: Callable[[str], bool], budget: float | None, loss_fn,
                      solve_for: Callable[[CostGraph, float | None], Solution] | None = None, execution: str = "eager",
-                     variants: list[tuple[Solution, CostGraph]] = (), variant_band: float = 1.0):
+                     variants: list[CostGraph] = (),
+                     solve_variant: Callable[[CostGraph, float | None], Solution] | None = None,
+                     variant_band: float = 1.0):
     """NOTE [final choice by price]: the solver's cost graph is linear and per-op; `price` runs the built schedule.
     Each candidate (best plan of one role assignment) is turned into its schedule on a copy of `model` and
     priced; the fastest whose priced peak fits `budget` wins (none fits: the solver's best and no price; `plan_model`
@@ -86,9 +88,11 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
     by the price, corrects its budget (over: less memory, so the plan fits as built; under: more, so it
     checkpoints no more than the budget needs), bisecting between a solver budget that fit and one that did not
     once both are known (`resolve_by_price`; a solver budget found infeasible bounds the bisection from below).
-    Each new plan is priced; the fastest that fits is the candidate's plan. `variants` (other ways of running a
-    candidate's role assignment, NOTE [each schedule priced on its own]) are priced after the candidates, each only
-    where `variant_band` times its solver step is below the fastest priced plan that fits.
+    Each new plan is priced; the fastest that fits is the candidate's plan. `variants` (the cost graphs of other ways
+    of running a candidate's role assignment, NOTE [each schedule priced on its own]) are solved after the
+    candidates are priced (`solve_variant(cost graph, cutoff)`, the cutoff the fastest price that fits over
+    `variant_band`: only plans that could win), then priced fastest first, each only where `variant_band` times its
+    solver step is still below the fastest price that fits.
     Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
     from .. import pricing
     from ..profile.profiler import model_flops
@@ -104,16 +108,14 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         return pricing.price(sch, inputs, cg.cluster, loss_fn=loss_fn, execution=execution, useful_flops=useful)
 
     rows, best = [], None
-    for i, (sol, cg) in enumerate([*candidates, *variants]):
-        if i >= len(candidates) and best is not None and variant_band * sol.step_s >= best[2].step_s:
-            logger.info("%s: not priced (solver step %.4g s, %.2fx of it above the best price %.4g s)", cg.roles,
-                        sol.step_s, variant_band, best[2].step_s)
-            continue
+
+    def consider(sol: Solution, cg: CostGraph) -> None:
+        nonlocal best
         try:
             p = price_of(sol, cg)
         except PlanError as exc:
             logger.info("price of %s failed: %s", cg.roles, exc)
-            continue
+            return
         tried = [(sol, p)]
         if budget is not None and solve_for is not None:
             tried = resolve_by_price(sol, p, cg, budget, solve_for, price_of)
@@ -124,6 +126,23 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         fits = budget is None or p.peak_bytes <= budget
         if fits and (best is None or p.step_s < best[2].step_s):
             best = (sol, cg, p)
+
+    for sol, cg in candidates:
+        consider(sol, cg)
+    if variants and solve_variant is not None:  # NOTE [each schedule priced on its own]
+        solved = []
+        for cg in variants:
+            sol = solve_variant(cg, None if best is None else best[2].step_s / variant_band)
+            if sol.status in ("infeasible", "pruned"):
+                logger.info("%s: %s (no plan could beat the best price over %.2f)", cg.roles, sol.status, variant_band)
+            else:
+                solved.append((sol, cg))
+        for sol, cg in sorted(solved, key=lambda sc: sc[0].step_s):
+            if best is not None and variant_band * sol.step_s >= best[2].step_s:
+                logger.info("%s: not priced (solver step %.4g s; %.2fx of it above the best price %.4g s)", cg.roles,
+                            sol.step_s, variant_band, best[2].step_s)
+                continue
+            consider(sol, cg)
     if best is None:  # no candidate fits by its price: the solver's own choice (its memory model binds)
         sol, cg = candidates[0]
         return sol, cg, None, rows

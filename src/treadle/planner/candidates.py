@@ -75,32 +75,29 @@ def priced_candidates(feasible: list, price_top: int) -> list:
 # the free peak, this host's calibration): the solver's 1F1B plan over 2 micro-batches 1.07x its priced peak,
 # its interleaved 1F1B plan 1.00x; the free search priced interleaved 1F1B plans only (its 1F1B plan did not fit
 # the solver's budget), 1.07x the price of the 1F1B plan that pinning 1F1B found, and measured 1.18x it. So each
-# candidate is split into its ways (`Form.price_variants`): its own with its solution, each other solved at the
-# budget, every one re-solved by its own price's error. A way the solver did not rank first is priced only where it
-# could win: where VARIANT_BAND times its solver step is below the fastest priced plan that fits so far (the
-# pipeline's price has measured down to 0.81x its solver step, never below 0.75x, on the bench's rows).
+# candidate is split into its ways (`Form.price_variants`): its own with its solution, the others solved once the
+# candidates are priced, every one re-solved by its own price's error. A way the solver did not rank first is solved
+# and priced only where it could win: where VARIANT_BAND times its solver step is below the fastest priced plan that
+# fits (its solve's cutoff; the pipeline's price has measured down to 0.81x its solver step on the bench's rows).
 VARIANT_BAND = 0.75
 
 
-def price_variants(candidates: list, solve) -> tuple[list, list, dict]:
+def price_variants(candidates: list) -> tuple[list, list, dict]:
     """Split each (solution, cost graph) of `candidates` into its ways (NOTE [each schedule priced on its own]):
-    returns (the candidates with their own way pinned, the other ways solved by `solve(cost graph)` where feasible,
-    each variant's cost graph by id -> its candidate's). Candidates no form splits are kept as they are."""
+    returns (the candidates with their own way pinned, the cost graphs of the other ways, each way's cost graph by
+    id -> its candidate's). Candidates no form splits are kept as they are."""
     own, others, home = [], [], {}
     for sol, cg in candidates:
         ways = [w for f in forms() for w in f.price_variants(cg, sol)]
         if not ways:
             own.append((sol, cg))
-            continue
         for cg_k, is_own in ways:
             home[id(cg_k)] = cg
             if is_own:
                 own.append((sol, cg_k))
-                continue
-            sol_k = solve(cg_k)
-            if sol_k.status not in ("infeasible", "pruned"):
-                others.append((sol_k, cg_k))
-    return own, sorted(others, key=lambda sc: sc[0].step_s), home
+            else:
+                others.append(cg_k)
+    return own, others, home
 
 
 # NOTE [the collector paused while planning]: a search builds hundreds of thousands of long-lived objects (cost

@@ -346,10 +346,11 @@ def choose(search: _Search, results: list, unbuilt: list, inputs: dict | None):
         req.say("price the best role assignments")
 
         def choose_among(cands):  # each candidate's ways priced on its own (NOTE [each schedule priced on its own])
-            own, others, home = price_variants(cands, lambda cg_: solve_for(search, cg_, budget))
+            own, others, home = price_variants(cands)
             s_, c_, p_, rows_ = choose_by_price(search.model, inputs, own, search.is_leaf_param, budget, req.loss_fn,
                                                 lambda cg_, b_: solve_for(search, cg_, b_), execution=req.execution,
-                                                variants=others, variant_band=VARIANT_BAND)
+                                                variants=others, variant_band=VARIANT_BAND,
+                                                solve_variant=lambda cg_, c: solve_for(search, cg_, budget, cutoff_s=c))
             return s_, home.get(id(c_), c_), p_, rows_
 
         sol, cg, chosen_price, priced = choose_among(top)
