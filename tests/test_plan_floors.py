@@ -99,6 +99,42 @@ def test_the_pipeline_floors_are_under_every_solved_cut(graphs):
     assert min(ratios) > 0.1 and max(ratios) > 0.8
 
 
+def test_the_recomputation_a_budget_forces_is_under_every_solved_cut(graphs):
+    # NOTE [the recomputation a budget forces]: between a cut's smallest peak and its free plan's, the time floor
+    # with the forced recomputation stays under the MILP's objective, and it is None only where nothing fits
+    checked, forced, nothing = 0, 0, 0
+    for roles, cg, _ in graphs:
+        if not roles.pp:
+            continue
+        zt = zero_terms(cg)
+        mins, mem, tm = floors._unit_mins(cg, zt), floors._memory_mins(cg, zt), floors.template_mins(cg)
+        for kind in ("1f1b", "interleaved_1f1b"):
+            if kind not in milp.schedules(cg):
+                continue
+            lay = cuts._layout(cg, kind)
+            for stages in cuts.partitions(cg, lay):
+                cut = cuts._cut(cg, lay, stages)
+                kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={})
+                free, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, minimise="time", **kw)
+                low, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, minimise="memory", **kw)
+                top, bottom = (milp.evaluate(cg, lay, cut, *x[:2])[1] for x in (free, low))
+                for budget in (bottom + f * (top - bottom) for f in (0.0, 0.3, 0.7)):
+                    got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, minimise="time", **kw)
+                    rec = floors._recompute_floor(cg, lay, cut, mem, tm, budget, True)
+                    if got is None:
+                        nothing += rec is None
+                        continue
+                    assert rec is not None, (roles, kind, stages, budget)
+                    step = milp.evaluate(cg, lay, cut, got[0], got[1])[0]
+                    floor = floors._objective_floor(cg, lay, cut, zt, mins, rec)
+                    assert floor <= (step - milp._tied_s(cg, lay)) * (1 + 1e-9), (roles, kind, stages, budget)
+                    forced += floor > floors._objective_floor(cg, lay, cut, zt, mins) * (1 + 1e-9)
+                    checked += 1
+                # under the smallest peak nothing fits, and no checkpoints make it fit by the floor either
+                assert floors._recompute_floor(cg, lay, cut, mem, tm, 0.5 * bottom, True) is None
+    assert checked >= 12 and forced >= 3, (checked, forced, nothing)
+
+
 def _unfloored(monkeypatch):
     """The search without the floor before the costs (every cost graph built, the solver decides)."""
     built = S.cost_graph_for

@@ -40,8 +40,9 @@ def _unit_mins(cg, zt) -> tuple[list[float], list[float], list[float]]:
     return t, g, q
 
 
-def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins) -> float:
-    """A lower bound of `_solve_cut`'s objective (seconds; NOTE [a lower bound before the MILP])."""
+def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins, recompute: list[float] | None = None) -> float:
+    """A lower bound of `_solve_cut`'s objective (seconds; NOTE [a lower bound before the MILP]); `recompute`: per
+    rank the least recomputation a micro-batch its memory forces (`_recompute_floor`), added to its compute."""
     S, M = lay.n_stages, lay.m
     tmin, gmin, qmin = mins
     T, G, tail = [0.0] * S, [0.0] * S, [0.0] * S
@@ -51,16 +52,83 @@ def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins) -> float:
             G[st] += k_n * gmin[u]
             tail[st] += k_n * qmin[u]
     Gc, Tc, Qc = stage_constants(cg, zt, lay, cut)
+    comp = list(T)  # the compute a recomputation adds to (overlapped gathers hide behind it, not it behind them)
     if zt is not None:
         if zt.overlap:
             T = [max(T[st], G[st] + Gc[st]) for st in range(S)]
         else:
             T = [T[st] + G[st] for st in range(S)]
             Tc = [Tc[st] + Gc[st] for st in range(S)]
+            comp = list(T)
     ranks = lay.ranks()
-    R = max(sum(T[st] + Tc[st] for st in mine) for mine in ranks)
+    x = recompute or [0.0] * lay.p
+    R = max(max(sum(T[st] + Tc[st] for st in mine), sum(comp[st] + Tc[st] for st in mine) + x[r])
+            for r, mine in enumerate(ranks))
     Q = max(sum(tail[st] for st in mine) + Qc[r] for r, mine in enumerate(ranks))
-    return M * R + Q + lay.alpha * (sum(T) + sum(Tc))
+    return M * R + Q + lay.alpha * max(sum(T) + sum(Tc), sum(comp) + sum(Tc) + sum(x))
+
+
+def template_mins(cg) -> dict[int, tuple[float, float, float]]:
+    """Per template the smallest saved bytes of one block (over each unit's allowed strategies), the smallest
+    input it keeps when checkpointed, and the least seconds its recomputation adds a micro-batch (with the host
+    cost of checkpointing it): what `_recompute_floor` trades."""
+    out = {}
+    for t, info in cg.templates.items():
+        saved = sum(min(cg.units[u].costs[k].act_bytes for k in _allowed(cg.units[u])) for u in info.units)
+        kept = min(info.input_bytes) if info.input_unit is not None and info.input_bytes else 0.0
+        rec = sum(min(cg.units[u].costs[k].rec_s for k in _allowed(cg.units[u])) for u in info.units)
+        out[t] = (saved, kept, rec + cg.ckpt_host_s.get(t, 0.0))
+    return out
+
+
+# NOTE [the recomputation a budget forces]: under a budget the MILP's memory row of each moment of each rank's order
+# (NOTE [pipeline in the plan]) reads, for c checkpointed blocks of template t on stage s with k_s micro-batches in
+# flight, k_s (n_ts - c) A_t + k_s c I_t (saved bytes A_t, kept input I_t of the chosen strategies), and adds
+# c (F_t + host_t) to T_s. With every unit at its smallest bytes the row is at least L0 - sum c k_s d_t, where L0
+# is the row with no checkpoint and d_t = A_t,min - I_t,min: a plan fits only if its checkpoints remove at least
+# L0 - budget there, and each removes at most k_s d_t for at least F_t,min + host_t seconds. The least seconds that
+# removes it is a fractional knapsack (cheapest seconds per byte first, at most n_ts blocks each): a lower bound of
+# the recomputation on that rank, taken over its moments (each row must hold); none can remove it, no plan fits.
+# The time floor adds it to the rank's compute (NOTE [a lower bound before the MILP]). On 405B over 512 H100 at
+# 80 GiB, where most cuts' memory forces checkpoints, the plain floor was 0.52-0.90 of the cutoff of the cuts
+# the MILP then found nothing under, their best plans 1.0-6.6x it.
+def _recompute_floor(cg, lay: _Layout, cut: _Cut, mem, tmins, budget: float, checkpoint: bool) -> list[float] | None:
+    """Per rank the least recompute seconds a micro-batch that `budget` forces on a cut (NOTE [the recomputation a
+    budget forces]); None when no checkpoints fit it. `mem`: `_memory_mins`; `tmins`: `template_mins`."""
+    st_min, act_min, _ = mem
+    S, p = lay.n_stages, lay.p
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    static, A0 = [0.0] * S, [0.0] * S
+    for u in range(len(cg.units)):
+        for st, k_n in cut.mult.get(u, []):
+            static[st] += k_n * st_min[u]
+            if u not in in_template:
+                A0[st] += act_min[u]
+    for st in range(S):
+        A0[st] += sum(n_t * tmins[t][0] for t, n_t in cut.n[st].items())
+    moments = inflight(lay)
+    out = [0.0] * p
+    for r in range(p):
+        base = sum(static[st] for st in range(S) if lay.rank(st) == r) + cg.fixed_static_bytes
+        for kv in moments[r]:
+            excess = base + sum(k_ * A0[st] for st, k_ in kv.items()) - budget * (1 + 1e-9)
+            if excess <= 0:
+                continue
+            items = sorted((tmins[t][2] / (k_ * (tmins[t][0] - tmins[t][1])), k_ * (tmins[t][0] - tmins[t][1]), n_t)
+                           for st, k_ in kv.items() if k_ > 0 and checkpoint
+                           for t, n_t in cut.n[st].items() if tmins[t][0] > tmins[t][1])
+            cost = 0.0
+            for per_byte, gain, n_t in items:
+                if n_t * gain >= excess:  # the rest, a fraction of these blocks
+                    cost += excess * per_byte
+                    excess = 0.0
+                    break
+                cost += n_t * gain * per_byte
+                excess -= n_t * gain
+            if excess > 0:
+                return None
+            out[r] = max(out[r], cost)
+    return out
 
 
 def stage_constants(cg, zt, lay: _Layout, cut: _Cut) -> tuple[list[float], list[float], list[float]]:

@@ -16,8 +16,8 @@ from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, ad
 from ...planner.to_schedule import _spread
 from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
-from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _role_floor,
-                     _unit_mins, stage_constants)
+from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
+                     _role_floor, _unit_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
 from .zero import zero_terms
@@ -364,6 +364,7 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     base = None  # built at the first cut solved
     mins = _unit_mins(cg, zt)
     mem = _memory_mins(cg, zt) if budget_bytes is not None else None
+    tmins = template_mins(cg) if budget_bytes is not None else None
 
     def above(floor: float, bound: float | None) -> bool:  # NOTE [a lower bound before the MILP]
         return minimise == "time" and bound is not None and floor > bound * (1 + _FLOOR_TOL)
@@ -388,10 +389,16 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
             bound = cutoff_s  # and below this role assignment's best cut so far
             if best is not None and minimise == "time":
                 bound = best.step_s if bound is None else min(bound, best.step_s)
-            if above(_objective_floor(cg, lay, cut, zt, mins), bound):
+            rec = None  # NOTE [the recomputation a budget forces]
+            if mem is not None:
+                if _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
+                    continue  # no plan of this cut fits: the MILP would find it infeasible
+                if minimise == "time":
+                    rec = _recompute_floor(cg, lay, cut, mem, tmins, budget_bytes, checkpoint and not lay.split)
+                    if rec is None:
+                        continue  # no checkpoints make it fit: infeasible too
+            if above(_objective_floor(cg, lay, cut, zt, mins, rec), bound):
                 continue
-            if mem is not None and _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
-                continue  # no plan of this cut fits: the MILP would find it infeasible
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes,
                                               checkpoint=checkpoint and not lay.split,
                                               time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
