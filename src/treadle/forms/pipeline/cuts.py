@@ -115,7 +115,10 @@ def fill_stages(schedule: str, p: int, m: int, shares: tuple[float, float, float
     schedule]), for a stage second split as `shares` (forward, input gradient, weight gradient; each rounded to 5%
     of it, so that the cost graphs of one model share a timing: the fill moves by under 0.05 (p - 1) with them)."""
     tot = sum(shares) or 1.0
-    return _fill(schedule, p, m, tuple(round(20 * x / tot) / 20 for x in shares))
+    f, i, w = (round(20 * x / tot) / 20 for x in shares)
+    if schedule not in SPLIT_BACKWARD:  # a full backward runs I and W as one B: only their sum times it
+        i, w = i + w, 0.0
+    return _fill(schedule, p, m, (f, i, w))
 
 
 def _shares(cg) -> tuple[float, float, float]:

@@ -131,6 +131,45 @@ def _recompute_floor(cg, lay: _Layout, cut: _Cut, mem, tmins, budget: float, che
     return out
 
 
+# NOTE [a block's floors under the layout match]: the floors above take each unit at its own cheapest (smallest)
+# strategy, but every cut's MILP also holds the layout match between units (`add_layout_match`): a block's units
+# cannot all take their own best strategies at once. With two tensor axes this is most of the gap: on 405B over
+# 512 H100 (tensor over fsdp x tp) a block's units sum to 0.37 GiB of static bytes at their smallest, and at least
+# 2.26 GiB under the layout match. `coupled_mins` raises, for each block template, the sum of its units' seconds and
+# static bytes to its minimum over the base model that every cut's MILP extends (one strategy per unit, every
+# form's rows, the layout match), solved as a linear programme: a lower bound of that sum in every cut's MILP
+# (on these models it equals the integer minimum). Added to one unit of the template, every floor that sums a
+# stage's units reads it. About 10 ms a template, so it is solved once per role assignment, and only once the
+# plain floors leave a cut to solve.
+def coupled_mins(cg, base, coefs, mins, mem):
+    """`mins` (`_unit_mins`) and `mem` (`_memory_mins`, or None) with each template's units' sum of seconds and of
+    static bytes raised to its minimum under the layout match (NOTE [a block's floors under the layout match]);
+    `base`: `milp.base_model(cg)`, `coefs`: `milp.unit_coefs(cg, zt)`."""
+    from ...planner.ilp import _BYTES, _SECONDS, _Model
+
+    model, s, _ = base
+
+    def least(units: list[int], field: int, scale: float) -> float:
+        lp = _Model()
+        lp.__dict__.update(vars(model))
+        lp.c = [0.0] * len(model.c)
+        lp.integ = [0] * len(model.c)
+        for u in units:
+            for term in coefs[u]:
+                lp.c[s[u, term[0]]] += term[field] * scale
+        res = lp.solve(30.0, 1e-9)
+        return float(res.fun) / scale * (1 - 1e-6) if res.x is not None else 0.0
+
+    t, g, q = (list(x) for x in mins)
+    st = list(mem[0]) if mem is not None else None
+    for info in cg.templates.values():
+        units, lead = list(info.units), info.units[0]
+        t[lead] += max(0.0, least(units, 1, _SECONDS) - sum(t[u] for u in units))
+        if st is not None:
+            st[lead] += max(0.0, least(units, 2, _BYTES) - sum(st[u] for u in units))
+    return (t, g, q), ((st, *mem[1:]) if mem is not None else None)
+
+
 def stage_constants(cg, zt, lay: _Layout, cut: _Cut) -> tuple[list[float], list[float], list[float]]:
     """What a cut's stages pay whatever the choice: per stage its ZeRO-3 gathers' latency a micro-batch and its
     seconds a micro-batch besides its units' (FSDP2's hooks, a split backward's host cost: `split_host_s`), per

@@ -17,7 +17,7 @@ from ...planner.to_schedule import _spread
 from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
-                     _role_floor, _unit_mins, stage_constants, template_mins)
+                     _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
 from .zero import zero_terms
@@ -381,8 +381,14 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                         f"interleaved_1f1b")
     kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg)
              if not (no_split and kind in SPLIT_BACKWARD) and _torch_takes(cg, kind) for lay in (_layout(cg, kind),)]
+    tight = cutoff_s is None and budget_bytes is None  # nothing to prune: no floor to tighten
     for floor, kind, lay in sorted(kinds, key=lambda x: x[0]):
         if above(floor, cutoff_s):
+            continue
+        if not tight:  # NOTE [a block's floors under the layout match], once a schedule's plain floor passes
+            base, tight = base or base_model(cg), True
+            mins, mem = coupled_mins(cg, base, coefs, mins, mem)
+        if above(_role_floor(cg, lay, mins), cutoff_s):
             continue
         for stages in partitions(cg, lay, budget_bytes):
             cut = _cut(cg, lay, stages)
