@@ -211,6 +211,27 @@ def test_llama_sequence_parallel_and_vocab_loss_on_2x2_verify():
     assert any(c.kind == "param_grad" and c.name == "lm_head.weight" for c in report.checks)
 
 
+@pytest.mark.slow
+def test_a_planned_pipeline_keeps_sequence_parallelism_but_not_the_vocab_parallel_loss_and_verifies():
+    """The same LLaMA on a (pp=2, tp=2) mesh: the stages keep Megatron's sequence-parallel gathers (credited on
+    their stages, NOTE [pipeline in the plan]), but a pipeline's loss runs as the model's own ops traced on its
+    last stage, so the planner states no vocab-parallel loss there (it did, and the loss read the head's vocabulary
+    shard as whole logits: a crash in the loss), and build refuses one stated by hand."""
+    from treadle.schedule.log import Ref
+
+    model, inp = llama(n_layer=4, kv=4), inputs(seq=64)
+    plan = plan_model(model, inp, cluster=cluster((2, 2), ("pp", "tp")), pp_axis="pp", dp_axis=None, price_top=1)
+    assert "pipeline pp" in plan.roles and not any(d.op == "set_attr" for d in plan.decisions)
+    syncs = {(d.path, d.args["mode"]) for d in plan.decisions if d.op == "sync"}
+    assert {(f"model.layers.{i}.{m}", "bwd_post") for i in range(4) for m in ("self_attn", "mlp")} <= syncs
+    report = treadle.verify(plan.schedule_for(llama(n_layer=4, kv=4)), inp, timeout_s=300, raise_on_mismatch=False)
+    assert report.error is None and report.ok, report.summary()
+    sch = plan.schedule_for(llama(n_layer=4, kv=4))
+    sch.set_attr("loss_function", Ref("treadle.runtime.losses:VocabParallelLoss", axis="tp", causal=True))
+    with pytest.raises(treadle.VerifyError, match=r"pipeline: loss_function is the vocab-parallel loss \(set_attr\)"):
+        treadle.verify(sch, inp, timeout_s=300)
+
+
 def test_a_slice_at_a_replicated_leaf_states_its_source_layout():
     """A Linear the plan leaves whole has no rule-derived output layout: its slice names from_=Replicate()."""
     from torch.distributed.tensor.placement_types import Replicate, Shard

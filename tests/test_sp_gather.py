@@ -74,3 +74,33 @@ def test_explain_rows_carry_the_credit_where_the_gradient_sum_was_billed():
     moved = {p: rows0[p].comm_s - by_path[p].comm_s for p in by_path if rows0[p].comm_s != by_path[p].comm_s}
     assert sum(moved.values()) == pytest.approx(sum(a.count * a.saving_s for a in act))
     assert all(p.startswith(("model.layers.0.self_attn", "model.layers.0.mlp")) for p in moved), moved
+
+
+def test_a_pipeline_credits_each_gather_on_the_stages_its_blocks_run_in(monkeypatch):
+    # NOTE [pipeline in the plan]: the pipeline MILP states its own objective; each realised gather's credit comes
+    # off the stages its blocks run in (k blocks of a stage: k x the credit a micro-batch), as `evaluate` does
+    from treadle.forms.pipeline import cuts, milp
+    from treadle.forms.sequence import SequenceParallelForm
+
+    _, cg = _cost_graph(llama(n_layer=4, kv=4), inputs(seq=64), cluster((2, 2), ("pp", "tp")),
+                        Roles((), False, ("tp",), pp="pp", pp_microbatches=2))
+    lay = cuts._layout(cg, "1f1b")
+    cut = cuts._cut(cg, lay, ((0, 1), (2, 3)))
+    kw = dict(budget_bytes=None, checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time")
+    (choice, counts, *_), *_ = milp._solve_cut(cg, lay, cut, **kw)
+    on = active(cg, choice)
+    assert on  # on the slow tensor link Megatron's reduce-scatter pays inside the stages too
+    step, _, terms = milp.evaluate(cg, lay, cut, choice, counts)
+    with monkeypatch.context() as mp:
+        mp.setattr(milp, "sp_active", lambda cg_, c_: [])
+        plain = milp.evaluate(cg, lay, cut, choice, counts)
+    credit = [sum(k_n * g.saving_s for g in on for st_, k_n in cut.mult.get(g.unit, []) if st_ == st)
+              for st in range(2)]
+    assert all(c > 0 for c in credit)
+    assert [a - b for a, b in zip(plain[2]["stage_s"], terms["stage_s"])] == pytest.approx(credit, rel=1e-9)
+    assert step < plain[0]
+    # the MILP weighs it: without its credit rows it finds no plan faster by `evaluate`, which credits both
+    with monkeypatch.context() as mp:
+        mp.setattr(SequenceParallelForm, "ilp_rows", lambda self, m, cg_, s, shared: None)
+        (blind, blind_counts, *_), *_ = milp._solve_cut(cg, lay, cut, **kw)
+    assert milp.evaluate(cg, lay, cut, blind, blind_counts)[0] >= step * (1 - 1e-6)

@@ -21,6 +21,7 @@ from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
 from .zero import zero_terms
+from ..sequence.gather import active as sp_active
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -139,6 +140,9 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if key in ys:
             for st, k_n in cut.mult.get(u, []):
                 add(T[st], ys[key], k_n * sec * _SECONDS)
+    for z, u, sec in shared.get("sp_credit_vars", ()):  # a sequence-parallel gather's reduce-scatter, on its stages
+        for st, k_n in cut.mult.get(u, []):
+            add(T[st], z, -k_n * sec * _SECONDS)
     ck: dict[tuple[int, int], object] = {}
     zts: dict[int, list[int]] = {r: [] for r in range(p)}
     for t, info in cg.templates.items():
@@ -280,6 +284,9 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
         if key in needed:
             for st, k_n in cut.mult.get(u, []):
                 T[st] += k_n * sec
+    for g in sp_active(cg, choice):  # the MILP's sp_credit_vars, realised
+        for st, k_n in cut.mult.get(g.unit, []):
+            T[st] -= k_n * g.saving_s
     for t, info in cg.templates.items():
         At = sum(cg.units[u].costs[choice[u]].act_bytes for u in info.units)
         Ft = sum(cg.units[u].costs[choice[u]].rec_s for u in info.units)

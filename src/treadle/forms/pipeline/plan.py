@@ -26,6 +26,7 @@ three budgets) it finds the best cut in 11 of 12, and one 2.3% slower than the b
     T_s = sum_u n_s(u) sum_k (compute - optimizer + comm)[u,k] s[u,k]        (per micro-batch, F + B)
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
           + the input-gradient sums its units need                           (the tensor form's y, per block)
+          - the sequence-parallel gathers' credit                            (the sequence form's z, per block)
           + a split backward's host cost (`cuts.split_host_s`; zero-bubble schedules, stages after the first)
     R   >= sum_{s on rank r} T_s                                              (pp_rank_time, each rank r)
     Q   >= sum_{s on rank r} sum_u n_s(u) (optimizer + data-parallel sync)[u,k] s[u,k]   (pp_rank_tail)
@@ -57,8 +58,10 @@ planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-
 The zero-bubble schedules are weighed where build runs them (`kinds._runs`): not under ZeRO-3 that reshards after
 forward, not with a tied embedding and head where a V schedule puts both on rank 0; and only without a memory budget
 and without checkpoints (NOTE [zero-bubble schedules in the plan] in `kinds.py`: their held memory is not yet priced
-within 5%). Not planned: sequence
-parallelism's credit inside the stages (its gathers are priced as the gradient sums they replace).
+within 5%). Sequence parallelism inside the stages: each gather whose backward reduce-scatters (NOTE [gather with a
+reduce-scatter backward]) is credited on the stages its blocks run in, as the core's objective credits it once; the
+vocab-parallel loss is not offered under a pipeline (its loss runs as the model's own ops, traced on the last stage:
+`forms.vocab.plan.prepare`; build refuses one stated by hand).
 """
 
 from __future__ import annotations

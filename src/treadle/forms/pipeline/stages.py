@@ -212,6 +212,14 @@ def capture_root(builder) -> None:
                          f"axis ({dp}); use another mesh axis for data parallelism")
 
     model = builder.model
+    from ...runtime.losses import VocabParallelLoss
+
+    for path, name, _ in builder.v.attrs:  # set (install_attrs) before this step
+        if isinstance(getattr(builder.module(path), name, None), VocabParallelLoss):
+            raise BuildError(f"pipeline: {'.'.join(x for x in (path, name) if x)} is the vocab-parallel loss "
+                             f"(set_attr): a pipeline's loss runs as the model's own ops, traced on its last stage, "
+                             f"which would read the head's vocabulary shard as whole logits; gather the head's "
+                             f"output instead (sync('fwd_post', to=Replicate()) on it), or do not pipeline")
     cuts = builder.v.extras["pipeline_cuts"]
     container = cuts[0].rpartition(".")[0]
     leaves = stage_leaves(model, container)

@@ -184,13 +184,16 @@ def active(cg, choice: list[int]) -> list[SPGather]:
 def ilp_rows(m, cg, s, shared: dict) -> None:
     """z <= the gradient sum it replaces (``shared["grad_sum_vars"]``, set by the tensor-parallel rows), z <= the
     gather strategies, z <= each reader's pending-sum strategies, z <= 1 - each other node's pending-sum
-    strategies; z credits count x (all-reduce - reduce-scatter) seconds (family sp_gather)."""
+    strategies; z credits count x (all-reduce - reduce-scatter) seconds (family sp_gather). Each z, with its
+    gathered value's unit and seconds a execution, in ``shared["sp_credit_vars"]``: a pipeline's MILP, which states
+    its own objective, credits it on the stages that unit runs in (NOTE [pipeline in the plan])."""
     ys = shared.get("grad_sum_vars", {})
     for g in terms(cg):
         y = ys.get((g.j, g.k, g.count))
         if y is None:
             continue
         z = m.var(ub=1.0, cost=-g.count * g.saving_s * _SECONDS)
+        shared.setdefault("sp_credit_vars", []).append((z, g.unit, g.saving_s))  # a pipeline's stages read it
         m.row({z: 1.0, y: -1.0}, -math.inf, 0.0, "sp_gather")
         m.row({z: 1.0, **{s[g.unit, k]: -1.0 for k in g.gathers}}, -math.inf, 0.0, "sp_gather")
         for u, ok in g.readers:

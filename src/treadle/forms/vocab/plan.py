@@ -68,8 +68,10 @@ def find_vocab_ce(b) -> dict[int, VocabCE]:
 
 def prepare(b) -> None:
     """Find the candidates (`b.vocab_ce`); the loss function's own ops between the head and the cross-entropy are
-    replaced at build with the loss, so their layout needs are not the schedule's (`b.replaced`)."""
-    b.vocab_ce = find_vocab_ce(b)
+    replaced at build with the loss, so their layout needs are not the schedule's (`b.replaced`). None under a
+    pipeline: its loss runs as the model's own ops traced on the last stage, so ``loss_function`` would not be
+    the loss that runs (build refuses it there, `forms.pipeline.stages.capture_root`)."""
+    b.vocab_ce = find_vocab_ce(b) if b.roles.pp is None else {}
     b.replaced |= {j for v in b.vocab_ce.values() for j in v.chain}
 
 
