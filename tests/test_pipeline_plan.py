@@ -134,6 +134,22 @@ def test_the_solve_weighs_each_schedule_the_blocks_allow():
     assert sorted(under.stages.weighed) == ["1f1b", "interleaved_1f1b"]
 
 
+def test_a_pinned_pipeline_over_blocks_the_capture_does_not_repeat_says_so():
+    # two blocks of different kinds: a container to cut, but no repeated block template for the stages; the error
+    # says why every role assignment was refused (it blamed the memory of an unlimited budget)
+    class Other(Block):
+        def forward(self, x):
+            return x + self.proj(torch.tanh(self.fc(self.ln(x))))
+
+    torch.manual_seed(0)
+    model = Stack(16, 2)
+    model.blocks[1] = Other(16)
+    cl = parse_cluster("1x2:cpu")
+    with pytest.raises(PlanError, match=r"each of the \d+ role assignments was refused before its costs: pipeline "
+                                        r"over '.*': the capture found no repeated blocks to cut into stages$"):
+        plan_model(model, (torch.randn(8, 4, 16),), cluster=cl, pp_axis=cl.mesh.names[1], dp_axis=None)
+
+
 def test_a_pipeline_is_weighed_on_the_slowest_link_unless_pinned():
     from treadle.planner.candidates import pipeline_on_slowest_link as _pipeline_on_slowest_link
 

@@ -434,6 +434,11 @@ def _raise_infeasible(search: _Search, results: list, unbuilt: list) -> None:
     if req.pins and smallest == math.inf:  # no plan even without the memory row: a pin cannot hold
         _raise_pin_conflict(search, unbuilt + [(c.cluster, c.roles, c, None, "") for _, c in results])
     where = req.clusters[0] if len(req.clusters) == 1 else f"{len(req.clusters)} meshes"
+    if not results and not search.over_floor and unbuilt:  # nothing was costed: memory is not why
+        why = list(dict.fromkeys(u[4] for u in unbuilt if u[4]))
+        raise PlanError(f"no plan of {graph.model_class} on {where}: each of the {len(unbuilt)} role assignments "
+                        f"was refused before its costs: {'; '.join(why[:3])}"
+                        f"{f' (and {len(why) - 3} other reasons)' if len(why) > 3 else ''}")
     err = PlanError(f"no plan of {graph.model_class} on {where} fits {_fmt_bytes(req.memory_budget_bytes)} per "
                     f"device (constraint 'memory' binds for every role assignment tried: "
                     f"{[str(c.roles) for _, c in results]}); the smallest budget any plan meets is "
