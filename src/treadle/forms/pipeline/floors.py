@@ -98,17 +98,8 @@ def template_mins(cg) -> dict[int, tuple[float, float, float]]:
 def _recompute_floor(cg, lay: _Layout, cut: _Cut, mem, tmins, budget: float, checkpoint: bool) -> list[float] | None:
     """Per rank the least recompute seconds a micro-batch that `budget` forces on a cut (NOTE [the recomputation a
     budget forces]); None when no checkpoints fit it. `mem`: `_memory_mins`; `tmins`: `template_mins`."""
-    st_min, act_min, _ = mem
     S, p = lay.n_stages, lay.p
-    in_template = {u for info in cg.templates.values() for u in info.units}
-    static, A0 = [0.0] * S, [0.0] * S
-    for u in range(len(cg.units)):
-        for st, k_n in cut.mult.get(u, []):
-            static[st] += k_n * st_min[u]
-            if u not in in_template:
-                A0[st] += act_min[u]
-    for st in range(S):
-        A0[st] += sum(n_t * tmins[t][0] for t, n_t in cut.n[st].items())
+    static, A0 = _stage_bytes(cg, cut, S, mem, {t: m[0] for t, m in tmins.items()})
     moments = inflight(lay)
     out = [0.0] * p
     for r in range(p):
@@ -193,11 +184,10 @@ def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float]]:
     return st, act, {t: block_min(info, act) for t, info in cg.templates.items()}
 
 
-def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
-    """A lower bound of the busiest rank's peak of a cut: the MILP's memory rows (NOTE [pipeline in the plan]) at
-    every undominated moment, each term at its smallest (`_memory_mins`), without the recomputed block."""
-    st_min, act_min, block = mem
-    S, p = lay.n_stages, lay.p
+def _stage_bytes(cg, cut: _Cut, S: int, mem, block: dict[int, float]) -> tuple[list[float], list[float]]:
+    """Per stage of a cut its static bytes and the bytes a micro-batch in flight keeps, every unit at its smallest
+    (`mem`: `_memory_mins`), each block of template t keeping `block[t]`."""
+    st_min, act_min, _ = mem
     in_template = {u for info in cg.templates.values() for u in info.units}
     static, A = [0.0] * S, [0.0] * S
     for u in range(len(cg.units)):
@@ -207,6 +197,14 @@ def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
                 A[st] += act_min[u]
     for st in range(S):
         A[st] += sum(n_t * block[t] for t, n_t in cut.n[st].items())
+    return static, A
+
+
+def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
+    """A lower bound of the busiest rank's peak of a cut: the MILP's memory rows (NOTE [pipeline in the plan]) at
+    every undominated moment, each term at its smallest (`_memory_mins`), without the recomputed block."""
+    S, p = lay.n_stages, lay.p
+    static, A = _stage_bytes(cg, cut, S, mem, mem[2])
     moments = inflight(lay)
     peak = 0.0
     for r in range(p):
