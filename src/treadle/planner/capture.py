@@ -240,9 +240,8 @@ def _structure(mod: nn.Module) -> tuple:
 
 def _repeat_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList | nn.ModuleDict]]:
     """The containers of repeated blocks: every ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan keeps its
-    layers in one, keyed "0", "1", ...) of >= 2 entries that is not inside an entry of another such container
-    (NOTE [only outer stacks are shortened]). A stack too short to shorten (two blocks) is captured whole, its
-    blocks still templated (`_shortened_lists`): a 2-block model has checkpoint counts and pipeline stages too."""
+    layers in one, keyed "0", "1", ...) of >= 3 entries that is not inside an entry of another such container
+    (NOTE [only outer stacks are shortened])."""
     # NOTE [only outer stacks are shortened]: shortening a list is exact only when the model runs its entries one
     # after another as a chain. A list inside a block is often not one: StableLM's per-head norms are zipped with
     # the heads, a list of experts is indexed by the router. Those are captured whole; the outer stacks (a
@@ -250,7 +249,7 @@ def _repeat_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList | nn.Module
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
     inner = {name for name, _ in lists for outer, o in lists
              if outer != name and len(o) >= 2 and name.startswith(f"{outer}." if outer else "")}
-    return [(name, m) for name, m in lists if len(m) >= 2 and name not in inner]
+    return [(name, m) for name, m in lists if len(m) >= 3 and name not in inner]
 
 
 @contextlib.contextmanager
@@ -269,11 +268,9 @@ def _shortened_lists(model: nn.Module, enabled: bool) -> Iterator[dict[str, tupl
             for i, s in enumerate(sigs):
                 seen.setdefault(s, []).append(i)
             keep = max(idx[1] if len(idx) > 1 else idx[0] for idx in seen.values()) + 1
-            prefix = f"{name}." if name else ""
-            if keep >= len(lst):  # nothing to shorten: every entry is captured, each a block of its own
-                if any(len(idx) > 1 for idx in seen.values()):  # some repeat: blocks the plan can template
-                    plan.update({f"{prefix}{k}": (1, [f"{prefix}{k}"]) for k in keys})
+            if keep >= len(lst):
                 continue
+            prefix = f"{name}." if name else ""
             members: dict[int, list[str]] = {i: [f"{prefix}{keys[i]}"] for i in range(keep)}
             for i in range(keep, len(lst)):
                 last_same = max(j for j in seen[sigs[i]] if j < keep)
