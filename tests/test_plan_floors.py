@@ -112,7 +112,8 @@ def test_the_recomputation_a_budget_forces_is_under_every_solved_cut(graphs):
         if not roles.pp:
             continue
         zt = zero_terms(cg)
-        mins, mem, tm = floors._unit_mins(cg, zt), floors._memory_mins(cg, zt), floors.template_mins(cg)
+        mins, mem = floors._unit_mins(cg, zt), floors._memory_mins(cg, zt)
+        tm = floors.template_mins(cg, mem)
         mins, mem = floors.coupled_mins(cg, milp.base_model(cg), milp.unit_coefs(cg, zt), mins, mem)
         for kind in ("1f1b", "interleaved_1f1b"):
             if kind not in milp.schedules(cg):

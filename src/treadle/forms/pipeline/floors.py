@@ -71,13 +71,14 @@ def _objective_floor(cg, lay: _Layout, cut: _Cut, zt, mins, recompute: list[floa
     return M * R + Q + lay.alpha * max(sum(T) + sum(Tc), sum(comp) + sum(Tc) + sum(x))
 
 
-def template_mins(cg) -> dict[int, tuple[float, float, float]]:
-    """Per template the smallest saved bytes of one block (over each unit's allowed strategies), the smallest
+def template_mins(cg, mem) -> dict[int, tuple[float, float, float]]:
+    """Per template the smallest saved bytes of one block (its units' smallest, `mem`: `_memory_mins`), the smallest
     input it keeps when checkpointed, and the least seconds its recomputation adds a micro-batch (with the host
     cost of checkpointing it): what `_recompute_floor` trades."""
+    act_min = mem[1]
     out = {}
     for t, info in cg.templates.items():
-        saved = sum(min(cg.units[u].costs[k].act_bytes for k in _allowed(cg.units[u])) for u in info.units)
+        saved = sum(act_min[u] for u in info.units)
         kept = min(info.input_bytes) if info.input_unit is not None and info.input_bytes else 0.0
         rec = sum(min(cg.units[u].costs[k].rec_s for k in _allowed(cg.units[u])) for u in info.units)
         out[t] = (saved, kept, rec + cg.ckpt_host_s.get(t, 0.0))

@@ -371,7 +371,7 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
     base = None  # built at the first cut solved
     mins = _unit_mins(cg, zt)
     mem = _memory_mins(cg, zt) if budget_bytes is not None else None
-    tmins = template_mins(cg) if budget_bytes is not None else None
+    tmins = template_mins(cg, mem) if mem is not None else None
 
     def above(floor: float, bound: float | None) -> bool:  # NOTE [a lower bound before the MILP]
         return minimise == "time" and bound is not None and floor > bound * (1 + _FLOOR_TOL)
@@ -388,12 +388,12 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                         f"interleaved_1f1b")
     kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg)
              if not (no_split and kind in SPLIT_BACKWARD) and _torch_takes(cg, kind) for lay in (_layout(cg, kind),)]
-    tight = cutoff_s is None and budget_bytes is None  # nothing to prune: no floor to tighten
+    tightened = cutoff_s is None and budget_bytes is None  # (or nothing to prune: no floor to tighten)
     for floor, kind, lay in sorted(kinds, key=lambda x: x[0]):
         if above(floor, cutoff_s):
             continue
-        if not tight:  # NOTE [a block's floors under the layout match], once a schedule's plain floor passes
-            base, tight = base or base_model(cg), True
+        if not tightened:  # NOTE [a block's floors under the layout match], once a schedule's plain floor passes
+            base, tightened = base or base_model(cg), True
             mins, mem = coupled_mins(cg, base, coefs, mins, mem)
         if above(_role_floor(cg, lay, mins), cutoff_s):
             continue

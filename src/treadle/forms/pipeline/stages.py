@@ -203,6 +203,7 @@ def capture_root(builder) -> None:
     if cfg is None:
         return
     from ...graph.capture import capture_export, record_leaf_outputs
+    from ...runtime.losses import VocabParallelLoss
     from ...schedule.graph_primitives import make_inputs
 
     dp = builder.v.data_parallel
@@ -212,8 +213,6 @@ def capture_root(builder) -> None:
                          f"axis ({dp}); use another mesh axis for data parallelism")
 
     model = builder.model
-    from ...runtime.losses import VocabParallelLoss
-
     for path, name, _ in builder.v.attrs:  # set (install_attrs) before this step
         if isinstance(getattr(builder.module(path), name, None), VocabParallelLoss):
             raise BuildError(f"pipeline: {'.'.join(x for x in (path, name) if x)} is the vocab-parallel loss "
