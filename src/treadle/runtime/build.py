@@ -110,6 +110,7 @@ class _Builder:
         self.param_shards: dict[int, tuple[ParamShard, ...]] = dict(self.v.param_shards)
         self.annotations: dict[int, dict[str, Any]] = {k: dict(t) for k, t in self.v.annotations.items()}
         self.scratch: dict[str, Any] = {}  # what one build step hands a later one (a pipeline's captured graph)
+        self.keep_meta: set[str] = set()  # modules this rank never runs ("pre_materialize" steps name them)
         self.mesh = sch.mesh.bind()
         self.model = self.v.model
         self.init_fn = init_fn
@@ -152,8 +153,12 @@ class _Builder:
                                  "(its module was replaced after the primitive); apply shard/annotate after replace")
 
     def materialize(self, owners) -> None:
-        """Give meta parameters real values (`materialize`); the schedule's records follow the new objects."""
-        materialize(self.model, self.init_fn, self.mesh.device, on_new=self.rebind)
+        """Give meta parameters real values (`materialize`), but those of the modules in `keep_meta` that can stay
+        on meta (NOTE [what stays on meta]); the schedule's records follow the new objects."""
+        kept = materialize(self.model, self.init_fn, self.mesh.device, on_new=self.rebind, keep_meta=self.keep_meta)
+        if kept:
+            logger.info("build: %d modules this rank never runs stay on the meta device (%s, ...)", len(kept),
+                        ", ".join(sorted(kept)[:3]))
 
     def slice_params(self, owners) -> None:
         for pid, shards in list(self.param_shards.items()):
@@ -411,6 +416,8 @@ class _Builder:
         owners = self.owners()
         self.check_params_present(owners)
         self.install_attrs()
+        for ext in build_steps("pre_materialize"):
+            ext(self)
         if any(p.is_meta for p in self.model.parameters()):
             self.materialize(owners)
             owners = self.owners()

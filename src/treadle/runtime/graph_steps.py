@@ -1,6 +1,6 @@
 """Build steps for graph-level primitives: sharded decomposed leaves and selective checkpointing.
 
-* pre_shard: a decomposed leaf no longer runs its module, so the input-gradient reduction a column-sharded
+* pre_materialize: a decomposed leaf no longer runs its module, so the input-gradient reduction a column-sharded
   weight needs (the leaf rule's pre-hook) is inserted into the graph where the leaf's input was marked
   (`rewrite.leaf_input`); a row-sharded weight would need its output reduction too, which a graph of loose
   ops cannot place safely, so it is a BuildError.
@@ -168,5 +168,5 @@ def _selective(builder) -> None:
         wrap_forward(m, lambda orig, m=m, path=path, ctx=ctx: checkpointed_forward(m, orig, path, ctx))
 
 
-register_build_extension("pre_shard", _sync_decomposed)
+register_build_extension("pre_materialize", _sync_decomposed)  # rewrites graphs, reads no value
 register_build_extension("post_hooks", _selective)

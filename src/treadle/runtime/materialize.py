@@ -4,7 +4,7 @@ single-process reference) gets the same global tensors."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -18,26 +18,32 @@ def stable_seed(text: str) -> int:
 
 
 def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None, device: torch.device | str,
-                *, on_new: Callable[[nn.Parameter, nn.Parameter], None] | None = None) -> None:
+                *, on_new: Callable[[nn.Parameter, nn.Parameter], None] | None = None,
+                keep_meta: Collection[str] = ()) -> set[str]:
     """Give the meta parameters of `model` real values, in place: per module (in `named_modules` order),
     full-size and seeded by the module's path, initialised by `init_fn`, else the model's ``_init_weights``,
     else the module's ``reset_parameters``. The same global tensors come out for every mesh (build slices
     them afterwards) and in a single process (verify's reference). Tied parameters stay one object;
     `on_new(old, new)` is told of every replaced parameter. Raises BuildError for meta buffers or a module
-    with no way to initialise."""
+    with no way to initialise.
+
+    `keep_meta`: paths of modules whose parameters this process never computes with (a pipeline's other stages):
+    they stay on the meta device, unless a parameter that is materialised depends on them (NOTE [what stays on
+    meta]). Returns the paths kept."""
     init = init_fn
     if init is None:
         hf = getattr(model, "_init_weights", None)
         init = hf if callable(hf) else None
     done: set[int] = set()
     owners = _owners(model)
+    kept = _kept(model, set(keep_meta))
     for path, m in model.named_modules():
         metas = {n: p for n, p in m._parameters.items() if p is not None and p.is_meta and id(p) not in done}
         meta_bufs = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
-        if meta_bufs:
+        if meta_bufs and path not in kept:
             raise BuildError(f"build: buffers {meta_bufs} of {path!r} are on the meta device; treadle can only "
                              f"materialise parameters (create buffers on a real device)")
-        if not metas:
+        if not metas or path in kept:
             continue
         for n, p in metas.items():
             m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
@@ -59,6 +65,47 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None, d
                 on_new(p, new)
             done.add(id(new))
         owners = _owners(model)
+    return kept
+
+
+# NOTE [what stays on meta]: a module's init (`init_fn`, ``_init_weights``, ``reset_parameters``) runs once, on the
+# first module (in `named_modules` order) that holds a meta parameter not yet initialised, seeded by that module's
+# path, and it may write every parameter the module holds, a tied one initialised earlier included. A parameter's
+# value is therefore the work of every module that holds it and runs an init (its writers), in order. Leaving some
+# modules on meta keeps every materialised value exact only when each writer of a materialised parameter runs: the
+# kept set is shrunk until no module that runs holds a parameter whose writer is kept (a head tied to a kept
+# embedding brings the embedding back). Each module's init reads its own seed, so the modules that run give the
+# same tensors as when all run.
+def _kept(model: nn.Module, keep: set[str]) -> set[str]:
+    """The modules of `keep` that can stay on meta (NOTE [what stays on meta])."""
+    if not keep:
+        return set()
+    mods = list(model.named_modules())
+    first: dict[int, str] = {}  # id(param) -> the module that initialises it
+    for path, m in mods:
+        for p in m._parameters.values():
+            if p is not None and p.is_meta:
+                first.setdefault(id(p), path)
+    initialises = {path for path in first.values()}
+    writers: dict[int, list[str]] = {}
+    for path, m in mods:
+        if path in initialises:
+            for p in m._parameters.values():
+                if p is not None:
+                    writers.setdefault(id(p), []).append(path)
+    kept = {path for path, _ in mods if path in keep}
+    changed = True
+    while changed:
+        changed = False
+        for path, m in mods:
+            if path in kept or not m._parameters:
+                continue
+            for p in m._parameters.values():
+                back = [w for w in writers.get(id(p), []) if w in kept] if p is not None else []
+                if back:
+                    kept.difference_update(back)
+                    changed = True
+    return kept
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:

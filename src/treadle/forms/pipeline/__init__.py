@@ -4,7 +4,10 @@ over a ``pp`` mesh axis — as one parallel form.
 How a user states it: ``sch[block].cut_pipeline_stage()`` and ``sch.pipeline(axis="pp", schedule=...,
 n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primitives`). Here:
 
-- `stages.py`    the model captured by need on one micro-batch and split into stage graphs ("pre_shard" step);
+- `stages.py`    the model captured by need on one micro-batch and split into stage graphs ("pre_materialize"
+                 step);
+- `meta.py`      a model made on meta: the capture on stand-ins, the modules a rank never runs (NOTE [pipeline
+                 on meta]);
 - `runtime.py`   what `build` installs: the local stages under the data parallelism, the schedule that runs
                  them, `PipelineModel` ("wrap" step);
 - `facts.py`     the action order each schedule class runs, the stage of each rank and of each rehearsed record;
@@ -68,4 +71,4 @@ class PipelineForm(Form):
 
 
 FORM = PipelineForm()
-BUILD_STEPS = {"pre_shard": capture_root, "wrap": wrap_pipeline}
+BUILD_STEPS = {"pre_materialize": capture_root, "wrap": wrap_pipeline}

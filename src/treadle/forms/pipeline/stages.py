@@ -1,7 +1,7 @@
 """The stages of a pipeline: the model captured once by need, split at the `cut_pipeline_stage` marks into stage
-graphs (the "pre_shard" build step of the pipeline form; `runtime.py` runs them).
+graphs (the "pre_materialize" build step of the pipeline form; `runtime.py` runs them).
 
-At build ("pre_shard", before weights are sliced) the model is captured once with torch.export on one
+At build ("pre_materialize", before meta parameters get values and weights are sliced) the model is captured once with torch.export on one
 micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage runs — by need
 (`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's blocks
 and every other module off that path stay leaf calls (the original modules: tensor-parallel shards, hooks and
@@ -198,13 +198,16 @@ def micro_batch_size(batch: int, dp: int, n_microbatches: int, *, axes: str, whe
 
 
 def capture_root(builder) -> None:
-    """The "pre_shard" build step: capture the model on one micro-batch for `runtime.wrap_pipeline` to split."""
+    """The "pre_materialize" build step: capture the model on one micro-batch for `runtime.wrap_pipeline` to split
+    (on fake parameters where the model's are on meta, naming the modules this rank never runs: NOTE [pipeline on
+    meta])."""
     cfg = builder.v.extras.get("pipeline")
     if cfg is None:
         return
     from ...graph.capture import capture_export, record_leaf_outputs
     from ...runtime.losses import VocabParallelLoss
     from ...schedule.graph_primitives import make_inputs
+    from .meta import modules_not_run, standin_parameters
 
     dp = builder.v.data_parallel
     dp_size = dp.size(builder.mesh) if dp is not None else 1
@@ -237,11 +240,14 @@ def capture_root(builder) -> None:
     # NOTE [pipeline autocast]: traced under the autocast the stages will run in, so the graph's dtypes are theirs
     amp = (torch.autocast(builder.mesh.device.type, dtype=builder.autocast_dtype) if builder.autocast_dtype
            else contextlib.nullcontext())
-    cast = _params_as(model, _fsdp_param_dtype(builder))  # NOTE [pipeline capture under FSDP2's mixed precision]
+    cast = _fsdp_param_dtype(builder)  # NOTE [pipeline capture under FSDP2's mixed precision]
+    # NOTE [pipeline on meta]: zeros stand for meta parameters while the leaves run eagerly
+    standins = standin_parameters(model, leaves, builder.mesh.device)
     try:
-        with amp, cast:
+        with amp, standins as on_meta, _params_as(model, cast):
             with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
                 eager = record_leaf_outputs(model, leaves, mb)
+        with amp, _params_as(model, cast):
             gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
                                 eager_outputs=eager)
     finally:
@@ -251,11 +257,16 @@ def capture_root(builder) -> None:
     if undone:
         logger.info("pipeline: %d leaf argument(s) the eager forward passes as None restored (%s)", len(undone),
                     ", ".join(undone[:4]))
-    with amp, _params_as(model, _fsdp_param_dtype(builder)):
+    with amp, _params_as(model, cast):
         standins = hand_leaves_standins(gm, model, calls)
     if standins:
         logger.info("pipeline: leaf argument(s) %s read for their shape and dtype only: recomputed in each stage "
                     "instead of sent", ", ".join(standins[:4]))
+    if on_meta:
+        axis = cfg["axis"]
+        builder.keep_meta |= modules_not_run(model, gm, cuts=cuts, names=names, target=cfg["target"],
+                                             schedule=cfg["schedule"], pp=builder.sizes[axis],
+                                             rank_pp=builder.coords[axis])
     builder.scratch["_pipeline_graph"] = (gm, names, constants)
     builder.scratch["_pipeline_rows"] = {k: size[k] * m for k in size}  # rows of each input a replica's step takes
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))

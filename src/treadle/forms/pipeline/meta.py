@@ -1,0 +1,90 @@
+"""A pipeline built from a model made on the meta device: its capture runs on fake parameters, and each rank
+materialises only the modules its own stages run (NOTE [pipeline on meta])."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .conflicts import stage_rank
+from .stages import split_stages
+
+# NOTE [pipeline on meta]: a model made with its parameters on the meta device (`treadle.run --init meta`) is
+# materialised by build with a seeded init per module (NOTE [what stays on meta] in treadle.runtime.materialize). A
+# pipeline's rank runs only its own stages, so it materialises only their modules. The capture's eager run (the
+# leaves' output shapes, the arguments they are handed as None, NOTE [eager None arguments] and [metadata-only
+# inputs]) runs on the real micro-batch with zeros standing for each leaf's parameters while it runs (one leaf's
+# worth of memory at a time); fake tensors would not do: Hugging Face's mask code takes a fake tensor for a trace
+# and builds the explicit mask the eager run does not. The captured graph is split before materialisation to find
+# which modules this rank's stages and the loss call. The others stay on meta: their parameters hold no memory, and are never read (the
+# stage runner holds the local stages only). A module on the path from the root to the cut container (its
+# forward is the captured glue) is always materialised, as is every module a materialised parameter depends on
+# (a tied head's embedding). The materialised values are those of a whole materialisation: each module's init
+# reads its own seed.
+
+
+@contextlib.contextmanager
+def standin_parameters(model: nn.Module, leaves: list[str], device: torch.device) -> Iterator[bool]:
+    """Inside: `model` runs eagerly though its parameters are on meta (NOTE [pipeline on meta]): each leaf's meta
+    parameters are zeros on `device` while the leaf runs (a forward pre-hook puts them in, a forward hook puts the
+    meta ones back), and those of the modules outside every leaf for the whole run. Yields whether any parameter
+    is on meta (when none, nothing is changed). Restored on exit."""
+    if not any(p.is_meta for p in model.parameters()):
+        yield False
+        return
+
+    def held(mod: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        return [(m, n, p) for m in mod.modules() for n, p in m._parameters.items() if p is not None and p.is_meta]
+
+    def put(items) -> None:
+        for m, n, p in items:
+            m._parameters[n] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device),
+                                            requires_grad=p.requires_grad)
+
+    def back(items) -> None:
+        for m, n, p in items:
+            m._parameters[n] = p
+
+    every = held(model)
+    inside = {id(m) for path in leaves for m in model.get_submodule(path).modules()}
+    glue = [(m, n, p) for m in model.modules() if id(m) not in inside for n, p in m._parameters.items()
+            if p is not None and p.is_meta]
+    handles = []
+    for path in leaves:
+        leaf = model.get_submodule(path)
+        items = held(leaf)
+        if items:
+            handles.append(leaf.register_forward_pre_hook(lambda mod, args, items=items: put(items)))
+            handles.append(leaf.register_forward_hook(lambda mod, args, out, items=items: back(items)))
+    put(glue)
+    try:
+        yield True
+    finally:
+        for h in handles:
+            h.remove()
+        back(every)  # a leaf that raised left its zeros in
+
+
+def modules_not_run(model: nn.Module, gm: fx.GraphModule, *, cuts: list[str], names: list[str], target: str | None,
+                    schedule: str, pp: int, rank_pp: int) -> set[str]:
+    """Paths of the modules with parameters that neither this rank's stages (pp coordinate `rank_pp`) nor the
+    loss call, and that are not on the captured path from the root to the cut container (NOTE [pipeline on
+    meta])."""
+    parts = cuts[0].rpartition(".")[0].split(".")
+    chain = {".".join(parts[:i]) for i in range(len(parts))}
+    stages, loss_gm, _ = split_stages(gm, cut_paths=cuts, input_names=names, target=target)
+    graphs = [st.module for st in stages if stage_rank(schedule, st.index, pp) == rank_pp]
+    if loss_gm is not None and stage_rank(schedule, len(stages) - 1, pp) == rank_pp:
+        graphs.append(loss_gm)
+    called = {n.target for g in graphs for n in g.graph.nodes if n.op in ("call_module", "get_attr")}
+    keep = set()
+    for path, m in model.named_modules():
+        if not any(p is not None for p in m._parameters.values()) or path in chain:
+            continue
+        if not any(path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in called):
+            keep.add(path)
+    return keep
