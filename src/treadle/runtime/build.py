@@ -98,6 +98,15 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------- build
+# NOTE [late materialisation]: a model made on the meta device (`treadle.run --init meta`) gets its values as late
+# as each part allows, so a rank never holds more of the whole model than one module beyond its own shards. The
+# build runs on meta up to the wrappers: the pipeline's capture names the modules of other ranks' stages, which
+# stay on meta (NOTE [pipeline on meta]); `slice_params` cuts each meta parameter to its shard's shape. Then each
+# module gets its seeded whole value and keeps its shard of it at once (`materialize`'s `local`, NOTE [what stays
+# on meta]): FSDP2 materialises each unit just before `fully_shard` takes it (so a unit's whole tensors live only
+# until they are sharded), DDP and a pipeline's unsharded stages before they are wrapped, the rest after the
+# wrappers. A step that reads values before slicing (float8's conversion) materialises first. The values are
+# those of a whole materialisation, sliced: the same for every mesh and for verify's reference.
 class _Builder:
     def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None,
                  wrap: bool = True, autocast_dtype: torch.dtype | None = None):
@@ -152,13 +161,25 @@ class _Builder:
                 raise BuildError("build: a sharded or annotated parameter is no longer in the model "
                                  "(its module was replaced after the primitive); apply shard/annotate after replace")
 
-    def materialize(self, owners) -> None:
-        """Give meta parameters real values (`materialize`), but those of the modules in `keep_meta` that can stay
-        on meta (NOTE [what stays on meta]); the schedule's records follow the new objects."""
-        kept = materialize(self.model, self.init_fn, self.mesh.device, on_new=self.rebind, keep_meta=self.keep_meta)
-        if kept:
+    def materialize(self, within: nn.Module | None = None) -> None:
+        """Give meta parameters values (NOTE [late materialisation]): those of `within`'s modules (all when None),
+        but the modules in `keep_meta` that can stay on meta (NOTE [what stays on meta]); a parameter already
+        sliced keeps its shard. The schedule's records follow the new objects. Nothing when none is on meta."""
+        if not any(p.is_meta for p in self.model.parameters()):
+            return
+        keep = set(self.keep_meta)
+        if within is not None:
+            inside = {id(m) for m in within.modules()}
+            keep |= {path for path, m in self.model.named_modules() if id(m) not in inside}
+        kept = materialize(self.model, self.init_fn, self.mesh.device, on_new=self.rebind, keep_meta=keep,
+                           local=self.local_value)
+        if within is None and kept:
             logger.info("build: %d modules this rank never runs stay on the meta device (%s, ...)", len(kept),
                         ", ".join(sorted(kept)[:3]))
+
+    def local_value(self, meta: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """What sliced meta parameter `meta` keeps of its whole initial value `full`: its shard (`slice_params`)."""
+        return local_slice(full, list(self.param_shards[id(meta)]), self.coords, self.sizes)
 
     def slice_params(self, owners) -> None:
         for pid, shards in list(self.param_shards.items()):
@@ -418,9 +439,6 @@ class _Builder:
         self.install_attrs()
         for ext in build_steps("pre_materialize"):
             ext(self)
-        if any(p.is_meta for p in self.model.parameters()):
-            self.materialize(owners)
-            owners = self.owners()
         for ext in build_steps("pre_shard"):
             ext(self)
         owners = self.owners()
@@ -441,6 +459,7 @@ class _Builder:
             out = ext(self)
             if out is not None:
                 break
+        self.materialize()  # what no wrapper materialised (NOTE [late materialisation])
         if out is None:
             out = self.model
         logger.info("built %d sharded parameters, %d syncs, %d checkpointed modules on %s",

@@ -55,6 +55,7 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
         if dp.size(builder.mesh) == 1:
             return None
         group = builder.mesh.flat_group(dp.axes)
+        builder.materialize(within=module)  # NOTE [late materialisation]
         if ignored:
             names = [n for n, p in module.named_parameters() if id(p) in ignored]
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
@@ -69,12 +70,15 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     # another form's units first (the experts over the axes the expert axis leaves: NOTE [experts under FSDP2])
     inside = {id(m) for m in module.modules()}
     own = [u for u in shard_units(builder.model, builder.v) if id(builder.model.get_submodule(u.path)) in inside]
-    for unit in own:
+    for unit in own:  # each unit materialised just before it is sharded (NOTE [late materialisation])
+        builder.materialize(within=builder.model.get_submodule(unit.path))
         fully_shard(builder.model.get_submodule(unit.path),
                     mesh=fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes), **kw)
     sub = fsdp_mesh(builder.mesh, dp.shard_axes, dp.replicate_axes)
     for path in units:
+        builder.materialize(within=module.get_submodule(path))
         fully_shard(module.get_submodule(path), mesh=sub, **kw)
+    builder.materialize(within=module)
     fully_shard(module, mesh=sub, **kw)
     _gather_bytes_on_gloo(module, sub)
     if dp.reshard_after_forward:  # NOTE [nested prefetch]

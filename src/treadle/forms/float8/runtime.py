@@ -86,6 +86,7 @@ def install_float8(builder) -> None:
     view = builder.v
     if not float8_specs(view.extras):
         return
+    builder.materialize()  # the conversion reads the weights (NOTE [late materialisation])
     before = {n: p for n, p in builder.model.named_parameters(remove_duplicate=False)}
     dp = view.data_parallel
     fsdp = dp is not None and dp.shard and dp.size(builder.mesh) > 1

@@ -395,6 +395,7 @@ def _under_data_parallel(builder, module: fx.GraphModule) -> nn.Module:
     """A stage under the schedule's FSDP2 / HSDP: its units are the model's units inside this stage. Unchanged
     without sharded data parallelism (the replicas of ``shard=False`` average after the step)."""
     if builder.v.data_parallel is None or not builder.v.data_parallel.shard:
+        builder.materialize(within=module)  # NOTE [late materialisation]
         return module
     from ..data.facts import fsdp_units
     from ..data.runtime import wrap_module
