@@ -73,9 +73,9 @@ class RunConfig:
     clip_norm: float | None = 1.0
     seed: int = 0
     init: Literal["real", "meta"] = "real"
-    """``meta``: create the parameters on the meta device and let `build` materialise them (a seeded init per
-    module, the same global weights for any schedule; not the model's own random init); a pipeline's rank
-    materialises only its own stages' modules (NOTE [pipeline on meta]).
+    """``meta``: create the parameters on the meta device and let `build` materialise each rank's part (a seeded
+    init per module, the same global weights for any schedule; not the model's own random init): its shards, one
+    module (FSDP2 unit) whole at a time, a pipeline's own stages only (NOTE [late materialisation]).
     ``real``: every rank first creates the whole model in host memory (seeded), then `build` slices it."""
     precision: Precision = "fp32"
     compile: bool = False

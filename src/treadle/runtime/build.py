@@ -1,9 +1,11 @@
 """`build(sch)`: turn a recorded schedule into a trainable model on the mesh, once, at the end.
 
-Order (NOTE [record, then build] in treadle.schedule.core): bind the mesh; set attributes; materialise
-meta parameters deterministically; plan sharded leaves from global shapes; slice every sharded parameter
-to its local shard (tied parameters stay one object); install local forwards, sync hooks, derived
-gradient reductions, forked RNG streams and checkpoint wrappers; wrap for data parallel (DDP or FSDP2).
+Order (NOTE [record, then build] in treadle.schedule.core): bind the mesh; set attributes; the steps that read
+no values (graph rewrites, a pipeline's capture); plan sharded leaves from global shapes; slice every sharded
+parameter to its local shard (tied parameters stay one object); install local forwards, sync hooks, derived
+gradient reductions, forked RNG streams and checkpoint wrappers; wrap for data parallel (DDP or FSDP2). Meta
+parameters get their deterministic values as late as each part allows, each rank only its part (NOTE [late
+materialisation]).
 """
 
 from __future__ import annotations
