@@ -398,3 +398,31 @@ def test_a_pipeline_under_bf16_autocast_matches_the_autocast_model():
     assert set(got) == set(want)
     for n in want:
         assert got[n] == pytest.approx(want[n], rel=5e-2, abs=1e-4), n
+
+
+def _bound_attr_rank(rank: int, world: int) -> list[str]:
+    from treadle.schedule.log import Ref
+
+    out = []
+    for where in ("", "transformer.h.0"):
+        sch = create_schedule(_model(), mesh=Mesh((2,), ("pp",)))
+        name = "loss_function" if not where else "unused_loss"
+        sch[where].set_attr(name, Ref("treadle.runtime.losses:VocabParallelLoss", axis="pp", causal=True))
+        sch["transformer.h.2"].cut_pipeline_stage()
+        sch.pipeline(axis="pp", schedule="1f1b", n_microbatches=2, example_inputs=_inputs())
+        try:
+            treadle.build(sch)
+            out.append("built")
+        except treadle.BuildError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_mesh_bound_attribute_the_captured_code_calls_is_refused():
+    """NOTE [mesh-bound attributes under a pipeline]: the vocab-parallel loss set as the model's loss_function is
+    called by the code the pipeline traces into its last stage: refused by name; the same object set on a block
+    and never called there builds."""
+    for res in spawn(_bound_attr_rank, 2, timeout_s=120):
+        assert res[0].startswith("pipeline: loss_function is set by set_attr to a VocabParallelLoss bound to the "
+                                 "mesh, and the model's forward calls it outside the blocks"), res[0]
+        assert res[1] == "built", res[1]

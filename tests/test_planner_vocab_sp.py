@@ -228,7 +228,8 @@ def test_a_planned_pipeline_keeps_sequence_parallelism_but_not_the_vocab_paralle
     assert report.error is None and report.ok, report.summary()
     sch = plan.schedule_for(llama(n_layer=4, kv=4))
     sch.set_attr("loss_function", Ref("treadle.runtime.losses:VocabParallelLoss", axis="tp", causal=True))
-    with pytest.raises(treadle.VerifyError, match=r"pipeline: loss_function is the vocab-parallel loss \(set_attr\)"):
+    with pytest.raises(treadle.VerifyError, match=r"pipeline: loss_function is set by set_attr to a VocabParallelLoss "
+                                                   r"bound to the mesh, and the model.s forward calls it outside"):
         treadle.verify(sch, inp, timeout_s=300)
 
 

@@ -88,3 +88,51 @@ def modules_not_run(model: nn.Module, gm: fx.GraphModule, *, cuts: list[str], na
         if not any(path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in called):
             keep.add(path)
     return keep
+
+
+# NOTE [mesh-bound attributes under a pipeline]: `set_attr` may give a module an object bound to the mesh at build
+# (one with ``bind(mesh)``: the vocab-parallel loss, which reduces over the tensor axis). Called inside a block or
+# another leaf it runs eagerly, as written. Called by the code the pipeline captures (the forwards from the root
+# down to the cut container: the glue between stages and the loss), it is traced into the stage graphs and the
+# loss as plain ops on this rank's pieces of the tensors, which is not what it computes (the vocab-parallel loss
+# read the head's vocabulary shard as whole logits). The capture's eager run therefore refuses such a call.
+@contextlib.contextmanager
+def bound_attrs_refused(builder, leaves: list[str]) -> Iterator[None]:
+    """Inside (the capture's eager run): a call of a mesh-bound attribute that `set_attr` installed, made outside
+    every leaf, raises BuildError naming it (NOTE [mesh-bound attributes under a pipeline])."""
+    from ...errors import BuildError
+
+    depth = [0]
+    saved = []
+    for path, name, _ in builder.v.attrs:  # installed (bound) before this step
+        mod = builder.module(path)
+        value = getattr(mod, name, None)
+        if not callable(value) or not hasattr(value, "bind"):
+            continue
+        where = ".".join(x for x in (path, name) if x)
+
+        def refuse(*a, value=value, where=where, **k):
+            if depth[0] == 0:
+                raise BuildError(f"pipeline: {where} is set by set_attr to a {type(value).__name__} bound to the mesh, "
+                                 f"and the model's forward calls it outside the blocks: a pipeline traces that code "
+                                 f"into its stages and loss, where it would run as plain ops on this rank's pieces "
+                                 f"of the tensors (the vocab-parallel loss would read the head's vocabulary shard as "
+                                 f"whole logits); keep the model's own {name!r} under a pipeline (for the loss: "
+                                 f"gather the head's output, sync('fwd_post', to=Replicate()) on it), or do not "
+                                 f"pipeline")
+            return value(*a, **k)
+
+        saved.append((mod, name, value))
+        setattr(mod, name, refuse)
+    handles = []
+    for path in leaves if saved else ():
+        leaf = builder.model.get_submodule(path)
+        handles.append(leaf.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1)))
+        handles.append(leaf.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1), always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, name, value in saved:
+            setattr(mod, name, value)

@@ -205,9 +205,8 @@ def capture_root(builder) -> None:
     if cfg is None:
         return
     from ...graph.capture import capture_export, record_leaf_outputs
-    from ...runtime.losses import VocabParallelLoss
     from ...schedule.graph_primitives import make_inputs
-    from .meta import modules_not_run, standin_parameters
+    from .meta import bound_attrs_refused, modules_not_run, standin_parameters
 
     dp = builder.v.data_parallel
     dp_size = dp.size(builder.mesh) if dp is not None else 1
@@ -216,12 +215,6 @@ def capture_root(builder) -> None:
                          f"axis ({dp}); use another mesh axis for data parallelism")
 
     model = builder.model
-    for path, name, _ in builder.v.attrs:  # set (install_attrs) before this step
-        if isinstance(getattr(builder.module(path), name, None), VocabParallelLoss):
-            raise BuildError(f"pipeline: {'.'.join(x for x in (path, name) if x)} is the vocab-parallel loss "
-                             f"(set_attr): a pipeline's loss runs as the model's own ops, traced on its last stage, "
-                             f"which would read the head's vocabulary shard as whole logits; gather the head's "
-                             f"output instead (sync('fwd_post', to=Replicate()) on it), or do not pipeline")
     cuts = builder.v.extras["pipeline_cuts"]
     container = cuts[0].rpartition(".")[0]
     leaves = stage_leaves(model, container)
@@ -245,7 +238,8 @@ def capture_root(builder) -> None:
     standins = standin_parameters(model, leaves, builder.mesh.device)
     try:
         with amp, standins as on_meta, _params_as(model, cast):
-            with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls:
+            with eager_nones(model, leaves) as nones, parameter_free_calls(model, leaves) as calls, \
+                    bound_attrs_refused(builder, leaves):
                 eager = record_leaf_outputs(model, leaves, mb)
         with amp, _params_as(model, cast):
             gm = capture_export(model, leaves, (), mb, where="pipeline capture of the model", dynamic=False,
