@@ -91,7 +91,7 @@ def test_registrations_load_on_first_use_whichever_module_comes_first():
         from treadle.runtime.steps import build_steps
         assert "transformers" not in sys.modules
         print([f.name for f in forms()])
-        print({p: [f.__name__ for f in build_steps(p)] for p in ("pre_shard", "post_hooks", "wrap")})
+        print({p: [f.__name__ for f in build_steps(p)] for p in ("pre_materialize", "pre_shard", "post_hooks", "wrap")})
         from treadle.cost.cluster import parse_cluster
         from treadle.models.zoo import named_model
         from treadle.sharding_rules import has_leaf_rule
@@ -105,8 +105,8 @@ def test_registrations_load_on_first_use_whichever_module_comes_first():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines[0] == "['tensor', 'sequence', 'vocab', 'data', 'pipeline', 'expert', 'float8']"
-    assert lines[1] == ("{'pre_shard': ['_sync_decomposed', 'install_float8', 'capture_root', 'slice_running_stats', "
-                        "'plan_experts'], "
+    assert lines[1] == ("{'pre_materialize': ['_sync_decomposed', 'capture_root'], "
+                        "'pre_shard': ['install_float8', 'slice_running_stats', 'plan_experts'], "
                         "'post_hooks': ['_selective'], 'wrap': ['wrap_pipeline', 'wrap_data_parallel']}")
     assert lines[2] == "True" and "c_fc" in lines[3] and "shard" in lines[3], lines
     assert lines[4] == "True True Shard"

@@ -100,15 +100,6 @@ def _map_output(output: Any, out: int, fn: Callable[[torch.Tensor], torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------- build
-# NOTE [late materialisation]: a model made on the meta device (`treadle.run --init meta`) gets its values as late
-# as each part allows, so a rank never holds more of the whole model than one module beyond its own shards. The
-# build runs on meta up to the wrappers: the pipeline's capture names the modules of other ranks' stages, which
-# stay on meta (NOTE [pipeline on meta]); `slice_params` cuts each meta parameter to its shard's shape. Then each
-# module gets its seeded whole value and keeps its shard of it at once (`materialize`'s `local`, NOTE [what stays
-# on meta]): FSDP2 materialises each unit just before `fully_shard` takes it (so a unit's whole tensors live only
-# until they are sharded), DDP and a pipeline's unsharded stages before they are wrapped, the rest after the
-# wrappers. A step that reads values before slicing (float8's conversion) materialises first. The values are
-# those of a whole materialisation, sliced: the same for every mesh and for verify's reference.
 class _Builder:
     def __init__(self, sch: Schedule, init_fn: Callable[[nn.Module], None] | None, mp_policy: Any = None,
                  wrap: bool = True, autocast_dtype: torch.dtype | None = None):

@@ -92,6 +92,16 @@ def _repoint(holders: list[tuple[nn.Module, str, str]], new: nn.Parameter) -> No
         mm._parameters[name] = new
 
 
+# NOTE [late materialisation]: a model made on the meta device (`treadle.run --init meta`) gets its values as late as
+# each part allows, so a rank never holds more of the whole model than one module (under FSDP2 one unit) beyond its
+# own shards. The build runs on meta up to the wrappers: the pipeline's capture names the modules of other ranks'
+# stages, which stay on meta (NOTE [pipeline on meta]); `slice_params` cuts each meta parameter to its shard's shape.
+# Then each module gets its seeded whole value and keeps its shard of it at once (`materialize`'s `local`, NOTE [what
+# stays on meta]): FSDP2 materialises each unit just before `fully_shard` takes it (so a unit's whole tensors live
+# only until they are sharded), DDP and a pipeline's unsharded stages before they are wrapped, the rest after the
+# wrappers. A step that reads values before slicing (float8's conversion) materialises first. The values are those of
+# a whole materialisation, sliced: the same for every mesh and for verify's reference.
+
 # NOTE [what stays on meta]: a module's init (`init_fn`, ``_init_weights``, ``reset_parameters``) runs once, on the
 # first module (in `named_modules` order) that holds a meta parameter not yet initialised, seeded by that module's
 # path, and it may write every parameter the module holds, a tied one initialised earlier included. A parameter's

@@ -7,11 +7,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.fx as fx
 from torch import nn
 
 from .conflicts import stage_rank
-from .stages import split_stages
 
 # NOTE [pipeline on meta]: a model made with its parameters on the meta device (`treadle.run --init meta`) is
 # materialised by build with a seeded init per module (NOTE [what stays on meta] in treadle.runtime.materialize). A
@@ -69,14 +67,15 @@ def standin_parameters(model: nn.Module, leaves: list[str], device: torch.device
         back(every)  # a leaf that raised left its zeros in
 
 
-def modules_not_run(model: nn.Module, gm: fx.GraphModule, *, cuts: list[str], names: list[str], target: str | None,
-                    schedule: str, pp: int, rank_pp: int) -> set[str]:
-    """Paths of the modules with parameters that neither this rank's stages (pp coordinate `rank_pp`) nor the
+def modules_not_run(model: nn.Module, split: tuple, *, cuts: list[str], schedule: str, pp: int,
+                    rank_pp: int) -> set[str]:
+    """Paths of the modules with parameters that neither this rank's stages (pp coordinate `rank_pp`; `split`: the
+    stages and loss graph `stages.split_stages` cut at `cuts`) nor the
     loss call, and that are not on the captured path from the root to the cut container (NOTE [pipeline on
     meta])."""
     parts = cuts[0].rpartition(".")[0].split(".")
     chain = {".".join(parts[:i]) for i in range(len(parts))}
-    stages, loss_gm, _ = split_stages(gm, cut_paths=cuts, input_names=names, target=target)
+    stages, loss_gm, _ = split  # `stages.split_stages` of the captured graph
     graphs = [st.module for st in stages if stage_rank(schedule, st.index, pp) == rank_pp]
     if loss_gm is not None and stage_rank(schedule, len(stages) - 1, pp) == rank_pp:
         graphs.append(loss_gm)

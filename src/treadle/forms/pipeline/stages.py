@@ -258,9 +258,9 @@ def capture_root(builder) -> None:
                     "instead of sent", ", ".join(standins[:4]))
     if on_meta:
         axis = cfg["axis"]
-        builder.keep_meta |= modules_not_run(model, gm, cuts=cuts, names=names, target=cfg["target"],
-                                             schedule=cfg["schedule"], pp=builder.sizes[axis],
-                                             rank_pp=builder.coords[axis])
+        split = split_stages(gm, cut_paths=cuts, input_names=names, target=cfg["target"])
+        builder.keep_meta |= modules_not_run(model, split, cuts=cuts, schedule=cfg["schedule"],
+                                             pp=builder.sizes[axis], rank_pp=builder.coords[axis])
     builder.scratch["_pipeline_graph"] = (gm, names, constants)
     builder.scratch["_pipeline_rows"] = {k: size[k] * m for k in size}  # rows of each input a replica's step takes
     logger.info("pipeline: captured the model (%d nodes, %d leaves)", len(gm.graph.nodes), len(leaves))
