@@ -12,10 +12,12 @@ from torch import nn
 
 import treadle
 from treadle import Mesh, create_schedule
+from treadle.forms.expert import expert_parallel_moe
 from treadle.models import megatron
 from treadle.run.setup import parameters_on_meta
 from treadle.runtime.materialize import materialize
 from treadle.testing import spawn
+from test_moe import tiny_mixtral
 from tiny_models import lm_inputs, tiny_llama
 
 BATCH, SEQ, LAYERS = 8, 16, 6
@@ -33,11 +35,11 @@ def _rank(rank: int, world: int, case: dict) -> dict:
     out = {}
     for meta in (False, True):
         with parameters_on_meta():
-            model = tiny_llama(LAYERS)
+            model = tiny_mixtral() if case.get("experts") else tiny_llama(LAYERS)
         whole = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m._parameters.values() if p is not None) for m in model.modules())
         blocks = [sum(p.numel() for p in b.parameters()) for b in model.model.layers]
-        unit = max(max(blocks), whole - sum(blocks))  # FSDP2's units: each block, and the root's own
+        unit = max(max(blocks), whole - sum(blocks))  # FSDP2's units: each block (or less), and the root's own
         live: list[int] = []
 
         def init(m: nn.Module, model=model, live=live) -> None:
@@ -52,7 +54,10 @@ def _rank(rank: int, world: int, case: dict) -> dict:
         sch = create_schedule(model, mesh=mesh)
         if "tp" in case["names"]:
             megatron(sch, tp="tp", vocab_parallel_head=False)
-        if "dp" in case["names"]:
+        if case.get("experts"):  # experts over ep, inside data parallelism over both axes
+            expert_parallel_moe(sch, axis="ep")
+            sch.data_parallel(axis=("dp", "ep"), shard=case["shard"])
+        elif "dp" in case["names"]:
             sch.data_parallel(axis="dp", shard=case["shard"])
         built = treadle.build(sch, init_fn=init)
         params = dict(built.named_parameters())
@@ -76,6 +81,8 @@ CASES = [
     pytest.param({"mesh": (2, 2), "names": ("dp", "tp"), "shard": True}, id="fsdp2xtp2"),
     pytest.param({"mesh": (2, 2), "names": ("dp", "tp"), "shard": False}, id="ddp2xtp2"),
     pytest.param({"mesh": (2,), "names": ("tp",)}, id="tp2"),  # tiny LLaMA's 2 key/value heads
+    pytest.param({"mesh": (2, 2), "names": ("dp", "ep"), "shard": True, "experts": True}, id="mixtral-ep2-fsdp4"),
+    pytest.param({"mesh": (2, 2), "names": ("dp", "ep"), "shard": False, "experts": True}, id="mixtral-ep2-ddp4"),
 ]
 
 

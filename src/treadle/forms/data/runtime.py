@@ -48,38 +48,45 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
     dp = builder.v.data_parallel
     _refuse_batch_statistics(builder, module)
-    # parameters another form reduces itself (the local experts: NOTE [expert gradients])
+    # parameters another form reduces itself (the local experts: NOTE [expert gradients]); by name, read after each
+    # part is materialised (NOTE [late materialisation]: a meta parameter's object is replaced)
     names = foreign_params(builder.model, builder.v)
-    ignored = {id(p) for n, p in builder.model.named_parameters(remove_duplicate=False) if n in names}
+
+    def ignored_now(part: nn.Module) -> set[int]:
+        builder.materialize(within=part)
+        return {id(p) for n, p in builder.model.named_parameters(remove_duplicate=False) if n in names}
+
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
         group = builder.mesh.flat_group(dp.axes)
-        builder.materialize(within=module)  # NOTE [late materialisation]
+        ignored = ignored_now(module)
         if ignored:
             names = [n for n, p in module.named_parameters() if id(p) in ignored]
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
         return nn.parallel.DistributedDataParallel(module, process_group=group)
     from torch.distributed.fsdp import fully_shard
 
-    kw: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
+    base: dict[str, Any] = {"reshard_after_forward": dp.reshard_after_forward}
     if builder.mp_policy is not None:
-        kw["mp_policy"] = builder.mp_policy
-    if ignored:
-        kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}
+        base["mp_policy"] = builder.mp_policy
+
+    def shard(part: nn.Module, mesh) -> None:  # each part materialised just before it is sharded
+        ignored = ignored_now(part)
+        kw = dict(base)
+        if ignored:
+            kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}
+        fully_shard(part, mesh=mesh, **kw)
+
     # another form's units first (the experts over the axes the expert axis leaves: NOTE [experts under FSDP2])
     inside = {id(m) for m in module.modules()}
     own = [u for u in shard_units(builder.model, builder.v) if id(builder.model.get_submodule(u.path)) in inside]
-    for unit in own:  # each unit materialised just before it is sharded (NOTE [late materialisation])
-        builder.materialize(within=builder.model.get_submodule(unit.path))
-        fully_shard(builder.model.get_submodule(unit.path),
-                    mesh=fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes), **kw)
+    for unit in own:
+        shard(builder.model.get_submodule(unit.path), fsdp_mesh(builder.mesh, unit.shard_axes, unit.replicate_axes))
     sub = fsdp_mesh(builder.mesh, dp.shard_axes, dp.replicate_axes)
     for path in units:
-        builder.materialize(within=module.get_submodule(path))
-        fully_shard(module.get_submodule(path), mesh=sub, **kw)
-    builder.materialize(within=module)
-    fully_shard(module, mesh=sub, **kw)
+        shard(module.get_submodule(path), sub)
+    shard(module, sub)
     _gather_bytes_on_gloo(module, sub)
     if dp.reshard_after_forward:  # NOTE [nested prefetch]
         nested = [_relative(builder.model, module, u.path) for u in own]
