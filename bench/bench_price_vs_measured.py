@@ -319,9 +319,11 @@ def _saved_in_flight(m, inputs) -> int:
 
     def pack(t):
         nonlocal live, peak
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
+            return t  # a weight or its view (a linear saves weight.t(): under FSDP2 of the unsharded weight)
         st = t.untyped_storage()
         key = id(st)
-        if key in params or isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if key in params:
             return t
         if key not in held:
             held[key], refs[key] = st.nbytes(), 0
