@@ -292,49 +292,36 @@ def _train_step(m, inputs) -> None:
         m(**inputs).loss.backward()
 
 
-class _Box:
-    """A saved tensor as autograd holds it between pack and its release (weakly referable)."""
-
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
 def _saved_in_flight(m, inputs) -> int:
     """The most bytes autograd holds saved at once during a pipeline's step on this rank (storages once,
-    parameters excluded; each freed when its last saved tensor is): the micro-batches in flight."""
+    parameters excluded; each freed when its storage dies): the micro-batches in flight. The hook hands autograd a
+    detached alias of each tensor: the tensor itself would hold its grad_fn, and a node that saves its own output
+    would then hold itself through a C++ cycle no collector breaks (the graph would live to the process's end)."""
     import weakref
 
     params = {id(p.untyped_storage()) for p in m.parameters()}
     held: dict[int, int] = {}
-    refs: dict[int, int] = {}
+    refs: dict[int, weakref.ref] = {}
     live = peak = 0
 
-    def release(key: int) -> None:
+    def gone(key: int) -> None:
         nonlocal live
-        refs[key] -= 1
-        if refs[key] == 0:
-            live -= held.pop(key)
+        live -= held.pop(key, 0)
 
     def pack(t):
         nonlocal live, peak
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
-            return t  # a weight or its view (a linear saves weight.t(): under FSDP2 of the unsharded weight)
+            return t.detach()  # a weight or its view (a linear saves weight.t(): under FSDP2 of the unsharded weight)
         st = t.untyped_storage()
         key = id(st)
-        if key in params:
-            return t
-        if key not in held:
-            held[key], refs[key] = st.nbytes(), 0
-            live += st.nbytes()
+        if key not in params and key not in held:
+            held[key] = st.nbytes()
+            refs[key] = weakref.ref(st, lambda _r, key=key: gone(key))
+            live += held[key]
             peak = max(peak, live)
-        refs[key] += 1
-        box = _Box(t)
-        weakref.finalize(box, release, key)
-        return box
+        return t.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t if isinstance(b, _Box) else b):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m.step(**inputs)
     return peak
 

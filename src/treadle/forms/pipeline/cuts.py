@@ -330,8 +330,8 @@ def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[t
             if a.kind == "F":
                 cur[a.stage] = cur.get(a.stage, 0) + 1
                 seen.append(dict(cur))
-            elif a.kind == "B" or (a.kind == "W" and a.stage != n_stages - 1):  # the last stage's W frees little:
-                cur[a.stage] = cur.get(a.stage, 0) - 1  # NOTE [the last stage's loss under a split] in price.py
+            elif a.kind in ("B", "W"):  # NOTE [a split backward's memory] in price.py
+                cur[a.stage] = cur.get(a.stage, 0) - 1
         unique: dict[tuple, dict[int, int]] = {}  # each distinct moment once, in order of its first occurrence
         for x in seen:
             unique.setdefault(tuple(sorted(x.items())), x)

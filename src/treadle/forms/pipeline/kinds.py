@@ -19,11 +19,11 @@ from .zero import zero_terms
 # plan with checkpointed blocks ran 1.80x its price, where every other schedule's plan ran 0.78-1.01x: torch's split
 # backward runs a checkpointed block's forward again for the weight gradients (counted: a checkpointed module's
 # forward runs twice under `stage_backward`, three times under `stage_backward_input` then `stage_backward_weight`;
-# the price now times it in W). Without checkpoints, the memory a split backward holds is not yet priced within 5%:
-# rank 0's saved bytes (PP2 on 2 gloo ranks, tiny LLaMA) measured 0.82x / 1.12x the price for interleaved ZB over
-# 2 / 8 micro-batches, and 0.75x / 0.73x for ZBV since the price keeps the last stage's graph to the step's end
-# (NOTE [the last stage's loss under a split] in price.py; they measured 1.96x the price before it); 1F1B and interleaved 1F1B
-# 0.90-0.91x at both. A plan under a budget could not promise to fit.
+# the price now times it in W). Without checkpoints, the memory a split backward holds was not priced within 5%
+# (the last stage's graph lived to the step's end: NOTE [a split backward's memory] in price.py); now rank 0's saved
+# bytes (PP2 on 2 gloo ranks, tiny LLaMA, `bench/bench_pipeline_memory.py`) measure 0.82x / 0.87x the price for
+# interleaved ZB over 2 / 8 micro-batches and 0.77x / 0.84x for ZBV (the price's held output gradients are memory the
+# measure, saved tensors only, does not see), 1F1B and interleaved 1F1B 0.91-0.95x.
 
 
 def price_variants(cg, sol) -> list[tuple[object, bool]]:

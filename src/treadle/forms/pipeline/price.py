@@ -26,20 +26,19 @@ gradient all-reduce after the step, in the runtime's buckets (`runtime.replica_b
 the price's step is the slowest rank's. Under FSDP2 / HSDP, NOTE [pipeline FSDP2 price]. A rank's peak is its static bytes, the largest sum over its stages of
 micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
 keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
-output bytes), and the last stage to the step's end (NOTE [the last stage's loss under a split]) — and its largest
-stage transient with the other local stages' gradients.
+output bytes), and W frees them all (NOTE [a split backward's memory]) — and its largest stage transient with the
+other local stages' gradients.
 
-NOTE [the last stage's loss under a split]: torch's runtime keeps each micro-batch's loss for the step's return, and
-with it the last stage's autograd graph; a full backward frees the saved tensors as it reads them, but a split one
-runs I with ``retain_graph=True`` and W frees only what the weight gradients read, so the last stage's saved bytes
-stay until the step ends. Measured (rank 0 of ZBV on 2 gloo ranks, tiny LLaMA, 8 micro-batches; saved bytes live
-after each action, pack hooks): stage 3's W freed 0.28 of its 0.99 MiB a micro-batch, stage 0's 0.64 of 0.71, and
-5.9 MiB stayed to the step's end. The price keeps the whole of the last stage's saved bytes (an upper bound: what
-its W frees is not attributed); before, rank 0's priced activations were half the measured (1.96x). A middle stage
-keeps some too, not priced: on rank 0 of interleaved ZB (stages 0 and 2, 8 micro-batches) stage 2's W freed 0.47 of
-the 0.63 MiB its forward saved, and 1.56 MiB stayed to the step's end (the saved tensors only the input gradients
-read, held by the graph I retained); stage 0's W frees all (its backward is whole). Rank 0's price is 0.89x the
-measured there (`bench/bench_pipeline_memory.py`).
+NOTE [a split backward's memory]: a split backward runs I with ``retain_graph=True``; the stage's graph then lives
+while W's parameter groups hold its nodes, and dies at W (every saved tensor with it), unless something else holds
+the graph. torch's schedules did, on the last stage: ``step(return_outputs=True)`` (the default) keeps each
+micro-batch's stage output for a merged return, and an output that is a view (logits are) is not detached after its
+backward, so the last stage's graph lived to the step's end; the runtime steps with ``return_outputs=False`` (NOTE
+[the last stage's outputs] in `runtime.py`). Traced (rank 0 of ZBV, stages 0 and 3, 8 micro-batches, tiny LLaMA;
+saved storages live after each action, each freed when its storage dies): stage 3's W frees all 0.73 MiB of a
+micro-batch (0.27 with the outputs kept), and nothing stays to the step's end but the stages' received inputs.
+An earlier measurement (pack hooks that held the saved tensor) kept any node that saves its own output alive
+through a cycle no collector breaks, and reported middle stages keeping a quarter of their bytes: not so.
 
 NOTE [pipeline FSDP2 price]: with FSDP2 / HSDP beside the pipeline, each stage's units (`_stage_units`: the
 model's FSDP2 units inside it, the rest in its root, and the units on axes of their own nested in them — the local
@@ -258,8 +257,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                 act += saved[a.stage]
             elif a.kind == "I":  # the graph is kept for W, with the output gradients W reads
                 act += held[a.stage]
-            elif a.kind == "W":  # NOTE [the last stage's loss under a split]: its graph lives to the step's end
-                act -= held[a.stage] + (0.0 if a.stage == n_stages - 1 else saved[a.stage])
+            elif a.kind == "W":  # NOTE [a split backward's memory]: the stage's graph dies with W
+                act -= held[a.stage] + saved[a.stage]
             elif a.kind == "B":
                 act -= saved[a.stage]
             peak_act = max(peak_act, act)
