@@ -13,13 +13,15 @@ from .cuts import SCHEDULES, _layout, _Layout
 from .facts import action_order
 from .zero import zero_terms
 
-# NOTE [zero-bubble schedules in the plan]: the split-backward schedules (interleaved_zb, zbv) are weighed without
-# a memory budget only, and without checkpointed blocks (not where checkpoints are required). Measured on gloo
+# NOTE [zero-bubble schedules in the plan]: the split-backward schedules (interleaved_zb, zbv) are weighed with or
+# without a memory budget, without checkpointed blocks (so not where checkpoints are required, nor when the smallest
+# peak is sought). Measured on gloo
 # (bench/bench_pipeline_plans.py --budget, tiny LLaMA, PP2 x DP2 at 0.6x the free peak): the planner's interleaved_zb
 # plan with checkpointed blocks ran 1.80x its price, where every other schedule's plan ran 0.78-1.01x: torch's split
 # backward runs a checkpointed block's forward again for the weight gradients (counted: a checkpointed module's
 # forward runs twice under `stage_backward`, three times under `stage_backward_input` then `stage_backward_weight`;
-# the price now times it in W). Without checkpoints, the memory a split backward holds was not priced within 5%
+# the price now times it in W). Without checkpoints, the memory a split backward holds was not priced within 5%, and
+# they were weighed only without a budget
 # (the last stage's graph lived to the step's end: NOTE [a split backward's memory] in price.py); now rank 0's saved
 # bytes (PP2 on 2 gloo ranks, tiny LLaMA, `bench/bench_pipeline_memory.py`) measure 0.82x / 0.87x the price for
 # interleaved ZB over 2 / 8 micro-batches and 0.77x / 0.84x for ZBV (the price's held output gradients are memory the

@@ -378,14 +378,14 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
 
     # the schedules by their floor, lowest first: the best plan found so far prunes the cuts of the others
     # (NOTE [a lower bound before the MILP]); the floor reads the schedule class's order, so torch must take it
-    # (the split-backward ones only without a budget or required checkpoints: NOTE [zero-bubble schedules in the
-    # plan] in kinds.py)
-    no_split = budget_bytes is not None or minimise == "memory" or any(min_ckpt.values())
+    # (the split-backward ones without checkpoints, so not where checkpoints are required or memory is minimised:
+    # NOTE [zero-bubble schedules in the plan] in kinds.py)
+    no_split = minimise == "memory" or any(min_ckpt.values())
     if no_split and cg.roles.pp_schedule in SPLIT_BACKWARD:
-        raise PlanError(f"pipeline schedule {cg.roles.pp_schedule!r}: a split-backward schedule is planned only without "
-                        f"a memory budget and without required checkpoints (its held memory is not yet priced within "
-                        f"5%: NOTE [zero-bubble schedules in the plan]); plan it without them, or pin 1f1b or "
-                        f"interleaved_1f1b")
+        raise PlanError(f"pipeline schedule {cg.roles.pp_schedule!r}: a split-backward schedule is planned without "
+                        f"checkpointed blocks (torch's split backward runs their forward again for the weight "
+                        f"gradients: NOTE [zero-bubble schedules in the plan]), so not with required checkpoints or "
+                        f"when minimising memory; plan it without them, or pin 1f1b or interleaved_1f1b")
     kinds = [(_role_floor(cg, lay, mins), kind, lay) for kind in _stage_counts_allow(cg)
              if not (no_split and kind in SPLIT_BACKWARD) and _torch_takes(cg, kind) for lay in (_layout(cg, kind),)]
     tightened = cutoff_s is None and budget_bytes is None  # (or nothing to prune: no floor to tighten)
