@@ -66,10 +66,9 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None, d
                                  f"reset_parameters(); pass build(sch, init_fn=...)")
         for n, p in metas.items():
             full = m._parameters[n]
-            _repoint(owners.get(id(p), []), full)  # every alias (tied parameters)
+            owners[id(full)] = _repoint(owners.pop(id(p), []), full)  # every alias (tied parameters)
             whole[id(full)] = p
             done.add(id(full))
-        owners = _owners(model)
         for q in list(m._parameters.values()):  # the parameters whose last writer this module was
             meta = whole.get(id(q)) if q is not None else None
             if meta is None or last.get(id(meta)) != path:
@@ -78,18 +77,19 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None, d
             if local is not None and tuple(meta.shape) != tuple(q.shape):
                 new = nn.Parameter(local(meta, q.detach()).clone().contiguous(), requires_grad=q.requires_grad)
             new.__dict__.update({k: v for k, v in meta.__dict__.items() if not k.startswith("_")})
-            _repoint(owners.get(id(q), []), new)
+            owners[id(new)] = _repoint(owners.pop(id(q), []), new)
             del whole[id(q)]
             done.add(id(new))
             if on_new is not None:
                 on_new(meta, new)
-            owners = _owners(model)
     return kept
 
 
-def _repoint(holders: list[tuple[nn.Module, str, str]], new: nn.Parameter) -> None:
+def _repoint(holders: list[tuple[nn.Module, str, str]], new: nn.Parameter) -> list[tuple[nn.Module, str, str]]:
+    """Make every holder of a parameter hold `new` instead; returns the holders (now `new`'s)."""
     for mm, name, _ in holders:
         mm._parameters[name] = new
+    return holders
 
 
 # NOTE [late materialisation]: a model made on the meta device (`treadle.run --init meta`) gets its values as late as
