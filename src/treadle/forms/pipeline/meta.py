@@ -15,14 +15,13 @@ from .conflicts import stage_rank
 # materialised by build with a seeded init per module (NOTE [what stays on meta] in treadle.runtime.materialize). A
 # pipeline's rank runs only its own stages, so it materialises only their modules. The capture's eager run (the
 # leaves' output shapes, the arguments they are handed as None, NOTE [eager None arguments] and [metadata-only
-# inputs]) runs on the real micro-batch with zeros standing for each leaf's parameters while it runs (one leaf's
-# worth of memory at a time); fake tensors would not do: Hugging Face's mask code takes a fake tensor for a trace
-# and builds the explicit mask the eager run does not. The captured graph is split before materialisation to find
-# which modules this rank's stages and the loss call. The others stay on meta: their parameters hold no memory, and are never read (the
-# stage runner holds the local stages only). A module on the path from the root to the cut container (its
-# forward is the captured glue) is always materialised, as is every module a materialised parameter depends on
-# (a tied head's embedding). The materialised values are those of a whole materialisation: each module's init
-# reads its own seed.
+# inputs]) runs on the real micro-batch with zeros standing for each leaf's parameters while it runs (one leaf's worth
+# of memory at a time); fake tensors would not do: Hugging Face's mask code takes a fake tensor for a trace and builds
+# the explicit mask the eager run does not. The captured graph is split before materialisation to find which modules
+# this rank's stages and the loss call. The others stay on meta: their parameters hold no memory, and are never read
+# (the stage runner holds the local stages only). A module on the path from the root to the cut container (its forward
+# is the captured glue) is always materialised, as is every module a materialised parameter depends on (a tied head's
+# embedding). The materialised values are those of a whole materialisation: each module's init reads its own seed.
 
 
 @contextlib.contextmanager

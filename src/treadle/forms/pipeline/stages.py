@@ -1,9 +1,9 @@
 """The stages of a pipeline: the model captured once by need, split at the `cut_pipeline_stage` marks into stage
 graphs (the "pre_materialize" build step of the pipeline form; `runtime.py` runs them).
 
-At build ("pre_materialize", before meta parameters get values and weights are sliced) the model is captured once with torch.export on one
-micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage runs — by need
-(`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's blocks
+At build ("pre_materialize": before meta parameters get values and weights are sliced) the model is captured once
+with torch.export on one micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage
+runs — by need (`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's blocks
 and every other module off that path stay leaf calls (the original modules: tensor-parallel shards, hooks and
 sub-schedules apply to them unchanged), with output shapes taken from one eager run, so a leaf may branch on
 tensor values. Ops are assigned to stages in graph order; the ops that read the loss target form the loss
@@ -199,7 +199,7 @@ def micro_batch_size(batch: int, dp: int, n_microbatches: int, *, axes: str, whe
 
 def capture_root(builder) -> None:
     """The "pre_materialize" build step: capture the model on one micro-batch for `runtime.wrap_pipeline` to split
-    (on fake parameters where the model's are on meta, naming the modules this rank never runs: NOTE [pipeline on
+    (with zeros standing for a meta model's parameters, naming the modules this rank never runs: NOTE [pipeline on
     meta])."""
     cfg = builder.v.extras.get("pipeline")
     if cfg is None:
