@@ -2,12 +2,12 @@
 graphs (the "pre_materialize" build step of the pipeline form; `runtime.py` runs them).
 
 At build ("pre_materialize": before meta parameters get values and weights are sliced) the model is captured once
-with torch.export on one micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage
-runs — by need (`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's blocks
-and every other module off that path stay leaf calls (the original modules: tensor-parallel shards, hooks and
-sub-schedules apply to them unchanged), with output shapes taken from one eager run, so a leaf may branch on
-tensor values. Ops are assigned to stages in graph order; the ops that read the loss target form the loss
-function run after the last stage.
+with torch.export on one micro-batch — the batch / (data-parallel size x n_microbatches), the shape each stage runs
+— by need (`stage_leaves`): only the forwards from the root down to the cut container are traced; the container's
+blocks and every other module off that path stay leaf calls (the original modules: tensor-parallel shards, hooks and
+sub-schedules apply to them unchanged), with output shapes taken from one eager run, so a leaf may branch on tensor
+values. Ops are assigned to stages in graph order; the ops that read the loss target form the loss function run
+after the last stage.
 
 Stage I/O is found by liveness: the values crossing boundary b are those defined before it and read at or
 after it, so only what later stages need is sent (values a stage merely forwards pass through it). Values
