@@ -243,6 +243,12 @@ def _blocks(model_name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- ranks
+def _a_weight(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear saves weight.t(): under FSDP2 of the unsharded weight, whose storage
+    is no parameter's): not an activation."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 def _saved_bytes(model, inputs) -> int:
     params = {id(p.untyped_storage()) for p in model.parameters()}
     seen: set[int] = set()
@@ -250,7 +256,7 @@ def _saved_bytes(model, inputs) -> int:
 
     def pack(t):
         nonlocal total
-        if isinstance(t, torch.nn.Parameter) or t._base is not None and isinstance(t._base, torch.nn.Parameter):
+        if _a_weight(t):
             return t
         st = t.untyped_storage()
         if id(st) not in seen and id(st) not in params:
@@ -310,8 +316,8 @@ def _saved_in_flight(m, inputs) -> int:
 
     def pack(t):
         nonlocal live, peak
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
-            return t.detach()  # a weight or its view (a linear saves weight.t(): under FSDP2 of the unsharded weight)
+        if _a_weight(t) or t.device.type == "meta":
+            return t.detach()
         st = t.untyped_storage()
         key = id(st)
         if key not in params and key not in held:

@@ -16,8 +16,8 @@ from ..lazy import load_registrations
 # parallelism). Each is called with the builder at its phase: "pre_materialize" (before meta parameters get values:
 # steps that read the model's structure and shapes only — graph rewrites, a pipeline's capture — and may name the
 # modules this rank never runs, `builder.keep_meta`, which then stay on meta: NOTE [what stays on meta]),
-# "pre_shard" (before parameters are sliced), "post_hooks" (after syncs, checkpoints and RNG wrappers are installed), "wrap" (the last step: may
-# return the model to hand back — a pipeline stage runner, the DDP / FSDP2 wrapper of `treadle.forms.data` —
+# "pre_shard" (before parameters are sliced), "post_hooks" (after syncs, checkpoints and RNG wrappers are
+# installed), "wrap" (the last step: may return the model to hand back — a pipeline stage runner, the DDP / FSDP2 wrapper of `treadle.forms.data` —
 # or None to fall through; the first that returns one wins).
 _EXTENSIONS: dict[str, list[Callable[[Any], Any]]] = {"pre_materialize": [], "pre_shard": [], "post_hooks": [],
                                                        "wrap": []}

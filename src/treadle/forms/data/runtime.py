@@ -48,19 +48,19 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     for DDP over a single rank. A pipeline wraps each of its stages so (`treadle.forms.pipeline.runtime`)."""
     dp = builder.v.data_parallel
     _refuse_batch_statistics(builder, module)
-    # parameters another form reduces itself (the local experts: NOTE [expert gradients]); by name, read after each
-    # part is materialised (NOTE [late materialisation]: a meta parameter's object is replaced)
+    # parameters another form reduces itself (the local experts: NOTE [expert gradients]); by name, looked up after
+    # each part is materialised (NOTE [late materialisation] replaces a meta parameter's object)
     names = foreign_params(builder.model, builder.v)
 
-    def ignored_now(part: nn.Module) -> set[int]:
-        builder.materialize(within=part)
+    def foreign_ids() -> set[int]:
         return {id(p) for n, p in builder.model.named_parameters(remove_duplicate=False) if n in names}
 
     if not dp.shard:
         if dp.size(builder.mesh) == 1:
             return None
         group = builder.mesh.flat_group(dp.axes)
-        ignored = ignored_now(module)
+        builder.materialize(within=module)
+        ignored = foreign_ids()
         if ignored:
             names = [n for n, p in module.named_parameters() if id(p) in ignored]
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
@@ -71,8 +71,9 @@ def wrap_module(builder, module: nn.Module, units: list[str]) -> nn.Module | Non
     if builder.mp_policy is not None:
         base["mp_policy"] = builder.mp_policy
 
-    def shard(part: nn.Module, mesh) -> None:  # each part materialised just before it is sharded
-        ignored = ignored_now(part)
+    def shard(part: nn.Module, mesh) -> None:
+        builder.materialize(within=part)  # just before it is sharded
+        ignored = foreign_ids()
         kw = dict(base)
         if ignored:
             kw["ignored_params"] = {p for p in module.parameters() if id(p) in ignored}

@@ -48,8 +48,7 @@ def standin_parameters(model: nn.Module, leaves: list[str], device: torch.device
 
     every = held(model)
     inside = {id(m) for path in leaves for m in model.get_submodule(path).modules()}
-    glue = [(m, n, p) for m in model.modules() if id(m) not in inside for n, p in m._parameters.items()
-            if p is not None and p.is_meta]
+    glue = [x for x in every if id(x[0]) not in inside]
     handles = []
     for path in leaves:
         leaf = model.get_submodule(path)
@@ -68,13 +67,12 @@ def standin_parameters(model: nn.Module, leaves: list[str], device: torch.device
 
 def modules_not_run(model: nn.Module, split: tuple, *, cuts: list[str], schedule: str, pp: int,
                     rank_pp: int) -> set[str]:
-    """Paths of the modules with parameters that neither this rank's stages (pp coordinate `rank_pp`; `split`: the
-    stages and loss graph `stages.split_stages` cut at `cuts`) nor the
-    loss call, and that are not on the captured path from the root to the cut container (NOTE [pipeline on
-    meta])."""
+    """Paths of the modules with parameters that neither this rank's stages (pp coordinate `rank_pp`) nor the loss
+    call, and that are not on the captured path from the root to the cut container (NOTE [pipeline on meta]).
+    `split`: what `stages.split_stages` returns for the captured graph cut at `cuts`."""
     parts = cuts[0].rpartition(".")[0].split(".")
     chain = {".".join(parts[:i]) for i in range(len(parts))}
-    stages, loss_gm, _ = split  # `stages.split_stages` of the captured graph
+    stages, loss_gm, _ = split
     graphs = [st.module for st in stages if stage_rank(schedule, st.index, pp) == rank_pp]
     if loss_gm is not None and stage_rank(schedule, len(stages) - 1, pp) == rank_pp:
         graphs.append(loss_gm)

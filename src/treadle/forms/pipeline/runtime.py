@@ -242,7 +242,8 @@ class PipelineModel(nn.Module):
         # NOTE [the last stage's outputs]: torch's schedules keep every micro-batch's output of the last stage for a
         # merged return (and concatenate them: a second copy) unless return_outputs=False; the step returns the loss,
         # so they are not kept. Kept, they held the logits of every micro-batch to the step's end (for a 128k
-        # vocabulary, seq 8192, bf16: 2.1 GB a micro-batch), and with a view's autograd graph under a split backward
+        # vocabulary, seq 8192, bf16: 2.1 GB a micro-batch), and, under a split backward, the autograd graph of an
+        # output that is a view (torch detaches only the others): the whole last stage's saved tensors
         self._schedule.step(*(args if holds_first else ()), return_outputs=False, **kw)
         self.log.timed(-1, "sync", 0, self._sync_tied)
         self.log.timed(-1, "sync", 1, self._average_replicas)
