@@ -300,7 +300,9 @@ def _train_step(m, inputs) -> None:
 
 def _saved_in_flight(m, inputs) -> int:
     """The most bytes autograd holds saved at once during a pipeline's step on this rank (storages once,
-    parameters excluded; each freed when its storage dies): the micro-batches in flight. The hook hands autograd a
+    parameters excluded; each freed when its storage dies): the micro-batches in flight, and under a split backward
+    the output gradients each I keeps for its W (torch's ``stage_backward_input`` returns them in its parameter
+    groups; W deletes them). The hook hands autograd a
     detached alias of each tensor: the tensor itself would hold its grad_fn, and a node that saves its own output
     would then hold itself through a C++ cycle no collector breaks (the graph would live to the process's end)."""
     import weakref
@@ -327,8 +329,25 @@ def _saved_in_flight(m, inputs) -> int:
             peak = max(peak, live)
         return t.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m.step(**inputs)
+    from torch.distributed.pipelining import stage as stage_mod
+
+    split_input = stage_mod.stage_backward_input
+
+    def holding(*args, **kwargs):  # a split backward's I: the output gradients its W reads, held until W frees them
+        dinputs, groups = split_input(*args, **kwargs)
+        for group in groups or ():
+            for grads in group.get("grads") or ():
+                for g in grads or ():
+                    if isinstance(g, torch.Tensor):
+                        pack(g)
+        return dinputs, groups
+
+    stage_mod.stage_backward_input = holding
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m.step(**inputs)
+    finally:
+        stage_mod.stage_backward_input = split_input
     return peak
 
 

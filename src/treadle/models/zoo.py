@@ -159,54 +159,6 @@ def _example_inputs(family: str, vocab: int, *, batch: int, seq: int, fake_mode:
     return inputs
 
 
-_PACKED_CHECK: dict[str, Any] = {"original": None, "depth": 0}
-
-
-def _unpacked_when_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(position_ids, FakeTensor):
-        return None
-    return _PACKED_CHECK["original"](position_ids, *args, **kwargs)
-
-
-def _enter_eager_masks(module: nn.Module, args: Any) -> None:
-    from transformers import masking_utils
-
-    if _PACKED_CHECK["depth"] == 0:
-        _PACKED_CHECK["original"] = masking_utils.find_packed_sequence_indices
-        masking_utils.find_packed_sequence_indices = _unpacked_when_fake
-    _PACKED_CHECK["depth"] += 1
-
-
-def _exit_eager_masks(module: nn.Module, args: Any, output: Any) -> None:
-    from transformers import masking_utils
-
-    _PACKED_CHECK["depth"] -= 1
-    if _PACKED_CHECK["depth"] == 0:
-        masking_utils.find_packed_sequence_indices = _PACKED_CHECK["original"]
-
-
-def _eager_masks_on_fake_inputs(model: nn.Module) -> None:
-    """Make a run on fake tensors build the attention masks an eager run builds.
-
-    transformers treats fake tensors as tracing and then assumes the worst about position ids (packed
-    sequences), so it builds an explicit mask where an eager run on our inputs (one unpacked sequence per row)
-    uses `is_causal` attention. While this model runs, a fake `position_ids` is reported unpacked; real runs are
-    untouched. Installed as forward hooks on the root module (module-level functions, so the model still
-    pickles and deep-copies), so it applies only inside this model's forward: whether the model's own tensors
-    are real (profiled on fake copies) or fake.
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):  # a transformers without the check
-        return
-    model.register_forward_pre_hook(_enter_eager_masks)
-    model.register_forward_hook(_exit_eager_masks, always_call=True)
-
-
 def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: torch.dtype = torch.float32,
                 attn: str = "sdpa", dropout: bool = True) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Build the named configuration with random weights, in training mode, and example inputs of shape
@@ -256,7 +208,6 @@ def named_model(name: str, *, batch: int, seq: int, fake: bool = False, dtype: t
     model.train()
     if getattr(model, "loss_type", "") is None and spec.family == "gpt2":
         model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, without its warning
-    _eager_masks_on_fake_inputs(model)  # picklable hooks: verify and train send real models to ranks
     inputs = _example_inputs(spec.family, config.vocab_size, batch=batch, seq=seq, fake_mode=fake_mode)
     logger.info("built %s (%s) batch=%d seq=%d fake=%s", name, model_cls.__name__, batch, seq, fake)
     return model, inputs

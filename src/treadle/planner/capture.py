@@ -29,6 +29,7 @@ import torch.nn as nn
 from ..errors import PlanError
 from ..form import forms
 from ..loss import default_loss
+from ..profile.eager_masks import eager_masks
 from ..profile.memory import buffer_bytes
 from .policy_facts import sac_facts
 
@@ -315,7 +316,8 @@ def _meta(v: Any) -> TensorMeta | tuple | None:
 def _export(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None):
     wrapped = _Returning(model, loss_fn)
     try:
-        return torch.export.export(wrapped, args, kwargs, strict=False)
+        with eager_masks(kwargs):  # NOTE [eager masks]: the masks the run builds, not an export's
+            return torch.export.export(wrapped, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; we re-raise as PlanError naming the model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"capture of {type(model).__name__}: torch.export (non-strict) failed: {first}; "

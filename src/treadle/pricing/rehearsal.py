@@ -18,6 +18,7 @@ from ..errors import PlanError, ProfileError
 from ..loss import default_loss
 from ..mesh import Mesh
 from ..profile.blocks import block_container
+from ..profile.eager_masks import eager_masks
 from ..profile.fake_gaps import copy_model
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
@@ -303,7 +304,7 @@ def _record(model: nn.Module, inputs: dict, hw, loss_fn, axis_of_group, gpu: boo
     if gpu:  # and in what a checkpoint recomputes
         handles += attach_in_recompute(named, lambda: rec.in_backward)
     try:
-        with _reparametrize_module(model, state, tie_weights=True), attention, fake_mode, mode, \
+        with _reparametrize_module(model, state, tie_weights=True), attention, eager_masks(inputs), fake_mode, mode, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), torch.enable_grad():
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)

@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 from ..errors import ProfileError, TreadleError
 from ..loss import default_loss  # the one loss convention (re-exported)
 from .blocks import expand, find_block_runs, shortened
+from .eager_masks import eager_masks
 from .hardware import HardwareSpec, hardware_preset
 from .memory import OPTIMIZERS, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from .records import ModelProfile, ModuleStats, OpRecord
@@ -100,8 +101,8 @@ def _record(model: nn.Module, args: tuple, kwargs: dict, *, fake_mode: FakeTenso
     hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if train else contextlib.nullcontext()
     try:
         # the fake leaves stay in place through backward: a checkpointed module recomputes with them there
-        with _reparametrize_module(model, state, tie_weights=True), fake_mode, Dispatch(rec), hooks, \
-                torch.set_grad_enabled(train):
+        with _reparametrize_module(model, state, tie_weights=True), eager_masks(kwargs), fake_mode, Dispatch(rec), \
+                hooks, torch.set_grad_enabled(train):
             out = model(*args, **kwargs)
             if train:
                 try:
