@@ -3,10 +3,9 @@
 Each schedule of a tiny LLaMA (batch 8 x seq 64) cut into stages over 2 gloo ranks (`pp`; 1F1B: 2 stages; the
 multi-stage schedules: 4, two a rank) over 2 and 8 micro-batches: rank 0's activation bytes as `treadle.price`
 states them (its walk over the schedule class's order, NOTE [pipeline price]) against the most bytes autograd holds
-saved at once during a measured step on rank 0 (pack hooks, storages once, parameters excluded: the measurement of
-`bench_price_vs_measured.py`'s memory column). Prints a table and writes bench/results/bench_pipeline_memory.json.
-Target (issue 26): within 5%; the split-backward schedules are the reason the planner weighs them only without a
-memory budget (NOTE [zero-bubble schedules in the plan]).
+saved at once during a measured step on rank 0 (pack hooks, storages once, parameters excluded; under a split
+backward also the output gradients each I holds for its W: the measurement of `bench_price_vs_measured.py`'s memory
+column). Prints a table and writes bench/results/bench_pipeline_memory.json. Target (issue 26): within 5%.
 
     .venv/bin/python bench/bench_pipeline_memory.py
 """

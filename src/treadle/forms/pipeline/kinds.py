@@ -23,9 +23,9 @@ from .zero import zero_terms
 # the price now times it in W). Without checkpoints, the memory a split backward holds was not priced within 5%, and
 # they were weighed only without a budget
 # (the last stage's graph lived to the step's end: NOTE [a split backward's memory] in price.py); now rank 0's saved
-# bytes (PP2 on 2 gloo ranks, tiny LLaMA, `bench/bench_pipeline_memory.py`) measure 0.82x / 0.87x the price for
-# interleaved ZB over 2 / 8 micro-batches and 0.77x / 0.84x for ZBV (the price's held output gradients are memory the
-# measure, saved tensors only, does not see), 1F1B and interleaved 1F1B 0.91-0.95x.
+# bytes and the output gradients each I holds for its W (PP2 on 2 gloo ranks, tiny LLaMA,
+# `bench/bench_pipeline_memory.py`) measure 1.00x / 1.11x the price for interleaved ZB over 2 / 8 micro-batches and
+# 0.95x / 0.99x for ZBV, 1F1B and interleaved 1F1B 0.98-1.02x.
 
 
 def price_variants(cg, sol) -> list[tuple[object, bool]]:
