@@ -489,17 +489,8 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
             for a in (dp.shard_axes if dp is not None and dp.shard else ()):
                 g0 /= sch.mesh.size(a)  # FSDP2 / HSDP: sharded over its shard axes after the step
             state, act = g0 * 2 + g0 / 4 * 8, r0["activation_bytes"]
-        unshared = p.step_s
-        if p.pipeline is not None:  # side by side: as priced before NOTE [ranks sharing cores]
-            from unittest import mock
-
-            from treadle.cost.cluster import ClusterSpec
-
-            with mock.patch.object(ClusterSpec, "busy_rates", lambda self, groups: None):
-                unshared = price(load_schedule(make_model(model_name, args.batch, args.seq)[0], text), inputs,
-                                 _by_position(cluster, sch.mesh)).step_s
         rows.append({"schedule": label, "predicted_s": p.step_s, "predicted_mem_bytes": act + state,
-                     "predicted_peak_bytes": p.peak_bytes, "predicted_unshared_s": unshared,
+                     "predicted_peak_bytes": p.peak_bytes,
                      "predicted_saved_bytes": act, "exposed_comm_s": p.exposed_comm_s})
     res = spawn(_measure_rank, world, model_name, args.batch, args.seq, priced, args.steps, args.repeats,
                 timeout_s=3000, nodes=nodes)
@@ -538,14 +529,8 @@ def _run_config(model_name: str, config: str, args, extra, nodes) -> dict:
           f"memory ratio {min(mem):.3f}..{max(mem):.3f}; measured medians within +-{100 * ci:.0f}% (95%, "
           f"bootstrap; the widest)", flush=True)
     print("  targets: " + "; ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in verdict.items()), flush=True)
-    rho_unshared = spearman([r["predicted_unshared_s"] for r in rows], [r["measured_s"] for r in rows])
-    unshared = [r["measured_s"] / r["predicted_unshared_s"] for r in rows]
-    if any(r["predicted_unshared_s"] != r["predicted_s"] for r in rows):
-        print(f"  without NOTE [ranks sharing cores] (pipelines timed as if every rank always computed): Spearman "
-              f"{rho_unshared:.2f}, time ratio max/min {max(unshared) / min(unshared):.2f}", flush=True)
     return {"model": model_name, "config": config, "device": cluster.rank_device().source, "rows": rows,
-            "spearman": rho, "spearman_unshared": rho_unshared, "time_ratio_spread": spread, "widest_rel_ci95": ci,
-            "targets": verdict}
+            "spearman": rho, "time_ratio_spread": spread, "widest_rel_ci95": ci, "targets": verdict}
 
 
 # NOTE [issue 9's targets], as this bench checks them per configuration: Spearman's rank correlation of

@@ -152,50 +152,6 @@ def test_an_order_that_deadlocks_is_refused():
         simulate(o, _uniform(2, 1.0, 1.0), stage_rank={0: 0, 1: 1})
 
 
-# NOTE [ranks sharing cores]
-def test_ranks_sharing_cores_run_faster_while_the_others_wait():
-    """GPipe over 2 ranks, 2 micro-batches, F = B = 1 at the rate of both ranks computing; alone a rank runs twice
-    as fast (rates (2, 1)). By hand: 0F0 alone [0, 0.5]; 0F1 and 1F0 together [0.5, 1.5]; 1F1 alone [1.5, 2];
-    1B0 alone [2, 2.5]; 0B0 and 1B1 together [2.5, 3.5]; 0B1 alone [3.5, 4]: 4 seconds where 6 without sharing."""
-    o = action_order("gpipe", 2, 2, 2)
-    t = simulate(o, _uniform(2, 1.0, 1.0), stage_rank=stage_ranks(o), rates=(2.0, 1.0))
-    got = {str(sl.action): (sl.start_s, sl.end_s) for v in t.slots.values() for sl in v}
-    assert got == {"0F0": (0.0, 0.5), "0F1": (0.5, 1.5), "1F0": (0.5, 1.5), "1F1": (1.5, 2.0), "1B0": (2.0, 2.5),
-                   "0B0": (2.5, 3.5), "1B1": (2.5, 3.5), "0B1": (3.5, 4.0)}
-    assert t.makespan_s == 4.0 and simulate(o, _uniform(2, 1.0, 1.0), stage_rank=stage_ranks(o)).makespan_s == 6.0
-
-
-@pytest.mark.parametrize("kind,S,p,m", [("gpipe", 4, 4, 4), ("1f1b", 4, 4, 6), ("interleaved_1f1b", 8, 4, 8),
-                                        ("looped_bfs", 4, 2, 4), ("interleaved_zb", 4, 2, 4), ("zbv", 4, 2, 4),
-                                        ("dualpipev", 4, 2, 4)])
-def test_event_by_event_timing_at_rate_one_is_the_plain_timeline(kind, S, p, m):
-    o = action_order(kind, S, p, m)
-    dur = {(s, k): 1.0 + 0.1 * s + (0.3 if k == "B" else 0.0) for s in range(S) for k in "FBIW"}
-    sends = {b: 0.05 for b in range(S - 1)}
-    plain = simulate(o, dur, stage_rank=stage_ranks(o), p2p_s=sends)
-    played = simulate(o, dur, stage_rank=stage_ranks(o), p2p_s=sends, rates=(1.0,) * p)
-    for r in plain.slots:
-        assert [sl.action for sl in plain.slots[r]] == [sl.action for sl in played.slots[r]]
-        assert [t for sl in plain.slots[r] for t in (sl.start_s, sl.end_s)] == pytest.approx(
-            [t for sl in played.slots[r] for t in (sl.start_s, sl.end_s)])
-    assert played.makespan_s == pytest.approx(plain.makespan_s)
-    shared = tuple(min(2.0, p / k) for k in range(1, p + 1))  # p ranks on p / 2 cores
-    faster = simulate(o, dur, stage_rank=stage_ranks(o), p2p_s=sends, rates=shared)
-    assert faster.makespan_s < plain.makespan_s  # (its busy seconds shrink where fewer ranks compute)
-
-
-def test_busy_rates_say_how_a_hosts_cores_are_shared():
-    shared = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=2)  # 0.5 core a rank
-    assert shared.busy_rates(2) == (2.0, 1.0)  # one pp rank's 2 ranks alone: a core each
-    assert shared.busy_rates(4) == pytest.approx((2.0, 2.0, 4 / 3, 1.0))
-    wide = parse_cluster("2x2:cpu").with_ranks(threads_per_rank=2, cores_per_host=4)  # 1 core a rank, 2 threads
-    assert wide.busy_rates(2) == (2.0, 1.0) and wide.busy_rates(4) == pytest.approx((2.0, 2.0, 4 / 3, 1.0))
-    assert parse_cluster("2x2:cpu").with_ranks(threads_per_rank=1, cores_per_host=8).busy_rates(2) == (1.0, 1.0)
-    assert parse_cluster("2x2:cpu").busy_rates(2) is None  # cores per host not stated
-    assert parse_cluster("2x2:cpu").with_ranks(ranks_per_host=2, cores_per_host=2).busy_rates(2) is None  # 2 hosts
-    assert parse_cluster("2x2:h100").busy_rates(2) is None  # a device per rank
-
-
 # ----------------------------------------------------------------------------------------------- price
 def _inputs() -> dict:
     return {**lm_inputs(8, 16, seed=3), "use_cache": False}

@@ -161,21 +161,6 @@ class ClusterSpec:
                           f"{cores:.3g} core(s) per rank: {self.threads_per_rank} thread(s), {placement}; per "
                           f"core: {hw.source}")
 
-    def busy_rates(self, groups: int) -> tuple[float, ...] | None:
-        """How much faster than `rank_device`'s rate (every rank of its host computing) a rank computes while only k
-        of `groups` equal groups of the ranks compute (k = 1 .. groups; a pipeline's pp ranks, each the ranks of its
-        other axes): on one CPU host whose ranks share `cores_per_host` cores, ``min(threads_per_rank, cores /
-        (k * ranks per group))`` cores against its share (NOTE [ranks sharing cores] in
-        `treadle.forms.pipeline.timeline`). None where nothing is shared: a GPU, cores per host not stated, or the
-        ranks over several hosts (where which groups share a host is not known to the price)."""
-        rph = self.ranks_per_host or self.world_size
-        if not self.is_cpu() or self.cores_per_host is None or rph < self.world_size or groups < 1:
-            return None
-        per_group = self.world_size / groups
-        share = min(float(self.threads_per_rank), self.cores_per_host / rph)
-        return tuple(min(float(self.threads_per_rank), self.cores_per_host / (k * per_group)) / share
-                     for k in range(1, groups + 1))
-
     def assumptions(self) -> str:
         """One line: the machine this cluster describes, as priced (each rank's device and where its rates come
         from, each axis' link and whether it was measured or is a preset)."""

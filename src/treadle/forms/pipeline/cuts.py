@@ -56,7 +56,6 @@ class _Layout:
     m: int
     schedule: str = "1f1b"
     shares: tuple[float, float, float] = (1 / 3, 1 / 3, 1 / 3)  # a step's forward, input- and weight-gradient parts
-    rates: tuple[float, ...] | None = None  # the ranks' speed by how many compute at once (NOTE [ranks sharing cores])
 
     @property
     def v(self) -> int:
@@ -78,7 +77,7 @@ class _Layout:
     @property
     def alpha(self) -> float:
         """The fill's seconds per second of the stages' summed time (NOTE [the fill of a planned schedule])."""
-        return fill_stages(self.schedule, self.p, self.m, self.shares, self.rates) / self.n_stages
+        return fill_stages(self.schedule, self.p, self.m, self.shares) / self.n_stages
 
     @property
     def split(self) -> bool:
@@ -99,8 +98,7 @@ class _Layout:
 # interleaved_zb (p - 1)(f + i - w), zbv (p - 1) i once M >= 2p, more below). Exact for equal stages; an unbalanced cut is charged its slowest rank M times (R) and
 # the mean stage the fill, as before. The price times the built plan's real stages (NOTE [final choice by price]).
 @functools.lru_cache(maxsize=1024)
-def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float],
-          rates: tuple[float, ...] | None = None) -> float:
+def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:
     v = SCHEDULES.get(schedule, 1 if schedule in SINGLE_STAGE else 2)
     S = p * v
     f, i, w = shares
@@ -108,22 +106,19 @@ def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float],
     for s_ in range(S):
         dur.update({(s_, "F"): f, (s_, "B"): i + w, (s_, "I"): i, (s_, "W"): w})
     dur.update({(0, "I"): 0.0, (0, "W"): i + w})
-    tl = simulate(action_order(schedule, S, p, m), dur, stage_rank={s_: stage_rank(schedule, s_, p) for s_ in range(S)},
-                  rates=rates)
+    tl = simulate(action_order(schedule, S, p, m), dur, stage_rank={s_: stage_rank(schedule, s_, p) for s_ in range(S)})
     return max(0.0, tl.makespan_s / (f + i + w) - m * v)
 
 
-def fill_stages(schedule: str, p: int, m: int, shares: tuple[float, float, float],
-                rates: tuple[float, ...] | None = None) -> float:
+def fill_stages(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:
     """The fill of `schedule` over p ranks and m micro-batches in stage-seconds (NOTE [the fill of a planned
     schedule]), for a stage second split as `shares` (forward, input gradient, weight gradient; each rounded to 5%
-    of it, so that the cost graphs of one model share a timing: the fill moves by under 0.05 (p - 1) with them),
-    with ranks that share cores as `rates` says (`ClusterSpec.busy_rates`: NOTE [ranks sharing cores])."""
+    of it, so that the cost graphs of one model share a timing: the fill moves by under 0.05 (p - 1) with them)."""
     tot = sum(shares) or 1.0
     f, i, w = (round(20 * x / tot) / 20 for x in shares)
     if schedule not in SPLIT_BACKWARD:  # a full backward runs I and W as one B: only their sum times it
         i, w = i + w, 0.0
-    return _fill(schedule, p, m, (f, i, w), rates)
+    return _fill(schedule, p, m, (f, i, w))
 
 
 def _shares(cg) -> tuple[float, float, float]:
@@ -150,7 +145,7 @@ def _layout(cg, schedule: str) -> _Layout:
     tail = [u for u, unit in enumerate(cg.units) if u not in in_template and unit.leader >= first]
     roles = cg.roles
     p = cg.cluster.mesh.size(roles.pp)
-    return _Layout(blocks, head, tail, p, roles.pp_microbatches, schedule, _shares(cg), cg.cluster.busy_rates(p))
+    return _Layout(blocks, head, tail, p, roles.pp_microbatches, schedule, _shares(cg))
 
 
 def split_host_s(cg, lay: _Layout, cut: _Cut) -> list[float]:

@@ -205,8 +205,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                         _stage_units(reh.model, param_stage, foreign_names, tuple(own)),
                         _unit_passes(segs, seg_stage, reh.model, tuple(own)), duration,
                         dp=dp, mesh=mesh, cluster=cluster, hw=hw, groups=groups)
-    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None,
-                  rates=cluster.busy_rates(pp))  # NOTE [ranks sharing cores]
+    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
     saved = [0.0] * n_stages

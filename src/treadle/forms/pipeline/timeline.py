@@ -15,13 +15,6 @@ a stage's last backward). The step's pipelined part ends at the latest action's 
 the makespan minus its busy time, and the pipeline's bubble fraction their sum over the ranks' total time. The
 critical path follows, from the last action back, whichever bound its start: its rank's previous action or
 the input it waited for.
-
-NOTE [ranks sharing cores]: on a host whose ranks share its cores (gloo ranks on a CPU: `ClusterSpec.busy_rates`),
-a rank's durations are its rate with every rank of the host computing; while a pipeline's other ranks wait (its
-warm-up, cool-down and bubbles) the ones that compute have their cores to themselves and run faster. With `rates`
-(k -> how much faster than its duration a rank runs while k pp ranks run an action at once) the timeline is played
-event by event: each action is work of its duration (and `extra_s`), done at the rate of the moment. Without it
-(a GPU: one device per rank) durations are wall seconds as above; every rate 1 times the same.
 """
 
 from __future__ import annotations
@@ -58,12 +51,11 @@ class PipelineTimeline:
 
 def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], float], *,
              stage_rank: dict[int, int], p2p_s: dict[int, float] | None = None,
-             extra_s: dict[Action, float] | None = None, rates: tuple[float, ...] | None = None) -> PipelineTimeline:
+             extra_s: dict[Action, float] | None = None) -> PipelineTimeline:
     """Time `order` (rank -> actions) with `duration[(stage, kind)]` seconds per action and `p2p_s[b]` seconds for
     a send across boundary b (between stages b and b+1; one number for the activation and its gradient) when
     the two stages are on different ranks, plus `extra_s[action]` seconds for that action (NOTE [pipeline
-    timeline]); `rates[k - 1]`: a rank's speed while k ranks compute at once (NOTE [ranks sharing cores]).
-    Raises PlanError for an action whose input never comes (an order that deadlocks)."""
+    timeline]). Raises PlanError for an action whose input never comes (an order that deadlocks)."""
     p2p_s = p2p_s or {}
     extra_s = extra_s or {}
     n_stages = 1 + max(stage_rank)
@@ -100,9 +92,6 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
         return t, by
 
     total = sum(len(v) for v in order.values())
-    if rates is not None:
-        _play(order, duration, extra_s, rates, ready, slots, done)
-        total = 0  # played
     while len(done) < total:
         progressed = False
         for r, acts in order.items():
@@ -128,61 +117,6 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
     idle = sum(makespan - b for b in busy.values())
     bubble = idle / (makespan * len(order)) if makespan > 0 else 0.0
     return PipelineTimeline(slots, makespan, busy, bubble, _critical_path(slots, done))
-
-
-def _play(order, duration, extra_s, rates, ready, slots, done) -> None:
-    """The event-by-event timeline of NOTE [ranks sharing cores]: at each moment, every rank whose next action's
-    inputs are in starts it; the k running progress at `rates[k - 1]` work-seconds a second until one ends or an
-    input arrives."""
-    nxt = {r: 0 for r in order}
-    free = {r: 0.0 for r in order}
-    last: dict[int, Action | None] = {r: None for r in order}
-    running: dict[int, list] = {}  # rank -> [action, work left, start, after]
-    total = sum(len(v) for v in order.values())
-    t = 0.0
-    eps = 1e-15
-    while len(done) < total:
-        changed = True
-        while changed:  # start what can start now; finish what has no work at once
-            changed = False
-            for r, acts in order.items():
-                if r in running or nxt[r] >= len(acts):
-                    continue
-                a = acts[nxt[r]]
-                got = ready(a)
-                if got is None or got[0] > t + eps:
-                    continue
-                t_in, by = got
-                after = by if t_in > free[r] else last[r]
-                work = duration.get((a.stage, a.kind), 0.0) + extra_s.get(a, 0.0)
-                running[r] = [a, work, t, after]
-                changed = True
-            for r in [r for r, run in running.items() if run[1] <= eps]:
-                a, _, start, after = running.pop(r)
-                slots[r].append(Slot(a, r, start, t, after))
-                done[a] = t
-                free[r], last[r] = t, a
-                nxt[r] += 1
-                changed = True
-        if len(done) >= total:
-            break
-        arrivals = [got[0] for r, acts in order.items() if r not in running and nxt[r] < len(acts)
-                    for got in [ready(acts[nxt[r]])] if got is not None and got[0] > t + eps]
-        if not running:
-            if not arrivals:
-                stuck = {r: str(acts[nxt[r]]) for r, acts in order.items() if nxt[r] < len(acts)}
-                raise PlanError(f"pipeline timeline: the order deadlocks; each rank waits at {stuck}")
-            t = min(arrivals)
-            continue
-        rate = rates[min(len(running), len(rates)) - 1]
-        dt = min(run[1] for run in running.values()) / rate
-        if arrivals:
-            dt = min(dt, min(arrivals) - t)
-        for run in running.values():  # (one that ends now ends exactly: no rounding left over)
-            run[1] = max(0.0, run[1] - dt * rate)
-            if run[1] <= 1e-9 * dt * rate:
-                run[1] = 0.0
-        t += dt
 
 
 def _critical_path(slots: dict[int, list[Slot]], done: dict[Action, float]) -> list[Action]:
