@@ -1,6 +1,6 @@
-"""NOTE [eager masks]: treadle's fake-tensor runs (the profiler, the price's rehearsal) and its export (the
-planner's capture) take the attention-mask decisions an eager run takes on the same inputs, so a grouped-query
-model is priced with SDPA's own GQA and no explicit mask, as it runs — and a padded batch keeps its mask."""
+"""NOTE [eager masks]: treadle's fake-tensor runs (the profiler, the price's rehearsal) take the attention-mask
+decisions an eager run takes on the same inputs, so a grouped-query model is priced with SDPA's own GQA and no
+explicit mask, as it runs — and a padded batch keeps its mask."""
 
 from __future__ import annotations
 
@@ -64,23 +64,6 @@ def test_the_profile_saves_what_the_eager_run_saves(make, padded):
         inputs = _padded(inputs)
     prof = profile(model, inputs, reuse_blocks=False)
     assert prof.saved_bytes + prof.saved_input_bytes == _saved_by_eager_run(model, inputs)
-
-
-def test_the_planners_capture_has_no_mask_and_no_repeated_kv_heads():
-    from treadle.planner.capture import capture
-
-    model = tiny_llama(2)
-    model.config.use_cache = False
-    inputs = lm_inputs(2, 16)
-    ops = [n.op_name for n in capture(model, (), dict(inputs)).nodes if "layers.1.self_attn" in n.module]
-    assert "scaled_dot_product_attention" in ops and "expand" not in ops  # no repeat_kv: enable_gqa
-    sdpa = next(n for n in capture(model, (), dict(inputs)).nodes
-                if n.op_name == "scaled_dot_product_attention" and "layers.1" in n.module)
-    q, k, v, mask, dropout, causal = sdpa.args[:6]  # (query, key, value, attn_mask, dropout_p, is_causal)
-    assert sdpa.kwargs.get("enable_gqa") is True and mask is None and causal is True
-    padded = capture(model, (), _padded(inputs)).nodes
-    sdpa = next(n for n in padded if n.op_name == "scaled_dot_product_attention" and "layers.1" in n.module)
-    assert sdpa.args[3] is not None and not sdpa.args[5:6] == (True,)  # the mask an eager run builds, not causal
 
 
 def test_the_decisions_are_restored_after_the_run():

@@ -316,7 +316,7 @@ def _meta(v: Any) -> TensorMeta | tuple | None:
 def _export(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None):
     wrapped = _Returning(model, loss_fn)
     try:
-        with eager_masks(kwargs):  # NOTE [eager masks]: the masks the run builds, not an export's
+        with eager_masks(kwargs, export=True):  # NOTE [eager masks]: the packed-sequence decision only
             return torch.export.export(wrapped, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; we re-raise as PlanError naming the model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

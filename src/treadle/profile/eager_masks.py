@@ -1,4 +1,4 @@
-"""The attention masks an eager run builds, in treadle's runs on fake tensors and its exports (NOTE [eager masks]).
+"""The attention masks an eager run builds, in treadle's runs on fake tensors (NOTE [eager masks]).
 
 NOTE [eager masks]: Hugging Face's mask code (`transformers.masking_utils`) decides per step whether attention needs
 an explicit mask, from the *values* of the attention mask and position ids: with no padding and one unpacked sequence
@@ -6,9 +6,14 @@ per row it returns no mask, and attention runs causal (`is_causal=True`; grouped
 key / value heads to SDPA as they are, ``enable_gqa``). It cannot read values under tracing, so when it sees a fake
 tensor or runs under `torch.export` it assumes the worst and builds an explicit mask, and SDPA without a mask's
 fast path repeats the key / value heads (``repeat_kv``: two copies the size of the queries' per block, kept for
-backward). The price's rehearsal and the profiler run on fake tensors and the planner's capture is an export, so
-all three priced a step the run does not take: measured on a tiny LLaMA (8 query heads over 4 KV heads), the
-rehearsal's block saved 1.41 MB a micro-batch where the run saves 1.32 MB.
+backward). The price's rehearsal and the profiler run on fake tensors, so they priced a step the run does not take:
+measured on a tiny LLaMA (8 query heads over 4 KV heads), the rehearsal's block saved 1.41 MB a micro-batch where
+the run saves 1.32 MB (a model of treadle's zoo was spared by a hook of the zoo's own, which this replaces).
+
+The planner's capture (an export) takes only the packed-sequence decision (``export=True``: no packing-check ops,
+as the zoo's hook did for its models, now for every model); its mask is still the tracing path's. Applied there in
+full, the solver's saving from checkpointing a small GQA LLaMA fell to 0.74x the price's (it was 0.87x;
+`test_checkpoint_policy_plan`), a gap not traced yet.
 
 `eager_masks(inputs)` makes those runs take the eager run's decisions for `inputs`, the example inputs they are
 given. It reads the inputs' values once, where they are real: every ``*attention_mask`` a 2-D mask of ones (or
@@ -53,8 +58,9 @@ def plain_inputs(inputs: Mapping[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def eager_masks(inputs: Mapping[str, Any]) -> Iterator[None]:
-    """Inside: transformers' mask decisions are the eager run's on `inputs` (NOTE [eager masks]); restored after."""
+def eager_masks(inputs: Mapping[str, Any], *, export: bool = False) -> Iterator[None]:
+    """Inside: transformers' mask decisions are the eager run's on `inputs` (NOTE [eager masks]); restored after.
+    `export=True` (the planner's capture): only the packed-sequence check, as the NOTE says."""
     mod = sys.modules.get("transformers.masking_utils")  # imported by any model that builds its masks there
     if mod is None or not plain_inputs(inputs):
         yield
@@ -71,10 +77,11 @@ def eager_masks(inputs: Mapping[str, Any]) -> Iterator[None]:
             return original(None, *args, **kwargs)
         return decide
 
-    patch("is_torchdynamo_exporting", lambda: False)
-    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
-        if hasattr(mod, name):
-            patch(name, no_padding(getattr(mod, name)))
+    if not export:
+        patch("is_torchdynamo_exporting", lambda: False)
+        for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+            if hasattr(mod, name):
+                patch(name, no_padding(getattr(mod, name)))
     patch("find_packed_sequence_indices", lambda *args, **kwargs: None)
     try:
         yield
