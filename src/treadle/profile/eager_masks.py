@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+
 def plain_inputs(inputs: Mapping[str, Any]) -> bool:
     """Whether an eager run on `inputs` builds no padding or packed-sequence mask (NOTE [eager masks]): every
     ``*attention_mask`` absent or a real 2-D mask of ones, every ``*position_ids`` absent or real with one run of
