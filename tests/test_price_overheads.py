@@ -199,6 +199,28 @@ def test_kernel_rates_refine_the_roofline_by_kind_size_and_op():
         dataclasses.replace(base, matmul_curve=((1e6, 1.5),))
 
 
+# NOTE [operands as a step holds them]
+def test_kernel_probes_take_each_calls_operands_from_a_ring_larger_than_the_private_caches():
+    from treadle.profile import kernel_rates as kr
+
+    made = []
+
+    def make():
+        made.append((torch.zeros(64, 64), torch.zeros(64, 64)))  # 32 KiB a pair
+        return made[-1]
+
+    nxt, n = kr._ring(make, 1 << 20)
+    assert n == 32 and len(made) == 32 and len({id(a) for a, _ in made}) == 32
+    seen = [nxt() for _ in range(2 * n)]  # every copy in turn, then around again
+    assert [id(x[0]) for x in seen[:n]] == [id(x[0]) for x in seen[n:]] and len({id(x[0]) for x in seen}) == n
+    nxt, n = kr._ring(make, 0)  # 0: one copy, every call the same operands (the hot probe)
+    assert n == 1 and nxt() is nxt()
+    assert kr.ROTATE_BYTES >= 8 * 2**20  # more than a server core's L2
+    curve = kr.matmul_curve(1e15, reps=1, rotate_bytes=1 << 20)  # (no timing asserted: a fraction per size)
+    assert [f for f, _ in curve] == [2.0 * n**3 for n in kr.MATMUL_SIZES] and all(0 < e <= 1 for _, e in curve)
+    assert 0 < kr.attention_efficiency(1e12, reps=1, rotate_bytes=1 << 20) <= 1
+
+
 def test_price_uses_the_kernel_rates_of_its_device():
     mesh = Mesh((1,), ("x",))
 
