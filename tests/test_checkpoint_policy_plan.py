@@ -187,3 +187,69 @@ def test_a_plan_file_names_only_known_policies():
     with pytest.raises(PlanError, match=r"plan.json: decision 0 \(checkpoint at 'model.layers.0'\): argument "
                                         r"'policy' must be policy name, got 'os.system'"):
         check_decision("checkpoint", "model.layers.0", {"policy": "os.system"}, "", where="plan.json: decision 0")
+
+
+# NOTE [checkpoint policies in a pipeline's stages]
+@pytest.mark.parametrize("cluster", ["1x2:h100", "1x2:cpu"])
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved_1f1b"])
+def test_each_pipeline_stage_weighs_the_policy_and_the_milp_agrees_with_the_oracle(graph, cluster, kind):
+    from treadle.forms.pipeline import cuts, milp
+
+    cl = parse_cluster(cluster)
+    pp = cl.mesh.names[1]
+    cg = build_cost_graph(graph, cl, Roles((), False, (), pp=pp, pp_microbatches=2),
+                          train=TrainSpec(checkpoint_policies=(SAC,)))
+    lay = cuts._layout(cg, kind)
+    stages = cuts.partitions(cg, lay)[0]
+    cut = cuts._cut(cg, lay, stages)
+    kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={})
+    free = milp.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
+    low, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, minimise="memory", **kw)
+    least = milp.evaluate(cg, lay, cut, *low[:3])[1]
+    used = []
+    for frac in (0.0, 0.2, 0.4, 0.6, 0.8):
+        budget = least + frac * (free.peak_bytes - least)
+        oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
+        (choice, counts, pcounts, status, _), *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget,
+                                                                  minimise="time", **kw)
+        step, peak, _ = milp.evaluate(cg, lay, cut, choice, counts, pcounts)
+        assert status == "optimal" and peak <= budget * (1 + 1e-9)
+        assert step == pytest.approx(oracle.step_s, rel=1e-6), (frac, counts, pcounts, oracle.stages)
+        for (t, st), n in counts.items():  # each stage's blocks: full checkpoints and the policy's, at most its own
+            assert n + sum(v for (t2, s2, _), v in pcounts.items() if (t2, s2) == (t, st)) <= cut.n[st][t]
+        used += [n for n in pcounts.values() if n]
+        # the choice as data: each block once, under the policy or fully checkpointed as the counts say
+        sc = milp._choice_of(cg, lay, cut, counts, {"stage_s": (), "rank_peak_bytes": (), "bubble_s": 0.0},
+                             pcounts)
+        for st in range(lay.n_stages):
+            under = [p for p, _ in (sc.policies[st] if sc.policies else ())]
+            assert len(under) == sum(n for (_, s2, _), n in pcounts.items() if s2 == st)
+            assert not set(under) & set(sc.checkpointed[st]) and set(under) <= set(sc.blocks[st])
+    if cl.is_cpu():  # the dispatch modes' ~10 us an op: full checkpoints are cheaper on a CPU core
+        assert not used
+    else:  # hidden behind a GPU: some budget runs blocks of a stage under the policy
+        assert used
+
+
+@pytest.mark.slow
+def test_a_planned_pipeline_runs_blocks_under_the_policy_priced_as_built_and_verified():
+    from treadle.planner import Plan, plan_model
+
+    cl = parse_cluster("1x2:h100")  # a GPU preset: the dispatch modes' host cost is hidden
+    pp = cl.mesh.names[1]
+    inputs = lm_inputs(8, 64)
+    kw = dict(cluster=cl, pp_axis=pp, pp_schedule="1f1b", price_top=1)
+    budget = 0.85 * plan_model(tiny_llama(LAYERS), inputs, **kw).estimate().peak_bytes
+    plain = plan_model(tiny_llama(LAYERS), inputs, memory_budget_bytes=budget, **kw)
+    plan = plan_model(tiny_llama(LAYERS), inputs, memory_budget_bytes=budget,
+                      train=TrainSpec(checkpoint_policies=(SAC,)), **kw)
+    text = plan.schedule.to_python()
+    assert "cut_pipeline_stage()" in text and f"policy='{SAC}'" in text, text
+    under = [p for st in plan.solver["stages"]["policies"] for p, _ in st]
+    assert under and text.count(f"policy='{SAC}'") == len(under)
+    assert f"under {SAC}" in plan.explain()
+    priced, priced_plain = plan.estimate(), plain.estimate()
+    assert priced.peak_bytes <= budget and priced.step_s <= priced_plain.step_s
+    again = Plan.from_json(plan.to_json())
+    assert again.schedule_for(tiny_llama(LAYERS)).to_python() == text
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok

@@ -6,6 +6,8 @@ Formatters build data into a `rich.table.Table` or a string and print nothing; u
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.table import Table
 
 from ..units import bytes_unit as _mem_unit
@@ -169,7 +171,9 @@ def pipeline_lines(plan, unit) -> list[str]:
     for s_, b in enumerate(blocks):
         span = f"{b[0]}..{b[-1].rpartition('.')[2]}" if len(b) > 1 else (b[0] if b else "-")
         t = f", {times[s_] * 1e3:.3f} ms a micro-batch" if s_ < len(times) else ""
-        out.append(f"  stage {s_}: {len(b)} blocks {span}{t}, {len(ck[s_])} checkpointed")
+        pol = sp["policies"][s_] if sp.get("policies") else ()
+        under = "".join(f", {n} under {p_}" for p_, n in sorted(Counter(p_ for _, p_ in pol).items()))
+        out.append(f"  stage {s_}: {len(b)} blocks {span}{t}, {len(ck[s_])} checkpointed{under}")
     peaks = sp.get("rank_peak_bytes") or ()
     if peaks:
         out.append("  peak per pp rank: " + ", ".join(_fmt(x, unit) for x in peaks))

@@ -16,8 +16,9 @@ SAC slower than full checkpointing there, as measured; 0 on a GPU preset). Block
 (NOTE [the backward's end]) is counted when any block of its template is checkpointed either way
 (`any_checkpointed`). Which blocks: the full checkpoints as `spread` places them, then each policy's blocks spread
 over the rest (`pick`), so block 0 is checkpointed whenever any block is. Not offered for a template with block
-variants (NOTE [block variants]: their recompute credit assumes full checkpoints), in the two-stage mode, or inside
-a pipeline's stages (their own MILP). A policy that would keep nothing less than a full checkpoint does is still
+variants (NOTE [block variants]: their recompute credit assumes full checkpoints) or in the two-stage mode; inside a
+pipeline's stages each stage weighs them in its own MILP (NOTE [checkpoint policies in a pipeline's stages] in
+`treadle.forms.pipeline.stage_policies`). A policy that would keep nothing less than a full checkpoint does is still
 offered: the solver weighs it.
 """
 
@@ -40,9 +41,11 @@ def spread(members: list[str], count: int) -> list[str]:
     return [members[int(i * step)] for i in range(count)]
 
 
-def offered(cg) -> list[tuple[int, str]]:
-    """(template, policy) pairs the MILP weighs (NOTE [checkpoint policies in the plan])."""
-    if not cg.policies or cg.roles.pp is not None or not cg.graph.sac:
+def offered(cg, *, stages: bool = False) -> list[tuple[int, str]]:
+    """(template, policy) pairs the MILP weighs (NOTE [checkpoint policies in the plan]): the core's without a
+    pipeline; with `stages`, those each stage of a pipeline weighs (NOTE [checkpoint policies in a pipeline's
+    stages] in `treadle.forms.pipeline.milp`)."""
+    if not cg.policies or (cg.roles.pp is not None) != stages or not cg.graph.sac:
         return []
     return [(t, p) for t in cg.templates if not cg.variants.get(t) for p in cg.policies if p in cg.graph.sac]
 
@@ -80,33 +83,41 @@ def evaluate(cg, choice: list[int], policies: dict[tuple[int, str], int]) -> tup
     return rec, act, trans
 
 
+def policy_exprs(cg, s, t: int, p: str, *, seconds: float, nbytes: float):
+    """A block of template t under policy p as linear expressions over the strategy variables `s` (scaled: NOTE [row
+    scaling]): (A what autograd saves without checkpointing, F_p what it recomputes, In + K_p what it keeps, A - S_p
+    what it holds again while its backward runs) and their upper bounds (A, F_p, In + K_p)."""
+    info = cg.templates[t]
+    A, _, In = _block_exprs(cg, s, t)
+    F: dict[int, float] = {}
+    K = dict(In)
+    again: dict[int, float] = {}
+    for u in info.units:
+        for k, c in enumerate(cg.units[u].costs):
+            kb, f, sb = c.sac.get(p, (0.0, c.rec_s, 0.0))
+            j = s[u, k]
+            if f:
+                F[j] = F.get(j, 0.0) + f * seconds
+            if kb:
+                K[j] = K.get(j, 0.0) + kb * nbytes
+            if c.act_bytes - sb:
+                again[j] = again.get(j, 0.0) + (c.act_bytes - sb) * nbytes
+    Amax = max(_upper(cg, info.units, "act_bytes") * nbytes, 1e-9)
+    Fmax = max(sum(max(c.sac.get(p, (0.0, c.rec_s, 0.0))[1] for c in cg.units[u].costs) for u in info.units)
+               * seconds, 1e-9)
+    Kmax = max((max(info.input_bytes, default=0.0)
+                + sum(max(c.sac.get(p, (0.0, 0.0, 0.0))[0] for c in cg.units[u].costs) for u in info.units))
+               * nbytes, 1e-9)
+    return A, F, K, again, (Amax, Fmax, Kmax)
+
+
 def add_vars(m, cg, s, *, enabled: bool, seconds: float, nbytes: float) -> dict[tuple[int, str], Any]:
     """Per offered (template, policy) a count with its McCormick products (`ckpt_vars.checkpoint_vars`: zA = y A,
     zF = y F_p, zI = y (In + K_p), zT = q (A - S_p)), scaled (NOTE [row scaling])."""
     out = {}
     for t, p in offered(cg):
-        info = cg.templates[t]
-        A, _, In = _block_exprs(cg, s, t)
-        F: dict[int, float] = {}
-        K = dict(In)
-        again: dict[int, float] = {}
-        for u in info.units:
-            for k, c in enumerate(cg.units[u].costs):
-                kb, f, sb = c.sac.get(p, (0.0, c.rec_s, 0.0))
-                j = s[u, k]
-                if f:
-                    F[j] = F.get(j, 0.0) + f * seconds
-                if kb:
-                    K[j] = K.get(j, 0.0) + kb * nbytes
-                if c.act_bytes - sb:
-                    again[j] = again.get(j, 0.0) + (c.act_bytes - sb) * nbytes
-        Amax = max(_upper(cg, info.units, "act_bytes") * nbytes, 1e-9)
-        Fmax = max(sum(max(c.sac.get(p, (0.0, c.rec_s, 0.0))[1] for c in cg.units[u].costs) for u in info.units)
-                   * seconds, 1e-9)
-        Kmax = max((max(info.input_bytes, default=0.0)
-                    + sum(max(c.sac.get(p, (0.0, 0.0, 0.0))[0] for c in cg.units[u].costs) for u in info.units))
-                   * nbytes, 1e-9)
-        out[t, p] = checkpoint_vars(m, info.count, A, F, K, (Amax, Fmax, Kmax), host=host_s(cg, t, p) * seconds,
+        A, F, K, again, bounds = policy_exprs(cg, s, t, p, seconds=seconds, nbytes=nbytes)
+        out[t, p] = checkpoint_vars(m, cg.templates[t].count, A, F, K, bounds, host=host_s(cg, t, p) * seconds,
                                     enabled=enabled, transient=again)
     return out
 
@@ -152,5 +163,5 @@ def pick(members: list[str], full: int, counts: dict[str, int]) -> dict[str, str
     return out
 
 
-__all__ = ["spread", "offered", "block_terms", "host_s", "evaluate", "add_vars", "add_rows", "any_checkpointed",
-           "counts_of", "pick"]
+__all__ = ["spread", "offered", "policy_exprs", "block_terms", "host_s", "evaluate", "add_vars", "add_rows",
+           "any_checkpointed", "counts_of", "pick"]

@@ -27,7 +27,9 @@ class PipelineChoice:
     """A pipeline plan's stages (`Solution.stages`): the pp `axis`, the `schedule` and `n_microbatches`, the real
     block paths of each stage (`blocks`, in order) and of those checkpointed (`checkpointed`); the solver's figures:
     each stage's seconds per micro-batch (`stage_s`), each pp rank's peak bytes (`rank_peak_bytes`) and the fill's
-    seconds (`bubble_s`); the schedules the solve weighed (`weighed`: NOTE [each schedule priced on its own])."""
+    seconds (`bubble_s`); the schedules the solve weighed (`weighed`: NOTE [each schedule priced on its own]); per
+    stage the blocks under a selective checkpoint policy, as (path, policy) (`policies`, empty when none is: NOTE
+    [checkpoint policies in a pipeline's stages] in `stage_policies.py`)."""
 
     axis: str
     schedule: str
@@ -38,6 +40,7 @@ class PipelineChoice:
     rank_peak_bytes: tuple[float, ...] = ()
     bubble_s: float = 0.0
     weighed: tuple[str, ...] = ()
+    policies: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     @property
     def n_stages(self) -> int:

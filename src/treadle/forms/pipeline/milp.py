@@ -13,13 +13,14 @@ from ...errors import PlanError
 from ...form import forms
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
-from ...planner.to_schedule import _spread
+from ...planner.policies import offered, pick
 from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
+from .stage_policies import add_stage_policies, policy_counts, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
 
@@ -170,6 +171,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if 0 < left < info.count:  # some of this template's blocks must be checkpointed: at least that many in all
             m.row({y: float(2 ** b_) for st in stages_t for b_, y in enumerate(ck[(t, st)].ys)}, float(left),
                   math.inf, "ckpt_count")
+    pol = add_stage_policies(m, cg, s, lay, cut, A, T, zts, ck, enabled=checkpoint)
     if zt is not None:  # a stage takes the longer of its compute and its gathers (overlapped), else their sum
         for st in range(S):
             if zt.overlap:
@@ -248,14 +250,18 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     x = res.x
     choice = [next(k for k in range(len(unit.costs)) if x[s[u, k]] > 0.5) for u, unit in enumerate(cg.units)]
     counts = {key: int(round(sum(2 ** b_ * x[y] for b_, y in enumerate(cv.ys)))) for key, cv in ck.items()}
+    pcounts = policy_counts(x, pol)
     status = "optimal" if res.status == 0 else "time_limit"
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return (choice, counts, status, gap), solve_s, len(m.c), len(m.clb)
+    return (choice, counts, pcounts, status, gap), solve_s, len(m.c), len(m.clb)
 
 
-def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[int, int], int]):
-    """The step and each rank's peak of a choice and per-stage checkpoint counts ((template, stage) -> count), as
-    the MILP states them (NOTE [pipeline in the plan]), computed directly. Returns (step_s, peak_bytes, terms)."""
+def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[int, int], int],
+             policies: dict[tuple[int, int, str], int] | None = None):
+    """The step and each rank's peak of a choice, per-stage checkpoint counts ((template, stage) -> count) and
+    per-stage selective policy counts ((template, stage, policy) -> count: NOTE [checkpoint policies in a pipeline's
+    stages]), as the MILP states them (NOTE [pipeline in the plan]), computed directly. Returns (step_s,
+    peak_bytes, terms)."""
     S, p, M = lay.n_stages, lay.p, lay.m
     T = [0.0] * S
     A = [0.0] * S
@@ -302,6 +308,7 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
             rec[st] += c_ * (Ft + host)
             if c_:
                 trans[lay.rank(st)] = max(trans[lay.rank(st)], At)
+    policy_terms(cg, lay, choice, policies or {}, A, T, rec, trans)
     if zt is not None:
         T = [max(T[st], G[st] + Gc[st]) if zt.overlap else T[st] + G[st] + Gc[st] for st in range(S)]
     T = [t_ + c_ for t_, c_ in zip(T, Tc)]
@@ -335,18 +342,25 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     return step, peak[0], terms
 
 
-def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], terms: dict) -> PipelineChoice:
+def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], terms: dict,
+               policies: dict[tuple[int, int, str], int] | None = None) -> PipelineChoice:
     paths = [tuple(lay.blocks[i][0] for i in st) for st in cut.stages]
-    ckpt = []
+    ckpt, under = [], []
+    order = lambda x: int((x[0] if isinstance(x, tuple) else x).rpartition(".")[2])  # noqa: E731
     for st, positions in enumerate(cut.stages):
         chosen: list[str] = []
+        kept: list[tuple[str, str]] = []
         for t in sorted({lay.blocks[i][1] for i in positions}):
             members = [lay.blocks[i][0] for i in positions if lay.blocks[i][1] == t]
-            chosen += _spread(members, counts.get((t, st), 0))
-        ckpt.append(tuple(sorted(chosen, key=lambda pth: int(pth.rpartition(".")[2]))))
+            own = {p_: n for (t2, st2, p_), n in (policies or {}).items() if (t2, st2) == (t, st) and n}
+            for path, how in pick(members, counts.get((t, st), 0), own).items():
+                (chosen.append(path) if how == "full" else kept.append((path, how)))
+        ckpt.append(tuple(sorted(chosen, key=order)))
+        under.append(tuple(sorted(kept, key=order)))
     roles = cg.roles
     return PipelineChoice(roles.pp, lay.schedule, roles.pp_microbatches, tuple(paths), tuple(ckpt),
-                          terms["stage_s"], terms["rank_peak_bytes"], terms["bubble_s"])
+                          terms["stage_s"], terms["rank_peak_bytes"], terms["bubble_s"],
+                          policies=tuple(under) if any(under) else ())
 
 
 def _scalars(terms: dict) -> dict[str, float]:
@@ -409,7 +423,9 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                 if minimise == "time":
                     rec = _recompute_floor(cg, lay, cut, mem, tmins, budget_bytes, checkpoint and not lay.split)
                     if rec is None:
-                        continue  # no checkpoints make it fit: infeasible too
+                        continue  # no checkpoints make it fit: infeasible too (a policy keeps more than full)
+                    if offered(cg, stages=True):  # a policy may save bytes for fewer seconds than a full checkpoint
+                        rec = 0.0
             if above(_objective_floor(cg, lay, cut, zt, mins, rec), bound):
                 continue
             got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes,
@@ -421,12 +437,12 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
             n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
             if got is None:
                 continue
-            choice, counts, status, gap = got
-            step, peak, terms = evaluate(cg, lay, cut, choice, counts)
+            choice, counts, pcounts, status, gap = got
+            step, peak, terms = evaluate(cg, lay, cut, choice, counts, pcounts)
             if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
                 continue
             sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
-                           stages=_choice_of(cg, lay, cut, counts, terms))
+                           stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
             if best is None or key(sol) < key(best):
                 best = sol
     if best is None:
@@ -439,14 +455,17 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
 
 def solve_exhaustive(cg, stages, *, budget_bytes: float | None, schedule: str = "1f1b",
                      limit: int = 2_000_000) -> Solution:
-    """Every strategy choice and per-stage checkpoint count of one cut under `schedule`, evaluated directly (the
-    MILP's test oracle on tiny graphs). Raises PlanError when the space exceeds `limit`."""
+    """Every strategy choice and per-stage checkpoint count (and selective policy count, where offered) of one cut
+    under `schedule`, evaluated directly (the MILP's test oracle on tiny graphs). Raises PlanError when the space
+    exceeds `limit`."""
     from ...planner.ilp import feasible_choice
 
     lay = _layout(cg, schedule)
     cut = _cut(cg, lay, stages)
     keys = [(t, st) for st in range(lay.n_stages) for t, n_t in cut.n[st].items()]
-    ranges = [range(cut.n[st][t] + 1) for t, st in keys]
+    pols = [(t, st, p_) for t, st in keys for t2, p_ in offered(cg, stages=True) if t2 == t]
+    keys_all = keys + pols
+    ranges = [range(cut.n[k[1]][k[0]] + 1) for k in keys_all]
     sizes = [len(u.costs) for u in cg.units]
     space = math.prod(sizes) * math.prod(len(r) for r in ranges)
     if space > limit:
@@ -456,13 +475,17 @@ def solve_exhaustive(cg, stages, *, budget_bytes: float | None, schedule: str = 
         if not all(cg.units[u].allowed[k] for u, k in enumerate(choice)) or not feasible_choice(cg, list(choice)):
             continue
         for cs in itertools.product(*ranges):
-            counts = dict(zip(keys, cs))
-            step, peak, terms = evaluate(cg, lay, cut, list(choice), counts)
+            counts = dict(zip(keys, cs[:len(keys)]))
+            pcounts = {k: n for k, n in zip(pols, cs[len(keys):]) if n}
+            if any(counts[t, st] + sum(n for (t2, st2, _), n in pcounts.items() if (t2, st2) == (t, st))
+                   > cut.n[st][t] for t, st in keys):
+                continue
+            step, peak, terms = evaluate(cg, lay, cut, list(choice), counts, pcounts)
             if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
                 continue
             if best is None or step < best.step_s - 1e-15:
                 best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=_scalars(terms),
-                                stages=_choice_of(cg, lay, cut, counts, terms))
+                                stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
     return best or Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
 
 

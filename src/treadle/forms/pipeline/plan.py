@@ -50,7 +50,9 @@ torch's own) the micro-batches in flight on each of its stages (forward done, ba
 A_s = sum_t (n_t,s A_t - sum_b 2^b zA[t,s,b] + sum_b 2^b zI[t,s,b]) + its embedding / head activations; one row
 per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s); a split backward holds a micro-batch
 until its W), plus one recomputed block
-(pp_transient). So the first stages, which keep the most micro-batches, checkpoint more. `evaluate` computes the
+(pp_transient). So the first stages, which keep the most micro-batches, checkpoint more; with selective policies
+allowed, each stage also weighs running blocks under them (NOTE [checkpoint policies in a pipeline's stages] in
+`stage_policies.py`). `evaluate` computes the
 same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
 planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
@@ -210,7 +212,8 @@ def input_spec(cg) -> dict:
 def decisions(cg, choice, ckpt, ctx) -> list:
     """``cut_pipeline_stage`` after each stage's last block, ``pipeline(axis, schedule, n_microbatches,
     example_inputs, target)`` (the labels, where the model reads them, go to the last stage; ``use_cache=False``
-    where the forward takes it, as training runs without a KV cache) and each stage's checkpointed blocks."""
+    where the forward takes it, as training runs without a KV cache) and each stage's checkpointed blocks (fully,
+    or under a selective policy)."""
     sp: PipelineChoice | None = ctx.memo.get("stages")
     if cg.roles.pp is None or sp is None:
         return []
@@ -230,4 +233,10 @@ def decisions(cg, choice, ckpt, ctx) -> list:
         for path in paths:
             out.append((DECISION_RANKS["checkpoint"], path,
                         Decision("checkpoint", path, {}, f"{len(paths)} of stage {s}'s {len(sp.blocks[s])} blocks")))
+    for s, kept in enumerate(sp.policies):  # NOTE [checkpoint policies in a pipeline's stages] in stage_policies.py
+        for path, policy in kept:
+            n = sum(1 for _, p_ in kept if p_ == policy)
+            out.append((DECISION_RANKS["checkpoint"], path,
+                        Decision("checkpoint", path, {"policy": policy},
+                                 f"{n} of stage {s}'s {len(sp.blocks[s])} blocks, policy {policy}")))
     return out
