@@ -172,6 +172,24 @@ def _tiny(name="tiny-gpt2", batch=8, seq=32):
     return named_model(name, batch=batch, seq=seq, dropout=False)
 
 
+# NOTE [a fake group leaves no trace]
+def test_pricing_leaves_the_processs_excepthook_and_process_group_as_it_found_them():
+    import sys
+
+    import torch.distributed as dist
+
+    from treadle.profile.overheads import distributed_overheads_s
+
+    before = sys.excepthook
+    model, x = Net(), torch.randn(8, 16)
+    for _ in range(3):  # torch wraps the hook at every init_process_group and never unwraps it
+        sch = treadle.create_schedule(model, mesh=Mesh((2,), ("dp",)))
+        sch.data_parallel(axis="dp")
+        price(sch, {"x": x}, _gpu_cluster(sch.mesh))
+    assert distributed_overheads_s(reps=1) is not None  # calibrate_cpu's DTensor / FSDP2 probes: a fake group too
+    assert sys.excepthook is before and not dist.is_initialized()
+
+
 def test_megatron_recipe_with_sync_shard_attr_blocks3_and_vocab_loss_is_priced():
     model, inputs = _tiny()
     sch = treadle.create_schedule(model, mesh=Mesh((2,), ("tp",)))

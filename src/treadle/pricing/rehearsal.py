@@ -20,6 +20,7 @@ from ..mesh import Mesh
 from ..profile.blocks import block_container
 from ..profile.eager_masks import eager_masks
 from ..profile.fake_gaps import copy_model
+from ..profile.fake_group import fake_process_group
 from ..profile.fused_attention import GpuAttention, attach_in_recompute
 from ..profile.profiler import fake_step_recorder
 from ..profile.recorder import Dispatch, StepRecorder
@@ -160,11 +161,8 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         doc = json.loads(text)
         doc["records"] = [r for r in doc["records"] if r.get("op") not in _PIPELINE_OPS]
         text = json.dumps(doc)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     mesh0 = sch.mesh
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh0.world_size)
-    try:
+    with fake_process_group(mesh0.world_size):  # NOTE [a fake group leaves no trace]
         model = copy_model(original)  # fake tensors: copied without torch's data_ptr warning
         mesh = Mesh(mesh0.shape, mesh0.names)
         sch2 = load_schedule(model, text, mesh)
@@ -184,8 +182,6 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
         if short is None or reh is None:
             reh = _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, flows)
         records, coll, saved_in, flow_list, out_bytes = reh
-    finally:
-        dist.destroy_process_group()
     ckpts = tuple(sorted(regions, key=lambda p: -p.count(".")))
     return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flow_list, sac_regions(v2))
 

@@ -254,10 +254,9 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float, floa
         return None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from .fake_group import fake_process_group
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group(2):  # NOTE [a fake group leaves no trace]
         mesh = init_device_mesh("cpu", (2,))
         a, b = torch.ones(2), torch.ones(2)
         da, db = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, b))
@@ -265,8 +264,6 @@ def distributed_overheads_s(*, reps: int = 7) -> tuple[float, float, float, floa
         sub = max(0.0, best_thread_time_s(lambda: torch.add(da, db), reps=reps, inner=200) - plain)
         unit_s, param_s = fsdp_overheads_s(mesh, reps=reps)
         return sub, unit_s, param_s, fsdp_kept_unit_s(mesh, reps=reps)
-    finally:
-        dist.destroy_process_group()
 
 
 __all__ = ["best_thread_time_s", "op_overhead_s", "checkpoint_overheads_s", "selective_overheads_s", "distributed_overheads_s", "fsdp_overheads_s"]
