@@ -44,7 +44,7 @@ def spread(members: list[str], count: int) -> list[str]:
 def offered(cg, *, stages: bool = False) -> list[tuple[int, str]]:
     """(template, policy) pairs the MILP weighs (NOTE [checkpoint policies in the plan]): the core's without a
     pipeline; with `stages`, those each stage of a pipeline weighs (NOTE [checkpoint policies in a pipeline's
-    stages] in `treadle.forms.pipeline.milp`)."""
+    stages] in `treadle.forms.pipeline.stage_policies`)."""
     if not cg.policies or (cg.roles.pp is not None) != stages or not cg.graph.sac:
         return []
     return [(t, p) for t in cg.templates if not cg.variants.get(t) for p in cg.policies if p in cg.graph.sac]

@@ -4,6 +4,9 @@
   FLOP/s / peak), the peak being the largest product's rate (the one `calibrate_cpu` reports).
 - `attention_efficiency`: ``scaled_dot_product_attention`` forward (causal, fp32) of a small transformer's shape,
   FLOPs by `treadle.profile.flops`, over the peak.
+- `elementwise_s_per_elem`: pointwise ops whose kernel is bound by arithmetic (transcendentals): seconds per
+  element on a 1M-element fp32 tensor, kept only when slower than copying that tensor (memory-bound ops
+  are the roofline's already).
 
 NOTE [operands as a step holds them]: a training step runs each product once on operands that the ops before it
 wrote and that other tensors have since pushed out of the core's private caches; a probe that repeats one product
@@ -13,9 +16,6 @@ step finds them. Measured on this 2-core EPYC host (1 MiB L2 a core), the hot pr
 0.37 of the peak, n = 128 0.79 -> 0.59, n = 512 unchanged; LLaMA's (512 x 128) x (128 x 128) product took 0.171 ms
 repeated and 0.210 ms from the ring, and its forward's 29 products 10.5 ms inside a step against 8.8 ms priced from
 the hot curve.
-- `elementwise_s_per_elem`: pointwise ops whose kernel is bound by arithmetic (transcendentals): seconds per
-  element on a 1M-element fp32 tensor, kept only when slower than copying that tensor (memory-bound ops
-  are the roofline's already).
 
 Times are best-of-`reps` thread CPU time (`overheads.best_thread_time_s`), so run on one torch thread.
 """

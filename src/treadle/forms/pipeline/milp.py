@@ -13,14 +13,14 @@ from ...errors import PlanError
 from ...form import forms
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
-from ...planner.policies import offered, pick
+from ...planner.policies import counts_of, offered, pick
 from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
-from .stage_policies import add_stage_policies, policy_counts, policy_terms
+from .stage_policies import add_stage_policies, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
 
@@ -250,7 +250,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     x = res.x
     choice = [next(k for k in range(len(unit.costs)) if x[s[u, k]] > 0.5) for u, unit in enumerate(cg.units)]
     counts = {key: int(round(sum(2 ** b_ * x[y] for b_, y in enumerate(cv.ys)))) for key, cv in ck.items()}
-    pcounts = policy_counts(x, pol)
+    pcounts = {key: n for key, n in counts_of(x, pol).items() if n}
     status = "optimal" if res.status == 0 else "time_limit"
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     return (choice, counts, pcounts, status, gap), solve_s, len(m.c), len(m.clb)
@@ -354,7 +354,10 @@ def _choice_of(cg, lay: _Layout, cut: _Cut, counts: dict[tuple[int, int], int], 
             members = [lay.blocks[i][0] for i in positions if lay.blocks[i][1] == t]
             own = {p_: n for (t2, st2, p_), n in (policies or {}).items() if (t2, st2) == (t, st) and n}
             for path, how in pick(members, counts.get((t, st), 0), own).items():
-                (chosen.append(path) if how == "full" else kept.append((path, how)))
+                if how == "full":
+                    chosen.append(path)
+                else:
+                    kept.append((path, how))
         ckpt.append(tuple(sorted(chosen, key=order)))
         under.append(tuple(sorted(kept, key=order)))
     roles = cg.roles

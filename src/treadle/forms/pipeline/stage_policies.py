@@ -64,12 +64,6 @@ def add_stage_policies(m, cg, s, lay, cut, A: list[dict], T: list[dict], zts: di
     return pol
 
 
-def policy_counts(x, pol: dict) -> dict[tuple[int, int, str], int]:
-    """The solver's nonzero counts per (template, stage, policy)."""
-    out = {key: int(round(sum(2 ** b * x[y] for b, y in enumerate(cv.ys)))) for key, cv in pol.items()}
-    return {k: n for k, n in out.items() if n}
-
-
 def policy_terms(cg, lay, choice: list[int], policies: dict[tuple[int, int, str], int], A: list[float],
                  T: list[float], rec: list[float], trans: list[float]) -> None:
     """The policy counts' terms for `milp.evaluate`, in place: a stage's activations per micro-batch `A` (what p
@@ -86,4 +80,4 @@ def policy_terms(cg, lay, choice: list[int], policies: dict[tuple[int, int, str]
         trans[lay.rank(st)] = max(trans[lay.rank(st)], again)
 
 
-__all__ = ["add_stage_policies", "policy_counts", "policy_terms"]
+__all__ = ["add_stage_policies", "policy_terms"]
