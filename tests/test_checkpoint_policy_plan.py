@@ -161,7 +161,9 @@ def test_a_planned_policy_is_stated_priced_as_built_replayed_and_verified():
         return treadle.price(sch, inputs, cl)
 
     none, full = hand(None), hand("full")
-    budget = full.peak_bytes + 0.7 * (none.peak_bytes - full.peak_bytes)
+    # where two blocks under the policy fit and one fully checkpointed block does not (priced: 2 full blocks are
+    # slower than 2 under the policy; at 0.7 one full block fits and is the fastest)
+    budget = full.peak_bytes + 0.63 * (none.peak_bytes - full.peak_bytes)
     kw = dict(cluster=cl, memory_budget_bytes=budget, zero=False, pp_axis=None, dp_axis="dp")
     plain = plan_model(tiny_llama(LAYERS), inputs, **kw)
     plan = plan_model(tiny_llama(LAYERS), inputs, train=TrainSpec(checkpoint_policies=(SAC,)), **kw)

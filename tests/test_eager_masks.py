@@ -96,3 +96,23 @@ def test_the_price_rehearses_the_attention_the_run_takes():
     local = {k: v[:2] for k, v in inputs.items()}
     ids = sum(v.numel() * v.element_size() for v in local.values())
     assert abs(price.activation_bytes - _saved_by_eager_run(model, local)) <= ids
+
+
+def test_the_planners_capture_takes_the_attention_the_run_takes():
+    """The export the planner reads (NOTE [eager masks], taken in full there too): grouped-query attention hands its
+    key / value heads to SDPA as they are, with no mask built, and autograd saves what the eager run saves."""
+    from treadle.planner.capture import capture
+
+    model = tiny_llama(2)
+    model.config.use_cache = False
+    model.train()
+    inputs = lm_inputs(2, 16)
+    g = capture(model, (), inputs)
+    sdpa = [n for n in g.nodes if n.op_name == "scaled_dot_product_attention"]
+    assert len(sdpa) == 2
+    for n in sdpa:
+        q, k, v = (g.nodes[j].out for j in n.inputs[:3])
+        assert k.shape[1] == v.shape[1] == q.shape[1] // 2  # 2 KV heads under 4 query heads: not repeated
+        assert n.kwargs.get("attn_mask") is None and (len(n.args) < 4 or n.args[3] is None)
+    ids = sum(v.numel() * v.element_size() for v in inputs.values())
+    assert abs(sum(g.saved.values()) - _saved_by_eager_run(model, inputs)) <= ids

@@ -308,7 +308,11 @@ def test_the_step_of_a_cut_by_hand():
     for s in (0, 1):
         A[s] = 2 * at + sum(cg.units[u].costs[0].act_bytes for u in (lay.head if s == 0 else lay.tail))
     fixed = cg.fixed_static_bytes
-    assert peak == pytest.approx(max(static[0] + 2 * A[0], static[1] + A[1]) + fixed, rel=1e-9)
+    # and the largest backward working set of each rank's units (NOTE [a backward's working set])
+    W = [max(cg.units[u].costs[0].work_bytes for u, sts in cut.mult.items() if any(s_ == s for s_, _ in sts))
+         for s in (0, 1)]
+    assert min(W) > 0
+    assert peak == pytest.approx(max(static[0] + 2 * A[0] + W[0], static[1] + A[1] + W[1]) + fixed, rel=1e-9)
     # checkpointing both blocks of stage 0 recomputes them (its time grows) and keeps their inputs instead
     t = next(iter(cg.templates))
     step2, peak2, _ = milp.evaluate(cg, lay, cut, choice, {(t, 0): 2})
@@ -316,7 +320,8 @@ def test_the_step_of_a_cut_by_hand():
     T2 = [T[0] + 2 * rec, T[1]]
     assert step2 == pytest.approx(4 * max(T2) + 0.5 * sum(T2) + max(tail) + 2 * send, rel=1e-9)
     A0 = 2 * info.input_bytes[0] + sum(cg.units[u].costs[0].act_bytes for u in lay.head)
-    assert peak2 == pytest.approx(max(static[0] + 2 * A0 + at, static[1] + A[1]) + fixed, rel=1e-9)  # + one block
+    assert peak2 == pytest.approx(max(static[0] + 2 * A0 + max(at, W[0]), static[1] + A[1] + W[1]) + fixed,
+                                  rel=1e-9)  # + one block, or the working set
 
 
 def test_the_fill_is_timed_from_the_schedule_class_order():

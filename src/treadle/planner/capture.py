@@ -31,6 +31,7 @@ from ..form import forms
 from ..loss import default_loss
 from ..profile.eager_masks import eager_masks
 from ..profile.memory import buffer_bytes
+from .grad_live import by_index
 from .policy_facts import sac_facts
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ class CapturedGraph:
     packers: frozenset[int] | None = None
     packs: dict[int, int] | None = None  # activations each node's ops save (the recompute detaches each again)
     sac: dict[str, dict] | None = None  # per selective policy, per block node: `policies.SacFact` (NOTE [ops a policy keeps])
+    saved_like: dict[int, dict[int, int]] | None = None  # `saved` by the input it is shaped like (-1: the output)
+    working: dict[int, dict[int, int]] | None = None  # the same of NOTE [a backward's working set] (grad_live.py)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -316,7 +319,7 @@ def _meta(v: Any) -> TensorMeta | tuple | None:
 def _export(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None):
     wrapped = _Returning(model, loss_fn)
     try:
-        with eager_masks(kwargs, export=True):  # NOTE [eager masks]: the packed-sequence decision only
+        with eager_masks(kwargs):  # NOTE [eager masks]
             return torch.export.export(wrapped, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; we re-raise as PlanError naming the model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -423,8 +426,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     logger.info("captured %s: %d nodes, %d ops, %d block instances in %d templates", type(model).__name__,
                 len(nodes), sum(1 for n in nodes if n.kind == "op"), len(blocks),
                 len({b.template for b in blocks}))
-    saved = fwd_ops = bwd_ops = packers = packs = None
-    if measured is not None:
+    saved = fwd_ops = bwd_ops = packers = packs = saved_like = working = None
+    if measured is not None:  # (working: None when the backward failed)
+        saved_like, working = by_index(measured.saved_like, index_of), by_index(measured.working, index_of)
         packers = frozenset(index_of[k] for k in measured.packers if k in index_of)
         packs = {index_of[k]: v for k, v in measured.packs.items() if k in index_of}
         saved = {index_of[k]: v for k, v in measured.saved.items() if k in index_of}
@@ -434,15 +438,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     sac = None if measured is None else sac_facts(nodes, blocks, measured.trace, measured.packed)
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
                          saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
-                         facts, packers, packs, sac)
+                         facts, packers, packs, sac, saved_like, working)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:
     """NOTE [saved by autograd] and NOTE [ops per node] in saved.py: a `saved.NodeMeasure`, or (None, reason)
     when the exported module cannot run again. With `gpu_attention`, attention saves what a GPU's fused kernel
     saves (NOTE [attention as a GPU runs it])."""
-    import contextlib
-
     from ..profile.fused_attention import GpuAttention
     from .saved import measure_by_node
 

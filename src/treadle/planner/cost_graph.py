@@ -470,6 +470,7 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.opt_s += c.opt_s
     total.fsdp_s += c.fsdp_s
     total.act_bytes += c.act_bytes
+    total.work_bytes = max(total.work_bytes, c.work_bytes)
     total.static_bytes += c.static_bytes
     total.grad_bytes += c.grad_bytes
     for key, t in c.grad_sums.items():  # one tensor's gradient sum, whichever member needs it

@@ -8,7 +8,8 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
                q[t]   in {0,1}        c_t > 0
                zA, zF, zI, zT >= 0    products y·A_t, y·F_t, y·In_t, q·A_t     (ckpt_linearise, McCormick;
                                       exact because one factor is binary and the other bounded)
-               T >= 0                 the largest recomputed block             (transient)
+               T >= 0                 the largest recomputed block, or the largest backward working set
+                                      (transient, working_set: NOTE [a backward's working set])
 
     A_t  = sum_{u in t,k} act[u,k] s[u,k]      saved bytes of one block of t
     F_t  = sum_{u in t,k} rec[u,k] s[u,k]      seconds one block's recompute repeats (to its last saving op)
@@ -21,7 +22,7 @@ Formulation (per role assignment; all times in seconds, memory in bytes per devi
                                                                                 (layout_match)
          static(s) + fixed + act_outside(s) + sum_t (L_t A_t - sum_b 2^b zA + sum_b 2^b zI) + T <= budget
                                                                                 (memory)
-         q[t] >= y[t,b];  T >= zT[t]                                            (ckpt_any, transient)
+         q[t] >= y[t,b];  T >= zT[t];  T >= sum_k work[u,k] s[u,k]               (ckpt_any, transient, working_set)
          each parallel form's families (`treadle.form.Form.ilp_rows`; data parallelism:
          E >= latency + sum_u count_u sum_k (dp_comm - W)[u,k] s[u,k],  E >= 0   dp_exposure)
          y[g] >= s[u,k] for each strategy needing input-gradient sum g           (grad_sum)
@@ -58,6 +59,7 @@ from . import policies, variants
 from .ckpt_vars import (_BYTES, _SECONDS, CheckpointVars, _block_exprs, _mccormick, _upper,  # noqa: F401
                         block_bounds, checkpoint_vars)
 from .cost_graph import CostGraph
+from .grad_live import working_terms
 from .step_eval import evaluate  # noqa: F401  (the ILP's terms of one choice, computed directly)
 
 logger = logging.getLogger(__name__)
@@ -234,11 +236,14 @@ def memory_expression(m: _Model, cg: CostGraph, v: _Vars, *,
         for b, (za, zi) in enumerate(zip(zA, zI)):
             add(za, -float(2 ** b))
             add(zi, float(2 ** b))
-    if cg.templates:
+    work = working_terms(cg)  # NOTE [a backward's working set]: at another moment than a recompute, so the larger
+    if cg.templates or work:
         T = m.var(ub=math.inf)
         v.T = T
         for zt in [*v.zT.values(), *(cv.zT for cv in v.policies.values())]:
             m.row({T: 1.0, zt: -1.0}, 0.0, math.inf, "transient")
+        for u, w in work:
+            m.row({T: 1.0, **{v.s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf, "working_set")
         add(T, 1.0)
     return terms, cg.fixed_static_bytes * _BYTES
 

@@ -62,6 +62,7 @@ class StrategyCost:
     fsdp_s: float = 0.0  # of compute_s, FSDP2's copies and per-parameter host cost (once a step beside a pipeline
     # that keeps its stages gathered: NOTE [pipeline FSDP2 in the plan])
     act_bytes: float = 0.0  # saved for backward
+    work_bytes: float = 0.0  # the most its backward holds beside them (NOTE [a backward's working set]; max, not sum)
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
     grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in treadle.forms.data.plan)
     # the input-gradient sums (Megatron's "f") it needs, by (input node, tensor-axis index) -> seconds per
@@ -214,6 +215,7 @@ class NodeCosts:
                 f.param_cost(self, src.out, pl, c)
         # saved activations: outputs of this node that some consumer saves (views count on their base)
         c.act_bytes += self.saved_bytes(n, combo, pub)
+        c.work_bytes = max(c.work_bytes, self.working_bytes(n, combo, pub))
         if self.g.sac and n.block is not None:
             strategy_terms(self, i, c, fwd, rec, self.saved_divisor(n, combo, pub))
         return c
@@ -278,6 +280,9 @@ class NodeCosts:
         autograd] in saved.py) divided like n's first output; without a measurement, the per-op rules."""
         i = n.index
         outs = n.out if isinstance(n.out, tuple) else (n.out,)
+        like = self.g.saved_like.get(i) if self.g.saved_like is not None else None
+        if like:  # each part by the shards of the tensor it is shaped like (NOTE [a backward's working set])
+            return self.split_bytes(n, combo, pub, like)
         if self.g.saved is not None:
             b = self.g.saved.get(i, 0)
             return b / self.saved_divisor(n, combo, pub) if b else 0.0
@@ -289,6 +294,24 @@ class NodeCosts:
                 pl = pub if k == 0 else tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
                 total += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(i)
         return total
+
+    def split_bytes(self, n: Node, combo, pub, parts: dict[int, int]) -> float:
+        """Per device, the measured global bytes `parts` of node n (NOTE [a backward's working set] in grad_live.py):
+        each divided by the shards of the tensor it is shaped like, an input (node index) or the output (-1)."""
+        total = 0.0
+        for j, b in parts.items():
+            if j < 0 or j not in n.inputs:
+                total += b / self.saved_divisor(n, combo, pub)
+            else:
+                pl = tuple(o.ins[n.inputs.index(j)] for o in combo)
+                total += b / (_tensor_axes_divisor(pl, self.tp_sizes) * self.dp_div(j))
+        return total
+
+    def working_bytes(self, n: Node, combo, pub) -> float:
+        """Per device, what node n's backward holds beside the saved activations (NOTE [a backward's working set]);
+        0 where not measured."""
+        parts = self.g.working.get(n.index) if self.g.working is not None else None
+        return self.split_bytes(n, combo, pub, parts) if parts else 0.0
 
     def saved_divisor(self, n: Node, combo, pub) -> float:
         """What divides node n's measured global bytes per device: its first tensor output's shards."""

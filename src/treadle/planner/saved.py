@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..profile import fake_gaps
+from .grad_live import BackwardLive, shapes_of, slot
 from ..profile.recorder import METADATA_QUERIES
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class _Produced(TorchDispatchMode):
         out = fake_gaps.call(func, args, kwargs or {})
         if func not in METADATA_QUERIES:
             self.run.count()
+        if self.run.backward:  # NOTE [a backward's working set]
+            self.run.live.made(out, self.run.bwd_current, self.run.producer, self.run.skip)
         self.run.note(out, None if func in METADATA_QUERIES else func, args, kwargs or {})
         return out
 
@@ -75,7 +78,7 @@ class _Produced(TorchDispatchMode):
 class _Run(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, skip: set[int]) -> None:
         super().__init__(gm)
-        self.producer: dict[int, tuple[str, int]] = {}  # storage id -> (node name, storage bytes)
+        self.producer: dict[int, tuple[str, int, int]] = {}  # storage id -> (node name, storage bytes, elements)
         self.skip = skip  # storages of parameters, buffers and inputs
         self.saved: dict[str, int] = {}
         self.packed: set[int] = set()
@@ -89,6 +92,12 @@ class _Run(torch.fx.Interpreter):
         self.packers: set[str] = set()
         self.packs: dict[str, int] = {}  # node -> tensors its ops save (a recompute detaches each once more)
         self.trace: dict[str, list[OpTrace]] = {}  # node -> its forward's ops in order (NOTE [ops a policy keeps])
+        # NOTE [a backward's working set]: each node's tensor shapes, its saved bytes by the tensor each is shaped
+        # like, and the backward's log
+        self.shapes: dict[str, tuple] = {}
+        self.packed_of: list[tuple[str, int, int, int]] = []  # (producer, bytes, elements, first packer's order)
+        self.order: dict[str, int] = {}  # node -> its place in the forward
+        self.live = BackwardLive()
 
     def count(self) -> None:
         if self.backward:
@@ -123,7 +132,7 @@ class _Run(torch.fx.Interpreter):
                 st = t.untyped_storage()
                 key = id(st)
                 if key not in self.producer and key not in self.skip:
-                    self.producer[key] = (self.current, st.nbytes())
+                    self.producer[key] = (self.current, st.nbytes(), st.nbytes() // max(1, t.element_size()))
                     self.keep.append(st)
                     made.append((key, st.nbytes()))
         if func is not None and not self.backward:
@@ -131,10 +140,12 @@ class _Run(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.name if n.op == "call_function" else None
+        self.order.setdefault(n.name, len(self.order))
         try:
             out = super().run_node(n)
             if self.current is not None:
                 self.own(n.name, out)
+                self.shapes[n.name] = shapes_of(n, self.env, out)
             return out
         finally:
             self.current = None
@@ -152,7 +163,17 @@ class _Run(torch.fx.Interpreter):
         if who is not None:
             self.packed.add(key)
             self.saved[who[0]] = self.saved.get(who[0], 0) + who[1]
+            self.packed_of.append((*who, self.order.get(self.current, 0)))
         return t
+
+    def saved_by_slot(self) -> dict[str, dict[str | None, int]]:
+        """Each node's saved bytes by the tensor each storage is shaped like (NOTE [a backward's working set])."""
+        like: dict[str, dict[str | None, int]] = {}
+        for name, nbytes, numel, _ in self.packed_of:
+            d = like.setdefault(name, {})
+            s = slot(self.shapes.get(name), numel)
+            d[s] = d.get(s, 0) + nbytes
+        return like
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +214,11 @@ class NodeMeasure:
     packs: dict[str, int] = field(default_factory=dict)  # activations each node's ops save (same NOTE)
     trace: dict[str, list[OpTrace]] = field(default_factory=dict)  # each node's forward ops, in order
     packed: frozenset[int] = frozenset()  # the storages (ids in `trace`) autograd saves
+    # NOTE [a backward's working set]: per node, its saved bytes and its backward's working set, each by the tensor
+    # its parts are shaped like (None: the output; else an input's node name); the working sets None when the
+    # backward failed
+    saved_like: dict[str, dict[str | None, int]] = field(default_factory=dict)
+    working: dict[str, dict[str | None, int]] | None = None
 
 
 def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, backward: bool = True) -> NodeMeasure:
@@ -213,11 +239,19 @@ def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, back
     with _reparametrize_module(gm, state, tie_weights=True), fake_mode, torch.enable_grad(), \
             _Produced(run), torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
         out = run.run(*tree_leaves((tuple(fargs), dict(fkwargs))))  # placeholders: the flattened user inputs
-        bwd = _backward(run, out) if backward else None
+        leaves = {id(t): t for t in state.values() if t.requires_grad}.values()
+        hooks = [h for t in leaves for h in (t.register_post_accumulate_grad_hook(run.live.hook),
+                                             t.register_hook(run.live.incoming))]
+        try:
+            bwd = _backward(run, out) if backward else None
+        finally:
+            for h in hooks:
+                h.remove()
         del out
     logger.debug("saved by autograd: %d nodes, %d bytes", len(run.saved), sum(run.saved.values()))
     return NodeMeasure(run.saved, run.fwd_ops, bwd, frozenset(run.packers), dict(run.packs), run.trace,
-                       frozenset(run.packed))
+                       frozenset(run.packed), run.saved_by_slot(),
+                       run.live.peaks(run.shapes, run.order, run.packed_of) if bwd is not None else None)
 
 
 def _backward(run: _Run, out: Any) -> dict[str, int] | None:

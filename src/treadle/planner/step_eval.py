@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..form import forms
 from . import policies, variants
+from .grad_live import working_of
 from .cost_graph import CostGraph
 
 
@@ -40,6 +41,7 @@ def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int],
     pol = {k: n for k, n in (pol or {}).items() if n}
     p_rec, p_act, p_trans = policies.evaluate(cg, choice, pol)
     recompute, act_blocks, transient = recompute + p_rec, act_blocks + p_act, max(transient, p_trans)
+    transient = max(transient, working_of(cg, choice))  # NOTE [a backward's working set]
     counts = counts or {}
     var = variants.evaluate(cg, counts, ckpt)
     compute, comm, recompute = compute + var["compute_s"], comm + var["comm_s"], recompute + var["recompute_s"]

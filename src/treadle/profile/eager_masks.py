@@ -10,10 +10,13 @@ backward). The price's rehearsal and the profiler run on fake tensors, so they p
 measured on a tiny LLaMA (8 query heads over 4 KV heads), the rehearsal's block saved 1.41 MB a micro-batch where
 the run saves 1.32 MB (a model of treadle's zoo was spared by a hook of the zoo's own, which this replaces).
 
-The planner's capture (an export) takes only the packed-sequence decision (``export=True``: no packing-check ops,
-as the zoo's hook did for its models, now for every model); its mask is still the tracing path's. Applied there in
-full, the solver's saving from checkpointing a small GQA LLaMA fell to 0.74x the price's (it was 0.87x;
-`test_checkpoint_policy_plan`), a gap not traced yet.
+The planner's capture (an export) takes them in full too. It once took only the packed-sequence decision: applied
+in full, the solver's saving from checkpointing a small GQA LLaMA fell to 0.74x the price's (0.87x before). That gap
+was the solver's, not the capture's: it charged a checkpointed block's recompute on top of every activation but
+nothing for the loss's backward, which the price sees at the same peak (NOTE [a backward's working set] in
+`treadle.planner.grad_live`). With both, the solver's activations equal the price's on that model (433.2 MiB each,
+none checkpointed; 96.5 vs 96.0 all checkpointed), where the half-applied masks over-counted 20 MiB a block (the
+repeated key / value heads and the mask).
 
 `eager_masks(inputs)` makes those runs take the eager run's decisions for `inputs`, the example inputs they are
 given. It reads the inputs' values once, where they are real: every ``*attention_mask`` a 2-D mask of ones (or
@@ -59,9 +62,8 @@ def plain_inputs(inputs: Mapping[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def eager_masks(inputs: Mapping[str, Any], *, export: bool = False) -> Iterator[None]:
-    """Inside: transformers' mask decisions are the eager run's on `inputs` (NOTE [eager masks]); restored after.
-    `export=True` (the planner's capture): only the packed-sequence check, as the NOTE says."""
+def eager_masks(inputs: Mapping[str, Any]) -> Iterator[None]:
+    """Inside: transformers' mask decisions are the eager run's on `inputs` (NOTE [eager masks]); restored after."""
     mod = sys.modules.get("transformers.masking_utils")  # imported by any model that builds its masks there
     if mod is None or not plain_inputs(inputs):
         yield
@@ -78,11 +80,10 @@ def eager_masks(inputs: Mapping[str, Any], *, export: bool = False) -> Iterator[
             return original(None, *args, **kwargs)
         return decide
 
-    if not export:
-        patch("is_torchdynamo_exporting", lambda: False)
-        for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
-            if hasattr(mod, name):
-                patch(name, no_padding(getattr(mod, name)))
+    patch("is_torchdynamo_exporting", lambda: False)
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        if hasattr(mod, name):
+            patch(name, no_padding(getattr(mod, name)))
     patch("find_packed_sequence_indices", lambda *args, **kwargs: None)
     try:
         yield

@@ -13,6 +13,7 @@ from ...errors import PlanError
 from ...form import forms
 from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, add_layout_match, add_memory,
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
+from ...planner.grad_live import working_of, working_terms
 from ...planner.policies import counts_of, offered, pick
 from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
                    partitions)
@@ -219,6 +220,8 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         trans = m.var(ub=math.inf)
         for z in zts[r]:
             m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
+        for u, w in working_terms(cg, {u for u, sts in cut.mult.items() if any(lay.rank(st) == r for st, _ in sts)}):
+            m.row({trans: 1.0, **{s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf, "pp_working")
         if not rows_needed:
             continue
         base: dict[int, float] = {trans: 1.0}
@@ -309,6 +312,9 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
             if c_:
                 trans[lay.rank(st)] = max(trans[lay.rank(st)], At)
     policy_terms(cg, lay, choice, policies or {}, A, T, rec, trans)
+    for u, sts in cut.mult.items():  # NOTE [a backward's working set], beside the recomputed block's
+        for r in {lay.rank(st) for st, _ in sts}:
+            trans[r] = max(trans[r], working_of(cg, choice, (u,)))
     if zt is not None:
         T = [max(T[st], G[st] + Gc[st]) if zt.overlap else T[st] + G[st] + Gc[st] for st in range(S)]
     T = [t_ + c_ for t_, c_ in zip(T, Tc)]

@@ -49,8 +49,9 @@ and activations as the schedule keeps them: for every moment of rank r's action 
 torch's own) the micro-batches in flight on each of its stages (forward done, backward not yet), k_s, each holding
 A_s = sum_t (n_t,s A_t - sum_b 2^b zA[t,s,b] + sum_b 2^b zI[t,s,b]) + its embedding / head activations; one row
 per moment that no other moment dominates (1F1B: stage s keeps min(M, p - s); a split backward holds a micro-batch
-until its W), plus one recomputed block
-(pp_transient). So the first stages, which keep the most micro-batches, checkpoint more; with selective policies
+until its W), plus the larger of one recomputed block
+(pp_transient) and the largest backward working set of its stages' units (pp_working: the last stage's loss on a
+large vocabulary; NOTE [a backward's working set] in `treadle.planner.grad_live`). So the first stages, which keep the most micro-batches, checkpoint more; with selective policies
 allowed, each stage also weighs running blocks under them (NOTE [checkpoint policies in a pipeline's stages] in
 `stage_policies.py`). `evaluate` computes the
 same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
