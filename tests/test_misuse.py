@@ -6,7 +6,6 @@ one multi-process run for the misuses that only show at build or in forward, and
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -232,6 +231,17 @@ def test_leaf_rules_apply_only_where_they_reproduce_the_forward():
     assert plain.vocab_axis == "tp" and plain.gathered is None
     same = leaf_plan("fc", PlainSubclass(4, 4), {"weight": [ParamShard(0, "tp")], "bias": [ParamShard(0, "tp")]})
     assert same.gathered is None and same.out == {"tp": Shard(-1)}
+    # the planner shards only what a rule computes on shards: it costs a leaf's output split as the rule makes it,
+    # where build makes a subclass with its own forward whole (a plan's syncs from that split would be refused)
+    from treadle.planner.capabilities import runtime_capabilities
+    from treadle.sharding_rules import computes_on_shards, has_leaf_rule
+
+    assert has_leaf_rule(ScaledEmbedding(16, 4)) and not computes_on_shards(ScaledEmbedding(16, 4))
+    assert computes_on_shards(nn.Embedding(16, 4)) and computes_on_shards(PlainSubclass(4, 4))
+    model = nn.ModuleDict({"own": ScaledEmbedding(16, 4), "plain": nn.Embedding(16, 4), "fc": PlainSubclass(4, 4)})
+    is_leaf_param, is_leaf_module = runtime_capabilities(model)
+    assert [is_leaf_module(p) for p in ("own", "plain", "fc")] == [False, True, True]
+    assert not is_leaf_param("own.weight") and is_leaf_param("plain.weight") and is_leaf_param("fc.bias")
     # a vocab-sharded lookup raises on an id outside the vocab, as nn.Embedding does
     local = nn.Embedding(8, 4)  # rank 1's half of a 16-row table
     fwd = embedding_forward(8, 16)

@@ -152,7 +152,7 @@ def test_a_candidate_whose_priced_peak_misses_the_budget_is_re_solved_with_the_d
     cluster, model, inputs, free = gpt2_2x2_cpu
     graph = free._context["kwargs"]["graph"]
     seen = set()
-    for fraction in (0.5, 0.7, 0.9):  # (one role assignment's memory model corrected: no pipeline competes)
+    for fraction in (0.5, 0.75, 0.9):  # (one role assignment's memory model corrected: no pipeline competes)
         budget = fraction * free.estimate().peak_bytes
         solver = plan_model(model, inputs, cluster=cluster, graph=graph, memory_budget_bytes=budget, price_top=0,
                             pp_axis=None)

@@ -6,7 +6,8 @@ A sharding rule says how one kind of computation runs on shards:
   dimension algebra enumerates every way the op can run on a mesh axis (`treadle.planner.dims`);
 - a module type's *leaf rule* (`register_leaf_rule`): given the layout of the leaf's parameters, the layout
   of its output and the local forward `build` installs (`LeafPlan`). The planner may shard a parameter only
-  where a leaf rule can run its module (`has_leaf_rule`): one answer to "can this be sharded?" for both.
+  where a leaf rule runs its module on shards (`computes_on_shards`); build also shards a leaf whose subclass has
+  its own forward, on gathered weights (`has_leaf_rule`, NOTE [exact leaf rules]).
 
 The parallel forms register their rules here (the tensor-parallel form: Linear, Conv1D, Conv2d, BatchNorm2d; the
 vocab-parallel form: Embedding), and the dimension algebra registers one rule per op family. A second rule for
@@ -130,12 +131,20 @@ def has_leaf_rule(mod: Any) -> bool:
     return _rule_class(type(mod)) is not None
 
 
+def computes_on_shards(mod: Any) -> bool:
+    """True when build runs `mod` on its shards by a rule (NOTE [exact leaf rules]): its class's, or a base class's
+    whose forward it keeps. A subclass with its own forward runs on gathered weights (its output Replicate), which
+    the planner, costing a leaf as the rule computes it, does not model: it shards only these (`planner.capabilities`)."""
+    t = _rule_class(type(mod))
+    return t is not None and (t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None))
+
+
 def leaf_plan(path: str, mod: Any, shards: dict[str, list]) -> LeafPlan:
     """The plan for leaf `mod` whose direct parameters have `shards` (NOTE [exact leaf rules]). Raises BuildError
     for a module type without a rule or a layout the rule does not support, naming path, parameter and axis."""
     t = _rule_class(type(mod))
     if t is not None:
-        if t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None):
+        if computes_on_shards(mod):
             return _rule_of(t)(path, mod, shards)
         logger.info("build: %r is a %s with its own forward; it runs on gathered weights (no %s rule for it)",
                     path, type(mod).__qualname__, t.__qualname__)

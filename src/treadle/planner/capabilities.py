@@ -12,14 +12,15 @@ from torch import nn
 
 from ..form import forms
 from ..placement import R
-from ..sharding_rules import has_leaf_rule
+from ..sharding_rules import computes_on_shards
 from .capture import CapturedGraph
 
 
 def runtime_capabilities(model: nn.Module) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
-    """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime can shard
-    (`treadle.sharding_rules.has_leaf_rule`)."""
-    leaf_paths = {name for name, m in model.named_modules() if has_leaf_rule(m)}
+    """(is_leaf_param(param name), is_leaf_module(path)) for params/modules the runtime computes on shards
+    (`treadle.sharding_rules.computes_on_shards`: not a subclass with its own forward, which build runs gathered:
+    the planner would cost its output split where build makes it whole, and state syncs build refuses)."""
+    leaf_paths = {name for name, m in model.named_modules() if computes_on_shards(m)}
     owners = {}
     for mname, m in model.named_modules():
         for pname, _ in m.named_parameters(recurse=False):
@@ -40,7 +41,7 @@ def attr_resolver(model: nn.Module) -> Callable[[str, int], Any]:
         except AttributeError:
             cache[key] = "ok"
             return "ok"
-        if has_leaf_rule(mod):  # the runtime replaces a sharded leaf's forward: its attributes are unused
+        if computes_on_shards(mod):  # the runtime replaces a sharded leaf's forward: its attributes are unused
             cache[key] = "ok"
             return "ok"
         names = [k for k, v in _fields(mod).items()
@@ -70,11 +71,12 @@ def _fields(obj: Any) -> dict[str, Any]:
 
 
 def tied_leaf_holders(model: nn.Module) -> dict[str, set[str]]:
-    """Parameter name -> the paths of every leaf module the runtime can shard (`has_leaf_rule`) that holds that
-    very parameter object under any name: a tied output embedding computes with the input embedding's shard."""
+    """Parameter name -> the paths of every leaf module the runtime computes on shards (`computes_on_shards`) that
+    holds that very parameter object under any name: a tied output embedding computes with the input embedding's
+    shard."""
     paths: dict[int, set[str]] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
-        if has_leaf_rule(m):
+        if computes_on_shards(m):
             for _, p in m.named_parameters(recurse=False):
                 paths.setdefault(id(p), set()).add(mname)
     return {name: paths.get(id(p), set()) for name, p in model.named_parameters(remove_duplicate=False)}

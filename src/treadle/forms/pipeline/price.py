@@ -26,8 +26,20 @@ gradient all-reduce after the step, in the runtime's buckets (`runtime.replica_b
 the price's step is the slowest rank's. Under FSDP2 / HSDP, NOTE [pipeline FSDP2 price]. A rank's peak is its static bytes, the largest sum over its stages of
 micro-batches in flight (forward done, backward not yet) times A_s as its actions run — a zero-bubble schedule
 keeps them from I to W, with the gradients of the stage's matrix-product outputs that W reads (their forward
-output bytes), and W frees them all (NOTE [a split backward's memory]) — and its largest stage transient with the
-other local stages' gradients.
+output bytes), and W frees them all (NOTE [a split backward's memory]) — with, at each action, the gradients its
+stages hold by then and a backward's working set (NOTE [a stage's gradients at its peak]).
+
+NOTE [a stage's gradients at its peak]: a stage's gradients accumulate over its micro-batches, so from its first
+backward (B, or a split backward's W) to the step's end they are held beside whatever activations are in flight.
+A rank's peak is the most, over its actions, of: the activations in flight (before or after the action), the
+gradients of its stages that have run a backward, FSDP2's gathered stages, and, while a B or I runs, the stage's
+transient: the largest live excess of its rehearsed records over what the earlier stages saved and the later stages'
+gradients (the loss's working set on the last stage: NOTE [a backward's working set] in `treadle.planner.grad_live`),
+that excess net of the stage's own gradients rehearsed so far (its modules' parameters from their first backward
+record) once they are counted as held. And at the step's end: every gradient and a replica's flattened bucket.
+The earlier price added one transient, with every local stage's gradients but the stage's own, at the activations'
+worst moment: so from a stage's second micro-batch on its own gradients were missing (tiny LLaMA PP2 1F1B, 8
+micro-batches: rank 0 2.36 MB priced, 2.62 MB with them; the planner's MILP counted them, in static).
 
 NOTE [a split backward's memory]: a split backward runs I with ``retain_graph=True``; the stage's graph then lives
 while W's parameter groups hold its nodes, and dies at W (every saved tensor with it), unless something else holds
@@ -221,10 +233,22 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
         if p.requires_grad:
             for s in stages:
                 grads[s] += p.numel() * p.element_size()
-    trans = [0.0] * n_stages
+    trans = [0.0] * n_stages  # NOTE [a stage's gradients at its peak]: with its own gradients so far, and without
+    trans_ex = [0.0] * n_stages
+    own_grads = [0.0] * n_stages
+    module_grads: dict[str, float] = {}
+    for i, p in objs.items():
+        if p.requires_grad:
+            module_grads[names[i].rpartition(".")[0]] = (module_grads.get(names[i].rpartition(".")[0], 0.0)
+                                                         + p.numel() * p.element_size())
+    reached: set[str] = set()
     for r, s in zip(recs, stage_of):
+        if r.phase != "forward" and r.module not in reached:  # its parameters' gradients exist from here
+            reached.add(r.module)
+            own_grads[s] += module_grads.get(r.module, 0.0)
         before = sum(saved[:s]) + (sum(grads[s + 1:]) if r.phase != "forward" else 0.0)
         trans[s] = max(trans[s], r.live_after_bytes - before - saved[s])
+        trans_ex[s] = max(trans_ex[s], r.live_after_bytes - before - saved[s] - own_grads[s])
     buffers = buffer_bytes(reh.model)
     input_b = sum(t.numel() * t.element_size() for t in _tensors(dict(example_inputs)))
     tied = [i for i, stages in holders.items() if len({ranks_of[s] for s in stages}) > 1]
@@ -248,7 +272,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                       for p in trainable)
         opt_s = (math.fsum(adamw_tensor_s(p.numel() / div(p), p.dtype, opt_b, hw, subclass=subclass)
                            for p in trainable) + adamw_fixed_s(hw, subclass=subclass))
-        act = peak_act = peak_held = 0.0
+        act = peak_act = peak_held = level = grads_done = 0.0
+        done: set[int] = set()  # stages whose gradients exist (accumulated from their first backward on)
         gathered = fs.gathered[rank] if fs else [0.0] * len(tl.slots[rank])
         for slot, held_b in zip(tl.slots[rank], gathered):
             a = slot.action
@@ -263,12 +288,18 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                 act -= saved[a.stage]
             peak_act = max(peak_act, act)
             peak_held = max(peak_held, max(before, act) + held_b)  # with what FSDP2 holds gathered meanwhile
-        local_grads = sum(grads[s] for s in mine)
-        transient = max((trans[s] + local_grads - grads[s] for s in mine), default=0.0)
+            # NOTE [a stage's gradients at its peak]: the gradients done so far, and a backward's working set
+            extra = 0.0
+            if a.kind in ("B", "I"):
+                extra = max(0.0, trans_ex[a.stage]) if a.stage in done else max(0.0, trans[a.stage])
+            level = max(level, max(before, act) + grads_done + extra + held_b)  # (and FSDP2's gathered stages)
+            if a.kind in ("B", "W") and a.stage not in done:
+                done.add(a.stage)
+                grads_done += grads[a.stage]
         end = max((sl.end_s for sl in tl.slots[rank]), default=0.0)
         dp_s, bucket_b = _replica_allreduce([p for p in trainable if id(p) not in foreign], replicas, dp_link)
-        transient = max(transient, bucket_b)  # the flattened bucket beside the gradients
-        transient = max(0.0, transient) + peak_held - peak_act  # FSDP2's gathered stages at the activations' worst
+        level = max(level, act + grads_done + bucket_b)  # the step's end: every gradient, the flattened bucket
+        transient = level - peak_act
         if fs:
             dp_s = fs.gather_s[rank] + fs.reduce_s[rank]  # inside the actions' time (the timeline has them)
         ranks[rank] = {"stages": mine, "step_s": end + opt_s + tied_s + (0.0 if fs else dp_s), "optimizer_s": opt_s,
