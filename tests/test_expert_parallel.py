@@ -593,8 +593,10 @@ def test_experts_under_zero3_inside_pipeline_stages_are_priced_by_hand():
     cl = parse_cluster("1x8:cpu")
     inputs = lm_inputs(8, 16)
     split, whole = (treadle.price(_pp_fsdp_experts(ep), inputs, cl) for ep in (True, False))
-    # every parameter 1/4 on a rank either way: the local half of the experts, halved again over dp
-    assert split.static_bytes == pytest.approx(whole.static_bytes, rel=1e-9)
+    # every parameter 1/4 on a rank either way: the local half of the experts, halved again over dp (rank by rank:
+    # the largest rank, whose static bytes the price reports, may differ by a transient)
+    for r, got in split.pipeline["ranks"].items():
+        assert got["static_bytes"] == pytest.approx(whole.pipeline["ranks"][r]["static_bytes"], rel=1e-9)
     model = tiny_mixtral()
     nbytes = {n: t.numel() * 4 for n, t in model.named_parameters()}
     experts = sum(b for n, b in nbytes.items() if n.startswith("model.layers.0.mlp.experts.")) / 2  # the local half

@@ -57,6 +57,7 @@ class BackwardLive:
         self.log: list[tuple] = []  # ("a", key, nbytes, numel, node) | ("f", key)
         self.refs: dict[int, weakref.ref] = {}
         self.grad_events: set[int] = set()  # allocations (log positions) of parameters' gradients
+        self.last: dict[int, int] = {}  # storage id -> the log position of its latest allocation
 
     def made(self, out: Any, node: str | None, *seen: Any) -> None:
         """Log the storages `out` holds that are new (not in any of `seen`: the forward's, the parameters' and
@@ -69,6 +70,7 @@ class BackwardLive:
             if key in self.refs or any(key in x for x in seen) or not st.nbytes():
                 continue
             self.refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
+            self.last[key] = len(self.log)
             self.log.append(("a", key, st.nbytes(), st.nbytes() // max(1, t.element_size()), node))
 
     def _free(self, key: int) -> None:
@@ -87,9 +89,7 @@ class BackwardLive:
             p.grad = None
 
     def _not_working(self, t: torch.Tensor) -> None:
-        key = id(t.untyped_storage())  # its allocation: the latest logged with that id
-        i = next((i for i in range(len(self.log) - 1, -1, -1) if self.log[i][0] == "a" and self.log[i][1] == key),
-                 None)
+        i = self.last.get(id(t.untyped_storage()))  # its allocation: the latest logged with that id
         if i is not None:
             self.grad_events.add(i)
 
@@ -127,6 +127,7 @@ class BackwardLive:
                     parts[s] = parts.get(s, 0) + b * (total - freed) / total
                 out[node] = {s: int(b) for s, b in parts.items()}
         return out
+
 
 def by_index(parts: dict[str, dict[str | None, int]] | None, index_of: dict[str, int]
              ) -> dict[int, dict[int, int]] | None:
