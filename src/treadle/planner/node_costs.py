@@ -10,8 +10,10 @@ backward all-reduce for a replicated input of an op sharded on a tensor axis, an
 (`treadle.form.Form.node_cost`, `param_cost`: the data-parallel reduction of the gradients of the parameters
 the node owns, kept apart in `dp_comm_s` for the overlap of NOTE [bucketed data parallel]). Memory: parameter + gradient + optimizer state of owned parameters divided by their
 shards (and by the dp axis under ZeRO-3), and saved activations: the bytes autograd really saves of each
-node's storages, measured at capture (NOTE [saved by autograd] in saved.py), divided like the node's output;
-only when that measurement failed (`CapturedGraph.saved_error`) the per-op rules below decide.
+node's storages, measured at capture (NOTE [saved by autograd] in saved.py), each divided like the tensor of
+the node it is shaped like (its output, or an input: a loss's log-softmax), and the most its backward holds beside
+them (`work_bytes`, NOTE [a backward's working set] in grad_live.py); only when that measurement failed
+(`CapturedGraph.saved_error`) the per-op rules below decide.
 """
 
 from __future__ import annotations
@@ -277,7 +279,8 @@ class NodeCosts:
 
     def saved_bytes(self, n: Node, combo, pub) -> float:
         """Bytes of n's outputs that autograd keeps, per device: the measured global figure (NOTE [saved by
-        autograd] in saved.py) divided like n's first output; without a measurement, the per-op rules."""
+        autograd] in saved.py), each part divided like the tensor of n it is shaped like (`split_bytes`; where the
+        split was not measured, like n's first output); without a measurement, the per-op rules."""
         i = n.index
         outs = n.out if isinstance(n.out, tuple) else (n.out,)
         like = self.g.saved_like.get(i) if self.g.saved_like is not None else None

@@ -50,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..profile import fake_gaps
-from .grad_live import BackwardLive, shapes_of, slot
 from ..profile.recorder import METADATA_QUERIES
+from .grad_live import BackwardLive, shapes_of, slot
 
 logger = logging.getLogger(__name__)
 
