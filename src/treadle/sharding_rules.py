@@ -134,7 +134,8 @@ def has_leaf_rule(mod: Any) -> bool:
 def computes_on_shards(mod: Any) -> bool:
     """True when build runs `mod` on its shards by a rule (NOTE [exact leaf rules]): its class's, or a base class's
     whose forward it keeps. A subclass with its own forward runs on gathered weights (its output Replicate), which
-    the planner, costing a leaf as the rule computes it, does not model: it shards only these (`planner.capabilities`)."""
+    the planner, costing a leaf as the rule computes it, does not model: it shards only these
+    (`planner.capabilities`)."""
     t = _rule_class(type(mod))
     return t is not None and (t is type(mod) or getattr(type(mod), "forward", None) is getattr(t, "forward", None))
 

@@ -7,17 +7,20 @@ intermediates of its backward formula. For most nodes that is a few hidden-sized
 vocabulary it is not: a cross entropy over fp32 logits holds the gradient of its log-softmax and that of the
 logits at once, two fp32 logits-sized tensors (Llama-3-8B, 8192 tokens a rank: 7.8 GiB), at the start of the
 backward, when every activation is still saved. The price's rehearsal sees it (its transient); the planner's
-MILP charged it nothing, so a pipeline's last stage came out 9.5 GiB under its price (llama-3-8b, 2 x 8 H100).
+MILP charged it nothing, so a pipeline's last stage came out 7.9 GiB under its price (llama-3-8b, 2 x 8 H100:
+13.6 GiB against 21.5).
 
 Measured on the capture's fake run: every storage the backward makes is logged with the node whose autograd
-functions made it (`saved._Run.bwd_current`) and logged again when it dies (a weak reference); the gradients of
-parameters are static memory (the cost graph counts them there) and leave the log (a post-accumulate hook hands
-each to `grad_events`, the tensor hook the gradient before accumulation, and the hook drops it). Replayed after the backward, each node's working set is the most the live
-storages reached while it ran, split by which of the node's tensors each storage is shaped like (`slot`: its
-output, else an input of the same element count, else its output), so that the cost graph divides each part by
-that tensor's shards under a strategy (`node_costs.split_bytes`). The saved bytes are split the same way:
-a composite node's saved intermediate (the log-softmax a cross entropy keeps) is shaped like its input, and a
-vocabulary-parallel loss keeps 1/tp of it, where dividing by the (scalar) output's shards kept all of it.
+functions made it (`saved._Run.bwd_current`) and logged again when it dies (a weak reference); views of the
+forward's, the parameters' and the inputs' storages are no allocation. The gradients of parameters are static memory
+(the cost graph counts them there) and leave the log: a tensor hook marks the gradient before accumulation, a
+post-accumulate hook what `.grad` holds, and drops it. Replayed after the backward, each node's working set is the
+most the live storages exceeded the saved activations freed so far while it ran (`BackwardLive.peaks`), split by
+which of the node's tensors each storage is shaped like (`slot`: its output, else an input of the same element
+count, else its output), so that the cost graph divides each part by that tensor's shards under a strategy
+(`node_costs.split_bytes`). The saved bytes are split the same way: a composite node's saved intermediate (the
+log-softmax a cross entropy keeps) is shaped like its input, and a vocabulary-parallel loss keeps 1/tp of it, where
+dividing by the (scalar) output's shards kept all of it.
 
 The MILP adds the largest working set of a rank's units to its transient (beside the recomputed block's: they
 come at different moments of the backward, so the larger of them, `ilp.memory_expression` and the pipeline's
