@@ -147,11 +147,10 @@ def by_index(parts: dict[str, dict[str | None, int]] | None, index_of: dict[str,
     return got
 
 
-def working_terms(cg, units=None) -> list[tuple[int, list[float]]]:
-    """(unit, per-strategy working-set bytes) of the units of `cg` (or of `units`) whose backward holds anything
-    beside the saved activations (NOTE [a backward's working set]); the MILP states its transient >= each."""
-    us = range(len(cg.units)) if units is None else units
-    got = [(u, [c.work_bytes for c in cg.units[u].costs]) for u in us]
+def working_terms(cg) -> list[tuple[int, list[float]]]:
+    """(unit, per-strategy working-set bytes) of the units of `cg` whose backward holds anything beside the saved
+    activations (NOTE [a backward's working set]); the MILP states its transient >= each."""
+    got = [(u, [c.work_bytes for c in unit.costs]) for u, unit in enumerate(cg.units)]
     return [(u, w) for u, w in got if any(w)]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from ..form import forms
 from . import policies, variants
-from .grad_live import working_of
 from .cost_graph import CostGraph
+from .grad_live import working_of
 
 
 def evaluate(cg: CostGraph, choice: list[int], ckpt: dict[int, int],

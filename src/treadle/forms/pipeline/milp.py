@@ -208,8 +208,8 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if isinstance(send, list):
             for (u, k), sec in send:
                 obj[s[u, k]] = obj.get(s[u, k], 0.0) + 2 * sec * _SECONDS
-    # memory per rank: static + activations in flight at each undominated moment + one recomputed block
-    moments = inflight(lay)
+    # memory per rank: static + activations in flight at each undominated moment + one recomputed block or working set
+    moments, work = inflight(lay), working_terms(cg)
     fixed = cg.fixed_static_bytes * _BYTES
     mem_rows: list[dict[int, float]] = []
     rows_needed = budget_bytes is not None or minimise == "memory"
@@ -220,7 +220,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         trans = m.var(ub=math.inf)
         for z in zts[r]:
             m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
-        for u, w in working_terms(cg, {u for u, sts in cut.mult.items() if any(lay.rank(st) == r for st, _ in sts)}):
+        for u, w in ((u, w) for u, w in work if any(lay.rank(st) == r for st, _ in cut.mult.get(u, ()))):
             m.row({trans: 1.0, **{s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf, "pp_working")
         if not rows_needed:
             continue

@@ -239,8 +239,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     module_grads: dict[str, float] = {}
     for i, p in objs.items():
         if p.requires_grad:
-            module_grads[names[i].rpartition(".")[0]] = (module_grads.get(names[i].rpartition(".")[0], 0.0)
-                                                         + p.numel() * p.element_size())
+            mod = names[i].rpartition(".")[0]
+            module_grads[mod] = module_grads.get(mod, 0.0) + p.numel() * p.element_size()
     reached: set[str] = set()
     for r, s in zip(recs, stage_of):
         if r.phase != "forward" and r.module not in reached:  # its parameters' gradients exist from here
