@@ -4,6 +4,8 @@ import itertools
 import math
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from treadle.cost import collective_cost as cc
 from treadle.cost.cluster import ClusterSpec, parse_cluster
@@ -51,11 +53,22 @@ def test_local_copies_priced_when_the_cluster_has_a_copy_rate():
     free = plan_conversion("R S0", "R S2", global_shape=SHAPE, itemsize=4, cluster=LOOP)
     assert a2a.steps[0].copy_bytes == 2 * local_bytes and free.steps[0].copy_bytes == 2 * local_bytes
     assert a2a.time_s == pytest.approx(free.time_s + 2 * local_bytes / rate)
-    # a gather on dim 0 packs nothing; on dim 2 it moves its input to the front and its output back
+    # NOTE [copies], as the runtime runs them: a gather on dim 0 packs nothing; on dim 2 it concatenates its
+    # gathered chunks (its output), and its backward (a split of the complete gradient) clones its chunk
     g0 = plan_conversion("S0 R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
     g2 = plan_conversion("S2 R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
-    assert g0.steps[0].copy_bytes == 0 and g2.steps[0].copy_bytes == local_bytes + 2 * local_bytes
-    assert g2.time_s == pytest.approx(g0.time_s + 3 * local_bytes / rate)
+    assert g0.local_ops == g0.backward_local_ops == (0,) and g2.local_ops == (0, 0, 2 * local_bytes)
+    assert g2.backward_local_ops == (0, local_bytes) and g2.steps[0].copy_bytes == 2 * local_bytes
+    assert g2.time_s == pytest.approx(g0.time_s + 2 * local_bytes / rate)
+    assert g2.backward_time_s == pytest.approx(g0.backward_time_s + local_bytes / rate)
+    # a sum: the all-reduce clones its buffer; a reduce-scatter on dim 2 concatenates its input's chunks, and
+    # its backward (a gather) its output
+    ar = plan_conversion("P R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
+    rs = plan_conversion("P R", "S2 R", global_shape=SHAPE, itemsize=4, cluster=cl)
+    full = 2 * local_bytes
+    assert (ar.local_ops, ar.backward_local_ops) == ((full,), ())
+    assert [s.op for s in rs.steps] == ["reduce_scatter"]
+    assert (rs.local_ops, rs.backward_local_ops) == ((0, full, 0), (0, 0, full))
     with pytest.raises(LayoutError, match=r"copy_bytes_per_s must be > 0 or None; got 0"):
         LOOP.with_links(LOOP.links, copy_bytes_per_s=0)
 
@@ -164,3 +177,66 @@ def test_presets_cluster_and_errors():
         plan_conversion("R R", "R R", global_shape=SHAPE, itemsize=0, cluster=cl)
     with pytest.raises(LayoutError, match=r"source layout \(R\): has 1 placements but the mesh"):
         plan_conversion("R", "R R", global_shape=SHAPE, itemsize=4, cluster=cl)
+
+
+_COLLECTIVE_OPS = {"_allgather_base_", "_reduce_scatter_base_", "allreduce_", "alltoall_base_"}
+_COPYING_OPS = {"cat", "clone", "stack", "copy_", "zeros_like"}
+
+
+class _Seen(TorchDispatchMode):
+    """The local ops dispatched inside it, each by the bytes it copies (0: an allocation or a view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in _COLLECTIVE_OPS:
+            self.ops.append(out.numel() * out.element_size() if name in _COPYING_OPS else 0)
+        return out
+
+
+@pytest.mark.parametrize("op,dim", [("all_reduce", None), ("reduce_scatter", 0), ("reduce_scatter", 1),
+                                    ("all_gather", 0), ("all_gather", 1), ("split", 0), ("split", 1),
+                                    ("all_to_all", 1)])
+def test_runtime_ops_are_what_the_runtime_dispatches(op, dim):
+    """NOTE [copies]: `runtime_ops` lists the local ops `treadle.runtime.collectives` dispatches around each step,
+    forward and backward, with the bytes each copies, as a dispatch mode sees them on a fake group of 2."""
+    import treadle.runtime.collectives as C
+    from treadle.cost.convert import runtime_ops
+    from treadle.profile.fake_group import fake_process_group
+
+    run = {"all_reduce": lambda x, g: C.all_reduce(x, g), "reduce_scatter": lambda x, g: C.reduce_scatter(x, dim, g),
+           "all_gather": lambda x, g: C.all_gather(x, dim, g), "split": lambda x, g: C.split(x, dim, g),
+           "all_to_all": lambda x, g: C.all_to_all(x, 0, dim, g)}[op]
+    x = torch.randn(4, 6, 2, requires_grad=True)
+    with fake_process_group(2):
+        with _Seen() as fwd:
+            y = run(x, torch.distributed.group.WORLD)
+        gy = torch.randn_like(y)
+        with _Seen() as bwd:
+            torch.autograd.grad(y, x, gy)
+    want_f, want_b = runtime_ops(op, dim, x.numel() * x.element_size(), 2)
+    assert (fwd.ops, bwd.ops) == (list(want_f), list(want_b))
+
+
+@pytest.mark.parametrize("n_params", [0, 1, 2])
+def test_grad_sum_ops_are_what_the_runtime_dispatches(n_params):
+    """NOTE [copies]: `grad_sum_ops` lists the local ops of Megatron's "f" (`grad_all_reduce`, and
+    `grad_all_reduce_many` over a norm's parameters), forward and backward, as a dispatch mode sees them."""
+    import treadle.runtime.collectives as C
+    from treadle.cost.convert import grad_sum_ops
+    from treadle.profile.fake_group import fake_process_group
+
+    xs = [torch.randn(6 + i, requires_grad=True) for i in range(max(n_params, 1))]
+    with fake_process_group(2):
+        g = torch.distributed.group.WORLD
+        with _Seen() as fwd:
+            ys = C.grad_all_reduce_many(xs, g) if n_params else [C.grad_all_reduce(xs[0], g)]
+        gys = [torch.randn_like(y) for y in ys]
+        with _Seen() as bwd:
+            torch.autograd.grad(ys, xs, gys)
+    want_f, want_b = grad_sum_ops(sum(x.numel() * 4 for x in xs), n_params)
+    assert (fwd.ops, bwd.ops) == (list(want_f), list(want_b))

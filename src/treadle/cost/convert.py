@@ -20,13 +20,19 @@ such a set into one dim (ascending axis order), and all-gather of the innermost 
 a link with a per-call launch cost one collective over the flattened group beats one per axis, and the
 shortest path takes whichever is cheaper.
 
-NOTE [copies]: the runtime packs buffers around collectives (`treadle.runtime.collectives` moves a non-leading
-dim to the front and back; all-to-all stacks and concatenates its chunks; all-reduce clones; split keeps a
-contiguous chunk). With `ClusterSpec.copy_bytes_per_s` set, each move also pays its copied bytes at that rate:
-all_gather / reduce_scatter on dim 0 copy nothing, on another dim their input and output; all_to_all twice
-its buffer; all_reduce and to_partial their buffer; split on a dim other than 0 its chunk; a flattened
-gather whose axes are not in ascending order one more output to permute blocks. Without it (None) copies
-are free.
+NOTE [copies]: the runtime packs buffers around collectives (`treadle.runtime.collectives`, whose gathers match
+DTensor's: NOTE [contiguous gathers]), and `runtime_ops` states the local ops it dispatches around each step, forward
+and backward (the backward per NOTE [grad layouts]), each by the bytes it copies (0: an allocation or a view). With L
+the step's local input bytes and n its group, on a dim d != 0: reduce_scatter splits and concatenates its input (L)
+and allocates its output, its backward allocates, gathers and concatenates (L); all_gather allocates, splits and
+concatenates its output (n L), its backward splits the complete gradient and clones its chunk (L); split splits and
+clones its chunk (L / n), its backward gathers (L); on dim 0 each only allocates or splits. all_reduce clones L and
+its backward passes the gradient on; all_to_all splits, stacks (L), allocates, unbinds and concatenates (L), both
+ways; to_partial writes L; a flattened gather whose axes are not in ascending order splits and concatenates its
+output again (n L). `tests/test_cost_convert.py` counts them against the runtime's dispatch. With
+`ClusterSpec.copy_bytes_per_s` set, each move also pays its copied bytes at that rate, which steers the path;
+without it (None) the path ignores them, and the planner prices the same ops as `treadle.price` prices the ones
+it records (`treadle.planner.node_costs`).
 
 Prices come from the cluster's links, so a calibrated cluster steers the path (on gloo, whose reduce-scatter
 is slow, all-reduce + split can win). Backward costs follow NOTE [grad layouts] in
@@ -67,8 +73,9 @@ class ConversionStep:
     """One move of a conversion. `axes` are mesh axis names (several: one flattened group, outer to inner);
     `dim` is the tensor dim gathered, scattered or split (for all_to_all the new shard dim, `src_dim` the old);
     `nbytes` is the per-rank buffer in `collective_cost`'s convention (all_gather: gathered output; others:
-    local input); `copy_bytes` the local packing copies of the forward (NOTE [copies]); `group_size` the
-    ranks in one group; `time_s` forward, `backward_time_s` its adjoint, both with their copies."""
+    local input); `local_ops` and `backward_local_ops` the ops the runtime dispatches around it, forward and
+    backward, each by the bytes it copies (NOTE [copies]); `group_size` the ranks in one group; `time_s` forward,
+    `backward_time_s` its adjoint, both with their copies at the cluster's copy rate (none without one)."""
 
     op: Op
     axes: tuple[str, ...]
@@ -76,12 +83,18 @@ class ConversionStep:
     dim: int | None
     src_dim: int | None
     nbytes: int
-    copy_bytes: int
+    local_ops: tuple[int, ...]
+    backward_local_ops: tuple[int, ...]
     group_size: int
     time_s: float
     backward_time_s: float
     before: Layout
     after: Layout
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes the forward copies locally (NOTE [copies])."""
+        return sum(self.local_ops)
 
     @property
     def is_comm(self) -> bool:
@@ -119,6 +132,17 @@ class ConversionPlan:
     @property
     def total_time_s(self) -> float:
         return self.time_s + self.backward_time_s
+
+    @property
+    def local_ops(self) -> tuple[int, ...]:
+        """The forward's local ops around its collectives, step by step, each by the bytes it copies (NOTE
+        [copies])."""
+        return tuple(c for s in self.steps for c in s.local_ops)
+
+    @property
+    def backward_local_ops(self) -> tuple[int, ...]:
+        """The backward's local ops, each by the bytes it copies (NOTE [copies])."""
+        return tuple(c for s in reversed(self.steps) for c in s.backward_local_ops)
 
     @property
     def num_collectives(self) -> int:
@@ -200,9 +224,10 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh_
         edges.append((before, state, edge))
         state = before
     steps = []
-    for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, copy_bytes) in reversed(edges):
+    for before, after, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, cf, cb) in reversed(edges):
         steps.append(ConversionStep(op=op, axes=tuple(names[a] for a in axes), axis_indices=axes, dim=dim,
-                                    src_dim=src_dim, nbytes=int(nbytes), copy_bytes=int(copy_bytes),
+                                    src_dim=src_dim, nbytes=int(nbytes), local_ops=tuple(int(x) for x in cf),
+                                    backward_local_ops=tuple(int(x) for x in cb),
                                     group_size=math.prod(mesh_shape[a] for a in axes),
                                     time_s=fwd_s, backward_time_s=bwd_s,
                                     before=Layout._from_codes(*before), after=Layout._from_codes(*after)))
@@ -257,10 +282,45 @@ def _set_order(order, dim: int, axes: tuple[int, ...] | None) -> tuple:
     return tuple(sorted(out))
 
 
+def runtime_ops(op: str, dim: int | None, local_bytes: float, n: int, *,
+                permute: bool = False) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The local ops the runtime dispatches around one step of `op` on `dim` over a group of `n`, forward and
+    backward, each by the bytes it copies (0: an allocation or a view; NOTE [copies]). `local_bytes` is the step's
+    local input; `permute` a flattened gather whose axes are not in ascending order."""
+    lb, off = local_bytes, dim not in (None, 0)
+    if op == "all_reduce":
+        return (lb,), ()  # clone; the backward passes the gradient on
+    if op == "to_partial":
+        return (lb,), ()  # clone (or zeros)
+    if op == "reduce_scatter":  # split + cat of the input, the output allocated; backward: a gather
+        return ((0.0, lb, 0.0), (0.0, 0.0, lb)) if off else ((0.0,), (0.0,))
+    if op == "all_gather":  # the output allocated, split + cat; backward: a split of the complete gradient
+        fwd = (0.0, 0.0, lb * n) if off else (0.0,)
+        return fwd + ((0.0, lb * n) if permute else ()), ((0.0, lb) if off else (0.0,))
+    if op == "split":  # split + clone of the chunk; backward: a gather
+        return ((0.0, lb / n), (0.0, 0.0, lb)) if off else ((0.0,), (0.0,))
+    if op == "all_to_all":  # split, stack, allocate, unbind, cat; the backward the same
+        ops = (0.0, lb, 0.0, 0.0, lb)
+        return ops, ops
+    raise LayoutError(f"runtime_ops: unknown step {op!r}")
+
+
+def grad_sum_ops(nbytes: float, n_params: int = 0) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The local ops around Megatron's "f" (`treadle.runtime.collectives.grad_all_reduce`: identity forward,
+    the gradient all-reduced in backward), forward and backward, each by the bytes it copies (NOTE [copies]):
+    a view, then a clone of the `nbytes` gradient. With `n_params` > 0, `grad_all_reduce_many` over that many
+    parameters' gradients (`nbytes` in all): a view each, then a view each, one concatenation, its clone, a split
+    and a view each."""
+    if n_params <= 0:
+        return (0.0,), (nbytes,)
+    k = (0.0,) * n_params
+    return k, k + (nbytes, nbytes, 0.0) + k
+
+
 def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per_byte: float = 0.0):
-    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, copy_bytes)) for every move out of
-    `state`. `shape` decides divisibility only (a global shape, or its gcd with the world size). Times
-    include the local packing copies (NOTE [copies]) at `copy_s_per_byte`."""
+    """Yield (next_state, (op, axes, dim, src_dim, nbytes, fwd_s, bwd_s, local ops, backward local ops)) for every
+    move out of `state`. `shape` decides divisibility only (a global shape, or its gcd with the world size).
+    Times include the local packing copies (NOTE [copies]) at `copy_s_per_byte`."""
     codes, order = state
     local = _local(shape, order, mesh_shape)
     lb = total_bytes // math.prod(mesh_shape[a] for _, axes in order for a in axes)
@@ -269,48 +329,43 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
     partial = [i for i, c in enumerate(codes) if c == P]
     cps = copy_s_per_byte
 
-    def gather_copy(dim: int, in_bytes: float, out_bytes: float) -> float:
-        return 0.0 if dim == 0 else in_bytes + out_bytes
+    def move(op, axes, dim, src_dim, nbytes, comm_f, comm_b, n, permute=False):
+        cf, cb = runtime_ops(op, dim, lb, n, permute=permute)
+        return (op, axes, dim, src_dim, nbytes, comm_f + sum(cf) * cps, comm_b + sum(cb) * cps, cf, cb)
 
     for i, c in enumerate(codes):
         n, link = mesh_shape[i], links[i]
         if c == P:
             nc = codes[:i] + (R,) + codes[i + 1:]
-            yield (nc, order), ("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link) + lb * cps,
-                                0.0, lb)
+            yield (nc, order), move("all_reduce", (i,), None, None, lb, cc.all_reduce_time_s(lb, n, link), 0.0, n)
             for d in range(ndim):
                 if local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
-                    cb = gather_copy(d, lb, lb / n)
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
-                           ("reduce_scatter", (i,), d, None, lb, cc.reduce_scatter_time_s(lb, n, link) + cb * cps,
-                            cc.all_gather_time_s(lb, n, link) + cb * cps, cb))
+                           move("reduce_scatter", (i,), d, None, lb, cc.reduce_scatter_time_s(lb, n, link),
+                                cc.all_gather_time_s(lb, n, link), n))
         elif c == R:
             for d in range(ndim):
                 if local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
-                    cb = 0.0 if d == 0 else lb / n
                     yield ((nc, _set_order(order, d, axes_of.get(d, ()) + (i,))),
-                           ("split", (i,), d, None, lb, cb * cps,
-                            cc.all_gather_time_s(lb, n, link) + gather_copy(d, lb / n, lb) * cps, cb))
+                           move("split", (i,), d, None, lb, 0.0, cc.all_gather_time_s(lb, n, link), n))
             nc = codes[:i] + (P,) + codes[i + 1:]
-            yield (nc, order), ("to_partial", (i,), None, None, lb, lb * cps, 0.0, lb)
+            yield (nc, order), move("to_partial", (i,), None, None, lb, 0.0, 0.0, n)
         else:
             d_axes = axes_of[c]
             if d_axes[-1] != i:
                 continue  # only the innermost axis of a dim moves on its own (NOTE [shard order])
             rest = d_axes[:-1]
             nc = codes[:i] + (R,) + codes[i + 1:]
-            cb = gather_copy(c, lb, lb * n)
             yield ((nc, _set_order(order, c, rest)),
-                   ("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link) + cb * cps,
-                    (0.0 if c == 0 else lb) * cps, cb))
-            t = cc.all_to_all_time_s(lb, n, link) + 2 * lb * cps
+                   move("all_gather", (i,), c, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0, n))
+            t = cc.all_to_all_time_s(lb, n, link)
             for d in range(ndim):
                 if d != c and local[d] % n == 0:
                     nc = codes[:i] + (d,) + codes[i + 1:]
                     new_order = _set_order(_set_order(order, c, rest), d, axes_of.get(d, ()) + (i,))
-                    yield (nc, new_order), ("all_to_all", (i,), d, c, lb, t, t, 2 * lb)
+                    yield (nc, new_order), move("all_to_all", (i,), d, c, lb, t, t, n)
     # ---- flattened groups over several axes
     if len(partial) >= 2:
         for k in range(2, len(partial) + 1):
@@ -318,23 +373,20 @@ def _edges(state: _State, shape, total_bytes: int, mesh_shape, links, copy_s_per
                 n = math.prod(mesh_shape[a] for a in group)
                 link = cc.flat_link([links[a] for a in group])
                 nc = tuple(R if a in group else x for a, x in enumerate(codes))
-                yield (nc, order), ("all_reduce", group, None, None, lb,
-                                    cc.all_reduce_time_s(lb, n, link) + lb * cps, 0.0, lb)
+                yield (nc, order), move("all_reduce", group, None, None, lb, cc.all_reduce_time_s(lb, n, link),
+                                        0.0, n)
                 for d in range(ndim):
                     if local[d] % n == 0:
-                        cb = gather_copy(d, lb, lb / n)
                         nc = tuple(d if a in group else x for a, x in enumerate(codes))
                         yield ((nc, _set_order(order, d, axes_of.get(d, ()) + group)),
-                               ("reduce_scatter", group, d, None, lb, cc.reduce_scatter_time_s(lb, n, link) + cb * cps,
-                                cc.all_gather_time_s(lb, n, link) + cb * cps, cb))
+                               move("reduce_scatter", group, d, None, lb, cc.reduce_scatter_time_s(lb, n, link),
+                                    cc.all_gather_time_s(lb, n, link), n))
     for d, d_axes in order:
         for k in range(2, len(d_axes) + 1):
             group = d_axes[-k:]
             n = math.prod(mesh_shape[a] for a in group)
             link = cc.flat_link([links[a] for a in group])
             nc = tuple(R if a in group else x for a, x in enumerate(codes))
-            # a group not in ascending axis order gathers in rank order, then permutes its blocks (one copy)
-            cb = gather_copy(d, lb, lb * n) + (0.0 if list(group) == sorted(group) else lb * n)
             yield ((nc, _set_order(order, d, d_axes[:-k])),
-                   ("all_gather", group, d, None, lb * n, cc.all_gather_time_s(lb * n, n, link) + cb * cps,
-                    (0.0 if d == 0 else lb) * cps, cb))
+                   move("all_gather", group, d, None, lb * n, cc.all_gather_time_s(lb * n, n, link), 0.0, n,
+                        permute=list(group) != sorted(group)))

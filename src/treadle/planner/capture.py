@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -49,10 +50,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -90,9 +88,7 @@ class Node:
 
     @property
     def op_name(self) -> str:
-        if self.kind != "op":
-            return self.kind
-        return _op_name(self.target)
+        return _op_name(self.target) if self.kind == "op" else self.kind
 
 
 def _op_name(target: Any) -> str:
@@ -151,6 +147,8 @@ class CapturedGraph:
     sac: dict[str, dict] | None = None  # per selective policy, per block node: `policies.SacFact` (NOTE [ops a policy keeps])
     saved_like: dict[int, dict[int, int]] | None = None  # `saved` by the input it is shaped like (-1: the output)
     working: dict[int, dict[int, int]] | None = None  # the same of NOTE [a backward's working set] (grad_live.py)
+    fwd_bytes: dict[int, int] | None = None  # bytes each node's ops move, forward and backward (NOTE [bytes per
+    bwd_bytes: dict[int, int] | None = None  # node] in saved.py); None: not measured
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -426,19 +424,20 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     logger.info("captured %s: %d nodes, %d ops, %d block instances in %d templates", type(model).__name__,
                 len(nodes), sum(1 for n in nodes if n.kind == "op"), len(blocks),
                 len({b.template for b in blocks}))
-    saved = fwd_ops = bwd_ops = packers = packs = saved_like = working = None
-    if measured is not None:  # (working: None when the backward failed)
+    saved = fwd_ops = bwd_ops = packers = packs = saved_like = working = fwd_b = bwd_b = None
+    if measured is not None:  # (working and the backward's figures: None when the backward failed)
+        def idx(d):
+            return None if d is None else {index_of[k]: v for k, v in d.items() if k in index_of}
+
         saved_like, working = by_index(measured.saved_like, index_of), by_index(measured.working, index_of)
         packers = frozenset(index_of[k] for k in measured.packers if k in index_of)
-        packs = {index_of[k]: v for k, v in measured.packs.items() if k in index_of}
-        saved = {index_of[k]: v for k, v in measured.saved.items() if k in index_of}
-        fwd_ops = {index_of[k]: v for k, v in measured.fwd_ops.items() if k in index_of}
-        if measured.bwd_ops is not None:
-            bwd_ops = {index_of[k]: v for k, v in measured.bwd_ops.items() if k in index_of}
+        packs, saved, fwd_ops, bwd_ops = (idx(d) for d in (measured.packs, measured.saved, measured.fwd_ops,
+                                                            measured.bwd_ops))
+        fwd_b, bwd_b = idx(measured.fwd_bytes), idx(measured.bwd_bytes)
     sac = None if measured is None else sac_facts(nodes, blocks, measured.trace, measured.packed)
     return CapturedGraph(nodes, blocks, params, param_modules, type(model).__name__, n_real_params, outputs,
                          saved, saved_error, heads[0] if heads else None, buffer_bytes(model), fwd_ops, bwd_ops,
-                         facts, packers, packs, sac, saved_like, working)
+                         facts, packers, packs, sac, saved_like, working, fwd_b, bwd_b)
 
 
 def _measure_saved(ep, args: tuple, kwargs: dict, gpu_attention: bool = False) -> tuple[Any, str]:

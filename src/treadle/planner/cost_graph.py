@@ -167,8 +167,8 @@ class _Builder(NodeCosts, Assembly):
         # own module forward reduces at its exit (the experts' local forward sums over the experts' tensor axis:
         # NOTE [experts in the plan]); set by a form's `prepare`
         self.replicated_exits: set[str] = set()
-        # the tensor axes' links and device; local copies inside a conversion are not priced here (the cost of
-        # a layout change is its collectives), so the copy rate is left out on purpose
+        # the tensor axes' links and device, without the copy rate: the local ops around a conversion are priced
+        # as `treadle.price` prices the ops it records (`NodeCosts.layout_change_s`, NOTE [copies]), not twice
         self.sub_cluster = (ClusterSpec(Mesh(self.tp_sizes, self.tp_axes), tuple(cluster.link(a) for a in self.tp_axes),
                                         cluster.device) if self.tp_axes else None)
         for p in pins:
@@ -178,6 +178,8 @@ class _Builder(NodeCosts, Assembly):
         self.unknown_flops: dict[str, int] = {}
         self.dtype_compute = dtype_compute
         self._grad_bytes: float | None = None  # NodeCosts.replicated_grad_bytes
+        self._uses: dict[int, int] = {}  # NodeCosts.grad_uses
+        self._traffic: dict[int, tuple[float, float]] = {}  # NodeCosts.traffic
         # block -> its last node whose ops save a tensor (NOTE [recompute stops early] in saved.py)
         self.last_packer: dict[int, int] = {}
         for b, blk in enumerate(graph.blocks):

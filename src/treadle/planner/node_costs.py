@@ -4,9 +4,11 @@ Compute: roofline time (`treadle.profile.roofline.op_time_s`) of the local shard
 `treadle.profile.flops` (backward FLOPs only for inputs that need a gradient), bytes moved by the local
 tensors (views move none; backward moves twice the forward bytes, an approximation), plus the device's
 dispatch overhead for every ATen op the node dispatches forward and backward (counted at capture: NOTE [ops
-per node] in saved.py) and the optimizer step on the parameters a node owns. Communication: the
-conversion at a module's exit (`treadle.cost.convert.plan_conversion`, forward and adjoint), Megatron's
-backward all-reduce for a replicated input of an op sharded on a tensor axis, and each parallel form's terms
+per node] in saved.py), the autograd engine's sums where several consumers read a value (NOTE [gradient sums at a
+fork]) and the optimizer step on the parameters a node owns. Communication: the conversion at a module's exit
+(`treadle.cost.convert.plan_conversion`, forward and adjoint, with the runtime's local ops around it: NOTE
+[copies]), Megatron's backward all-reduce for a replicated input of an op sharded on a tensor axis, and each
+parallel form's terms
 (`treadle.form.Form.node_cost`, `param_cost`: the data-parallel reduction of the gradients of the parameters
 the node owns, kept apart in `dp_comm_s` for the overlap of NOTE [bucketed data parallel]). Memory: parameter + gradient + optimizer state of owned parameters divided by their
 shards (and by the dp axis under ZeRO-3), and saved activations: the bytes autograd really saves of each
@@ -14,10 +16,18 @@ node's storages, measured at capture (NOTE [saved by autograd] in saved.py), eac
 the node it is shaped like (its output, or an input: a loss's log-softmax), and the most its backward holds beside
 them (`work_bytes`, NOTE [a backward's working set] in grad_live.py); only when that measurement failed
 (`CapturedGraph.saved_error`) the per-op rules below decide.
+
+NOTE [gradient sums at a fork]: a value k consumers read gets k gradients, and the autograd engine adds them up
+(k - 1 adds of the value's gradient) before its producer's backward runs. The capture counts those adds as ops (NOTE
+[ops per node]) but no FLOP count or byte count of the node has them, and `treadle.price` records each with its
+bytes: a pre-norm block forks its residual stream twice and each norm's output into q, k, v and gate, up, five full
+activations added per block. Llama-3-8B on 8 H100 under tensor parallelism, batch 1 x 4096: 0.19 ms a block a
+micro-batch, 7% of its step, which the planner left out (`fork_sums_s`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -123,10 +133,62 @@ class NodeCosts:
             if own is not None:
                 return own
         meta = self.nodes[i].out
-        plan = plan_conversion(Layout.from_codes(raw), Layout.from_codes(pub),
-                               global_shape=self.local_dp_shape(i, meta.shape), itemsize=meta.dtype.itemsize,
-                               cluster=self.sub_cluster)
-        return plan.time_s, plan.backward_time_s
+        return self.layout_change_s(self.local_dp_shape(i, meta.shape), meta.dtype.itemsize, raw, pub)
+
+    def layout_change_s(self, shape: tuple[int, ...], itemsize: int, src: tuple[int, ...],
+                        dst: tuple[int, ...]) -> tuple[float, float]:
+        """Seconds (forward, backward) of the cheapest change of a (data-parallel local) `shape` from placement
+        codes `src` to `dst` on the tensor axes: its collectives (`treadle.cost.convert.plan_conversion`) and the
+        local ops the runtime runs around them (NOTE [copies]), priced as `treadle.price` prices those ops."""
+        if src == dst:
+            return 0.0, 0.0
+        plan = plan_conversion(Layout.from_codes(src), Layout.from_codes(dst), global_shape=shape,
+                               itemsize=itemsize, cluster=self.sub_cluster)
+        return (plan.time_s + self.local_ops_s(plan.local_ops),
+                plan.backward_time_s + self.local_ops_s(plan.backward_local_ops))
+
+    def local_ops_s(self, ops) -> float:
+        """Seconds of local ops, each given by the bytes it copies (NOTE [copies] in `treadle.cost.convert`), as
+        `treadle.price` prices an op it records: the roofline time of the bytes read and written, plus the
+        device's per-op overhead."""
+        return math.fsum(op_time_s(0, int(2 * b), self.hw, torch.float32) + self.hw.op_overhead_s for b in ops)
+
+    def traffic(self, n: Node) -> tuple[float, float]:
+        """(forward, backward) bytes node `n`'s ops move, each over the bytes of its own inputs and outputs (all
+        global: NOTE [bytes per node] in saved.py). Without the measurement, 1 forward and 2 backward (a pass over
+        its tensors each way, its backward twice: the estimate before the measurement)."""
+        got = self._traffic.get(n.index)
+        if got is None:
+            own = 0.0 if self._is_view(n) else float(
+                sum(self.nodes[j].out.nbytes for j in n.inputs if isinstance(self.nodes[j].out, TensorMeta))
+                + sum(m.nbytes for m in (n.out if isinstance(n.out, tuple) else (n.out,))
+                      if isinstance(m, TensorMeta)))
+            fb, bb = self.g.fwd_bytes, self.g.bwd_bytes
+            rf = fb.get(n.index, 0) / own if fb is not None and own else 1.0
+            rb = bb.get(n.index, 0) / own if bb is not None and own else 2.0
+            got = self._traffic[n.index] = (rf, rb)
+        return got
+
+    def grad_uses(self, i: int) -> int:
+        """How many consumers of node `i` hand a gradient back to it (each reads it once: `Node.inputs` holds an
+        input once)."""
+        got = self._uses.get(i)
+        if got is None:
+            got = self._uses[i] = sum(1 for u in self.nodes[i].users if self.rg[u])
+        return got
+
+    def fork_sums_s(self, n: Node, pub: tuple[int, ...]) -> float:
+        """NOTE [gradient sums at a fork]: the autograd engine adds up the gradients of a value that k consumers
+        read, k - 1 sums of its local gradient (in the layout `pub` it is published in; a parameter: its placement),
+        each priced as `treadle.price` prices the add it records. Their dispatch overhead is in the node's counted
+        backward ops already."""
+        k = self.grad_uses(n.index)
+        m = n.out
+        if k < 2 or n.kind not in ("op", "param") or not isinstance(m, TensorMeta):
+            return 0.0
+        div = _tensor_axes_divisor(pub, self.tp_sizes) * self.dp_div(n.index)
+        nbytes, elems = m.nbytes / div, m.numel / div
+        return (k - 1) * op_time_s(0, int(3 * nbytes), self.hw, m.dtype, op="add", elems=int(elems))
 
     def recomputed(self, i: int) -> str:
         """How much of node `i` a checkpointed block's recompute runs again (NOTE [recompute stops early] in
@@ -174,17 +236,20 @@ class NodeCosts:
         # `price` charges it (NOTE [ops per node] in saved.py: counted at capture; one each way when not);
         # kernel rates by kind (NOTE [kernel rates]): a backward matmul is priced at its forward product's size
         n_fwd, n_bwd = self.op_counts(i)
-        fwd = (op_time_s(int(f_flops / work), int(moved), self.hw, dtype, kind=kind, op=n.op_name,
+        rf, rb = self.traffic(n)  # NOTE [bytes per node] in saved.py: the node's ops' bytes over its tensors'
+        fwd = (op_time_s(int(f_flops / work), int(rf * moved), self.hw, dtype, kind=kind, op=n.op_name,
                          elems=int(out_elems)) + n_fwd * self.hw.op_overhead_s)
         if kind == "matmul" and f_flops and b_flops:
             eff = matmul_efficiency(f_flops / work, self.hw)
             b_compute = b_flops / work / (self.hw.peak_for(dtype) * eff)
-            bwd = max(b_compute, op_time_s(0, int(2 * moved), self.hw, dtype)) + n_bwd * self.hw.op_overhead_s
+            bwd = max(b_compute, op_time_s(0, int(rb * moved), self.hw, dtype)) + n_bwd * self.hw.op_overhead_s
         else:
-            bwd = (op_time_s(int(b_flops / work), int(2 * moved), self.hw, dtype, kind=kind)
+            bwd = (op_time_s(int(b_flops / work), int(rb * moved), self.hw, dtype, kind=kind)
                    + n_bwd * self.hw.op_overhead_s)
         if not self.rg[i]:
             bwd = 0.0
+        else:
+            bwd += self.fork_sums_s(n, pub)
         c.compute_s = fwd + bwd
         c.fwd_s = fwd
         c.bwd_s = bwd
@@ -206,6 +271,9 @@ class NodeCosts:
         for src, pl in self.owned_params(n, combo):
             own = self.own_split.get(src.param)  # split and reduced by another form (the experts)
             c.static_bytes += self.owned_static_bytes(src, pl)
+            fork = self.fork_sums_s(src, pl) / (own or 1)  # a tied parameter's gradients summed
+            c.compute_s += fork
+            c.bwd_s += fork
             c.grad_bytes += (src.out.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or 1)
                              * src.out.dtype.itemsize)
             opt = self.optimizer_s(src.out, pl, own)

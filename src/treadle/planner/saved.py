@@ -25,6 +25,15 @@ autograd functions are running (each node owns the `grad_fn`s its forward create
 outputs' `grad_fn` to those of earlier nodes); the engine's gradient sums go to the node whose functions ran
 last. `measure_by_node` returns both with the saved bytes; when the backward cannot run, the counts are None.
 
+NOTE [bytes per node]: the same run adds up the bytes each node's ops read and write, forward and backward, as
+`treadle.price` counts an op's (`recorder.op_bytes`). A node is not one pass over its inputs and outputs: a cross
+entropy on a large vocabulary upcasts its logits, writes their log-softmax and reads it again (3x its input
+forward); its backward writes two logits-sized gradients (4x). The cost graph scales what it computes from the
+node's own tensors by the measured figure over those tensors' bytes (`NodeCosts.traffic`); on Llama-3-8B's head
+the loss alone was 3 ms a micro-batch under its price. The backward's ops the engine runs between a node's
+functions (its gradient sums: NOTE [gradient sums at a fork] in node_costs.py, and the parameters' accumulation)
+are no node's: a post-hook on each function marks when none runs.
+
 NOTE [recompute stops early]: non-reentrant activation checkpointing (what `build` uses) re-runs a block's forward
 in backward only until every tensor the block's ops saved has been saved again, then stops: the ops after the
 last op that saves anything are not recomputed. In a transformer block that is the output projection's product
@@ -50,7 +59,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..profile import fake_gaps
-from ..profile.recorder import METADATA_QUERIES
+from ..errors import ProfileError
+from ..profile.flops import rule_for
+from ..profile.recorder import METADATA_QUERIES, _tensors, op_bytes
 from .grad_live import BackwardLive, shapes_of, slot
 
 logger = logging.getLogger(__name__)
@@ -69,6 +80,7 @@ class _Produced(TorchDispatchMode):
         out = fake_gaps.call(func, args, kwargs or {})
         if func not in METADATA_QUERIES:
             self.run.count()
+            self.run.add_bytes(func, args, kwargs or {}, out)
         if self.run.backward:  # NOTE [a backward's working set]
             self.run.live.made(out, self.run.bwd_current, self.run.producer, self.run.skip)
         self.run.note(out, None if func in METADATA_QUERIES else func, args, kwargs or {})
@@ -89,6 +101,9 @@ class _Run(torch.fx.Interpreter):
         self.backward = False
         self.grad_fn_owner: dict[Any, str] = {}  # autograd function -> the node whose forward made it
         self.bwd_current: str | None = None
+        self.inside = False  # a node's autograd function is running (else the engine: NOTE [bytes per node])
+        self.fwd_bytes: dict[str, int] = {}
+        self.bwd_bytes: dict[str, int] = {}
         self.packers: set[str] = set()
         self.packs: dict[str, int] = {}  # node -> tensors its ops save (a recompute detaches each once more)
         self.trace: dict[str, list[OpTrace]] = {}  # node -> its forward's ops in order (NOTE [ops a policy keeps])
@@ -106,6 +121,22 @@ class _Run(torch.fx.Interpreter):
         elif self.current is not None:
             self.fwd_ops[self.current] = self.fwd_ops.get(self.current, 0) + 1
 
+    def add_bytes(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """NOTE [bytes per node]: the bytes an op moves, as the price counts them, to the node running it."""
+        if self.backward:
+            if not self.inside or self.bwd_current is None:
+                return  # the engine's own ops: gradient sums at a fork, parameters' accumulation
+            into, name = self.bwd_bytes, self.bwd_current
+        elif self.current is not None:
+            into, name = self.fwd_bytes, self.current
+        else:
+            return
+        try:
+            kind = rule_for(func).kind
+        except ProfileError:  # an op the price does not know either: it refuses the schedule, the bytes do not matter
+            return
+        into[name] = into.get(name, 0) + sum(op_bytes(func, kind, _tensors((args, kwargs)), _tensors(out)))
+
     def own(self, name: str, out: Any) -> None:
         """Attribute the autograd functions `name`'s forward created (those not owned by an earlier node)."""
         stack = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -119,9 +150,14 @@ class _Run(torch.fx.Interpreter):
     def hook_backward(self) -> None:
         for fn, name in self.grad_fn_owner.items():
             fn.register_prehook(functools.partial(self._enter, name))
+            fn.register_hook(self._leave)
 
     def _enter(self, name: str, grad_outputs: Any) -> None:
         self.bwd_current = name
+        self.inside = True
+
+    def _leave(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.inside = False
 
     def note(self, out: Any, func: Any = None, args: tuple = (), kwargs: dict | None = None) -> None:
         if self.current is None:
@@ -219,6 +255,8 @@ class NodeMeasure:
     # backward failed
     saved_like: dict[str, dict[str | None, int]] = field(default_factory=dict)
     working: dict[str, dict[str | None, int]] | None = None
+    fwd_bytes: dict[str, int] = field(default_factory=dict)  # NOTE [bytes per node]; the backward's None when it
+    bwd_bytes: dict[str, int] | None = None  # failed
 
 
 def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, backward: bool = True) -> NodeMeasure:
@@ -251,7 +289,8 @@ def measure_by_node(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, back
     logger.debug("saved by autograd: %d nodes, %d bytes", len(run.saved), sum(run.saved.values()))
     return NodeMeasure(run.saved, run.fwd_ops, bwd, frozenset(run.packers), dict(run.packs), run.trace,
                        frozenset(run.packed), run.saved_by_slot(),
-                       run.live.peaks(run.shapes, run.order, run.packed_of) if bwd is not None else None)
+                       run.live.peaks(run.shapes, run.order, run.packed_of) if bwd is not None else None,
+                       run.fwd_bytes, run.bwd_bytes if bwd is not None else None)
 
 
 def _backward(run: _Run, out: Any) -> dict[str, int] | None:

@@ -86,6 +86,16 @@ def _logical_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+def op_bytes(func: Any, kind: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
+    """(read, written) bytes of one op of rule `kind` as the price charges them: a view moves none; a factory
+    reads none; an uninitialised allocation writes none; else its tensor inputs' logical bytes and its outputs'."""
+    if kind == "view":
+        return 0, 0
+    read = 0 if kind == "factory" else sum(_logical_bytes(t) for t in ins)
+    uninit = getattr(func, "_overloadpacket", None) in _UNINITIALISED  # they only allocate: no bytes moved
+    return read, 0 if uninit else sum(t.numel() * t.element_size() for t in outs)
+
+
 class StepRecorder:
     """State of one recorded step; `Dispatch` and the hooks below write into it (see NOTE [recording])."""
 
@@ -273,11 +283,7 @@ class StepRecorder:
                 err = ProfileError(f"{exc}; met in module {module or '<model>'!r} during {phase}")
                 self.error = self.error or err
                 raise err from None
-        if rule.kind != "view":
-            if rule.kind != "factory":
-                rec.read_bytes = sum(_logical_bytes(t) for t in ins)
-            if getattr(func, "_overloadpacket", None) not in _UNINITIALISED:  # they only allocate: no bytes moved
-                rec.write_bytes = sum(t.numel() * t.element_size() for t in outs)
+        rec.read_bytes, rec.write_bytes = op_bytes(func, rule.kind, ins, outs)
         for t in outs:
             self._track(t, rec)
         if self.flows is not None:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from ...cost.collective_cost import all_reduce_time_s, reduce_scatter_time_s
+from ...cost.convert import grad_sum_ops, runtime_ops
 from ...placement import R
 from ...planner.capture import CapturedGraph, TensorMeta
 from ...planner.ilp import _SECONDS
@@ -95,6 +96,16 @@ def terms(cg) -> list[SPGather]:
     return cg.form_terms.get("sequence", [])
 
 
+def _saving_s(b, nbytes: float, size: int, link, d: int) -> float:
+    """Seconds one gather's backward saves as a reduce-scatter of the `nbytes` gradient on dim `d`: the gradient
+    sum (all-reduce) and the exit gather's backward (a split), each with the runtime's local ops, against the
+    reduce-scatter with its own (NOTE [copies] in `treadle.cost.convert`)."""
+    plain = (all_reduce_time_s(nbytes, size, link) + b.local_ops_s(sum(grad_sum_ops(nbytes), ()))
+             + b.local_ops_s(runtime_ops("all_gather", d, nbytes / size, size)[1]))
+    return plain - reduce_scatter_time_s(nbytes, size, link) - b.local_ops_s(
+        runtime_ops("reduce_scatter", d, nbytes, size)[0])
+
+
 def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
     """The candidates of a cost graph under construction (`b`: the `cost_graph._Builder`)."""
     if not b.tp_axes:
@@ -127,11 +138,10 @@ def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
             inner = _inner(b, {v for _, _, v in readers}, k, M, units, unit_of)
             readers = tuple((u, ok) for u, ok, _ in readers)
             link = b.cluster.link(b.tp_axes[k])
-            saving = all_reduce_time_s(nbytes, size, link) - reduce_scatter_time_s(nbytes, size, link)
-            if saving <= 0:
-                continue
             for d, gathers in sorted(by_dim.items()):
-                out.append(SPGather(j, k, M, d, uj, tuple(gathers), readers, inner, unit.count, saving))
+                saving = _saving_s(b, nbytes, size, link, d)
+                if saving > 0:
+                    out.append(SPGather(j, k, M, d, uj, tuple(gathers), readers, inner, unit.count, saving))
     return out
 
 

@@ -21,8 +21,6 @@ literal batch or sequence size never sees such a shard (`fixed_row_view`): that 
 
 from __future__ import annotations
 
-from ...cost.convert import plan_conversion
-from ...cost.layout import Layout
 from ...placement import P, R
 from ...planner.capture import CapturedGraph, Node, TensorMeta
 from ...planner.views import SHAPE_ARG_OPS
@@ -91,14 +89,6 @@ def conversion(b, i: int, raw: tuple[int, ...], pub: tuple[int, ...]) -> tuple[f
         return None
     meta = b.nodes[i].out
     shape = b.local_dp_shape(i, meta.shape)
-
-    def conv(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[float, float]:
-        if x == y:
-            return 0.0, 0.0
-        plan = plan_conversion(Layout.from_codes(x), Layout.from_codes(y), global_shape=shape,
-                               itemsize=meta.dtype.itemsize, cluster=b.sub_cluster)
-        return plan.time_s, plan.backward_time_s
-
     mid = tuple(R if r == P else r for r in raw)
-    (f1, b1), (f2, b2) = conv(raw, mid), conv(mid, pub)
+    (f1, b1), (f2, b2) = (b.layout_change_s(shape, meta.dtype.itemsize, x, y) for x, y in ((raw, mid), (mid, pub)))
     return f1 + f2, b1 + b2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ...cost.collective_cost import all_reduce_time_s
+from ...cost.convert import grad_sum_ops
 from ...planner.capture import Node, TensorMeta
 from ...planner.ilp import _SECONDS
 from ...planner.node_costs import _tensor_axes_divisor
@@ -26,7 +27,7 @@ def node_cost(b, n: Node, combo: tuple, pub: tuple, c, rec: str) -> None:
     # Megatron "f": a replicated input of an op sharded on a tensor axis gets a pending-sum gradient; this
     # op's parameters (a norm's weight and bias) are summed in one flat all-reduce (NOTE [one all-reduce per
     # module] in treadle.runtime.build), keyed by the first of them
-    params: dict[int, tuple[int, float]] = {}  # tensor-axis index -> (first parameter node, bytes)
+    params: dict[int, tuple[int, float, int]] = {}  # tensor-axis index -> (first parameter node, bytes, count)
     for pos, j in enumerate(n.inputs):
         src = b.nodes[j]
         m = src.out
@@ -38,14 +39,19 @@ def node_cost(b, n: Node, combo: tuple, pub: tuple, c, rec: str) -> None:
             if not o.grad_partial[pos]:  # NOTE [shared input-gradient sum]
                 continue
             if src.kind == "param":
-                first, total = params.get(k, (j, 0.0))
-                params[k] = (first, total + nbytes)
+                first, total, count = params.get(k, (j, 0.0, 0))
+                params[k] = (first, total + nbytes, count + 1)
             else:
-                c.grad_sums[(b.canonical(j), k)] = all_reduce_time_s(nbytes, b.tp_sizes[k],
-                                                                       b.cluster.link(b.tp_axes[k]))
-    for k, (j, nbytes) in params.items():
-        c.grad_sums[(b.canonical(j), k)] = all_reduce_time_s(nbytes, b.tp_sizes[k],
-                                                               b.cluster.link(b.tp_axes[k]))
+                c.grad_sums[(b.canonical(j), k)] = _grad_sum_s(b, k, nbytes, 0)
+    for k, (j, nbytes, count) in params.items():
+        c.grad_sums[(b.canonical(j), k)] = _grad_sum_s(b, k, nbytes, count)
+
+
+def _grad_sum_s(b, k: int, nbytes: float, n_params: int) -> float:
+    """Seconds of one gradient sum over tensor axis `k`: the all-reduce and the runtime's local ops around it
+    (`treadle.cost.convert.grad_sum_ops`), priced as `treadle.price` prices them."""
+    fwd, bwd = grad_sum_ops(nbytes, n_params)
+    return all_reduce_time_s(nbytes, b.tp_sizes[k], b.cluster.link(b.tp_axes[k])) + b.local_ops_s(fwd + bwd)
 
 
 def grad_sum_keys(cg) -> dict[tuple[int, int, int], float]:
