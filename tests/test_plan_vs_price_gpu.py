@@ -71,7 +71,13 @@ def test_input_gradient_of_column_parallel_consumers_is_summed_once():
                           shardable=_shardable_fn(g, runtime_capabilities(model)[0], 1))
     sol = ilp.solve(cg, budget_bytes=None)
     per_unit = sum(u.count * u.costs[sol.choice[i]].comm_s for i, u in enumerate(cg.units))
-    one_sum = all_reduce_time_s(8 * 64 * 4, 2, cl.link("tp"))  # h's gradient, (8, 64) fp32
+    # h's gradient, (8, 64) fp32, with the runtime's view forward and clone backward (NOTE [copies])
+    from treadle.cost.convert import grad_sum_ops
+    from treadle.profile.roofline import op_time_s
+
+    hw = cl.rank_hardware()
+    one_sum = all_reduce_time_s(8 * 64 * 4, 2, cl.link("tp")) + sum(
+        op_time_s(0, 2 * b, hw, torch.float32) + hw.op_overhead_s for b in sum(grad_sum_ops(8 * 64 * 4), ()))
     assert sum(len(u.costs[sol.choice[i]].grad_sums) for i, u in enumerate(cg.units)) == 3  # q, k and v need it
     assert sol.terms["comm_s"] == pytest.approx(per_unit + one_sum)
     step, _, terms = ilp.evaluate(cg, sol.choice, {})

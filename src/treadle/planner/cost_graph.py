@@ -178,8 +178,7 @@ class _Builder(NodeCosts, Assembly):
         self.unknown_flops: dict[str, int] = {}
         self.dtype_compute = dtype_compute
         self._grad_bytes: float | None = None  # NodeCosts.replicated_grad_bytes
-        self._uses: dict[int, int] = {}  # NodeCosts.grad_uses
-        self._traffic: dict[int, tuple[float, float]] = {}  # NodeCosts.traffic
+        self._uses, self._traffic = {}, {}  # NodeCosts.grad_uses, NodeCosts.traffic: per node
         # block -> its last node whose ops save a tensor (NOTE [recompute stops early] in saved.py)
         self.last_packer: dict[int, int] = {}
         for b, blk in enumerate(graph.blocks):

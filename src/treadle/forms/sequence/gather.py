@@ -57,6 +57,7 @@ class SPGather:
     inner: tuple[tuple[int, tuple[int, ...]], ...]
     count: int
     saving_s: float
+    sums: tuple[tuple[int, int, int], ...] = ()  # the input-gradient sums it replaces (`grad_sum_keys`' keys)
 
 
 def _under(path: str, ancestor: str) -> bool:
@@ -135,19 +136,22 @@ def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
             readers = _readers(b, j, k, units, unit_of)
             if not readers:
                 continue
-            inner = _inner(b, {v for _, _, v in readers}, k, M, units, unit_of)
-            readers = tuple((u, ok) for u, ok, _ in readers)
+            inner = _inner(b, {v for _, _, v, _ in readers}, k, M, units, unit_of)
+            # the sums it replaces, keyed as the tensor form keys them: the value each reader reads (j, or the
+            # reshape of it: GPT-2's Conv1D reads a flattened view)
+            sums = tuple(sorted({(b.canonical(src), k, units[u].count) for u, _, _, src in readers}))
+            readers = tuple((u, ok) for u, ok, _, _ in readers)
             link = b.cluster.link(b.tp_axes[k])
             for d, gathers in sorted(by_dim.items()):
                 saving = _saving_s(b, nbytes, size, link, d)
                 if saving > 0:
-                    out.append(SPGather(j, k, M, d, uj, tuple(gathers), readers, inner, unit.count, saving))
+                    out.append(SPGather(j, k, M, d, uj, tuple(gathers), readers, inner, unit.count, saving, sums))
     return out
 
 
 def _readers(b, j: int, k: int, units, unit_of) -> tuple | None:
     """Per reader of `j` (through reshapes): its unit, the strategies whose input gradient from j is a pending
-    sum on axis k, and the node; None when some reader has none."""
+    sum on axis k, the node and the value it reads (j or a reshape of it); None when some reader has none."""
     readers = []
     for v in b.nodes[j].users:
         if v not in unit_of:
@@ -164,7 +168,7 @@ def _readers(b, j: int, k: int, units, unit_of) -> tuple | None:
                    if v in members and members[v][0] and all(members[v][0][k].grad_partial[p] for p in pos))
         if not ok:
             return None
-        readers.append((uv, ok, v))
+        readers.append((uv, ok, v, j))
     return tuple(readers)
 
 
@@ -186,8 +190,12 @@ def _inner(b, skip: set[int], k: int, module: str, units, unit_of) -> tuple:
 
 
 def active(cg, choice: list[int]) -> list[SPGather]:
-    """The candidates a choice realises (condition 3)."""
-    return [g for g in terms(cg) if choice[g.unit] in g.gathers
+    """The candidates a choice realises (condition 3), among those the MILP can credit (`ilp_rows`: each sum
+    they replace is a sum some strategy needs)."""
+    from ..tensor.plan import grad_sum_keys
+
+    keys = grad_sum_keys(cg)
+    return [g for g in terms(cg) if choice[g.unit] in g.gathers and all(key in keys for key in g.sums)
             and all(choice[u] in ok for u, ok in g.readers) and not any(choice[u] in bad for u, bad in g.inner)]
 
 
@@ -199,12 +207,12 @@ def ilp_rows(m, cg, s, shared: dict) -> None:
     its own objective, credits it on the stages that unit runs in (NOTE [pipeline in the plan])."""
     ys = shared.get("grad_sum_vars", {})
     for g in terms(cg):
-        y = ys.get((g.j, g.k, g.count))
-        if y is None:
+        if not all(key in ys for key in g.sums):
             continue
         z = m.var(ub=1.0, cost=-g.count * g.saving_s * _SECONDS)
         shared.setdefault("sp_credit_vars", []).append((z, g.unit, g.saving_s))  # a pipeline's stages read it
-        m.row({z: 1.0, y: -1.0}, -math.inf, 0.0, "sp_gather")
+        for key in g.sums:
+            m.row({z: 1.0, ys[key]: -1.0}, -math.inf, 0.0, "sp_gather")
         m.row({z: 1.0, **{s[g.unit, k]: -1.0 for k in g.gathers}}, -math.inf, 0.0, "sp_gather")
         for u, ok in g.readers:
             m.row({z: 1.0, **{s[u, k]: -1.0 for k in ok}}, -math.inf, 0.0, "sp_gather")
@@ -222,6 +230,6 @@ def adjust_rows(cg, choice: list[int], rows: dict, shared: dict) -> None:
     the row that sum was billed to (``shared["billed"]``: (node, axis, count) -> row path, by the tensor form)."""
     billed = shared.get("billed", {})
     for g in active(cg, choice):
-        path = billed.get((g.j, g.k, g.count))
+        path = billed.get(g.sums[0]) if g.sums else None
         if path is not None:
             rows[path].comm_s -= g.count * g.saving_s
