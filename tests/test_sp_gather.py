@@ -117,3 +117,25 @@ def test_a_pipeline_credits_each_gather_on_the_stages_its_blocks_run_in(monkeypa
         mp.setattr(SequenceParallelForm, "ilp_rows", lambda self, m, cg_, s, shared: None)
         (blind, blind_counts, *_), *_ = milp._solve_cut(cg, lay, cut, **kw)
     assert milp.evaluate(cg, lay, cut, blind, blind_counts)[0] >= step * (1 - 1e-6)
+
+
+def test_a_gather_read_through_a_reshape_is_credited_by_the_milp_as_by_evaluate():
+    """GPT-2's Conv1D reads a flattened view of the norm's output: the input-gradient sum it replaces is keyed on
+    that view (as the tensor form keys it). The credit once looked for the norm's own key, found no such sum in
+    the MILP and was left out there, while `evaluate` granted it: plans the MILP ranked by one figure were
+    reported by another. Now every candidate's sums exist, and the MILP's optimum realises the credit."""
+    from treadle.forms.sequence.gather import terms
+    from treadle.forms.tensor.plan import grad_sum_keys
+
+    from test_planner_vocab_sp import gpt2
+
+    g, cg = _cost_graph(gpt2(n_layer=4), inputs(seq=64), cluster(), Roles((), False, ("tp",)))
+    keys = grad_sum_keys(cg)
+    cands = terms(cg)
+    assert cands and all(key in keys for c in cands for key in c.sums)
+    assert any(key[0] != c.j for c in cands for key in c.sums)  # keyed on the reshape, not the norm
+    sol = ilp.solve(cg, budget_bytes=None)
+    assert {a.module for a in active(cg, sol.choice)} >= {"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"}
+    # no plan under a budget is faster than the optimum without one (the MILP and evaluate agree)
+    tight = ilp.solve(cg, budget_bytes=0.93 * sol.peak_bytes)
+    assert tight.status == "optimal" and tight.step_s >= sol.step_s
