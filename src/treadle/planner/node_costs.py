@@ -2,7 +2,8 @@
 
 Compute: roofline time (`treadle.profile.roofline.op_time_s`) of the local shard, FLOPs from
 `treadle.profile.flops` (backward FLOPs only for inputs that need a gradient), bytes moved by the local
-tensors (views move none; backward moves twice the forward bytes, an approximation), plus the device's
+tensors (views move none), scaled by what the node's ops really move each way (NOTE [bytes per node] in
+saved.py: measured at capture; without it, its backward twice its forward), plus the device's
 dispatch overhead for every ATen op the node dispatches forward and backward (counted at capture: NOTE [ops
 per node] in saved.py), the autograd engine's sums where several consumers read a value (NOTE [gradient sums at a
 fork]) and the optimizer step on the parameters a node owns. Communication: the conversion at a module's exit
@@ -247,12 +248,12 @@ class NodeCosts:
             bwd = (op_time_s(int(b_flops / work), int(rb * moved), self.hw, dtype, kind=kind)
                    + n_bwd * self.hw.op_overhead_s)
         if not self.rg[i]:
-            bwd = 0.0
+            bwd = forks = 0.0
         else:
-            bwd += self.fork_sums_s(n, pub)
-        c.compute_s = fwd + bwd
+            forks = self.fork_sums_s(n, pub)  # before the node's backward: input-gradient work, none of W's
+        c.compute_s = fwd + bwd + forks
         c.fwd_s = fwd
-        c.bwd_s = bwd
+        c.bwd_s = bwd + forks
         c.w_s = flops_mod.MATMUL_WEIGHT_GRAD_SHARE * bwd if kind == "matmul" else 0.0
         rec = self.recomputed(i)  # "all", "compute" (the node runs, its exit conversion does not) or "none"
         c.rec_s = fwd if rec != "none" else 0.0
