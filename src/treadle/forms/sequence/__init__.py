@@ -34,7 +34,7 @@ class SequenceParallelForm(Form):
         return _layouts.conversion(b, i, raw, pub)
 
     def graph_terms(self, b, cg):
-        found = _gather.find_sp_gathers(b, cg.units, cg.unit_of)
+        found = _gather.find_sp_gathers(b, cg)
         if found:
             cg.form_terms["sequence"] = found
 

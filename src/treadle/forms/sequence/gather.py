@@ -107,10 +107,15 @@ def _saving_s(b, nbytes: float, size: int, link, d: int) -> float:
         runtime_ops("reduce_scatter", d, nbytes, size)[0])
 
 
-def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
-    """The candidates of a cost graph under construction (`b`: the `cost_graph._Builder`)."""
+def find_sp_gathers(b, cg) -> list[SPGather]:
+    """The candidates of a cost graph under construction (`b`: the `cost_graph._Builder`): those whose every
+    input-gradient sum it replaces is one some strategy needs (a sum the MILP states, so it can bound the credit by
+    it: `ilp_rows`)."""
     if not b.tp_axes:
         return []
+    from ..tensor.plan import grad_sum_keys
+
+    units, unit_of, keys = cg.units, cg.unit_of, grad_sum_keys(cg)
     out: list[SPGather] = []
     for j, q in b.exit_of.items():
         if q is None:
@@ -144,7 +149,7 @@ def find_sp_gathers(b, units, unit_of) -> list[SPGather]:
             link = b.cluster.link(b.tp_axes[k])
             for d, gathers in sorted(by_dim.items()):
                 saving = _saving_s(b, nbytes, size, link, d)
-                if saving > 0:
+                if saving > 0 and all(key in keys for key in sums):
                     out.append(SPGather(j, k, M, d, uj, tuple(gathers), readers, inner, unit.count, saving, sums))
     return out
 
@@ -190,12 +195,8 @@ def _inner(b, skip: set[int], k: int, module: str, units, unit_of) -> tuple:
 
 
 def active(cg, choice: list[int]) -> list[SPGather]:
-    """The candidates a choice realises (condition 3), among those the MILP can credit (`ilp_rows`: each sum
-    they replace is a sum some strategy needs)."""
-    from ..tensor.plan import grad_sum_keys
-
-    keys = grad_sum_keys(cg)
-    return [g for g in terms(cg) if choice[g.unit] in g.gathers and all(key in keys for key in g.sums)
+    """The candidates a choice realises (condition 3)."""
+    return [g for g in terms(cg) if choice[g.unit] in g.gathers
             and all(choice[u] in ok for u, ok in g.readers) and not any(choice[u] in bad for u, bad in g.inner)]
 
 
@@ -230,6 +231,6 @@ def adjust_rows(cg, choice: list[int], rows: dict, shared: dict) -> None:
     the row that sum was billed to (``shared["billed"]``: (node, axis, count) -> row path, by the tensor form)."""
     billed = shared.get("billed", {})
     for g in active(cg, choice):
-        path = billed.get(g.sums[0]) if g.sums else None
+        path = billed.get(g.sums[0])  # (a candidate has a reader, so a sum)
         if path is not None:
             rows[path].comm_s -= g.count * g.saving_s
