@@ -2,8 +2,8 @@
 
 The planner chooses with its MILP's step and peak; `treadle.price` rehearses the built schedule op by op. Where the
 two disagree, the planner ranks plans by figures the plan will not have. Each case plans with `price_top`
-candidates priced (`Plan.solver["priced"]`), and each row is one priced candidate: the solver's step, the price's
-step and their ratio. The summary is the median and largest |solver / price - 1| over the rows.
+candidates priced (`Plan.solver["priced"]`), and each row is one priced candidate: the solver's step and peak, the
+price's, and their ratios. The summary is the median and largest |solver / price - 1| over the rows, for each.
 
 Cases: Llama-3-8B on 1x8 H100 (batch 2 x 4096, no budget), Llama-3-8B on 2x8 H100 pipelined over the node axis
 (batch 16 x 4096, 27.4 GiB: `bench_pipeline_policies`' middle budget), GPT-2-XL on 1x8 H100 (batch 32 x 1024),
@@ -78,27 +78,29 @@ def run(price_top: int = 4) -> list[dict]:
             rows.append({"case": label, "roles": p["roles"],
                          "solver_step_s": p["solver_step_s"], "price_step_s": p["step_s"],
                          "ratio": p["solver_step_s"] / p["step_s"], "price_peak_gib": p["peak_bytes"] / GiB,
-                         "planning_s": secs})
+                         "solver_peak_gib": p["solver_peak_bytes"] / GiB,
+                         "peak_ratio": p["solver_peak_bytes"] / p["peak_bytes"], "planning_s": secs})
     return rows
 
 
-def table(rows: list[dict], before: dict[tuple[str, str], float]) -> str:
-    head = "| case | roles (priced candidates) | solver s | price s | solver / price |"
-    head += " before |" if before else ""
-    lines = [head, "|" + "---|" * (5 + bool(before))]
+def table(rows: list[dict], before: dict[tuple[str, str], tuple[float, float | None]]) -> str:
+    head = "| case | roles (priced candidates) | solver s | price s | solver / price | solver peak GiB | price peak GiB |"
+    head += " peak solver / price |" + (" before (step, peak) |" if before else "")
+    lines = [head, "|" + "---|" * (8 + bool(before))]
     for r in rows:
         line = (f"| {r['case']} | {r['roles']} | {r['solver_step_s']:.5g} | {r['price_step_s']:.5g} | "
-                f"{r['ratio']:.3f} |")
+                f"{r['ratio']:.3f} | {r['solver_peak_gib']:.3f} | {r['price_peak_gib']:.3f} | {r['peak_ratio']:.3f} |")
         if before:
             b = before.get((r["case"], r["roles"]))
-            line += f" {b:.3f} |" if b is not None else " - |"
+            line += (f" {b[0]:.3f}, " + ("-" if b[1] is None else f"{b[1]:.3f}") + " |") if b is not None else " - |"
         lines.append(line)
-    err = [abs(r["ratio"] - 1) for r in rows]
-    lines.append(f"\n{len(rows)} priced candidates: |solver / price - 1| median {statistics.median(err):.3f}, "
-                 f"largest {max(err):.3f}")
-    if before:
-        old = [abs(v - 1) for v in before.values()]
-        lines.append(f"before ({len(old)}): median {statistics.median(old):.3f}, largest {max(old):.3f}")
+    for what, key in (("step", "ratio"), ("peak", "peak_ratio")):
+        err = [abs(r[key] - 1) for r in rows]
+        lines.append(f"\n{len(rows)} priced candidates, {what}: |solver / price - 1| median "
+                     f"{statistics.median(err):.3f}, largest {max(err):.3f}")
+        old = [abs(v[what == "peak"] - 1) for v in before.values() if v[what == "peak"] is not None]
+        if old:
+            lines.append(f"before ({len(old)}): median {statistics.median(old):.3f}, largest {max(old):.3f}")
     return "\n".join(lines)
 
 
@@ -110,7 +112,8 @@ def main() -> None:
     rows = run()
     before = {}
     if args.compare:
-        before = {(r["case"], r["roles"]): r["ratio"] for r in json.loads(Path(args.compare).read_text())["rows"]}
+        before = {(r["case"], r["roles"]): (r["ratio"], r.get("peak_ratio"))
+                  for r in json.loads(Path(args.compare).read_text())["rows"]}
     print(table(rows, before))
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -93,7 +93,8 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
     candidates are priced (`solve_variant(cost graph, cutoff)`, the cutoff the fastest price that fits over
     `variant_band`: only plans that could win), then priced fastest first, each only where `variant_band` times its
     solver step is still below the fastest price that fits.
-    Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, peak_bytes, resolves}])."""
+    Returns (solution, cost graph, its price dict, [{roles, mesh, solver_step_s, step_s, solver_peak_bytes,
+    peak_bytes, resolves}])."""
     from .. import pricing
     from ..profile.profiler import model_flops
 
@@ -122,7 +123,8 @@ def choose_by_price(model: nn.Module, inputs: dict, candidates: list[tuple[Solut
         fitting = [(s_, p_) for s_, p_ in tried if budget is None or p_.peak_bytes <= budget]
         sol, p = min(fitting, key=lambda sp: sp[1].step_s) if fitting else tried[-1]
         rows.append({"mesh": str(cg.cluster.mesh), "roles": str(cg.roles), "solver_step_s": sol.step_s,
-                     "step_s": p.step_s, "peak_bytes": p.peak_bytes, "resolves": len(tried) - 1})
+                     "step_s": p.step_s, "solver_peak_bytes": sol.peak_bytes, "peak_bytes": p.peak_bytes,
+                     "resolves": len(tried) - 1})
         fits = budget is None or p.peak_bytes <= budget
         if fits and (best is None or p.step_s < best[2].step_s):
             best = (sol, cg, p)

@@ -421,17 +421,16 @@ class _Builder(NodeCosts, Assembly):
         """The memory floor of the role assignment (NOTE [a memory floor before the costs]): each unit's smallest
         static and saved bytes over its strategies (`strategy_memory`), read by the form that owns the step's
         formula (`Form.memory_floor`; a pipeline's), else by `memory_floor`."""
-        static_min, act_min = [], []
+        static_min, act_min, base_min = [], [], []
         for unit in units:
-            per = [[0.0, 0.0] for _ in unit.strategies]
+            per = [(0.0, 0.0, 0.0) for _ in unit.strategies]
             for k, members in enumerate(unit.strategies):
                 for i, (combo, pub) in members.items():
-                    st, act = self.strategy_memory(self.nodes[i], combo, pub)
-                    per[k][0] += st
-                    per[k][1] += act
+                    per[k] = tuple(a + b for a, b in zip(per[k], self.strategy_memory(self.nodes[i], combo, pub)))
             static_min.append(min(x[0] for x in per))
             act_min.append(min(x[1] for x in per))
-        ft = FloorTerms(self.g, self.cluster, self.roles, units, templates, static_min, act_min, fixed)
+            base_min.append(min(x[0] - x[2] for x in per))
+        ft = FloorTerms(self.g, self.cluster, self.roles, units, templates, static_min, act_min, fixed, base_min)
         for f in forms():
             own = f.memory_floor(ft)
             if own is not None:
@@ -439,10 +438,9 @@ class _Builder(NodeCosts, Assembly):
         return memory_floor(ft)
 
     def _host_terms(self, cg: CostGraph) -> None:
-        """NOTE [framework overheads] (treadle.profile.hardware), as the price charges them: a checkpointed block
-        costs `treadle.runtime.recompute.recompute_host_s` of its region and ops (and a dispatch per detach of an
-        activation it saves again); the optimizer its per-step list ops
-        (`treadle.runtime.optimizer.adamw_fixed_s`). (FSDP2's units: the data-parallel form's terms.)"""
+        """NOTE [framework overheads] (treadle.profile.hardware), as the price charges them: a checkpointed block costs
+        `treadle.runtime.recompute.recompute_host_s` of its region and ops (and a dispatch per detach of an activation
+        it saves again); the optimizer its list ops (`adamw_fixed_s`). (FSDP2's units: the data form's terms.)"""
         hw = self.hw
         for t, info in cg.templates.items():
             nodes = [i for u in info.units for i in cg.units[u].nodes]
@@ -474,6 +472,8 @@ def _add_cost(total: StrategyCost, c: StrategyCost) -> None:
     total.work_bytes = max(total.work_bytes, c.work_bytes)
     total.static_bytes += c.static_bytes
     total.grad_bytes += c.grad_bytes
+    total.static_grad_bytes += c.static_grad_bytes
+    total.w_held_bytes += c.w_held_bytes
     for key, t in c.grad_sums.items():  # one tensor's gradient sum, whichever member needs it
         total.grad_sums[key] = max(total.grad_sums.get(key, 0.0), t)
     for p, (k, r, sv) in c.sac.items():  # NOTE [ops a policy keeps] (every op of a block has every policy's)

@@ -41,8 +41,9 @@ class OverMemoryFloor(PlanError):
 @dataclass(slots=True)
 class FloorTerms:
     """What a memory floor reads (NOTE [a memory floor before the costs]): the units and templates of a cost graph
-    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), and the
-    fixed bytes."""
+    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), the fixed
+    bytes, and each unit's smallest static bytes without its gradients (`base_min`: a pipeline stage holds its
+    gradients from its first backward, NOTE [a rank's memory at each moment])."""
 
     graph: CapturedGraph
     cluster: ClusterSpec
@@ -52,6 +53,7 @@ class FloorTerms:
     static_min: list[float]
     act_min: list[float]
     fixed: float
+    base_min: list[float]
 
     def block_min(self, t: int) -> float:
         """`block_min` of template t."""

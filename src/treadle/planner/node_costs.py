@@ -78,6 +78,8 @@ class StrategyCost:
     work_bytes: float = 0.0  # the most its backward holds beside them (NOTE [a backward's working set]; max, not sum)
     static_bytes: float = 0.0  # parameters + gradients + optimizer states owned here
     grad_bytes: float = 0.0  # of which the local gradients (full local shard; NOTE [the backward's end] in treadle.forms.data.plan)
+    static_grad_bytes: float = 0.0  # of static_bytes, the gradients' (NOTE [a rank's memory at each moment])
+    w_held_bytes: float = 0.0  # kept by a split backward from I to W: a matrix product's output gradient
     # the input-gradient sums (Megatron's "f") it needs, by (input node, tensor-axis index) -> seconds per
     # execution (NOTE [shared input-gradient sum] in `treadle.forms.tensor.plan`): each charged once per choice
     grad_sums: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -222,7 +224,7 @@ class NodeCosts:
                 if isinstance(m, TensorMeta):
                     pl = tuple(o.ins[pos] for o in combo)
                     moved += m.nbytes / _tensor_axes_divisor(pl, self.tp_sizes) / self.dp_div(j)
-        out_elems = 0.0
+        out_elems = out_bytes = 0.0
         if not self._is_view(n):
             outs = n.out if isinstance(n.out, tuple) else (n.out,)
             for k, m in enumerate(outs):
@@ -230,6 +232,7 @@ class NodeCosts:
                     pl = tuple(o.outs[k] if k < len(o.outs) else R for o in combo)
                     local = _tensor_axes_divisor(pl, self.tp_sizes) * self.dp_div(i)
                     moved += m.nbytes / local
+                    out_bytes += m.nbytes / local
                     out_elems += m.numel / local
         dtype = self.dtype_compute or _dtype_of(n)
         kind = self._kind(n)
@@ -255,6 +258,7 @@ class NodeCosts:
         c.fwd_s = fwd
         c.bwd_s = bwd + forks
         c.w_s = flops_mod.MATMUL_WEIGHT_GRAD_SHARE * bwd if kind == "matmul" else 0.0
+        c.w_held_bytes = out_bytes if kind == "matmul" else 0.0  # as the pipeline's price holds it
         rec = self.recomputed(i)  # "all", "compute" (the node runs, its exit conversion does not) or "none"
         c.rec_s = fwd if rec != "none" else 0.0
         # conversion at publish
@@ -272,6 +276,7 @@ class NodeCosts:
         for src, pl in self.owned_params(n, combo):
             own = self.own_split.get(src.param)  # split and reduced by another form (the experts)
             c.static_bytes += self.owned_static_bytes(src, pl)
+            c.static_grad_bytes += self.param_grad_static_bytes(src.out, pl, own)
             fork = self.fork_sums_s(src, pl) / (own or 1)  # a tied parameter's gradients summed
             c.compute_s += fork
             c.bwd_s += fork
@@ -304,12 +309,15 @@ class NodeCosts:
         form splits it over)."""
         return self.param_static_bytes(src.out, pl, self.own_split.get(src.param), self.own_gathered.get(src.param))
 
-    def strategy_memory(self, n: Node, combo: tuple[AxisOption, ...], pub: tuple[int, ...]) -> tuple[float, float]:
-        """(static, saved) bytes of a strategy as the core of `strategy_cost` counts them, without its conversions'
-        times: the forms only add to either, so each bounds `strategy_cost`'s from below (NOTE [a memory floor
-        before the costs] in floors.py)."""
-        static = sum(self.owned_static_bytes(src, pl) for src, pl in self.owned_params(n, combo))
-        return static, self.saved_bytes(n, combo, pub)
+    def strategy_memory(self, n: Node, combo: tuple[AxisOption, ...],
+                        pub: tuple[int, ...]) -> tuple[float, float, float]:
+        """(static, saved, of static the gradients') bytes of a strategy as the core of `strategy_cost` counts them,
+        without its conversions' times: the forms only add to either, so each bounds `strategy_cost`'s from below
+        (NOTE [a memory floor before the costs] in floors.py)."""
+        owned = list(self.owned_params(n, combo))
+        static = sum(self.owned_static_bytes(src, pl) for src, pl in owned)
+        grads = sum(self.param_grad_static_bytes(src.out, pl, self.own_split.get(src.param)) for src, pl in owned)
+        return static, self.saved_bytes(n, combo, pub), grads
 
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None,
                            own_gathered: int | None = None) -> float:
@@ -328,6 +336,11 @@ class NodeCosts:
         local /= self.param_divisor
         kept = full * meta.dtype.itemsize if self.gathered_kept else 0.0
         return local * per + kept
+
+    def param_grad_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None) -> float:
+        """Of `param_static_bytes`, the gradient's: the local shard's (1/`own` of it for a parameter another form
+        splits, else 1/`param_divisor`)."""
+        return meta.numel / _tensor_axes_divisor(pl, self.tp_sizes) / (own or self.param_divisor) * meta.dtype.itemsize
 
     def optimizer_s(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None) -> float:
         """AdamW's step on this parameter's local shard: `treadle.runtime.optimizer.adamw_tensor_s`, the price's

@@ -424,6 +424,8 @@ def whole_variants(b, cg) -> None:
                 continue
             meta = src.out
             d.static_bytes += b.param_static_bytes(meta, replicated) - b.owned_static_bytes(src, replicated)
+            d.static_grad_bytes += (b.param_grad_static_bytes(meta, replicated)
+                                    - b.param_grad_static_bytes(meta, replicated, b.own_split[src.param]))
             d.grad_bytes += meta.numel * meta.dtype.itemsize * (1 - 1 / b.own_split[src.param])
             local = meta.numel * meta.dtype.itemsize / n
             if b.expert_grad_sum is not None:  # nor the local backward's sum over the other replicas

@@ -6,7 +6,8 @@ figures."""
 from __future__ import annotations
 
 from ...planner.floors import block_min
-from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, inflight, split_host_s
+from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, split_host_s
+from .moments import moment_bytes, rank_moments, unit_bytes
 from .zero import _zero_constants, zero_terms
 
 # NOTE [a lower bound before the MILP]: with a cutoff (NOTE [a cutoff from the best plan found]) most cuts of most
@@ -100,17 +101,17 @@ def _recompute_floor(cg, lay: _Layout, cut: _Cut, mem, tmins, budget: float, che
     """Per rank the least recompute seconds a micro-batch that `budget` forces on a cut (NOTE [the recomputation a
     budget forces]); None when no checkpoints fit it. `mem`: `_memory_mins`; `tmins`: `template_mins`."""
     S, p = lay.n_stages, lay.p
-    static, A0 = _stage_bytes(cg, cut, S, mem, {t: m[0] for t, m in tmins.items()})
-    moments = inflight(lay)
+    static, A0, GR, GA = _stage_bytes(cg, cut, S, mem, {t: m[0] for t, m in tmins.items()})
+    moments = rank_moments(lay, _gathered(cg))
     out = [0.0] * p
     for r in range(p):
         base = sum(static[st] for st in range(S) if lay.rank(st) == r) + cg.fixed_static_bytes
-        for kv in moments[r]:
-            excess = base + sum(k_ * A0[st] for st, k_ in kv.items()) - budget * (1 + 1e-9)
+        for mo in moments[r]:
+            excess = base + sum(moment_bytes(mo, A0, GR, GA)) - budget * (1 + 1e-9)
             if excess <= 0:
                 continue
             items = sorted((tmins[t][2] / (k_ * (tmins[t][0] - tmins[t][1])), k_ * (tmins[t][0] - tmins[t][1]), n_t)
-                           for st, k_ in kv.items() if k_ > 0 and checkpoint
+                           for st, k_ in mo.act if k_ > 0 and checkpoint
                            for t, n_t in cut.n[st].items() if tmins[t][0] > tmins[t][1])
             cost = 0.0
             for per_byte, gain, n_t in items:
@@ -173,45 +174,59 @@ def stage_constants(cg, zt, lay: _Layout, cut: _Cut) -> tuple[list[float], list[
     return Gc, [a + b for a, b in zip(Tc, split_host_s(cg, lay, cut))], Qc
 
 
-def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float]]:
-    """Per unit its smallest static bytes as a stage holds them (with ZeRO-3's held bytes) and its smallest saved
-    bytes over its allowed strategies; per template the fewest bytes a block keeps (its saved bytes, or its kept
-    input where checkpointing keeps less)."""
-    st, act = [], []
+def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float], list[float], list[float]]:
+    """Per unit its smallest bytes a stage always holds and its smallest saved bytes over its allowed strategies; per
+    template the fewest bytes a block keeps (its saved bytes, or its kept input where checkpointing keeps less); per
+    unit its smallest gradients' and gathered parameters' bytes (`moments.unit_bytes`: each term at its own
+    smallest, a lower bound of their sum at any moment)."""
+    st, act, gr, ga = [], [], [], []
     for u, unit in enumerate(cg.units):
         ok = _allowed(unit)
-        st.append(min(unit.costs[k].static_bytes + (zt.held(u, k) if zt is not None else 0.0) for k in ok))
+        split = [unit_bytes(unit.costs[k], zt, u, k) for k in ok]
+        st.append(min(x[0] for x in split))
+        gr.append(min(x[1] for x in split))
+        ga.append(min(x[2] for x in split))
         act.append(min(unit.costs[k].act_bytes for k in ok))
-    return st, act, {t: block_min(info, act) for t, info in cg.templates.items()}
+    return st, act, {t: block_min(info, act) for t, info in cg.templates.items()}, gr, ga
 
 
-def _stage_bytes(cg, cut: _Cut, S: int, mem, block: dict[int, float]) -> tuple[list[float], list[float]]:
-    """Per stage of a cut its static bytes and the bytes a micro-batch in flight keeps, every unit at its smallest
-    (`mem`: `_memory_mins`), each block of template t keeping `block[t]`."""
-    st_min, act_min, _ = mem
+def _gathered(cg) -> bool:
+    """Whether a rank's moments track the stages FSDP2 holds gathered (ZeRO-3 with reshard after forward)."""
+    zt = zero_terms(cg)
+    return zt is not None and zt.reshard
+
+
+def _stage_bytes(cg, cut: _Cut, S: int, mem, block: dict[int, float]) -> tuple[list[float], ...]:
+    """Per stage of a cut its always-held bytes, the bytes a micro-batch in flight keeps, its gradients' and its
+    gathered parameters' bytes, every unit at its smallest (`mem`: `_memory_mins`), each block of template t
+    keeping `block[t]`."""
+    st_min, act_min, _, gr_min, ga_min = mem
     in_template = {u for info in cg.templates.values() for u in info.units}
-    static, A = [0.0] * S, [0.0] * S
+    static, A, GR, GA = [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S
     for u in range(len(cg.units)):
         for st, k_n in cut.mult.get(u, []):
             static[st] += k_n * st_min[u]
+            GR[st] += k_n * gr_min[u]
+            GA[st] += k_n * ga_min[u]
             if u not in in_template:
                 A[st] += act_min[u]
     for st in range(S):
         A[st] += sum(n_t * block[t] for t, n_t in cut.n[st].items())
-    return static, A
+    return static, A, GR, GA
 
 
 def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
-    """A lower bound of the busiest rank's peak of a cut: the MILP's memory rows (NOTE [pipeline in the plan]) at
-    every undominated moment, each term at its smallest (`_memory_mins`), without the recomputed block."""
+    """A lower bound of the busiest rank's peak of a cut: the MILP's memory rows (NOTE [a rank's memory at each
+    moment]) at every undominated moment, each term at its smallest (`_memory_mins`), without the recomputed
+    block."""
     S, p = lay.n_stages, lay.p
-    static, A = _stage_bytes(cg, cut, S, mem, mem[2])
-    moments = inflight(lay)
+    static, A, GR, GA = _stage_bytes(cg, cut, S, mem, mem[2])
+    moments = rank_moments(lay, _gathered(cg))
     peak = 0.0
     for r in range(p):
         base = sum(static[st] for st in range(S) if lay.rank(st) == r)
-        act = max((sum(k_ * A[st] for st, k_ in kv.items()) for kv in moments[r]), default=0.0)
-        peak = max(peak, base + act)
+        held = max((sum(moment_bytes(mo, A, GR, GA)) for mo in moments[r]), default=0.0)
+        peak = max(peak, base + held)
     return peak + cg.fixed_static_bytes
 
 
@@ -226,15 +241,16 @@ def _role_floor(cg, lay: _Layout, mins) -> float:
     return lay.m * total / p + tail / p + lay.alpha * total
 
 
-# NOTE [a memory floor of the stages]: the pipeline's memory rows (NOTE [pipeline in the plan]) are per pp rank:
-# its stages' static bytes, the fixed bytes, and at each moment the micro-batches in flight on each of its stages
-# times their saved bytes. Every stage has a moment with one micro-batch in flight at least, so a rank's peak is at
-# least its static bytes and the largest of its stages' saved bytes, itself at least the mean over its v stages;
-# the busiest rank is at least the mean over ranks; and the last stage (the head, the loss: with a large
-# vocabulary the largest activation of the step) and the first stage are each on some rank. The floor is the
-# largest of those, with each unit's smallest bytes (under ZeRO-3 with the smallest it holds beside its shard) and
-# each block's smaller of its saved bytes and its kept input (NOTE [a memory floor before the costs] in
-# `treadle.planner.floors`); it holds for every cut and schedule.
+# NOTE [a memory floor of the stages]: the pipeline's memory rows (NOTE [a rank's memory at each moment]) are per pp
+# rank: its stages' always-held bytes, the fixed bytes, and at each moment the micro-batches in flight on each of
+# its stages times their saved bytes, the gradients of the stages that ran a backward and (ZeRO-3 with reshard after
+# forward) the stages held gathered. A rank's peak is therefore at least its static bytes with every gradient whole
+# (the step's end), and at least its always-held bytes with one stage's saved bytes and that stage gathered (its
+# first forward), itself at least the mean over its v stages; the busiest rank is at least the mean over ranks; and
+# the last stage (the head, the loss: with a large vocabulary the largest activation of the step) and the first
+# stage are each on some rank. The floor is the largest of those, with each unit's smallest bytes (each term at its
+# own smallest) and each block's smaller of its saved bytes and its kept input (NOTE [a memory floor before the
+# costs] in `treadle.planner.floors`); it holds for every cut and schedule.
 def memory_floor(ft) -> float | None:
     """A lower bound of the busiest pp rank's peak over every plan of a pipeline role assignment (NOTE [a memory
     floor of the stages]); None without a pp axis."""
@@ -244,22 +260,26 @@ def memory_floor(ft) -> float | None:
     p = ft.cluster.mesh.size(roles.pp)
     v = SCHEDULES[roles.pp_schedule] if roles.pp_schedule else max(SCHEDULES.values())  # the most stages a rank
     runs = {u: info.count for info in ft.templates.values() for u in info.units}  # over all stages
-    in_template = set(runs)
-    first = ft.graph.first_block_op() or 0
-    ends = {True: [0.0, 0.0], False: [0.0, 0.0]}  # head (before the blocks), tail: [static, saved]
+    zt = zero_terms(ft)  # ZeRO-3 beside the pipeline (NOTE [pipeline FSDP2 in the plan]; `ft` reads as the cost
+    grads, gathered = [], []  # graph it will be): each unit's smallest gradients beside its shard, and gathered
     for u, unit in enumerate(ft.units):
-        if u not in in_template:
+        ks = range(len(unit.strategies))
+        grads.append(min(zt.held_grads(u, k) for k in ks) if zt is not None else 0.0)
+        gathered.append(min(zt.held_gathered(u, k) for k in ks) if zt is not None else 0.0)
+    first = ft.graph.first_block_op() or 0
+    ends = {True: [0.0, 0.0], False: [0.0, 0.0]}  # head (before the blocks), tail: [held bytes, saved]
+    end_static = 0.0  # the units outside the blocks at the step's end
+    for u, unit in enumerate(ft.units):
+        if u not in runs:
             e = ends[unit.leader < first]
-            e[0] += ft.static_min[u]
+            e[0] += ft.base_min[u] + gathered[u]
             e[1] += ft.act_min[u]
-    static = sum(n * ft.static_min[u] for u, n in runs.items())
-    zt = zero_terms(ft)  # ZeRO-3 beside the pipeline: each stage also holds its gradients whole and gathers
-    if zt is not None:  # (NOTE [pipeline FSDP2 in the plan]; `ft` reads as the cost graph it will be)
-        held = [min(zt.held(u, k) for k in range(len(unit.strategies))) for u, unit in enumerate(ft.units)]
-        static += sum(n * held[u] for u, n in runs.items())
-        for u, unit in enumerate(ft.units):
-            if u not in in_template:
-                ends[unit.leader < first][0] += held[u]
-    saved = sum(info.count * ft.block_min(t) for t, info in ft.templates.items())
-    mean = (static + ends[True][0] + ends[False][0] + (saved + ends[True][1] + ends[False][1]) / v) / p
+            end_static += ft.static_min[u] + grads[u]
+    whole = end_static + sum(n * (ft.static_min[u] + grads[u]) for u, n in runs.items())
+    base = sum(ft.base_min[u] for u in range(len(ft.units)) if u not in runs)
+    base += sum(n * ft.base_min[u] for u, n in runs.items())
+    saved = sum(info.count * ft.block_min(t) for t, info in ft.templates.items()) + ends[True][1] + ends[False][1]
+    saved += sum(n * gathered[u] for u, n in runs.items()) + sum(gathered[u] for u in range(len(ft.units))
+                                                                   if u not in runs)
+    mean = max(whole, base + saved / v) / p
     return ft.fixed + max(mean, *(e[0] + e[1] for e in ends.values()))

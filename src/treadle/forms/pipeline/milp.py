@@ -15,12 +15,12 @@ from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, ad
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
 from ...planner.grad_live import working_of, working_terms
 from ...planner.policies import counts_of, offered, pick
-from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, inflight,
-                   partitions)
+from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, partitions
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
+from .moments import memory_rows, moment_bytes, rank_moments, unit_bytes
 from .stage_policies import add_stage_policies, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
@@ -59,20 +59,6 @@ def _tied_s(cg, lay: _Layout) -> float:
     return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
 
 
-# NOTE [a stage's memory as variables]: a rank's memory is stated at every undominated moment of its schedule
-# (`inflight`), each row reading its stages' static bytes and activations per micro-batch. Written out, each of
-# those rows repeats every strategy variable of the rank's stages (405B on 512 H100: about 200k matrix entries a
-# cut, most of the MILP's build and solve). Each stage's static bytes and its activations are therefore one
-# variable each, defined once by an equality row ("stage_expr", unbounded: an exact substitution, as `as_var`
-# does for a block's expressions) and read by every moment: the same MILP, with far fewer matrix entries.
-def _stage_var(m: _Model, expr: dict[int, float]) -> dict[int, float]:
-    if len(expr) <= 1:
-        return expr
-    e = m.var(lb=-math.inf, ub=math.inf)
-    m.row({e: 1.0, **{j: -x for j, x in expr.items()}}, 0.0, 0.0, "stage_expr")
-    return {e: 1.0}
-
-
 def base_model(cg) -> tuple[_Model, dict, dict]:
     """What every cut's MILP of `cg` starts from: the strategy variables, one strategy per unit, every form's
     constraint families (the tensor form's gradient sums: their variables, in `shared`) and the layout match.
@@ -88,14 +74,21 @@ def base_model(cg) -> tuple[_Model, dict, dict]:
 
 
 def unit_coefs(cg, zt) -> list[list[tuple]]:
-    """Per unit, each strategy's (index, one execution's seconds, static bytes with what ZeRO-3 holds beside its
-    shard, once-a-step seconds, ZeRO-3 gather seconds or None, saved bytes or None inside a block template): what
-    every cut's MILP reads of it, times the unit's executions in a stage."""
+    """Per unit, each strategy's (index, one execution's seconds, always-held bytes, once-a-step seconds, ZeRO-3
+    gather seconds or None, saved bytes or None inside a block template, gradient bytes, gathered bytes, bytes a
+    split backward keeps from I to W): what every cut's MILP reads of it, times the unit's executions in a stage
+    (the bytes: `moments.unit_bytes`)."""
     in_template = {u for info in cg.templates.values() for u in info.units}
-    return [[(k, _step_time(c) if zt is None else zt.step_s(c), c.static_bytes + (zt.held(u, k) if zt else 0.0),
-              _tail_time(c) if zt is None else zt.tail_s(u, k, c),
-              zt.gather_s(u, k) if zt is not None else None, None if u in in_template else c.act_bytes)
-             for k, c in enumerate(unit.costs)] for u, unit in enumerate(cg.units)]
+    out = []
+    for u, unit in enumerate(cg.units):
+        rows = []
+        for k, c in enumerate(unit.costs):
+            base, grads, gathered = unit_bytes(c, zt, u, k)
+            rows.append((k, _step_time(c) if zt is None else zt.step_s(c), base,
+                         _tail_time(c) if zt is None else zt.tail_s(u, k, c), zt.gather_s(u, k) if zt is not None
+                         else None, None if u in in_template else c.act_bytes, grads, gathered, c.w_held_bytes))
+        out.append(rows)
+    return out
 
 
 def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, time_limit_s: float,
@@ -114,6 +107,9 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     A: list[dict[int, float]] = [dict() for _ in range(S)]  # activations per micro-batch (scaled bytes)
     static: list[dict[int, float]] = [dict() for _ in range(S)]
     tail: list[dict[int, float]] = [dict() for _ in range(S)]
+    GR: list[dict[int, float]] = [dict() for _ in range(S)]  # gradients, from the stage's first backward
+    GA: list[dict[int, float]] = [dict() for _ in range(S)]  # parameters FSDP2 holds gathered
+    WH: list[dict[int, float]] = [dict() for _ in range(S)]  # kept from I to W a micro-batch
 
     def add(d: dict, j: int, x: float) -> None:
         if x:
@@ -125,8 +121,11 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
     for u, terms in enumerate(coefs if coefs is not None else unit_coefs(cg, zt)):
         for st, k_n in cut.mult.get(u, []):
             Ts, Ss, Ls, Gs, As = T[st], static[st], tail[st], G[st], A[st]
-            for k, step, held, tl, gather, act in terms:
+            for k, step, held, tl, gather, act, gr, ga, wh in terms:
                 j = s[u, k]
+                add(GR[st], j, k_n * gr * _BYTES)
+                add(GA[st], j, k_n * ga * _BYTES)
+                add(WH[st], j, k_n * wh * _BYTES)
                 if x := k_n * step * _SECONDS:
                     Ts[j] = Ts.get(j, 0.0) + x
                 if x := k_n * held * _BYTES:
@@ -208,32 +207,21 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         if isinstance(send, list):
             for (u, k), sec in send:
                 obj[s[u, k]] = obj.get(s[u, k], 0.0) + 2 * sec * _SECONDS
-    # memory per rank: static + activations in flight at each undominated moment + one recomputed block or working set
-    moments, work = inflight(lay), working_terms(cg)
+    # memory per rank at each undominated moment (NOTE [a rank's memory at each moment]), with one recomputed
+    # block or working set
+    work = working_terms(cg)
     fixed = cg.fixed_static_bytes * _BYTES
-    mem_rows: list[dict[int, float]] = []
     rows_needed = budget_bytes is not None or minimise == "memory"
-    if rows_needed:  # NOTE [a stage's memory as variables]
-        static = [_stage_var(m, e) for e in static]
-        A = [_stage_var(m, e) for e in A]
+    trans = []
     for r, mine in enumerate(lay.ranks()):
-        trans = m.var(ub=math.inf)
+        trans.append(m.var(ub=math.inf))
         for z in zts[r]:
-            m.row({trans: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
+            m.row({trans[r]: 1.0, z: -1.0}, 0.0, math.inf, "pp_transient")
         for u, w in ((u, w) for u, w in work if any(lay.rank(st) == r for st, _ in cut.mult.get(u, ()))):
-            m.row({trans: 1.0, **{s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf, "pp_working")
-        if not rows_needed:
-            continue
-        base: dict[int, float] = {trans: 1.0}
-        for st in mine:
-            for j, x in static[st].items():
-                base[j] = base.get(j, 0.0) + x
-        for kv in moments[r]:
-            row = dict(base)
-            for st, k_ in kv.items():
-                for j, x in A[st].items():
-                    row[j] = row.get(j, 0.0) + k_ * x
-            mem_rows.append(row)
+            m.row({trans[r]: 1.0, **{s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf,
+                  "pp_working")
+    mem_rows = (memory_rows(m, lay, rank_moments(lay, zt is not None and zt.reshard), static, A, GR, GA, WH, trans)
+                if rows_needed else [])
     if minimise == "memory":
         P = m.var(ub=math.inf)
         for row in mem_rows:
@@ -273,7 +261,7 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     rec = [0.0] * S
     trans = [0.0] * p
     zt = zero_terms(cg)  # NOTE [pipeline FSDP2 in the plan]
-    G = [0.0] * S
+    G, GR, GA, WH = [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S  # gathers' seconds; bytes (NOTE in moments.py)
     Gc, Tc, Qc = stage_constants(cg, zt, lay, cut)
     in_template = {u: t for t, info in cg.templates.items() for u in info.units}
     for u, unit in enumerate(cg.units):
@@ -281,7 +269,11 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
         c = unit.costs[k]
         for st, k_n in cut.mult.get(u, []):
             T[st] += k_n * (_step_time(c) if zt is None else zt.step_s(c))
-            static[st] += k_n * (c.static_bytes + (zt.held(u, k) if zt else 0.0))
+            base, gr, ga = unit_bytes(c, zt, u, k)
+            static[st] += k_n * base
+            GR[st] += k_n * gr
+            GA[st] += k_n * ga
+            WH[st] += k_n * c.w_held_bytes
             tail[st] += k_n * (_tail_time(c) if zt is None else zt.tail_s(u, k, c))
             if zt is not None:
                 G[st] += k_n * zt.gather_s(u, k)
@@ -332,12 +324,12 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     tied = _tied_s(cg, lay)
     alpha = lay.alpha  # NOTE [the fill of a planned schedule]
     step = M * R + alpha * sum(T) + Q + sends + tied
-    moments = inflight(lay)
+    moments = rank_moments(lay, zt is not None and zt.reshard)  # NOTE [a rank's memory at each moment]
     peaks = []
     for r, mine in enumerate(ranks):
         st_b = sum(static[st] for st in mine) + cg.fixed_static_bytes
-        act = max((sum(k_ * A[st] for st, k_ in kv.items()) for kv in moments[r]), default=0.0)
-        peaks.append((st_b + act + trans[r], st_b, act, trans[r]))
+        act, held = max((moment_bytes(mo, A, GR, GA, WH) for mo in moments[r]), key=sum, default=(0.0, 0.0))
+        peaks.append((st_b + held + act + trans[r], st_b + held, act, trans[r]))  # held: the moment's static
     peak = max(peaks)
     busiest = max(range(p), key=lambda r: sum(T[st] for st in ranks[r]))
     recompute = M * sum(rec[st] for st in ranks[busiest])

@@ -98,9 +98,6 @@ from .conflicts import fsdp_split_conflict, split_backward_conflict
 from .runtime import replica_buckets
 from .timeline import simulate
 
-_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
-
-
 def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price | None:
     """The price of `sch` when it is a pipeline (NOTE [pipeline price]); None when it is not. Raises PlanError for
     cuts without `pipeline(...)`, or what `build` refuses (an order the schedule class refuses, a split backward
@@ -161,7 +158,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     for r, s in zip(recs, stage_of):
         if r.phase == "backward":
             n_bwd[s] += 1
-            if r.op.startswith(_MATMUL):
+            if r.kind == "matmul":  # the planner's rule too (`StrategyCost.w_s`, `w_held_bytes`)
                 weight[s] += MATMUL_WEIGHT_GRAD_SHARE * (r.time_s + hw.op_overhead_s)
     split_host = [n * hw.split_backward_op_s for n in n_bwd]  # the split's own host cost (NOTE [framework overheads])
     duration: dict[tuple[int, str], float] = {}
@@ -225,7 +222,7 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
     for r, s in zip(recs, stage_of):
         if r.phase == "forward":
             saved[s] += r.saved_bytes
-            if r.op.startswith(_MATMUL):
+            if r.kind == "matmul":
                 held[s] += r.output_bytes
     grads = [0.0] * n_stages
     for i, stages in holders.items():

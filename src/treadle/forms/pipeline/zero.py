@@ -92,12 +92,21 @@ class ZeroTerms:
         return self.rs_per_byte * self.gathered[u][k] + own + (0.0 if self.reshard else self._gather_once_s(u, k))
 
     def held(self, u: int, k: int) -> float:
-        """Bytes a rank holds beyond the cost graph's sharded static bytes: the gradients' other (n - 1)/n and the
-        gathered parameters (the local experts': their other (m - 1)/m, gathered over m); without reshard after
-        forward the cost graph's static bytes already hold the gathered parameters."""
-        gathered = self.gathered[u][k] if self.reshard else 0.0
-        own = self.experts.gathered[u][k] * ((2 if self.reshard else 1) - 1 / self.experts.m) if self.experts else 0.0
-        return self.grads[u][k] * (1 - 1 / self.n) + gathered + own
+        """Bytes a rank holds beyond the cost graph's sharded static bytes: `held_grads` and `held_gathered`."""
+        return self.held_grads(u, k) + self.held_gathered(u, k)
+
+    def held_grads(self, u: int, k: int) -> float:
+        """The gradients' other (n - 1)/n (the local experts': their other (m - 1)/m): held from the stage's first
+        backward (NOTE [a rank's memory at each moment] in `moments.py`)."""
+        own = self.experts.gathered[u][k] * (1 - 1 / self.experts.m) if self.experts else 0.0
+        return self.grads[u][k] * (1 - 1 / self.n) + own
+
+    def held_gathered(self, u: int, k: int) -> float:
+        """The gathered parameters (the local experts', gathered over m) while FSDP2 holds the stage gathered; 0
+        without reshard after forward (the cost graph's static bytes hold them)."""
+        if not self.reshard:
+            return 0.0
+        return self.gathered[u][k] + (self.experts.gathered[u][k] if self.experts else 0.0)
 
 
 @dataclass(slots=True)

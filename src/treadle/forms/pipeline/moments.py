@@ -1,0 +1,153 @@
+"""A pp rank's memory at each moment of its step, as the pipeline's price walks it (NOTE [a rank's memory at each
+moment]): the moments (`rank_moments`), a unit strategy's bytes by when they are held (`unit_bytes`), a moment's
+bytes (`moment_bytes`), and the MILP's rows of them (`memory_rows`).
+
+NOTE [a rank's memory at each moment]: the price walks each rank's actions (NOTE [a stage's gradients at its peak]
+in `price.py`) and holds, beside the parameters and optimizer state: the activations of the micro-batches in flight;
+the gradients of the stages that have run a backward (a stage's accumulate from its first B, or W, to the step's
+end, so none exist at the warm-up's end, where the activations peak); under ZeRO-3 with reshard after forward the
+stages FSDP2 holds gathered while the action runs (NOTE [pipeline FSDP2]), and then each gradient whole. The planner
+states the same moments: at each action the micro-batches in flight on each stage (after a forward, before a
+backward frees them; a split backward's I keeps its output gradients to W: NOTE [a split backward's memory]), the
+stages whose gradients exist (a stage's from its first B or W, made while that micro-batch is still held) and the
+stages gathered while it runs; and at the step's end every gradient. A moment that another covers (as many micro-batches on each stage, the gradients and the
+gathered stages of it and more) is left out: every term is non-negative. The rows before held every stage's
+gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every moment: Llama-3-8B on 2 x 8
+H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by the MILP against 27.1
+priced. Left out as the rows were before: the replicas' flattened bucket of the step's end (the price's, at most
+about one bucket), and the transient term is the rank's largest at every moment (the price's at a backward).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from .facts import action_order
+from .fsdp import fsdp_states
+
+
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """A point of a rank's step: micro-batches in flight per stage (`act`: (stage, count) pairs), the stages whose
+    gradients exist (`grads`) and the stages FSDP2 holds gathered (`gathered`)."""
+
+    act: tuple[tuple[int, int], ...]
+    grads: frozenset[int]
+    gathered: frozenset[int]
+    waiting: tuple[tuple[int, int], ...] = ()  # micro-batches between a split backward's I and W, per stage
+
+    def covers(self, other: "Moment") -> bool:
+        """Whether this moment holds at least what `other` holds, every term alike."""
+        mine, wait = dict(self.act), dict(self.waiting)
+        return (self.grads >= other.grads and self.gathered >= other.gathered
+                and all(mine.get(s, 0) >= k for s, k in other.act)
+                and all(wait.get(s, 0) >= k for s, k in other.waiting))
+
+
+def rank_moments(lay, gathered: bool) -> dict[int, tuple[Moment, ...]]:
+    """Rank -> its undominated moments (NOTE [a rank's memory at each moment]) of `lay`'s schedule; `gathered`: the
+    stages FSDP2 holds gathered are tracked (ZeRO-3 with reshard after forward), else none is."""
+    return _moments(lay.schedule, lay.n_stages, lay.p, lay.m, gathered)
+
+
+@functools.lru_cache(maxsize=256)
+def _moments(schedule: str, n_stages: int, p: int, m: int, gathered: bool) -> dict[int, tuple[Moment, ...]]:
+    """`rank_moments` of a schedule's shape (a function of its integers and torch's order: remembered per process)."""
+    order = action_order(schedule, n_stages, p, m)
+    states = fsdp_states(schedule, order, True) if gathered else None
+    out = {}
+    for r, acts in order.items():
+        cur: dict[int, int] = {}
+        wait: dict[int, int] = {}
+        done: set[int] = set()
+        seen: list[Moment] = []
+        for i, a in enumerate(acts):
+            if a.kind == "F":
+                cur[a.stage] = cur.get(a.stage, 0) + 1
+            elif a.kind == "I":  # the graph is kept for W, with the output gradients W reads
+                wait[a.stage] = wait.get(a.stage, 0) + 1
+            elif a.kind == "B":  # its gradients are made while its micro-batch is still held (the price's
+                done.add(a.stage)  # transient of a backward; a W's, as the price counts it, from its end on)
+            held = states[r].held[i] if states is not None else frozenset()
+            seen.append(Moment(_counts(cur), frozenset(done), held, _counts(wait)))
+            if a.kind in ("B", "W"):  # NOTE [a split backward's memory] in price.py: W frees the stage's graph
+                cur[a.stage] = cur.get(a.stage, 0) - 1
+            if a.kind == "W":
+                wait[a.stage] = wait.get(a.stage, 0) - 1
+                done.add(a.stage)
+        seen.append(Moment(_counts(cur), frozenset(done), frozenset(), _counts(wait)))  # the step's end
+        unique = list(dict.fromkeys(seen))  # each distinct moment once, in order of its first occurrence
+        out[r] = tuple(x for x in unique if not any(y is not x and y.covers(x) for y in unique))
+    return out
+
+
+def _counts(cur: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted((s, k) for s, k in cur.items() if k > 0))
+
+
+def unit_bytes(c, zt, u: int, k: int) -> tuple[float, float, float]:
+    """(always held, held from its stage's first backward, held while its stage is gathered) bytes of unit u's
+    strategy k (`c`: its StrategyCost; `zt`: the ZeRO-3 terms or None): its parameters and optimizer state (the
+    shard), its gradients (whole under ZeRO-3), its gathered parameters (NOTE [pipeline FSDP2 in the plan])."""
+    grads = c.static_grad_bytes + (zt.held_grads(u, k) if zt is not None else 0.0)
+    return c.static_bytes - c.static_grad_bytes, grads, zt.held_gathered(u, k) if zt is not None else 0.0
+
+
+def moment_bytes(mo: Moment, act: list[float], grads: list[float], gathered: list[float],
+                 waiting: list[float] | None = None) -> tuple[float, float]:
+    """(activations, gradients and gathered parameters) a moment holds, per stage's bytes (`waiting`: what a split
+    backward keeps from I to W a micro-batch, counted with the activations; None: nothing)."""
+    kept = math.fsum(k * waiting[s] for s, k in mo.waiting) if waiting is not None else 0.0
+    return (math.fsum(k * act[s] for s, k in mo.act) + kept,
+            math.fsum(grads[s] for s in mo.grads) + math.fsum(gathered[s] for s in mo.gathered))
+
+
+# NOTE [a stage's memory as variables]: a rank's memory is stated at every undominated moment of its schedule
+# (`rank_moments`), each row reading its stages' bytes. Written out, each of those rows repeats every strategy
+# variable of the rank's stages (405B on 512 H100: about 200k matrix entries a cut, most of the MILP's build and
+# solve). Each stage's always-held bytes, its activations, its gradients and its gathered parameters are therefore
+# one variable each, defined once by an equality row ("stage_expr", unbounded: an exact substitution, as `as_var`
+# does for a block's expressions) and read by every moment: the same MILP, with far fewer matrix entries.
+def stage_var(m, expr: dict[int, float]) -> dict[int, float]:
+    if len(expr) <= 1:
+        return expr
+    e = m.var(lb=-math.inf, ub=math.inf)
+    m.row({e: 1.0, **{j: -x for j, x in expr.items()}}, 0.0, 0.0, "stage_expr")
+    return {e: 1.0}
+
+
+def memory_rows(m, lay, moments, static, act, grads, gathered, waiting, trans) -> list[dict[int, float]]:
+    """Each rank's row at each of its moments (NOTE [a rank's memory at each moment]), in the MILP's scaled bytes:
+    its stages' always-held bytes, the micro-batches in flight times their stages' saved bytes (and those between a
+    split backward's I and W times what it keeps), the gradients and gathered parameters the moment holds, and the
+    rank's transient variable (`trans[r]`); per stage expressions ({var: coefficient}), each stated once where a
+    row reads it (NOTE [a stage's memory as variables])."""
+    exprs = {"static": static, "act": act, "grads": grads, "gathered": gathered, "waiting": waiting}
+    made: dict[tuple[str, int], dict[int, float]] = {}
+
+    def part(name: str, st: int) -> dict[int, float]:
+        if (name, st) not in made:
+            made[name, st] = stage_var(m, exprs[name][st])
+        return made[name, st]
+
+    rows = []
+    for r, mine in enumerate(lay.ranks()):
+        base: dict[int, float] = {trans[r]: 1.0}
+        for st in mine:
+            _add(base, part("static", st), 1.0)
+        for mo in moments[r]:
+            row = dict(base)
+            for name, items in (("act", mo.act), ("waiting", mo.waiting),
+                                ("grads", ((st, 1) for st in sorted(mo.grads))),
+                                ("gathered", ((st, 1) for st in sorted(mo.gathered)))):
+                for st, k_ in items:
+                    _add(row, part(name, st), k_)
+            rows.append(row)
+    return rows
+
+
+def _add(row: dict[int, float], expr: dict[int, float], w: float) -> None:
+    for j, x in expr.items():
+        row[j] = row.get(j, 0.0) + w * x
