@@ -105,3 +105,18 @@ def test_the_planned_peak_is_the_price_of_the_built_pipeline(kw):
     assert ("ZeRO-3" in plan.roles) == bool(kw.get("zero")), plan.roles
     ratio = plan.estimated.peak_bytes / plan.price["peak_bytes"]
     assert 0.98 <= ratio <= 1.03, (ratio, json.dumps(plan.price.get("pipeline", {}).get("ranks"), default=str))
+
+
+def test_the_vectorised_filter_keeps_what_no_other_moment_covers():
+    import random
+
+    from treadle.forms.pipeline.moments import _undominated
+
+    rng = random.Random(0)
+    for _ in range(50):
+        seen = [Moment(tuple((s, k) for s in range(3) if (k := rng.randint(0, 2))),
+                       frozenset(s for s in range(3) if rng.random() < 0.5),
+                       frozenset(s for s in range(3) if rng.random() < 0.3),
+                       tuple((s, 1) for s in range(3) if rng.random() < 0.2)) for _ in range(rng.randint(1, 30))]
+        unique = list(dict.fromkeys(seen))
+        assert _undominated(unique) == tuple(x for x in unique if not any(y != x and y.covers(x) for y in unique))

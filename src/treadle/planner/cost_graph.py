@@ -48,7 +48,7 @@ from .capture import CapturedGraph, Node, TensorMeta
 from .dims import AxisOption, block_chain, dim_spec, strategies
 from .node_costs import NodeCosts, StrategyCost
 from .assembly import Assembly, Edge, TemplateInfo
-from .floors import FloorTerms, OverMemoryFloor, memory_floor
+from .floors import FloorTerms, OverMemoryFloor, memory_floor, unit_memory_mins
 from .roles import Roles, TrainSpec
 from .views import noop_cast, view_attr_needs
 
@@ -421,16 +421,9 @@ class _Builder(NodeCosts, Assembly):
         """The memory floor of the role assignment (NOTE [a memory floor before the costs]): each unit's smallest
         static and saved bytes over its strategies (`strategy_memory`), read by the form that owns the step's
         formula (`Form.memory_floor`; a pipeline's), else by `memory_floor`."""
-        static_min, act_min, base_min = [], [], []
-        for unit in units:
-            per = [(0.0, 0.0, 0.0) for _ in unit.strategies]
-            for k, members in enumerate(unit.strategies):
-                for i, (combo, pub) in members.items():
-                    per[k] = tuple(a + b for a, b in zip(per[k], self.strategy_memory(self.nodes[i], combo, pub)))
-            static_min.append(min(x[0] for x in per))
-            act_min.append(min(x[1] for x in per))
-            base_min.append(min(x[0] - x[2] for x in per))
-        ft = FloorTerms(self.g, self.cluster, self.roles, units, templates, static_min, act_min, fixed, base_min)
+        mins = [unit_memory_mins(unit, self.nodes, self.strategy_memory) for unit in units]
+        static_min, act_min, base_min = ([x[j] for x in mins] for j in range(3))
+        ft = FloorTerms(self.g, self.cluster, self.roles, units, templates, static_min, act_min, base_min, fixed)
         for f in forms():
             own = f.memory_floor(ft)
             if own is not None:

@@ -41,9 +41,9 @@ class OverMemoryFloor(PlanError):
 @dataclass(slots=True)
 class FloorTerms:
     """What a memory floor reads (NOTE [a memory floor before the costs]): the units and templates of a cost graph
-    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), the fixed
-    bytes, and each unit's smallest static bytes without its gradients (`base_min`: a pipeline stage holds its
-    gradients from its first backward, NOTE [a rank's memory at each moment])."""
+    being built, each unit's smallest static bytes and saved bytes over its strategies (per execution), its smallest
+    static bytes without its gradients (`base_min`: a pipeline stage holds its gradients from its first backward,
+    NOTE [a rank's memory at each moment]), and the fixed bytes."""
 
     graph: CapturedGraph
     cluster: ClusterSpec
@@ -52,12 +52,27 @@ class FloorTerms:
     templates: dict[int, TemplateInfo]
     static_min: list[float]
     act_min: list[float]
-    fixed: float
     base_min: list[float]
+    fixed: float
 
     def block_min(self, t: int) -> float:
         """`block_min` of template t."""
         return block_min(self.templates[t], self.act_min)
+
+
+def unit_memory_mins(unit: "Unit", nodes, memory) -> tuple[float, float, float]:
+    """A unit's smallest static, saved and static-without-gradients bytes over its strategies, each strategy the sum
+    of its members' `memory(node, combo, published)` (`NodeCosts.strategy_memory`: static, saved, gradients)."""
+    per = []
+    for members in unit.strategies:
+        static = saved = grads = 0.0
+        for i, (combo, pub) in members.items():
+            a, b, c = memory(nodes[i], combo, pub)
+            static += a
+            saved += b
+            grads += c
+        per.append((static, saved, static - grads))
+    return min(x[0] for x in per), min(x[1] for x in per), min(x[2] for x in per)
 
 
 def block_min(info: TemplateInfo, act_min: list[float]) -> float:

@@ -314,9 +314,10 @@ class NodeCosts:
         """(static, saved, of static the gradients') bytes of a strategy as the core of `strategy_cost` counts them,
         without its conversions' times: the forms only add to either, so each bounds `strategy_cost`'s from below
         (NOTE [a memory floor before the costs] in floors.py)."""
-        owned = list(self.owned_params(n, combo))
-        static = sum(self.owned_static_bytes(src, pl) for src, pl in owned)
-        grads = sum(self.param_grad_static_bytes(src.out, pl, self.own_split.get(src.param)) for src, pl in owned)
+        static = grads = 0.0
+        for src, pl in self.owned_params(n, combo):
+            static += self.owned_static_bytes(src, pl)
+            grads += self.param_grad_static_bytes(src.out, pl, self.own_split.get(src.param))
         return static, self.saved_bytes(n, combo, pub), grads
 
     def param_static_bytes(self, meta: TensorMeta, pl: tuple[int, ...], own: int | None = None,

@@ -24,6 +24,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .facts import action_order
 from .fsdp import fsdp_states
 
@@ -78,9 +80,31 @@ def _moments(schedule: str, n_stages: int, p: int, m: int, gathered: bool) -> di
                 wait[a.stage] = wait.get(a.stage, 0) - 1
                 done.add(a.stage)
         seen.append(Moment(_counts(cur), frozenset(done), frozenset(), _counts(wait)))  # the step's end
-        unique = list(dict.fromkeys(seen))  # each distinct moment once, in order of its first occurrence
-        out[r] = tuple(x for x in unique if not any(y is not x and y.covers(x) for y in unique))
+        out[r] = _undominated(list(dict.fromkeys(seen)))  # each distinct moment once, in order of occurrence
     return out
+
+
+def _undominated(unique: list[Moment]) -> tuple[Moment, ...]:
+    """The moments no other covers (`Moment.covers`), in their order: each moment a vector (micro-batches in flight
+    and waiting per stage, whether its gradients exist and whether it is gathered), compared at once (a rank of an
+    interleaved schedule over 32 micro-batches has hundreds of moments)."""
+    if len(unique) < 2:
+        return tuple(unique)
+    stages = sorted({s for mo in unique for s, _ in mo.act + mo.waiting}.union(
+        *(mo.grads | mo.gathered for mo in unique)))
+    col, d = {s: i for i, s in enumerate(stages)}, len(stages)
+    vec = np.zeros((len(unique), 4 * d), dtype=np.int64)
+    for i, mo in enumerate(unique):
+        for s, k in mo.act:
+            vec[i, col[s]] = k
+        for s, k in mo.waiting:
+            vec[i, d + col[s]] = k
+        for s in mo.grads:
+            vec[i, 2 * d + col[s]] = 1
+        for s in mo.gathered:
+            vec[i, 3 * d + col[s]] = 1
+    # distinct moments are distinct vectors: another that is at least as large everywhere covers it
+    return tuple(mo for i, mo in enumerate(unique) if np.count_nonzero((vec >= vec[i]).all(axis=1)) == 1)
 
 
 def _counts(cur: dict[int, int]) -> tuple[tuple[int, int], ...]:
