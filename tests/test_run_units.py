@@ -239,7 +239,14 @@ def test_health_names_ranks_behind():
 
 
 def _plan_auto_rank(rank, world):
+    import functools
+
+    from treadle.profile import hardware
     from treadle.run.setup import _auto_clusters, load_run_model, make_schedule
+
+    # rank 0 measures the core without its framework overheads and kernel rates (about 1 s, not 24; those are
+    # test_profile_flops'), the group's links as --plan auto measures them
+    hardware.calibrate_cpu = functools.partial(hardware.calibrate_cpu, overheads=False, kernels=False)
 
     # on a cpu preset every rank of the launched group measures the host before rank 0 plans on it
     measured = _auto_clusters(RunConfig(model="tiny-gpt2", data=["x"], plan="auto"), world, rank)

@@ -122,7 +122,9 @@ def _auto_clusters(cfg: RunConfig, world: int, rank: int) -> list:
     dist.broadcast_object_list(box, src=0)
     mesh = calibration_mesh(world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    measured = calibrate_group(mesh, box[0], threads_per_rank=torch.get_num_threads(), ranks_per_host=local).cluster
+    # the links as `treadle plan` measures this host (`calibrate_this_host`: no held-out sizes, which no fit reads)
+    measured = calibrate_group(mesh, box[0], threads_per_rank=torch.get_num_threads(), ranks_per_host=local,
+                               held_out_bytes=()).cluster
     logger.info("--plan auto: measured this host (%s): %s", mesh, measured.assumptions())
     return host_clusters(measured)
 
