@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ...planner.floors import block_min
 from .cuts import SCHEDULES, _Cut, _Layout, _step_time, _tail_time, split_host_s
-from .moments import moment_bytes, rank_moments, unit_bytes
+from .moments import moment_bytes, rank_moments, tracks_gathered, unit_bytes
 from .zero import _zero_constants, zero_terms
 
 # NOTE [a lower bound before the MILP]: with a cutoff (NOTE [a cutoff from the best plan found]) most cuts of most
@@ -102,7 +102,7 @@ def _recompute_floor(cg, lay: _Layout, cut: _Cut, mem, tmins, budget: float, che
     budget forces]); None when no checkpoints fit it. `mem`: `_memory_mins`; `tmins`: `template_mins`."""
     S, p = lay.n_stages, lay.p
     static, A0, GR, GA = _stage_bytes(cg, cut, S, mem, {t: m[0] for t, m in tmins.items()})
-    moments = rank_moments(lay, _gathered(cg))
+    moments = rank_moments(lay, tracks_gathered(cg))
     out = [0.0] * p
     for r in range(p):
         base = sum(static[st] for st in range(S) if lay.rank(st) == r) + cg.fixed_static_bytes
@@ -190,12 +190,6 @@ def _memory_mins(cg, zt) -> tuple[list[float], list[float], dict[int, float], li
     return st, act, {t: block_min(info, act) for t, info in cg.templates.items()}, gr, ga
 
 
-def _gathered(cg) -> bool:
-    """Whether a rank's moments track the stages FSDP2 holds gathered (ZeRO-3 with reshard after forward)."""
-    zt = zero_terms(cg)
-    return zt is not None and zt.reshard
-
-
 def _stage_bytes(cg, cut: _Cut, S: int, mem, block: dict[int, float]) -> tuple[list[float], ...]:
     """Per stage of a cut its always-held bytes, the bytes a micro-batch in flight keeps, its gradients' and its
     gathered parameters' bytes, every unit at its smallest (`mem`: `_memory_mins`), each block of template t
@@ -221,7 +215,7 @@ def _memory_floor_of_cut(cg, lay: _Layout, cut: _Cut, mem) -> float:
     block."""
     S, p = lay.n_stages, lay.p
     static, A, GR, GA = _stage_bytes(cg, cut, S, mem, mem[2])
-    moments = rank_moments(lay, _gathered(cg))
+    moments = rank_moments(lay, tracks_gathered(cg))
     peak = 0.0
     for r in range(p):
         base = sum(static[st] for st in range(S) if lay.rank(st) == r)

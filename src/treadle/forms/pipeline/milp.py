@@ -20,7 +20,7 @@ from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
-from .moments import memory_rows, moment_bytes, rank_moments, unit_bytes
+from .moments import memory_rows, moment_bytes, rank_moments, tracks_gathered, unit_bytes
 from .stage_policies import add_stage_policies, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
@@ -220,7 +220,7 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
         for u, w in ((u, w) for u, w in work if any(lay.rank(st) == r for st, _ in cut.mult.get(u, ()))):
             m.row({trans[r]: 1.0, **{s[u, k]: -x * _BYTES for k, x in enumerate(w) if x}}, 0.0, math.inf,
                   "pp_working")
-    mem_rows = (memory_rows(m, lay, rank_moments(lay, zt is not None and zt.reshard), static, A, GR, GA, WH, trans)
+    mem_rows = (memory_rows(m, lay, rank_moments(lay, tracks_gathered(cg)), static, A, GR, GA, WH, trans)
                 if rows_needed else [])
     if minimise == "memory":
         P = m.var(ub=math.inf)
@@ -324,7 +324,7 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     tied = _tied_s(cg, lay)
     alpha = lay.alpha  # NOTE [the fill of a planned schedule]
     step = M * R + alpha * sum(T) + Q + sends + tied
-    moments = rank_moments(lay, zt is not None and zt.reshard)  # NOTE [a rank's memory at each moment]
+    moments = rank_moments(lay, tracks_gathered(cg))  # NOTE [a rank's memory at each moment]
     peaks = []
     for r, mine in enumerate(ranks):
         st_b = sum(static[st] for st in mine) + cg.fixed_static_bytes

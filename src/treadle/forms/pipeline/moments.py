@@ -4,18 +4,21 @@ bytes (`moment_bytes`), and the MILP's rows of them (`memory_rows`).
 
 NOTE [a rank's memory at each moment]: the price walks each rank's actions (NOTE [a stage's gradients at its peak]
 in `price.py`) and holds, beside the parameters and optimizer state: the activations of the micro-batches in flight;
-the gradients of the stages that have run a backward (a stage's accumulate from its first B, or W, to the step's
+the gradients of the stages that have run a backward (a stage's accumulate from its first backward to the step's
 end, so none exist at the warm-up's end, where the activations peak); under ZeRO-3 with reshard after forward the
 stages FSDP2 holds gathered while the action runs (NOTE [pipeline FSDP2]), and then each gradient whole. The planner
 states the same moments: at each action the micro-batches in flight on each stage (after a forward, before a
-backward frees them; a split backward's I keeps its output gradients to W: NOTE [a split backward's memory]), the
-stages whose gradients exist (a stage's from its first B or W, made while that micro-batch is still held) and the
-stages gathered while it runs; and at the step's end every gradient. A moment that another covers (as many micro-batches on each stage, the gradients and the
-gathered stages of it and more) is left out: every term is non-negative. The rows before held every stage's
-gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every moment: Llama-3-8B on 2 x 8
-H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by the MILP against 27.1
-priced. Left out as the rows were before: the replicas' flattened bucket of the step's end (the price's, at most
-about one bucket), and the transient term is the rank's largest at every moment (the price's at a backward).
+backward frees them; a split backward's I keeps its output gradients to W: NOTE [a split backward's memory]); the
+stages whose gradients exist (a stage's from its first B, made while that micro-batch is still held, as the price's
+transient of a backward holds them, or from the end of its first W, as the price counts them); the stages gathered
+while it runs; and at the step's end every gradient. A moment that another covers (as many micro-batches on each
+stage, the gradients and the gathered stages of it and more) is left out: every term is non-negative. The rows
+before held every stage's gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every
+moment: Llama-3-8B on 2 x 8 H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by
+the MILP against 27.1 priced (now 27.1); and they missed what a split backward keeps from I to W (GPT-2-XL on 1 x 8
+H100, interleaved_zb over 16 micro-batches: 0.85x the price, now 0.93x). Left out as the rows were before: the
+replicas' flattened bucket of the step's end (the price's, at most about one bucket), and the transient term is the
+rank's largest at every moment (the price's at a backward).
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ class Moment:
         return (self.grads >= other.grads and self.gathered >= other.gathered
                 and all(mine.get(s, 0) >= k for s, k in other.act)
                 and all(wait.get(s, 0) >= k for s, k in other.waiting))
+
+
+def tracks_gathered(cg) -> bool:
+    """Whether a cost graph's ranks hold their stages gathered only while FSDP2 keeps them so: ZeRO-3 over more than
+    one rank with reshard after forward (`zero.zero_terms`'s `reshard`); else nothing is gathered, or it stays so."""
+    roles = cg.roles
+    return bool(roles.zero and roles.reshard_after_forward
+                and math.prod(cg.cluster.mesh.size(a) for a in roles.shard_axes) > 1)
 
 
 def rank_moments(lay, gathered: bool) -> dict[int, tuple[Moment, ...]]:
