@@ -28,6 +28,7 @@ from ...form import Form
 from . import plan as _plan
 from .floors import memory_floor
 from .kinds import price_variants
+from .moments import tied_terms
 from .price import price_pipeline
 from .runtime import wrap_pipeline
 from .stages import capture_root
@@ -52,6 +53,9 @@ class PipelineForm(Form):
 
     def prepare(self, b):
         _plan.prepare(b)
+
+    def graph_terms(self, b, cg):
+        tied_terms(b, cg)
 
     def solve(self, cg, *, budget_bytes, checkpoint, time_limit_s, rel_gap, min_ckpt, minimise, cutoff_s=None):
         return _plan.solve(cg, budget_bytes=budget_bytes, checkpoint=checkpoint, time_limit_s=time_limit_s,

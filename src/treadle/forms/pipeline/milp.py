@@ -20,7 +20,7 @@ from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
 from .kinds import _stage_counts_allow, _tied_bytes, _torch_takes, schedules  # noqa: F401 (schedules: the face)
-from .moments import memory_rows, moment_bytes, rank_moments, tracks_gathered, unit_bytes
+from .moments import memory_rows, moment_bytes, rank_moments, tied_on_last, tracks_gathered, unit_bytes
 from .stage_policies import add_stage_policies, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
@@ -136,6 +136,10 @@ def _solve_cut(cg, lay: _Layout, cut: _Cut, *, budget_bytes, checkpoint: bool, t
                     Gs[j] = Gs.get(j, 0.0) + x
                 if act is not None and (x := act * _BYTES):
                     As[j] = As.get(j, 0.0) + x
+    for u, per in tied_on_last(cg, lay, cut).items():  # NOTE [a tied parameter on two ranks]
+        for k, (base, gr) in enumerate(per):
+            add(static[S - 1], s[u, k], base * _BYTES)
+            add(GR[S - 1], s[u, k], gr * _BYTES)
     ys = shared.get("grad_sum_vars", {})
     for key, (u, sec) in _grad_sum_units(cg).items():
         if key in ys:
@@ -279,6 +283,9 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
                 G[st] += k_n * zt.gather_s(u, k)
             if u not in in_template:
                 A[st] += c.act_bytes
+    for u, per in tied_on_last(cg, lay, cut).items():  # NOTE [a tied parameter on two ranks]
+        static[S - 1] += per[choice[u]][0]
+        GR[S - 1] += per[choice[u]][1]
     needed = {(j, a, cg.units[u].count) for u, unit in enumerate(cg.units)
               for (j, a) in unit.costs[choice[u]].grad_sums}
     for key, (u, sec) in _grad_sum_units(cg).items():

@@ -186,3 +186,49 @@ def memory_rows(m, lay, moments, static, act, grads, gathered, waiting, trans) -
 def _add(row: dict[int, float], expr: dict[int, float], w: float) -> None:
     for j, x in expr.items():
         row[j] = row.get(j, 0.0) + w * x
+
+
+# NOTE [a tied parameter on two ranks]: a parameter both the first and the last stage read (GPT-2's embedding and
+# head) is held by both stages' ranks as build places it (the price counts it on each: its parameters and optimizer
+# state, and its gradient from the stage's first backward); the cost graph states it once, on its owner (the first
+# consumer, on the first stage). The last stage's rank, where it is another rank, holds the owner's strategy's copy
+# too: GPT-2-XL on 1 x 8 H100, interleaved_zb over 16 micro-batches, the last rank 1.05 GiB over its rows without it
+# (a bf16 embedding of 50257 x 1600 with its fp32 master and AdamW states).
+def tied_terms(b, cg) -> None:
+    """Per unit strategy the (always-held, gradient) bytes of the parameters it owns that the last stage reads too
+    (NOTE [a tied parameter on two ranks]), into `cg.form_terms["pipeline"]["tied"]` (unit -> per strategy);
+    nothing without a pp axis or such a parameter. `b`: the cost graph's builder (`NodeCosts`)."""
+    if cg.roles.pp is None:
+        return
+    first = cg.graph.first_block_op() or 0
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    unit_of = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
+    side = {u: unit.leader < first for u, unit in enumerate(cg.units) if u not in in_template}  # True: the head
+    tied = {n.param for n in cg.graph.nodes if n.kind == "param"
+            and {side.get(unit_of.get(x)) for x in n.users} >= {True, False}}
+    if not tied:
+        return
+    out: dict[int, list[tuple[float, float]]] = {}
+    for u, unit in enumerate(cg.units):
+        per = []
+        for members in unit.strategies:
+            base = grads = 0.0
+            for i, (combo, _) in members.items():
+                for src, pl in b.owned_params(b.nodes[i], combo):
+                    if src.param in tied:
+                        own = b.own_split.get(src.param)
+                        g = b.param_grad_static_bytes(src.out, pl, own)
+                        base += b.owned_static_bytes(src, pl) - g
+                        grads += g * (b.param_divisor if own is None else 1)  # whole under ZeRO-3 (FSDP2's)
+            per.append((base, grads))
+        if any(x != (0.0, 0.0) for x in per):
+            out[u] = per
+    cg.form_terms.setdefault("pipeline", {})["tied"] = out
+
+
+def tied_on_last(cg, lay, cut) -> dict[int, list[tuple[float, float]]]:
+    """The owners' tied bytes (`tied_terms`) the last stage's rank holds besides: those whose owner runs on another
+    rank (none where one rank runs both, as the V schedules place them)."""
+    tied = (cg.form_terms.get("pipeline") or {}).get("tied") or {}
+    last = lay.rank(lay.n_stages - 1)
+    return {u: per for u, per in tied.items() if all(lay.rank(st) != last for st, _ in cut.mult.get(u, ()))}
