@@ -37,3 +37,32 @@ def test_spawn_reports_failing_rank():
 def test_spawn_kills_stuck_ranks():
     with pytest.raises(SpawnError, match=r"still running after 3 s"):
         testing.spawn(_hang, 2, timeout_s=3)
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried_on_another(monkeypatch):
+    """The port `free_port` returned is taken by another process before rank 0 binds it (a test beside this one,
+    say): rank 0's init_process_group fails with EADDRINUSE before any rank ran `fn`, and spawn launches again on
+    a new port. With one try the same error is raised."""
+    import socket
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    ports = []
+    real = testing.free_port
+
+    def first_taken() -> int:
+        ports.append(taken if not ports else real())
+        return ports[-1]
+
+    monkeypatch.setattr(testing, "free_port", first_taken)
+    try:
+        out = testing.spawn(_allreduce, 2, timeout_s=60)
+        assert [t.item() for t in out] == [3.0, 3.0] and len(ports) == 2 and ports[0] == taken
+        ports.clear()
+        monkeypatch.setattr(testing, "_PORT_TRIES", 1)
+        with pytest.raises(SpawnError, match="EADDRINUSE|address already in use"):
+            testing.spawn(_allreduce, 2, timeout_s=60)
+    finally:
+        held.close()

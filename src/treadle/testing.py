@@ -229,8 +229,25 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     the ranks still running, each with where its heartbeat last saw it, the hung ones first. Every rank is
     killed before spawn returns or raises. Raises SpawnError before starting any when `world_size` exceeds
     this host's NOTE [process count]. `nodes`: a running `treadle.emulated_nodes.EmulatedNodes` of `world_size`
-    ranks; each rank then runs in its node's network namespace (the slow link between nodes).
+    ranks; each rank then runs in its node's network namespace (the slow link between nodes). A rendezvous port
+    that another process took between `free_port` and rank 0's bind (EADDRINUSE at `init_process_group`, before
+    `fn` ran anywhere) is retried on a new port, up to `_PORT_TRIES` times within `timeout_s`.
     """
+    return _spawn(fn, world_size, args, kwargs, timeout_s, nodes, _PORT_TRIES)
+
+
+_PORT_TRIES = 3
+
+
+def _port_taken(errors: dict[int, str]) -> bool:
+    """Whether a rank failed because the rendezvous port was taken (rank 0's store could not bind it), so that no
+    rank got past `init_process_group` and the launch can be repeated on another port."""
+    return any(("EADDRINUSE" in e or "address already in use" in e) and "init_process_group" in e
+               for e in errors.values())
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout_s: float, nodes: Any,
+           tries: int) -> list[Any]:
     if world_size < 1:
         raise SpawnError(f"spawn: world_size must be >= 1, got {world_size}")
     if nodes is not None and nodes.world_size != world_size:
@@ -302,6 +319,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         for p in procs:
             p.join(timeout=2)
     elapsed_s = time.monotonic() - t0
+    if errors and not results and tries > 1 and _port_taken(errors) and time.monotonic() < deadline - 1.0:
+        return _spawn(fn, world_size, args, kwargs, deadline - time.monotonic(), nodes, tries - 1)
     if deaths:
         first = next(iter(deaths))
         others = _others(errors, {r: d for r, d in deaths.items() if r != first})
