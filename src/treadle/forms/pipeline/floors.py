@@ -262,18 +262,15 @@ def memory_floor(ft) -> float | None:
         gathered.append(min(zt.held_gathered(u, k) for k in ks) if zt is not None else 0.0)
     first = ft.graph.first_block_op() or 0
     ends = {True: [0.0, 0.0], False: [0.0, 0.0]}  # head (before the blocks), tail: [held bytes, saved]
-    end_static = 0.0  # the units outside the blocks at the step's end
     for u, unit in enumerate(ft.units):
         if u not in runs:
             e = ends[unit.leader < first]
             e[0] += ft.base_min[u] + gathered[u]
             e[1] += ft.act_min[u]
-            end_static += ft.static_min[u] + grads[u]
-    whole = end_static + sum(n * (ft.static_min[u] + grads[u]) for u, n in runs.items())
-    base = sum(ft.base_min[u] for u in range(len(ft.units)) if u not in runs)
-    base += sum(n * ft.base_min[u] for u, n in runs.items())
+    n_of = [runs.get(u, 1) for u in range(len(ft.units))]  # executions over all stages: a block's count, else one
+    whole = sum(n * (ft.static_min[u] + grads[u]) for u, n in enumerate(n_of))  # the step's end
+    base = sum(n * ft.base_min[u] for u, n in enumerate(n_of))
     saved = sum(info.count * ft.block_min(t) for t, info in ft.templates.items()) + ends[True][1] + ends[False][1]
-    saved += sum(n * gathered[u] for u, n in runs.items()) + sum(gathered[u] for u in range(len(ft.units))
-                                                                   if u not in runs)
+    saved += sum(n * gathered[u] for u, n in enumerate(n_of))  # each stage gathered at its first forward
     mean = max(whole, base + saved / v) / p
     return ft.fixed + max(mean, *(e[0] + e[1] for e in ends.values()))

@@ -9,7 +9,8 @@ from dataclasses import replace as dc_replace
 from ...errors import PlanError
 from ...planner.capture import TensorMeta
 from .conflicts import SPLIT_BACKWARD, shared_stage_conflict, split_backward_conflict, stage_rank
-from .cuts import SCHEDULES, _layout, _Layout
+from .moments import tied_params
+from .cuts import SCHEDULES
 from .facts import action_order
 from .zero import zero_terms
 
@@ -40,17 +41,11 @@ def price_variants(cg, sol) -> list[tuple[object, bool]]:
             for kind in stages.weighed]
 
 
-def _tied_bytes(cg, lay: _Layout) -> int:
-    """Bytes of the parameters both the first and the last stage read (a tied embedding and head)."""
-    node_unit = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
-    head, tail = set(lay.head), set(lay.tail)
-    nbytes = 0
-    for n in cg.graph.nodes:
-        if n.kind == "param" and isinstance(n.out, TensorMeta):
-            users = {node_unit.get(u) for u in n.users}
-            if users & head and users & tail:
-                nbytes += n.out.nbytes
-    return nbytes
+def _tied_bytes(cg) -> int:
+    """Bytes of the parameters both the first and the last stage read (a tied embedding and head: `tied_params`)."""
+    tied = tied_params(cg)
+    return sum(n.out.nbytes for n in cg.graph.nodes
+               if n.kind == "param" and n.param in tied and isinstance(n.out, TensorMeta))
 
 
 def schedules(cg) -> list[str]:
@@ -81,7 +76,7 @@ def _runs(cg, kind: str) -> bool:
     S = p * SCHEDULES[kind]
     if not (kind in SPLIT_BACKWARD or cg.roles.dp) or stage_rank(kind, 0, p) != stage_rank(kind, S - 1, p):
         return True  # (the tie check reads the graph: only where the two stages share a rank)
-    readers = [("the tied embedding and head", {0, S - 1})] if _tied_bytes(cg, _layout(cg, kind)) else []
+    readers = [("the tied embedding and head", {0, S - 1})] if _tied_bytes(cg) else []
     why = split_backward_conflict(kind, p, readers)
     if why and cg.roles.pp_schedule == kind:
         raise PlanError(f"pipeline: {why}")

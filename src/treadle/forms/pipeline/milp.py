@@ -54,7 +54,7 @@ def _send_s(cg, lay: _Layout, cut: _Cut, s: int) -> list[tuple[int, float]] | fl
 def _tied_s(cg, lay: _Layout) -> float:
     """The all-reduce over pp of the gradients of parameters both the first and the last stage read (a tied
     embedding and head), at their full size (an upper bound under tensor parallelism)."""
-    nbytes = _tied_bytes(cg, lay)
+    nbytes = _tied_bytes(cg)
     p = cg.cluster.mesh.size(cg.roles.pp)
     return collective_time_s("all_reduce", nbytes, p, cg.cluster.link(cg.roles.pp)) if nbytes else 0.0
 

@@ -16,9 +16,9 @@ stage, the gradients and the gathered stages of it and more) is left out: every 
 before held every stage's gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every
 moment: Llama-3-8B on 2 x 8 H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by
 the MILP against 27.1 priced (now 27.1); and they missed what a split backward keeps from I to W (GPT-2-XL on 1 x 8
-H100, interleaved_zb over 16 micro-batches: 0.85x the price, now 0.93x). Left out as the rows were before: the
-replicas' flattened bucket of the step's end (the price's, at most about one bucket), and the transient term is the
-rank's largest at every moment (the price's at a backward).
+H100, interleaved_zb over 16 micro-batches: 0.85x the price; 1.00x with NOTE [a tied parameter on two ranks]).
+Left out as the rows were before: the replicas' flattened bucket of the step's end (the price's, at most about one
+bucket), and the transient term is the rank's largest at every moment (the price's at a backward).
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from .fsdp import fsdp_states
 @dataclass(frozen=True, slots=True)
 class Moment:
     """A point of a rank's step: micro-batches in flight per stage (`act`: (stage, count) pairs), the stages whose
-    gradients exist (`grads`) and the stages FSDP2 holds gathered (`gathered`)."""
+    gradients exist (`grads`), the stages FSDP2 holds gathered (`gathered`) and the micro-batches between a split
+    backward's I and W per stage (`waiting`)."""
 
     act: tuple[tuple[int, int], ...]
     grads: frozenset[int]
     gathered: frozenset[int]
-    waiting: tuple[tuple[int, int], ...] = ()  # micro-batches between a split backward's I and W, per stage
+    waiting: tuple[tuple[int, int], ...] = ()
 
     def covers(self, other: "Moment") -> bool:
         """Whether this moment holds at least what `other` holds, every term alike."""
@@ -192,20 +193,15 @@ def _add(row: dict[int, float], expr: dict[int, float], w: float) -> None:
 # head) is held by both stages' ranks as build places it (the price counts it on each: its parameters and optimizer
 # state, and its gradient from the stage's first backward); the cost graph states it once, on its owner (the first
 # consumer, on the first stage). The last stage's rank, where it is another rank, holds the owner's strategy's copy
-# too: GPT-2-XL on 1 x 8 H100, interleaved_zb over 16 micro-batches, the last rank 1.05 GiB over its rows without it
-# (a bf16 embedding of 50257 x 1600 with its fp32 master and AdamW states).
+# too: GPT-2-XL on 1 x 8 H100, interleaved_zb over 16 micro-batches, the last rank's rows were 1.05 GiB under its
+# price without it (a bf16 embedding of 50257 x 1600 with its fp32 master and AdamW states).
 def tied_terms(b, cg) -> None:
     """Per unit strategy the (always-held, gradient) bytes of the parameters it owns that the last stage reads too
     (NOTE [a tied parameter on two ranks]), into `cg.form_terms["pipeline"]["tied"]` (unit -> per strategy);
     nothing without a pp axis or such a parameter. `b`: the cost graph's builder (`NodeCosts`)."""
     if cg.roles.pp is None:
         return
-    first = cg.graph.first_block_op() or 0
-    in_template = {u for info in cg.templates.values() for u in info.units}
-    unit_of = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
-    side = {u: unit.leader < first for u, unit in enumerate(cg.units) if u not in in_template}  # True: the head
-    tied = {n.param for n in cg.graph.nodes if n.kind == "param"
-            and {side.get(unit_of.get(x)) for x in n.users} >= {True, False}}
+    tied = tied_params(cg)
     if not tied:
         return
     out: dict[int, list[tuple[float, float]]] = {}
@@ -224,6 +220,17 @@ def tied_terms(b, cg) -> None:
         if any(x != (0.0, 0.0) for x in per):
             out[u] = per
     cg.form_terms.setdefault("pipeline", {})["tied"] = out
+
+
+def tied_params(cg) -> set[str]:
+    """The parameters both the first and the last stage read: read by a unit before the blocks (the first stage's,
+    as `cuts._layout` places them) and by one after them (the last stage's)."""
+    first = cg.graph.first_block_op() or 0
+    in_template = {u for info in cg.templates.values() for u in info.units}
+    unit_of = {i: u for u, unit in enumerate(cg.units) for i in unit.nodes}
+    side = {u: unit.leader < first for u, unit in enumerate(cg.units) if u not in in_template}  # True: the head
+    return {n.param for n in cg.graph.nodes if n.kind == "param"
+            and {side.get(unit_of.get(x)) for x in n.users} >= {True, False}}
 
 
 def tied_on_last(cg, lay, cut) -> dict[int, list[tuple[float, float]]]:
