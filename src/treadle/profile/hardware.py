@@ -281,8 +281,14 @@ def _matmul_flops_per_s(dtype: torch.dtype, n: int, reps: int) -> float:
 # interleaved so that a slow minute of the host slows both alike. Five repeats were not enough: four
 # calibrations in a row on a quiet host read 9.8-18.3 us per recomputed op and 4.6-6.6 us per op, and a bench
 # calibration read 29.9 us (LLaMA's 4-rank "DDP + ckpt" then measured 0.88x its price against 1.05x for DDP);
-# eleven interleaved repeats read 12.8-15.1 us and 4.6-4.8 us in four calibrations (~5 s in all).
+# eleven interleaved repeats read 12.8-15.1 us and 4.6-4.8 us in four calibrations. The median is what removes
+# the disturbed samples, not the best-of inside each repeat: four calibrations each of best-of-7 and of best-of-2
+# repeats, interleaved, read 13.2-14.2 vs 12.3-14.1 us per recomputed op, 4.4-4.6 vs 4.4-4.5 us per op and
+# 8.6-9.7 vs 8.4-9.0 us per split-backward op on a quiet host, and 11.9-12.6 vs 11.7-14.4, 4.3-4.4 vs 4.3-5.1 and
+# 7.9-8.4 vs 7.9-8.5 us beside a process busy on the other core; best-of-2 takes 4 s for all the overhead
+# probes where best-of-7 took 14 s. So each repeat is a best of _OVERHEAD_REPS.
 _OVERHEAD_REPEATS = 11
+_OVERHEAD_REPS = 2
 
 
 def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: int = 7, threads: int = 1,
@@ -292,12 +298,13 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
 
     The measured rates are what good kernels reach here, so both efficiencies are 1.0. `memory_bytes` is the
     machine's physical memory. Best-of-`reps` timing keeps the fastest (least disturbed) sample, but a machine
-    busy with other work still measures low: calibrate when it is quiet. Takes about 1 s; nothing is cached.
+    busy with other work still measures low: calibrate when it is quiet. Takes about 1 s (7 s in all with the
+    defaults, on a 2-core EPYC host: most of it the repeated overhead probes); nothing is cached.
     It runs on `threads` threads (restored after): with the default 1 the spec is per core, which is what the
     `cpu` device of a ClusterSpec means (ranks scale it by the cores they get).
     With `overheads` it also measures the framework overheads of NOTE [framework overheads]
-    (`treadle.profile.overheads`, ~2 s more), and with `kernels` the kernel rates of NOTE [kernel rates]
-    (`treadle.profile.kernel_rates`, ~2 s: matmul efficiency by size, fused attention, arithmetic-bound
+    (`treadle.profile.overheads`, ~5 s more: NOTE [calibration repeats]), and with `kernels` the kernel rates of NOTE [kernel rates]
+    (`treadle.profile.kernel_rates`, ~1.5 s: matmul efficiency by size, fused attention, arithmetic-bound
     pointwise ops; the products on operands out of the private caches: NOTE [operands as a step holds them]); the
     framework overheads it cannot measure here (the DTensor and FSDP2 probes inside an initialised process group)
     keep `CPU_CORE`'s nominal values, and `source` says which.
@@ -318,9 +325,9 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
         bw = 2 * copy_bytes / _best_time_s(lambda: dst.copy_(src), reps=reps)
         per_op, fits = [], []
         for _ in range(_OVERHEAD_REPEATS):  # NOTE [calibration repeats]: interleaved
-            per_op.append(ov.op_overhead_s(reps=reps))
+            per_op.append(ov.op_overhead_s(reps=_OVERHEAD_REPS))
             if overheads:
-                fits.append(ov.checkpoint_overheads_s(reps=reps))
+                fits.append(ov.checkpoint_overheads_s(reps=_OVERHEAD_REPS))
         framework = {"op_overhead_s": statistics.median(per_op)}
         if kernels:
             framework["matmul_curve"] = kr.matmul_curve(peaks["float32"], reps=reps)
@@ -330,8 +337,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
             framework["checkpoint_region_s"] = statistics.median(f[0] for f in fits)
             framework["checkpoint_op_s"] = statistics.median(f[1] for f in fits)
             framework["split_backward_op_s"] = statistics.median(
-                ov.split_backward_op_s(reps=reps) for _ in range(_OVERHEAD_REPEATS))
-            sel = [ov.selective_overheads_s(reps=reps) for _ in range(_OVERHEAD_REPEATS)]
+                ov.split_backward_op_s(reps=_OVERHEAD_REPS) for _ in range(_OVERHEAD_REPEATS))
+            sel = [ov.selective_overheads_s(reps=_OVERHEAD_REPS) for _ in range(_OVERHEAD_REPEATS)]
             framework["selective_region_s"] = statistics.median(f[0] for f in sel)
             framework["selective_op_s"] = statistics.median(f[1] for f in sel)
             dist_ov = ov.distributed_overheads_s(reps=reps)
