@@ -89,7 +89,7 @@ def test_calibrate_measures_the_axis_across_nodes_at_the_rate_limit():
     from treadle.cost.this_host import calibrate_this_host
 
     with emulated_nodes(2, 2, rate="400mbit") as nodes:
-        cal = calibrate_this_host(Mesh((2, 2), ("dp", "tp")), rounds=2, chain=1, cpu=False, nodes=nodes,
+        cal = calibrate_this_host(Mesh((2, 2), ("dp", "tp")), rounds=3, chain=1, cpu=False, nodes=nodes,
                                   timeout_s=300)
     dp, tp = cal.cluster.link("dp"), cal.cluster.link("tp")
     share = nodes.rate_bytes_per_s / 2
