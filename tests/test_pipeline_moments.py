@@ -23,10 +23,15 @@ def _lay(schedule: str, p: int, m: int) -> _Layout:
 def test_1f1b_on_two_ranks_by_hand():
     # rank 0: F0 F1 B0 B1 -- two micro-batches in flight when its first backward makes its gradients; rank 1:
     # F0 B0 F1 B1 -- one in flight, its gradients from its first backward on. Each is covered by that one moment;
-    # the step's end (every gradient, nothing in flight) is covered too.
+    # the step's end (every gradient, nothing in flight) is covered too. Each is a backward's moment (B), which
+    # holds its transient beside the rest, as the price adds a backward's working set at B and I only.
     got = rank_moments(_lay("1f1b", 2, 2), gathered=False)
-    assert got == {0: (Moment(((0, 2),), frozenset({0}), frozenset()),),
-                   1: (Moment(((1, 1),), frozenset({1}), frozenset()),)}
+    assert got == {0: (Moment(((0, 2),), frozenset({0}), frozenset(), backward=True),),
+                   1: (Moment(((1, 1),), frozenset({1}), frozenset(), backward=True),)}
+    # a forward's moment (no transient) is covered only by one that holds as much and runs a backward too
+    f = Moment(((0, 2),), frozenset(), frozenset())
+    b = Moment(((0, 1),), frozenset(), frozenset(), backward=True)
+    assert not b.covers(f) and not f.covers(b) and Moment(((0, 2),), frozenset(), frozenset(), backward=True).covers(f)
 
 
 def test_interleaved_gradients_by_hand_and_a_split_backward_keeps_its_output_gradients_to_w():
@@ -34,10 +39,10 @@ def test_interleaved_gradients_by_hand_and_a_split_backward_keeps_its_output_gra
     # all four micro-batches are in flight and only stage 2 has gradients; at 0B0 stage 0's two are, with both
     # stages' gradients. Neither covers the other (the rows before held both stages' gradients at the first).
     moments = rank_moments(_lay("interleaved_1f1b", 2, 2), gathered=False)
-    assert moments[0] == (Moment(((0, 2), (2, 2)), frozenset({2}), frozenset()),
-                          Moment(((0, 2),), frozenset({0, 2}), frozenset()))
-    assert moments[1] == (Moment(((1, 2), (3, 1)), frozenset({3}), frozenset()),
-                          Moment(((1, 2),), frozenset({1, 3}), frozenset()))
+    assert moments[0] == (Moment(((0, 2), (2, 2)), frozenset({2}), frozenset(), backward=True),
+                          Moment(((0, 2),), frozenset({0, 2}), frozenset(), backward=True))
+    assert moments[1] == (Moment(((1, 2), (3, 1)), frozenset({3}), frozenset(), backward=True),
+                          Moment(((1, 2),), frozenset({1, 3}), frozenset(), backward=True))
     # zero bubble: between I and W a micro-batch is waiting; at W it is freed, and nothing waits at the end
     order = action_order("interleaved_zb", 4, 2, 4)
     moments = rank_moments(_lay("interleaved_zb", 2, 4), gathered=False)
@@ -127,6 +132,7 @@ def test_the_vectorised_filter_keeps_what_no_other_moment_covers():
         seen = [Moment(tuple((s, k) for s in range(3) if (k := rng.randint(0, 2))),
                        frozenset(s for s in range(3) if rng.random() < 0.5),
                        frozenset(s for s in range(3) if rng.random() < 0.3),
-                       tuple((s, 1) for s in range(3) if rng.random() < 0.2)) for _ in range(rng.randint(1, 30))]
+                       tuple((s, 1) for s in range(3) if rng.random() < 0.2), rng.random() < 0.5)
+                for _ in range(rng.randint(1, 30))]
         unique = list(dict.fromkeys(seen))
         assert _undominated(unique) == tuple(x for x in unique if not any(y != x and y.covers(x) for y in unique))

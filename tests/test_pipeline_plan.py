@@ -115,7 +115,7 @@ def test_the_solve_weighs_each_schedule_the_blocks_allow():
     assert milp.schedules(cg) == ["1f1b"]
     model, g = _graph(n=4)
     cg = build_cost_graph(g, cl, Roles((), False, (), pp=cl.mesh.names[1], pp_microbatches=2))
-    # the zero-bubble schedules too (not DualPipeV: `cuts.SCHEDULES`)
+    # the zero-bubble schedules too (not DualPipeV: its class needs as many micro-batches as stages, 4)
     kinds = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
     assert milp.schedules(cg) == kinds
     sol = solve(cg, budget_bytes=None)

@@ -73,8 +73,8 @@ def register(subparsers) -> None:
                    help="pipeline stages: auto (weigh a pipeline over any axis), none (no pipeline), or an axis name "
                         "(pipeline over it)")
     p.add_argument("--pp-schedule", default=None, metavar="KIND",
-                   help="a pipeline's schedule, pinned: 1f1b, interleaved_1f1b, interleaved_zb or zbv (default: "
-                        "the planner weighs each that builds)")
+                   help="a pipeline's schedule, pinned: 1f1b, interleaved_1f1b, interleaved_zb, zbv or dualpipev "
+                        "(default: the planner weighs each that builds)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per role assignment (s)")
     p.add_argument("--price-top", type=int, default=None, metavar="K",
                    help="price the best plans of the K best role assignments with treadle.price and keep the "

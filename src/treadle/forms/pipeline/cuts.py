@@ -15,11 +15,15 @@ from .conflicts import SPLIT_BACKWARD, stage_rank
 from .facts import SINGLE_STAGE, action_order
 from .timeline import simulate
 
-# what the planner proposes: schedule -> stages per rank (NOTE [the fill of a planned schedule]). Not DualPipeV: its
-# point is to overlap one micro-batch's forward with another's backward to hide expert all-to-alls, which the price
-# does not model (its timeline runs an overlapped pair one part after the other); GPipe and looped BFS keep every
-# micro-batch in flight for no shorter fill. Each builds and prices when a schedule states it.
-SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
+# what the planner proposes: schedule -> stages per rank (NOTE [the fill of a planned schedule]). DualPipeV is
+# weighed as torch runs it: its overlapped (forward, backward) pairs of two micro-batches run one part after the
+# other unless a custom overlap is registered with the schedule (build registers none), as the price's timeline
+# runs them. Its fill is ZBV's with equal forward, input- and weight-gradient parts, shorter or longer with others
+# (2 ranks at the tiny test blocks' split: 0.40 against 0.45 stage-seconds; 8 ranks at (0.3, 0.4, 0.3): 3.2
+# against 2.8), and most of its backwards run whole (no split's host cost, nothing held from I to W:
+# `split_shares`): Llama-3-8B over 2 x 8 H100, 16 micro-batches, priced 0.836 s against ZBV's 0.844. GPipe and
+# looped BFS keep every micro-batch in flight for no shorter fill. Each builds and prices when a schedule states it.
+SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2, "dualpipev": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +155,29 @@ def _layout(cg, schedule: str) -> _Layout:
     return _Layout(blocks, head, tail, p, roles.pp_microbatches, schedule, _shares(cg))
 
 
+def split_shares(schedule: str, n_stages: int, p: int, m: int) -> tuple[float, ...]:
+    """Per stage, the share of its micro-batches whose backward the schedule class's order runs split, an input- then
+    a weight-gradient action (I, W) rather than one B: 1 for interleaved_zb and zbv, part of them for dualpipev,
+    whose overlapped pairs run whole backwards; 0 for the others."""
+    if schedule not in SPLIT_BACKWARD:
+        return (0.0,) * n_stages
+    counts = [0] * n_stages
+    for acts in action_order(schedule, n_stages, p, m).values():
+        for a in acts:
+            if a.kind == "I":
+                counts[a.stage] += 1
+    return tuple(c / m for c in counts)
+
+
 def split_host_s(cg, lay: _Layout, cut: _Cut) -> list[float]:
     """Per stage, a split backward's own host seconds a micro-batch (`HardwareSpec.split_backward_op_s` per backward
-    op its units dispatch, as counted at capture; the first stage runs its backward whole): zeros for a schedule
-    that does not split (NOTE [framework overheads], as the price charges it)."""
+    op its units dispatch, as counted at capture, times the share of its micro-batches whose backward is split:
+    `split_shares`; the first stage runs its backward whole): zeros for a schedule that does not split (NOTE
+    [framework overheads], as the price charges it, on each I action)."""
     S = lay.n_stages
     if not lay.split:
         return [0.0] * S
+    share = split_shares(lay.schedule, S, lay.p, lay.m)
     per_op = cg.cluster.rank_hardware().split_backward_op_s
     bwd_ops = cg.graph.bwd_ops
     ops = [sum(bwd_ops.get(i, 0) for i in unit.nodes) if bwd_ops is not None else len(unit.nodes)
@@ -166,7 +186,7 @@ def split_host_s(cg, lay: _Layout, cut: _Cut) -> list[float]:
     for u, stages in cut.mult.items():
         for st, k_n in stages:
             if st > 0:
-                out[st] += k_n * ops[u] * per_op
+                out[st] += share[st] * k_n * ops[u] * per_op
     return out
 
 

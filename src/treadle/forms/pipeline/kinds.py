@@ -14,7 +14,8 @@ from .cuts import SCHEDULES
 from .facts import action_order
 from .zero import zero_terms
 
-# NOTE [zero-bubble schedules in the plan]: the split-backward schedules (interleaved_zb, zbv) are weighed with or
+# NOTE [zero-bubble schedules in the plan]: the split-backward schedules (interleaved_zb, zbv; dualpipev, whose
+# order splits the warm-up's and cool-down's backwards) are weighed with or
 # without a memory budget, without checkpointed blocks (so not where checkpoints are required, nor when the smallest
 # peak is sought). Measured on gloo
 # (bench/bench_pipeline_plans.py --budget, tiny LLaMA, PP2 x DP2 at 0.6x the free peak): the planner's interleaved_zb

@@ -335,8 +335,9 @@ def evaluate(cg, lay: _Layout, cut: _Cut, choice: list[int], counts: dict[tuple[
     peaks = []
     for r, mine in enumerate(ranks):
         st_b = sum(static[st] for st in mine) + cg.fixed_static_bytes
-        act, held = max((moment_bytes(mo, A, GR, GA, WH) for mo in moments[r]), key=sum, default=(0.0, 0.0))
-        peaks.append((st_b + held + act + trans[r], st_b + held, act, trans[r]))  # held: the moment's static
+        at = [(*moment_bytes(mo, A, GR, GA, WH), trans[r] if mo.backward else 0.0) for mo in moments[r]]
+        act, held, tr = max(at, key=sum, default=(0.0, 0.0, 0.0))  # a backward's moment adds the transient
+        peaks.append((st_b + held + act + tr, st_b + held, act, tr))  # held: the moment's static
     peak = max(peaks)
     busiest = max(range(p), key=lambda r: sum(T[st] for st in ranks[r]))
     recompute = M * sum(rec[st] for st in ranks[busiest])

@@ -36,18 +36,21 @@ from .fsdp import fsdp_states
 @dataclass(frozen=True, slots=True)
 class Moment:
     """A point of a rank's step: micro-batches in flight per stage (`act`: (stage, count) pairs), the stages whose
-    gradients exist (`grads`), the stages FSDP2 holds gathered (`gathered`) and the micro-batches between a split
-    backward's I and W per stage (`waiting`)."""
+    gradients exist (`grads`), the stages FSDP2 holds gathered (`gathered`), the micro-batches between a split
+    backward's I and W per stage (`waiting`), and whether a backward (B or I) runs then, with its transient bytes
+    (`backward`)."""
 
     act: tuple[tuple[int, int], ...]
     grads: frozenset[int]
     gathered: frozenset[int]
     waiting: tuple[tuple[int, int], ...] = ()
+    backward: bool = False
 
     def covers(self, other: "Moment") -> bool:
         """Whether this moment holds at least what `other` holds, every term alike."""
         mine, wait = dict(self.act), dict(self.waiting)
         return (self.grads >= other.grads and self.gathered >= other.gathered
+                and (self.backward or not other.backward)
                 and all(mine.get(s, 0) >= k for s, k in other.act)
                 and all(wait.get(s, 0) >= k for s, k in other.waiting))
 
@@ -85,7 +88,7 @@ def _moments(schedule: str, n_stages: int, p: int, m: int, gathered: bool) -> di
             elif a.kind == "B":  # its gradients are made while its micro-batch is still held (the price's
                 done.add(a.stage)  # transient of a backward; a W's, as the price counts it, from its end on)
             held = states[r].held[i] if states is not None else frozenset()
-            seen.append(Moment(_counts(cur), frozenset(done), held, _counts(wait)))
+            seen.append(Moment(_counts(cur), frozenset(done), held, _counts(wait), a.kind in ("B", "I")))
             if a.kind in ("B", "W"):  # NOTE [a split backward's memory] in price.py: W frees the stage's graph
                 cur[a.stage] = cur.get(a.stage, 0) - 1
             if a.kind == "W":
@@ -99,13 +102,14 @@ def _moments(schedule: str, n_stages: int, p: int, m: int, gathered: bool) -> di
 def _undominated(unique: list[Moment]) -> tuple[Moment, ...]:
     """The moments no other covers (`Moment.covers`), in their order: each moment a vector (micro-batches in flight
     and waiting per stage, whether its gradients exist and whether it is gathered), compared at once (a rank of an
-    interleaved schedule over 32 micro-batches has hundreds of moments)."""
+    interleaved schedule over 32 micro-batches has hundreds of moments); whether a backward runs is one more
+    entry."""
     if len(unique) < 2:
         return tuple(unique)
     stages = sorted({s for mo in unique for s, _ in mo.act + mo.waiting}.union(
         *(mo.grads | mo.gathered for mo in unique)))
     col, d = {s: i for i, s in enumerate(stages)}, len(stages)
-    vec = np.zeros((len(unique), 4 * d), dtype=np.int64)
+    vec = np.zeros((len(unique), 4 * d + 1), dtype=np.int64)
     for i, mo in enumerate(unique):
         for s, k in mo.act:
             vec[i, col[s]] = k
@@ -115,6 +119,7 @@ def _undominated(unique: list[Moment]) -> tuple[Moment, ...]:
             vec[i, 2 * d + col[s]] = 1
         for s in mo.gathered:
             vec[i, 3 * d + col[s]] = 1
+        vec[i, 4 * d] = mo.backward
     # distinct moments are distinct vectors: another that is at least as large everywhere covers it
     return tuple(mo for i, mo in enumerate(unique) if np.count_nonzero((vec >= vec[i]).all(axis=1)) == 1)
 
@@ -157,9 +162,9 @@ def stage_var(m, expr: dict[int, float]) -> dict[int, float]:
 def memory_rows(m, lay, moments, static, act, grads, gathered, waiting, trans) -> list[dict[int, float]]:
     """Each rank's row at each of its moments (NOTE [a rank's memory at each moment]), in the MILP's scaled bytes:
     its stages' always-held bytes, the micro-batches in flight times their stages' saved bytes (and those between a
-    split backward's I and W times what it keeps), the gradients and gathered parameters the moment holds, and the
-    rank's transient variable (`trans[r]`); per stage expressions ({var: coefficient}), each stated once where a
-    row reads it (NOTE [a stage's memory as variables])."""
+    split backward's I and W times what it keeps), the gradients and gathered parameters the moment holds, and at a
+    backward's moments the rank's transient variable (`trans[r]`); per stage expressions ({var: coefficient}), each
+    stated once where a row reads it (NOTE [a stage's memory as variables])."""
     exprs = {"static": static, "act": act, "grads": grads, "gathered": gathered, "waiting": waiting}
     made: dict[tuple[str, int], dict[int, float]] = {}
 
@@ -170,11 +175,13 @@ def memory_rows(m, lay, moments, static, act, grads, gathered, waiting, trans) -
 
     rows = []
     for r, mine in enumerate(lay.ranks()):
-        base: dict[int, float] = {trans[r]: 1.0}
+        base: dict[int, float] = {}
         for st in mine:
             _add(base, part("static", st), 1.0)
         for mo in moments[r]:
             row = dict(base)
+            if mo.backward:  # a backward's transient (the price's, at B and I)
+                _add(row, {trans[r]: 1.0}, 1.0)
             for name, items in (("act", mo.act), ("waiting", mo.waiting),
                                 ("grads", ((st, 1) for st in sorted(mo.grads))),
                                 ("gathered", ((st, 1) for st in sorted(mo.gathered)))):

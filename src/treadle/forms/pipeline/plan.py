@@ -5,7 +5,7 @@ pp rank's memory, minimising the pipelined step (NOTE [pipeline in the plan]); t
 NOTE [pipeline in the plan]: a role assignment with ``Roles.pp = a`` runs the model's repeated blocks (the largest
 sequential container, `capture_facts`) as S = p v contiguous stages over the p ranks of axis `a`, v stages a rank
 as torch places them (`conflicts.stage_rank`: a loop, stage s on rank s mod p, for "1f1b" (v = 1), "interleaved_1f1b"
-and "interleaved_zb" (v = 2); a V for "zbv" (v = 2), rank r holding stages r and 2p - 1 - r), over M
+and "interleaved_zb" (v = 2); a V for "zbv" and "dualpipev" (v = 2), rank r holding stages r and 2p - 1 - r), over M
 micro-batches. The cost graph is built on one micro-batch (its batch divisor is the replicas times M), so every
 strategy's cost is per micro-batch, and every stage runs the same sharding of each block template (a plan states
 a template's layout once; checkpoints are per stage). The ops before the first block (embeddings) run on stage 0,
@@ -27,7 +27,9 @@ three budgets) it finds the best cut in 11 of 12, and one 2.3% slower than the b
           + sum_t sum_b 2^b (zF[t,s,b] + host_t y[t,s,b])                   (stage s's recomputes)
           + the input-gradient sums its units need                           (the tensor form's y, per block)
           - the sequence-parallel gathers' credit                            (the sequence form's z, per block)
-          + a split backward's host cost (`cuts.split_host_s`; zero-bubble schedules, stages after the first)
+          + a split backward's host cost (`cuts.split_host_s`; zero-bubble schedules, stages after the first,
+            on the share of the micro-batches whose backward the order splits: all, or DualPipeV's warm-up and
+            cool-down)
     R   >= sum_{s on rank r} T_s                                              (pp_rank_time, each rank r)
     Q   >= sum_{s on rank r} sum_u n_s(u) (optimizer + data-parallel sync)[u,k] s[u,k]   (pp_rank_tail)
     step = M R + fill / S sum_s T_s + Q + 2 sum_b send_b + tied
@@ -58,10 +60,10 @@ same step and peak directly for a choice (the exhaustive oracle `solve_exhaustiv
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
 planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
 [pipeline FSDP2 in the plan] in `zero.py` (also without reshard after forward, when `reshard_after_forward` allows it).
-The zero-bubble schedules are weighed where build runs them (`kinds._runs`): not under ZeRO-3 that reshards after
-forward, not with a tied embedding and head where a V schedule puts both on rank 0; and only without a memory budget
-and without checkpoints (NOTE [zero-bubble schedules in the plan] in `kinds.py`: their held memory is not yet priced
-within 5%). Sequence parallelism inside the stages: each gather whose backward reduce-scatters (NOTE [gather with a
+The zero-bubble schedules (and DualPipeV, whose order splits some backwards) are weighed where build runs them
+(`kinds._runs`): not under ZeRO-3 that reshards after forward, not with a tied embedding and head where a V schedule
+puts both on rank 0; and without checkpointed blocks (NOTE [zero-bubble schedules in the plan] in `kinds.py`).
+Sequence parallelism inside the stages: each gather whose backward reduce-scatters (NOTE [gather with a
 reduce-scatter backward]) is credited on the stages its blocks run in, as the core's objective credits it once; the
 vocab-parallel loss is not offered under a pipeline (its loss runs as the model's own ops, traced on the last stage:
 `forms.vocab.plan.prepare`; build refuses one stated by hand).

@@ -1,0 +1,90 @@
+"""DualPipeV in the planner's search (`cuts.SCHEDULES`): weighed as torch runs it (its overlapped (forward, backward)
+pairs one part after the other, whole backwards in them), its split backwards' share of the host cost read off the
+schedule class's own order, by hand; a planned DualPipeV prices near its estimate and verifies on gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+import treadle
+from treadle.cost.cluster import parse_cluster
+from treadle.cost.collective_cost import send_recv_time_s
+from treadle.forms.pipeline import cuts, milp
+from treadle.forms.pipeline.facts import action_order
+from treadle.models.zoo import named_model
+from treadle.planner import plan_model
+from treadle.planner.cost_graph import build_cost_graph
+from treadle.planner.roles import Roles
+
+from test_pipeline_plan import _graph, _one_axis
+
+
+def test_dualpipev_splits_some_backwards_as_its_order_says():
+    # torch's DualPipeV on 2 ranks over 4 micro-batches (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
+    #   rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+    #   rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
+    # its overlapped pairs (3B1 beside 0F3, ...) run whole backwards; only the warm-up's and the cool-down's split
+    order = action_order("dualpipev", 4, 2, 4)
+    assert [f"{a.stage}{a.kind}{a.mb}" for a in order[0]] == (
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3".split())
+    assert cuts.split_shares("dualpipev", 4, 2, 4) == (0.5, 0.25, 0.25, 0.25)
+    assert cuts.split_shares("zbv", 4, 2, 4) == (1.0,) * 4  # every backward split
+    assert cuts.split_shares("interleaved_1f1b", 4, 2, 4) == (0.0,) * 4
+    # with more micro-batches the steady state (whole backwards) is a larger part of the step
+    assert cuts.split_shares("dualpipev", 4, 2, 16)[1] < 0.25
+    # its class needs as many micro-batches as stages: weighed from 2p on
+    model, g = _graph(n=4)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    kinds = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+    assert milp.schedules(build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=2))) == kinds
+    assert milp.schedules(build_cost_graph(g, cl, Roles((), False, (), pp=pp, pp_microbatches=4))) == [
+        *kinds, "dualpipev"]
+
+
+def test_a_dualpipev_cut_by_hand():
+    # four blocks, one a stage, a V over 2 ranks and 4 micro-batches; every unit has one strategy. Each stage after
+    # the first pays the split's host cost on the micro-batches whose backward its order splits (`split_shares`)
+    cl, pp, cg, lay, cut, choice = _one_axis("dualpipev", ((0,), (1,), (2,), (3,)))
+    assert lay.ranks() == [[0, 3], [1, 2]] and lay.split
+    step, peak, terms = milp.evaluate(cg, lay, cut, choice, {})
+    per_op = cl.rank_hardware().split_backward_op_s
+    share = (0.5, 0.25, 0.25, 0.25)
+    T, tail = [0.0] * 4, [0.0] * 4
+    for u, unit in enumerate(cg.units):
+        c = unit.costs[0]
+        ops = sum(cg.graph.bwd_ops.get(i, 0) for i in unit.nodes)
+        for s, n in cut.mult[u]:
+            T[s] += n * (c.compute_s - c.opt_s + c.comm_s + (share[s] * ops * per_op if s > 0 else 0.0))
+            tail[s] += n * (c.opt_s + c.dp_comm_s)
+    info = next(iter(cg.templates.values()))
+    send = send_recv_time_s(info.input_bytes[0], cl.link(pp))
+    fill = cuts.fill_stages("dualpipev", 2, 4, lay.shares)
+    R, Q = max(T[0] + T[3], T[1] + T[2]), max(tail[0] + tail[3], tail[1] + tail[2])
+    assert step == pytest.approx(4 * R + fill / 4 * sum(T) + Q + 2 * 2 * send, rel=1e-9)
+    assert terms["stage_s"] == pytest.approx(tuple(T), rel=1e-9)
+    # its pairs run one part after the other: its fill is ZBV's with equal parts, and other with other parts (here
+    # shorter: its steady state's whole backwards leave the cool-down less to wait on; longer on 8 ranks below)
+    assert fill == pytest.approx(0.40, abs=0.01) and cuts.fill_stages("zbv", 2, 4, lay.shares) == pytest.approx(0.45)
+    assert cuts.fill_stages("dualpipev", 8, 16, (1, 1, 1)) == pytest.approx(cuts.fill_stages("zbv", 8, 16, (1, 1, 1)))
+    assert cuts.fill_stages("dualpipev", 8, 16, (0.3, 0.4, 0.3)) > cuts.fill_stages("zbv", 8, 16, (0.3, 0.4, 0.3))
+
+
+@pytest.mark.slow
+def test_a_planned_dualpipev_prices_near_its_estimate_and_verifies():
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("1x2:cpu")
+    pp = cl.mesh.names[1]
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="dualpipev", price_top=1)
+    sp = plan.solver["stages"]
+    assert sp["schedule"] == "dualpipev" and sp["n_microbatches"] >= 4 and len(sp["blocks"]) == 4, sp
+    assert "schedule='dualpipev'" in plan.schedule.to_python()
+    priced = plan.estimate()
+    assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.1)
+    # the busiest rank's peak: the rows hold a stage's gradients from its first B (with the backward's transient
+    # beside them, as the price counts its first backward's), so at most those gradients above the price
+    ranks = plan.price["pipeline"]["ranks"]
+    grads = max(sum(st["grad_bytes"] for st in plan.price["pipeline"]["stages"] if st["rank"] == int(r))
+                for r in ranks)
+    assert priced.peak_bytes * 0.98 <= plan.estimated.peak_bytes <= priced.peak_bytes + grads
+    assert treadle.verify(plan.schedule, inputs, steps=2, timeout_s=300).ok
