@@ -1,5 +1,5 @@
 """The planner's pipeline schedules, measured side by side on gloo: the plan it makes with every schedule it weighs
-(1F1B, interleaved 1F1B, and the zero-bubble interleaved_zb and zbv: NOTE [the fill of a planned schedule]) against
+(1F1B, interleaved 1F1B, the zero-bubble interleaved_zb and zbv, and DualPipeV: `cuts.SCHEDULES`) against
 its best plan with each schedule pinned, in one run.
 
 Each model (the GPT-2 demo config and a tiny LLaMA with grouped-query attention, batch 8 x seq 64) on 4 gloo ranks,
@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_price_vs_measured as pvm  # noqa: E402
 
-KINDS = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+from treadle.forms.pipeline.cuts import SCHEDULES  # noqa: E402
+
+KINDS = tuple(SCHEDULES)
 FREE = "planner, every schedule"
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from treadle.testing import free_port
 from treadle.viz.measured import load_trace, step_times_s
+from run_job import run_on_a_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "village.txt"
@@ -100,10 +101,11 @@ def test_kill_rank_then_resume_matches_uninterrupted(tmp_path, two_nodes):
     first = _losses(tmp_path / "a.jsonl")
     assert all(first[s] == two_nodes[s] for s in first), (first, two_nodes)  # 1 host x 4 == 2 nodes x 2
 
-    cmd = _torchrun("--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    extra=["--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics", str(tmp_path / "b.jsonl"),
-                           "--trace", str(tmp_path / "step-{rank}.json")])  # measured last step per rank
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    res = run_on_a_free_port(
+        lambda port: _torchrun("--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               extra=["--ckpt-dir", str(ck), "--ckpt-every", "2", "--metrics",
+                                      str(tmp_path / "b.jsonl"), "--trace", str(tmp_path / "step-{rank}.json")]),
+        env=_env(), timeout=300)  # measured last step per rank
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "resumed from" in res.stdout
     resumed = _losses(tmp_path / "b.jsonl")

@@ -66,3 +66,22 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_on_another(monkeypatch):
             testing.spawn(_allreduce, 2, timeout_s=60)
     finally:
         held.close()
+
+
+def test_a_torchrun_launch_is_repeated_on_another_port_only_when_its_port_was_taken(tmp_path):
+    import sys
+
+    from run_job import run_on_a_free_port
+
+    count = tmp_path / "launches"
+
+    def cmd(fail: str):
+        code = (f"import pathlib, sys; p = pathlib.Path({str(count)!r}); n = int(p.read_text()) if p.exists() else 0;"
+                f" p.write_text(str(n + 1)); sys.exit({fail!r} if n == 0 else 0)")
+        return lambda port: [sys.executable, "-c", code, str(port)]
+
+    res = run_on_a_free_port(cmd("torch.distributed.DistNetworkError: ... name: EADDRINUSE, message: address in use"))
+    assert res.returncode == 0 and count.read_text() == "2"  # launched again, on another port
+    count.unlink()
+    res = run_on_a_free_port(cmd("RuntimeError: a rank failed"))
+    assert res.returncode == 1 and "a rank failed" in res.stderr and count.read_text() == "1"  # not repeated
