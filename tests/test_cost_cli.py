@@ -39,7 +39,7 @@ def test_cluster_json_file_is_a_cluster_spec(tmp_path):
 @pytest.mark.slow
 def test_calibrate_command_writes_a_usable_spec(tmp_path, capsys):
     out = tmp_path / "gloo.json"
-    assert _run(["calibrate", "--mesh", "2", "--rounds", "3", "--held-out", "-o", str(out)]) == 0
+    assert _run(["calibrate", "--mesh", "2", "--rounds", "3", "--chain", "2", "--held-out", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "held-out sizes" in text and f"wrote {out}" in text.replace("\n", "")
     # one row per collective: the all-gather fits the link, every other one names its factor against the model
