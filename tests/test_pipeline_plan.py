@@ -342,8 +342,10 @@ def test_the_fill_is_timed_from_the_schedule_class_order():
     # makespan 14 against 12 of work: a fill of 2 seconds, 2/3 of a stage's 3
     assert cuts.fill_stages("zbv", 2, 2, (1, 1, 1)) == pytest.approx(2 / 3, abs=0.02)
     # W fills the bubbles: the zero-bubble schedules' fill is well under 1F1B's p - 1
-    for kind in ("interleaved_zb", "zbv", "dualpipev"):
+    for kind in ("interleaved_zb", "zbv"):
         assert cuts.fill_stages(kind, 4, 16, (1, 1, 1)) < 0.5 * 3
+    # DualPipeV as torch runs it (each overlapped pair's forward sent when the pair ends): 2 of 1F1B's 3
+    assert cuts.fill_stages("dualpipev", 4, 16, (1, 1, 1)) == pytest.approx(2.0)
 
 
 def test_a_zero_bubble_v_schedule_by_hand():

@@ -12,16 +12,16 @@ import numpy as np
 
 from ...errors import PlanError
 from .conflicts import SPLIT_BACKWARD, stage_rank
-from .facts import SINGLE_STAGE, action_order
+from .facts import SINGLE_STAGE, action_order, overlap_pairs
 from .timeline import simulate
 
 # what the planner proposes: schedule -> stages per rank (NOTE [the fill of a planned schedule]). DualPipeV is
 # weighed as torch runs it: its overlapped (forward, backward) pairs of two micro-batches run one part after the
-# other unless a custom overlap is registered with the schedule (build registers none), as the price's timeline
-# runs them. Its fill is ZBV's with equal forward, input- and weight-gradient parts, shorter or longer with others
-# (2 ranks at the tiny test blocks' split: 0.40 against 0.45 stage-seconds; 8 ranks at (0.3, 0.4, 0.3): 3.2
-# against 2.8), and most of its backwards run whole (no split's host cost, nothing held from I to W:
-# `split_shares`): Llama-3-8B over 2 x 8 H100, 16 micro-batches, priced 0.836 s against ZBV's 0.844. GPipe and
+# other unless a custom overlap is registered with the schedule (build registers none), and a pair's forward is sent
+# when the pair ends (NOTE [an overlapped pair's sends] in `timeline.py`), as the price's timeline runs them. Its
+# fill is then about twice ZBV's (8 ranks, 16 micro-batches: 4.7 against 2.3 stage-seconds with equal forward,
+# input- and weight-gradient parts); most of its backwards run whole (no split's host cost, nothing held from I to
+# W: `split_shares`). Llama-3-8B over 2 x 8 H100, 16 micro-batches: priced 0.849 s against ZBV's 0.844. GPipe and
 # looped BFS keep every micro-batch in flight for no shorter fill. Each builds and prices when a schedule states it.
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2, "dualpipev": 2}
 
@@ -113,7 +113,8 @@ def _fill(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> 
     for s_ in range(S):
         dur.update({(s_, "F"): f, (s_, "B"): i + w, (s_, "I"): i, (s_, "W"): w})
     dur.update({(0, "I"): 0.0, (0, "W"): i + w})
-    tl = simulate(action_order(schedule, S, p, m), dur, stage_rank={s_: stage_rank(schedule, s_, p) for s_ in range(S)})
+    tl = simulate(action_order(schedule, S, p, m), dur, stage_rank={s_: stage_rank(schedule, s_, p) for s_ in range(S)},
+                  sent_after=overlap_pairs(schedule, S, p, m))  # NOTE [an overlapped pair's sends]
     return max(0.0, tl.makespan_s / (f + i + w) - m * v)
 
 

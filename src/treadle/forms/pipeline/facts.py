@@ -44,11 +44,20 @@ def action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> 
     ranks, or a micro-batch count it refuses (its own message). A function of its four integers and torch's
     schedule classes only: remembered per process (the planner asks it for every candidate cut), each call
     returns lists of its own."""
-    return {r: list(acts) for r, acts in _action_order(schedule, n_stages, pp, n_microbatches).items()}
+    return {r: list(acts) for r, acts in _action_order(schedule, n_stages, pp, n_microbatches)[0].items()}
+
+
+def overlap_pairs(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> dict[Action, Action]:
+    """The forward of each overlapped (forward, backward) pair of the schedule class's order (DualPipeV's
+    OVERLAP_F_B) -> the backward run with it, after which torch sends that forward's output: its runtime runs the
+    pair as one action and issues both parts' sends when the pair ends (NOTE [an overlapped pair's sends] in
+    `timeline.py`). Empty for a schedule without pairs."""
+    return dict(_action_order(schedule, n_stages, pp, n_microbatches)[1])
 
 
 @functools.lru_cache(maxsize=256)
-def _action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> dict[int, tuple[Action, ...]]:
+def _action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int
+                  ) -> tuple[dict[int, tuple[Action, ...]], tuple[tuple[Action, Action], ...]]:
     from torch.distributed.pipelining import schedules as torch_schedules
 
     if schedule not in SCHEDULE_CLASSES:
@@ -59,7 +68,7 @@ def _action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) ->
         raise PlanError(f"pipeline price: schedule {schedule!r} runs one stage per rank; {n_stages} stages on {pp} "
                         f"ranks need a multi-stage schedule (interleaved_1f1b, ...)")
     if schedule in SINGLE_STAGE:
-        return {r: tuple(_single_stage_order(schedule, r, n_stages, n_microbatches)) for r in range(pp)}
+        return {r: tuple(_single_stage_order(schedule, r, n_stages, n_microbatches)) for r in range(pp)}, ()
     cls = getattr(torch_schedules, SCHEDULE_CLASSES[schedule])
     from torch import nn
 
@@ -84,17 +93,19 @@ def _action_order(schedule: str, n_stages: int, pp: int, n_microbatches: int) ->
     if order is None:
         raise PlanError(f"pipeline price: {SCHEDULE_CLASSES[schedule]} states no action order")
     out: dict[int, tuple[Action, ...]] = {}
+    pairs: list[tuple[Action, Action]] = []
     for rank in range(pp):
         acts: list[Action] = []
         for a in order.get(rank, []):
             if a is None:
                 continue
-            for part in (a.sub_actions or (a,)):
-                kind = part.computation_type.value
-                if kind in COMPUTE:
-                    acts.append(Action(part.stage_index, kind, part.microbatch_index))
+            parts = [Action(x.stage_index, x.computation_type.value, x.microbatch_index)
+                     for x in (a.sub_actions or (a,)) if x.computation_type.value in COMPUTE]
+            acts += parts
+            if a.sub_actions and [x.kind for x in parts] == ["F", "B"]:  # OVERLAP_F_B: (forward, full backward)
+                pairs.append((parts[0], parts[1]))
         out[rank] = tuple(acts)
-    return out
+    return out, tuple(pairs)
 
 
 def _single_stage_order(schedule: str, rank: int, n_stages: int, m: int) -> list[Action]:

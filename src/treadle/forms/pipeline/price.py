@@ -92,7 +92,7 @@ from ...pricing.result import Price, PriceRow
 from ...pricing.step import group_collective_s, segments
 from ...runtime.optimizer import adamw_fixed_s, adamw_tensor_s
 from ..data.facts import foreign_params, fsdp_units, shard_units, within
-from .facts import action_order, block_stage, stage_of_records, stage_ranks
+from .facts import action_order, block_stage, overlap_pairs, stage_of_records, stage_ranks
 from .fsdp import fsdp_states, fsdp_terms
 from .conflicts import fsdp_split_conflict, split_backward_conflict
 from .runtime import replica_buckets
@@ -214,7 +214,8 @@ def price_pipeline(sch, example_inputs: dict, cluster, options: dict) -> Price |
                         _stage_units(reh.model, param_stage, foreign_names, tuple(own)),
                         _unit_passes(segs, seg_stage, reh.model, tuple(own)), duration,
                         dp=dp, mesh=mesh, cluster=cluster, hw=hw, groups=groups)
-    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None)
+    tl = simulate(order, duration, stage_rank=ranks_of, p2p_s=p2p, extra_s=fs.extra_s if fs else None,
+                  sent_after=overlap_pairs(kind, n_stages, pp, m))
     opt_b = options.get("optimizer_bytes_per_elem", 8)
     master = options.get("master_copy", True)
     saved = [0.0] * n_stages

@@ -8,7 +8,12 @@ NOTE [pipeline timeline]: the model, for actions A of stage s on micro-batch m:
   send when s+1 is on another rank (the last stage's backward starts from its loss);
 - W(s, m) (weight-gradient backward) needs I(s, m);
 - a rank runs one action at a time, in order, never ahead of it; a send does not hold the sender (it is
-  issued when the action ends and arrives `p2p_s` later; a send between stages of one rank costs nothing).
+  issued when the action ends and arrives `p2p_s` later; a send between stages of one rank costs nothing);
+- NOTE [an overlapped pair's sends]: DualPipeV's overlapped (forward, backward) pairs run as one action of torch's
+  runtime, one part after the other (build registers no overlap), and torch issues both parts' sends when the pair
+  ends (`_add_send_recv` appends them after it): a paired forward's output reaches another rank's next stage only
+  after the pair's backward (`sent_after`). Timed without that, DualPipeV's PP2 plan of tiny LLaMA on 2 x 2 gloo
+  ranks measured 1.20x its price where the other schedules' measured 0.94-1.13x (bench_pipeline_plans.py).
 An action's duration is its stage's per-micro-batch time of that kind (compute plus its blocking tensor-parallel
 collectives), plus what that one action adds (`extra_s`: FSDP2's gathers it waits for, the reduce-scatters after
 a stage's last backward). The step's pipelined part ends at the latest action's end (`makespan_s`); each rank's bubble is
@@ -51,13 +56,16 @@ class PipelineTimeline:
 
 def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], float], *,
              stage_rank: dict[int, int], p2p_s: dict[int, float] | None = None,
-             extra_s: dict[Action, float] | None = None) -> PipelineTimeline:
+             extra_s: dict[Action, float] | None = None,
+             sent_after: dict[Action, Action] | None = None) -> PipelineTimeline:
     """Time `order` (rank -> actions) with `duration[(stage, kind)]` seconds per action and `p2p_s[b]` seconds for
     a send across boundary b (between stages b and b+1; one number for the activation and its gradient) when
-    the two stages are on different ranks, plus `extra_s[action]` seconds for that action (NOTE [pipeline
-    timeline]). Raises PlanError for an action whose input never comes (an order that deadlocks)."""
+    the two stages are on different ranks, plus `extra_s[action]` seconds for that action; a forward of
+    `sent_after` sends its output when that action (its pair's backward: `facts.overlap_pairs`) ends (NOTE
+    [pipeline timeline]). Raises PlanError for an action whose input never comes (an order that deadlocks)."""
     p2p_s = p2p_s or {}
     extra_s = extra_s or {}
+    sent_after = sent_after or {}
     n_stages = 1 + max(stage_rank)
     done: dict[Action, float] = {}
     slots: dict[int, list[Slot]] = {r: [] for r in order}
@@ -74,7 +82,10 @@ def simulate(order: dict[int, list[Action]], duration: dict[tuple[int, str], flo
         deps: list[tuple[Action, float]] = []
         if a.kind == "F":
             if a.stage > 0:
-                deps.append((Action(a.stage - 1, "F", a.mb), send(a.stage - 1, a.stage - 1, a.stage)))
+                src, lag = Action(a.stage - 1, "F", a.mb), send(a.stage - 1, a.stage - 1, a.stage)
+                if stage_rank[a.stage - 1] != stage_rank[a.stage]:  # sent when its pair ends (NOTE above)
+                    src = sent_after.get(src, src)
+                deps.append((src, lag))
         elif a.kind in ("B", "I"):
             deps.append((Action(a.stage, "F", a.mb), 0.0))
             if a.stage < n_stages - 1:  # the next stage's backward of this micro-batch, split or full
