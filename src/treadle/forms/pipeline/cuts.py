@@ -337,31 +337,14 @@ def _minmax(n: int, S: int, pinned: set[int], cost, *, must: bool = True) -> tup
 
 def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
     """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
-    of its action order that no other moment dominates (NOTE [pipeline in the plan])."""
-    got = _inflight(lay.schedule, lay.n_stages, lay.p, lay.m)
-    return {r: [dict(kv) for kv in moments] for r, moments in got.items()}
+    of its action order that no other moment dominates (NOTE [pipeline in the plan]): the part of its memory's
+    moments (`moments.rank_moments`) that counts micro-batches, one walk of the order for both."""
+    from .moments import Moment, _undominated, rank_moments
 
-
-@functools.lru_cache(maxsize=256)
-def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
-    """`inflight` of a schedule's shape (a function of its integers and torch's order: remembered per process)."""
-    order = action_order(schedule, n_stages, p, m)
-    out: dict = {}
-    for r, acts in order.items():
-        cur: dict[int, int] = {}
-        seen: list[dict[int, int]] = []
-        for a in acts:
-            if a.kind == "F":
-                cur[a.stage] = cur.get(a.stage, 0) + 1
-                seen.append(dict(cur))
-            elif a.kind in ("B", "W"):  # NOTE [a split backward's memory] in price.py
-                cur[a.stage] = cur.get(a.stage, 0) - 1
-        unique: dict[tuple, dict[int, int]] = {}  # each distinct moment once, in order of its first occurrence
-        for x in seen:
-            unique.setdefault(tuple(sorted(x.items())), x)
-        keep = [x for x in unique.values()
-                if not any(y != x and all(y.get(s, 0) >= k for s, k in x.items()) for y in unique.values())]
-        out[r] = tuple(tuple(kv.items()) for kv in keep)
+    out = {}
+    for r, mine in rank_moments(lay, False).items():
+        acts = _undominated(list(dict.fromkeys(Moment(mo.act, frozenset(), frozenset()) for mo in mine)))
+        out[r] = [dict(mo.act) for mo in acts]
     return out
 
 
