@@ -19,8 +19,10 @@ demo: setup
 
 # two workers, one test file each at a time (a file's module fixtures stay in one process): most files are one
 # process on one core, so two of them fill the 2-core CI host; a gloo test's ranks share the cores with the other.
+# Files go to the workers in collection order, the longest first (tests/conftest.py), not by their count of tests
+# (xdist's default reorder put the golden file, 2 tests and the longest, last: alone on one worker at the end).
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
