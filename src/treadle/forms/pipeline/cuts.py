@@ -339,12 +339,18 @@ def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
     """Rank -> the micro-batches in flight on each of its stages (forward done, backward not yet) at every moment
     of its action order that no other moment dominates (NOTE [pipeline in the plan]): the part of its memory's
     moments (`moments.rank_moments`) that counts micro-batches, one walk of the order for both."""
-    from .moments import Moment, _undominated, rank_moments
+    return {r: [dict(kv) for kv in acts] for r, acts in _inflight(lay.schedule, lay.n_stages, lay.p, lay.m).items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
+    """`inflight` of a schedule's shape (a function of its integers and torch's order: remembered per process)."""
+    from .moments import Moment, _moments, _undominated
 
     out = {}
-    for r, mine in rank_moments(lay, False).items():
+    for r, mine in _moments(schedule, n_stages, p, m, False).items():
         acts = _undominated(list(dict.fromkeys(Moment(mo.act, frozenset(), frozenset()) for mo in mine)))
-        out[r] = [dict(mo.act) for mo in acts]
+        out[r] = tuple(mo.act for mo in acts)
     return out
 
 
