@@ -21,18 +21,3 @@ _PRELOAD = ["transformers.modeling_utils", "torch._functorch.aot_autograd", "tor
 def pytest_configure(config) -> None:
     ctx = testing._context()  # the forkserver starts at the first spawn: its preload list is still open
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle", *_PRELOAD])
-
-
-# the longest files first: with --no-loadscope-reorder (the Makefile's) pytest-xdist's --dist loadfile hands files
-# to the workers in collection order, so the longest ones start while the other worker takes the rest, instead of
-# one running alone at the end (the longest-first rule of scheduling; xdist's default orders files by their count
-# of tests, which put the golden file last). Their seconds in one run of the suite (`--durations=0`, 2 workers, 2026-12-07):
-# golden 108, run_state 113, pipeline_plan 98, planner_build 87, expert_parallel 83, verify_pipeline 78,
-# run_pipeline 73; order only, no result depends on it.
-_FIRST = ("test_golden.py", "test_run_state.py", "test_pipeline_plan.py", "test_planner_build.py",
-          "test_expert_parallel.py", "test_verify_pipeline.py", "test_run_pipeline.py")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the order within each file is kept

@@ -464,17 +464,24 @@ def test_a_planned_pipeline_prices_near_its_estimate_replays_from_its_file_and_v
     assert piped == pytest.approx(treadle.train(single, inputs, steps=2).losses, rel=1e-4)
 
 
+def planned_with_schedule(kind: str) -> tuple:
+    """Tiny LLaMA planned on 1 x 2 CPU ranks with its pipeline's schedule pinned to `kind` (a V: 4 stages):
+    (model, inputs, cluster, plan)."""
+    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
+    cl = parse_cluster("1x2:cpu")
+    plan = plan_model(model, inputs, cluster=cl, pp_axis=cl.mesh.names[1], pp_schedule=kind, price_top=1)
+    sp = plan.solver["stages"]
+    assert sp["schedule"] == kind and len(sp["blocks"]) == 4, sp
+    assert f"schedule={kind!r}" in plan.schedule.to_python()
+    return model, inputs, cl, plan
+
+
 @pytest.mark.slow
 def test_a_planned_zero_bubble_v_pipeline_prices_near_its_estimate_and_verifies():
     # the schedule pinned (`pp_schedule`), the rest planned: a V over 2 ranks (4 stages), each backward split into
     # input and weight gradients; forward, every gradient and an optimizer step against one process
-    model, inputs = named_model("tiny-llama", batch=8, seq=32, dropout=False)
-    cl = parse_cluster("1x2:cpu")
+    model, inputs, cl, plan = planned_with_schedule("zbv")
     pp = cl.mesh.names[1]
-    plan = plan_model(model, inputs, cluster=cl, pp_axis=pp, pp_schedule="zbv", price_top=1)
-    sp = plan.solver["stages"]
-    assert sp["schedule"] == "zbv" and len(sp["blocks"]) == 4, sp
-    assert "schedule='zbv'" in plan.schedule.to_python()
     priced = plan.estimate()
     assert plan.estimated.step_s == pytest.approx(priced.step_s, rel=0.15)
     _peak_near_price(plan, priced)
