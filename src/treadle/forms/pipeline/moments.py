@@ -9,16 +9,30 @@ end, so none exist at the warm-up's end, where the activations peak); under ZeRO
 stages FSDP2 holds gathered while the action runs (NOTE [pipeline FSDP2]), and then each gradient whole. The planner
 states the same moments: at each action the micro-batches in flight on each stage (after a forward, before a
 backward frees them; a split backward's I keeps its output gradients to W: NOTE [a split backward's memory]); the
-stages whose gradients exist (a stage's from its first B, made while that micro-batch is still held, as the price's
-transient of a backward holds them, or from the end of its first W, as the price counts them); the stages gathered
-while it runs; and at the step's end every gradient. A moment that another covers (as many micro-batches on each
+stages whose gradients exist (a stage's from its first B, made while that micro-batch is still held: NOTE [a
+stage's gradients at its first backward]; or from the end of its first W, as the price counts them); the stages
+gathered while it runs; whether a backward (B or I) runs then, which holds the rank's transient beside the rest (the
+price adds a backward's working set there only); and at the step's end every gradient. A moment that another covers (as many micro-batches on each
 stage, the gradients and the gathered stages of it and more) is left out: every term is non-negative. The rows
 before held every stage's gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every
 moment: Llama-3-8B on 2 x 8 H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by
 the MILP against 27.1 priced (now 27.1); and they missed what a split backward keeps from I to W (GPT-2-XL on 1 x 8
 H100, interleaved_zb over 16 micro-batches: 0.85x the price; 1.00x with NOTE [a tied parameter on two ranks]).
 Left out as the rows were before: the replicas' flattened bucket of the step's end (the price's, at most about one
-bucket), and the transient term is the rank's largest at every moment (the price's at a backward).
+bucket); the transient term is the rank's largest (the price's, the stage's own at its backward).
+
+NOTE [a stage's gradients at its first backward]: while a stage's first backward runs, its micro-batch's saved
+activations are freed and its gradients made, unit by unit in reverse order; the price rehearses that order. The
+rows hold the stage's gradients whole beside the whole micro-batch at its first B: an upper bound of every point of
+it (tiny LLaMA 1F1B over 2 micro-batches: the first rank 1.106x its price). Tried and left out (2026-12-07): holding
+them from the B's end only (the two ends of a backward that frees as much as it makes), with each block node's
+working set measured over its own block's frees (the capture's is over the whole model's, which the later blocks'
+frees hide: 0 for every tiny LLaMA block, so a rank without the loss is about 5% under its price). Every tiny LLaMA
+pipelined rank then read 0.989-1.005x its price, but a tiny Mixtral's under ZeRO-3 beside a pipeline 0.88x (its
+experts' whole gradients are made before its small activations are freed): not a bound. The exact term is a stage's
+first-backward excess per block template, its gradients made less its activations freed at each unit of the block,
+e + (n - 1) max(0, G - A) over a stage's n blocks, measured by the capture with the gradients counted, with the
+checkpointed blocks' kept inputs and the head's and tail's units on their stages.
 """
 
 from __future__ import annotations
