@@ -39,8 +39,9 @@ def run_on_a_free_port(cmd, *, tries: int = 3, **kwargs) -> subprocess.Completed
 
 
 def port_taken(output: str) -> bool:
-    """Whether a torchrun launch failed because its rendezvous port was in use (its store could not bind it)."""
-    return "EADDRINUSE" in output or "address already in use" in output.lower()
+    """Whether a torchrun launch failed because its rendezvous port was in use: the launcher's store server could not
+    listen on it (the ranks only connect to it as clients, so a rank's failure never reads so)."""
+    return "server socket has failed to listen" in output and "EADDRINUSE" in output
 
 
 def losses(path) -> dict[int, float]:

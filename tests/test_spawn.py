@@ -80,8 +80,9 @@ def test_a_torchrun_launch_is_repeated_on_another_port_only_when_its_port_was_ta
                 f" p.write_text(str(n + 1)); sys.exit({fail!r} if n == 0 else 0)")
         return lambda port: [sys.executable, "-c", code, str(port)]
 
-    res = run_on_a_free_port(cmd("torch.distributed.DistNetworkError: ... name: EADDRINUSE, message: address in use"))
+    res = run_on_a_free_port(cmd("torch.distributed.DistNetworkError: The server socket has failed to listen on any "
+                                 "local network address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE"))
     assert res.returncode == 0 and count.read_text() == "2"  # launched again, on another port
     count.unlink()
-    res = run_on_a_free_port(cmd("RuntimeError: a rank failed"))
+    res = run_on_a_free_port(cmd("RuntimeError: a rank failed (EADDRINUSE connecting to a peer)"))
     assert res.returncode == 1 and "a rank failed" in res.stderr and count.read_text() == "1"  # not repeated
