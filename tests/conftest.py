@@ -21,3 +21,8 @@ _PRELOAD = ["transformers.modeling_utils", "torch._functorch.aot_autograd", "tor
 def pytest_configure(config) -> None:
     ctx = testing._context()  # the forkserver starts at the first spawn: its preload list is still open
     ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "treadle", *_PRELOAD])
+    # one intra-op thread per test worker, as the spawned ranks run (`testing`): two workers fill the two cores, and
+    # two threads each only contend (tiny tensors; OpenMP's idle threads spin)
+    import torch
+
+    torch.set_num_threads(1)
