@@ -13,6 +13,7 @@ import numpy as np
 from ...errors import PlanError
 from .conflicts import SPLIT_BACKWARD, stage_rank
 from .facts import SINGLE_STAGE, action_order, overlap_pairs
+from .moments import Moment, _moments, _undominated
 from .timeline import simulate
 
 # what the planner proposes: schedule -> stages per rank (NOTE [the fill of a planned schedule]). DualPipeV is
@@ -156,10 +157,12 @@ def _layout(cg, schedule: str) -> _Layout:
     return _Layout(blocks, head, tail, p, roles.pp_microbatches, schedule, _shares(cg))
 
 
+@functools.lru_cache(maxsize=256)
 def split_shares(schedule: str, n_stages: int, p: int, m: int) -> tuple[float, ...]:
     """Per stage, the share of its micro-batches whose backward the schedule class's order runs split, an input- then
     a weight-gradient action (I, W) rather than one B: 1 for interleaved_zb and zbv, part of them for dualpipev,
-    whose overlapped pairs run whole backwards; 0 for the others."""
+    whose overlapped pairs run whole backwards; 0 for the others. A function of its integers and torch's order:
+    remembered per process (every cut's step reads it)."""
     if schedule not in SPLIT_BACKWARD:
         return (0.0,) * n_stages
     counts = [0] * n_stages
@@ -345,8 +348,6 @@ def inflight(lay: _Layout) -> dict[int, list[dict[int, int]]]:
 @functools.lru_cache(maxsize=256)
 def _inflight(schedule: str, n_stages: int, p: int, m: int) -> dict[int, tuple[tuple[tuple[int, int], ...], ...]]:
     """`inflight` of a schedule's shape (a function of its integers and torch's order: remembered per process)."""
-    from .moments import Moment, _moments, _undominated
-
     out = {}
     for r, mine in _moments(schedule, n_stages, p, m, False).items():
         acts = _undominated(list(dict.fromkeys(Moment(mo.act, frozenset(), frozenset()) for mo in mine)))

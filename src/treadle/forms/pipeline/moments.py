@@ -14,8 +14,8 @@ stage's gradients at its first backward]; or from the end of its first W, as the
 gathered while it runs; whether a backward (B or I) runs then, which holds the rank's transient beside the rest (the
 price adds a backward's working set there only); and at the step's end every gradient. A moment that another
 covers (as many micro-batches on each stage, the gradients and the gathered stages of it and more) is left out:
-every term is non-negative. The rows before held every stage's gradients, and under ZeRO-3 every stage gathered and its gradients whole, at every
-moment: Llama-3-8B on 2 x 8 H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by
+every term is non-negative. The rows before held every stage's gradients, and under ZeRO-3 every stage gathered
+and its gradients whole, at every moment: Llama-3-8B on 2 x 8 H100 pipelined over the nodes with ZeRO-3 over the tensor axis (27.4 GiB), 34.8 GiB by
 the MILP against 27.1 priced (now 27.1); and they missed what a split backward keeps from I to W (GPT-2-XL on 1 x 8
 H100, interleaved_zb over 16 micro-batches: 0.85x the price; 1.00x with NOTE [a tied parameter on two ranks]).
 Left out as the rows were before: the replicas' flattened bucket of the step's end (the price's, at most about one
