@@ -324,7 +324,7 @@ def _build_error(rank, world, which: str):
 def test_build_errors_name_path_and_fix():
     msg = testing.spawn(_build_error, 2, "no_rule", timeout_s=60)[0]
     assert "'transformer.h.0.ln_1' (LayerNorm) has sharded parameters ['weight']" in msg
-    assert "rules exist for ['BatchNorm2d', 'Conv1D', 'Conv2d', 'Embedding', 'Linear']" in msg
+    assert "rules exist for ['BatchNorm2d', 'Conv1D', 'Conv2d', 'Embedding', 'Float8Linear', 'Linear']" in msg
     msg = testing.spawn(_build_error, 2, "bias", timeout_s=60)[0]
     assert ("'transformer.h.0.mlp.c_fc' weight is split on output dim 1 over axis 'tp' (column parallel) but its "
             "bias is not split the same way; add sch['transformer.h.0.mlp.c_fc'].shard('bias', dim=0, axis='tp')") in msg

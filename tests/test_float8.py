@@ -78,11 +78,7 @@ def test_float8_refusals_name_the_module_and_the_sizes():
     with pytest.raises(ScheduleError, match="linear 'model.layers.0.self_attn.q_proj' is float8 already "
                                             r"\(by float8 at 'model.layers.0'\)"):
         sch["model.layers"].float8()
-    tp = treadle.create_schedule(_llama()[0], mesh=Mesh((2,), ("tp",)))
-    tp["model.layers.0.self_attn.q_proj"].shard("weight", axis="tp", dim=0)
-    with pytest.raises(ScheduleError, match=r"'model.layers.0.self_attn.q_proj'.s weight is split on mesh axis 'tp' "
-                                            r"\(dim 0\); float8 with tensor parallelism is not supported"):
-        tp["model.layers.0"].float8()
+    # under tensor parallelism: tests/test_float8_tensor_parallel.py
 
 
 def test_float8_refuses_a_linear_whose_dims_the_kernel_cannot_take():

@@ -82,6 +82,19 @@ def float8_refusal(m: nn.Linear, users: list[str]) -> str | None:
     return None
 
 
+def tensor_parallel_refusal(recipe: str, all_gather: bool) -> str | None:
+    """Why a float8 linear of `recipe` (gathered in float8 by FSDP2 or not) cannot have its weight split over a mesh
+    axis, or None (NOTE [float8 under tensor parallelism] in
+    `treadle.forms.float8.tensor_parallel`): the one rule the primitive and build refuse by."""
+    if recipe != "tensorwise":
+        return (f"recipe {recipe!r} scales per row, and its rows of the output gradient or of the input run along "
+                f"the split dim; float8 under tensor parallelism needs recipe 'tensorwise'")
+    if all_gather:
+        return ("all_gather=True takes the weight's float8 scale over the data-parallel shards only; state "
+                "all_gather=False for a weight split over a tensor axis")
+    return None
+
+
 def _full(path: str, name: str) -> str:
     return f"{path}.{name}" if path and name else path or name
 
@@ -142,9 +155,10 @@ class Float8Primitive:
                                 f"(e.g. {hint!r})")
         for path, m in linears:
             prior = self._state.param_shards.get(id(m.weight), [])
-            if prior:
+            why = tensor_parallel_refusal(recipe, all_gather) if prior else None
+            if why:
                 raise ScheduleError(f"{where}: linear {path!r}'s weight is split on mesh axis {prior[0].axis!r} (dim "
-                                    f"{prior[0].dim}); float8 with tensor parallelism is not supported: skip it")
+                                    f"{prior[0].dim}): {why}; or skip it")
         specs[self.path] = Float8Spec(recipe, all_gather, tuple(p for p, _ in linears))
         self._record("float8", recipe=recipe, all_gather=all_gather, **({"skip": list(skip)} if skip else {}))
         return self

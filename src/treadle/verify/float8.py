@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import BuildError, VerifyError
 from ..forms.float8 import FLOAT8_MIN_SQNR_DB, convert_linears
 from ..loss import call_loss
-from ..schedule.float8_primitive import float8_specs
+from ..schedule.float8_primitive import float8_linears, float8_specs
 from .compare import Diff
 from .report import Check
 
@@ -79,3 +79,10 @@ def fidelity_checks(original: nn.Module, float8_model: nn.Module, slices: list[d
 
 def has_float8(view: Any) -> bool:
     return bool(float8_specs(view.extras))
+
+
+def float8_split(view: Any) -> bool:
+    """Whether a float8 linear's weight is split over a mesh axis, so that partial products are summed in another
+    order than one process sums them (NOTE [float8 under tensor parallelism] in `treadle.forms.float8`)."""
+    shards = view.shards_by_name()
+    return any(shards.get(f"{lin}.weight") for lin in float8_linears(view.extras))

@@ -7,7 +7,9 @@ language (`treadle.schedule.float8_primitive` checks and records it: the recipe 
 Everything else is here:
 
 - `runtime.py`  the "pre_shard" build step: each recorded linear becomes torchao's `Float8Linear` (native on CUDA
-                sm_89+, emulated elsewhere), before FSDP2 wraps it; refused with a pipeline or tensor parallelism;
+                sm_89+, emulated elsewhere), before FSDP2 wraps it; refused with a pipeline;
+- `tensor_parallel.py`  the leaf rule of a float8 linear whose weight a tensor axis splits: each operand cast with
+                its amax over the split axes (NOTE [float8 under tensor parallelism]; tensorwise only);
 - the price: the rehearsed step runs the float8 linears, so their casts and scale reductions are recorded as the
                 ops they are, and each product whose operands hold float8 data is charged at the device's float8
                 peak on the float8 bytes (NOTE [float8 in the price] in `treadle.profile.recorder`); FSDP2
@@ -22,7 +24,13 @@ two things apart. (1) Distribution: the distributed float8 model against the sin
 original with the same linears converted, emulated on the CPU) at the dtype's usual tolerance for the forward and
 every gradient of the first step; after an optimizer step a weight whose value moved by a rounding difference can
 round to the neighbouring float8 value, so the later steps' checks allow one float8 (e4m3) rounding step,
-`FLOAT8_STEP_RTOL`. (2) Fidelity: the single-process float8 model against the original, the signal-to-quantisation-
+`FLOAT8_STEP_RTOL`. Under tensor parallelism that allowance holds from the first forward (unless the caller gives
+its own tolerance): a row-parallel leaf sums its partial products in another order than one process, and a later
+cast may round an element of the slightly different sum to the neighbouring float8 value, a difference that then
+spreads (a tiny LLaMA at 16 x 128 tokens: 1.5e-3 of a tensor's scale in the fourth block). A cast's scale taken
+from a slice instead of the whole tensor differs by less than that step (4-7% measured), so verify cannot see it:
+`tests/test_float8_tensor_parallel.py` holds the casts exact where no sum reorders them (NOTE [float8 under tensor
+parallelism]). (2) Fidelity: the single-process float8 model against the original, the signal-to-quantisation-
 noise ratio (SQNR, dB) of the loss and of every gradient, held to `FLOAT8_MIN_SQNR_DB` (the report names the worst).
 """
 
@@ -32,6 +40,7 @@ from ...form import Form
 from ...schedule.float8_primitive import float8_linears
 from . import plan as _plan
 from . import price as _price
+from . import tensor_parallel as _tensor_parallel  # noqa: F401  (registers the float8 linear's leaf rule)
 from .runtime import convert_linears, float8_specs_built, install_float8, precompute_scales
 
 # (2) of NOTE [what verified means for float8]: e4m3 keeps 3 mantissa bits, a relative rounding error of at most

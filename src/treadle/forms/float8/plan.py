@@ -5,9 +5,11 @@ Which linears: every `nn.Linear` of the repeated blocks (the blocks `treadle.run
 `treadle.pricing.compiled.compiled_units`, one rule) whose dims the float8 kernels take and whose weight is its
 own (the primitive's own checks, `treadle.schedule.float8_primitive`); the model's other linears (an output
 projection, a router of odd width) stay in high precision, as torchtitan leaves them. The solver does not price
-float8 (its terms are the same with and without it): under the role, those linears compute replicated over every
-tensor axis (float8 does not compose with tensor parallelism), and the price of the plans as built weighs the
-rest (`treadle.planner.candidates.priced_candidates`: the best plans with and without float8 are both priced)."""
+float8 (its terms are the same with and without it), and the price of the plans as built weighs the rest
+(`treadle.planner.candidates.priced_candidates`: the best plans with and without float8 are both priced). Under the
+role, a converted linear's ops on a tensor axis either stay replicated or split its weight (column or row parallel:
+the tensorwise recipe only, NOTE [float8 under tensor parallelism]); never its tokens alone, whose amaxes build
+does not reduce. FSDP2 gathers the weights in float8 only where no tensor axis runs (`tensor_parallel_refusal`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from torch import nn
 from ...planner.dims import R
 from ...planner.to_schedule import DECISION_RANKS, Decision
 from ...pricing.compiled import compiled_units
-from ...schedule.float8_primitive import float8_refusal, weight_users
+from ...schedule.float8_primitive import FLOAT8_ALIGN, float8_refusal, tensor_parallel_refusal, weight_users
 from ...schedule.tree import within
 
 DECISION_RANK = DECISION_RANKS["float8"]
@@ -66,12 +68,34 @@ def role_label(roles) -> str | None:
 
 
 def keep_strategy(b, n, spec, combo: tuple) -> bool:
-    """Under float8, a converted linear's ops replicated over every tensor axis (no split input, output or work)."""
+    """Under float8, a converted linear's ops on each tensor axis: replicated (no split input, output or work), or,
+    with the tensorwise recipe, splitting the weight (NOTE [float8 under tensor parallelism])."""
     if b.roles.float8 is None or not combo:
         return True
     if not _inside(n.module, _linears(b.g.facts)):
         return True
-    return all(not o.work_split and all(p == R for p in o.ins + o.outs) for o in combo)
+    split_ok = tensor_parallel_refusal(b.roles.float8, False) is None
+    return all(_replicated(o) or (split_ok and _splits_weight(b.g.nodes, n, o, k))
+               for o, k in zip(combo, b.tp_sizes))
+
+
+def _replicated(o) -> bool:
+    return not o.work_split and all(p == R for p in o.ins + o.outs)
+
+
+def _splits_weight(nodes, n, o, k: int) -> bool:
+    """Whether option `o` of node `n` on an axis of size `k` splits an input made of parameters only (the weight,
+    its transpose) into slices the float8 kernels take (`FLOAT8_ALIGN`, the build's check)."""
+    split = [(p, nodes[j]) for p, j in zip(o.ins, n.inputs) if p != R and _of_params(nodes, j)]
+    return bool(split) and all(p >= 0 and w.out.shape[p] % (k * FLOAT8_ALIGN) == 0 for p, w in split)
+
+
+def _of_params(nodes, j: int, depth: int = 3) -> bool:
+    node = nodes[j]
+    if node.kind == "param":
+        return True
+    return (depth > 0 and node.kind == "op" and bool(node.inputs)
+            and all(_of_params(nodes, i, depth - 1) for i in node.inputs))
 
 
 def _owners(module: str) -> list[str]:
@@ -86,13 +110,15 @@ def _inside(module: str, linears: dict[str, str]) -> bool:
 
 def decisions(cg, choice, ckpt, ctx) -> list:
     """``float8(recipe=, all_gather=, skip=[...])`` on each block list that holds a converted linear: FSDP2 gathers the
-    weights in float8 under ZeRO-3 with the tensorwise recipe; skip names the list's other linears."""
+    weights in float8 under ZeRO-3 with the tensorwise recipe and no tensor axis; skip names the list's other
+    linears."""
     recipe = cg.roles.float8
     if recipe is None:
         return []
     facts = cg.graph.facts.get("float8") or {}
     mesh = cg.cluster.mesh
-    gather = (cg.roles.zero and recipe == "tensorwise"
+    tensor = any(mesh.size(a) > 1 for a in cg.roles.tp)  # a weight may be split: gathered in bf16
+    gather = (cg.roles.zero and recipe == "tensorwise" and not tensor
               and math.prod(mesh.size(a) for a in cg.roles.shard_axes) > 1)
     out = []
     for lists in sorted(set(facts.get("linears", {}).values())):

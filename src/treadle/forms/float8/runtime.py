@@ -14,6 +14,7 @@ from torch import nn
 
 from ...errors import BuildError
 from ...schedule.float8_primitive import Float8Spec, float8_specs
+from .tensor_parallel import tensor_parallel_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,9 @@ def convert_linears(model: nn.Module, view: Any, *, device: torch.device, fsdp: 
                     shards: Mapping[int, tuple] | None = None, where: str = "build") -> list[str]:
     """Swap every linear the schedule's `float8` records name for a `Float8Linear` holding the same weight
     (FSDP2's float8 all-gather wraps it: a new Parameter object, returned via the caller's rebind). Returns the
-    converted paths. Raises BuildError for a linear that is gone or no longer an `nn.Linear`, a pipeline, or
-    ``all_gather=True`` without FSDP2. `shards`: id(parameter) -> its recorded splits (build's table).
+    converted paths. Raises BuildError for a linear that is gone or no longer an `nn.Linear`, a pipeline,
+    ``all_gather=True`` without FSDP2, or a split weight the tensor-parallel rule does not run (NOTE [float8 under
+    tensor parallelism]). `shards`: id(parameter) -> its recorded splits (build's table).
     ``wrapped=False`` (the price's rehearsal: no FSDP2 wrapper) leaves the weights plain parameters; the data
     form prices their float8 gathers (`Float8Form.gather_itemsize`), and the rehearsal charges each weight's cast
     whole where FSDP2 casts each rank's shard before the gather."""
@@ -70,10 +72,11 @@ def convert_linears(model: nn.Module, view: Any, *, device: torch.device, fsdp: 
             if type(mod) is not nn.Linear:
                 raise BuildError(f"{where}: float8 at {path or '<model>'!r} names linear {lin!r}, now a "
                                  f"{type(mod).__name__}; state float8 after replacing it")
-            if (shards or {}).get(id(mod.weight)):
+            split = (shards or {}).get(id(mod.weight))
+            why = tensor_parallel_refusal(spec.recipe, spec.all_gather) if split else None
+            if why:
                 raise BuildError(f"{where}: linear {lin!r} is float8 and its weight is split over mesh axis "
-                                 f"{shards[id(mod.weight)][0].axis!r}; float8 with tensor parallelism is "
-                                 f"not supported: skip it in float8(skip=[...])")
+                                 f"{split[0].axis!r}: {why} (NOTE [float8 under tensor parallelism])")
             setattr(parent, attr, Float8Linear.from_float(mod, config=cfg))
             done.append(lin)
     logger.info("float8: %d linears (%s)", len(done), "emulated" if emulate else "native")

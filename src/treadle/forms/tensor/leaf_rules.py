@@ -44,8 +44,12 @@ def matmul_dims(mod: nn.Module) -> tuple[int, int, int, int] | None:
     return None
 
 
-def _matmul_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]], *, out_dim: int,
-                 in_dim: int, compute: Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]) -> LeafPlan:
+def matmul_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]], *, out_dim: int, in_dim: int,
+                compute: Callable[[nn.Module, torch.Tensor, bool], torch.Tensor] | None) -> LeafPlan:
+    """The plan of a matrix-product leaf whose weight dim `out_dim` holds its outputs and `in_dim` its inputs:
+    column- and row-parallel splits, a column split's bias split alike, a row split's bias added after the
+    reduction. `compute(module, x, use_bias)` is its local product (None: the caller binds one, `LeafPlan.bind`).
+    Raises BuildError naming the path, parameter and axis of a layout it does not run."""
     w_shards = shards.get("weight", [])
     b_shards = shards.get("bias", [])
     has_bias = getattr(mod, "bias", None) is not None
@@ -78,7 +82,8 @@ def _matmul_plan(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]],
     if row and has_bias:
         plan.pending_bias = "bias"
     use_bias = not row
-    plan.forward = lambda m, x: compute(m, x, use_bias)
+    if compute is not None:
+        plan.forward = lambda m, x: compute(m, x, use_bias)
     return plan
 
 
@@ -87,7 +92,7 @@ def _linear_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]])
     def compute(m: nn.Module, x: torch.Tensor, use_bias: bool) -> torch.Tensor:
         return F.linear(x, m.weight, m.bias if use_bias else None)
 
-    return _matmul_plan(path, mod, shards, out_dim=0, in_dim=1, compute=compute)
+    return matmul_plan(path, mod, shards, out_dim=0, in_dim=1, compute=compute)
 
 
 def _conv1d_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]]) -> LeafPlan:
@@ -96,7 +101,7 @@ def _conv1d_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamShard]])
         y = x @ m.weight
         return y + m.bias if use_bias and m.bias is not None else y
 
-    return _matmul_plan(path, mod, shards, out_dim=1, in_dim=0, compute=compute)
+    return matmul_plan(path, mod, shards, out_dim=1, in_dim=0, compute=compute)
 
 
 register_leaf_rule(HF_CONV1D)(_conv1d_rule)
