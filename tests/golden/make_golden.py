@@ -158,8 +158,13 @@ def form_cases() -> dict:
     return {"forms tiny-llama 2x2:cpu": out}
 
 
+# the cases in parts that the test runs apart (two files, so that the test workers share them): name -> compute
+PARTS = {"demo": demo_cases, "forms": form_cases, "gpu llama-3-8b": lambda: gpu_cases("llama-3-8b"),
+         "gpu llama-2-70b": lambda: gpu_cases("llama-2-70b"), "gpu gpt2-xl": lambda: gpu_cases("gpt2-xl")}
+
+
 def compute() -> dict:
-    return {**demo_cases(), **form_cases(), **gpu_cases()}
+    return {k: v for part in PARTS.values() for k, v in part().items()}
 
 
 def differences(want, got, where: str = "") -> list[str]:
