@@ -196,6 +196,7 @@ def test_a_plan_file_names_only_known_policies():
 @pytest.mark.parametrize("kind", ["1f1b", "interleaved_1f1b"])
 def test_each_pipeline_stage_weighs_the_policy_and_the_milp_agrees_with_the_oracle(graph, cluster, kind):
     from treadle.forms.pipeline import cuts, milp
+    from treadle.forms.pipeline import oracle as pipeline_oracle
 
     cl = parse_cluster(cluster)
     pp = cl.mesh.names[1]
@@ -205,13 +206,13 @@ def test_each_pipeline_stage_weighs_the_policy_and_the_milp_agrees_with_the_orac
     stages = cuts.partitions(cg, lay)[0]
     cut = cuts._cut(cg, lay, stages)
     kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={})
-    free = milp.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
+    free = pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
     low, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, minimise="memory", **kw)
     least = milp.evaluate(cg, lay, cut, *low[:3])[1]
     used = []
     for frac in (0.0, 0.2, 0.4, 0.6, 0.8):
         budget = least + frac * (free.peak_bytes - least)
-        oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
+        oracle = pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
         (choice, counts, pcounts, status, _), *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget,
                                                                   minimise="time", **kw)
         step, peak, _ = milp.evaluate(cg, lay, cut, choice, counts, pcounts)

@@ -16,6 +16,7 @@ import treadle
 from treadle.cost.cluster import ClusterSpec, parse_cluster
 from treadle.errors import PlanError
 from treadle.forms.pipeline import cuts, milp
+from treadle.forms.pipeline import oracle as pipeline_oracle
 from treadle.forms.pipeline.kinds import price_variants
 from treadle.forms.pipeline.plan import PipelineChoice, capture_facts, microbatch_counts
 from treadle.mesh import Mesh
@@ -256,14 +257,14 @@ def test_the_milp_of_a_cut_agrees_with_the_exhaustive_oracle_with_and_without_a_
     cg = build_cost_graph(g, cl, Roles((), False, (b,), pp=a, pp_microbatches=2), shardable=shardable)
     lay = cuts._layout(cg, kind)
     stages = cuts.partitions(cg, lay)[0]
-    free_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
+    free_oracle = pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=None, schedule=kind)
     cut = cuts._cut(cg, lay, stages)
     got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=None, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
                               min_ckpt={}, minimise="time")
     step, peak, _ = milp.evaluate(cg, lay, cut, got[0], got[1])
     assert step == pytest.approx(free_oracle.step_s, rel=1e-6)
     budget = free_oracle.peak_bytes * 0.8
-    tight_oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
+    tight_oracle = pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=budget, schedule=kind)
     got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, checkpoint=True, time_limit_s=30, rel_gap=1e-9,
                               min_ckpt={}, minimise="time")
     if tight_oracle.choice:
@@ -563,11 +564,11 @@ def test_a_partial_schedule_pins_stage_boundaries_and_the_pipeline():
 @pytest.mark.parametrize("block", ["relu", "gelu"])
 def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
     # every contiguous cut of n blocks into 4 stages, each solved exhaustively (choices and per-stage checkpoint
-    # counts), against the MILP over the proposed cuts. Under a budget the memory-aware cut matters: the first stages
-    # of 1F1B keep the most micro-batches, so the best cut gives them fewer blocks. The proposals are not every cut:
-    # on the GELU stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks the best proposed cut
-    # is 2.3% slower than the best (the embedding on stage 0, its 4 micro-batches in flight): that case is held to
-    # 2.5%, every other to the best cut
+    # counts), against the MILP over the proposed cuts and the cuts beside the best of them (NOTE [cuts beside the
+    # proposed ones]). Under a budget the memory-aware cut matters: the first stages of 1F1B keep the most
+    # micro-batches, so the best cut gives them fewer blocks. The proposals alone are not every cut: on the GELU
+    # stack (test_planner's: 4h-wide MLPs) at 60% of the free peak with 6 blocks the best of them is 2.3% slower
+    # than the best cut, two boundaries one block off through a cut level with it; the walk reaches it
     from test_planner import Stack as GeluStack
 
     torch.manual_seed(0)
@@ -584,11 +585,8 @@ def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
         for bounds in itertools.combinations(range(1, n), 3):
             edges = (0, *bounds, n)
             stages = tuple(tuple(range(edges[i], edges[i + 1])) for i in range(4))
-            best = min(best, milp.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
-        if (block, n, frac) == ("gelu", 6, 0.6):
-            assert best * (1 - 1e-3) <= got.step_s <= best * 1.025, got.stages.blocks
-        else:
-            assert got.step_s == pytest.approx(best, rel=1e-3), (frac, got.stages.blocks if got.stages else None)
+            best = min(best, pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=budget).step_s)
+        assert got.step_s == pytest.approx(best, rel=1e-3), (frac, got.stages.blocks if got.stages else None)
 
 
 # ----------------------------------------------------------------------------- ZeRO-3 beside the pipeline
@@ -680,8 +678,8 @@ def test_the_milp_with_zero3_beside_agrees_with_the_oracle_and_a_planned_pp_x_fs
     stages = cuts.partitions(cg, lay)[0]
     cut = cuts._cut(cg, lay, stages)
     kw = dict(checkpoint=True, time_limit_s=30, rel_gap=1e-9, min_ckpt={}, minimise="time")
-    for budget in (None, 0.8 * milp.solve_exhaustive(cg, stages, budget_bytes=None).peak_bytes):
-        oracle = milp.solve_exhaustive(cg, stages, budget_bytes=budget)
+    for budget in (None, 0.8 * pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=None).peak_bytes):
+        oracle = pipeline_oracle.solve_exhaustive(cg, stages, budget_bytes=budget)
         got, *_ = milp._solve_cut(cg, lay, cut, budget_bytes=budget, **kw)
         if not oracle.choice:
             assert got is None

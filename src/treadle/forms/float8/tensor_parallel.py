@@ -15,7 +15,8 @@ not the amax of the tensor the single-process model casts. The rule casts every 
 high-precision input and weight (shared with their other users and with FSDP2's unsharded weight, as torchao's
 saves them) and casts them again in the backward. Each element then holds the same float8 value on its rank as in
 the single-process float8 model: a column-parallel output is exact; a row-parallel one differs by the order of the
-fp32 partial sums the reduction adds (the float8 verify's first tolerance: NOTE [what verified means for float8]).
+fp32 partial sums the reduction adds, which a later cast can turn into one float8 rounding step (what verify allows
+under tensor parallelism: NOTE [what verified means for float8]).
 Two all-reduces of one scalar per leaf forward and three per backward: latency-bound collectives on the leaf's
 axes, which the price records as it records every c10d op.
 

@@ -17,7 +17,8 @@ n_microbatches=...)``, primitives of the language (`treadle.schedule.graph_primi
 - `plan.py`      the planner's pipeline role and its decisions (NOTE [pipeline in the plan]);
 - `cuts.py`      the stages of a cost graph, the cuts proposed, the micro-batches in flight, each schedule's fill;
 - `kinds.py`     which schedules a role assignment weighs (NOTE [zero-bubble schedules in the plan]);
-- `milp.py`      the MILP of a pipelined step, per cut, with its direct evaluation and exhaustive oracle;
+- `milp.py`      the MILP of a pipelined step, per cut (the proposed ones, then their neighbours: NOTE [cuts
+                 beside the proposed ones]), with its direct evaluation; `oracle.py` its exhaustive test oracle;
 - `floors.py`    lower bounds that skip cuts and role assignments no plan of which can win or fit;
 - `zero.py`      ZeRO-3 / HSDP beside a planned pipeline (NOTE [pipeline FSDP2 in the plan]).
 """

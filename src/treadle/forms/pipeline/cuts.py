@@ -226,6 +226,21 @@ def _stage_in_flight(lay: _Layout) -> list[int]:
     return k
 
 
+def neighbours(stages: tuple, n: int, pinned: set[int]) -> list[tuple[tuple[int, ...], ...]]:
+    """The cuts of blocks 0..n-1 that move one boundary of `stages` (contiguous, in block order) by one block, every
+    stage kept non-empty and every pinned boundary kept (a stage ends after each block position in `pinned`)."""
+    edges = [st[0] for st in stages[1:]]
+    out = []
+    for i, e in enumerate(edges):
+        if e - 1 in pinned:
+            continue
+        for d in (-1, 1):
+            bounds = [0, *edges[:i], e + d, *edges[i + 1:], n]
+            if all(a < b for a, b in zip(bounds, bounds[1:])):
+                out.append(tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:])))
+    return out
+
+
 def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tuple[tuple[int, ...], ...]]:
     """Cuts of the real blocks into S contiguous stages (each a tuple of block positions) that keep every pinned
     boundary (`Roles.pp_cuts`: a stage ends after each), each exact by dynamic programming over the blocks:

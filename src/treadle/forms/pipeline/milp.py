@@ -1,9 +1,9 @@
-"""The MILP of a pipelined step (NOTE [pipeline in the plan] in `plan.py`): one per proposed cut (`cuts.py`), the
-same step and peak computed directly for a choice (`evaluate`), and the exhaustive oracle the tests hold it to."""
+"""The MILP of a pipelined step (NOTE [pipeline in the plan] in `plan.py`): one per proposed cut (`cuts.py`) and per
+cut beside the best of them, and the same step and peak computed directly for a choice (`evaluate`; the tests hold
+the MILP to the exhaustive oracle of `oracle.py`)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import replace
@@ -15,7 +15,7 @@ from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, ad
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
 from ...planner.grad_live import working_of, working_terms
 from ...planner.policies import counts_of, offered, pick
-from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, partitions
+from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, neighbours, partitions
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
@@ -24,6 +24,18 @@ from .moments import memory_rows, moment_bytes, rank_moments, tied_on_last, trac
 from .stage_policies import add_stage_policies, policy_terms
 from .zero import zero_terms
 from ..sequence.gather import active as sp_active
+
+# NOTE [cuts beside the proposed ones]: the proposed cuts (`cuts.partitions`: exact for the largest stage's time, for
+# its memory bound, for its time with the checkpoints that bound needs) are not every cut, and the step is more than
+# the largest stage's time (the fill, the sends, each stage's forced checkpoints). From the best proposal, every cut
+# moving one stage boundary by one block (`cuts.neighbours`, pinned boundaries kept) is solved too, floors first,
+# and the walk goes on from each one level with the best (within `_LEVEL`: a level stretch can lead to a better cut)
+# or better, at most `_NEIGHBOUR_TRIES` cuts (Llama-3.1-405B's 64-stage role assignments walked 99 cuts each at 3 a
+# stage: +9 s of planning; capped, none). Against every contiguous cut solved exhaustively (test_pipeline_plan.py,
+# 12 cases) the proposals alone missed one by 2.3% (two boundaries one block off, via a level cut); the walk finds it.
+_NEIGHBOUR_TRIES = 24
+_LEVEL = 1e-6
+
 
 def _grad_sum_units(cg) -> dict[tuple, tuple[int, float]]:
     """The tensor form's input-gradient sums (NOTE [shared input-gradient sum]): key -> (the first unit that needs
@@ -379,13 +391,16 @@ def _scalars(terms: dict) -> dict[str, float]:
 def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: float, min_ckpt: dict,
           minimise: str, cutoff_s: float | None = None) -> Solution | None:
     """The best plan of a pipeline role assignment: the MILP of NOTE [pipeline in the plan] for each schedule
-    (`schedules`) and each proposed cut (`partitions`), the fastest (with
+    (`schedules`) and each proposed cut (`partitions`), then the cuts beside the best (NOTE [cuts beside the proposed
+    ones]), the fastest (with
     ``minimise="memory"``: the smallest peak) kept. None without a pp axis. `cutoff_s` (NOTE [a cutoff from the
     best plan found]): only plans faster are sought, each cut's MILP held below the best so far; status "pruned"
     when none is."""
     if cg.roles.pp is None:
         return None
     best: Solution | None = None
+    best_cut: tuple[str, _Layout, tuple] | None = None
+    walked: set[tuple[str, tuple]] = set()  # (schedule, cut) solved
     n_vars = n_cons = 0
     spent = 0.0
     key = (lambda x: (x.peak_bytes, x.step_s)) if minimise == "memory" else (lambda x: (x.step_s, x.peak_bytes))
@@ -398,6 +413,43 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
 
     def above(floor: float, bound: float | None) -> bool:  # NOTE [a lower bound before the MILP]
         return minimise == "time" and bound is not None and floor > bound * (1 + _FLOOR_TOL)
+
+    def solve_one(lay: _Layout, stages: tuple, best: Solution | None, level: bool = False) -> Solution | None:
+        """The best plan of one cut, or None (pruned by a floor, infeasible, not better than `best`; with `level`:
+        not worse than it by more than `_LEVEL`)."""
+        nonlocal base, spent, n_vars, n_cons
+        cut = _cut(cg, lay, stages)
+        bound = cutoff_s  # and below this role assignment's best cut so far (a neighbour: level with it)
+        if best is not None and minimise == "time":
+            level = best.step_s * (1 + _LEVEL) if level else best.step_s
+            bound = level if bound is None else min(bound, level)
+        rec = None  # NOTE [the recomputation a budget forces]
+        if mem is not None:
+            if _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
+                return None  # no plan of this cut fits: the MILP would find it infeasible
+            if minimise == "time":
+                rec = _recompute_floor(cg, lay, cut, mem, tmins, budget_bytes, checkpoint and not lay.split)
+                if rec is None:
+                    return None  # no checkpoints make it fit: infeasible too (a policy keeps more than full)
+                if offered(cg, stages=True):  # a policy may save bytes for fewer seconds than a full checkpoint
+                    rec = 0.0
+        if above(_objective_floor(cg, lay, cut, zt, mins, rec), bound):
+            return None
+        got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes,
+                                          checkpoint=checkpoint and not lay.split,
+                                          time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
+                                          minimise=minimise, cutoff_s=bound, coefs=coefs,
+                                          base=(base := base or base_model(cg)))
+        spent += solve_s
+        n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
+        if got is None:
+            return None
+        choice, counts, pcounts, status, gap = got
+        step, peak, terms = evaluate(cg, lay, cut, choice, counts, pcounts)
+        if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
+            return None
+        return Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
+                        stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
 
     # the schedules by their floor, lowest first: the best plan found so far prunes the cuts of the others
     # (NOTE [a lower bound before the MILP]); the floor reads the schedule class's order, so torch must take it
@@ -421,80 +473,28 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         if above(_role_floor(cg, lay, mins), cutoff_s):
             continue
         for stages in partitions(cg, lay, budget_bytes):
-            cut = _cut(cg, lay, stages)
-            bound = cutoff_s  # and below this role assignment's best cut so far
-            if best is not None and minimise == "time":
-                bound = best.step_s if bound is None else min(bound, best.step_s)
-            rec = None  # NOTE [the recomputation a budget forces]
-            if mem is not None:
-                if _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
-                    continue  # no plan of this cut fits: the MILP would find it infeasible
-                if minimise == "time":
-                    rec = _recompute_floor(cg, lay, cut, mem, tmins, budget_bytes, checkpoint and not lay.split)
-                    if rec is None:
-                        continue  # no checkpoints make it fit: infeasible too (a policy keeps more than full)
-                    if offered(cg, stages=True):  # a policy may save bytes for fewer seconds than a full checkpoint
-                        rec = 0.0
-            if above(_objective_floor(cg, lay, cut, zt, mins, rec), bound):
+            walked.add((kind, stages))
+            sol = solve_one(lay, stages, best)
+            if sol is not None and (best is None or key(sol) < key(best)):
+                best, best_cut = sol, (kind, lay, stages)
+    # NOTE [cuts beside the proposed ones]: from the best cut, its neighbours, a plateau walked as far as it is level
+    frontier, tries = [best_cut] if best is not None and minimise == "time" else [], 0
+    while frontier:
+        kind, lay, stages = frontier.pop(0)
+        pinned = {i for i, (path, _) in enumerate(lay.blocks) if path in cg.roles.pp_cuts}
+        for near in neighbours(stages, len(lay.blocks), pinned):
+            if (kind, near) in walked or tries >= _NEIGHBOUR_TRIES:
                 continue
-            got, solve_s, nv, nc = _solve_cut(cg, lay, cut, budget_bytes=budget_bytes,
-                                              checkpoint=checkpoint and not lay.split,
-                                              time_limit_s=time_limit_s, rel_gap=rel_gap, min_ckpt=min_ckpt,
-                                              minimise=minimise, cutoff_s=bound, coefs=coefs,
-                                              base=(base := base or base_model(cg)))
-            spent += solve_s
-            n_vars, n_cons = max(n_vars, nv), max(n_cons, nc)
-            if got is None:
-                continue
-            choice, counts, pcounts, status, gap = got
-            step, peak, terms = evaluate(cg, lay, cut, choice, counts, pcounts)
-            if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
-                continue
-            sol = Solution(choice, {}, step, peak, status, gap, solve_s, nv, nc, _scalars(terms),
-                           stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
-            if best is None or key(sol) < key(best):
-                best = sol
+            walked.add((kind, near))
+            tries += 1
+            sol = solve_one(lay, near, best, level=True)
+            if sol is not None and sol.step_s <= best.step_s * (1 + _LEVEL):
+                frontier.append((kind, lay, near))
+                if key(sol) < key(best):
+                    best, best_cut = sol, (kind, lay, near)
     if best is None:
         status = "pruned" if cutoff_s is not None and minimise == "time" else "infeasible"
         return Solution([], {}, math.inf, math.inf, status, math.inf, spent, n_vars, n_cons)
     best.solve_s = spent
     best.stages = replace(best.stages, weighed=tuple(kind for _, kind, _ in kinds))
     return best
-
-
-def solve_exhaustive(cg, stages, *, budget_bytes: float | None, schedule: str = "1f1b",
-                     limit: int = 2_000_000) -> Solution:
-    """Every strategy choice and per-stage checkpoint count (and selective policy count, where offered) of one cut
-    under `schedule`, evaluated directly (the MILP's test oracle on tiny graphs). Raises PlanError when the space
-    exceeds `limit`."""
-    from ...planner.ilp import feasible_choice
-
-    lay = _layout(cg, schedule)
-    cut = _cut(cg, lay, stages)
-    keys = [(t, st) for st in range(lay.n_stages) for t, n_t in cut.n[st].items()]
-    pols = [(t, st, p_) for t, st in keys for t2, p_ in offered(cg, stages=True) if t2 == t]
-    keys_all = keys + pols
-    ranges = [range(cut.n[k[1]][k[0]] + 1) for k in keys_all]
-    sizes = [len(u.costs) for u in cg.units]
-    space = math.prod(sizes) * math.prod(len(r) for r in ranges)
-    if space > limit:
-        raise PlanError(f"solve_exhaustive: {space} combinations exceed the limit {limit}")
-    best: Solution | None = None
-    for choice in itertools.product(*[range(n) for n in sizes]):
-        if not all(cg.units[u].allowed[k] for u, k in enumerate(choice)) or not feasible_choice(cg, list(choice)):
-            continue
-        for cs in itertools.product(*ranges):
-            counts = dict(zip(keys, cs[:len(keys)]))
-            pcounts = {k: n for k, n in zip(pols, cs[len(keys):]) if n}
-            if any(counts[t, st] + sum(n for (t2, st2, _), n in pcounts.items() if (t2, st2) == (t, st))
-                   > cut.n[st][t] for t, st in keys):
-                continue
-            step, peak, terms = evaluate(cg, lay, cut, list(choice), counts, pcounts)
-            if budget_bytes is not None and peak > budget_bytes * (1 + 1e-9):
-                continue
-            if best is None or step < best.step_s - 1e-15:
-                best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=_scalars(terms),
-                                stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
-    return best or Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
-
-

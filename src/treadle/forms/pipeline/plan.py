@@ -56,7 +56,7 @@ until its W), plus the larger of one recomputed block
 large vocabulary; NOTE [a backward's working set] in `treadle.planner.grad_live`). So the first stages, which keep the most micro-batches, checkpoint more; with selective policies
 allowed, each stage also weighs running blocks under them (NOTE [checkpoint policies in a pipeline's stages] in
 `stage_policies.py`). `evaluate` computes the
-same step and peak directly for a choice (the exhaustive oracle `solve_exhaustive` enumerates it on tiny cases);
+same step and peak directly for a choice (the exhaustive oracle `oracle.solve_exhaustive` enumerates it on tiny cases);
 `treadle.price` prices the plan as built from the schedule class's own timeline (NOTE [pipeline price]), and the
 planner's final choice by price (NOTE [final choice by price]) reads that. ZeRO-3 / HSDP beside the pipeline: NOTE
 [pipeline FSDP2 in the plan] in `zero.py` (also without reshard after forward, when `reshard_after_forward` allows it).
