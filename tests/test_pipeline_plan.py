@@ -560,6 +560,15 @@ def test_a_partial_schedule_pins_stage_boundaries_and_the_pipeline():
                         pp_cuts=("model.layers.9",))
 
 
+def test_the_cuts_beside_a_cut_move_one_boundary_by_one_block_and_keep_the_pinned_ones():
+    # 6 blocks in 3 stages (0 1 | 2 3 4 | 5): each of the two boundaries one block either way, no stage left empty
+    got = cuts.neighbours(((0, 1), (2, 3, 4), (5,)), 6, set())
+    assert got == [((0,), (1, 2, 3, 4), (5,)), ((0, 1, 2), (3, 4), (5,)), ((0, 1), (2, 3), (4, 5))]
+    # a stage pinned to end after block 1 keeps that boundary; one-block stages cannot give a block away
+    assert cuts.neighbours(((0, 1), (2, 3, 4), (5,)), 6, {1}) == [((0, 1), (2, 3), (4, 5))]
+    assert cuts.neighbours(((0,), (1,), (2,)), 3, set()) == []
+
+
 @pytest.mark.parametrize("n", [6, 8])
 @pytest.mark.parametrize("block", ["relu", "gelu"])
 def test_the_proposed_cuts_find_the_best_cut_of_all_under_a_budget(n, block):
