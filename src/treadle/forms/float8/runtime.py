@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import BuildError
-from ...schedule.float8_primitive import Float8Spec, float8_specs
-from .tensor_parallel import tensor_parallel_refusal
+from ...schedule.float8_primitive import Float8Spec, float8_specs, tensor_parallel_refusal
 
 logger = logging.getLogger(__name__)
 
