@@ -4,10 +4,11 @@ cases so that the two test workers share the golden cases."""
 
 import pytest
 
+from golden import make_golden
 from test_golden import check_part
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["gpu llama-3-8b", "gpu llama-2-70b", "gpu gpt2-xl"])
+@pytest.mark.parametrize("part", [p for p in make_golden.PARTS if p.startswith("gpu ")])
 def test_golden_gpu_plans_and_prices_unchanged(part):
     check_part(part)
