@@ -20,8 +20,9 @@ bf16 all-gather); its H100 is taken to be the same part as torchtitan's tables. 
 async-TP table of June 2025, its vanilla-TP column (8B on 64 GPUs, FSDP 8 x TP 8, op SAC; 70B on 256, FSDP 32 x
 TP 8, full AC; compiled; no memory published): TP written as Megatron's split with sequence parallelism
 (`treadle.models.megatron.schedule_llama`), tokens counted once per TP group as torchtitan counts them, float8
-tensorwise under TP with its weights gathered in bf16 (NOTE [float8 under tensor parallelism]; the table does not
-say), its rowwise rows not priced (build refuses rowwise under TP).
+tensorwise under TP with FSDP2's float8 all-gather (NOTE [float8 under tensor parallelism]; the table does not say;
+torchtitan's Llama 3 configuration files turn it on), its rowwise rows not priced (build refuses rowwise under
+TP).
 
 With ``--plan``, each row's configuration is also planned (`plan_model` with the same model, cluster, batch,
 sequence and the device's memory, eager or compiled as the row runs, float8 allowed where the row uses it) and the
@@ -46,7 +47,6 @@ TT = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 ATP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP column"
 AO = "pytorch/ao torchao/float8/README.md, Training benchmarks, NVIDIA H100"
 F8 = ("tensorwise", True)  # torchtitan's float8 of Dec 2024: tensorwise scales, FSDP2's float8 all-gather
-F8_TP = ("tensorwise", False)  # under TP: build gathers a split weight in bf16 (NOTE [float8 under tensor parallelism])
 
 
 class Row(NamedTuple):
@@ -92,16 +92,16 @@ ROWS = [
         ("tensorwise", True), 7689.5, 47.77),
     Row("ao", "same, float8 rowwise, bf16 all-gather", f"{AO} row 3", "1x8:h100-96gb", 8, 1, 8192, "compiled",
         ("rowwise", False), 6768, 47.79),
-    # torchtitan's async-TP table, its vanilla-TP column (no memory published); the float8 rows' all-gather is not
-    # stated there: build gathers a TP-split weight in bf16, so these rows say so
+    # torchtitan's async-TP table, its vanilla-TP column (no memory published); the float8 rows' FSDP2 gather is not
+    # stated there: taken in float8, as torchtitan's Llama 3 configuration files state it
     Row("tp", "Llama 3.1 8B, FSDP 8 x TP 8, op SAC, compile, batch 12", f"{ATP}, 8B row 1", "8x8:h100-96gb", 64, 12,
         8192, "compiled", None, 4378, None, tp=8),
-    Row("tp", "same, float8 tensorwise (bf16 all-gather)", f"{ATP}, 8B row 2", "8x8:h100-96gb", 64, 12, 8192,
-        "compiled", F8_TP, 5078.1, None, tp=8),
+    Row("tp", "same, float8 tensorwise", f"{ATP}, 8B row 2", "8x8:h100-96gb", 64, 12, 8192,
+        "compiled", F8, 5078.1, None, tp=8),
     Row("tp", "Llama 3 70B, FSDP 32 x TP 8, full AC, compile, batch 16", f"{ATP}, 70B row 1", "32x8:h100-96gb", 256,
         16, 8192, "compiled", None, 597.3, None, tp=8, ac="full", model="llama-3-70b"),
-    Row("tp", "same, float8 tensorwise (bf16 all-gather)", f"{ATP}, 70B row 2", "32x8:h100-96gb", 256, 16, 8192,
-        "compiled", F8_TP, 809.8, None, tp=8, ac="full", model="llama-3-70b"),
+    Row("tp", "same, float8 tensorwise", f"{ATP}, 70B row 2", "32x8:h100-96gb", 256, 16, 8192,
+        "compiled", F8, 809.8, None, tp=8, ac="full", model="llama-3-70b"),
 ]
 NOT_PRICED = [
     (f"{TT} Table 2, Table 6", "context parallelism + Float8", "context parallelism"),

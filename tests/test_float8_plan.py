@@ -67,12 +67,11 @@ def _forced(recipe: str, shape: tuple, names: tuple, cluster: str):
 def test_float8_in_the_plan_splits_tensorwise_linears_and_keeps_rowwise_ones_whole():
     """A partial schedule's float8 forces it, and the decision names the block list. Under a tensor axis the
     tensorwise linears may split their weights (here Megatron's column / row split: NOTE [float8 under tensor
-    parallelism]), gathered in bf16 by FSDP2; rowwise ones stay whole there; without a tensor axis FSDP2 gathers
-    tensorwise weights in float8."""
+    parallelism]), gathered in float8 by FSDP2 under ZeRO-3 either way; rowwise ones stay whole there."""
     plan = _forced("tensorwise", (2, 2), ("dp", "tp"), "2x2:h100")
     assert "float8 tensorwise" in plan.roles and "tensor tp" in plan.roles
     f8 = [d for d in plan.decisions if d.op == "float8"]
-    assert [(d.path, d.args) for d in f8] == [("model.layers", {"recipe": "tensorwise", "all_gather": False})]
+    assert [(d.path, d.args) for d in f8] == [("model.layers", {"recipe": "tensorwise", "all_gather": True})]
     split = {(d.path.rpartition(".")[2], d.args["dim"]) for d in plan.decisions
              if d.op == "shard" and d.path in LINEARS and d.args["axis"] == "tp"}
     # attention as Megatron splits it; the MLP's 176 features would leave 88-wide slices, which the float8 kernels

@@ -32,22 +32,25 @@ def _llama(dtype=torch.float32):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape,names,sp,first", [((2,), ("tp",), False, False), ((2,), ("tp",), True, True),
-                                                  ((2, 2), ("dp", "tp"), True, False)],
-                         ids=["tp2", "tp2-sp-float8-first", "dp2xtp2-sp"])
-def test_verify_float8_under_tensor_parallelism_against_the_float8_reference(shape, names, sp, first):
+@pytest.mark.parametrize("shape,names,sp,first,gather", [((2,), ("tp",), False, False, False),
+                                                         ((2,), ("tp",), True, True, False),
+                                                         ((2, 2), ("dp", "tp"), True, False, False),
+                                                         ((2, 2), ("dp", "tp"), True, False, True)],
+                         ids=["tp2", "tp2-sp-float8-first", "dp2xtp2-sp", "zero3-dp2xtp2-sp-float8-gather"])
+def test_verify_float8_under_tensor_parallelism_against_the_float8_reference(shape, names, sp, first, gather):
     """Every output, output gradient, parameter gradient and two optimizer steps of the TP-split float8 model
     against the single-process float8 model, and the float8 model's fidelity to the original; float8 stated before
-    or after the split. The column-parallel leaves' outputs are bit-exact (each element the same float8 product)."""
+    or after the split; under ZeRO-3 with the split weights gathered in float8, their scales set over both axes.
+    The column-parallel leaves' outputs are bit-exact (each element the same float8 product)."""
     from treadle.forms.float8 import FLOAT8_MIN_SQNR_DB
 
     model, inputs = _llama()
     sch = treadle.create_schedule(model, mesh=Mesh(shape, names))
     if first:
         sch["model.layers"].float8()
-    schedule_llama(sch, tp="tp", dp="dp" if "dp" in names else None, sequence_parallel=sp)
+    schedule_llama(sch, tp="tp", dp="dp" if "dp" in names else None, sequence_parallel=sp, zero3=gather)
     if not first:
-        sch["model.layers"].float8()
+        sch["model.layers"].float8(all_gather=gather)
     rep = treadle.verify(sch, inputs)
     assert rep.first_divergence is None and rep.error is None
     assert all(c.diff.ok for c in rep.checks)
@@ -86,6 +89,24 @@ def test_price_records_each_cast_amax_all_reduce_on_the_split_axis():
     assert prices[True].comm_s > prices[False].comm_s
 
 
+def test_price_sets_the_scales_of_split_float8_gathered_weights_before_the_forward():
+    """Under ZeRO-3 with the split weights gathered in float8: the amaxes of all 14 gathered weights all-reduced over
+    dp after the optimizer step (as without TP) and again before the forward, then their scales' minimum over tp
+    (NOTE [float8 under tensor parallelism]), one float32 a weight each, blocking; the weights gathered at a byte."""
+    model, inputs = _llama(torch.bfloat16)
+    sch = treadle.create_schedule(model, mesh=Mesh((2, 2), ("dp", "tp")))
+    schedule_llama(sch, tp="tp", dp="dp", zero3=True)
+    sch["model.layers"].float8(all_gather=True)
+    p = treadle.price(sch, inputs, parse_cluster("2x2:h100"))
+    scales = [(c["axis"], c["phase"], c["nbytes"], c["blocking"]) for c in p.collectives
+              if c["kind"] == "all_reduce" and c["source"] == "fsdp"]
+    assert sorted(scales) == sorted([("dp", "bwd", 4 * 14, True), ("dp", "fwd", 4 * 14, True),
+                                     ("tp", "fwd", 4 * 14, True)])
+    gathers = {c["module"]: c["nbytes"] for c in p.collectives if c["kind"] == "all_gather" and c["axis"] == "dp"}
+    q_local = 64 * 64 // 2  # q_proj's weight, split over tp: its slice gathered over dp at one byte an element
+    assert gathers["model.layers.0"] < 2 * (7 * q_local)  # (every linear's slice in float8, the norms in bf16)
+
+
 def test_float8_under_tensor_parallelism_refusals_name_the_linear_axis_and_sizes():
     model, inputs = _llama()
     sch = treadle.create_schedule(model, mesh=Mesh((2,), ("tp",)))
@@ -94,11 +115,13 @@ def test_float8_under_tensor_parallelism_refusals_name_the_linear_axis_and_sizes
                                             r"axis 'tp' \(dim 0\): recipe 'rowwise' scales per row.*needs recipe "
                                             r"'tensorwise'; or skip it"):
         sch["model.layers"].float8(recipe="rowwise")
-    dp = treadle.create_schedule(_llama()[0], mesh=Mesh((2, 2), ("dp", "tp")))
-    schedule_llama(dp, tp="tp", dp="dp", zero3=True)
-    with pytest.raises(ScheduleError, match="all_gather=True takes the weight's float8 scale over the data-parallel "
-                                            "shards only"):
-        dp["model.layers"].float8(all_gather=True)
+    # a split weight gathered in float8 must sit in a block's FSDP2 unit, where build sets its scale before the gather
+    rooted = treadle.create_schedule(_llama()[0], mesh=Mesh((2, 2), ("dp", "tp")))
+    schedule_llama(rooted, tp="tp", dp="dp", zero3=True)
+    rooted["lm_head"].float8(all_gather=True)
+    with pytest.raises(VerifyError, match=r"float8\(all_gather=True\) linear 'lm_head' is split over a tensor axis "
+                                          r"and sits in FSDP2's root unit"):
+        treadle.verify(rooted, inputs)
     # stated before the split, refused by build
     first = treadle.create_schedule(_llama()[0], mesh=Mesh((2,), ("tp",)))
     first["model.layers"].float8(recipe="rowwise")

@@ -82,16 +82,13 @@ def float8_refusal(m: nn.Linear, users: list[str]) -> str | None:
     return None
 
 
-def tensor_parallel_refusal(recipe: str, all_gather: bool) -> str | None:
-    """Why a float8 linear of `recipe` (gathered in float8 by FSDP2 or not) cannot have its weight split over a mesh
-    axis, or None (NOTE [float8 under tensor parallelism] in
-    `treadle.forms.float8.tensor_parallel`): the one rule the primitive and build refuse by."""
+def tensor_parallel_refusal(recipe: str) -> str | None:
+    """Why a float8 linear of `recipe` cannot have its weight split over a mesh axis, or None (NOTE [float8 under
+    tensor parallelism] in `treadle.forms.float8.tensor_parallel`): the one rule the primitive, build and the
+    planner read."""
     if recipe != "tensorwise":
         return (f"recipe {recipe!r} scales per row, and its rows of the output gradient or of the input run along "
                 f"the split dim; float8 under tensor parallelism needs recipe 'tensorwise'")
-    if all_gather:
-        return ("all_gather=True takes the weight's float8 scale over the data-parallel shards only; state "
-                "all_gather=False for a weight split over a tensor axis")
     return None
 
 
@@ -155,7 +152,7 @@ class Float8Primitive:
                                 f"(e.g. {hint!r})")
         for path, m in linears:
             prior = self._state.param_shards.get(id(m.weight), [])
-            why = tensor_parallel_refusal(recipe, all_gather) if prior else None
+            why = tensor_parallel_refusal(recipe) if prior else None
             if why:
                 raise ScheduleError(f"{where}: linear {path!r}'s weight is split on mesh axis {prior[0].axis!r} (dim "
                                     f"{prior[0].dim}): {why}; or skip it")

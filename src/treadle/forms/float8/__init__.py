@@ -9,7 +9,8 @@ Everything else is here:
 - `runtime.py`  the "pre_shard" build step: each recorded linear becomes torchao's `Float8Linear` (native on CUDA
                 sm_89+, emulated elsewhere), before FSDP2 wraps it; refused with a pipeline;
 - `tensor_parallel.py`  the leaf rule of a float8 linear whose weight a tensor axis splits: each operand cast with
-                its amax over the split axes (NOTE [float8 under tensor parallelism]; tensorwise only);
+                its amax over the split axes, and the scales of such weights FSDP2 gathers in float8 (the
+                "post_hooks" step; NOTE [float8 under tensor parallelism]; tensorwise only);
 - the price: the rehearsed step runs the float8 linears, so their casts and scale reductions are recorded as the
                 ops they are, and each product whose operands hold float8 data is charged at the device's float8
                 peak on the float8 bytes (NOTE [float8 in the price] in `treadle.profile.recorder`); FSDP2
@@ -40,7 +41,7 @@ from ...form import Form
 from ...schedule.float8_primitive import float8_linears
 from . import plan as _plan
 from . import price as _price
-from . import tensor_parallel as _tensor_parallel  # noqa: F401  (registers the float8 linear's leaf rule)
+from .tensor_parallel import install_split_gather_scales  # (and registers the float8 linear's leaf rule)
 from .runtime import convert_linears, float8_specs_built, install_float8, precompute_scales
 
 # (2) of NOTE [what verified means for float8]: e4m3 keeps 3 mantissa bits, a relative rounding error of at most
@@ -78,5 +79,5 @@ class Float8Form(Form):
 
 
 FORM = Float8Form()
-BUILD_STEPS = {"pre_shard": install_float8}
+BUILD_STEPS = {"pre_shard": install_float8, "post_hooks": install_split_gather_scales}
 __all__ = ["FORM", "BUILD_STEPS", "convert_linears", "FLOAT8_MIN_SQNR_DB", "FLOAT8_STEP_RTOL"]

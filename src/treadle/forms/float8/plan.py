@@ -9,7 +9,7 @@ float8 (its terms are the same with and without it), and the price of the plans 
 (`treadle.planner.candidates.priced_candidates`: the best plans with and without float8 are both priced). Under the
 role, a converted linear's ops on a tensor axis either stay replicated or split its weight (column or row parallel:
 the tensorwise recipe only, NOTE [float8 under tensor parallelism]); never its tokens alone, whose amaxes build
-does not reduce. FSDP2 gathers the weights in float8 only where no tensor axis runs (`tensor_parallel_refusal`)."""
+does not reduce (`tensor_parallel_refusal`)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def keep_strategy(b, n, spec, combo: tuple) -> bool:
         return True
     if not _inside(n.module, _linears(b.g.facts)):
         return True
-    split_ok = tensor_parallel_refusal(b.roles.float8, False) is None
+    split_ok = tensor_parallel_refusal(b.roles.float8) is None
     return all(_replicated(o) or (split_ok and _splits_weight(b.g.nodes, n, o, k))
                for o, k in zip(combo, b.tp_sizes))
 
@@ -110,15 +110,13 @@ def _inside(module: str, linears: dict[str, str]) -> bool:
 
 def decisions(cg, choice, ckpt, ctx) -> list:
     """``float8(recipe=, all_gather=, skip=[...])`` on each block list that holds a converted linear: FSDP2 gathers the
-    weights in float8 under ZeRO-3 with the tensorwise recipe and no tensor axis; skip names the list's other
-    linears."""
+    weights in float8 under ZeRO-3 with the tensorwise recipe; skip names the list's other linears."""
     recipe = cg.roles.float8
     if recipe is None:
         return []
     facts = cg.graph.facts.get("float8") or {}
     mesh = cg.cluster.mesh
-    tensor = any(mesh.size(a) > 1 for a in cg.roles.tp)  # a weight may be split: gathered in bf16
-    gather = (cg.roles.zero and recipe == "tensorwise" and not tensor
+    gather = (cg.roles.zero and recipe == "tensorwise"
               and math.prod(mesh.size(a) for a in cg.roles.shard_axes) > 1)
     out = []
     for lists in sorted(set(facts.get("linears", {}).values())):

@@ -72,7 +72,7 @@ def convert_linears(model: nn.Module, view: Any, *, device: torch.device, fsdp: 
                 raise BuildError(f"{where}: float8 at {path or '<model>'!r} names linear {lin!r}, now a "
                                  f"{type(mod).__name__}; state float8 after replacing it")
             split = (shards or {}).get(id(mod.weight))
-            why = tensor_parallel_refusal(spec.recipe, spec.all_gather) if split else None
+            why = tensor_parallel_refusal(spec.recipe) if split else None
             if why:
                 raise BuildError(f"{where}: linear {lin!r} is float8 and its weight is split over mesh axis "
                                  f"{split[0].axis!r}: {why} (NOTE [float8 under tensor parallelism])")

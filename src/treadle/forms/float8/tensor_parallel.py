@@ -20,10 +20,17 @@ under tensor parallelism: NOTE [what verified means for float8]).
 Two all-reduces of one scalar per leaf forward and three per backward: latency-bound collectives on the leaf's
 axes, which the price records as it records every c10d op.
 
+A split weight that FSDP2 gathers in float8 (``all_gather=True``) arrives at the leaf already cast, with the scale
+torchao's gather took; torchao takes it over the data-parallel shards only (its amax over FSDP2's mesh). So build
+sets those scales itself, before every forward (`split_gather_scales`, a pre-hook on the model that runs before the
+first unit gathers): the amaxes over FSDP2's shards (torchao's `precompute_float8_dynamic_scale_for_fsdp`, one
+all-reduce), then each scale's minimum over the weight's split axes (the scale falls as the amax grows, so that is
+the scale of the whole weight's amax, exactly), one all-reduce per set of axes. Every gather of the step (the
+forward's, a recomputation's, the backward's) uses them, as the single-process model casts its weight once a step.
+
 Refused (BuildError, and by the primitive when it is stated after the split): the rowwise recipes, whose per-row
 scales of the output gradient (column-parallel) or of the input (row-parallel) run along the split dim and are cast
-twice with different axes inside torchao's backward; and ``all_gather=True`` on a split weight, whose float8 gather
-under FSDP2 takes its scale from the data-parallel shards only.
+twice with different axes inside torchao's backward.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch import nn
 from ...errors import BuildError
 from ...schedule.float8_primitive import FLOAT8_ALIGN, tensor_parallel_refusal
 from ...schedule.state import ParamShard
+from ...schedule.tree import within
 from ...sharding_rules import LeafPlan, register_leaf_rule
 from ..tensor.leaf_rules import matmul_plan
 
@@ -59,6 +67,13 @@ def _cast(x: torch.Tensor, dtype: torch.dtype, mm_config: Any, role: Any, groups
     return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
 
 
+def _is_float8(t: torch.Tensor) -> bool:
+    """A weight FSDP2 gathered in float8 (torchao's cast already made, with the scale `split_gather_scales` set)."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+    return tensor_already_casted_to_fp8(t)
+
+
 class _Float8ProductOnShards(torch.autograd.Function):
     """torchao's tensorwise float8 product (`matmul_with_hp_or_float8_args`: the same casts of the same operands,
     the same products, the high-precision operands saved for the backward and cast again there), with every cast's
@@ -73,7 +88,7 @@ class _Float8ProductOnShards(torch.autograd.Function):
         c, mm = m.config, m.linear_mm_config
         p2 = c.round_scales_to_power_of_2
         x8 = _cast(x, c.cast_config_input.target_dtype, mm, R.INPUT, groups, p2)
-        w8_t = _cast(w_t, c.cast_config_weight.target_dtype, mm, R.WEIGHT, groups, p2)
+        w8_t = w_t if _is_float8(w_t) else _cast(w_t, c.cast_config_weight.target_dtype, mm, R.WEIGHT, groups, p2)
         y = torch.mm(x8.reshape(-1, x.shape[-1]), w8_t)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -86,7 +101,8 @@ class _Float8ProductOnShards(torch.autograd.Function):
         p2 = c.round_scales_to_power_of_2
         g = gy.reshape(-1, gy.shape[-1])
         g8 = _cast(g, c.cast_config_grad_output.target_dtype, mm, R.GRAD_OUTPUT, groups, p2)
-        w8_t = _cast(w_t, c.cast_config_weight_for_grad_input.target_dtype, mm, R.WEIGHT, groups, p2)
+        w8_t = w_t if _is_float8(w_t) else _cast(w_t, c.cast_config_weight_for_grad_input.target_dtype, mm, R.WEIGHT,
+                                                 groups, p2)
         gx = torch.mm(g8, w8_t.t()).reshape(*gy.shape[:-1], w_t.shape[0])
         gw_dtype = c.cast_config_grad_output_for_grad_weight.target_dtype
         g8_w = g8 if gw_dtype == c.cast_config_grad_output.target_dtype else _cast(g, gw_dtype, mm, R.GRAD_OUTPUT,
@@ -119,7 +135,7 @@ def _float8_linear_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamS
     if any(cc.scaling_granularity is not ScalingGranularity.TENSORWISE for cc in casts):
         raise BuildError(f"build: {path!r} is a float8 linear split over mesh axis "
                          f"{[s.axis for s in shards.get('weight', [])]}: "
-                         f"{tensor_parallel_refusal('rowwise', False)}")
+                         f"{tensor_parallel_refusal('rowwise')}")
     plan = matmul_plan(path, mod, shards, out_dim=0, in_dim=1, compute=None)
     split = shards.get("weight", [])
     use_bias = not plan.row_axes
@@ -137,3 +153,50 @@ def _float8_linear_rule(path: str, mod: nn.Module, shards: dict[str, list[ParamS
 
     plan.bind = bind
     return plan
+
+
+def split_gather_scales(model: nn.Module, split: list[tuple[nn.Module, list]]) -> None:
+    """The scales of the float8-gathered weights (NOTE [float8 under tensor parallelism]): torchao's over FSDP2's
+    shards, then, for each weight in `split` ((its float8 linear, the groups of the axes its weight is split on)),
+    the minimum over those groups: the scale of the whole weight's amax."""
+    from .runtime import precompute_scales
+
+    precompute_scales(model)
+    by_groups: dict[tuple, list[nn.Module]] = {}
+    for m, groups in split:
+        by_groups.setdefault(tuple(groups), []).append(m)
+    with torch.no_grad():
+        for groups, mods in by_groups.items():
+            scales = torch.stack([m.weight._local_tensor._precomputed_scale for m in mods])
+            for g in groups:
+                if dist.get_world_size(g) > 1:
+                    dist.all_reduce(scales, op=dist.ReduceOp.MIN, group=g)
+            for m, sc in zip(mods, scales):
+                m.weight._local_tensor._precomputed_scale = sc
+
+
+def install_split_gather_scales(builder) -> None:
+    """The "post_hooks" build step: where FSDP2 will gather a split float8 weight in float8, a forward pre-hook on the
+    model sets every such weight's scale before the first unit gathers (NOTE [float8 under tensor parallelism])."""
+    from ...schedule.float8_primitive import float8_linears
+
+    lin = {p: spec for p, spec in float8_linears(builder.v.extras).items() if spec.all_gather}
+    split = []
+    for path, m in builder.model.named_modules():
+        shards = builder.param_shards.get(id(m.weight), []) if path in lin else []
+        if shards:
+            split.append((m, [builder.group(s.axis) for s in shards]))
+    if not split or not builder.wrap:
+        return
+    from ..data.facts import fsdp_units
+
+    units = fsdp_units(builder.model)
+    rooted = [p for p, m in builder.model.named_modules() if any(m is x for x, _ in split)
+              and next(u for u in units if within(p, u)) == ""]
+    if rooted:
+        raise BuildError(f"build: float8(all_gather=True) linear {rooted[0]!r} is split over a tensor axis and sits "
+                         f"in FSDP2's root unit, which gathers before build can set its float8 scale (NOTE [float8 "
+                         f"under tensor parallelism]); state all_gather=False for it or keep it inside the blocks")
+    # prepended: before every hook registered so far; FSDP2's own root hook, registered at "wrap", runs first and
+    # gathers only the root's own parameters (no float8 linear is outside the blocks' units)
+    builder.model.register_forward_pre_hook(lambda mod, args: split_gather_scales(mod, split), prepend=True)
