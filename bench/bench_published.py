@@ -1,9 +1,9 @@
 """Predicted against published: torchtitan's Llama 3 runs on H100, written as treadle schedules and priced.
 
 Issue 28's bench. Each row is one published configuration, with its file and table, written as a treadle schedule
-of the same model (`treadle.models.zoo` "llama-3-8b" / "llama-3-70b": Llama 3.1's shapes; bf16 parameters with fp32 master
-weights and AdamW states, as FSDP2's mixed precision keeps them), the same mesh, local batch and sequence, and the
-same activation checkpointing (torchtitan's default for these runs, op-level selective AC:
+of the same model (`treadle.models.zoo` "llama-3-8b" / "llama-3-70b": Llama 3.1's shapes; bf16 parameters with
+fp32 master weights and AdamW states, as FSDP2's mixed precision keeps them), the same mesh, local batch and
+sequence, and the same activation checkpointing (torchtitan's default for these runs, op-level selective AC:
 ``checkpoint_every(1, policy="alternate-matmuls")``, NOTE [checkpoint policies as peers define them]), eager or
 compiled as published (``execution="compiled"``: NOTE [compiled step]). The device is the one torchtitan measured
 on (preset ``h100-hbm2e-500w``: 96 GB HBM2e at 2.4 TB/s, 500 W; NVLink inside a host, 400 Gb/s RDMA across). One
@@ -28,7 +28,8 @@ With ``--plan``, each row's configuration is also planned (`plan_model` with the
 sequence and the device's memory, eager or compiled as the row runs, float8 allowed where the row uses it) and the
 plan's price is set beside the recipe's (target: the plan predicted at least as fast). Writes bench/results/bench_published.json.
 
-    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao tp] [--plan [--checkpoint-policy alternate-matmuls]]
+    .venv/bin/python bench/bench_published.py [--rows 8gpu 128gpu ao tp]
+        [--plan [--checkpoint-policy alternate-matmuls]]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Float8 and the execution mode in the planner (NOTE [execution and float8 in the plan]): float8 weighed by the price
 of the plans as built, with and without it; a compiled plan priced and stated as compiled; a partial schedule's
-float8 forcing it; the float8 linears split over a tensor axis (tensorwise) or whole (rowwise); the plan file; a planned float8 schedule verified
-on gloo (data- and tensor-parallel); the refusals."""
+float8 forcing it; the float8 linears split over a tensor axis (tensorwise) or whole (rowwise); the plan file; a
+planned float8 schedule verified on gloo (data- and tensor-parallel); the refusals."""
 
 from __future__ import annotations
 
