@@ -107,7 +107,8 @@ def test_registrations_load_on_first_use_whichever_module_comes_first():
     assert lines[0] == "['tensor', 'sequence', 'vocab', 'data', 'pipeline', 'expert', 'float8']"
     assert lines[1] == ("{'pre_materialize': ['_sync_decomposed', 'capture_root'], "
                         "'pre_shard': ['install_float8', 'slice_running_stats', 'plan_experts'], "
-                        "'post_hooks': ['_selective'], 'wrap': ['wrap_pipeline', 'wrap_data_parallel']}")
+                        "'post_hooks': ['_selective', 'install_split_gather_scales'], 'wrap': ['wrap_pipeline', "
+                        "'wrap_data_parallel']}")
     assert lines[2] == "True" and "c_fc" in lines[3] and "shard" in lines[3], lines
     assert lines[4] == "True True Shard"
 
