@@ -183,7 +183,10 @@ def rehearse(sch, example_inputs: dict, hw, loss_fn, *, gpu: bool = False, unpip
             reh = _rehearse_all(built, inputs, hw, loss_fn, axis_of_group, gpu, sac_regions(v2), watch, flows)
         records, coll, saved_in, flow_list, out_bytes = reh
     ckpts = tuple(sorted(regions, key=lambda p: -p.count(".")))
-    return Rehearsal(records, coll, built, saved_in, mesh, v2, inputs, ckpts, out_bytes, flow_list, sac_regions(v2))
+    # the view as built: its parameter tables follow the parameters build replaced (`Schedule.rebind_param`); the
+    # view taken before build keys them by the replaced ones, which a built model's parameters may reuse by chance
+    return Rehearsal(records, coll, built, saved_in, mesh, sch2.view(), inputs, ckpts, out_bytes, flow_list,
+                     sac_regions(v2))
 
 
 def _watching(model: nn.Module, paths: tuple[str, ...], out: dict[str, int]) -> list:

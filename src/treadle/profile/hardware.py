@@ -306,9 +306,8 @@ def calibrate_cpu(*, matmul_n: int = 1024, copy_bytes: int = 64 * 2**20, reps: i
     (`treadle.profile.overheads`, ~5 s more: NOTE [calibration repeats]), and with `kernels` the kernel rates of
     NOTE [kernel rates] (`treadle.profile.kernel_rates`, ~1.5 s: matmul efficiency by size, fused attention,
     arithmetic-bound pointwise ops; the products on operands out of the private caches: NOTE [operands as a step
-    holds them]); the
-    framework overheads it cannot measure here (the DTensor and FSDP2 probes inside an initialised process group)
-    keep `CPU_CORE`'s nominal values, and `source` says which.
+    holds them]); the framework overheads it cannot measure here (the DTensor and FSDP2 probes inside an
+    initialised process group) keep `CPU_CORE`'s nominal values, and `source` says which.
     """
     from . import kernel_rates as kr
     from . import overheads as ov

@@ -38,10 +38,10 @@ def price_step(ctx) -> PriceTerms | None:
                           "", phase, after, blocking=True, source="fsdp", link=link)
 
     colls = [all_reduce(tuple(dp.shard_axes), len(gathered), "bwd", len(ctx.segments))]
+    shards = reh.view.shards_by_name()
     split: dict[tuple[str, ...], int] = {}
-    for lin in gathered:  # from the schedule's records: the rehearsal's model may hold only some blocks
-        axes = tuple(r.args["axis"] for r in reh.view.records if r.op == "shard" and r.path == lin
-                     and "weight" in ([r.args["*"]] if isinstance(r.args["*"], str) else r.args["*"]))
+    for lin in gathered:
+        axes = tuple(s.axis for s in shards.get(f"{lin}.weight", ()))
         if axes:
             split[axes] = split.get(axes, 0) + 1
     if split:

@@ -226,6 +226,11 @@ def _stage_in_flight(lay: _Layout) -> list[int]:
     return k
 
 
+def pinned_ends(cg, lay: _Layout) -> set[int]:
+    """The block positions after which a stage must end (`Roles.pp_cuts`, the boundaries a partial schedule pins)."""
+    return {i for i, (path, _) in enumerate(lay.blocks) if path in cg.roles.pp_cuts}
+
+
 def neighbours(stages: tuple, n: int, pinned: set[int]) -> list[tuple[tuple[int, ...], ...]]:
     """The cuts of blocks 0..n-1 that move one boundary of `stages` (contiguous, in block order) by one block, every
     stage kept non-empty and every pinned boundary kept (a stage ends after each block position in `pinned`)."""
@@ -259,7 +264,7 @@ def partitions(cg, lay: _Layout, budget_bytes: float | None = None) -> list[tupl
     if bad:
         raise PlanError(f"pipeline: pinned stage boundary {bad[0]!r} is not a block of the container that can end a "
                         f"stage (blocks {lay.blocks[0][0]} .. {lay.blocks[-1][0]}, the last excepted)")
-    pinned = {where[c] for c in cg.roles.pp_cuts}  # a stage ends after each of these blocks
+    pinned = pinned_ends(cg, lay)
     # each stage's cost of blocks i..j-1 as an (n+1) x (n+1) matrix [i, j] (prefix sums: j > i is what is read)
     time_w = _prefix([per[t] for _, t in lay.blocks])
     span_s = time_w[None, :] - time_w[:, None]

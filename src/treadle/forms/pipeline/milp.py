@@ -15,7 +15,8 @@ from ...planner.ilp import (_BYTES, _SECONDS, Solution, _block_exprs, _Model, ad
                             add_one_strategy, add_strategy_vars, as_var, block_bounds, checkpoint_vars)
 from ...planner.grad_live import working_of, working_terms
 from ...planner.policies import counts_of, offered, pick
-from .cuts import PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, neighbours, partitions
+from .cuts import (PipelineChoice, _cut, _Cut, _layout, _Layout, _step_time, _tail_time, neighbours, partitions,
+                   pinned_ends)
 from .floors import (_FLOOR_TOL, _memory_floor_of_cut, _memory_mins, _objective_floor, _recompute_floor,
                      _role_floor, _unit_mins, coupled_mins, stage_constants, template_mins)
 from .conflicts import SPLIT_BACKWARD
@@ -421,8 +422,8 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
         cut = _cut(cg, lay, stages)
         bound = cutoff_s  # and below this role assignment's best cut so far (a neighbour: level with it)
         if best is not None and minimise == "time":
-            level = best.step_s * (1 + _LEVEL) if level else best.step_s
-            bound = level if bound is None else min(bound, level)
+            ceiling = best.step_s * (1 + _LEVEL) if level else best.step_s
+            bound = ceiling if bound is None else min(bound, ceiling)
         rec = None  # NOTE [the recomputation a budget forces]
         if mem is not None:
             if _memory_floor_of_cut(cg, lay, cut, mem) > budget_bytes * (1 + 1e-9):
@@ -479,10 +480,9 @@ def solve(cg, *, budget_bytes, checkpoint: bool, time_limit_s: float, rel_gap: f
                 best, best_cut = sol, (kind, lay, stages)
     # NOTE [cuts beside the proposed ones]: from the best cut, its neighbours, a plateau walked as far as it is level
     frontier, tries = [best_cut] if best is not None and minimise == "time" else [], 0
-    while frontier:
+    while frontier and tries < _NEIGHBOUR_TRIES:
         kind, lay, stages = frontier.pop(0)
-        pinned = {i for i, (path, _) in enumerate(lay.blocks) if path in cg.roles.pp_cuts}
-        for near in neighbours(stages, len(lay.blocks), pinned):
+        for near in neighbours(stages, len(lay.blocks), pinned_ends(cg, lay)):
             if (kind, near) in walked or tries >= _NEIGHBOUR_TRIES:
                 continue
             walked.add((kind, near))

@@ -47,5 +47,3 @@ def solve_exhaustive(cg, stages, *, budget_bytes: float | None, schedule: str = 
                 best = Solution(list(choice), {}, step, peak, "optimal", 0.0, 0.0, terms=_scalars(terms),
                                 stages=_choice_of(cg, lay, cut, counts, terms, pcounts))
     return best or Solution([], {}, math.inf, math.inf, "infeasible", math.inf, 0.0)
-
-
